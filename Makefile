@@ -1,0 +1,45 @@
+# One entry point for humans and CI. `make demo` and `make test` work on a fresh clone.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.afl-installed
+# torch is pinned to the build this workplace serves from local disk (design §2).
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: venv install demo test test-all lint typecheck proto proto-check clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q $(TORCH_PINS)
+	$(BIN)/pip install -q -e '.[client,dp,dev]' --config-settings editable_mode=strict
+	touch $@
+
+# Strict editable installs link each file: re-link so new modules are importable and visible to mypy.
+install: $(STAMP)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+
+demo: install
+	$(BIN)/afl demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/check_proto_drift.sh
+
+proto: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gen_proto.sh
+
+typecheck: install
+	$(BIN)/mypy core crypto client server lab tests
+
+test: lint typecheck
+	$(BIN)/pytest -m "not slow" -q
+
+test-all: lint typecheck
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The hospital side: site data, feature extraction and the afl-client daemon."""

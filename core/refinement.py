@@ -1,0 +1,115 @@
+"""Round 2: analytic pseudo-label refinement (paper eq. 16-22).
+
+Client k scores each *missing* class c with ``p = σ(H_k w_c⁽¹⁾)`` (eq. 16), keeps confident rows
+as pseudo-positives (``p > τ``) or pseudo-negatives (``p < 1-τ``) with balanced weights
+``+1/N_pp``, ``-1/N_pn`` (eq. 17), and contributes ``b_pseudo = H_kᵀ y_pseudo`` (eq. 19) only if
+``N_pp ≥ δ+`` and ``N_pn ≥ δ-`` (eq. 18). Streaming as in round 1: sums and counts, normalised
+at the end.
+
+The server solves with the GLOBAL Gram (eq. 20) ``A = Σ_{all k} G_k + γI`` and
+``b_c = Σ_{S_c} b_{k,c} + α Σ_{P_c} b_pseudo_{k,c}`` (eq. 21), ``w_c = A⁻¹ b_c`` (eq. 22).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.linalg import cho_solve
+from scipy.special import expit
+
+from afl.core.aggregation import AggregationError, factor_regularised
+from afl.core.labels import LabelError
+
+
+@dataclass(frozen=True)
+class RefinementParams:
+    """Paper Table IV defaults."""
+
+    tau: float = 0.7
+    alpha: float = 0.5
+    delta_pos: int = 5
+    delta_neg: int = 50
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.tau < 1.0:
+            raise ValueError(f"τ must lie in [0.5, 1), got {self.tau}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"α must lie in [0, 1], got {self.alpha}")
+        if self.delta_pos < 1 or self.delta_neg < 1:
+            raise ValueError("δ+ and δ- must be at least 1")
+
+
+@dataclass(frozen=True)
+class PseudoStats:
+    """A client's round-2 upload: pseudo-label projections for its missing classes."""
+
+    b: NDArray[np.float64]  # (d, C), zero where not contributing
+    contributes: NDArray[np.bool_]  # (C,)
+    n_pseudo_pos: NDArray[np.int64]
+    n_pseudo_neg: NDArray[np.int64]
+
+
+def pseudo_label_projection(
+    features: NDArray[np.floating],
+    *,
+    weights: NDArray[np.float64],
+    missing: NDArray[np.bool_],
+    params: RefinementParams,
+    batch_size: int = 4096,
+) -> PseudoStats:
+    """Eq. 16-19 for one client, streamed over row blocks of a (memory-mapped) feature matrix."""
+    d, num_classes = weights.shape
+    missing = np.asarray(missing, dtype=bool)
+    if features.ndim != 2 or features.shape[1] != d:
+        raise ValueError(f"features must be (n, {d}), got {features.shape}")
+    if missing.shape != (num_classes,):
+        raise LabelError(f"missing mask must have shape ({num_classes},), got {missing.shape}")
+    cols = np.flatnonzero(missing)
+    pos_sum = np.zeros((d, cols.size))
+    neg_sum = np.zeros((d, cols.size))
+    n_pp = np.zeros(cols.size, dtype=np.int64)
+    n_pn = np.zeros(cols.size, dtype=np.int64)
+    for start in range(0, features.shape[0], batch_size):
+        h = np.asarray(features[start : start + batch_size], dtype=np.float64)
+        prob = expit(h @ weights[:, cols])
+        pp = (prob > params.tau).astype(np.float64)
+        pn = (prob < 1.0 - params.tau).astype(np.float64)
+        pos_sum += h.T @ pp
+        neg_sum += h.T @ pn
+        n_pp += pp.sum(axis=0).astype(np.int64)
+        n_pn += pn.sum(axis=0).astype(np.int64)
+    ok = (n_pp >= params.delta_pos) & (n_pn >= params.delta_neg)
+    inv_pp = np.divide(1.0, n_pp, out=np.zeros(cols.size), where=ok)
+    inv_pn = np.divide(1.0, n_pn, out=np.zeros(cols.size), where=ok)
+    b = np.zeros((d, num_classes))
+    b[:, cols] = pos_sum * inv_pp - neg_sum * inv_pn
+    contributes = np.zeros(num_classes, dtype=bool)
+    contributes[cols] = ok
+    full_pp = np.zeros(num_classes, dtype=np.int64)
+    full_pn = np.zeros(num_classes, dtype=np.int64)
+    full_pp[cols] = n_pp
+    full_pn[cols] = n_pn
+    return PseudoStats(b, contributes, full_pp, full_pn)
+
+
+def solve_round2(
+    *,
+    gram_total: NDArray[np.float64],
+    b_real: NDArray[np.float64],
+    b_pseudo: NDArray[np.float64],
+    alpha: float,
+    gamma: float,
+) -> NDArray[np.float64]:
+    """Eq. 20-22: one factorisation of the global Gram, all classes as right-hand sides.
+
+    ``b_real`` holds Σ_{S_c} b_{k,c} per class, ``b_pseudo`` holds Σ_{P_c} b_pseudo_{k,c}.
+    """
+    if b_real.shape != b_pseudo.shape or gram_total.shape != (b_real.shape[0],) * 2:
+        raise AggregationError(
+            f"shape mismatch: Gram {gram_total.shape}, b {b_real.shape}, b_pseudo {b_pseudo.shape}"
+        )
+    factor = factor_regularised(np.asarray(gram_total, dtype=np.float64), gamma)
+    solved: NDArray[np.float64] = cho_solve(factor, b_real + alpha * b_pseudo, check_finite=True)
+    return solved

@@ -1,0 +1,52 @@
+"""Canonical, injective byte encoding of field tuples, used for signatures, HKDF info and AEAD
+associated data (design §6: domain separation).
+
+Encoding of a tuple (f_1, ..., f_m):
+
+    u32be(m) || for each field: tag (1 byte) || u64be(len(payload)) || payload
+
+with tag ``b"B"`` for bytes (payload as is), ``b"S"`` for str (UTF-8) and ``b"I"`` for int
+(minimal signed big-endian two's complement). Every field is length-prefixed and typed, so two
+different tuples never encode to the same bytes (e.g. ("ab", "c") vs ("a", "bc"), or "1" vs 1).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+__all__ = ["PROTOCOL_VERSION", "Field", "canonical_encode"]
+
+#: Protocol version string bound into every HKDF info, signature and AEAD associated data.
+PROTOCOL_VERSION = "afl-secagg/1"
+
+Field = bytes | str | int
+
+
+def _int_payload(value: int) -> bytes:
+    length = (value + (value < 0)).bit_length() // 8 + 1
+    return value.to_bytes(length, "big", signed=True)
+
+
+def canonical_encode(fields: Sequence[Field]) -> bytes:
+    """Encode ``fields`` injectively as described in the module docstring.
+
+    Raises:
+        TypeError: a field is not bytes, str or int (bool is rejected as ambiguous).
+    """
+    if isinstance(fields, bytes | str):
+        raise TypeError("fields must be a sequence of fields, not a single bytes/str value")
+    parts: list[bytes] = [struct.pack(">I", len(fields))]
+    for i, field in enumerate(fields):
+        if isinstance(field, bool):
+            raise TypeError(f"field {i}: bool is not a canonical field type; use int or str")
+        if isinstance(field, bytes):
+            tag, payload = b"B", field
+        elif isinstance(field, str):
+            tag, payload = b"S", field.encode("utf-8")
+        elif isinstance(field, int):
+            tag, payload = b"I", _int_payload(field)
+        else:
+            raise TypeError(f"field {i}: expected bytes, str or int, got {type(field).__name__}")
+        parts.append(tag + struct.pack(">Q", len(payload)) + payload)
+    return b"".join(parts)

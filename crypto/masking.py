@@ -1,0 +1,214 @@
+"""Pairwise and self masks in Z_{2^64} for one release (Bonawitz et al. CCS'17; design §6).
+
+For a release R with member set M (its cohort) and vector length n, site i uploads
+
+    y_i = x_i + p_i + PRG(b_i; R)  (mod 2^64),
+    p_i = Σ_{j∈M, j>i} PRG(s_ij; R) - Σ_{j∈M, j<i} PRG(s_ij; R),
+
+with x_i the fixed-point encoding, s_ij = s_ji the pairwise seed and b_i the self-mask seed.
+Ids are ordered as Python strings. The pairwise masks cancel in Σ_{i∈M} y_i, so
+
+    Σ_i x_i = Σ_i y_i - Σ_i PRG(b_i; R)  (mod 2^64)
+
+when every member uploads. If members D drop out after the masks were fixed, the survivors' masks
+with them do not cancel; the server reconstructs the dropped sites' pairwise seeds and subtracts
+(:func:`dropout_correction`). Every PRG stream is bound to (protocol version, round id, release,
+purpose) via the PRG context, so one seed yields unrelated masks for different releases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.crypto.canonical import PROTOCOL_VERSION, Field
+from afl.crypto.errors import MaskingError
+from afl.crypto.prg import check_seed, expand_seed
+
+__all__ = [
+    "dropout_correction",
+    "mask_input",
+    "pairwise_mask",
+    "ring_sum",
+    "self_mask",
+    "unmask_sum",
+]
+
+U64 = NDArray[np.uint64]
+
+
+def _context(round_id: str, release: str, purpose: str) -> tuple[Field, ...]:
+    for name, value in (("round_id", round_id), ("release", release)):
+        if not isinstance(value, str) or not value:
+            raise MaskingError(f"{name} must be a non-empty str")
+    return (PROTOCOL_VERSION, "mask", purpose, round_id, release)
+
+
+def _check_length(length: int) -> int:
+    if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0:
+        raise MaskingError(f"length must be an int >= 0, got {length!r}")
+    return int(length)
+
+
+def _check_members(my_id: str, members: Sequence[str]) -> None:
+    if len(set(members)) != len(members):
+        raise MaskingError("release member list has duplicate ids")
+    if my_id not in members:
+        raise MaskingError(f"site {my_id!r} is not a member of this release")
+
+
+def ring_sum(arrays: Iterable[U64], *, length: int) -> U64:
+    """Σ arrays mod 2^64 (uint64 wrapping addition); zeros(length) for an empty iterable."""
+    total = np.zeros(_check_length(length), dtype=np.uint64)
+    for a in arrays:
+        arr = np.asarray(a)
+        if arr.dtype != np.uint64 or arr.shape != total.shape:
+            raise MaskingError(f"expected uint64 vectors of shape {total.shape}")
+        np.add(total, arr, out=total)
+    return total
+
+
+def pairwise_mask(
+    *,
+    my_id: str,
+    members: Sequence[str],
+    pairwise_seeds: Mapping[str, bytes],
+    length: int,
+    round_id: str,
+    release: str,
+) -> U64:
+    """p_i = Σ_{j>i} PRG(s_ij) - Σ_{j<i} PRG(s_ij) over the release's other members (mod 2^64).
+
+    ``pairwise_seeds`` maps peer id → s_ij; seeds of non-members are ignored, a missing member
+    seed raises :class:`MaskingError`.
+    """
+    n = _check_length(length)
+    _check_members(my_id, members)
+    ctx = _context(round_id, release, "pairwise")
+    total = np.zeros(n, dtype=np.uint64)
+    for peer in members:
+        if peer == my_id:
+            continue
+        if peer not in pairwise_seeds:
+            raise MaskingError(f"no pairwise seed with release member {peer!r}")
+        stream = expand_seed(
+            check_seed(pairwise_seeds[peer], what="pairwise seed"), n_words=n, context=ctx
+        )
+        if peer > my_id:
+            np.add(total, stream, out=total)
+        else:
+            np.subtract(total, stream, out=total)
+    return total
+
+
+def self_mask(*, self_seed: bytes, length: int, round_id: str, release: str) -> U64:
+    """PRG(b_i; R): the self mask of one site for one release."""
+    check_seed(self_seed, what="self-mask seed")
+    return expand_seed(
+        self_seed, n_words=_check_length(length), context=_context(round_id, release, "self")
+    )
+
+
+def mask_input(
+    *,
+    encoded: U64,
+    my_id: str,
+    members: Sequence[str],
+    pairwise_seeds: Mapping[str, bytes],
+    self_seed: bytes,
+    round_id: str,
+    release: str,
+) -> U64:
+    """y_i = x_i + p_i + PRG(b_i) (mod 2^64) for a flat uint64 encoding x_i."""
+    x = np.asarray(encoded)
+    if x.dtype != np.uint64 or x.ndim != 1:
+        raise MaskingError("encoded input must be a 1-D uint64 vector (flatten blocks first)")
+    n = x.shape[0]
+    p = pairwise_mask(
+        my_id=my_id,
+        members=members,
+        pairwise_seeds=pairwise_seeds,
+        length=n,
+        round_id=round_id,
+        release=release,
+    )
+    s = self_mask(self_seed=self_seed, length=n, round_id=round_id, release=release)
+    return ring_sum([x, p, s], length=n)
+
+
+def dropout_correction(
+    *,
+    dropped_id: str,
+    survivors: Sequence[str],
+    dropped_seeds: Mapping[str, bytes],
+    length: int,
+    round_id: str,
+    release: str,
+) -> U64:
+    """Σ_{i∈survivors} (survivor i's mask term with dropped site d) (mod 2^64).
+
+    Survivor i added +PRG(s_id) if d > i and -PRG(s_id) if d < i; this sum equals the negated
+    pairwise mask of d restricted to the survivors. ``dropped_seeds`` maps survivor id → s_id
+    (the server recomputes them from d's reconstructed key).
+    """
+    if dropped_id in survivors:
+        raise MaskingError(f"site {dropped_id!r} cannot be both dropped and a survivor")
+    p_d = pairwise_mask(
+        my_id=dropped_id,
+        members=[*survivors, dropped_id],
+        pairwise_seeds=dropped_seeds,
+        length=length,
+        round_id=round_id,
+        release=release,
+    )
+    return np.subtract(np.zeros_like(p_d), p_d)
+
+
+def unmask_sum(
+    *,
+    masked_inputs: Mapping[str, U64],
+    members: Sequence[str],
+    self_seeds: Mapping[str, bytes],
+    dropped_pairwise_seeds: Mapping[str, Mapping[str, bytes]],
+    length: int,
+    round_id: str,
+    release: str,
+) -> U64:
+    """Σ_{i∈survivors} x_i from survivors' uploads y_i (mod 2^64).
+
+    survivors = keys of ``masked_inputs``; dropped = members - survivors. Needs each survivor's
+    self-mask seed b_i and, for each dropped site d, its pairwise seeds with every survivor.
+    Raises :class:`MaskingError` if an input or seed is missing or a non-member uploaded.
+    """
+    n = _check_length(length)
+    if len(set(members)) != len(members):
+        raise MaskingError("release member list has duplicate ids")
+    survivors = [m for m in members if m in masked_inputs]
+    strangers = set(masked_inputs) - set(members)
+    if strangers:
+        raise MaskingError(f"uploads from non-members of the release: {sorted(strangers)}")
+    dropped = [m for m in members if m not in masked_inputs]
+    if set(dropped_pairwise_seeds) != set(dropped):
+        raise MaskingError("dropped_pairwise_seeds must cover exactly the dropped members")
+    total = ring_sum((masked_inputs[s] for s in survivors), length=n)
+    for s in survivors:
+        if s not in self_seeds:
+            raise MaskingError(f"missing the self-mask seed of survivor {s!r}")
+        np.subtract(
+            total,
+            self_mask(self_seed=self_seeds[s], length=n, round_id=round_id, release=release),
+            out=total,
+        )
+    for d in dropped:
+        correction = dropout_correction(
+            dropped_id=d,
+            survivors=survivors,
+            dropped_seeds=dropped_pairwise_seeds[d],
+            length=n,
+            round_id=round_id,
+            release=release,
+        )
+        np.subtract(total, correction, out=total)
+    return total

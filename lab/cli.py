@@ -1,0 +1,62 @@
+"""The `afl` command. Each subcommand lives in a module exposing ``add_arguments`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from afl.core.aggregation import AggregationError
+from afl.core.assignment import AssignmentError
+from afl.core.featurecache import FeatureCacheError
+from afl.core.labels import LabelError
+from afl.core.nih import NihMetadataError
+from afl.lab import audit_cmd, demo, provision_cmd, simulate_cmd
+
+# Errors caused by what the user gave us: one clear line, exit status 2, no traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (
+    AggregationError,
+    AssignmentError,
+    FeatureCacheError,
+    LabelError,
+    NihMetadataError,
+    FileNotFoundError,
+)
+
+COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
+    ("simulate", "run the paper's experiment grid in process (no network)", simulate_cmd),
+    ("demo", "a full federation on the embedded default (what `make demo` runs)", demo),
+    ("provision", "create a federation CA, the server's certificate and one startup kit per site", provision_cmd),
+    ("audit", "leakage audit of a coverage spec's release plan, for compliance review", audit_cmd),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afl",
+        description="Analytic federated learning with secure aggregation (see README.md).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, module in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except USER_ERRORS as exc:
+        print(f"afl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""`afl provision`: command-line front end of :func:`afl.server.provisioning.provision`.
+
+afl provision --out DIR --site hospital-a --site hospital-b [--server-host HOST ...]
+              [--port 50051] [--federation-id ID] [--decryptor SITE] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from afl.crypto.pki import PkiError
+from afl.server.provisioning import DEFAULT_PORT, ProvisioningError, provision
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `afl provision` options to ``parser``."""
+    parser.add_argument("--out", required=True, help="folder to write the federation into")
+    parser.add_argument(
+        "--site",
+        dest="sites",
+        action="append",
+        required=True,
+        metavar="SITE_ID",
+        help="site id (repeat for each site), e.g. hospital-a",
+    )
+    parser.add_argument(
+        "--server-host",
+        dest="server_hosts",
+        action="append",
+        metavar="HOST",
+        help="host name or IP clients dial (repeatable; the first goes into client.toml; "
+        "localhost and 127.0.0.1 are always in the certificate). Default: localhost",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="server port")
+    parser.add_argument("--federation-id", default=None, help="federation id (default: random)")
+    parser.add_argument(
+        "--decryptor", default=None, metavar="SITE_ID", help="site holding the CKKS secret key"
+    )
+    parser.add_argument(
+        "--valid-days", type=int, default=825, help="validity of server and site certificates"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite an existing federation in --out (its CA and every kit are replaced)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Provision as ``args`` says; print where the kits are. Returns the process exit code."""
+    try:
+        result = provision(
+            args.out,
+            sites=args.sites,
+            server_hosts=args.server_hosts or ["localhost"],
+            port=args.port,
+            federation_id=args.federation_id,
+            decryptor=args.decryptor,
+            valid_days=args.valid_days,
+            force=args.force,
+        )
+    except (ProvisioningError, PkiError) as exc:
+        print(f"afl provision: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"federation {result.federation_id} provisioned in {result.root}")
+    print(f"  CA certificate: {result.ca_cert}  (keep {result.root / 'ca.key'} offline)")
+    print(f"  server kit:     {result.server_dir}  (afl-server --config server.toml)")
+    for site_id, kit in result.site_dirs.items():
+        print(f"  site kit:       {kit}  ({site_id}; send this folder to the site securely)")
+    print(f"  clients dial:   {result.server_address}")
+    return 0

@@ -1,0 +1,177 @@
+"""Command-line front end of `afl simulate` (argument parsing, output files)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.core.assignment import load_coverage_spec
+from afl.core.nih import CLASS_SETS, FEDMLP_PARTITION_SEED
+from afl.core.refinement import RefinementParams
+from afl.lab import tables
+from afl.lab.federation import Federation, default_federation, load_federation, save_federation
+from afl.lab.simulate import (
+    Setting,
+    SimulationConfig,
+    coverage_setting,
+    missing_settings,
+    simulate,
+)
+
+SETTING_RE = re.compile(r"^missing-(\d+)$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    data = p.add_argument_group("data (default: the embedded surrogate federation)")
+    data.add_argument(
+        "--features", metavar="DIR", help="feature caches: DIR/<site>/ per site and DIR/test/"
+    )
+    data.add_argument("--class-set", choices=sorted(CLASS_SETS), default="paper")
+    data.add_argument(
+        "--split",
+        choices=("image", "patient"),
+        default="image",
+        help="7:3 split: image-wise as FedMLP, or patient-wise",
+    )
+    data.add_argument("--sites", type=int, default=8, help="number of IID sites (default 8)")
+    data.add_argument("--surrogate-seed", type=int, default=0)
+    data.add_argument(
+        "--metadata",
+        metavar="CSV",
+        help="NIH Data_Entry_2017_v2020.csv.gz (default: the copy torchxrayvision ships)",
+    )
+    grid = p.add_argument_group("experiment grid")
+    grid.add_argument(
+        "--setting",
+        action="append",
+        metavar="missing-M",
+        help="repeatable; default missing-1/3/5/7",
+    )
+    grid.add_argument(
+        "--coverage",
+        metavar="FILE",
+        help="a coverage spec (JSON/TOML) instead of Missing-m settings",
+    )
+    grid.add_argument("--assignment-seed", type=int, default=FEDMLP_PARTITION_SEED)
+    grid.add_argument(
+        "--gram-scope",
+        action="append",
+        choices=("per-class", "global"),
+        help="repeatable; default both",
+    )
+    grid.add_argument("--rounds", default="1,2", help="comma list from {1,2} (default 1,2)")
+    grid.add_argument(
+        "--no-oracle", action="store_true", help="skip the Theorem-1 pooled-ridge oracle rows"
+    )
+    grid.add_argument(
+        "--no-centralised", action="store_true", help="skip the centralised all-labels row"
+    )
+    hyper = p.add_argument_group("hyper-parameters (paper Table IV defaults)")
+    hyper.add_argument("--gamma", type=float, default=1.0)
+    hyper.add_argument("--tau", type=float, default=0.7)
+    hyper.add_argument("--alpha", type=float, default=0.5)
+    hyper.add_argument("--delta-pos", type=int, default=5)
+    hyper.add_argument("--delta-neg", type=int, default=50)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    out.add_argument(
+        "--save-dir",
+        metavar="DIR",
+        help="save per-site caches, assignments and every solved W (.npy)",
+    )
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _settings(args: argparse.Namespace, fed: Federation) -> SimulationConfig:
+    if args.coverage and args.setting:
+        raise SystemExit("afl simulate: give --setting or --coverage, not both")
+    settings: tuple[Setting, ...]
+    if args.coverage:
+        settings = (
+            coverage_setting(load_coverage_spec(args.coverage), fed, Path(args.coverage).stem),
+        )
+    else:
+        ms = []
+        for name in args.setting or ["missing-1", "missing-3", "missing-5", "missing-7"]:
+            match = SETTING_RE.match(name)
+            if not match:
+                raise SystemExit(f"afl simulate: setting must look like missing-M, got {name!r}")
+            ms.append(int(match.group(1)))
+        settings = missing_settings(
+            ms, num_sites=fed.num_sites, num_classes=len(fed.classes), seed=args.assignment_seed
+        )
+    try:
+        rounds = tuple(sorted({int(r) for r in args.rounds.split(",")}))
+    except ValueError as exc:
+        raise SystemExit(f"afl simulate: --rounds must be a comma list of 1 and 2 ({exc})") from exc
+    return SimulationConfig(
+        settings=settings,
+        gram_scopes=tuple(args.gram_scope or ("per-class", "global")),
+        rounds=rounds,
+        gamma=args.gamma,
+        refinement=RefinementParams(
+            tau=args.tau, alpha=args.alpha, delta_pos=args.delta_pos, delta_neg=args.delta_neg
+        ),
+        oracle=not args.no_oracle,
+        centralised=not args.no_centralised,
+    )
+
+
+def load_data(args: argparse.Namespace) -> Federation:
+    if args.features:
+        root = Path(args.features)
+        sites = sorted(
+            p
+            for p in root.iterdir()
+            if p.is_dir() and p.name != "test" and (p / "meta.json").exists()
+        )
+        if not sites or not (root / "test" / "meta.json").exists():
+            raise SystemExit(f"afl simulate: {root} must hold one cache per site and a test/ cache")
+        return load_federation(sites, root / "test")
+    return default_federation(
+        class_set=args.class_set,
+        split=args.split,
+        num_sites=args.sites,
+        surrogate_seed=args.surrogate_seed,
+        metadata_path=args.metadata,
+    )
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def run(args: argparse.Namespace) -> int:
+    progress = not args.quiet and sys.stderr.isatty()
+    fed = load_data(args)
+    config = _settings(args, fed)
+    save_dir = Path(args.save_dir) if args.save_dir else None
+    saved: dict[str, str] = {}
+
+    def keep(setting: str, method: str, weights: NDArray[np.float64]) -> None:
+        if save_dir is None:
+            return
+        path = save_dir / "weights" / f"{_slug(setting)}__{_slug(method)}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, weights)
+        saved[f"{setting}/{method}"] = str(path)
+
+    results: dict[str, Any] = simulate(fed, config, progress=progress, on_weights=keep)
+    if save_dir is not None:
+        save_federation(fed, save_dir / "data")
+        results["saved"] = {"data": str(save_dir / "data"), "weights": saved}
+        (save_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    print(tables.assignments(results))
+    print()
+    print(tables.table_ii(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2), encoding="utf-8")
+        print(f"\nresults written to {args.out}")
+    return 0

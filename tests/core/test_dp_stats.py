@@ -1,0 +1,210 @@
+"""Tests of the DP sufficient-statistics pipeline (design §8)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from afl.core.dp_accounting import effective_noise_multiplier
+from afl.core.dp_stats import (
+    DPStatsError,
+    NoiseScales,
+    SufficientStatistics,
+    add_noise,
+    balanced_targets,
+    clip_rows,
+    floor_eigenvalues,
+    gaussian_releases,
+    noise_share,
+    regularised_gram,
+    statistic_sensitivities,
+    sufficient_statistics,
+)
+
+ZERO = NoiseScales(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def make_site(seed: int, n: int = 60, d: int = 5, c: int = 3):
+    rng = np.random.default_rng(seed)
+    h = np.abs(rng.normal(size=(n, d))) * 3
+    y = (rng.random((n, c)) < 0.3).astype(np.float64)
+    y[0], y[1] = 1.0, 0.0  # at least one positive and one negative per class
+    return h, y
+
+
+def test_clip_rows() -> None:
+    h = np.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [-6.0, 8.0]])
+    out = clip_rows(h, clip_norm=1.0)
+    np.testing.assert_allclose(out, [[0.6, 0.8], [0.3, 0.4], [0.0, 0.0], [-0.6, 0.8]])
+    with pytest.raises(DPStatsError):
+        clip_rows(h, clip_norm=0.0)
+
+
+def test_statistics_match_loop_oracle() -> None:
+    h, y = make_site(1)
+    mask = np.ones_like(y, dtype=bool)
+    mask[:10, 1] = False
+    y_garbage = y.copy()
+    y_garbage[:10, 1] = 7.0  # ignored where the mask says the label is missing
+    stats = sufficient_statistics(h, y_garbage, label_mask=mask)
+    n = h.shape[0]
+    gram = sum(np.outer(h[i], h[i]) for i in range(n))
+    np.testing.assert_allclose(stats.gram, gram, rtol=1e-12)
+    for c in range(y.shape[1]):
+        rows = [i for i in range(n) if mask[i, c]]
+        pos = [i for i in rows if y[i, c] == 1]
+        np.testing.assert_allclose(stats.positive_sum[c], h[pos].sum(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(stats.label_sum[c], h[rows].sum(axis=0), rtol=1e-12)
+        assert stats.positive_count[c] == len(pos)
+        assert stats.label_count[c] == len(rows)
+    with pytest.raises(DPStatsError):
+        sufficient_statistics(h, y_garbage)
+
+
+def test_statistics_are_additive_across_sites() -> None:
+    (h1, y1), (h2, y2) = make_site(2), make_site(3)
+    both = sufficient_statistics(np.vstack([h1, h2]), np.vstack([y1, y2]))
+    summed = sufficient_statistics(h1, y1) + sufficient_statistics(h2, y2)
+    for name in ("gram", "positive_sum", "positive_count", "label_sum", "label_count"):
+        np.testing.assert_allclose(getattr(summed, name), getattr(both, name), rtol=1e-12)
+
+
+def pooled_balanced_b(h: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Oracle: paper eq. 7 labels (+1/N+, -1/N-) on the pooled rows, then b = Hᵀ y."""
+    targets = np.where(y == 1, 1.0 / y.sum(axis=0), -1.0 / (1 - y).sum(axis=0))
+    out: np.ndarray = h.T @ targets
+    return out
+
+
+def test_noise_free_path_equals_exact_balanced_b() -> None:
+    (h1, y1), (h2, y2) = make_site(4), make_site(5)
+    stats = sufficient_statistics(h1, y1) + sufficient_statistics(h2, y2)
+    released = add_noise(stats, scales=ZERO, rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(released.gram, stats.gram)
+    np.testing.assert_array_equal(released.positive_sum, stats.positive_sum)
+    b = balanced_targets(released)
+    np.testing.assert_allclose(b, pooled_balanced_b(np.vstack([h1, h2]), np.vstack([y1, y2])))
+    # For a single site the pooled normalisation is the paper's per-client one.
+    np.testing.assert_allclose(
+        balanced_targets(sufficient_statistics(h1, y1)), pooled_balanced_b(h1, y1)
+    )
+    # Noise-free Gram + γI is already PD: the eigenvalue floor at γ leaves it unchanged.
+    reg = regularised_gram(released.gram, gamma=1.0)
+    np.testing.assert_allclose(reg, stats.gram + np.eye(stats.gram.shape[0]), rtol=1e-12)
+
+
+def test_noisy_gram_is_symmetric_and_pd_fix_holds() -> None:
+    h, y = make_site(6, d=12)
+    stats = sufficient_statistics(clip_rows(h, clip_norm=1.0), y)
+    scales = NoiseScales.for_noise_multiplier(noise_multiplier=5.0, clip_norm=1.0, n_classes=3)
+    noisy = add_noise(stats, scales=scales, rng=np.random.default_rng(7))
+    np.testing.assert_array_equal(noisy.gram, noisy.gram.T)
+    assert np.linalg.eigvalsh(noisy.gram + 0.1 * np.eye(12))[0] < 0.1  # noise broke the floor
+    reg = regularised_gram(noisy.gram, gamma=0.1)
+    assert np.linalg.eigvalsh(reg)[0] >= 0.1 - 1e-10
+    np.linalg.cholesky(reg)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    a=hnp.arrays(np.float64, (6, 6), elements=st.floats(-100, 100)),
+    floor=st.floats(min_value=1e-3, max_value=10.0),
+)
+def test_floor_eigenvalues_property(a, floor) -> None:
+    out = floor_eigenvalues(a, floor=floor)
+    np.testing.assert_array_equal(out, out.T)
+    scale = max(1.0, float(np.abs(a).max()))
+    assert np.linalg.eigvalsh(out)[0] >= floor - 1e-10 * scale
+    # Eigenvalues already above the floor are kept.
+    sym = (a + a.T) / 2
+    before, after = np.linalg.eigvalsh(sym), np.linalg.eigvalsh(out)
+    np.testing.assert_allclose(after, np.maximum(before, floor), atol=1e-9 * scale)
+
+
+def test_empirical_noise_variance() -> None:
+    d, c, draws = 30, 4, 40
+    stats = SufficientStatistics(
+        gram=np.zeros((d, d)),
+        positive_sum=np.zeros((c, d)),
+        positive_count=np.zeros(c),
+        label_sum=np.zeros((c, d)),
+        label_count=np.zeros(c),
+    )
+    scales = NoiseScales(
+        gram=2.0, positive_sum=3.0, positive_count=0.5, label_sum=1.5, label_count=4.0
+    )
+    rng = np.random.default_rng(12345)
+    samples = [add_noise(stats, scales=scales, rng=rng) for _ in range(draws)]
+    grams = np.stack([s.gram for s in samples])
+    diag = grams[:, np.arange(d), np.arange(d)].ravel()
+    off = grams[:, *np.triu_indices(d, k=1)].ravel()
+    # Symmetrised noise σ(Z + Zᵀ)/2: variance σ² on the diagonal, σ²/2 off it.
+    assert diag.var() == pytest.approx(4.0, rel=0.2)
+    assert off.var() == pytest.approx(2.0, rel=0.1)
+    assert abs(off.mean()) < 0.1
+    for name, sigma in [("positive_sum", 3.0), ("label_sum", 1.5)]:
+        values = np.stack([getattr(s, name) for s in samples]).ravel()
+        assert values.var() == pytest.approx(sigma**2, rel=0.15)
+    for name, sigma in [("positive_count", 0.5), ("label_count", 4.0)]:
+        values = np.stack([getattr(s, name) for s in samples]).ravel()
+        assert values.var() == pytest.approx(sigma**2, rel=0.35)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=hnp.arrays(np.float64, (4, 5), elements=st.floats(-50, 50)),
+    labels=hnp.arrays(np.float64, (4, 3), elements=st.sampled_from([0.0, 1.0])),
+    clip=st.floats(min_value=0.1, max_value=10.0),
+)
+def test_one_row_changes_statistics_within_sensitivity(rows, labels, clip) -> None:
+    h = clip_rows(rows, clip_norm=clip)
+    with_row = sufficient_statistics(h, labels)
+    without = sufficient_statistics(h[1:], labels[1:])
+    sens = statistic_sensitivities(clip_norm=clip, n_classes=3)
+    for name in ("gram", "positive_sum", "positive_count", "label_sum", "label_count"):
+        diff = np.linalg.norm(getattr(with_row, name) - getattr(without, name))
+        assert diff <= getattr(sens, name) * (1 + 1e-9)
+
+
+def test_accounting_of_uniform_noise_scales() -> None:
+    scales = NoiseScales.for_noise_multiplier(
+        noise_multiplier=3.0, clip_norm=2.0, n_classes=8, rows_per_individual=2
+    )
+    assert scales.gram == pytest.approx(3.0 * 2 * 4.0)
+    assert scales.positive_count == pytest.approx(3.0 * 2 * math.sqrt(8))
+    releases = gaussian_releases(scales, clip_norm=2.0, n_classes=8, rows_per_individual=2)
+    assert len(releases) == 5
+    assert effective_noise_multiplier(releases) == pytest.approx(3.0 / math.sqrt(5))
+
+
+def test_balanced_targets_floor_noisy_counts() -> None:
+    stats = SufficientStatistics(
+        gram=np.eye(2),
+        positive_sum=np.array([[1.0, 2.0]]),
+        positive_count=np.array([-3.0]),
+        label_sum=np.array([[5.0, 6.0]]),
+        label_count=np.array([0.5]),
+    )
+    b = balanced_targets(stats, min_count=1.0)
+    # n+ -> 1, n- = 0.5 - (-3) = 3.5: b = S+/1 - (T - S+)/3.5
+    np.testing.assert_allclose(b[:, 0], [1.0 - 4.0 / 3.5, 2.0 - 4.0 / 3.5])
+    with pytest.raises(DPStatsError):
+        balanced_targets(stats, min_count=0.0)
+
+
+def test_noise_shares_sum_to_the_target_variance() -> None:
+    scales = NoiseScales(
+        gram=2.0, positive_sum=1.0, positive_count=3.0, label_sum=1.0, label_count=1.0
+    )
+    share = noise_share(scales, contributors=8, tolerated=2)
+    # 6 honest shares of variance σ²/6 each sum to σ².
+    assert 6 * share.gram**2 == pytest.approx(scales.gram**2)
+    assert 6 * share.positive_count**2 == pytest.approx(scales.positive_count**2)
+    assert noise_share(scales, contributors=1) == scales
+    with pytest.raises(DPStatsError):
+        noise_share(scales, contributors=3, tolerated=3)

@@ -1,0 +1,148 @@
+"""`afl simulate` on small synthetic federations: grid shape, Theorem-1 row, saving, caches."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from afl.core.assignment import CoverageSpec
+from afl.core.metrics import evaluate, predict_proba
+from afl.lab import tables
+from afl.lab.cli import main
+from afl.lab.federation import Federation, load_federation, save_federation
+from afl.lab.simulate import (
+    CENTRAL,
+    ORACLE,
+    SimulationConfig,
+    coverage_setting,
+    missing_settings,
+    simulate,
+)
+
+CLASSES = ("a", "b", "c", "d")
+
+
+def small_federation(seed: int = 0, *, sites: int = 4, d: int = 16) -> Federation:
+    rng = np.random.default_rng(seed)
+    directions = rng.normal(size=(len(CLASSES), d))
+
+    def draw(n: int, shift: float) -> tuple[np.ndarray, np.ndarray]:
+        labels = (rng.random((n, len(CLASSES))) < 0.25).astype(np.int8)
+        feats = np.abs(rng.normal(size=(n, d)) + labels @ directions + shift)
+        return feats.astype(np.float32), labels
+
+    site_data = [draw(int(rng.integers(150, 250)), 0.1 * k) for k in range(sites)]
+    test_f, test_l = draw(400, 0.0)
+    return Federation(
+        classes=CLASSES,
+        site_names=tuple(f"s{k}" for k in range(sites)),
+        site_features=tuple(f for f, _ in site_data),
+        site_labels=tuple(y for _, y in site_data),
+        test_features=test_f,
+        test_labels=test_l,
+        provenance="synthetic test data",
+        surrogate=True,
+    )
+
+
+def test_grid_rows_and_theorem1_row():
+    fed = small_federation()
+    settings = missing_settings([1, 3], num_sites=4, num_classes=4, seed=5)
+    results = simulate(fed, SimulationConfig(settings=settings), progress=False)
+    assert list(results["settings"]) == ["missing-1", "missing-3"]
+    for body in results["settings"].values():
+        methods = [r["method"] for r in body["rows"]]
+        assert methods == [
+            "analytic 1-round (per-class)",
+            "analytic 2-round (per-class)",
+            "analytic 1-round (global)",
+            "analytic 2-round (global)",
+            ORACLE,
+        ]
+        rows = {r["method"]: r for r in body["rows"]}
+        oracle = rows[ORACLE]
+        assert oracle["max_rel_diff_vs_federated_per_class"] <= 1e-9
+        assert oracle["macro"] == pytest.approx(
+            rows["analytic 1-round (per-class)"]["macro"], abs=1e-9
+        )
+        for row in body["rows"]:
+            assert set(row["macro"]) == {"bacc", "auc", "map"}
+            assert set(row["per_class"]) == set(CLASSES)
+    m1 = results["settings"]["missing-1"]["assignment"]
+    assert all(len(classes) == 3 for classes in m1.values())
+    m3 = results["settings"]["missing-3"]["assignment"]
+    assert all(len(classes) == 1 for classes in m3.values())
+    assert results["centralised"]["method"] == CENTRAL
+    text = tables.table_ii(results)
+    assert "missing-1" in text and ORACLE in text and "SURROGATE" in text
+
+
+def test_global_scope_learns_only_one_gram_and_differs_from_per_class_when_covers_differ():
+    fed = small_federation(1)
+    active = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1], [1, 0, 0, 1]], dtype=bool)
+    spec = CoverageSpec(classes=CLASSES, sites=fed.site_names, active=active)
+    config = SimulationConfig(
+        settings=(coverage_setting(spec, fed),), rounds=(1,), oracle=False, centralised=False
+    )
+    seen: dict[str, np.ndarray] = {}
+    simulate(fed, config, progress=False, on_weights=lambda s, m, w: seen.__setitem__(m, w))
+    assert not np.allclose(seen["analytic 1-round (per-class)"], seen["analytic 1-round (global)"])
+
+
+def test_saved_weights_recheck_independently(tmp_path):
+    fed = small_federation(2)
+    out = tmp_path / "r.json"
+    root = tmp_path / "caches"
+    save_federation(fed, root)
+    code = main(
+        [
+            "simulate",
+            "--features",
+            str(root),
+            "--setting",
+            "missing-2",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--save-dir",
+            str(tmp_path / "save"),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    results = json.loads(out.read_text())
+    row = results["settings"]["missing-2"]["rows"][0]
+    weights = np.load(results["saved"]["weights"]["missing-2/analytic 1-round (per-class)"])
+    reloaded = load_federation(
+        [tmp_path / "save" / "data" / n for n in fed.site_names],
+        tmp_path / "save" / "data" / "test",
+    )
+    m = evaluate(
+        predict_proba(reloaded.test_features, weights), reloaded.test_labels, classes=CLASSES
+    )
+    assert m.macro_auc == pytest.approx(row["macro"]["auc"], abs=1e-12)
+
+
+def test_bad_cli_input_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="one cache per site"):
+        main(["simulate", "--features", str(tmp_path)])
+    save_federation(small_federation(3), tmp_path / "c")
+    with pytest.raises(SystemExit, match="missing-M"):
+        main(["simulate", "--features", str(tmp_path / "c"), "--setting", "missing"])
+    with pytest.raises(SystemExit, match="--rounds"):
+        main(
+            [
+                "simulate",
+                "--features",
+                str(tmp_path / "c"),
+                "--setting",
+                "missing-1",
+                "--rounds",
+                "x",
+            ]
+        )
+    assert main(["simulate", "--features", str(tmp_path / "c"), "--setting", "missing-7"]) == 2
+    assert "missing must be in [0, 3]" in capsys.readouterr().err
