@@ -45,7 +45,9 @@ class LocalStats:
         """
         active = np.asarray(active, dtype=bool)
         if active.shape != self.contributes.shape:
-            raise LabelError(f"active mask must have shape {self.contributes.shape}, got {active.shape}")
+            raise LabelError(
+                f"active mask must have shape {self.contributes.shape}, got {active.shape}"
+            )
         keep = self.contributes & active
         return LocalStats(
             n=self.n,
@@ -55,7 +57,9 @@ class LocalStats:
             n_pos=np.where(active, self.n_pos, 0),
             n_neg=np.where(active, self.n_neg, 0),
             skipped=tuple(
-                r for r in self.skipped if any(r.startswith(f"class {c}:") for c in np.flatnonzero(active))
+                r
+                for r in self.skipped
+                if any(r.startswith(f"class {c}:") for c in np.flatnonzero(active))
             ),
         )
 

@@ -1,4 +1,5 @@
-"""Cryptographic primitives for secure aggregation (design §6); imports only numpy/cryptography.
+"""Cryptographic primitives for secure aggregation (design §6, §7); imports only numpy,
+cryptography and tenseal (the CKKS modules).
 
 Modules:
     errors       error classes (all derive from ``CryptoError``).
@@ -10,5 +11,14 @@ Modules:
     aead         AES-256-GCM for share payloads, bound to (sender, recipient, round).
     shamir       Shamir t-of-n sharing of 32-byte secrets over GF(2^521 - 1).
     masking      pairwise and self masks per release, and server-side unmasking helpers.
+    secagg_config    round config: cohort, threshold t, round id/salt, release plan and codecs.
+    secagg_messages  frozen dataclasses of every protocol message; signed payload fields.
+    secagg_client    client state machine of the Bonawitz et al. protocol (with Unmask refusals).
+    secagg_server    server state machine: stage checks, drop-outs, release rule, result.
+    secagg_unmask    server-side reconstruction of dropped mask keys and self masks.
+    secagg_local     in-process driver of one round with drop-outs, timing and byte counts.
     pki          X.509 federation CA and site certificates for gRPC mutual TLS (design §9).
+    ckks_params  vetted CKKS parameters (N, moduli, scale, security), pre-scaling and noise bounds.
+    ckks         CKKS contexts (public/private), tagged block encryption, (de)serialization, sums.
+    ckks_decrypt decryptor: tag-checked, grid-rounded, release-once decryption (design §7).
 """

@@ -6,6 +6,14 @@ Messages never include secret material (keys, seeds, shares) or statistics.
 from __future__ import annotations
 
 __all__ = [
+    "CkksAlreadyDecryptedError",
+    "CkksConfigError",
+    "CkksContextError",
+    "CkksError",
+    "CkksMalformedError",
+    "CkksNotInPlanError",
+    "CkksRangeError",
+    "CkksTagMismatchError",
     "CryptoError",
     "DecryptionError",
     "DuplicateMessageError",
@@ -99,3 +107,38 @@ class RoundAbortedError(ProtocolError):
 
 class SecAggConfigError(ProtocolError, ValueError):
     """An invalid round configuration (cohort, threshold, releases)."""
+
+
+class CkksError(CryptoError):
+    """Base class of the CKKS mode's errors (design §7)."""
+
+
+class CkksConfigError(CkksError, ValueError):
+    """Invalid CKKS parameters: bound, summand count, pre-scale, grid, length or release spec."""
+
+
+class CkksContextError(CkksError):
+    """A CKKS context of the wrong kind: a private context where only a public one is allowed
+    (a server holding the secret key must refuse to start), a public one where the secret key is
+    needed, parameters other than the vetted ones, or bytes that are not a context."""
+
+
+class CkksRangeError(CkksError, ValueError):
+    """A value (or tag) outside the declared bound after pre-scaling, or NaN/inf (never clipped)."""
+
+
+class CkksMalformedError(CkksError, ValueError):
+    """Ciphertext bytes that do not parse, or ciphertexts of the wrong count, size, scale or level."""
+
+
+class CkksNotInPlanError(CkksError):
+    """A decryption request for a release not in the signed plan, or with other members."""
+
+
+class CkksAlreadyDecryptedError(CkksError):
+    """A second decryption request for a release (each release is decrypted at most once)."""
+
+
+class CkksTagMismatchError(CkksError):
+    """The tag slot of a 'sum' does not equal the sum of the members' secret tags: the server did
+    not sum exactly the plan's members (e.g. forwarded a single site's ciphertext)."""

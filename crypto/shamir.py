@@ -27,6 +27,8 @@ __all__ = [
     "SHARE_BYTES",
     "Share",
     "interpolate_at_zero",
+    "lagrange_weights_at_zero",
+    "reconstruct_many",
     "reconstruct_secret",
     "split_secret",
 ]
@@ -158,3 +160,50 @@ def reconstruct_secret(shares: Sequence[Share], *, threshold: int) -> bytes:
     if value >= 1 << (8 * SECRET_BYTES):
         raise ShamirError("reconstructed value is not a 32-byte secret (wrong or mixed shares)")
     return value.to_bytes(SECRET_BYTES, "big")
+
+
+def lagrange_weights_at_zero(indices: Sequence[int]) -> list[int]:
+    """λ_i = Π_{j≠i} x_j / (x_j - x_i) (mod p) for distinct x-coordinates, so that
+    f(0) = Σ_i λ_i y_i for any polynomial f of degree < len(indices)."""
+    if len(set(indices)) != len(indices) or not indices:
+        raise ShamirError("need at least one share index, all distinct")
+    weights = []
+    for i, xi in enumerate(indices):
+        num, den = 1, 1
+        for j, xj in enumerate(indices):
+            if i != j:
+                num = num * xj % PRIME
+                den = den * (xj - xi) % PRIME
+        weights.append(num * pow(den, -1, PRIME) % PRIME)
+    return weights
+
+
+def reconstruct_many(share_sets: Sequence[Sequence[Share]], *, threshold: int) -> list[bytes]:
+    """Recover many 32-byte secrets, each from the first ``threshold`` of its shares.
+
+    Same result as :func:`reconstruct_secret` per set, but the Lagrange weights are computed
+    once per distinct tuple of share indices (t modular inversions instead of t per secret),
+    which is the common case in Unmask, where the same t holders answer for every secret.
+    Extra shares beyond ``threshold`` are ignored (not cross-checked).
+
+    Raises:
+        ShamirError: a set has fewer than ``threshold`` shares or duplicate indices, or a result
+            is not a 32-byte secret.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise ShamirError("threshold must be an int >= 1")
+    cache: dict[tuple[int, ...], list[int]] = {}
+    out: list[bytes] = []
+    for shares in share_sets:
+        _check_shares(shares)
+        if len(shares) < threshold:
+            raise ShamirError(f"need at least {threshold} shares to reconstruct, got {len(shares)}")
+        basis = shares[:threshold]
+        key = tuple(s.index for s in basis)
+        if key not in cache:
+            cache[key] = lagrange_weights_at_zero(key)
+        value = sum(w * s.value for w, s in zip(cache[key], basis, strict=True)) % PRIME
+        if value >= 1 << (8 * SECRET_BYTES):
+            raise ShamirError("reconstructed value is not a 32-byte secret (wrong or mixed shares)")
+        out.append(value.to_bytes(SECRET_BYTES, "big"))
+    return out

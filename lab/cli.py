@@ -12,7 +12,14 @@ from afl.core.assignment import AssignmentError
 from afl.core.featurecache import FeatureCacheError
 from afl.core.labels import LabelError
 from afl.core.nih import NihMetadataError
-from afl.lab import audit_cmd, demo, provision_cmd, simulate_cmd
+from afl.lab import (
+    audit_cmd,
+    bench_cmd,
+    demo,
+    provision_cmd,
+    simulate_cmd,
+    verify_log_cmd,
+)
 
 # Errors caused by what the user gave us: one clear line, exit status 2, no traceback.
 USER_ERRORS: tuple[type[Exception], ...] = (
@@ -27,7 +34,13 @@ USER_ERRORS: tuple[type[Exception], ...] = (
 COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
     ("simulate", "run the paper's experiment grid in process (no network)", simulate_cmd),
     ("demo", "a full federation on the embedded default (what `make demo` runs)", demo),
-    ("provision", "create a federation CA, the server's certificate and one startup kit per site", provision_cmd),
+    (
+        "provision",
+        "create a federation CA, the server's certificate and one startup kit per site",
+        provision_cmd,
+    ),
+    ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
+    ("bench", "benchmark suites (JSON output; see docs/benchmarks.md)", bench_cmd),
     ("audit", "leakage audit of a coverage spec's release plan, for compliance review", audit_cmd),
 )
 

@@ -10,6 +10,8 @@ and once per run a centralised row (all training rows, every label known, pooled
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,9 +27,12 @@ from afl.core.aggregation import GRAM_SCOPES, GramScope, class_b_sums, federated
 from afl.core.assignment import CoverageSpec, format_assignment, missing_m_assignment
 from afl.core.labels import balanced_targets
 from afl.core.metrics import evaluate, predict_proba
+from afl.core.packing import packed_length
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
 from afl.core.stats import LocalStats, local_statistics
+from afl.lab.baselines import BaselineConfig, run_baseline
 from afl.lab.federation import Federation
+from afl.lab.simulate_dp import ClippedSite, DPConfig, clip_site, dp_solve
 
 ORACLE = "oracle: pooled ridge per S_c (Theorem 1)"
 CENTRAL = "centralised: all labels pooled"
@@ -35,6 +40,40 @@ CENTRAL = "centralised: all labels pooled"
 
 def method_name(rounds: int, scope: GramScope) -> str:
     return f"analytic {rounds}-round ({scope})"
+
+
+def dp_method_name(epsilon: float, scope: GramScope) -> str:
+    return f"analytic 1-round DP ε={epsilon:g} ({scope})"
+
+
+def analytic_communication(
+    *, d: int, active: NDArray[np.bool_], scope: GramScope, rounds: int
+) -> dict[str, int]:
+    """Bytes each site sends and receives (float64 payloads; the busiest site is reported).
+
+    Round 1 uploads the packed Gram and one b per class: only labelled classes under
+    ``per-class``, every class under ``global`` (zeros for non-labelled ones, design §5). Round 2
+    uploads one b_pseudo per missing class (every class under ``global``). Each round downloads W.
+    """
+    num_classes = active.shape[1]
+    labelled = int(active.sum(axis=1).max())
+    b_up = num_classes if scope == "global" else labelled
+    up = 8 * (packed_length(d) + d * b_up)
+    if rounds == 2:
+        up += (
+            8
+            * d
+            * (num_classes if scope == "global" else num_classes - int(active.sum(axis=1).min()))
+        )
+    return {
+        "rounds": rounds,
+        "bytes_up_per_site": up,
+        "bytes_down_per_site": 8 * d * num_classes * rounds,
+    }
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
 
 
 @dataclass(frozen=True)
@@ -55,6 +94,9 @@ class SimulationConfig:
     refinement: RefinementParams = field(default_factory=RefinementParams)
     oracle: bool = True
     centralised: bool = True
+    dp: DPConfig | None = None
+    baselines: tuple[str, ...] = ()
+    baseline_config: BaselineConfig = field(default_factory=BaselineConfig)
 
     def __post_init__(self) -> None:
         if not self.settings:
@@ -185,6 +227,38 @@ def _round2(
     return weights2, {"pseudo_label_contributors": contributors}
 
 
+def _dp_rows(
+    fed: Federation,
+    clipped: Sequence[ClippedSite],
+    setting: Setting,
+    config: SimulationConfig,
+    bar: tqdm[Any],
+    on_weights: Callable[[str, str, NDArray[np.float64]], None] | None,
+    timings: dict[str, float],
+) -> list[dict[str, Any]]:
+    assert config.dp is not None
+    rows = []
+    for scope in config.gram_scopes:
+        for epsilon in config.dp.epsilons:
+            with _timed(timings, "dp_solve_s"):
+                weights, accounting = dp_solve(
+                    clipped,
+                    fed.site_labels,
+                    setting.active,
+                    scope=scope,
+                    epsilon=epsilon,
+                    gamma=config.gamma,
+                    config=config.dp,
+                )
+            name = dp_method_name(epsilon, scope)
+            dp_info = {k: _json_float(v) for k, v in accounting.items()}
+            rows.append(_row(name, weights, fed, rounds=1, gram_scope=scope, dp=dp_info))
+            if on_weights:
+                on_weights(setting.name, name, weights)
+            bar.update()
+    return rows
+
+
 def simulate(
     fed: Federation,
     config: SimulationConfig,
@@ -195,6 +269,9 @@ def simulate(
     """Run the grid; returns a JSON-ready dict (also holds the assignments and timings)."""
     timings: dict[str, float] = {}
     per_setting = len(config.gram_scopes) * len(config.rounds) + int(config.oracle)
+    if config.dp is not None:
+        per_setting += len(config.gram_scopes) * len(config.dp.epsilons)
+    per_setting += len(config.baselines)
     total = len(config.settings) * per_setting + int(config.centralised) + fed.num_sites
     bar = tqdm(total=total, disable=not progress, desc="simulate", unit="step", leave=False)
     all_active = np.ones(len(fed.classes), dtype=bool)
@@ -206,6 +283,7 @@ def simulate(
             )
             bar.update()
     results: dict[str, Any] = {"data": fed.describe(), "settings": {}, "centralised": None}
+    clipped: list[ClippedSite] = []
     for setting in config.settings:
         bar.set_postfix_str(setting.name)
         stats = [s.restricted_to(setting.active[k]) for k, s in enumerate(full_stats)]
@@ -226,6 +304,9 @@ def simulate(
                         rounds=1,
                         gram_scope=scope,
                         solve_s=solve_s,
+                        communication=analytic_communication(
+                            d=fed.d, active=setting.active, scope=scope, rounds=1
+                        ),
                     )
                 )
                 if on_weights:
@@ -244,6 +325,9 @@ def simulate(
                         rounds=2,
                         gram_scope=scope,
                         solve_s=solve_s + time.perf_counter() - start,
+                        communication=analytic_communication(
+                            d=fed.d, active=setting.active, scope=scope, rounds=2
+                        ),
                         **extra,
                     )
                 )
@@ -262,6 +346,36 @@ def simulate(
             if on_weights:
                 on_weights(setting.name, ORACLE, oracle_w)
             bar.update()
+        for name in config.baselines:
+            with _timed(timings, f"baseline_{name}_s"):
+                base = run_baseline(
+                    name,
+                    site_features=fed.site_features,
+                    site_labels=fed.site_labels,
+                    active=setting.active,
+                    config=config.baseline_config,
+                )
+            metrics = evaluate(
+                base.predict_proba(fed.test_features), fed.test_labels, classes=fed.classes
+            )
+            rows.append(
+                {
+                    "method": name,
+                    **metrics.to_json(),
+                    "rounds": config.baseline_config.rounds,
+                    "gram_scope": None,
+                    "solve_s": base.seconds,
+                    "communication": base.communication,
+                }
+            )
+            bar.update()
+        if config.dp is not None:
+            if not clipped:
+                with _timed(timings, "dp_clip_s"):
+                    clipped.extend(
+                        clip_site(h, clip_norm=config.dp.clip_norm) for h in fed.site_features
+                    )
+            rows.extend(_dp_rows(fed, clipped, setting, config, bar, on_weights, timings))
         results["settings"][setting.name] = {
             "seed": setting.seed,
             "assignment": {
@@ -295,6 +409,7 @@ def simulate(
         "threshold": 0.5,
         "gram_scopes": list(config.gram_scopes),
         "rounds": list(config.rounds),
+        "baselines": dataclasses.asdict(config.baseline_config) if config.baselines else None,
     }
     results["timings"] = timings
     return results

@@ -16,6 +16,7 @@ from afl.core.assignment import load_coverage_spec
 from afl.core.nih import CLASS_SETS, FEDMLP_PARTITION_SEED
 from afl.core.refinement import RefinementParams
 from afl.lab import tables
+from afl.lab.baselines import BASELINES, BaselineConfig
 from afl.lab.federation import Federation, default_federation, load_federation, save_federation
 from afl.lab.simulate import (
     Setting,
@@ -24,6 +25,7 @@ from afl.lab.simulate import (
     missing_settings,
     simulate,
 )
+from afl.lab.simulate_dp import DEFAULT_CLIP, DPConfig
 
 SETTING_RE = re.compile(r"^missing-(\d+)$")
 
@@ -47,6 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CSV",
         help="NIH Data_Entry_2017_v2020.csv.gz (default: the copy torchxrayvision ships)",
     )
+    real = p.add_argument_group(
+        "real images (NIH ChestX-ray14 folder; features extracted once, resumable)"
+    )
+    real.add_argument("--images", metavar="DIR", help="NIH folder: Data_Entry_2017*.csv + images/")
+    real.add_argument("--weights", metavar="FILE", help="local backbone weights (never downloaded)")
+    real.add_argument(
+        "--backbone", default="xrv-densenet121-all", help="see `afl-client backbones`"
+    )
+    real.add_argument("--sha256", help="pinned SHA-256 of the weights file")
+    real.add_argument(
+        "--random-init", action="store_true", help="random weights (tests only; stamped)"
+    )
+    real.add_argument("--cache-dir", default="afl-cache", help="where extracted features are kept")
+    real.add_argument("--batch-size", type=int, default=32)
+    real.add_argument("--workers", type=int, default=2)
+    real.add_argument("--device", default="auto")
     grid = p.add_argument_group("experiment grid")
     grid.add_argument(
         "--setting",
@@ -68,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     grid.add_argument("--rounds", default="1,2", help="comma list from {1,2} (default 1,2)")
     grid.add_argument(
+        "--baselines",
+        default="",
+        metavar="LIST",
+        help=f"comma list of gradient baselines on the same features: {','.join(BASELINES)}",
+    )
+    grid.add_argument("--baseline-rounds", type=int, default=50)
+    grid.add_argument(
         "--no-oracle", action="store_true", help="skip the Theorem-1 pooled-ridge oracle rows"
     )
     grid.add_argument(
@@ -79,6 +104,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hyper.add_argument("--alpha", type=float, default=0.5)
     hyper.add_argument("--delta-pos", type=int, default=5)
     hyper.add_argument("--delta-neg", type=int, default=50)
+    dp = p.add_argument_group("differential privacy (design §8; adds DP rows, 1 round)")
+    dp.add_argument(
+        "--dp-epsilon",
+        action="append",
+        type=float,
+        metavar="EPS",
+        help="repeatable; 'inf' = clipping and pooled normalisation without noise",
+    )
+    dp.add_argument("--dp-delta", type=float, default=1e-5)
+    dp.add_argument("--dp-clip", type=float, default=DEFAULT_CLIP, help="row clip norm L")
+    dp.add_argument(
+        "--dp-rows-per-individual",
+        type=int,
+        default=1,
+        help="group size for the privacy unit (1 = one image; patient level needs the maximum images per patient)",
+    )
+    dp.add_argument("--dp-seed", type=int, default=0, help="seed of the simulated noise")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="FILE", help="write the results as JSON")
     out.add_argument(
@@ -111,6 +153,12 @@ def _settings(args: argparse.Namespace, fed: Federation) -> SimulationConfig:
         rounds = tuple(sorted({int(r) for r in args.rounds.split(",")}))
     except ValueError as exc:
         raise SystemExit(f"afl simulate: --rounds must be a comma list of 1 and 2 ({exc})") from exc
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise SystemExit(
+            f"afl simulate: unknown baselines {sorted(unknown)}; choose from {BASELINES}"
+        )
     return SimulationConfig(
         settings=settings,
         gram_scopes=tuple(args.gram_scope or ("per-class", "global")),
@@ -119,12 +167,48 @@ def _settings(args: argparse.Namespace, fed: Federation) -> SimulationConfig:
         refinement=RefinementParams(
             tau=args.tau, alpha=args.alpha, delta_pos=args.delta_pos, delta_neg=args.delta_neg
         ),
+        baselines=baselines,
+        baseline_config=BaselineConfig(rounds=args.baseline_rounds),
         oracle=not args.no_oracle,
         centralised=not args.no_centralised,
+        dp=None
+        if not args.dp_epsilon
+        else DPConfig(
+            epsilons=tuple(args.dp_epsilon),
+            delta=args.dp_delta,
+            clip_norm=args.dp_clip,
+            rows_per_individual=args.dp_rows_per_individual,
+            seed=args.dp_seed,
+        ),
     )
 
 
 def load_data(args: argparse.Namespace) -> Federation:
+    if args.images and args.features:
+        raise SystemExit("afl simulate: give --images or --features, not both")
+    if args.images:
+        if not args.weights and not args.random_init:
+            raise SystemExit(
+                "afl simulate: --images needs --weights FILE (local backbone weights; "
+                "`afl-client backbones` lists the expected files and where to get them)"
+            )
+        from afl.lab.image_federation import image_federation
+
+        return image_federation(
+            images=args.images,
+            cache_dir=args.cache_dir,
+            backbone=args.backbone,
+            weights=args.weights,
+            sha256=args.sha256,
+            random_init=args.random_init,
+            class_set=args.class_set,
+            split=args.split,
+            num_sites=args.sites,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            device=args.device,
+            progress=not args.quiet,
+        )
     if args.features:
         root = Path(args.features)
         sites = sorted(

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from afl.crypto import pki, signatures
 from afl.server import toml_text
+from afl.server.config import round_template
 
 __all__ = ["ProvisionedFederation", "ProvisioningError", "provision"]
 
@@ -96,6 +97,7 @@ def _server_toml(
     server_public: bytes,
     peers: Mapping[str, bytes],
     roles: Mapping[str, str],
+    round_settings: Mapping[str, toml_text.TomlValue] | None,
 ) -> str:
     document: dict[str, toml_text.TomlValue] = {
         "server": {"federation_id": federation_id, "listen": listen, "state_dir": "state"},
@@ -105,6 +107,8 @@ def _server_toml(
             site: {"identity_public_key": key.hex(), "role": roles[site]}
             for site, key in peers.items()
         },
+        # Round settings (afl.server.config): set classes and feature_dim before starting.
+        "round": round_template(round_settings),
     }
     header = (
         "afl-server configuration, written by `afl provision` (design §9).\n"
@@ -159,12 +163,15 @@ def provision(
     decryptor: str | None = None,
     valid_days: int = 825,
     force: bool = False,
+    round_settings: Mapping[str, toml_text.TomlValue] | None = None,
 ) -> ProvisionedFederation:
     """Create a federation under ``out_dir`` (layout in the module docstring).
 
     ``server_hosts[0]`` is the address written into every client.toml; every host, plus
     ``localhost`` and ``127.0.0.1``, goes into the server certificate's subjectAltName.
     ``decryptor`` names the site that gets ``role = "decryptor"`` (CKKS mode, design §7).
+    ``round_settings`` overrides keys of server.toml's [round] table
+    (:func:`afl.server.config.round_template`: classes, feature_dim, gram_scope, ...).
 
     Raises:
         ProvisioningError: bad arguments, or ``out_dir`` already holds a federation (ca.pem,
@@ -172,6 +179,10 @@ def provision(
         afl.crypto.pki.PkiError: an invalid site id or host name.
     """
     site_ids = _check_arguments(sites, server_hosts, port, decryptor)
+    try:  # unknown [round] keys fail before anything is written
+        round_template(round_settings)
+    except ValueError as exc:
+        raise ProvisioningError(str(exc)) from exc
     root = Path(out_dir)
     existing = [m for m in _MARKERS if (root / m).exists()]
     if existing and not force:
@@ -211,7 +222,12 @@ def provision(
         server_dir / "identity.key", signatures.private_key_to_pem(server_identity)
     )
     server_text = _server_toml(
-        federation_id=fed_id, listen=listen, server_public=server_public, peers=peers, roles=roles
+        federation_id=fed_id,
+        listen=listen,
+        server_public=server_public,
+        peers=peers,
+        roles=roles,
+        round_settings=round_settings,
     )
     _write_public(server_dir / "server.toml", server_text.encode())
 

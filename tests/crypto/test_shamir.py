@@ -14,6 +14,8 @@ from afl.crypto.shamir import (
     SHARE_BYTES,
     Share,
     interpolate_at_zero,
+    lagrange_weights_at_zero,
+    reconstruct_many,
     reconstruct_secret,
     split_secret,
 )
@@ -130,3 +132,27 @@ def test_share_validation_and_redacted_repr() -> None:
         Share.from_bytes(b"\x00" * (SHARE_BYTES - 1))
     assert "redacted" in repr(Share(index=1, value=12345))
     assert "12345" not in repr(Share(index=1, value=12345))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    secrets_=st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=4),
+    t=st.integers(min_value=1, max_value=6),
+    extra=st.integers(min_value=0, max_value=3),
+)
+def test_reconstruct_many_matches_reconstruct_secret(
+    secrets_: list[bytes], t: int, extra: int
+) -> None:
+    share_sets = [split_secret(s, threshold=t, n_shares=t + extra)[extra:] for s in secrets_]
+    assert reconstruct_many(share_sets, threshold=t) == secrets_
+    assert reconstruct_many(share_sets, threshold=t) == [
+        reconstruct_secret(shares, threshold=t) for shares in share_sets
+    ]
+
+
+def test_reconstruct_many_rejects_too_few_shares_and_weights_sum_to_one() -> None:
+    shares = split_secret(bytes(range(32)), threshold=3, n_shares=3)
+    with pytest.raises(ShamirError, match="at least 3"):
+        reconstruct_many([shares[:2]], threshold=3)
+    # Interpolating the constant polynomial 1 at zero: the weights sum to 1 (mod p).
+    assert sum(lagrange_weights_at_zero([2, 5, 9])) % PRIME == 1

@@ -146,3 +146,31 @@ def test_bad_cli_input_is_refused(tmp_path, capsys):
         )
     assert main(["simulate", "--features", str(tmp_path / "c"), "--setting", "missing-7"]) == 2
     assert "missing must be in [0, 3]" in capsys.readouterr().err
+
+
+def test_baselines_and_communication_rows():
+    from afl.lab.baselines import BaselineConfig
+
+    fed = small_federation(5)
+    settings = missing_settings([1], num_sites=4, num_classes=4, seed=1)
+    config = SimulationConfig(
+        settings=settings,
+        rounds=(1, 2),
+        oracle=False,
+        centralised=False,
+        baselines=("fedavg", "fedavg-masked"),
+        baseline_config=BaselineConfig(rounds=3),
+    )
+    results = simulate(fed, config, progress=False)
+    rows = {r["method"]: r for r in results["settings"]["missing-1"]["rows"]}
+    assert rows["fedavg"]["communication"]["rounds"] == 3
+    assert rows["fedavg-masked"]["macro"]["auc"] is not None
+    per_class = rows["analytic 1-round (per-class)"]["communication"]
+    glob = rows["analytic 1-round (global)"]["communication"]
+    d = fed.d
+    # per-class: packed Gram + b for the 3 labelled classes; global: b for all 4 classes.
+    assert per_class["bytes_up_per_site"] == 8 * (d * (d + 1) // 2 + 3 * d)
+    assert glob["bytes_up_per_site"] == 8 * (d * (d + 1) // 2 + 4 * d)
+    assert (
+        rows["analytic 2-round (global)"]["communication"]["bytes_down_per_site"] == 2 * 8 * d * 4
+    )

@@ -1,0 +1,296 @@
+"""``client.toml``: the afl-client daemon's configuration, as written by ``afl provision``
+(:mod:`afl.server.provisioning`) and completed by the site's IT (design §1, §9).
+
+Sections (paths are relative to the file's own folder)::
+
+    [client]   site_id, federation_id, server ("host:port"), role, state_dir,
+               poll_interval_s (0.2), max_poll_interval_s (2.0), rpc_timeout_s (30),
+               upload_timeout_s (600), max_wait_s (86400), linger_s (5), retry_attempts (8)
+    [tls]      ca_cert, cert, key                       (the kit's ca.pem, site.pem, site.key)
+    [identity] key, public_key (hex), server_public_key (hex)
+    [peers]    <site id> = <identity public key, hex>
+    [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
+               classes   classes this site labels; [] = every cache column without -1 labels
+               backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
+    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true)
+
+Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
+are checked strictly for type and range).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from afl.crypto import signatures
+from afl.crypto.errors import KeyFormatError
+
+__all__ = [
+    "ClientConfig",
+    "ConfigError",
+    "DataConfig",
+    "LocalPolicy",
+    "TimingConfig",
+    "TlsPaths",
+    "load_client_config",
+]
+
+_KNOWN: dict[str, set[str]] = {
+    "client": {
+        "site_id",
+        "federation_id",
+        "server",
+        "role",
+        "state_dir",
+        "poll_interval_s",
+        "max_poll_interval_s",
+        "rpc_timeout_s",
+        "upload_timeout_s",
+        "max_wait_s",
+        "linger_s",
+        "retry_attempts",
+    },
+    "tls": {"ca_cert", "cert", "key"},
+    "identity": {"key", "public_key", "server_public_key"},
+    "data": {"cache", "cache_dir", "classes", "backbone"},
+    "policy": {"min_cohort", "allow_exposure", "max_epsilon", "disclose_coverage"},
+}
+_ROLES = ("participant", "decryptor")
+
+
+class ConfigError(ValueError):
+    """client.toml is missing, unreadable or invalid; the message names the file and key."""
+
+
+@dataclass(frozen=True)
+class LocalPolicy:
+    """The site's own rules for release plans (design §5); checked by :mod:`afl.client.policy`."""
+
+    min_cohort: int = 3
+    allow_exposure: bool = False
+    max_epsilon: float = math.inf
+    disclose_coverage: bool = True
+
+
+@dataclass(frozen=True)
+class TlsPaths:
+    ca_cert: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    cache: Path
+    classes: tuple[str, ...] = ()
+    backbone: str | None = None
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """Polling back-off, RPC deadlines and retry budget (seconds)."""
+
+    poll_interval_s: float = 0.2
+    max_poll_interval_s: float = 2.0
+    rpc_timeout_s: float = 30.0
+    upload_timeout_s: float = 600.0
+    max_wait_s: float = 86400.0
+    linger_s: float = 5.0
+    retry_attempts: int = 8
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A validated client.toml (paths resolved against the file's folder)."""
+
+    path: Path
+    site_id: str
+    federation_id: str
+    server_address: str
+    role: str
+    state_dir: Path
+    tls: TlsPaths
+    identity_key_path: Path
+    identity_public_key: bytes
+    server_public_key: bytes
+    peers: Mapping[str, bytes]
+    data: DataConfig
+    policy: LocalPolicy = field(default_factory=LocalPolicy)
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    warnings: tuple[str, ...] = ()
+
+
+class _Reader:
+    def __init__(self, path: Path, doc: Mapping[str, Any]) -> None:
+        self.path = path
+        self.doc = doc
+        self.warnings: list[str] = []
+
+    def error(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.path}: [{key.split('.')[0]}] {key}: {problem}")
+
+    def section(self, name: str, *, required: bool = True) -> Mapping[str, Any]:
+        raw = self.doc.get(name)
+        if raw is None:
+            if required:
+                raise ConfigError(f"{self.path}: missing section [{name}]")
+            return {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{self.path}: [{name}] must be a table")
+        for key in sorted(set(raw) - _KNOWN.get(name, set(raw))):
+            self.warnings.append(f"{self.path}: unknown key [{name}] {key} (ignored)")
+        return raw
+
+    def string(
+        self, sec: Mapping[str, Any], name: str, key: str, default: str | None = None
+    ) -> str:
+        value = sec.get(key, default)
+        if value is None:
+            raise self.error(f"{name}.{key}", "is required")
+        if not isinstance(value, str) or not value.strip():
+            raise self.error(f"{name}.{key}", f"must be a non-empty string, got {value!r}")
+        return value
+
+    def number(
+        self, sec: Mapping[str, Any], name: str, key: str, default: float, *, minimum: float
+    ) -> float:
+        value = sec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise self.error(f"{name}.{key}", f"must be a number, got {value!r}")
+        if value < minimum:
+            raise self.error(f"{name}.{key}", f"must be >= {minimum}, got {value}")
+        return float(value)
+
+    def integer(
+        self, sec: Mapping[str, Any], name: str, key: str, default: int, *, minimum: int
+    ) -> int:
+        value = sec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(f"{name}.{key}", f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise self.error(f"{name}.{key}", f"must be >= {minimum}, got {value}")
+        return value
+
+    def boolean(self, sec: Mapping[str, Any], name: str, key: str, default: bool) -> bool:
+        value = sec.get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{name}.{key}", f"must be true or false, got {value!r}")
+        return value
+
+    def file(self, sec: Mapping[str, Any], name: str, key: str) -> Path:
+        path = self.path.parent / self.string(sec, name, key)
+        if not path.is_file():
+            raise self.error(f"{name}.{key}", f"file {path} does not exist")
+        return path
+
+    def key_hex(self, sec: Mapping[str, Any], name: str, key: str) -> bytes:
+        text = self.string(sec, name, key)
+        try:
+            raw = bytes.fromhex(text)
+            signatures.load_public_key_raw(raw)
+        except (ValueError, KeyFormatError) as exc:
+            raise self.error(f"{name}.{key}", "must be a 32-byte Ed25519 key in hex") from exc
+        return raw
+
+
+def _policy(r: _Reader) -> LocalPolicy:
+    sec = r.section("policy", required=False)
+    return LocalPolicy(
+        min_cohort=r.integer(sec, "policy", "min_cohort", 3, minimum=1),
+        allow_exposure=r.boolean(sec, "policy", "allow_exposure", False),
+        max_epsilon=r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0),
+        disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", True),
+    )
+
+
+def _data(r: _Reader) -> DataConfig:
+    sec = r.section("data")
+    if "cache" in sec and "cache_dir" in sec:
+        raise r.error("data.cache", "give either cache or cache_dir, not both")
+    cache_key = "cache" if "cache" in sec else "cache_dir"
+    classes = sec.get("classes", [])
+    if not isinstance(classes, list) or not all(isinstance(c, str) and c for c in classes):
+        raise r.error("data.classes", f"must be a list of class names, got {classes!r}")
+    if len(set(classes)) != len(classes):
+        raise r.error("data.classes", "lists a class twice")
+    backbone = sec.get("backbone")
+    if backbone is not None and (not isinstance(backbone, str) or not backbone):
+        raise r.error("data.backbone", f"must be a non-empty string, got {backbone!r}")
+    return DataConfig(
+        cache=r.path.parent / r.string(sec, "data", cache_key),
+        classes=tuple(classes),
+        backbone=backbone,
+    )
+
+
+def _timing(r: _Reader, sec: Mapping[str, Any]) -> TimingConfig:
+    poll = r.number(sec, "client", "poll_interval_s", 0.2, minimum=0.001)
+    return TimingConfig(
+        poll_interval_s=poll,
+        max_poll_interval_s=r.number(sec, "client", "max_poll_interval_s", 2.0, minimum=poll),
+        rpc_timeout_s=r.number(sec, "client", "rpc_timeout_s", 30.0, minimum=0.1),
+        upload_timeout_s=r.number(sec, "client", "upload_timeout_s", 600.0, minimum=0.1),
+        max_wait_s=r.number(sec, "client", "max_wait_s", 86400.0, minimum=0.0),
+        linger_s=r.number(sec, "client", "linger_s", 5.0, minimum=0.0),
+        retry_attempts=r.integer(sec, "client", "retry_attempts", 8, minimum=1),
+    )
+
+
+def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
+    """Read and validate ``client.toml``; :class:`ConfigError` names the offending key."""
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{p}: no such config file") from exc
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot read TOML ({exc})") from exc
+    r = _Reader(p.resolve(), doc)
+    client = r.section("client")
+    tls = r.section("tls")
+    ident = r.section("identity")
+    role = r.string(client, "client", "role", "participant")
+    if role not in _ROLES:
+        raise r.error("client.role", f"must be one of {_ROLES}, got {role!r}")
+    peers_raw = r.section("peers", required=False)
+    peers: dict[str, bytes] = {}
+    for site in peers_raw:
+        peers[site] = r.key_hex(peers_raw, "peers", site)
+    identity_key_path = r.file(ident, "identity", "key")
+    public = r.key_hex(ident, "identity", "public_key")
+    try:
+        private = signatures.load_private_key_pem(identity_key_path.read_bytes())
+    except (OSError, KeyFormatError) as exc:
+        raise r.error("identity.key", f"cannot load the Ed25519 identity key ({exc})") from exc
+    if signatures.public_key_to_raw(private) != public:
+        raise r.error("identity.public_key", "does not match the identity key file")
+    site_id = r.string(client, "client", "site_id")
+    if site_id in peers and peers[site_id] != public:
+        raise r.error("peers", f"lists a different identity key for this site {site_id!r}")
+    config = ClientConfig(
+        path=r.path,
+        site_id=site_id,
+        federation_id=r.string(client, "client", "federation_id"),
+        server_address=r.string(client, "client", "server"),
+        role=role,
+        state_dir=r.path.parent / r.string(client, "client", "state_dir", "state"),
+        tls=TlsPaths(
+            ca_cert=r.file(tls, "tls", "ca_cert"),
+            cert=r.file(tls, "tls", "cert"),
+            key=r.file(tls, "tls", "key"),
+        ),
+        identity_key_path=identity_key_path,
+        identity_public_key=public,
+        server_public_key=r.key_hex(ident, "identity", "server_public_key"),
+        peers=peers,
+        data=_data(r),
+        policy=_policy(r),
+        timing=_timing(r, client),
+    )
+    return ClientConfig(**{**config.__dict__, "warnings": tuple(r.warnings)})

@@ -1,0 +1,435 @@
+"""The afl-client daemon loop (issue 4, design §1, §5, §9; contract in the module docs of
+:mod:`afl.client.daemon_transport`, :mod:`afl.client.daemon_verify`, :mod:`afl.client.policy`).
+
+One run: statistics from the feature cache (read back from ``state_dir`` when already computed)
+-> Enroll (identity key + proof of possession) -> poll GetStatus with back-off until a round the
+site takes part in opens -> GetRoundConfig, verify the server's signature on the release plan,
+check it against the local policy -> RespondToPlan (signed) -> when the round collects uploads,
+the mode's exchange (PLAINTEXT: one chunked Upload per slot) -> wait for the model, verify its
+signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitReport. A round 2
+(pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way.
+
+An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
+``linger_s`` for the replacement round the coordinator opens with the remaining sites.
+
+Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
+was aborted and no replacement came.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.client.config import ClientConfig
+from afl.client.daemon_modes import STRATEGIES, AggregationStrategy, RoundSession
+from afl.client.daemon_rpc import CoordinatorClient, RoundFailed
+from afl.client.daemon_state import DaemonState, plan_summary
+from afl.client.daemon_stats import (
+    labelled_mask,
+    load_or_compute_pseudo,
+    load_or_compute_stats,
+    slot_payloads,
+)
+from afl.client.daemon_transport import (
+    INSECURE_SITE_HEADER,
+    DaemonError,
+    RemoteCallError,
+    RetryPolicy,
+    open_channel,
+)
+from afl.client.daemon_verify import (
+    VerificationError,
+    VerifiedModel,
+    verify_model,
+    verify_round_config,
+)
+from afl.client.policy import PolicyDecision, check_plan
+from afl.core.featurecache import FeatureCache, open_cache
+from afl.core.refinement import RefinementParams
+from afl.core.stats import LocalStats
+from afl.crypto import signatures, signed_blobs
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+PROTOCOL_VERSION = 1
+_OUTCOME_EXIT: dict[int, int] = {
+    pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
+    pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
+    pb.CLIENT_OUTCOME_ABORTED: EXIT_ABORTED,
+    pb.CLIENT_OUTCOME_FAILED: EXIT_FAILED,
+}
+log = logging.getLogger("afl.client")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("afl")
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        return "0+unknown"
+
+
+def _reorder(stats: LocalStats, cols: list[int]) -> LocalStats:
+    return replace(
+        stats,
+        b=np.ascontiguousarray(stats.b[:, cols]),
+        contributes=stats.contributes[cols],
+        n_pos=stats.n_pos[cols],
+        n_neg=stats.n_neg[cols],
+    )
+
+
+class ClientDaemon:
+    """One site's daemon; :meth:`run` returns the process exit code."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        insecure: bool = False,
+        max_rounds: int | None = None,
+        strategies: dict[int, AggregationStrategy] | None = None,
+    ) -> None:
+        self.config = config
+        self.site_id = config.site_id
+        self.insecure = insecure
+        self.max_rounds = max_rounds
+        self.strategies = dict(STRATEGIES if strategies is None else strategies)
+        self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
+        self.server_key = signatures.load_public_key_raw(config.server_public_key)
+        t = config.timing
+        self.retry = RetryPolicy(attempts=t.retry_attempts, initial_s=t.poll_interval_s)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((INSECURE_SITE_HEADER, self.site_id),) if insecure else ()
+        )
+        self.state = config.state_dir
+        self.store = DaemonState(config.state_dir)
+        self.stub: Any = None
+        self.cache: FeatureCache | None = None
+        self.stats: LocalStats | None = None
+        self.stats_from_state = False
+        self.labelled = np.zeros(0, dtype=bool)
+        self.warnings: list[str] = list(config.warnings)
+        self.timings: dict[str, float] = {}
+
+    # -- phases ----------------------------------------------------------------------------
+    def prepare(self) -> LocalStats:
+        """Open the feature cache and load (or compute once) the round-1 statistics."""
+        start = time.perf_counter()
+        self.cache = open_cache(self.config.data.cache)
+        self.labelled, _ = labelled_mask(self.cache, self.config.data.classes)
+        self.stats, cached = load_or_compute_stats(
+            self.cache, active=self.labelled, state_dir=self.state
+        )
+        self.stats_from_state = cached
+        self.warnings += list(self.stats.skipped)
+        self.timings["statistics"] = time.perf_counter() - start
+        log.info(
+            "site=%s statistics %s: n=%d d=%d labelled=%d classes",
+            self.site_id,
+            "read from state" if cached else "computed",
+            self.stats.n,
+            self.stats.d,
+            int(self.labelled.sum()),
+        )
+        return self.stats
+
+    def _backbone(self) -> str:
+        assert self.cache is not None
+        meta = self.cache.meta
+        configured = self.config.data.backbone or meta.extra.get("backbone")
+        return str(configured or ("surrogate" if meta.surrogate else meta.source))
+
+    def enroll(self) -> pb.EnrollResponse:
+        """Enroll with the identity key and its proof of possession (context "enrol")."""
+        assert self.stats is not None and self.cache is not None
+        start = time.perf_counter()
+        public = self.config.identity_public_key
+        proof = signatures.sign_fields(
+            self.identity,
+            context=signed_blobs.ENROL_CONTEXT,
+            fields=signed_blobs.enrol_fields(
+                federation_id=self.config.federation_id,
+                site_id=self.site_id,
+                identity_public_key=public,
+            ),
+        )
+        names = self.cache.meta.classes
+        coverage = [c for i, c in enumerate(names) if self.stats.contributes[i]]
+        role = (
+            pb.SITE_ROLE_DECRYPTOR if self.config.role == "decryptor" else pb.SITE_ROLE_PARTICIPANT
+        )
+        request = pb.EnrollRequest(
+            identity_public_key=public,
+            proof=proof,
+            role=role,
+            labelled_classes=coverage if self.config.policy.disclose_coverage else [],
+            backbone=self._backbone(),
+            feature_dim=self.stats.d,
+            software_version=_version(),
+            protocol_version=PROTOCOL_VERSION,
+        )
+        response: pb.EnrollResponse = self.rpc.call("Enroll", request, wait_for_ready=True)
+        if response.server_identity_public_key != self.config.server_public_key:
+            raise DaemonError("the server's identity key differs from the one in the startup kit")
+        if response.federation_id != self.config.federation_id:
+            raise DaemonError(f"the server serves federation {response.federation_id!r}")
+        if response.site_id and response.site_id != self.site_id:
+            raise DaemonError(f"the server sees this site as {response.site_id!r}")
+        self.timings["enrol"] = time.perf_counter() - start
+        log.info("site=%s enrolled in %s", self.site_id, response.federation_id)
+        return response
+
+    def _model(
+        self, round_id: str, *, class_names: list[str], plan_sha256: bytes | None
+    ) -> tuple[VerifiedModel, int]:
+        assert self.stats is not None
+        signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
+        verified = verify_model(
+            signed,
+            server_key=self.server_key,
+            federation_id=self.config.federation_id,
+            round_id=round_id,
+            class_names=class_names,
+            d=self.stats.d,
+            plan_sha256=plan_sha256,
+        )
+        self.store.save_model(round_id, signed, verified.weights)
+        return verified, signed.ByteSize()
+
+    def _round_problems(self, cfg: pb.RoundConfig) -> str:
+        assert self.stats is not None and self.cache is not None
+        unknown = [c for c in cfg.class_names if c not in self.cache.meta.classes]
+        if unknown:
+            return f"the round's classes {unknown} are not in this site's feature cache"
+        if cfg.feature_dim != self.stats.d:
+            return (
+                f"the round needs d = {cfg.feature_dim}, this site's cache has d = {self.stats.d}"
+            )
+        if cfg.backbone and cfg.backbone != self._backbone():
+            return f"the round needs features from {cfg.backbone!r}, this site has {self._backbone()!r}"
+        return ""
+
+    def _decide(self, cfg: pb.RoundConfig) -> tuple[PolicyDecision, cpb.ReleasePlan | None, bytes]:
+        try:
+            plan, plan_sha = verify_round_config(
+                cfg, server_key=self.server_key, federation_id=self.config.federation_id
+            )
+        except VerificationError as exc:
+            return PolicyDecision(False, str(exc)), None, b""
+        problem = self._round_problems(cfg)
+        if problem:
+            return PolicyDecision(False, problem), plan, plan_sha
+        decision = check_plan(
+            plan,
+            site_id=self.site_id,
+            policy=self.config.policy,
+            supported_modes=tuple(self.strategies),
+            history=self.store.history(exclude_round=cfg.round_id),
+        )
+        return decision, plan, plan_sha
+
+    def _respond(self, round_id: str, decision: PolicyDecision, plan_sha: bytes) -> None:
+        signature = signatures.sign_fields(
+            self.identity,
+            context=signed_blobs.PLAN_DECISION_CONTEXT,
+            fields=signed_blobs.plan_decision_fields(
+                round_id=round_id, accept=decision.accept, plan_sha256=plan_sha
+            ),
+        )
+        request = pb.PlanDecision(
+            round_id=round_id,
+            accept=decision.accept,
+            reason=decision.reason,
+            plan_sha256=plan_sha,
+            signature=signature,
+        )
+        self.rpc.call("RespondToPlan", request)
+
+    def run_round(self, status: pb.RoundStatus, report: dict[str, Any]) -> None:
+        """Take part in one round; fills ``report``; raises :class:`RoundFailed` if no model."""
+        assert self.stats is not None and self.cache is not None
+        timings: dict[str, float] = report["timings_s"]
+        round_id = status.round_id
+        start = time.perf_counter()
+        cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
+        report["bytes_received"] += cfg.ByteSize()
+        report["round_number"] = cfg.round_number
+        decision, plan, plan_sha = self._decide(cfg)
+        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
+            self._respond(round_id, decision, plan_sha)
+        timings["plan_check"] = time.perf_counter() - start
+        if not decision.accept:
+            log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
+        assert plan is not None
+        self.store.remember(plan)
+        strategy = self.strategies[plan.aggregation]
+        class_names = list(cfg.class_names)
+        cols = [self.cache.meta.classes.index(c) for c in class_names]
+        stats = _reorder(self.stats, cols)
+        pseudo = None
+        if any(r.kind == cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR for r in plan.releases):
+            t0 = time.perf_counter()
+            parent, nbytes = self._model(
+                cfg.parent_round_id, class_names=class_names, plan_sha256=None
+            )
+            report["bytes_received"] += nbytes
+            ref = cfg.refinement
+            params = RefinementParams(
+                tau=ref.tau, alpha=ref.alpha, delta_pos=ref.delta_pos, delta_neg=ref.delta_neg
+            )
+            missing: NDArray[np.bool_] = ~self.labelled[cols]
+            pseudo, _ = load_or_compute_pseudo(
+                self.cache, weights=parent.weights, missing=missing, params=params,
+                state_dir=self.state,
+            )  # fmt: skip
+            timings["pseudo_labels"] = time.perf_counter() - t0
+        payloads = slot_payloads(
+            plan,
+            site_id=self.site_id,
+            class_names=class_names,
+            stats=stats,
+            pseudo=pseudo,
+            encode=strategy.encode,
+        )
+        t0 = time.perf_counter()
+        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_UPLOAD)
+        timings["wait_upload_stage"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        session = RoundSession(
+            stub=self.stub,
+            round_id=round_id,
+            site_id=self.site_id,
+            retry=self.retry,
+            rpc_timeout_s=self.config.timing.rpc_timeout_s,
+            upload_timeout_s=self.config.timing.upload_timeout_s,
+            metadata=self.metadata,
+        )
+        records = strategy.exchange(
+            session, payloads, already_complete=set(status.caller_uploads_complete)
+        )
+        timings["upload"] = time.perf_counter() - t0
+        report["uploads"] = [r.to_json() for r in records]
+        report["bytes_sent"] = sum(r.bytes for r in records)
+        t0 = time.perf_counter()
+        self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        timings["wait_model"] = time.perf_counter() - t0
+        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha)
+        report["bytes_received"] += nbytes
+        report["model"] = {
+            "sha256": model.model_sha256,
+            "weights_sha256": model.weights_sha256,
+            "shape": list(model.weights.shape),
+            "signature_valid": True,
+            "contributors": list(model.model.contributors),
+            "path": str(self.store.model_path(round_id)),
+        }
+
+    def _aborted_meanwhile(self, round_id: str) -> RoundFailed | None:
+        """A call refused as FAILED_PRECONDITION because the round was aborted meanwhile (e.g.
+        another site refused the plan) is an abort, not a failure of this site."""
+        try:
+            r = self.rpc.status(round_id).round
+        except RemoteCallError:
+            return None
+        if r.stage == pb.ROUND_STAGE_ABORTED:
+            return RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
+        return None
+
+    def _finish(self, report: dict[str, Any], outcome: int, reason: str = "") -> int:
+        name = pb.ClientOutcome.Name(outcome)  # type: ignore[arg-type]
+        report["outcome"] = name.removeprefix("CLIENT_OUTCOME_")
+        report["reason"] = reason
+        report["warnings"] = list(self.warnings)
+        path = self.store.write_report(report)
+        log.info("site=%s round %s %s; report %s", self.site_id, report["round_id"],
+                 report["outcome"], path)  # fmt: skip
+        if report["round_id"]:
+            message = pb.ClientReport(
+                round_id=report["round_id"],
+                outcome=outcome,  # type: ignore[arg-type]
+                reason=reason,
+                warnings=self.warnings,
+                bytes_sent=report["bytes_sent"],
+                bytes_received=report["bytes_received"],
+                timings_s=report["timings_s"],
+                model_signature_valid="model" in report,
+                software_version=_version(),
+            )
+            try:
+                self.rpc.call("SubmitReport", message)
+            except RemoteCallError as exc:
+                log.warning("site=%s could not submit its report: %s", self.site_id, exc)
+        return _OUTCOME_EXIT[outcome]
+
+    def run(self) -> int:
+        """Prepare, enroll, take part in rounds until none is left; the exit code."""
+        if self.stats is None:
+            self.prepare()
+        with open_channel(self.config, insecure=self.insecure) as channel:
+            self.stub = pb_grpc.CoordinatorStub(channel)
+            self.rpc = CoordinatorClient(
+                self.stub,
+                site_id=self.site_id,
+                timing=self.config.timing,
+                retry=self.retry,
+                metadata=self.metadata,
+            )
+            self.enroll()
+            done = self.store.completed_rounds()
+            lingering = bool(done)
+            rounds, code = 0, EXIT_OK
+            while self.max_rounds is None or rounds < self.max_rounds:
+                t0 = time.perf_counter()
+                status = self.rpc.wait_for_round(done, lingering=lingering)
+                if status is None:
+                    break
+                report: dict[str, Any] = {
+                    "site_id": self.site_id,
+                    "federation_id": self.config.federation_id,
+                    "round_id": status.round_id,
+                    "round_number": status.round_number,
+                    "bytes_sent": 0,
+                    "bytes_received": 0,
+                    "timings_s": {**self.timings, "wait_round": time.perf_counter() - t0},
+                }
+                t1 = time.perf_counter()
+                try:
+                    try:
+                        self.run_round(status, report)
+                    except RemoteCallError as exc:
+                        aborted = self._aborted_meanwhile(status.round_id)
+                        if aborted is None:
+                            raise
+                        raise aborted from exc
+                except RoundFailed as exc:
+                    code = self._finish(report, exc.outcome, exc.reason)
+                    if exc.outcome != pb.CLIENT_OUTCOME_ABORTED:
+                        return code
+                    # The coordinator opens a replacement round (new plan) when enough sites
+                    # remain: wait up to linger_s for it.
+                    done.add(status.round_id)
+                    lingering = True
+                    continue
+                except (DaemonError, VerificationError, ValueError) as exc:
+                    self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
+                    raise
+                report["timings_s"]["round"] = time.perf_counter() - t1
+                self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
+                done.add(status.round_id)
+                lingering = True
+                rounds += 1
+                code = EXIT_OK
+        return code

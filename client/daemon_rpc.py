@@ -1,0 +1,108 @@
+"""The daemon's polling conversation with the coordinator: every RPC with retries and back-off
+(:func:`afl.client.daemon_transport.with_retry`), waiting for a round and for a round's stage.
+
+Polling interval: starts at ``poll_interval_s`` and grows by 1.5x per idle poll up to
+``max_poll_interval_s``; waits give up after ``max_wait_s`` (DaemonError), or, when
+``lingering``, return None after ``linger_s`` without a new round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from afl.client.config import TimingConfig
+from afl.client.daemon_transport import DaemonError, RetryPolicy, with_retry
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["CoordinatorClient", "RoundFailed"]
+
+log = logging.getLogger("afl.client")
+
+
+class RoundFailed(DaemonError):
+    """A round ended for this site without a model (refused, aborted or failed)."""
+
+    def __init__(self, outcome: int, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+class CoordinatorClient:
+    """RPCs of one site with its deadline, retry policy and (insecure mode) metadata."""
+
+    def __init__(
+        self,
+        stub: Any,
+        *,
+        site_id: str,
+        timing: TimingConfig,
+        retry: RetryPolicy,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.stub = stub
+        self.site_id = site_id
+        self.timing = timing
+        self.retry = retry
+        self.metadata = metadata
+
+    def call(self, what: str, request: Any, **kw: Any) -> Any:
+        """``stub.<what>(request)`` with the RPC deadline and retries."""
+        method = getattr(self.stub, what)
+        timeout = self.timing.rpc_timeout_s
+        return with_retry(
+            lambda: method(request, timeout=timeout, metadata=self.metadata or None, **kw),
+            what=what,
+            policy=self.retry,
+        )
+
+    def status(self, round_id: str = "") -> pb.StatusResponse:
+        status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
+        return status
+
+    def _sleep_backoff(self, delay: float) -> float:
+        time.sleep(delay)
+        return min(delay * 1.5, self.timing.max_poll_interval_s)
+
+    def wait_for_round(self, done: set[str], *, lingering: bool) -> pb.RoundStatus | None:
+        """The next round this site takes part in, or None after ``linger_s`` without one."""
+        t = self.timing
+        start = time.monotonic()
+        delay = t.poll_interval_s
+        while True:
+            status = self.status()
+            r = status.round if status.HasField("round") else None
+            if r is not None and r.round_id not in done:
+                waiting = r.stage in (
+                    pb.ROUND_STAGE_UNSPECIFIED,
+                    pb.ROUND_STAGE_WAITING_FOR_PARTICIPANTS,
+                )
+                missed = r.stage >= pb.ROUND_STAGE_SOLVING and not r.caller_accepted_plan
+                if not waiting and (self.site_id not in r.participants or missed):
+                    log.info("site=%s takes no part in round %s", self.site_id, r.round_id)
+                    done.add(r.round_id)
+                elif not waiting and r.stage != pb.ROUND_STAGE_ABORTED:
+                    return r
+            elapsed = time.monotonic() - start
+            if lingering and elapsed > t.linger_s:
+                return None
+            if elapsed > t.max_wait_s:
+                raise DaemonError(f"no round opened within max_wait_s = {t.max_wait_s:g} s")
+            delay = self._sleep_backoff(delay)
+
+    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
+        """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts."""
+        t = self.timing
+        start = time.monotonic()
+        delay = t.poll_interval_s
+        while True:
+            r = self.status(round_id).round
+            if r.stage == pb.ROUND_STAGE_ABORTED:
+                raise RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
+            if r.stage >= at_least:
+                return r
+            if time.monotonic() - start > t.max_wait_s:
+                raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
+            delay = self._sleep_backoff(delay)

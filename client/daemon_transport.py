@@ -1,0 +1,215 @@
+"""The afl-client's side of the wire: mTLS channel, retries with back-off, chunked uploads
+(design §9; proto/afl/proto/v1/coordinator.proto).
+
+Retries: a call failing with UNAVAILABLE or DEADLINE_EXCEEDED is retried after
+``min(max_s, initial_s · multiplier^i) · U(0.5, 1)`` seconds (exponential back-off with jitter),
+at most ``attempts`` times in all; every other status is final. Uploads are idempotent on the
+server by (round, site, release, SHA-256), so a retried upload never counts twice.
+
+Upload framing: the payload is cut into chunks of at most 1 MiB (gRPC's default receive limit is
+4 MiB); every chunk repeats the header (round, release, index, total chunks, total bytes, kind)
+and the last one carries the SHA-256 of the whole payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from afl.client.config import ClientConfig
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "MAX_CHUNK_BYTES",
+    "RETRYABLE_CODES",
+    "DaemonError",
+    "RemoteCallError",
+    "RetryPolicy",
+    "UploadError",
+    "iter_upload_chunks",
+    "open_channel",
+    "status_code",
+    "upload_payload",
+    "with_retry",
+]
+
+MAX_CHUNK_BYTES = 1 << 20
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Metadata naming the site on an --insecure (development) channel, where no certificate exists.
+INSECURE_SITE_HEADER = "x-afl-site-id"
+
+T = TypeVar("T")
+log = logging.getLogger("afl.client")
+
+
+class DaemonError(Exception):
+    """The client daemon cannot go on (the message says why; never statistics or keys)."""
+
+
+class RemoteCallError(DaemonError):
+    """An RPC failed with a final status (or ran out of retries)."""
+
+    def __init__(self, what: str, code: grpc.StatusCode | None, details: str) -> None:
+        name = code.name if code is not None else "UNKNOWN"
+        super().__init__(f"{what}: {name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class UploadError(DaemonError):
+    """An upload was rejected, or its receipt does not match what was sent."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential back-off parameters (see the module docstring)."""
+
+    attempts: int = 8
+    initial_s: float = 0.2
+    max_s: float = 10.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        """Back-off before retry number ``attempt`` (0-based), jittered into [d/2, d]."""
+        base = min(self.max_s, self.initial_s * self.multiplier**attempt)
+        return base * (0.5 + 0.5 * secrets.SystemRandom().random())
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status code of a failed call (None if ``exc`` is not an RPC error)."""
+    code = getattr(exc, "code", None)
+    if isinstance(exc, grpc.RpcError) and callable(code):
+        value = code()
+        return value if isinstance(value, grpc.StatusCode) else None
+    return None
+
+
+def _details(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    return str(details()) if callable(details) else str(exc)
+
+
+def with_retry(
+    call: Callable[[], T],
+    *,
+    what: str,
+    policy: RetryPolicy,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run ``call``; retry on UNAVAILABLE/DEADLINE_EXCEEDED; :class:`RemoteCallError` otherwise."""
+    for attempt in range(policy.attempts):
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            code = status_code(exc)
+            if code not in RETRYABLE_CODES or attempt == policy.attempts - 1:
+                raise RemoteCallError(what, code, _details(exc)) from exc
+            pause = policy.delay(attempt)
+            log.info("%s: %s, retrying in %.2f s", what, code.name if code else "?", pause)
+            sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def iter_upload_chunks(
+    payload: bytes,
+    *,
+    round_id: str,
+    release_name: str,
+    kind: int = pb.PAYLOAD_KIND_STATISTIC,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> Iterator[pb.UploadChunk]:
+    """The chunks of one upload (framing in the module docstring); one empty chunk if empty."""
+    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    digest = hashlib.sha256(payload).digest()
+    total = max(1, -(-len(payload) // chunk_bytes))
+    for index in range(total):
+        yield pb.UploadChunk(
+            round_id=round_id,
+            release_name=release_name,
+            chunk_index=index,
+            total_chunks=total,
+            data=payload[index * chunk_bytes : (index + 1) * chunk_bytes],
+            sha256=digest if index == total - 1 else b"",
+            kind=kind,  # type: ignore[arg-type]
+            total_bytes=len(payload),
+        )
+
+
+def upload_payload(
+    stub: Any,
+    payload: bytes,
+    *,
+    round_id: str,
+    release_name: str,
+    policy: RetryPolicy,
+    timeout_s: float,
+    metadata: Sequence[tuple[str, str]] = (),
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> pb.UploadReceipt:
+    """Stream ``payload`` through ``Coordinator.Upload`` and check the receipt's digest.
+
+    Raises :class:`UploadError` on ALREADY_EXISTS (a different payload was stored for this
+    release) or a receipt that does not match; :class:`RemoteCallError` on other failures.
+    """
+    digest = hashlib.sha256(payload).digest()
+
+    def send() -> pb.UploadReceipt:
+        chunks = iter_upload_chunks(
+            payload, round_id=round_id, release_name=release_name, chunk_bytes=chunk_bytes
+        )
+        receipt: pb.UploadReceipt = stub.Upload(
+            chunks, timeout=timeout_s, metadata=tuple(metadata) or None
+        )
+        return receipt
+
+    try:
+        receipt = with_retry(send, what=f"upload {release_name}", policy=policy)
+    except RemoteCallError as exc:
+        if exc.code == grpc.StatusCode.ALREADY_EXISTS:
+            raise UploadError(
+                f"upload {release_name}: the server already holds a different payload for this "
+                f"release of round {round_id} ({exc.details})"
+            ) from exc
+        raise
+    if receipt.sha256 != digest or receipt.bytes_received != len(payload):
+        raise UploadError(
+            f"upload {release_name}: receipt does not match the payload sent "
+            f"({receipt.bytes_received} bytes received of {len(payload)}, digest "
+            f"{'ok' if receipt.sha256 == digest else 'differs'})"
+        )
+    return receipt
+
+
+def open_channel(config: ClientConfig, *, insecure: bool = False) -> grpc.Channel:
+    """A channel to the coordinator: mTLS with the kit's CA, certificate and key (design §9).
+
+    ``insecure`` (development only) opens a plaintext channel and logs a loud warning.
+    """
+    options = [
+        ("grpc.max_send_message_length", 8 * MAX_CHUNK_BYTES),
+        ("grpc.max_receive_message_length", 64 * MAX_CHUNK_BYTES),
+    ]
+    if insecure:
+        log.warning(
+            "INSECURE: connecting to %s WITHOUT TLS; statistics and identities travel in the "
+            "clear. Development only.",
+            config.server_address,
+        )
+        return grpc.insecure_channel(config.server_address, options=options)
+    try:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=config.tls.ca_cert.read_bytes(),
+            private_key=config.tls.key.read_bytes(),
+            certificate_chain=config.tls.cert.read_bytes(),
+        )
+    except OSError as exc:
+        raise DaemonError(f"cannot read the TLS files of the startup kit: {exc}") from exc
+    return grpc.secure_channel(config.server_address, credentials, options=options)

@@ -1,0 +1,128 @@
+"""Signature and consistency checks of what the coordinator sends a site (design §5, §9).
+
+* Release plan: Ed25519 signature of the server's identity key (from the startup kit, never from
+  the wire) over ``canonical(PROTOCOL_VERSION, "release-plan", plan_bytes)``, verified over the
+  exact serialized bytes before parsing; the plan must be bound to this federation and round and
+  repeat the round config's participants, mode and scope.
+* Model: signature with context ``"model"`` over the serialized ``Model``; it must name this
+  federation and round, the round's classes, the plan the site accepted, and hold a finite
+  float64 W of shape (d, C).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from numpy.typing import NDArray
+
+from afl.crypto import signed_blobs
+from afl.crypto.errors import SignatureError
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["VerificationError", "VerifiedModel", "verify_model", "verify_round_config"]
+
+
+class VerificationError(ValueError):
+    """A plan or model is not signed by the federation's server or does not match the round."""
+
+
+def verify_round_config(
+    config: pb.RoundConfig, *, server_key: Ed25519PublicKey, federation_id: str
+) -> tuple[cpb.ReleasePlan, bytes]:
+    """The verified plan and the SHA-256 of its bytes; :class:`VerificationError` otherwise."""
+    signed = config.release_plan
+    try:
+        signed_blobs.verify_blob(
+            server_key,
+            context=signed_blobs.PLAN_CONTEXT,
+            blob=signed.plan,
+            signature=signed.signature,
+        )
+    except SignatureError as exc:
+        raise VerificationError(
+            f"round {config.round_id}: the release plan is not signed by this federation's server"
+        ) from exc
+    plan = cpb.ReleasePlan()
+    plan.ParseFromString(signed.plan)
+    problems = []
+    if plan.federation_id != federation_id or config.federation_id != federation_id:
+        problems.append(f"federation {plan.federation_id!r} is not {federation_id!r}")
+    if plan.round_id != config.round_id:
+        problems.append(f"plan is bound to round {plan.round_id!r}, not {config.round_id!r}")
+    if plan.round_number != config.round_number:
+        problems.append("plan and config disagree on the round number")
+    if list(plan.participants) != list(config.participants):
+        problems.append("plan and config disagree on the participants")
+    if plan.aggregation != config.aggregation or plan.gram_scope != config.gram_scope:
+        problems.append("plan and config disagree on the aggregation mode or gram scope")
+    if problems:
+        raise VerificationError(f"round {config.round_id}: " + "; ".join(problems))
+    return plan, hashlib.sha256(signed.plan).digest()
+
+
+@dataclass(frozen=True)
+class VerifiedModel:
+    """A model whose signature and binding were checked."""
+
+    model: pb.Model
+    weights: NDArray[np.float64]
+    model_sha256: str
+    weights_sha256: str
+
+
+def verify_model(
+    signed: pb.SignedModel,
+    *,
+    server_key: Ed25519PublicKey,
+    federation_id: str,
+    round_id: str,
+    class_names: list[str],
+    d: int,
+    plan_sha256: bytes | None,
+) -> VerifiedModel:
+    """Check the model's signature and binding (module docstring); return W as float64."""
+    try:
+        signed_blobs.verify_blob(
+            server_key,
+            context=signed_blobs.MODEL_CONTEXT,
+            blob=signed.model,
+            signature=signed.signature,
+        )
+    except SignatureError as exc:
+        raise VerificationError(
+            f"round {round_id}: the model is not signed by this federation's server"
+        ) from exc
+    model = pb.Model()
+    model.ParseFromString(signed.model)
+    w = model.weights
+    shape = (d, len(class_names))
+    problems = []
+    if model.federation_id != federation_id or model.round_id != round_id:
+        problems.append(f"model is for round {model.round_id!r} of {model.federation_id!r}")
+    if list(model.class_names) != class_names:
+        problems.append("model classes differ from the round's")
+    if plan_sha256 is not None and model.plan_sha256 != plan_sha256:
+        problems.append("model was solved under a different release plan than the one accepted")
+    if tuple(w.shape) != shape or w.dtype != cpb.DTYPE_FLOAT64_LE:
+        problems.append(
+            f"weights are {list(w.shape)} {cpb.DType.Name(w.dtype)}, want {list(shape)}"
+        )
+    elif w.packing not in (cpb.PACKING_DENSE, cpb.PACKING_UNSPECIFIED):
+        problems.append("weights must be dense")
+    elif len(w.data) != 8 * d * len(class_names):
+        problems.append(f"weights hold {len(w.data)} bytes, want {8 * d * len(class_names)}")
+    if problems:
+        raise VerificationError(f"round {round_id}: " + "; ".join(problems))
+    weights = np.frombuffer(w.data, dtype="<f8").astype(np.float64).reshape(shape)
+    if not np.isfinite(weights).all():
+        raise VerificationError(f"round {round_id}: the model's weights contain NaN or inf")
+    return VerifiedModel(
+        model=model,
+        weights=weights,
+        model_sha256=hashlib.sha256(signed.model).hexdigest(),
+        weights_sha256=hashlib.sha256(w.data).hexdigest(),
+    )

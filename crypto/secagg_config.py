@@ -1,0 +1,215 @@
+"""Round configuration of the secure-aggregation protocol (design §5, §6): the cohort, the Shamir
+threshold t, the round id and salt, and the release plan (one :class:`ReleaseSpec` per aggregate).
+
+Thresholds.
+    Round threshold t (default ⌊n/2⌋ + 1, a majority of the cohort of n sites): every stage needs
+    at least t live clients or the round aborts with no release, and every secret is shared
+    t-of-n (Bonawitz et al. CCS'17).
+    Release threshold t_R (default max(⌊m/2⌋ + 1, 3) for a release with m members; design §5
+    minimum cohort 3): a release R is released iff |M_R ∩ U3| >= t_R, where U3 is the set of
+    clients whose masked input arrived. Its sum is Σ_{i ∈ M_R ∩ U3} x_{i,R}: the release's
+    members that survived. Clients enforce it: they never reveal self-mask shares for a release
+    below its threshold (the self-mask seed b_{i,R} is per release, so withholding one release
+    keeps its uploads masked while the others are unmasked).
+
+Fixed point: release R is encoded with ``FixedPointCodec.for_bound(bound=B_R, max_summands=m)``
+(the most fractional bits with m·B_R·2^f < 2^63), unless ``frac_bits`` is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from afl.crypto.canonical import PROTOCOL_VERSION, Field, canonical_encode
+from afl.crypto.errors import CryptoError, SecAggConfigError
+from afl.crypto.fixedpoint import FixedPointCodec
+from afl.crypto.kdf import MIN_SALT_BYTES, new_round_salt
+
+__all__ = [
+    "MIN_RELEASE_COHORT",
+    "ReleaseSpec",
+    "RoundConfig",
+    "default_threshold",
+]
+
+#: Default minimum number of surviving members of a release (design §5 local policy).
+MIN_RELEASE_COHORT = 3
+
+
+def default_threshold(n: int) -> int:
+    """⌊n/2⌋ + 1: a strict majority of n."""
+    return n // 2 + 1
+
+
+def _check_id(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise SecAggConfigError(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """One aggregate of the release plan: a flat vector of ``length`` float64 values, |x| <= bound,
+    summed over ``members`` (its cohort, a subset of the round's cohort; sorted, unique)."""
+
+    name: str
+    members: tuple[str, ...]
+    length: int
+    bound: float
+    threshold: int | None = None
+    frac_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_id("release name", self.name)
+        members = tuple(_check_id("release member", m) for m in self.members)
+        if len(set(members)) != len(members):
+            raise SecAggConfigError(f"release {self.name!r} lists a member twice")
+        object.__setattr__(self, "members", tuple(sorted(members)))
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+            raise SecAggConfigError(f"release {self.name!r}: length must be an int >= 1")
+        m = len(members)
+        if self.threshold is not None:
+            if not isinstance(self.threshold, int) or not 1 <= self.threshold <= m:
+                raise SecAggConfigError(
+                    f"release {self.name!r}: threshold must be in 1..{m}, got {self.threshold!r}"
+                )
+        elif self.min_survivors > m:
+            raise SecAggConfigError(
+                f"release {self.name!r} has {m} members, fewer than the minimum cohort "
+                f"{self.min_survivors}; set an explicit threshold to accept the exposure"
+            )
+        try:
+            self.codec()
+        except CryptoError as exc:
+            raise SecAggConfigError(f"release {self.name!r}: {exc}") from exc
+
+    @property
+    def min_survivors(self) -> int:
+        """t_R: the fewest surviving members for which this release is released."""
+        if self.threshold is not None:
+            return self.threshold
+        return max(default_threshold(len(self.members)), MIN_RELEASE_COHORT)
+
+    def codec(self) -> FixedPointCodec:
+        """The fixed-point codec of this release (valid for sums of all its members)."""
+        k = max(len(self.members), 1)
+        if self.frac_bits is None:
+            return FixedPointCodec.for_bound(bound=self.bound, max_summands=k)
+        return FixedPointCodec(bound=self.bound, frac_bits=self.frac_bits, max_summands=k)
+
+    def fields(self) -> tuple[Field, ...]:
+        """Canonical fields of the spec (bound as its float64 hex, exact)."""
+        codec = self.codec()
+        return (
+            self.name,
+            len(self.members),
+            *self.members,
+            self.length,
+            float(self.bound).hex(),
+            codec.frac_bits,
+            self.min_survivors,
+        )
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """The public, per-round configuration every party holds (the server publishes it signed).
+
+    ``cohort`` is sorted on construction; ``share_index(site)`` = 1 + its position, the x-coordinate
+    of the Shamir shares that site holds.
+    """
+
+    round_id: str
+    round_salt: bytes
+    cohort: tuple[str, ...]
+    releases: tuple[ReleaseSpec, ...]
+    threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_id("round_id", self.round_id)
+        if not isinstance(self.round_salt, bytes) or len(self.round_salt) < MIN_SALT_BYTES:
+            raise SecAggConfigError(f"round_salt must be at least {MIN_SALT_BYTES} random bytes")
+        cohort = tuple(_check_id("site id", s) for s in self.cohort)
+        if len(set(cohort)) != len(cohort):
+            raise SecAggConfigError("the cohort lists a site twice")
+        if len(cohort) < 2:
+            raise SecAggConfigError("secure aggregation needs a cohort of at least 2 sites")
+        object.__setattr__(self, "cohort", tuple(sorted(cohort)))
+        object.__setattr__(self, "releases", tuple(self.releases))
+        n = len(cohort)
+        if self.threshold is not None and (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, int)
+            or not 2 <= self.threshold <= n
+        ):
+            raise SecAggConfigError(f"threshold t must be an int in 2..{n}, got {self.threshold!r}")
+        if not self.releases:
+            raise SecAggConfigError("the release plan is empty")
+        names = [r.name for r in self.releases]
+        if len(set(names)) != len(names):
+            raise SecAggConfigError("two releases share a name")
+        for release in self.releases:
+            strangers = set(release.members) - set(cohort)
+            if strangers:
+                raise SecAggConfigError(
+                    f"release {release.name!r} has members outside the cohort: {sorted(strangers)}"
+                )
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        round_id: str,
+        cohort: Sequence[str],
+        releases: Sequence[ReleaseSpec],
+        threshold: int | None = None,
+    ) -> RoundConfig:
+        """A config with a fresh random round salt (:func:`afl.crypto.kdf.new_round_salt`)."""
+        return cls(
+            round_id=round_id,
+            round_salt=new_round_salt(),
+            cohort=tuple(cohort),
+            releases=tuple(releases),
+            threshold=threshold,
+        )
+
+    @property
+    def t(self) -> int:
+        """The round threshold t (default ⌊n/2⌋ + 1)."""
+        return self.threshold if self.threshold is not None else default_threshold(len(self.cohort))
+
+    def share_index(self, site: str) -> int:
+        """Shamir x-coordinate of the shares held by ``site`` (1-based cohort position)."""
+        try:
+            return self.cohort.index(site) + 1
+        except ValueError:
+            raise SecAggConfigError(f"site {site!r} is not in the cohort") from None
+
+    def release(self, name: str) -> ReleaseSpec:
+        """The release named ``name``."""
+        for release in self.releases:
+            if release.name == name:
+                return release
+        raise SecAggConfigError(f"no release named {name!r} in the plan")
+
+    def releases_of(self, site: str) -> tuple[ReleaseSpec, ...]:
+        """The releases ``site`` takes part in, in plan order."""
+        return tuple(r for r in self.releases if site in r.members)
+
+    def digest(self) -> bytes:
+        """SHA-256 of the canonical encoding of the whole config (bound into every signature)."""
+        fields: list[Field] = [
+            PROTOCOL_VERSION,
+            "round-config",
+            self.round_id,
+            self.round_salt,
+            self.t,
+            len(self.cohort),
+            *self.cohort,
+            len(self.releases),
+        ]
+        for release in self.releases:
+            fields.append(canonical_encode(release.fields()))
+        return hashlib.sha256(canonical_encode(fields)).digest()

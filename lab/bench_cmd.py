@@ -1,0 +1,28 @@
+"""`afl bench SUITE`: benchmark suites. Each writes JSON; docs/benchmarks.md records the figures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# suite name -> (module under afl.lab, one-line help). Modules expose add_arguments and run.
+SUITES: dict[str, tuple[str, str]] = {
+    "extract": ("bench_extract", "feature-extraction images/s: full pipeline vs pure forward pass"),
+    "secagg": ("bench_secagg", "pairwise-masking cost vs plaintext, bytes per site, growth with K"),
+    "ckks": ("bench_ckks", "CKKS encrypt/decrypt time, bytes per site, accuracy vs plaintext"),
+    "privacy": ("bench_privacy", "utility vs ε and the accuracy cost of global vs per-class"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, (module_name, help_text) in SUITES.items():
+        module = importlib.import_module(f"afl.lab.{module_name}")
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sp)
+        sp.set_defaults(suite_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    code: int = args.suite_run(args)
+    return code

@@ -1,0 +1,235 @@
+"""A real federation on loopback: provisioned kits, site feature caches, and ``afl-server`` plus
+one ``afl-client run`` process per site over mutual TLS (issue 4; used by ``afl demo`` and the
+end-to-end tests).
+
+Task heterogeneity (design §4) is written into the data the way a hospital would hold it: a site's
+cache carries -1 labels for the classes it does not annotate, and its client.toml lists the
+classes it labels. Nothing here computes the model: the daemons do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.core.featurecache import CacheMeta, write_cache
+from afl.server import toml_text
+from afl.server.provisioning import ProvisionedFederation, provision
+
+__all__ = ["LoopbackFederation", "LoopbackRun", "free_port", "prepare_loopback", "run_loopback"]
+
+# Quick polling for a loopback run (a hospital deployment keeps client.toml's defaults).
+DEMO_CLIENT_TIMING: dict[str, float] = {
+    "poll_interval_s": 0.05,
+    "max_poll_interval_s": 0.5,
+    "linger_s": 4.0,
+    "max_wait_s": 600.0,
+}
+
+
+@dataclass(frozen=True)
+class LoopbackFederation:
+    """Where :func:`prepare_loopback` put the kits, caches and configs."""
+
+    root: Path
+    provisioned: ProvisionedFederation
+    site_ids: tuple[str, ...]
+    classes: tuple[str, ...]
+    server_config: Path
+    client_configs: Mapping[str, Path]
+    test_cache: Path
+
+
+@dataclass(frozen=True)
+class LoopbackRun:
+    """Exit codes, the sites' local reports (round id -> report) and the wall time."""
+
+    server_rc: int | None
+    client_rcs: Mapping[str, int]
+    reports: Mapping[str, dict[str, dict[str, Any]]]
+    wall_s: float
+    logs: Mapping[str, Path] = field(default_factory=dict)
+
+    def final_report(self, site: str) -> dict[str, Any]:
+        """The site's report of its last round (by round number, then file time)."""
+        reports = list(self.reports.get(site, {}).values())
+        if not reports:
+            raise KeyError(f"site {site} wrote no report")
+        return max(reports, key=lambda r: (r.get("outcome") == "COMPLETED", r.get("_mtime", 0)))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **meta: Any) -> None:
+    cache_meta = CacheMeta(
+        n=int(feats.shape[0]),
+        d=int(feats.shape[1]),
+        classes=tuple(meta.pop("classes")),
+        source=str(meta.pop("source")),
+        surrogate=bool(meta.pop("surrogate", False)),
+        extra={"site": name, **meta},
+    )
+    ids = [f"{name}-{i}" for i in range(feats.shape[0])]
+    write_cache(root / name, meta=cache_meta, ids=ids, labels=labels, features=feats)
+
+
+def prepare_loopback(
+    root: str | os.PathLike[str],
+    *,
+    classes: Sequence[str],
+    site_features: Sequence[NDArray[Any]],
+    site_labels: Sequence[NDArray[Any]],
+    active: NDArray[np.bool_],
+    test_features: NDArray[Any],
+    test_labels: NDArray[Any],
+    round_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    policy: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
+    source: str = "surrogate",
+    surrogate: bool = True,
+) -> LoopbackFederation:
+    """Provision kits for ``len(site_features)`` sites and write their caches and configs.
+
+    ``active[k, c]``: site k labels class c (its other labels become -1). ``round_settings``
+    overrides server.toml's [round] (classes and feature_dim are filled in); ``policy`` maps a
+    site id to [policy] overrides for its client.toml.
+    """
+    out = Path(root)
+    k = len(site_features)
+    active = np.asarray(active, dtype=bool)
+    if active.shape != (k, len(classes)):
+        raise ValueError(f"active must be ({k}, {len(classes)}), got {active.shape}")
+    site_ids = tuple(f"site-{i + 1}" for i in range(k))
+    d = int(test_features.shape[1])
+    settings: dict[str, toml_text.TomlValue] = {
+        "classes": list(classes),
+        "feature_dim": d,
+        "min_participants": min(3, k),
+        "enrol_timeout_s": 120.0,
+        "upload_timeout_s": 300.0,
+        **(round_settings or {}),
+    }
+    fed = provision(out / "federation", sites=site_ids, port=free_port(), round_settings=settings)
+    data = out / "data"
+    meta = {"classes": classes, "source": source, "surrogate": surrogate}
+    configs = {}
+    for i, site in enumerate(site_ids):
+        labels = np.where(active[i], np.asarray(site_labels[i]), -1).astype(np.int8)
+        _cache(data, site, site_features[i], labels, **meta)
+        path = fed.site_dirs[site] / "client.toml"
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        doc["data"] = {
+            "cache": str((data / site).resolve()),
+            "classes": [c for c, on in zip(classes, active[i], strict=True) if on],
+        }
+        doc["policy"] = {**doc.get("policy", {}), **(policy or {}).get(site, {})}
+        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING}
+        path.write_text(toml_text.dumps(doc), encoding="utf-8")
+        configs[site] = path
+    _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), **meta)
+    return LoopbackFederation(
+        root=out,
+        provisioned=fed,
+        site_ids=site_ids,
+        classes=tuple(classes),
+        server_config=fed.server_dir / "server.toml",
+        client_configs=configs,
+        test_cache=data / "test",
+    )
+
+
+def _reports(state_dir: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in sorted((state_dir / "reports").glob("*.json")):
+        report: dict[str, Any] = json.loads(p.read_text(encoding="utf-8"))
+        report["_mtime"] = p.stat().st_mtime_ns
+        out[p.stem] = report
+    return out
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int | None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def run_loopback(
+    fed: LoopbackFederation,
+    *,
+    timeout_s: float = 600.0,
+    client_args: Sequence[str] = (),
+    server_args: Sequence[str] = (),
+    log_level: str = "WARNING",
+) -> LoopbackRun:
+    """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
+    stop the server; logs go to ``<root>/logs``."""
+    logs_dir = fed.root / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs: dict[str, Path] = {"server": logs_dir / "server.log"}
+    start = time.perf_counter()
+    server_cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(fed.server_config)]
+    server_cmd += ["--log-level", log_level, *server_args]
+    handles = [open(logs["server"], "wb")]  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(server_cmd, stdout=handles[0], stderr=subprocess.STDOUT, env=env)
+    clients: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for site, config in fed.client_configs.items():
+            logs[site] = logs_dir / f"{site}.log"
+            handles.append(open(logs[site], "wb"))  # noqa: SIM115
+            cmd = [sys.executable, "-m", "afl.client.cli", "run", "--config", str(config)]
+            cmd += ["--log-level", log_level, *client_args]
+            clients[site] = subprocess.Popen(
+                cmd, stdout=handles[-1], stderr=subprocess.STDOUT, env=env
+            )
+        deadline = time.monotonic() + timeout_s
+        rcs: dict[str, int] = {}
+        # Wait for every client; give up at the deadline or when the server dies first.
+        while len(rcs) < len(clients) and time.monotonic() < deadline:
+            for site, proc in clients.items():
+                if site not in rcs and proc.poll() is not None:
+                    rcs[site] = proc.returncode
+            if server.poll() is not None and len(rcs) < len(clients):
+                time.sleep(1.0)  # let clients that already finished write their reports
+                break
+            time.sleep(0.1)
+        for site, proc in clients.items():
+            if site not in rcs:
+                rcs[site] = proc.returncode if proc.poll() is not None else -1
+    finally:
+        for proc in clients.values():
+            _stop(proc)
+        server_rc = _stop(server)
+        for h in handles:
+            h.close()
+    wall = time.perf_counter() - start
+    reports = {
+        site: _reports(
+            fed.client_configs[site].parent
+            / tomllib.loads(fed.client_configs[site].read_text())["client"]["state_dir"]
+        )
+        for site in fed.site_ids
+    }
+    return LoopbackRun(server_rc, rcs, reports, wall, logs)

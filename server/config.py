@@ -1,0 +1,313 @@
+"""server.toml: load and validate the afl-server configuration (design §9, issue 4).
+
+``afl provision`` writes [server], [tls], [identity] and [sites]; it also writes a [round] table
+from :func:`round_template` that the coordinator completes (the class names and d at least)::
+
+    [round]
+    classes = ["Atelectasis", "Effusion", ...]   # model column order
+    feature_dim = 1024                           # d
+    backbone = ""                                # feature extractor id ("" = not checked)
+    gamma = 1.0                                  # ridge γ, added once by the server
+    gram_scope = "global"                        # or "per-class" (design §5)
+    aggregation = "plaintext"
+    rounds = 1                                   # 2 = pseudo-label refinement (paper eq. 16-22)
+    tau = 0.7; alpha = 0.5; delta_pos = 5; delta_neg = 50
+    min_participants = 3
+    participants = []                            # expected site ids ([] = every provisioned site)
+    enrol_timeout_s = 600.0; upload_timeout_s = 600.0
+    operator_override = false; override_reason = ""   # accept a per-class plan failing the audit
+
+Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
+max_upload_bytes. Relative paths are resolved against the file's folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from afl.core.aggregation import GRAM_SCOPES, GramScope
+from afl.core.refinement import RefinementParams
+from afl.crypto import pki
+from afl.server.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_MAX_UPLOAD_BYTES",
+    "RoundSettings",
+    "ServerConfig",
+    "SiteEntry",
+    "load_config",
+    "round_template",
+]
+
+DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
+AGGREGATIONS = ("plaintext",)
+ROLES = ("participant", "decryptor")
+
+
+def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The [round] table ``afl provision`` writes: defaults, updated with ``overrides``."""
+    table: dict[str, Any] = {
+        "classes": [],
+        "feature_dim": 0,
+        "backbone": "",
+        "gamma": 1.0,
+        "gram_scope": "global",
+        "aggregation": "plaintext",
+        "rounds": 1,
+        "tau": 0.7,
+        "alpha": 0.5,
+        "delta_pos": 5,
+        "delta_neg": 50,
+        "min_participants": 3,
+        "participants": [],
+        "enrol_timeout_s": 600.0,
+        "upload_timeout_s": 600.0,
+        "operator_override": False,
+        "override_reason": "",
+    }
+    for key, value in (overrides or {}).items():
+        if key not in table:
+            raise ConfigError(f"unknown [round] setting {key!r}; known: {', '.join(table)}")
+        table[key] = list(value) if isinstance(value, tuple) else value
+    return table
+
+
+@dataclass(frozen=True)
+class SiteEntry:
+    """A provisioned site: its Ed25519 identity public key (raw) and role."""
+
+    identity_public_key: bytes
+    role: str
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """The validated [round] table."""
+
+    classes: tuple[str, ...]
+    feature_dim: int
+    backbone: str
+    gamma: float
+    gram_scope: GramScope
+    aggregation: str
+    rounds: int
+    refinement: RefinementParams
+    min_participants: int
+    participants: tuple[str, ...]
+    enrol_timeout_s: float
+    upload_timeout_s: float
+    operator_override: bool = False
+    override_reason: str = ""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything afl-server reads from server.toml."""
+
+    path: Path
+    federation_id: str
+    listen: str
+    state_dir: Path
+    ca_cert: Path
+    cert: Path
+    key: Path
+    identity_key: Path
+    identity_public_key: bytes
+    sites: Mapping[str, SiteEntry]
+    round: RoundSettings
+    metrics_port: int = 0
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+
+
+class _Table:
+    """Typed access to one TOML table with errors that name the file, table and key."""
+
+    def __init__(self, data: Mapping[str, Any], name: str, source: Path) -> None:
+        self.data, self.name, self.source = data, name, source
+
+    def fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: [{self.name}] {key}: {problem}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        if key not in self.data:
+            if default is None:
+                raise self.fail(key, "missing")
+            return default
+        value = self.data[key]
+        bad_bool = isinstance(value, bool) and bool not in (
+            kind if isinstance(kind, tuple) else (kind,)
+        )
+        if bad_bool or not isinstance(value, kind):
+            raise self.fail(key, f"expected {_kind_name(kind)}, got {value!r}")
+        return value
+
+    def number(self, key: str, default: float | None = None, *, positive: bool = True) -> float:
+        value = float(self.get(key, (int, float), default))
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise self.fail(key, f"must be a finite positive number, got {value!r}")
+        return value
+
+    def strings(self, key: str, default: list[str] | None = None) -> tuple[str, ...]:
+        values = self.get(key, list, default)
+        if not all(isinstance(v, str) and v for v in values):
+            raise self.fail(key, "must be a list of non-empty strings")
+        if len(set(values)) != len(values):
+            raise self.fail(key, "lists a value twice")
+        return tuple(values)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _table(doc: Mapping[str, Any], name: str, source: Path) -> _Table:
+    value = doc.get(name)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: missing table [{name}]")
+    return _Table(value, name, source)
+
+
+def _hex_key(table: _Table, key: str) -> bytes:
+    text = table.get(key, str)
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError as exc:
+        raise table.fail(key, "must be hex") from exc
+    if len(raw) != 32:
+        raise table.fail(key, "must be a 32-byte Ed25519 public key in hex")
+    return raw
+
+
+def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
+    raw = doc.get("sites")
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{source}: [sites] must list at least one provisioned site")
+    sites: dict[str, SiteEntry] = {}
+    for site_id, entry in raw.items():
+        try:
+            pki.validate_site_id(site_id)
+        except pki.PkiError as exc:
+            raise ConfigError(f"{source}: [sites] {exc}") from exc
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{source}: [sites.{site_id}] must be a table")
+        table = _Table(entry, f"sites.{site_id}", source)
+        role = table.get("role", str, "participant")
+        if role not in ROLES:
+            raise table.fail("role", f"must be one of {ROLES}, got {role!r}")
+        sites[site_id] = SiteEntry(_hex_key(table, "identity_public_key"), role)
+    return sites
+
+
+def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry]) -> RoundSettings:
+    t = _table(doc, "round", source)
+    classes = t.strings("classes")
+    if not classes:
+        raise t.fail("classes", "list the class names in model column order")
+    d = t.get("feature_dim", int)
+    if d < 1:
+        raise t.fail("feature_dim", f"set d, the feature dimension (>= 1), got {d}")
+    scope = t.get("gram_scope", str, "global")
+    if scope not in GRAM_SCOPES:
+        raise t.fail("gram_scope", f"must be one of {GRAM_SCOPES}, got {scope!r}")
+    aggregation = t.get("aggregation", str, "plaintext")
+    if aggregation not in AGGREGATIONS:
+        raise t.fail("aggregation", f"must be one of {AGGREGATIONS} for now, got {aggregation!r}")
+    rounds = t.get("rounds", int, 1)
+    if rounds not in (1, 2):
+        raise t.fail("rounds", f"must be 1 or 2, got {rounds}")
+    try:
+        refinement = RefinementParams(
+            tau=t.number("tau", 0.7),
+            alpha=float(t.get("alpha", (int, float), 0.5)),
+            delta_pos=t.get("delta_pos", int, 5),
+            delta_neg=t.get("delta_neg", int, 50),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{source}: [round] refinement: {exc}") from exc
+    participants = t.strings("participants", []) or tuple(sorted(sites))
+    unknown = sorted(set(participants) - set(sites))
+    if unknown:
+        raise t.fail("participants", f"not provisioned in [sites]: {', '.join(unknown)}")
+    min_participants = t.get("min_participants", int, 3)
+    if not 1 <= min_participants <= len(participants):
+        raise t.fail(
+            "min_participants",
+            f"must lie in 1..{len(participants)} (participants), got {min_participants}",
+        )
+    return RoundSettings(
+        classes=classes,
+        feature_dim=d,
+        backbone=t.get("backbone", str, ""),
+        gamma=t.number("gamma", 1.0),
+        gram_scope=scope,
+        aggregation=aggregation,
+        rounds=rounds,
+        refinement=refinement,
+        min_participants=min_participants,
+        participants=tuple(sorted(participants)),
+        enrol_timeout_s=t.number("enrol_timeout_s", 600.0),
+        upload_timeout_s=t.number("upload_timeout_s", 600.0),
+        operator_override=t.get("operator_override", bool, False),
+        override_reason=t.get("override_reason", str, ""),
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> ServerConfig:
+    """Read and validate ``path``; :class:`ConfigError` says which key is wrong and why."""
+    source = Path(path)
+    try:
+        with source.open("rb") as handle:
+            doc = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"cannot read server config {source}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    base = source.resolve().parent
+    server = _table(doc, "server", source)
+    tls = _table(doc, "tls", source)
+    identity = _table(doc, "identity", source)
+    limits = _Table(doc.get("limits", {}), "limits", source)
+    sites = _sites(doc, source)
+
+    def file(table: _Table, key: str) -> Path:
+        resolved = base / str(table.get(key, str))
+        if not resolved.is_file():
+            raise table.fail(key, f"file {resolved} does not exist")
+        return resolved
+
+    metrics_port = server.get("metrics_port", int, 0)
+    if not 0 <= metrics_port <= 65535:
+        raise server.fail("metrics_port", f"must be in 0..65535, got {metrics_port}")
+    max_chunk = limits.get("max_chunk_bytes", int, DEFAULT_MAX_CHUNK_BYTES)
+    max_upload = limits.get("max_upload_bytes", int, DEFAULT_MAX_UPLOAD_BYTES)
+    if max_chunk < 1 or max_upload < max_chunk:
+        raise limits.fail("max_upload_bytes", "need 1 <= max_chunk_bytes <= max_upload_bytes")
+    federation_id = server.get("federation_id", str)
+    if not federation_id.strip():
+        raise server.fail("federation_id", "must not be empty")
+    return ServerConfig(
+        path=source,
+        federation_id=federation_id,
+        listen=server.get("listen", str),
+        state_dir=base / server.get("state_dir", str, "state"),
+        ca_cert=file(tls, "ca_cert"),
+        cert=file(tls, "cert"),
+        key=file(tls, "key"),
+        identity_key=file(identity, "key"),
+        identity_public_key=_hex_key(identity, "public_key"),
+        sites=sites,
+        round=_round(doc, source, sites),
+        metrics_port=metrics_port,
+        max_chunk_bytes=max_chunk,
+        max_upload_bytes=max_upload,
+    )

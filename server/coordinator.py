@@ -1,0 +1,372 @@
+"""Request handling of the coordinator: enrolment, status, plan decisions, uploads, models
+(issue 4, design §9). Transport-free: the gRPC servicer decodes messages, takes the caller's site
+id from its certificate and calls these methods; errors are :mod:`afl.server.errors` classes.
+
+Enrolment (coordinator.proto ``Enroll``): the certificate's site id must be provisioned, the
+identity key must equal the provisioned key, and the proof must verify (context "enrol", fields
+(federation_id, site_id, identity_public_key); :mod:`afl.crypto.signed_blobs`).
+
+Uploads are idempotent by (round, site, release, sha256): the same digest again returns the
+stored receipt with ``duplicate = True``; another digest is a :class:`ConflictError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from afl.crypto.errors import CryptoError
+from afl.crypto.signatures import load_public_key_raw, verify_fields
+from afl.crypto.signed_blobs import (
+    ENROL_CONTEXT,
+    PLAN_DECISION_CONTEXT,
+    blob_sha256,
+    enrol_fields,
+    plan_decision_fields,
+)
+from afl.proto.v1 import common_pb2
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.config import ServerConfig
+from afl.server.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotPermittedError,
+    WrongStageError,
+)
+from afl.server.modes import AggregationStrategy, strategy_for
+from afl.server.observability import ServerMetrics
+from afl.server.rounds import RoundMachine, RoundView, Stage, stage_name
+from afl.server.store import EnrolmentRow, Store
+from afl.server.uploads import AssembledUpload
+
+__all__ = ["PROTOCOL_VERSION", "SERVER_VERSION", "Coordinator"]
+
+PROTOCOL_VERSION = 1
+SERVER_VERSION = "afl-server/0.1.0"
+_ROLES = {"participant": pb.SITE_ROLE_PARTICIPANT, "decryptor": pb.SITE_ROLE_DECRYPTOR}
+
+log = logging.getLogger("afl.server.coordinator")
+
+
+class Coordinator:
+    """The coordinator's domain API; thread-safe (one lock)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        identity_key: Ed25519PrivateKey,
+        *,
+        strategy: AggregationStrategy | None = None,
+        metrics: ServerMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or ServerMetrics()
+        self.machine = RoundMachine(
+            config,
+            store,
+            identity_key,
+            strategy=strategy or strategy_for(config.round.aggregation),
+            metrics=self.metrics,
+            clock=clock,
+        )
+        self.store = store
+        with self.machine.lock:
+            self.machine.advance()
+
+    # --- identity ----------------------------------------------------------------------------
+
+    def _known(self, site_id: str) -> None:
+        if site_id not in self.config.sites:
+            raise NotPermittedError(f"site {site_id!r} is not provisioned in this federation")
+
+    def _enrolled(self, site_id: str) -> EnrolmentRow:
+        self._known(site_id)
+        with self.machine.lock:
+            row = self.store.enrolments().get(site_id)
+        if row is None:
+            raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
+        return row
+
+    def enroll(self, site_id: str, request: pb.EnrollRequest) -> pb.EnrollResponse:
+        """Register ``site_id`` (from its certificate) and its identity key."""
+        self._known(site_id)
+        entry, settings = self.config.sites[site_id], self.config.round
+        if request.identity_public_key != entry.identity_public_key:
+            raise NotPermittedError("identity key differs from the key provisioned for this site")
+        try:
+            verify_fields(
+                load_public_key_raw(request.identity_public_key),
+                request.proof,
+                context=ENROL_CONTEXT,
+                fields=enrol_fields(
+                    federation_id=self.config.federation_id,
+                    site_id=site_id,
+                    identity_public_key=request.identity_public_key,
+                ),
+            )
+        except CryptoError as exc:
+            raise NotPermittedError("enrol proof of possession does not verify") from exc
+        if request.role not in (pb.SITE_ROLE_UNSPECIFIED, _ROLES[entry.role]):
+            raise NotPermittedError(f"site {site_id!r} is provisioned as {entry.role}")
+        if request.protocol_version not in (0, PROTOCOL_VERSION):
+            raise WrongStageError(f"protocol version {request.protocol_version} is not spoken")
+        if request.feature_dim and request.feature_dim != settings.feature_dim:
+            raise InvalidRequestError(
+                f"feature_dim {request.feature_dim} differs from the federation's d = "
+                f"{settings.feature_dim}"
+            )
+        if settings.backbone and request.backbone and request.backbone != settings.backbone:
+            raise InvalidRequestError(
+                f"backbone {request.backbone!r} differs from the federation's {settings.backbone!r}"
+            )
+        unknown = sorted(set(request.labelled_classes) - set(settings.classes))
+        if unknown:
+            raise InvalidRequestError(f"labelled_classes names unknown classes: {unknown}")
+        with self.machine.lock:
+            self.store.put_enrolment(
+                EnrolmentRow(
+                    site_id,
+                    bytes(request.identity_public_key),
+                    entry.role,
+                    tuple(c for c in settings.classes if c in set(request.labelled_classes)),
+                    request.backbone,
+                    request.feature_dim,
+                ),
+                software_version=request.software_version,
+            )
+            self.store.audit("enrolled", {"site_id": site_id})
+            self.metrics.enrolments.inc()
+            log.info("site enrolled", extra={"site_id": site_id})
+            self.machine.advance()
+        return pb.EnrollResponse(
+            site_id=site_id,
+            federation_id=self.config.federation_id,
+            server_identity_public_key=self.config.identity_public_key,
+            protocol_version=PROTOCOL_VERSION,
+            message="enrolled",
+        )
+
+    # --- rounds ------------------------------------------------------------------------------
+
+    def _visible(self, view: RoundView, site_id: str) -> bool:
+        return site_id in view.row.participants
+
+    def status(self, site_id: str, round_id: str = "") -> pb.StatusResponse:
+        self._known(site_id)
+        with self.machine.lock:
+            enrolled = site_id in self.store.enrolments()
+            view = self.machine.find(round_id)
+            latest = self.store.model()
+            response = pb.StatusResponse(
+                federation_id=self.config.federation_id,
+                site_id=site_id,
+                enrolled=enrolled,
+                latest_model_round_id=latest[0] if latest else "",
+                server_version=SERVER_VERSION,
+            )
+            if enrolled and self._visible(view, site_id):
+                response.round.CopyFrom(self.machine.status(view, site_id))
+            return response
+
+    def round_config(self, site_id: str, round_id: str = "") -> pb.RoundConfig:
+        self._enrolled(site_id)
+        settings = self.config.round
+        with self.machine.lock:
+            view = self.machine.find(round_id)
+            self.machine.require_participant(view, site_id)
+            row = view.row
+            if row.plan is None or row.plan_signature is None:
+                raise WrongStageError(f"round {row.round_id!r} has no release plan yet")
+        config = pb.RoundConfig(
+            federation_id=self.config.federation_id,
+            round_id=row.round_id,
+            round_number=row.number,
+            parent_round_id=row.parent_round_id,
+            participants=list(row.participants),
+            class_names=list(settings.classes),
+            feature_dim=settings.feature_dim,
+            backbone=settings.backbone,
+            gamma=settings.gamma,
+            gram_scope=common_pb2.ReleasePlan.FromString(row.plan).gram_scope,
+            aggregation=self.machine.strategy.proto_mode,  # type: ignore[arg-type]
+            dp=common_pb2.DpParams(enabled=False),
+            min_participants=settings.min_participants,
+            stage_timeout_s=int(settings.upload_timeout_s),
+            release_plan=common_pb2.SignedReleasePlan(plan=row.plan, signature=row.plan_signature),
+            protocol_version=PROTOCOL_VERSION,
+        )
+        if row.number == 2:
+            r = settings.refinement
+            config.refinement.CopyFrom(
+                pb.RefinementParams(
+                    tau=r.tau, alpha=r.alpha, delta_pos=r.delta_pos, delta_neg=r.delta_neg
+                )
+            )
+        return config
+
+    def decide(self, site_id: str, decision: pb.PlanDecision) -> None:
+        """Record a signed accept/refuse of the round's plan."""
+        enrolment = self._enrolled(site_id)
+        with self.machine.lock:
+            view = self.machine.find(decision.round_id or "-")
+            self.machine.require_participant(view, site_id)
+            if view.row.plan is None or view.row.stage not in Stage.ACCEPTING_UPLOADS:
+                raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
+            if decision.plan_sha256 != blob_sha256(view.row.plan):
+                raise WrongStageError("the decision names another release plan than this round's")
+            try:
+                verify_fields(
+                    load_public_key_raw(enrolment.identity_public_key),
+                    decision.signature,
+                    context=PLAN_DECISION_CONTEXT,
+                    fields=plan_decision_fields(
+                        round_id=view.round_id,
+                        accept=decision.accept,
+                        plan_sha256=decision.plan_sha256,
+                    ),
+                )
+            except CryptoError as exc:
+                raise NotPermittedError("plan decision signature does not verify") from exc
+            previous = self.store.decisions(view.round_id).get(site_id)
+            if previous is not None and previous[0] != decision.accept:
+                raise WrongStageError("a different decision on this plan is already recorded")
+            reason = decision.reason[:500]
+            self.store.put_decision(view.round_id, site_id, accept=decision.accept, reason=reason)
+            self.store.audit(
+                "plan-decision",
+                {
+                    "round_id": view.round_id,
+                    "site_id": site_id,
+                    "accept": decision.accept,
+                    "reason": reason,
+                },
+            )
+            self.machine.advance()
+
+    def upload(self, site_id: str, upload: AssembledUpload) -> pb.UploadReceipt:
+        """Store one checked payload (see the module docstring for idempotency)."""
+        self._enrolled(site_id)
+        if upload.kind not in (pb.PAYLOAD_KIND_UNSPECIFIED, pb.PAYLOAD_KIND_STATISTIC):
+            raise InvalidRequestError("plaintext rounds accept STATISTIC payloads only")
+        with self.machine.lock:
+            view = self.machine.find(upload.round_id or "-")
+            self.machine.require_participant(view, site_id)
+            existing = self.store.uploads(view.round_id).get((site_id, upload.release_name))
+            if existing is not None:
+                if existing.sha256 != upload.sha256:
+                    self.metrics.uploads.labels(outcome="conflict").inc()
+                    raise ConflictError(
+                        f"release {upload.release_name!r} already holds a different payload from "
+                        "this site; uploads cannot be replaced"
+                    )
+                self.metrics.uploads.labels(outcome="duplicate").inc()
+                return self._receipt(
+                    view, existing.release_name, existing.sha256, existing.size, duplicate=True
+                )
+            if view.row.stage not in Stage.ACCEPTING_UPLOADS:
+                raise WrongStageError(
+                    f"round {view.round_id!r} is "
+                    f"{stage_name(view.row.stage)}, not accepting uploads"
+                )
+            decision = self.store.decisions(view.round_id).get(site_id)
+            if decision is None or not decision[0]:
+                raise WrongStageError("accept the release plan (RespondToPlan) before uploading")
+            release = next((r for r in view.releases if r.name == upload.release_name), None)
+            if release is None:
+                raise InvalidRequestError(
+                    f"no release named {upload.release_name!r} in round {view.round_id!r}"
+                )
+            if site_id not in release.members:
+                raise NotPermittedError(f"site {site_id!r} is not a member of {release.name!r}")
+            self.machine.strategy.check_payload(release, upload.data)
+            self.store.put_upload(
+                view.round_id, site_id, release.name, data=upload.data, sha256=upload.sha256
+            )
+            self.store.audit(
+                "upload",
+                {
+                    "round_id": view.round_id,
+                    "site_id": site_id,
+                    "release": release.name,
+                    "sha256": upload.sha256.hex(),
+                    "bytes": len(upload.data),
+                },
+            )
+            self.metrics.uploads.labels(outcome="stored").inc()
+            self.metrics.upload_bytes.inc(len(upload.data))
+            self.machine.advance()
+            return self._receipt(
+                view, release.name, upload.sha256, len(upload.data), duplicate=False
+            )
+
+    @staticmethod
+    def _receipt(
+        view: RoundView, release: str, sha256: bytes, size: int, *, duplicate: bool
+    ) -> pb.UploadReceipt:
+        return pb.UploadReceipt(
+            round_id=view.round_id,
+            release_name=release,
+            sha256=sha256,
+            bytes_received=size,
+            duplicate=duplicate,
+        )
+
+    def model(self, site_id: str, round_id: str = "") -> pb.SignedModel:
+        self._enrolled(site_id)
+        with self.machine.lock:
+            found = self.store.model(round_id or None)
+        if found is None:
+            raise WrongStageError(
+                "no model has been published" + (f" for round {round_id!r}" if round_id else "")
+            )
+        return pb.SignedModel(model=found[1], signature=found[2])
+
+    def report(self, site_id: str, report: pb.ClientReport) -> None:
+        self._enrolled(site_id)
+        with self.machine.lock:
+            view = self.machine.find(report.round_id or "-")
+            self.machine.require_participant(view, site_id)
+            self.store.put_report(view.round_id, site_id, report.SerializeToString())
+            self.store.audit(
+                "client-report",
+                {
+                    "round_id": view.round_id,
+                    "site_id": site_id,
+                    "outcome": pb.ClientOutcome.Name(report.outcome),
+                    "bytes_sent": report.bytes_sent,
+                },
+            )
+
+    def events_after(
+        self, site_id: str, sequence: int, *, timeout_s: float
+    ) -> tuple[list[pb.RoundEvent], int]:
+        """Round events numbered above ``sequence`` of rounds ``site_id`` takes part in, waiting
+        up to ``timeout_s`` for any event; also returns the last sequence number looked at."""
+        self._enrolled(site_id)
+        with self.machine.lock:
+            self.machine.lock.wait_for(
+                lambda: len(self.machine.events) > sequence, timeout=timeout_s
+            )
+            events = self.machine.events[sequence:]
+            mine = [e for e in events if site_id in e.status.participants]
+            return mine, len(self.machine.events)
+
+    def rounds_up_to(self, round_id: str) -> set[str]:
+        """Ids of ``round_id`` and every round before it (empty when ``round_id`` is "")."""
+        with self.machine.lock:
+            ids = [row.round_id for row in self.store.rounds()] if round_id else []
+        return set(ids[: ids.index(round_id) + 1]) if round_id in ids else set()
+
+    def event_count(self) -> int:
+        with self.machine.lock:
+            return len(self.machine.events)
+
+    def tick(self) -> None:
+        """Apply due timeouts (the daemon calls this periodically)."""
+        with self.machine.lock:
+            self.machine.advance()

@@ -1,0 +1,50 @@
+"""Error classes of afl.server, one per gRPC status the coordinator returns (design §9).
+
+Domain code raises these; :func:`afl.server.servicer.status_for` maps them to status codes in
+one place. Messages never contain statistics or key material.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ConflictError",
+    "InvalidRequestError",
+    "NotPermittedError",
+    "ServerError",
+    "StateError",
+    "TooLargeError",
+    "WrongStageError",
+]
+
+
+class ServerError(Exception):
+    """Base class of every error afl.server raises on behalf of a request."""
+
+
+class InvalidRequestError(ServerError, ValueError):
+    """Malformed request: wrong shape, NaN/inf, bad chunk sequence, digest mismatch."""
+
+
+class NotPermittedError(ServerError):
+    """Unknown or unenrolled site, wrong identity key, not a participant or member."""
+
+
+class WrongStageError(ServerError):
+    """The request does not fit the round's stage, or names another (or no) round."""
+
+
+class ConflictError(ServerError):
+    """A different payload for a release the site already uploaded."""
+
+
+class TooLargeError(ServerError):
+    """A chunk or transfer above the configured size limits."""
+
+
+class ConfigError(ValueError):
+    """server.toml is missing, unreadable or invalid (raised at start-up, not per request)."""
+
+
+class StateError(RuntimeError):
+    """The state directory is unusable (wrong schema version, another federation)."""

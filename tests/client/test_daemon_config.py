@@ -1,0 +1,117 @@
+"""client.toml loading (afl.client.config): the provisioned kit loads, bad values fail clearly."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from afl.client.config import ConfigError, LocalPolicy, load_client_config
+from afl.server import toml_text
+from afl.server.provisioning import provision
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fed = provision(tmp_path_factory.mktemp("fed"), sites=["site-a", "site-b"], port=50999)
+    return fed.site_dirs["site-a"]
+
+
+def _rewrite(kit: Path, tmp: Path, **sections: dict[str, object]) -> Path:
+    doc = tomllib.loads((kit / "client.toml").read_text())
+    for name, values in sections.items():
+        doc.setdefault(name, {}).update(values)
+        for key, value in list(doc[name].items()):
+            if value is None:
+                del doc[name][key]
+    out = tmp / "kit"
+    out.mkdir(exist_ok=True)
+    for f in kit.iterdir():
+        if f.is_file() and f.name != "client.toml":
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "client.toml").write_text(toml_text.dumps(doc))
+    return out / "client.toml"
+
+
+def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
+    cfg = load_client_config(kit / "client.toml")
+    assert cfg.site_id == "site-a"
+    assert cfg.server_address == "localhost:50999"
+    assert cfg.policy == LocalPolicy(min_cohort=3, allow_exposure=False, max_epsilon=math.inf)
+    assert cfg.data.cache == kit / "cache"  # provisioning's cache_dir alias
+    assert cfg.data.classes == ()
+    assert cfg.state_dir == kit / "state"
+    assert set(cfg.peers) == {"site-a", "site-b"}
+    assert cfg.tls.cert.name == "site.pem"
+    assert len(cfg.server_public_key) == 32
+
+
+def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
+    path = _rewrite(
+        kit,
+        tmp_path,
+        data={"cache_dir": None, "cache": "/data/feats", "classes": ["A", "B"], "backbone": "x"},
+        policy={"min_cohort": 5, "allow_exposure": True, "max_epsilon": 2.5},
+    )
+    cfg = load_client_config(path)
+    assert cfg.data.cache == Path("/data/feats")
+    assert cfg.data.classes == ("A", "B")
+    assert cfg.data.backbone == "x"
+    assert cfg.policy == LocalPolicy(min_cohort=5, allow_exposure=True, max_epsilon=2.5)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"policy": {"min_cohort": 0}}, "min_cohort: must be >= 1"),
+        ({"policy": {"min_cohort": "3"}}, "min_cohort: must be an integer"),
+        ({"policy": {"allow_exposure": "no"}}, "allow_exposure: must be true or false"),
+        ({"policy": {"max_epsilon": -1.0}}, "max_epsilon: must be >= 0"),
+        ({"data": {"classes": "A"}}, "classes: must be a list"),
+        ({"data": {"classes": ["A", "A"]}}, "lists a class twice"),
+        ({"data": {"cache": "x"}}, "either cache or cache_dir"),
+        ({"client": {"role": "boss"}}, "client.role: must be one of"),
+        ({"client": {"site_id": None}}, "client.site_id: is required"),
+        ({"identity": {"server_public_key": "abcd"}}, "32-byte Ed25519 key"),
+        ({"identity": {"public_key": "zz"}}, "Ed25519 key in hex"),
+        ({"tls": {"cert": "missing.pem"}}, "does not exist"),
+        ({"client": {"poll_interval_s": 0.0}}, "poll_interval_s: must be >="),
+    ],
+)
+def test_invalid_values_name_the_key(
+    kit: Path, tmp_path: Path, sections: dict[str, dict[str, object]], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_client_config(_rewrite(kit, tmp_path, **sections))
+
+
+def test_identity_key_must_match_public_key(kit: Path, tmp_path: Path) -> None:
+    other = tomllib.loads((kit.parent / "site-b" / "client.toml").read_text())
+    path = _rewrite(kit, tmp_path, identity={"public_key": other["identity"]["public_key"]})
+    with pytest.raises(ConfigError, match="does not match the identity key file"):
+        load_client_config(path)
+
+
+def test_unknown_keys_warn_and_missing_file_errors(kit: Path, tmp_path: Path) -> None:
+    cfg = load_client_config(_rewrite(kit, tmp_path, policy={"min_cohrot": 1}))
+    assert any("min_cohrot" in w for w in cfg.warnings)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_client_config(tmp_path / "nope.toml")
+    (tmp_path / "bad.toml").write_text("[client\n")
+    with pytest.raises(ConfigError, match="cannot read TOML"):
+        load_client_config(tmp_path / "bad.toml")
+
+
+def test_run_subcommand_reports_config_errors(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afl.client.cli import main
+
+    assert main(["run", "--config", str(tmp_path / "missing.toml")]) == 1
+    err = capsys.readouterr().err
+    assert "afl-client run: error:" in err and "no such config file" in err
+    # The provisioned kit has no feature cache yet: a clear error before any network traffic.
+    assert main(["run", "--config", str(kit / "client.toml")]) == 1
+    assert "is not a feature cache" in capsys.readouterr().err

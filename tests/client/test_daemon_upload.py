@@ -1,0 +1,179 @@
+"""Chunked uploads with digests and retries (afl.client.daemon_transport) against a tiny fake
+Coordinator servicer on loopback gRPC."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.client.daemon_transport import (
+    MAX_CHUNK_BYTES,
+    RemoteCallError,
+    RetryPolicy,
+    UploadError,
+    iter_upload_chunks,
+    upload_payload,
+    with_retry,
+)
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+FAST = RetryPolicy(attempts=4, initial_s=0.001, max_s=0.01)
+
+
+class FakeCoordinator(pb_grpc.CoordinatorServicer):
+    """Reassembles uploads like the real server: headers fixed, indices in order, digest checked;
+    idempotent by (round, release, digest); fails the first ``fail_first`` calls UNAVAILABLE."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        self.fail_first = fail_first
+        self.calls = 0
+        self.stored: dict[tuple[str, str], bytes] = {}
+        self.chunk_sizes: list[int] = []
+        self.lock = threading.Lock()
+
+    def Upload(self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext):
+        with self.lock:
+            self.calls += 1
+            fail = self.calls <= self.fail_first
+        chunks = list(request_iterator)
+        if fail:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "try later")
+        first = chunks[0]
+        data = b""
+        for i, c in enumerate(chunks):
+            header = (c.round_id, c.release_name, c.total_chunks, c.total_bytes, c.kind)
+            if c.chunk_index != i or header != (
+                first.round_id, first.release_name, first.total_chunks, first.total_bytes,
+                first.kind,
+            ):  # fmt: skip
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed chunks")
+            self.chunk_sizes.append(len(c.data))
+            data += c.data
+        if len(chunks) != first.total_chunks or len(data) != first.total_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "truncated")
+        digest = hashlib.sha256(data).digest()
+        if chunks[-1].sha256 != digest:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest mismatch")
+        key = (first.round_id, first.release_name)
+        duplicate = False
+        with self.lock:
+            if key in self.stored:
+                if self.stored[key] != data:
+                    context.abort(grpc.StatusCode.ALREADY_EXISTS, "different payload")
+                duplicate = True
+            self.stored[key] = data
+        return pb.UploadReceipt(
+            round_id=first.round_id,
+            release_name=first.release_name,
+            sha256=digest,
+            bytes_received=len(data),
+            duplicate=duplicate,
+        )
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeCoordinator, pb_grpc.CoordinatorStub]]:
+    servicer = FakeCoordinator()  # type: ignore[abstract]  # only Upload is needed
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield servicer, pb_grpc.CoordinatorStub(channel)
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(size=st.integers(0, 5000), chunk=st.integers(1, 1500))
+def test_chunks_reassemble_exactly(size: int, chunk: int) -> None:
+    payload = bytes(i % 251 for i in range(size))
+    chunks = list(iter_upload_chunks(payload, round_id="r", release_name="x", chunk_bytes=chunk))
+    assert b"".join(c.data for c in chunks) == payload
+    assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
+    assert all(c.total_chunks == len(chunks) and c.total_bytes == size for c in chunks)
+    assert all(len(c.data) <= chunk for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(payload).digest()
+    assert all(c.sha256 == b"" for c in chunks[:-1])
+
+
+def test_chunk_size_is_capped_at_one_mib() -> None:
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        list(iter_upload_chunks(b"x", round_id="r", release_name="x", chunk_bytes=2 << 20))
+
+
+def test_upload_of_three_mib_uses_one_mib_chunks(fake) -> None:
+    servicer, stub = fake
+    payload = bytes(range(256)) * (3 * 4096 + 10)  # just over 3 MiB
+    receipt = upload_payload(
+        stub, payload, round_id="r1", release_name="gram[all]", policy=FAST, timeout_s=10
+    )
+    assert receipt.sha256 == hashlib.sha256(payload).digest() and not receipt.duplicate
+    assert servicer.stored[("r1", "gram[all]")] == payload
+    assert servicer.chunk_sizes == [MAX_CHUNK_BYTES] * 3 + [len(payload) - 3 * MAX_CHUNK_BYTES]
+
+
+def test_retry_is_idempotent_and_conflict_is_refused(fake) -> None:
+    servicer, stub = fake
+    servicer.fail_first = 2
+    receipt = upload_payload(
+        stub, b"abc", round_id="r", release_name="b[A]", policy=FAST, timeout_s=5
+    )
+    assert servicer.calls == 3 and not receipt.duplicate
+    again = upload_payload(
+        stub, b"abc", round_id="r", release_name="b[A]", policy=FAST, timeout_s=5
+    )
+    assert again.duplicate and again.sha256 == receipt.sha256
+    with pytest.raises(UploadError, match="already holds a different payload"):
+        upload_payload(stub, b"abd", round_id="r", release_name="b[A]", policy=FAST, timeout_s=5)
+
+
+def test_retries_run_out(fake) -> None:
+    servicer, stub = fake
+    servicer.fail_first = 100
+    with pytest.raises(RemoteCallError, match="UNAVAILABLE: try later"):
+        upload_payload(stub, b"abc", round_id="r", release_name="x", policy=FAST, timeout_s=5)
+    assert servicer.calls == FAST.attempts
+
+
+class _Rpc(grpc.RpcError):  # type: ignore[misc]
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "nope"
+
+
+def test_with_retry_backs_off_exponentially_and_stops_on_final_codes() -> None:
+    pauses: list[float] = []
+    attempts = iter([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, None])
+
+    def call() -> str:
+        code = next(attempts)
+        if code is not None:
+            raise _Rpc(code)
+        return "ok"
+
+    policy = RetryPolicy(attempts=5, initial_s=1.0, max_s=100.0, multiplier=2.0)
+    assert with_retry(call, what="x", policy=policy, sleep=pauses.append) == "ok"
+    assert 0.5 <= pauses[0] <= 1.0 and 1.0 <= pauses[1] <= 2.0
+
+    def denied() -> str:
+        raise _Rpc(grpc.StatusCode.PERMISSION_DENIED)
+
+    with pytest.raises(RemoteCallError, match="PERMISSION_DENIED: nope"):
+        with_retry(denied, what="x", policy=policy, sleep=pauses.append)
+    assert len(pauses) == 2

@@ -1,0 +1,118 @@
+"""Site data sources and image readers: NIH layout, manifests, PNG/DICOM decoding, bad files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from afl.client.sitedata import (
+    SiteDataError,
+    UnreadableImageError,
+    manifest_source,
+    nih_source,
+    read_image,
+)
+from tests.client.imagegen import write_dicom, write_png
+
+
+def test_png_8bit_and_16bit_scaled_by_nominal_max(tmp_path):
+    a8 = np.arange(0, 240, dtype=np.uint8).reshape(12, 20)
+    np.testing.assert_allclose(read_image(write_png(tmp_path / "a.png", a8)), a8 / 255.0, atol=1e-7)
+    a16 = (np.arange(240, dtype=np.uint16) * 273).reshape(12, 20)
+    got = read_image(write_png(tmp_path / "b.png", a16))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, a16 / 65535.0, atol=1e-7)
+
+
+def test_rgb_png_becomes_gray(tmp_path):
+    gray = np.random.default_rng(1).integers(0, 256, (8, 9), dtype=np.uint8)
+    got = read_image(write_png(tmp_path / "rgb.png", np.stack([gray] * 3, axis=-1)))
+    np.testing.assert_allclose(got, gray / 255.0, atol=1e-7)
+
+
+def test_dicom_monochrome2_rescale_and_monochrome1_inversion(tmp_path):
+    stored = np.random.default_rng(2).integers(0, 4096, (16, 12)).astype(np.uint16)
+    plain = read_image(write_dicom(tmp_path / "a.dcm", stored))
+    np.testing.assert_allclose(plain, stored / 4095.0, atol=1e-6)
+    # slope/intercept map the nominal range linearly: the unit image is unchanged
+    rescaled = read_image(write_dicom(tmp_path / "b.dcm", stored, slope=2.0, intercept=-1024.0))
+    np.testing.assert_allclose(rescaled, plain, atol=1e-6)
+    # a negative slope flips the image: v -> 1 - v
+    flipped = read_image(write_dicom(tmp_path / "c.dcm", stored, slope=-1.0, intercept=0.0))
+    np.testing.assert_allclose(flipped, 1.0 - plain, atol=1e-6)
+    inverted = read_image(write_dicom(tmp_path / "d.dcm", stored, photometric="MONOCHROME1"))
+    np.testing.assert_allclose(inverted, 1.0 - plain, atol=1e-6)
+
+
+def test_truncated_dicom_and_corrupt_png_raise_unreadable(tmp_path):
+    dcm = write_dicom(tmp_path / "t.dcm", np.zeros((64, 64), dtype=np.uint16))
+    data = dcm.read_bytes()
+    dcm.write_bytes(data[: len(data) - 3000])
+    with pytest.raises(UnreadableImageError, match=r"t\.dcm"):
+        read_image(dcm)
+    png = write_png(tmp_path / "p.png", np.zeros((64, 64), dtype=np.uint8) + 7)
+    png.write_bytes(png.read_bytes()[:60])
+    with pytest.raises(UnreadableImageError, match=r"p\.png"):
+        read_image(png)
+    (tmp_path / "junk.png").write_bytes(b"not an image")
+    with pytest.raises(UnreadableImageError, match=r"junk\.png"):
+        read_image(tmp_path / "junk.png")
+    with pytest.raises(UnreadableImageError, match=r"missing\.png"):
+        read_image(tmp_path / "missing.png")
+
+
+def test_manifest_labels_absent_and_empty_are_minus_one(tmp_path):
+    (tmp_path / "m.csv").write_text(
+        "path,A,B,note\nx/1.png,1,,a\nx/2.png,0,1,b\n/abs/3.png,true,no,c\n", encoding="utf-8"
+    )
+    src = manifest_source(tmp_path / "m.csv", classes=["A", "B", "C"])
+    assert src.classes == ("A", "B", "C")
+    np.testing.assert_array_equal(src.labels, [[1, -1, -1], [0, 1, -1], [1, 0, -1]])
+    assert src.records[0].path == tmp_path / "x/1.png"
+    assert str(src.records[2].path) == "/abs/3.png"
+    assert src.labels.dtype == np.int8
+    default = manifest_source(tmp_path / "m.csv", id_column="note")
+    assert default.classes == ("A", "B") and [r.id for r in default.records] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("file,A\nx.png,1\n", "no 'path' column"),
+        ("path,A\nx.png,maybe\n", "maybe"),
+        ("path,A\nx.png,1\nx.png,0\n", "duplicate"),
+        ("path,A\n,1\n", "empty"),
+    ],
+)
+def test_manifest_errors(tmp_path, text, message):
+    (tmp_path / "m.csv").write_text(text, encoding="utf-8")
+    with pytest.raises(SiteDataError, match=message):
+        manifest_source(tmp_path / "m.csv")
+
+
+def test_nih_layout_kaggle_subfolders_views_and_missing_files(tmp_path):
+    for folder, name in [("images_001/images", "a.png"), ("images_002/images", "b.png")]:
+        (tmp_path / folder).mkdir(parents=True)
+        write_png(tmp_path / folder / name, np.zeros((4, 4), dtype=np.uint8))
+    (tmp_path / "Data_Entry_2017_v2020.csv").write_text(
+        "Image Index,Finding Labels,Follow-up #,Patient ID,View Position\n"
+        "a.png,Effusion|Mass,0,1,PA\n"
+        "b.png,No Finding,0,2,AP\n"
+        "c.png,Pneumonia,0,3,PA\n",
+        encoding="utf-8",
+    )
+    src = nih_source(tmp_path)
+    assert [r.id for r in src.records] == ["a.png", "b.png", "c.png"]
+    assert src.records[0].path == tmp_path / "images_001/images/a.png"
+    assert src.records[2].path == tmp_path / "images/c.png"  # not on disk: kept, fails later
+    labels = dict(zip(src.classes, src.labels[0], strict=True))
+    assert labels["Effusion"] == 1 and labels["Mass"] == 1 and sum(src.labels[0]) == 2
+    assert not src.labels[1].any() and (src.labels >= 0).all()
+    pa = nih_source(tmp_path, views=["PA"], classes=["Pneumonia"])
+    assert [r.id for r in pa.records] == ["a.png", "c.png"]
+    np.testing.assert_array_equal(pa.labels, [[0], [1]])
+
+
+def test_nih_without_csv_is_a_clear_error(tmp_path):
+    with pytest.raises(SiteDataError, match="Data_Entry_2017"):
+        nih_source(tmp_path)

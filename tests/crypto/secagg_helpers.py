@@ -1,0 +1,77 @@
+"""Shared fixtures of the secure-aggregation protocol tests: cohorts, release plans, inputs and an
+exact plaintext oracle (math.fsum over the surviving members)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from numpy.typing import NDArray
+
+from afl.crypto.fixedpoint import FixedPointCodec
+from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
+from afl.crypto.signatures import generate_identity_key
+
+GRAM_BOUND = 1e4
+B_BOUND = 1.0
+
+
+@dataclass
+class Federation:
+    """Config, identity keys and per-site inputs of one test round."""
+
+    config: RoundConfig
+    keys: dict[str, Ed25519PrivateKey]
+    inputs: dict[str, dict[str, NDArray[np.float64]]]
+
+
+def site_ids(n: int) -> list[str]:
+    return [f"site-{i:02d}" for i in range(n)]
+
+
+def make_federation(
+    *,
+    n: int,
+    releases: Sequence[tuple[str, Sequence[str], int, float]] | None = None,
+    threshold: int | None = None,
+    seed: int = 0,
+    round_id: str = "round-0001",
+) -> Federation:
+    """A cohort of n sites; default plan: "gram" (d=20, bound 1e4) and "b" (d=7, bound 1) over all.
+
+    ``releases`` entries are (name, members, length, bound); inputs are uniform test data within
+    ±bound/2 (numpy RNG is fine for test data, never for masks).
+    """
+    ids = site_ids(n)
+    plan = releases or [("gram", ids, 20, GRAM_BOUND), ("b", ids, 7, B_BOUND)]
+    specs = [
+        ReleaseSpec(name, tuple(members), length, bound) for name, members, length, bound in plan
+    ]
+    config = RoundConfig.create(round_id=round_id, cohort=ids, releases=specs, threshold=threshold)
+    rng = np.random.default_rng(seed)
+    inputs: dict[str, dict[str, NDArray[np.float64]]] = {s: {} for s in ids}
+    for spec in specs:
+        for s in spec.members:
+            inputs[s][spec.name] = rng.uniform(-spec.bound / 2, spec.bound / 2, spec.length)
+    return Federation(config, {s: generate_identity_key() for s in ids}, inputs)
+
+
+def exact_sum(
+    inputs: Mapping[str, Mapping[str, NDArray[np.float64]]], release: str, sites: Iterable[str]
+) -> NDArray[np.float64]:
+    """Correctly rounded Σ_{s∈sites} x_{s,release} (math.fsum per entry): the oracle."""
+    vectors = [inputs[s][release] for s in sites]
+    return np.array([math.fsum(col) for col in zip(*vectors, strict=True)], dtype=np.float64)
+
+
+def assert_sum_matches(
+    decoded: NDArray[np.float64], exact: NDArray[np.float64], codec: FixedPointCodec
+) -> None:
+    """Decoded sum equals the float64 sum to ≤1e-9 relative (in max norm) and entrywise to the
+    codec's rounding bound K·2^-(f+1)."""
+    scale = float(np.max(np.abs(exact)))
+    assert float(np.max(np.abs(decoded - exact))) <= 1e-9 * scale
+    np.testing.assert_allclose(decoded, exact, rtol=1e-12, atol=codec.sum_error_bound)

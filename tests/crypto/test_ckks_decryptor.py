@@ -1,0 +1,186 @@
+"""Tests of afl.crypto.ckks_decrypt.Decryptor: plan membership, tags, decrypt-once (design §7).
+
+Tolerance: ``ckks_params.error_bound`` (derived from Δ, K, the pre-scale and the grid; see the
+ckks_params docstring), against the float64 sum of the members' vectors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tenseal as ts
+
+from afl.crypto import ckks
+from afl.crypto import ckks_params as cp
+from afl.crypto.ckks_decrypt import CkksRelease, Decryptor
+from afl.crypto.errors import (
+    CkksAlreadyDecryptedError,
+    CkksConfigError,
+    CkksContextError,
+    CkksMalformedError,
+    CkksNotInPlanError,
+    CkksTagMismatchError,
+)
+
+SITES = ("site-a", "site-b", "site-c", "site-d")
+N = 600
+BOUND = 50.0
+K_UPLOAD = 3  # largest member count among the releases sharing upload "gram"
+
+
+@pytest.fixture(scope="module")
+def private_ctx() -> ts.Context:
+    return ckks.create_private_context(n_threads=1)
+
+
+@pytest.fixture(scope="module")
+def public_ctx(private_ctx: ts.Context) -> ts.Context:
+    return ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+
+
+def _release(name: str, members: tuple[str, ...]) -> CkksRelease:
+    s = cp.choose_prescale(bound=BOUND, num_summands=K_UPLOAD)
+    return CkksRelease(
+        name=name,
+        members=members,
+        upload_name="gram",
+        length=N,
+        prescale=s,
+        grid=cp.default_grid(prescale=s, num_summands=len(members)),
+    )
+
+
+PLAN = (_release("gram/abc", SITES[:3]), _release("gram/ab", SITES[:2]))
+
+
+class Federation:
+    """Three sites upload one 'gram' block each; the test plays the server."""
+
+    def __init__(self, private_ctx: ts.Context, public_ctx: ts.Context) -> None:
+        rng = np.random.default_rng(7)  # test data, not secrets
+        self.public_ctx = public_ctx
+        self.values = {site: rng.uniform(-BOUND, BOUND, N) for site in SITES[:3]}
+        self.tags = {site: ckks.new_tag(num_summands=K_UPLOAD) for site in SITES[:3]}
+        s = PLAN[0].prescale
+        self.uploads = {
+            site: ckks.serialize_ciphertexts(
+                ckks.encrypt_block(
+                    public_ctx, x, prescale=s, num_summands=K_UPLOAD, tag=self.tags[site]
+                )
+            )
+            for site, x in self.values.items()
+        }
+        self.decryptor = Decryptor(private_ctx, PLAN)
+        for site, tag in self.tags.items():
+            self.decryptor.register_tags(site=site, tags={"gram": tag})
+
+    def server_sum(self, sites: tuple[str, ...]) -> list[bytes]:
+        on_server = [
+            ckks.deserialize_ciphertexts(self.public_ctx, self.uploads[s], length=N) for s in sites
+        ]
+        return ckks.serialize_ciphertexts(
+            ckks.sum_ciphertexts(self.public_ctx, on_server, length=N)
+        )
+
+    def exact(self, sites: tuple[str, ...]) -> np.ndarray:
+        return np.array(
+            [math.fsum(col) for col in zip(*(self.values[s] for s in sites), strict=True)]
+        )
+
+
+@pytest.fixture
+def fed(private_ctx: ts.Context, public_ctx: ts.Context) -> Federation:
+    return Federation(private_ctx, public_ctx)
+
+
+def test_planned_releases_decrypt_to_the_plaintext_sums(fed: Federation) -> None:
+    for release in PLAN:
+        out = fed.decryptor.decrypt(
+            release.name, fed.server_sum(release.members), members=release.members
+        )
+        tol = cp.error_bound(
+            prescale=release.prescale, num_summands=release.num_summands, grid=release.grid
+        )
+        assert np.max(np.abs(out - fed.exact(release.members))) <= tol
+    assert fed.decryptor.decrypted == {"gram/abc", "gram/ab"}
+
+
+def test_each_release_is_decrypted_at_most_once(fed: Federation) -> None:
+    summed = fed.server_sum(SITES[:3])
+    fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+    with pytest.raises(CkksAlreadyDecryptedError):
+        fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+
+
+def test_release_not_in_plan_is_refused(fed: Federation) -> None:
+    with pytest.raises(CkksNotInPlanError, match="not in the signed plan"):
+        fed.decryptor.decrypt("gram/a", fed.uploads["site-a"], members=("site-a",))
+    assert fed.decryptor.decrypted == frozenset()
+
+
+def test_member_list_other_than_the_plan_is_refused(fed: Federation) -> None:
+    with pytest.raises(CkksNotInPlanError, match="members differ"):
+        fed.decryptor.decrypt("gram/abc", fed.server_sum(SITES[:2]), members=SITES[:2])
+    with pytest.raises(CkksNotInPlanError, match="members differ"):
+        fed.decryptor.decrypt("gram/abc", fed.server_sum(SITES[:3]), members=(*SITES[:2], "site-a"))
+    assert fed.decryptor.decrypted == frozenset()
+
+
+def test_single_site_forwarded_as_three_site_sum_is_refused(fed: Federation) -> None:
+    # The server claims the plan's members but forwards site-a's ciphertext alone.
+    with pytest.raises(CkksTagMismatchError):
+        fed.decryptor.decrypt("gram/abc", fed.uploads["site-a"], members=SITES[:3])
+    # The attempt consumed the release: no second try with another forgery.
+    with pytest.raises(CkksAlreadyDecryptedError):
+        fed.decryptor.decrypt("gram/abc", fed.server_sum(SITES[:3]), members=SITES[:3])
+
+
+def test_sum_over_the_wrong_member_set_is_refused(fed: Federation) -> None:
+    # Sum of a and b presented as the 3-site release (claiming the right members).
+    with pytest.raises(CkksTagMismatchError):
+        fed.decryptor.decrypt("gram/abc", fed.server_sum(SITES[:2]), members=SITES[:3])
+    # Sum of a, b, c presented as release {a, b}.
+    with pytest.raises(CkksTagMismatchError):
+        fed.decryptor.decrypt("gram/ab", fed.server_sum(SITES[:3]), members=SITES[:2])
+
+
+def test_malformed_ciphertexts_do_not_consume_the_release(fed: Federation) -> None:
+    summed = fed.server_sum(SITES[:3])
+    with pytest.raises(CkksMalformedError):
+        fed.decryptor.decrypt("gram/abc", [*summed[:-1], b"junk"], members=SITES[:3])
+    with pytest.raises(CkksMalformedError):
+        fed.decryptor.decrypt("gram/abc", summed + summed, members=SITES[:3])
+    assert fed.decryptor.decrypted == frozenset()
+    out = fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+    assert out.shape == (N,)
+
+
+def test_missing_tag_is_refused(private_ctx: ts.Context, fed: Federation) -> None:
+    decryptor = Decryptor(private_ctx, PLAN)
+    decryptor.register_tags(site="site-a", tags={"gram": fed.tags["site-a"]})
+    with pytest.raises(CkksTagMismatchError, match="no tag"):
+        decryptor.decrypt("gram/ab", fed.server_sum(SITES[:2]), members=SITES[:2])
+    assert decryptor.decrypted == frozenset()
+
+
+def test_tag_registration_rules(fed: Federation) -> None:
+    fed.decryptor.register_tags(site="site-a", tags={"gram": fed.tags["site-a"]})  # idempotent
+    with pytest.raises(CkksConfigError, match="another tag"):
+        fed.decryptor.register_tags(site="site-a", tags={"gram": fed.tags["site-a"] + 1.0})
+    with pytest.raises(CkksNotInPlanError):
+        fed.decryptor.register_tags(site="site-d", tags={"gram": 1.0})
+    with pytest.raises(CkksNotInPlanError):
+        fed.decryptor.register_tags(site="site-a", tags={"b": 1.0})
+
+
+def test_plan_validation(private_ctx: ts.Context, public_ctx: ts.Context) -> None:
+    with pytest.raises(CkksConfigError, match="twice"):
+        Decryptor(private_ctx, [PLAN[0], PLAN[0]])
+    with pytest.raises(CkksContextError):
+        Decryptor(public_ctx, PLAN)
+    with pytest.raises(CkksConfigError, match="sorted"):
+        CkksRelease("r", ("b", "a"), "u", N, 1.0, 1.0)
+    with pytest.raises(CkksConfigError, match="finer"):
+        CkksRelease("r", ("a",), "u", N, 1.0, cp.min_grid(prescale=1.0, num_summands=1) / 2)

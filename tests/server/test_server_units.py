@@ -1,0 +1,316 @@
+"""Unit tests of afl.server's pieces: config validation, chunk assembly, the signed plan, the
+store's audit chain and state checks, the error mapping and the daemon's command line."""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.crypto import signatures
+from afl.crypto.errors import SignatureError
+from afl.crypto.signed_blobs import PLAN_CONTEXT, verify_blob
+from afl.proto.v1 import common_pb2, coordinator_pb2
+from afl.server import daemon
+from afl.server.config import load_config, round_template
+from afl.server.errors import (
+    ConfigError,
+    ConflictError,
+    InvalidRequestError,
+    NotPermittedError,
+    StateError,
+    TooLargeError,
+    WrongStageError,
+)
+from afl.server.plan import build_plan, releases_from_plan, round1_releases, sign_plan
+from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
+from afl.server.servicer import status_for
+from afl.server.store import Store
+from afl.server.uploads import ChunkAssembler, assemble, decode_float64
+
+ROUND: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": 8, "min_participants": 2}
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
+    return provision(tmp_path_factory.mktemp("fed") / "f", sites=["x1", "x2"], round_settings=ROUND)
+
+
+def _chunks(data: bytes, size: int, **over: Any) -> list[coordinator_pb2.UploadChunk]:
+    parts = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
+    fields: dict[str, Any] = {
+        "round_id": "r",
+        "release_name": "gram[all]",
+        "total_bytes": len(data),
+    }
+    fields.update(over)
+    return [
+        coordinator_pb2.UploadChunk(
+            chunk_index=i,
+            total_chunks=len(parts),
+            data=p,
+            sha256=hashlib.sha256(data).digest() if i == len(parts) - 1 else b"",
+            **fields,
+        )
+        for i, p in enumerate(parts)
+    ]
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def test_provisioned_config_loads_with_round_settings(federation: ProvisionedFederation) -> None:
+    config = load_config(federation.server_dir / "server.toml")
+    assert config.round.classes == ("a", "b") and config.round.feature_dim == 8
+    assert config.round.participants == ("x1", "x2") and config.round.gram_scope == "global"
+    assert config.state_dir == federation.server_dir / "state"
+    key = signatures.load_private_key_pem(config.identity_key.read_bytes())
+    assert signatures.public_key_to_raw(key) == config.identity_public_key
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"classes": []}, "classes"),
+        ({"feature_dim": 0}, "feature_dim"),
+        ({"gram_scope": "per-site"}, "gram_scope"),
+        ({"rounds": 3}, "rounds"),
+        ({"gamma": -1.0}, "gamma"),
+        ({"min_participants": 5}, "min_participants"),
+        ({"participants": ["x1", "ghost"]}, "ghost"),
+        ({"aggregation": "ckks"}, "aggregation"),
+        ({"tau": 0.2}, "refinement"),
+    ],
+)
+def test_bad_round_settings_are_named(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    fed = provision(tmp_path / "f", sites=["x1", "x2"], round_settings={**ROUND, **change})
+    with pytest.raises(ConfigError, match=message):
+        load_config(fed.server_dir / "server.toml")
+
+
+def test_config_file_problems(tmp_path: Path, federation: ProvisionedFederation) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    text = (federation.server_dir / "server.toml").read_text()
+    moved = tmp_path / "server.toml"  # relative paths no longer resolve
+    moved.write_text(text)
+    with pytest.raises(ConfigError, match=r"\[tls\] ca_cert"):
+        load_config(moved)
+    with pytest.raises(ConfigError, match="unknown"):
+        round_template({"clases": ["a"]})
+    with pytest.raises(ProvisioningError, match="unknown"):
+        provision(tmp_path / "g", sites=["x1"], round_settings={"clases": ["a"]})
+    assert tomllib.loads(text)["round"]["aggregation"] == "plaintext"
+
+
+# --- chunk assembly ---------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=3000), size=st.integers(1, 700))
+def test_any_chunking_reassembles(data: bytes, size: int) -> None:
+    upload = assemble(_chunks(data, size), max_chunk_bytes=700, max_upload_bytes=4000)
+    assert upload.data == data and upload.sha256 == hashlib.sha256(data).digest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=40, max_size=400), seed=st.integers(0, 2**32 - 1))
+def test_any_reordering_or_duplication_is_rejected(data: bytes, seed: int) -> None:
+    parts = _chunks(data, 10)
+    rng = np.random.default_rng(seed)
+    order = list(rng.permutation(len(parts)))
+    if order == sorted(order):
+        order = [order[1], order[0], *order[2:]]
+    with pytest.raises(InvalidRequestError):
+        assemble([parts[i] for i in order], max_chunk_bytes=10, max_upload_bytes=1000)
+    dup = int(rng.integers(len(parts)))
+    with pytest.raises(InvalidRequestError):
+        assemble(
+            [*parts[: dup + 1], parts[dup], *parts[dup + 1 :]],
+            max_chunk_bytes=10,
+            max_upload_bytes=1000,
+        )
+
+
+def test_chunk_header_and_size_rules() -> None:
+    data = bytes(range(100))
+    parts = _chunks(data, 30)
+    with pytest.raises(TooLargeError, match="declared upload"):
+        ChunkAssembler(max_chunk_bytes=30, max_upload_bytes=99).add(parts[0])
+    with pytest.raises(TooLargeError, match="chunk of 30 bytes"):
+        ChunkAssembler(max_chunk_bytes=29, max_upload_bytes=1000).add(parts[0])
+    changed = _chunks(data, 30, release_name="b[a]")
+    with pytest.raises(InvalidRequestError, match="header"):
+        assemble([parts[0], *changed[1:]], max_chunk_bytes=30, max_upload_bytes=1000)
+    with pytest.raises(InvalidRequestError, match="truncated"):
+        assemble(parts[:-1], max_chunk_bytes=30, max_upload_bytes=1000)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        assemble([], max_chunk_bytes=30, max_upload_bytes=1000)
+    lying = _chunks(data, 30, total_bytes=120)
+    with pytest.raises(InvalidRequestError, match="total_bytes"):
+        assemble(lying, max_chunk_bytes=30, max_upload_bytes=1000)
+
+
+def test_decode_float64_checks_length_and_finiteness() -> None:
+    values = np.arange(4, dtype="<f8")
+    assert np.array_equal(decode_float64(values.tobytes(), length=4, what="x"), values)
+    with pytest.raises(InvalidRequestError, match="needs 40"):
+        decode_float64(values.tobytes(), length=5, what="x")
+    values[2] = np.nan
+    with pytest.raises(InvalidRequestError, match="NaN"):
+        decode_float64(values.tobytes(), length=4, what="x")
+
+
+# --- plan --------------------------------------------------------------------------------------
+
+
+def test_plan_is_signed_over_its_bytes_and_round_trips() -> None:
+    key = signatures.generate_identity_key()
+    releases = round1_releases(
+        classes=["a", "b", "c"],
+        participants=["p3", "p1", "p2"],
+        coverage={"p1": ["a", "b"], "p2": ["a"], "p3": ["a", "b"]},
+        gram_scope="per-class",
+        d=4,
+        need_global_gram=True,
+    )
+    names = [r.name for r in releases]
+    assert names[0] == "gram[all]" and "b[c]" not in names  # nobody labels c
+    assert {r.name: r.members for r in releases}["b[b]"] == ("p1", "p3")
+    plan = build_plan(
+        federation_id="f",
+        round_id="r1",
+        round_number=1,
+        participants=["p3", "p1", "p2"],
+        gram_scope="per-class",
+        releases=releases,
+    )
+    signed = sign_plan(plan, key)
+    public = signatures.public_key_to_raw(key)
+    verify_blob(public, context=PLAN_CONTEXT, blob=signed.plan, signature=signed.signature)
+    with pytest.raises(SignatureError):
+        verify_blob(public, context="model", blob=signed.plan, signature=signed.signature)
+    assert releases_from_plan(signed.plan) == releases
+    parsed = common_pb2.ReleasePlan.FromString(signed.plan)
+    assert list(parsed.participants) == ["p1", "p2", "p3"] and len(parsed.round_salt) == 32
+
+
+# --- store, errors, daemon ---------------------------------------------------------------------
+
+
+def test_store_audit_chain_and_state_checks(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s", federation_id="f1")
+    store.audit("one", {"a": 1})
+    store.audit("two", {"b": [1, 2]})
+    assert store.verify_audit_chain()
+    row = store.put_upload(
+        "r", "x1", "gram[all]", data=b"abc", sha256=hashlib.sha256(b"abc").digest()
+    )
+    assert Store.read_payload(row) == b"abc"
+    row.path.write_bytes(b"abd")
+    with pytest.raises(StateError, match="digest"):
+        Store.read_payload(row)
+    store._db.execute("UPDATE audit_log SET detail = '{}' WHERE seq = 1")
+    assert not store.verify_audit_chain()
+    store.close()
+    with pytest.raises(StateError, match="federation"):
+        Store(tmp_path / "s", federation_id="other")
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidRequestError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotPermittedError("x"), grpc.StatusCode.PERMISSION_DENIED),
+        (WrongStageError("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (ConflictError("x"), grpc.StatusCode.ALREADY_EXISTS),
+        (TooLargeError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (SignatureError("x"), grpc.StatusCode.PERMISSION_DENIED),
+        (KeyError("secret detail"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_status_for_maps_each_error_class(error: Exception, code: grpc.StatusCode) -> None:
+    got, message = status_for(error)
+    assert got == code
+    assert "secret detail" not in message
+
+
+def test_daemon_exits_2_on_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert daemon.main(["--config", str(tmp_path / "nope.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_insecure_mode_warns_and_takes_the_site_from_metadata(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    from afl.proto.v1 import coordinator_pb2_grpc
+
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, listen="127.0.0.1:0", state_dir=tmp_path / "state")
+    server = daemon.CoordinatorServer(config, insecure=True)
+    port = server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            response = stub.GetStatus(
+                coordinator_pb2.StatusRequest(), metadata=[("x-afl-site-id", "x2")], timeout=10
+            )
+            assert response.site_id == "x2" and not response.enrolled
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetStatus(coordinator_pb2.StatusRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        server.stop(None)
+    assert "NO TLS" in daemon.INSECURE_WARNING
+
+
+def test_afl_server_process_stops_gracefully_on_sigterm(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    command = [
+        sys.executable,
+        "-m",
+        "afl.server.daemon",
+        "--config",
+        str(federation.server_dir / "server.toml"),
+        "--listen",
+        "127.0.0.1:0",
+    ]
+    text = (federation.server_dir / "server.toml").read_text()
+    config_copy = federation.server_dir / "server-test.toml"
+    config_copy.write_text(text.replace('state_dir = "state"', f'state_dir = "{state}"'))
+    command[4] = str(config_copy)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if "listening on port" in line:
+                break
+        assert any("listening on port" in line for line in lines), lines
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        config_copy.unlink()
+    assert (state / "server.sqlite3").is_file()
