@@ -136,17 +136,23 @@ def coverage_from_mapping(raw: Any) -> CoverageSpec:
     return CoverageSpec(classes, sites, active)
 
 
-def load_coverage_spec(path: str | os.PathLike[str]) -> CoverageSpec:
-    """Read a coverage spec from a ``.toml`` file, or JSON otherwise."""
+def read_spec_file(path: str | os.PathLike[str]) -> Any:
+    """Parse a ``.toml`` file, or JSON otherwise (coverage specs and audit inputs)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise AssignmentError(f"cannot read coverage spec {p}: {exc}") from exc
     try:
-        raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
+        return tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise AssignmentError(f"{p}: not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from exc
+
+
+def load_coverage_spec(path: str | os.PathLike[str]) -> CoverageSpec:
+    """Read a coverage spec from a ``.toml`` file, or JSON otherwise."""
+    p = Path(path)
+    raw = read_spec_file(p)
     try:
         return coverage_from_mapping(raw)
     except AssignmentError as exc:

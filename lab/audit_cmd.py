@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
+from afl.core.assignment import AssignmentError, coverage_from_mapping, read_spec_file
 from afl.core.leakage import (
     DEFAULT_MIN_COHORT,
     ReleasePlanError,
@@ -46,8 +46,6 @@ def parse_coverage(raw: Any) -> tuple[list[SiteId], dict[str, list[SiteId]]]:
         raise CoverageFileError("a coverage file needs the keys 'sites' and 'classes'")
     sites = _site_list(raw["sites"])
     if "labels" in raw:
-        from afl.core.assignment import AssignmentError, coverage_from_mapping
-
         try:
             spec = coverage_from_mapping(raw)
         except AssignmentError as exc:
@@ -72,13 +70,9 @@ def load_coverage(path: str | Path) -> tuple[list[SiteId], dict[str, list[SiteId
     """Read and parse a coverage file (JSON, or TOML for a ``.toml`` suffix)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CoverageFileError(f"cannot read {p}: {exc}") from exc
-    try:
-        raw = tomllib.loads(text) if p.suffix.lower() == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise CoverageFileError(f"{p}: not valid {p.suffix.lstrip('.') or 'JSON'}: {exc}") from exc
+        raw = read_spec_file(p)
+    except AssignmentError as exc:
+        raise CoverageFileError(str(exc)) from exc
     try:
         return parse_coverage(raw)
     except CoverageFileError as exc:
