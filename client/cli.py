@@ -153,6 +153,10 @@ def run_daemon(args: argparse.Namespace) -> int:
         config = load_client_config(args.config)
         for warning in config.warnings:
             logging.getLogger("afl.client").warning("%s", warning)
+        if config.role == "decryptor":  # the CKKS decryptor site (design §7)
+            from afl.client.decryptor import DecryptorDaemon
+
+            return DecryptorDaemon(config, insecure=args.insecure).run()
         return ClientDaemon(config, insecure=args.insecure, max_rounds=args.rounds).run()
     except (ConfigError, DaemonError, PayloadError, VerificationError, FeatureCacheError) as exc:
         print(f"afl-client run: error: {exc}", file=sys.stderr)

@@ -289,7 +289,8 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         identity_public_key=public,
         server_public_key=r.key_hex(ident, "identity", "server_public_key"),
         peers=peers,
-        data=_data(r),
+        # The CKKS decryptor holds no data (design §7): [data] is optional for it.
+        data=_data(r) if role == "participant" or "data" in doc else DataConfig(r.path.parent),
         policy=_policy(r),
         timing=_timing(r, client),
     )

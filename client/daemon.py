@@ -50,6 +50,7 @@ from afl.client.daemon_verify import (
     verify_model,
     verify_round_config,
 )
+from afl.client.dp_payloads import dp_report, dp_slot_payloads, dp_statistics
 from afl.client.policy import PolicyDecision, check_plan
 from afl.core.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
@@ -296,16 +297,32 @@ class ClientDaemon:
                 state_dir=self.state,
             )  # fmt: skip
             timings["pseudo_labels"] = time.perf_counter() - t0
-        payloads = slot_payloads(
-            plan,
-            site_id=self.site_id,
-            class_names=class_names,
-            stats=stats,
-            pseudo=pseudo,
-            encode=strategy.encode,
-        )
+        if plan.dp.enabled:  # DP mode (design §8): clipped additive statistics + noise share
+            report["dp"] = dp_report(plan, self.site_id)
+            payloads = dp_slot_payloads(
+                plan,
+                site_id=self.site_id,
+                class_names=class_names,
+                stats=dp_statistics(
+                    self.cache.features,
+                    self.cache.labels[:, cols],
+                    labelled=self.labelled[cols],
+                    clip_norm=plan.dp.clip_norm,
+                ),
+                encode=strategy.encode,
+            )
+        else:
+            payloads = slot_payloads(
+                plan,
+                site_id=self.site_id,
+                class_names=class_names,
+                stats=stats,
+                pseudo=pseudo,
+                encode=strategy.encode,
+            )
         t0 = time.perf_counter()
-        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_UPLOAD)
+        first = getattr(strategy, "first_stage", pb.ROUND_STAGE_UPLOAD)  # MASK: ADVERTISE_KEYS
+        status = self.rpc.await_stage(round_id, at_least=first)
         timings["wait_upload_stage"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         session = RoundSession(
@@ -316,6 +333,10 @@ class ClientDaemon:
             rpc_timeout_s=self.config.timing.rpc_timeout_s,
             upload_timeout_s=self.config.timing.upload_timeout_s,
             metadata=self.metadata,
+            plan=plan,
+            identity_key=self.identity,
+            peer_keys=self.config.peers,
+            rpc=self.rpc,
         )
         records = strategy.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)

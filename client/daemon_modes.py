@@ -10,9 +10,9 @@ in by adding a strategy to :data:`STRATEGIES`.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,6 +41,12 @@ class RoundSession:
     rpc_timeout_s: float
     upload_timeout_s: float
     metadata: tuple[tuple[str, str], ...] = ()
+    # For modes with their own stages (MASK): the verified signed plan, this site's identity key,
+    # the peers' identity keys from the startup kit and the daemon's CoordinatorClient.
+    plan: Any = None
+    identity_key: Any = None
+    peer_keys: Mapping[str, bytes] = field(default_factory=dict)
+    rpc: Any = None
 
 
 @dataclass(frozen=True)
@@ -145,3 +151,23 @@ class PlaintextStrategy:
 STRATEGIES: dict[int, AggregationStrategy] = {
     int(cpb.AGGREGATION_MODE_PLAINTEXT): PlaintextStrategy(),
 }
+
+
+def _register_mask() -> None:
+    from afl.client.mode_mask import MaskStrategy  # the MASK mode (design §6)
+
+    # cast: mypy cannot match the Protocol across this import cycle (same signatures)
+    STRATEGIES[int(cpb.AGGREGATION_MODE_MASK)] = cast(AggregationStrategy, MaskStrategy())
+
+
+_register_mask()
+
+
+def _register_ckks() -> None:
+    from afl.client.mode_ckks import CkksClientStrategy  # the CKKS mode (design §7)
+
+    # cast: mypy cannot match the Protocol across this import cycle (same signatures)
+    STRATEGIES[int(cpb.AGGREGATION_MODE_CKKS)] = cast(AggregationStrategy, CkksClientStrategy())
+
+
+_register_ckks()

@@ -21,6 +21,9 @@ __all__ = ["CoordinatorClient", "RoundFailed"]
 log = logging.getLogger("afl.client")
 
 
+STAGE_POLL_CAP_S = 0.25
+
+
 class RoundFailed(DaemonError):
     """A round ended for this site without a model (refused, aborted or failed)."""
 
@@ -62,9 +65,9 @@ class CoordinatorClient:
         status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
         return status
 
-    def _sleep_backoff(self, delay: float) -> float:
+    def _sleep_backoff(self, delay: float, *, cap: float | None = None) -> float:
         time.sleep(delay)
-        return min(delay * 1.5, self.timing.max_poll_interval_s)
+        return min(delay * 1.5, self.timing.max_poll_interval_s if cap is None else cap)
 
     def wait_for_round(self, done: set[str], *, lingering: bool) -> pb.RoundStatus | None:
         """The next round this site takes part in, or None after ``linger_s`` without one."""
@@ -105,4 +108,6 @@ class CoordinatorClient:
                 return r
             if time.monotonic() - start > t.max_wait_s:
                 raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
-            delay = self._sleep_backoff(delay)
+            # Within a round the next stage is usually seconds away (the peers' work), so the
+            # poll interval stays short instead of backing off to max_poll_interval_s.
+            delay = self._sleep_backoff(delay, cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s))

@@ -10,7 +10,13 @@ and refuses when
   the site's own contribution by differencing, or the sum of a group smaller than
   ``min_cohort`` that contains the site: the row-space test of :func:`afl.core.leakage.audit_releases`
   (e_k ∈ rowspace(A), design §5);
-* the plan's DP cost for the site exceeds ``max_epsilon`` (no DP counts as ε = ∞).
+* the plan's DP cost for the site exceeds ``max_epsilon`` (no DP counts as ε = ∞). The cost is
+  the larger of the server's stated budget and the site's own recomputation from the releases'
+  noise (σ, sensitivity at the declared clip norm).
+
+DP covers small cohorts and exposure (issue 6): when the plan has DP and the site's ε is within
+``max_epsilon``, the min-cohort and differencing rules are waived (every release is noised and
+the site's patients are (ε, δ)-DP whatever the server combines); the audit is still reported.
 
 Each class column of a class-vector release is its own quantity (``b[c]``, ``b_pseudo[c]``);
 Gram releases share the quantity ``gram``.
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afl.client.config import LocalPolicy
+from afl.client.dp_payloads import site_epsilon
 from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
 
@@ -54,6 +61,8 @@ def release_quantities(release: cpb.Release) -> list[str]:
         cpb.STATISTIC_KIND_CLASS_VECTOR: "b",
         cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR: "b_pseudo",
         cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
+        cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
+        cpb.STATISTIC_KIND_COUNT: "counts",
     }.get(kind)
     if prefix is not None:
         return [f"{prefix}[{c}]" for c in release.class_names] or [prefix]
@@ -68,6 +77,15 @@ def audit_view(releases: Sequence[cpb.Release], *, tag: str = "") -> list[leakag
             name = f"{tag}{r.name}" + (f"#{q}" if q not in ("gram", r.name) else "")
             out.append(leakage.Release(name, frozenset(r.member_site_ids), q))
     return out
+
+
+def _site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
+    """The larger of the server's stated ε for the site and the site's own recomputation from
+    the plan's noise (:func:`afl.client.dp_payloads.site_epsilon`); inf without DP."""
+    if not plan.dp.enabled:
+        return math.inf
+    spent = [b.epsilon for b in plan.budgets if b.site_id == site_id]
+    return max([*spent, site_epsilon(plan, site_id)])
 
 
 def _refuse(reason: str, audit: dict[str, Any] | None = None) -> PolicyDecision:
@@ -97,23 +115,25 @@ def check_plan(
     names = [r.name for r in releases]
     if len(set(names)) != len(names):
         return _refuse("the plan names a release twice")
+    epsilon = _site_epsilon(plan, site_id)
+    # DP covers small cohorts and exposure by differencing when every release the site is in
+    # is noised and the site's ε is within its budget (design §5, §8; issue 6).
+    covered = plan.dp.enabled and epsilon <= policy.max_epsilon
     for r in releases:
         unknown = set(r.member_site_ids) - set(participants)
         if unknown:
             return _refuse(f"release {r.name} names non-participants {sorted(unknown)}")
-        if site_id in r.member_site_ids and len(r.member_site_ids) < policy.min_cohort:
+        small = len(r.member_site_ids) < policy.min_cohort
+        if site_id in r.member_site_ids and small and not covered:
             return _refuse(
                 f"release {r.name} has {len(r.member_site_ids)} member(s) < min cohort "
                 f"{policy.min_cohort}"
             )
-    epsilon = math.inf
-    if plan.dp.enabled:
-        spent = [b.epsilon for b in plan.budgets if b.site_id == site_id]
-        epsilon = max(spent) if spent else math.inf
     if epsilon > policy.max_epsilon:
         what = f"ε = {epsilon:g}" if plan.dp.enabled else "no differential privacy (ε = ∞)"
         return _refuse(
-            f"the plan gives this site {what} > policy max_epsilon {policy.max_epsilon:g}"
+            f"the plan gives this site {what} > policy max_epsilon {policy.max_epsilon:g}",
+            {"epsilon": epsilon, "covered_by_dp": False} if plan.dp.enabled else None,
         )
     current = audit_view(releases)
     universe = sorted({*participants, *(s for r in history for s in r.members)}, key=str)
@@ -124,7 +144,9 @@ def check_plan(
     except leakage.ReleasePlanError as exc:
         return _refuse(f"malformed release plan: {exc}")
     audit = report.to_dict()
-    if policy.allow_exposure:
+    if plan.dp.enabled:
+        audit["epsilon"], audit["covered_by_dp"] = epsilon, covered
+    if policy.allow_exposure or covered:
         return PolicyDecision(True, "", audit)
     for exposure in report.exposed_sites:
         if site_id in exposure.sites:

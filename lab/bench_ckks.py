@@ -239,10 +239,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="rounds per point (median)")
     parser.add_argument("--out", metavar="FILE", help="write JSON here (default: stdout)")
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="instead: CKKS vs plaintext (vs mask) rounds through the real daemons on loopback "
+        "mTLS (first --sites and --dim; afl.lab.bench_ckks_e2e)",
+    )
+    parser.add_argument(
+        "--no-mask", action="store_true", help="with --e2e: skip the MASK comparison"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the grid sites × dim and write the results as JSON."""
+    """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
+    if args.e2e:
+        from afl.lab.bench_ckks_e2e import MODES, run_ckks_e2e_bench
+
+        modes = [m for m in MODES if not (args.no_mask and m == "mask")]
+        row = run_ckks_e2e_bench(
+            num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=modes
+        )
+        print(
+            f"e2e K={row['num_sites']} d={row['d']}: ckks round x{row['ckks_round_seconds_ratio']:.2f}"
+            f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.1f} vs plaintext",
+            file=sys.stderr,
+        )
+        text = json.dumps({"benchmark": "ckks-e2e", "results": [row]}, indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n", encoding="utf-8")
+        else:
+            print(text)
+        return 0
     rows = []
     for d in args.dim:
         for k in args.sites:

@@ -11,6 +11,9 @@ SUITES: dict[str, tuple[str, str]] = {
     "secagg": ("bench_secagg", "pairwise-masking cost vs plaintext, bytes per site, growth with K"),
     "ckks": ("bench_ckks", "CKKS encrypt/decrypt time, bytes per site, accuracy vs plaintext"),
     "privacy": ("bench_privacy", "utility vs ε and the accuracy cost of global vs per-class"),
+    "stats": ("bench_stats", "local-statistics throughput: Gram accumulation vs raw H.T @ H"),
+    "solve": ("bench_solve", "server solve time vs the number of distinct coverage sets"),
+    "scaling": ("bench_scaling", "round-1 cost growth in K (sites) and d (dimension)"),
 }
 
 

@@ -176,10 +176,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="rounds per point (median)")
     parser.add_argument("--out", metavar="FILE", help="write JSON here (default: stdout)")
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="instead: masked vs plaintext rounds through the real daemons on loopback mTLS "
+        "(first --sites and --dim; afl.lab.bench_secagg_e2e)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the grid sites × dim and write the results as JSON."""
+    """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
+    if args.e2e:
+        from afl.lab.bench_secagg_e2e import run_e2e_bench
+
+        row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed)
+        print(
+            f"e2e K={row['num_sites']} d={row['d']}: round x{row['round_seconds_ratio']:.2f}, "
+            f"bytes/site x{row['bytes_sent_per_site_ratio']:.2f}",
+            file=sys.stderr,
+        )
+        text = json.dumps({"benchmark": "secagg-e2e", "results": [row]}, indent=2)
+        if args.out:
+            Path(args.out).write_text(text + "\n", encoding="utf-8")
+        else:
+            print(text)
+        return 0
     results = []
     for d in args.dim:
         for k in args.sites:

@@ -17,6 +17,7 @@ from afl.lab import (
     bench_cmd,
     demo,
     provision_cmd,
+    report_cmd,
     simulate_cmd,
     verify_log_cmd,
 )
@@ -40,6 +41,7 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
         provision_cmd,
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
+    ("report", "a self-contained HTML report from `afl simulate` results JSON", report_cmd),
     ("bench", "benchmark suites (JSON output; see docs/benchmarks.md)", bench_cmd),
     ("audit", "leakage audit of a coverage spec's release plan, for compliance review", audit_cmd),
 )

@@ -6,7 +6,10 @@
    (:func:`afl.core.assignment.missing_m_assignment`, seed 1037): each site's feature cache holds
    -1 for the classes it does not label;
 3. ``afl-server`` and one ``afl-client run`` per site as separate processes on loopback, over
-   mutual TLS, in the plaintext aggregation mode (the secure modes replace it when they land);
+   mutual TLS, in the MASK aggregation mode by default (pairwise masking, design §6; the
+   operator-declared bounds come from :func:`afl.lab.demo_federation.mask_round_settings`), or
+   ``--aggregation plaintext``, or ``--aggregation ckks`` (TenSEAL, design §7: the loopback
+   federation then includes a dedicated decryptor site);
 4. the published, signed model (every site verified the same one) evaluated on the test cache:
    per-class and macro BACC / AUC / AP (paper eq. 23-25), the bytes each site sent, timings.
 
@@ -30,7 +33,13 @@ import numpy as np
 from afl.core.assignment import missing_m_assignment
 from afl.core.featurecache import open_cache
 from afl.core.metrics import Metrics, evaluate, predict_proba
-from afl.lab.demo_federation import LoopbackRun, prepare_loopback, run_loopback
+from afl.lab.demo_federation import (
+    LoopbackRun,
+    ckks_round_settings,
+    mask_round_settings,
+    prepare_loopback,
+    run_loopback,
+)
 from afl.lab.federation import default_federation
 
 ASSIGNMENT_SEED = 1037
@@ -43,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gram-scope", choices=("global", "per-class"), default="global", help="design §5"
     )
     p.add_argument("--rounds", type=int, choices=(1, 2), default=1, help="2 = pseudo-label round")
+    p.add_argument(
+        "--aggregation",
+        choices=("plaintext", "mask", "ckks"),
+        default="mask",
+        help="mask (default): pairwise masking, design §6; ckks: TenSEAL with a decryptor site, "
+        "design §7; plaintext: the baseline",
+    )
     p.add_argument("--sites", type=int, default=8, help="number of sites (default 8)")
     p.add_argument("--d", type=int, default=1024, help="surrogate feature dimension (default 1024)")
     p.add_argument("--keep", metavar="DIR", help="build the federation in DIR and keep it")
@@ -132,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
         data_s = time.perf_counter() - t0
         per_class = args.gram_scope == "per-class"
         settings: dict[str, Any] = {"gram_scope": args.gram_scope, "rounds": args.rounds}
+        if args.aggregation == "mask":  # declared bounds of the masked encoding (design §6)
+            settings.update(mask_round_settings(fed.site_features))
+        if args.aggregation == "ckks":  # declared bound of the CKKS pre-scale (design §7)
+            settings.update(ckks_round_settings(fed.site_features))
         policy = {}
         if per_class:
             settings["operator_override"] = True
@@ -149,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             round_settings=settings,
             policy=policy,
             source=fed.provenance,
+            decryptor=args.aggregation == "ckks",  # a dedicated decryptor site (no data)
         )
         _say(args, f"afl demo: provisioned {args.sites} sites under {root}; starting daemons ...")
         result = run_loopback(loop, timeout_s=args.timeout)
@@ -166,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             f"Setting {args.setting} (seed {ASSIGNMENT_SEED}), gram_scope {args.gram_scope}, "
-            f"{args.rounds} round(s), plaintext aggregation over mTLS, {args.sites} sites, "
+            f"{args.rounds} round(s), {args.aggregation} aggregation over mTLS, {args.sites} sites, "
             f"d = {args.d}, {test.meta.n} test images"
         )
         print(f"Model sha256 {digest} (signature verified by every site)\n")

@@ -28,7 +28,15 @@ from afl.core.featurecache import CacheMeta, write_cache
 from afl.server import toml_text
 from afl.server.provisioning import ProvisionedFederation, provision
 
-__all__ = ["LoopbackFederation", "LoopbackRun", "free_port", "prepare_loopback", "run_loopback"]
+__all__ = [
+    "LoopbackFederation",
+    "LoopbackRun",
+    "ckks_round_settings",
+    "free_port",
+    "mask_round_settings",
+    "prepare_loopback",
+    "run_loopback",
+]
 
 # Quick polling for a loopback run (a hospital deployment keeps client.toml's defaults).
 DEMO_CLIENT_TIMING: dict[str, float] = {
@@ -50,6 +58,7 @@ class LoopbackFederation:
     server_config: Path
     client_configs: Mapping[str, Path]
     test_cache: Path
+    decryptor_config: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,41 @@ def free_port() -> int:
         return port
 
 
+def mask_round_settings(
+    site_features: Sequence[NDArray[Any]], *, headroom: float = 1.05
+) -> dict[str, toml_text.TomlValue]:
+    """[round] settings of ``aggregation = "mask"`` with the bounds an operator declares for
+    these caches (design §6): L = the largest feature-row norm and N = the largest site, each
+    with ``headroom``; the server derives the Gram bound N·L² and the class-vector bound 2L."""
+    norm = max(
+        float(np.linalg.norm(np.asarray(f, dtype=np.float64), axis=1).max()) for f in site_features
+    )
+    samples = max(int(f.shape[0]) for f in site_features)
+    return {
+        "aggregation": "mask",
+        "mask_feature_norm": norm * headroom,
+        "mask_max_samples": int(np.ceil(samples * headroom)),
+    }
+
+
+def ckks_round_settings(
+    site_features: Sequence[NDArray[Any]], *, headroom: float = 1.05
+) -> dict[str, toml_text.TomlValue]:
+    """[round] settings of ``aggregation = "ckks"`` (design §7): the declared bounds on any entry
+    of one site's Gram, N·L² (|h_i·h_j| <= L² per row), and class vector, 2L (a difference of
+    two means of rows), with L the largest feature-row norm and N the largest site, each with
+    ``headroom``."""
+    norm = headroom * max(
+        float(np.linalg.norm(np.asarray(f, dtype=np.float64), axis=1).max()) for f in site_features
+    )
+    samples = headroom * max(int(f.shape[0]) for f in site_features)
+    return {
+        "aggregation": "ckks",
+        "ckks_gram_bound": samples * norm * norm,
+        "ckks_vector_bound": 2.0 * norm,
+    }
+
+
 def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **meta: Any) -> None:
     cache_meta = CacheMeta(
         n=int(feats.shape[0]),
@@ -104,6 +148,7 @@ def prepare_loopback(
     policy: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
     source: str = "surrogate",
     surrogate: bool = True,
+    decryptor: bool = False,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
@@ -126,7 +171,20 @@ def prepare_loopback(
         "upload_timeout_s": 300.0,
         **(round_settings or {}),
     }
-    fed = provision(out / "federation", sites=site_ids, port=free_port(), round_settings=settings)
+    extra = ("decryptor",) if decryptor else ()  # CKKS: a dedicated decryptor site, no data
+    fed = provision(
+        out / "federation",
+        sites=site_ids + extra,
+        port=free_port(),
+        round_settings=settings,
+        decryptor=extra[0] if extra else None,
+    )
+    decryptor_config = None
+    if decryptor:
+        decryptor_config = fed.site_dirs["decryptor"] / "client.toml"
+        doc = tomllib.loads(decryptor_config.read_text(encoding="utf-8"))
+        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING}
+        decryptor_config.write_text(toml_text.dumps(doc), encoding="utf-8")
     data = out / "data"
     meta = {"classes": classes, "source": source, "surrogate": surrogate}
     configs = {}
@@ -152,6 +210,7 @@ def prepare_loopback(
         server_config=fed.server_dir / "server.toml",
         client_configs=configs,
         test_cache=data / "test",
+        decryptor_config=decryptor_config,
     )
 
 
@@ -182,9 +241,11 @@ def run_loopback(
     client_args: Sequence[str] = (),
     server_args: Sequence[str] = (),
     log_level: str = "WARNING",
+    client_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
-    stop the server; logs go to ``<root>/logs``."""
+    stop the server; logs go to ``<root>/logs``. ``client_env`` adds environment variables per
+    site (e.g. the MASK mode's fault injection ``AFL_FAULT_VANISH_AFTER``)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -195,14 +256,26 @@ def run_loopback(
     handles = [open(logs["server"], "wb")]  # noqa: SIM115 (closed below)
     server = subprocess.Popen(server_cmd, stdout=handles[0], stderr=subprocess.STDOUT, env=env)
     clients: dict[str, subprocess.Popen[bytes]] = {}
+    helpers: list[subprocess.Popen[bytes]] = []  # the CKKS decryptor: runs until stopped
     try:
+        if fed.decryptor_config is not None:
+            logs["decryptor"] = logs_dir / "decryptor.log"
+            handles.append(open(logs["decryptor"], "wb"))  # noqa: SIM115
+            cmd = [sys.executable, "-m", "afl.client.cli", "run"]
+            cmd += ["--config", str(fed.decryptor_config), "--log-level", log_level, *client_args]
+            helpers.append(
+                subprocess.Popen(cmd, stdout=handles[-1], stderr=subprocess.STDOUT, env=env)
+            )
         for site, config in fed.client_configs.items():
             logs[site] = logs_dir / f"{site}.log"
             handles.append(open(logs[site], "wb"))  # noqa: SIM115
             cmd = [sys.executable, "-m", "afl.client.cli", "run", "--config", str(config)]
             cmd += ["--log-level", log_level, *client_args]
             clients[site] = subprocess.Popen(
-                cmd, stdout=handles[-1], stderr=subprocess.STDOUT, env=env
+                cmd,
+                stdout=handles[-1],
+                stderr=subprocess.STDOUT,
+                env={**env, **(client_env or {}).get(site, {})},
             )
         deadline = time.monotonic() + timeout_s
         rcs: dict[str, int] = {}
@@ -219,7 +292,7 @@ def run_loopback(
             if site not in rcs:
                 rcs[site] = proc.returncode if proc.poll() is not None else -1
     finally:
-        for proc in clients.values():
+        for proc in [*clients.values(), *helpers]:
             _stop(proc)
         server_rc = _stop(server)
         for h in handles:

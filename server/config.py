@@ -16,6 +16,17 @@ from :func:`round_template` that the coordinator completes (the class names and 
     participants = []                            # expected site ids ([] = every provisioned site)
     enrol_timeout_s = 600.0; upload_timeout_s = 600.0
     operator_override = false; override_reason = ""   # accept a per-class plan failing the audit
+    mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": declared bounds
+    mask_gram_bound = 0.0; mask_vector_bound = 0.0    # (or explicit ones); mask_threshold = 0
+
+CKKS mode (design §7): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
+(declared bounds on |entry| of one site's Gram and class vectors; they set the plan's
+pre-scales), and optionally ``[ckks] public_context``
+(the decryptor's PUBLIC context file; a context holding a secret key makes the server refuse to
+start). The decryptor-role site is never a participant.
+
+DP mode (design §8): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
+rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1.
 
 Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
 max_upload_bytes. Relative paths are resolved against the file's folder.
@@ -34,11 +45,13 @@ from typing import Any
 from afl.core.aggregation import GRAM_SCOPES, GramScope
 from afl.core.refinement import RefinementParams
 from afl.crypto import pki
+from afl.server.dp_plan import DpSettings, dp_settings_from_table
 from afl.server.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
     "DEFAULT_MAX_UPLOAD_BYTES",
+    "MaskSettings",
     "RoundSettings",
     "ServerConfig",
     "SiteEntry",
@@ -48,7 +61,7 @@ __all__ = [
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
-AGGREGATIONS = ("plaintext",)
+AGGREGATIONS = ("plaintext", "mask", "ckks")
 ROLES = ("participant", "decryptor")
 
 
@@ -72,6 +85,13 @@ def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
         "upload_timeout_s": 600.0,
         "operator_override": False,
         "override_reason": "",
+        "mask_threshold": 0,
+        "mask_feature_norm": 0.0,
+        "mask_max_samples": 0,
+        "mask_gram_bound": 0.0,
+        "mask_vector_bound": 0.0,
+        "ckks_gram_bound": 1.0e6,
+        "ckks_vector_bound": 1.0e3,
     }
     for key, value in (overrides or {}).items():
         if key not in table:
@@ -86,6 +106,37 @@ class SiteEntry:
 
     identity_public_key: bytes
     role: str
+
+
+@dataclass(frozen=True)
+class MaskSettings:
+    """MASK mode's declared bounds (design §6): per-site |G_ij| <= gram_bound (default
+    max_samples · feature_norm², since |h_i·h_j| <= L² for ‖h‖ <= L), |b_j| <= vector_bound
+    (default 2 · feature_norm: a balanced class vector is a difference of two means of rows), and
+    the Shamir threshold t (0 = a majority of the participants)."""
+
+    gram_bound: float
+    vector_bound: float
+    threshold: int = 0
+
+
+def _mask_settings(t: _Table) -> MaskSettings:
+    norm = float(t.get("mask_feature_norm", (int, float), 0.0))
+    samples = t.get("mask_max_samples", int, 0)
+    gram = float(t.get("mask_gram_bound", (int, float), 0.0))
+    vector = float(t.get("mask_vector_bound", (int, float), 0.0))
+    threshold = t.get("mask_threshold", int, 0)
+    if min(norm, samples, gram, vector, threshold) < 0 or not math.isfinite(norm + gram + vector):
+        raise t.fail("mask_*", "mask bounds and threshold must be finite and >= 0")
+    gram = gram or samples * norm * norm
+    vector = vector or 2.0 * norm
+    if gram <= 0 or vector <= 0:
+        raise t.fail(
+            "mask_feature_norm",
+            "aggregation = 'mask' needs declared bounds: mask_feature_norm (L, the largest "
+            "feature-row norm) and mask_max_samples (N), or mask_gram_bound and mask_vector_bound",
+        )
+    return MaskSettings(gram_bound=gram, vector_bound=vector, threshold=threshold)
 
 
 @dataclass(frozen=True)
@@ -106,6 +157,10 @@ class RoundSettings:
     upload_timeout_s: float
     operator_override: bool = False
     override_reason: str = ""
+    mask: MaskSettings | None = None
+    ckks_gram_bound: float = 1.0e6
+    ckks_vector_bound: float = 1.0e3
+    dp: DpSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +181,7 @@ class ServerConfig:
     metrics_port: int = 0
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    ckks_public_context: Path | None = None
 
 
 class _Table:
@@ -208,6 +264,19 @@ def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
     return sites
 
 
+def _dp_settings(t: _Table, rounds: int) -> DpSettings | None:
+    """The optional [round.dp] table (DP mode, :mod:`afl.server.dp_plan`)."""
+    if "dp" not in t.data:
+        return None
+    table = t.get("dp", dict)
+    if rounds != 1:
+        raise t.fail("dp", "DP mode supports rounds = 1 only (round 2 is not accounted yet)")
+    try:
+        return dp_settings_from_table(table)
+    except ValueError as exc:
+        raise t.fail("dp", str(exc)) from exc
+
+
 def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry]) -> RoundSettings:
     t = _table(doc, "round", source)
     classes = t.strings("classes")
@@ -222,6 +291,13 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
     aggregation = t.get("aggregation", str, "plaintext")
     if aggregation not in AGGREGATIONS:
         raise t.fail("aggregation", f"must be one of {AGGREGATIONS} for now, got {aggregation!r}")
+    decryptors = [s for s, e in sites.items() if e.role == "decryptor"]
+    if aggregation == "ckks" and len(decryptors) != 1:
+        raise t.fail(
+            "aggregation",
+            "'ckks' needs exactly one site with role = \"decryptor\" in [sites] "
+            f"(afl provision --decryptor), found {len(decryptors)}",
+        )
     rounds = t.get("rounds", int, 1)
     if rounds not in (1, 2):
         raise t.fail("rounds", f"must be 1 or 2, got {rounds}")
@@ -234,7 +310,11 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         )
     except ValueError as exc:
         raise ConfigError(f"{source}: [round] refinement: {exc}") from exc
-    participants = t.strings("participants", []) or tuple(sorted(sites))
+    # The CKKS decryptor holds no data (design §7): not a participant by default, never one.
+    data_sites = tuple(sorted(s for s, e in sites.items() if e.role != "decryptor"))
+    participants = t.strings("participants", []) or data_sites
+    if any(sites[s].role == "decryptor" for s in participants if s in sites):
+        raise t.fail("participants", "the CKKS decryptor site holds no data; do not list it")
     unknown = sorted(set(participants) - set(sites))
     if unknown:
         raise t.fail("participants", f"not provisioned in [sites]: {', '.join(unknown)}")
@@ -259,6 +339,10 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         upload_timeout_s=t.number("upload_timeout_s", 600.0),
         operator_override=t.get("operator_override", bool, False),
         override_reason=t.get("override_reason", str, ""),
+        mask=_mask_settings(t) if aggregation == "mask" else None,
+        ckks_gram_bound=t.number("ckks_gram_bound", 1.0e6),
+        ckks_vector_bound=t.number("ckks_vector_bound", 1.0e3),
+        dp=_dp_settings(t, rounds),
     )
 
 
@@ -292,6 +376,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
     max_upload = limits.get("max_upload_bytes", int, DEFAULT_MAX_UPLOAD_BYTES)
     if max_chunk < 1 or max_upload < max_chunk:
         raise limits.fail("max_upload_bytes", "need 1 <= max_chunk_bytes <= max_upload_bytes")
+    ckks = _Table(doc.get("ckks", {}), "ckks", source)
+    ckks_context = file(ckks, "public_context") if "public_context" in doc.get("ckks", {}) else None
     federation_id = server.get("federation_id", str)
     if not federation_id.strip():
         raise server.fail("federation_id", "must not be empty")
@@ -310,4 +396,5 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         metrics_port=metrics_port,
         max_chunk_bytes=max_chunk,
         max_upload_bytes=max_upload,
+        ckks_public_context=ckks_context,
     )

@@ -70,7 +70,7 @@ class Coordinator:
             config,
             store,
             identity_key,
-            strategy=strategy or strategy_for(config.round.aggregation),
+            strategy=strategy or strategy_for(config.round.aggregation, config=config),
             metrics=self.metrics,
             clock=clock,
         )
@@ -194,7 +194,7 @@ class Coordinator:
             gamma=settings.gamma,
             gram_scope=common_pb2.ReleasePlan.FromString(row.plan).gram_scope,
             aggregation=self.machine.strategy.proto_mode,  # type: ignore[arg-type]
-            dp=common_pb2.DpParams(enabled=False),
+            dp=common_pb2.ReleasePlan.FromString(row.plan).dp,
             min_participants=settings.min_participants,
             stage_timeout_s=int(settings.upload_timeout_s),
             release_plan=common_pb2.SignedReleasePlan(plan=row.plan, signature=row.plan_signature),
@@ -273,6 +273,9 @@ class Coordinator:
                     f"round {view.round_id!r} is "
                     f"{stage_name(view.row.stage)}, not accepting uploads"
                 )
+            gate = getattr(self.machine.strategy, "admit_upload", None)
+            if gate is not None:  # modes with their own stages (MASK: UPLOAD stage, U2 only)
+                gate(view, site_id)
             decision = self.store.decisions(view.round_id).get(site_id)
             if decision is None or not decision[0]:
                 raise WrongStageError("accept the release plan (RespondToPlan) before uploading")

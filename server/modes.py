@@ -9,7 +9,7 @@ modes implement the same two methods (and add their own stages) later.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -71,8 +71,22 @@ class PlaintextStrategy:
         return total.reshape(release.shape)
 
 
-def strategy_for(aggregation: str) -> AggregationStrategy:
-    """The strategy object of a configured aggregation mode."""
+def strategy_for(aggregation: str, *, config: Any = None) -> AggregationStrategy:
+    """The strategy object of a configured aggregation mode (``config``: the ServerConfig)."""
     if aggregation == "plaintext":
         return PlaintextStrategy()
+    if aggregation == "ckks":
+        from afl.server.mode_ckks import CkksStrategy
+
+        return CkksStrategy(
+            gram_bound=config.round.ckks_gram_bound if config is not None else 1.0e6,
+            vector_bound=config.round.ckks_vector_bound if config is not None else 1.0e3,
+            state_dir=config.state_dir if config is not None else None,
+            configured_context=config.ckks_public_context if config is not None else None,
+        )
+    if aggregation == "mask" and config is not None and config.round.mask is not None:
+        from afl.server.mode_mask import MaskStrategy  # imports the protocol only when used
+
+        identities = {s: e.identity_public_key for s, e in config.sites.items()}
+        return MaskStrategy(config.round.mask, identities=identities)
     raise ValueError(f"aggregation mode {aggregation!r} is not available yet")

@@ -21,7 +21,7 @@ resumed server re-reads the same bytes.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -145,15 +145,20 @@ def build_plan(
     releases: Sequence[PlannedRelease],
     operator_override: bool = False,
     override_reason: str = "",
+    aggregation: int = common_pb2.AGGREGATION_MODE_PLAINTEXT,
+    encoding: Callable[[PlannedRelease], common_pb2.Encoding] | None = None,
+    mask_threshold: int = 0,
 ) -> common_pb2.ReleasePlan:
-    """The ReleasePlan message (plaintext aggregation, no DP) with a fresh 32-byte round salt."""
+    """The ReleasePlan message (no DP) with a fresh 32-byte round salt; ``encoding`` gives each
+    release's wire encoding (default: plaintext float64), ``mask_threshold`` MASK mode's t."""
+    encode = encoding or _encoding
     return common_pb2.ReleasePlan(
         version=1,
         federation_id=federation_id,
         round_id=round_id,
         round_number=round_number,
         participants=sorted(participants),
-        aggregation=common_pb2.AGGREGATION_MODE_PLAINTEXT,
+        aggregation=aggregation,  # type: ignore[arg-type]
         gram_scope=_SCOPES[gram_scope],
         releases=[
             common_pb2.Release(
@@ -162,7 +167,7 @@ def build_plan(
                 kind=r.kind,  # type: ignore[arg-type]
                 class_names=list(r.class_names),
                 shape=list(r.shape),
-                encoding=_encoding(r),
+                encoding=encode(r),
                 noise=common_pb2.DpNoise(mechanism=common_pb2.NOISE_MECHANISM_NONE),
                 upload_name=r.name,
             )
@@ -172,6 +177,7 @@ def build_plan(
         operator_override=operator_override,
         override_reason=override_reason,
         round_salt=os.urandom(32),
+        mask_threshold=mask_threshold,
     )
 
 

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -33,6 +34,8 @@ from numpy.typing import NDArray
 from afl.core.aggregation import AggregationError
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import ServerConfig
+from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
+from afl.server.dp_solve import solve_dp_round
 from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.modes import AggregationStrategy
 from afl.server.observability import ServerMetrics
@@ -224,12 +227,40 @@ class RoundMachine:
             releases = round2_releases(
                 classes=settings.classes, participants=participants, d=settings.feature_dim
             )
-        report = audit_plan(releases, participants)
+        dp = settings.dp if view.row.number == 1 else None
+        if dp is not None:  # DP mode releases additive statistics (design §8, dp_plan)
+            releases = dp_releases(
+                classes=settings.classes,
+                participants=participants,
+                coverage=coverage,
+                gram_scope=settings.gram_scope,
+                d=settings.feature_dim,
+            )
+            report = audit_dp_plan(releases, participants)
+        else:
+            report = audit_plan(releases, participants)
         self.store.audit("plan-audit", {"round_id": view.round_id, **report.to_dict()})
+        calibration = None
+        if dp is not None:
+            try:
+                calibration = calibrate(
+                    releases,
+                    dp,
+                    participants=participants,
+                    plaintext=self.strategy.name == "plaintext",
+                )
+            except ValueError as exc:
+                self._set_stage(view, Stage.ABORTED, reason=f"DP calibration failed: {exc}")
+                self.metrics.rounds.labels(outcome="aborted").inc()
+                return
+            self.store.audit("dp-budget", {"round_id": view.round_id, **calibration.to_audit()})
+            if not report.passed:  # every site's epsilon <= the target: DP covers the exposure
+                self.store.audit("dp-covers-audit", {"round_id": view.round_id})
         if (
             settings.gram_scope == "per-class"
             and not report.passed
             and not settings.operator_override
+            and calibration is None
         ):
             self._set_stage(
                 view,
@@ -250,7 +281,10 @@ class RoundMachine:
             releases=releases,
             operator_override=settings.operator_override and not report.passed,
             override_reason=settings.override_reason if not report.passed else "",
+            **self._mode_hook("plan_options", participants, default={}),
         )
+        if calibration is not None:
+            apply_dp(plan, calibration)
         signed = sign_plan(plan, self._key)
         self.store.update_round(
             view.round_id,
@@ -309,6 +343,8 @@ class RoundMachine:
                         deadline_ms=now + int(settings.enrol_timeout_s * 1000),
                     )
             return
+        if self._mode_hook("drive", self, view, default=False):
+            return  # the mode ran its own stages (e.g. MASK's key exchange, design §6)
         if stage in Stage.ACCEPTING_UPLOADS:
             decisions = self.store.decisions(view.round_id)
             refused = sorted(s for s, (ok, _) in decisions.items() if not ok)
@@ -343,7 +379,16 @@ class RoundMachine:
             if all((s, r.name) in uploaded for r in view.releases if s in r.members)
         ]
 
+    def _mode_hook(self, name: str, *args: Any, default: Any) -> Any:
+        """Call the strategy's optional hook ``name`` (modes with their own stages define
+        ``plan_options``, ``drive``, ``decoded_sums``, ``contributors``); else ``default``."""
+        hook = getattr(self.strategy, name, None)
+        return default if hook is None else hook(*args)
+
     def sums(self, view: RoundView) -> dict[str, NDArray[np.float64]]:
+        decoded = self._mode_hook("decoded_sums", view, default=None)
+        if decoded is not None:
+            return dict(decoded)
         uploads = self.store.uploads(view.round_id)
         out: dict[str, NDArray[np.float64]] = {}
         for release in view.releases:
@@ -356,7 +401,11 @@ class RoundMachine:
     def _solve(self, view: RoundView) -> None:
         settings = self.config.round
         try:
-            if view.row.number == 1:
+            if view.row.number == 1 and settings.dp is not None:
+                weights = solve_dp_round(
+                    view.releases, self.sums(view), classes=settings.classes, gamma=settings.gamma
+                )
+            elif view.row.number == 1:
                 weights = solve_round_one(
                     view.releases,
                     self.sums(view),
@@ -390,7 +439,7 @@ class RoundMachine:
             classes=settings.classes,
             gamma=settings.gamma,
             backbone=settings.backbone,
-            contributors=view.row.participants,
+            contributors=self._mode_hook("contributors", view, default=view.row.participants),
             plan_bytes=view.row.plan,
         )
         self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)

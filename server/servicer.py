@@ -20,6 +20,7 @@ from afl.crypto.errors import CryptoError
 from afl.crypto.pki import PkiError, site_id_from_pem
 from afl.proto.v1 import common_pb2
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.ckks_service import CKKS_DECRYPTOR_KINDS, CkksServicerMixin
 from afl.server.coordinator import Coordinator
 from afl.server.errors import (
     ConflictError,
@@ -28,6 +29,7 @@ from afl.server.errors import (
     TooLargeError,
     WrongStageError,
 )
+from afl.server.mask_rpcs import MaskRpcs
 from afl.server.unimplemented import OtherModesServicer
 from afl.server.uploads import assemble
 
@@ -59,7 +61,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
 
 
-class CoordinatorServicer(OtherModesServicer):
+class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
     """gRPC front end of one :class:`Coordinator`."""
 
     def __init__(
@@ -155,6 +157,8 @@ class CoordinatorServicer(OtherModesServicer):
                 max_chunk_bytes=config.max_chunk_bytes,
                 max_upload_bytes=config.max_upload_bytes,
             )
+            if upload.kind in CKKS_DECRYPTOR_KINDS:
+                return self.ckks_upload(site, upload)
             return self.coordinator.upload(site, upload)
 
         return self._call("Upload", context, body)

@@ -26,33 +26,6 @@ def _unimplemented(method: str, context: grpc.ServicerContext) -> NoReturn:
 class OtherModesServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """UNIMPLEMENTED answers for every RPC outside the plaintext flow."""
 
-    def AdvertiseKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("AdvertiseKeys", context)
-
-    def GetAdvertisedKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("GetAdvertisedKeys", context)
-
-    def ShareKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("ShareKeys", context)
-
-    def GetSharedKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("GetSharedKeys", context)
-
-    def GetSurvivors(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("GetSurvivors", context)
-
-    def ConsistencyCheck(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("ConsistencyCheck", context)
-
-    def GetConsistencySignatures(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("GetConsistencySignatures", context)
-
-    def GetUnmaskRequest(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("GetUnmaskRequest", context)
-
-    def Unmask(self, request: Any, context: grpc.ServicerContext) -> Any:
-        _unimplemented("Unmask", context)
-
     def Download(self, request: Any, context: grpc.ServicerContext) -> Any:
         _unimplemented("Download", context)
 

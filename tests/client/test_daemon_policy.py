@@ -108,15 +108,25 @@ def test_mode_participation_and_epsilon() -> None:
     assert not decision.accept and "not a participant" in decision.reason
     decision = check_plan(GLOBAL, site_id="s1", policy=LocalPolicy(max_epsilon=4.0))
     assert not decision.accept and "no differential privacy" in decision.reason
+    noised = [cpb.Release() for _ in GLOBAL.releases]
+    for copy, r in zip(noised, GLOBAL.releases, strict=True):
+        copy.CopyFrom(r)
+        copy.noise.CopyFrom(
+            cpb.DpNoise(mechanism=cpb.NOISE_MECHANISM_DISCRETE_GAUSSIAN, sigma=100.0, sensitivity=1)
+        )
     dp = _plan(
-        list(GLOBAL.releases),
-        dp=cpb.DpParams(enabled=True, epsilon=3.0, delta=1e-5),
+        noised,  # the site recomputes ε from the noise: σ = 100 gives far less than 3
+        dp=cpb.DpParams(enabled=True, epsilon=3.0, delta=1e-5, clip_norm=1.0),
         budgets=[cpb.SiteBudget(site_id="s1", epsilon=3.0, delta=1e-5)],
     )
     assert check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=4.0)).accept
     decision = check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=2.0))
     assert not decision.accept and "ε = 3 > policy max_epsilon 2" in decision.reason
     assert check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=math.inf)).accept
+    # A DP plan whose releases carry no noise is not DP, whatever budget the server states.
+    bare = _plan(list(GLOBAL.releases), dp=dp.dp, budgets=list(dp.budgets))
+    decision = check_plan(bare, site_id="s1", policy=LocalPolicy(max_epsilon=4.0))
+    assert not decision.accept and "ε = inf" in decision.reason
 
 
 def test_malformed_plans_are_refused() -> None:

@@ -259,21 +259,27 @@ class FixedPointEncoding(_message.Message):
 
     BOUND_FIELD_NUMBER: _builtins.int
     FRAC_BITS_FIELD_NUMBER: _builtins.int
+    MIN_SURVIVORS_FIELD_NUMBER: _builtins.int
     bound: _builtins.float
     """Declared bound B on |x| per element of ONE site's contribution; clients reject larger
     values with an error (never clip silently). [visible: all]
     """
     frac_bits: _builtins.int
     """Fractional bits f. [visible: all]"""
+    min_survivors: _builtins.int
+    """MASK mode: t_R, the fewest surviving members for which this release is unmasked and
+    released; below it the release is withheld and the round aborts. [visible: all]
+    """
     def __init__(
         self,
         *,
         bound: _builtins.float = ...,
         frac_bits: _builtins.int = ...,
+        min_survivors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound", b"bound", "frac_bits", b"frac_bits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound", b"bound", "frac_bits", b"frac_bits", "min_survivors", b"min_survivors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -359,6 +365,7 @@ class DpNoise(_message.Message):
     SIGMA_FIELD_NUMBER: _builtins.int
     SENSITIVITY_FIELD_NUMBER: _builtins.int
     ASSUMED_COLLUDERS_FIELD_NUMBER: _builtins.int
+    FRAC_BITS_FIELD_NUMBER: _builtins.int
     mechanism: Global___NoiseMechanism.ValueType
     """Mechanism. [visible: all]"""
     sigma: _builtins.float
@@ -373,6 +380,11 @@ class DpNoise(_message.Message):
     """Number of colluding or dropping contributors t assumed when splitting the noise: each of
     n contributors adds variance sigma^2 / (n - t). [visible: all]
     """
+    frac_bits: _builtins.int
+    """Discrete noise lives on the grid 2^-frac_bits in the statistic's units: each member rounds
+    its values to the grid and adds an integer discrete Gaussian share (afl.crypto.dgauss);
+    the Gram's symmetrised noise (Z + Z^T)/2 lands on the half grid. [visible: all]
+    """
     def __init__(
         self,
         *,
@@ -380,10 +392,11 @@ class DpNoise(_message.Message):
         sigma: _builtins.float = ...,
         sensitivity: _builtins.float = ...,
         assumed_colluders: _builtins.int = ...,
+        frac_bits: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assumed_colluders", b"assumed_colluders", "mechanism", b"mechanism", "sensitivity", b"sensitivity", "sigma", b"sigma"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assumed_colluders", b"assumed_colluders", "frac_bits", b"frac_bits", "mechanism", b"mechanism", "sensitivity", b"sensitivity", "sigma", b"sigma"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -539,6 +552,7 @@ class ReleasePlan(_message.Message):
     OPERATOR_OVERRIDE_FIELD_NUMBER: _builtins.int
     OVERRIDE_REASON_FIELD_NUMBER: _builtins.int
     ROUND_SALT_FIELD_NUMBER: _builtins.int
+    MASK_THRESHOLD_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Plan format version; 1 for this file. [visible: all]"""
     federation_id: _builtins.str
@@ -560,6 +574,10 @@ class ReleasePlan(_message.Message):
     round_salt: _builtins.bytes
     """32 random bytes chosen by the server: the HKDF salt of every key derived in this round
     (afl.crypto.kdf). [visible: all]
+    """
+    mask_threshold: _builtins.int
+    """MASK mode: the round's Shamir threshold t (every stage needs >= t live sites, every secret
+    is shared t-of-n; design §6). 0 outside MASK mode. [visible: all]
     """
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -593,10 +611,11 @@ class ReleasePlan(_message.Message):
         operator_override: _builtins.bool = ...,
         override_reason: _builtins.str = ...,
         round_salt: _builtins.bytes = ...,
+        mask_threshold: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -793,8 +793,8 @@ class AdvertiseKeysRequest(_message.Message):
     mask_public_key: _builtins.bytes
     """X25519 public key s_pk for pairwise mask agreement, raw 32 bytes. [visible: participants]"""
     signature: _builtins.bytes
-    """Identity signature, context "advertise-keys", fields (round_id, site_id, c_pk, s_pk).
-    [visible: participants]
+    """Identity signature, context "advertise-keys", fields (config digest, round_id, round_salt,
+    site_id, c_pk, s_pk) (afl.crypto.secagg_messages.advert_fields). [visible: participants]
     """
     def __init__(
         self,
@@ -1074,7 +1074,8 @@ class ConsistencySignature(_message.Message):
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     signature: _builtins.bytes
-    """Identity signature, context "consistency", fields (round_id, *survivors).
+    """Identity signature, context "consistency-check", fields (config digest, round_id,
+    round_salt, site_id, |U3|, *sorted U3) (afl.crypto.secagg_messages.consistency_fields).
     [visible: participants]
     """
     @_builtins.property
@@ -1159,6 +1160,8 @@ class UnmaskRequest(_message.Message):
     ROUND_ID_FIELD_NUMBER: _builtins.int
     SURVIVORS_FIELD_NUMBER: _builtins.int
     DROPPED_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    SIGNATURES_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     @_builtins.property
@@ -1169,16 +1172,30 @@ class UnmaskRequest(_message.Message):
     def dropped(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Dropped sites (U2 \\ U3): reveal their mask-key shares. [visible: participants]"""
 
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Releases whose self-mask seed shares are requested (those with >= min_survivors surviving
+        members). [visible: participants]
+        """
+
+    @_builtins.property
+    def signatures(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteSignature]:
+        """The consistency signatures on `survivors` (at least t); each site verifies them with the
+        identity keys of its startup kit before revealing anything. [visible: participants]
+        """
+
     def __init__(
         self,
         *,
         round_id: _builtins.str = ...,
         survivors: _abc.Iterable[_builtins.str] | None = ...,
         dropped: _abc.Iterable[_builtins.str] | None = ...,
+        releases: _abc.Iterable[_builtins.str] | None = ...,
+        signatures: _abc.Iterable[Global___SiteSignature] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "round_id", b"round_id", "survivors", b"survivors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "releases", b"releases", "round_id", b"round_id", "signatures", b"signatures", "survivors", b"survivors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1191,10 +1208,15 @@ class RevealedShare(_message.Message):
     OWNER_SITE_ID_FIELD_NUMBER: _builtins.int
     TYPE_FIELD_NUMBER: _builtins.int
     SHARE_FIELD_NUMBER: _builtins.int
+    RELEASE_NAME_FIELD_NUMBER: _builtins.int
     owner_site_id: _builtins.str
     """Site whose secret the share belongs to. [visible: server]"""
     type: Global___ShareType.ValueType
     """Which secret. A site never reveals both types for one owner. [visible: server]"""
+    release_name: _builtins.str
+    """SELF_MASK_SEED: the release whose seed b_{owner,release} this shares ("" for MASK_KEY).
+    [visible: server]
+    """
     @_builtins.property
     def share(self) -> _common_pb2.ShamirShare:
         """The share. [visible: server]"""
@@ -1205,10 +1227,11 @@ class RevealedShare(_message.Message):
         owner_site_id: _builtins.str = ...,
         type: Global___ShareType.ValueType = ...,
         share: _common_pb2.ShamirShare | None = ...,
+        release_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["share", b"share"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner_site_id", b"owner_site_id", "share", b"share", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner_site_id", b"owner_site_id", "release_name", b"release_name", "share", b"share", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1534,21 +1557,29 @@ class DecryptionJobs(_message.Message):
 
     ROUND_ID_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    RELEASE_PLAN_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: server, decryptor]"""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecryptionJob]:
         """Pending jobs. [visible: server, decryptor]"""
 
+    @_builtins.property
+    def release_plan(self) -> _common_pb2.SignedReleasePlan:
+        """The round's signed release plan: the decryptor verifies the server's signature and
+        decrypts only releases it lists, each once. [visible: server, decryptor]
+        """
+
     def __init__(
         self,
         *,
         round_id: _builtins.str = ...,
         jobs: _abc.Iterable[Global___DecryptionJob] | None = ...,
+        release_plan: _common_pb2.SignedReleasePlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["release_plan", b"release_plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "round_id", b"round_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "release_plan", b"release_plan", "round_id", b"round_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

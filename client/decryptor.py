@@ -1,0 +1,384 @@
+"""The CKKS decryptor site: an ``afl-client run`` whose client.toml says ``role = "decryptor"``
+(design §7).
+
+Choice: the decryptor is a DEDICATED site that holds no data (it is never a round participant;
+[data] is optional in its client.toml). It sees every released sum, which the server learns
+anyway, and nothing else; keeping it out of the data sites means a hospital's statistics are
+never decrypted by another hospital's process. Trust assumption: the decryptor and the server do
+not collude (TenSEAL has no threshold decryption).
+
+Startup: load (or create once, then keep under ``state_dir/ckks/``, mode 0600) the asymmetric
+CKKS context with its secret key and an X25519 key for receiving aggregate tags; enrol; upload
+the PUBLIC context (no secret, Galois or relinearization keys) and publish a signed announcement.
+
+Loop: ``GetDecryptionJobs`` for the current round. For each round, :class:`RoundDecryptor`
+verifies the server's signature on the release plan (key from the kit), refuses plans not in CKKS
+mode, opens the sealed tags (each must come from a member and name itself as sender) and builds
+an :class:`afl.crypto.ckks_decrypt.Decryptor`: a release is decrypted only if it is in the signed
+plan with exactly the plan's members, at most once, and only if every tag slot equals the sum of
+the members' secret tags (a single site's ciphertext forwarded as a "sum" is refused). Decoded
+values are divided by the pre-scale and rounded to the plan's grid (Li–Micciancio). The result
+(float64, packed like the upload) goes back through ``Upload`` (DECRYPTED_AGGREGATE) and the
+signed outcome through ``ReportDecryption``; refusals are reported too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from afl.client.config import ClientConfig
+from afl.client.daemon_transport import (
+    INSECURE_SITE_HEADER,
+    DaemonError,
+    RemoteCallError,
+    RetryPolicy,
+    iter_upload_chunks,
+    open_channel,
+    with_retry,
+)
+from afl.client.mode_ckks import download_payload
+from afl.crypto import ckks, kdf, pki, signatures, signed_blobs
+from afl.crypto.ckks_decrypt import CkksRelease, Decryptor
+from afl.crypto.ckks_wire import (
+    CKKS_CONTEXT_CONTEXT,
+    DECRYPTION_CONTEXT,
+    context_fields,
+    decryption_fields,
+    open_tags,
+)
+from afl.crypto.errors import (
+    CkksAlreadyDecryptedError,
+    CkksMalformedError,
+    CkksNotInPlanError,
+    CkksTagMismatchError,
+    CryptoError,
+)
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["DecryptorDaemon", "DecryptorKeys", "RoundDecryptor", "load_or_create_keys"]
+
+log = logging.getLogger("afl.client.decryptor")
+_STATUS = {
+    CkksNotInPlanError: pb.DECRYPTION_STATUS_REFUSED_NOT_IN_PLAN,
+    CkksAlreadyDecryptedError: pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED,
+    CkksTagMismatchError: pb.DECRYPTION_STATUS_REFUSED_TAG_MISMATCH,
+}
+
+
+class DecryptorKeys:
+    """The decryptor's CKKS context (with secret key) and its X25519 tag-receiving key."""
+
+    def __init__(self, ctx: Any, agreement: X25519PrivateKey) -> None:
+        ckks.ensure_private(ctx)
+        self.ctx = ctx
+        self.agreement = agreement
+        self.public_context = ckks.public_context_bytes(ctx)
+        self.cipher_public_key = kdf.public_key_bytes(agreement)
+
+
+def load_or_create_keys(state_dir: Path) -> DecryptorKeys:
+    """Keys from ``state_dir/ckks`` (created once with a CSPRNG, files mode 0600)."""
+    folder = state_dir / "ckks"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ctx_path, x_path = folder / "private_context.bin", folder / "tags_x25519.key"
+    if ctx_path.is_file() and x_path.is_file():
+        ctx = ckks.load_private_context(ctx_path.read_bytes())
+        agreement = kdf.load_agreement_private_key(x_path.read_bytes())
+        return DecryptorKeys(ctx, agreement)
+    ctx = ckks.create_private_context()
+    agreement = kdf.generate_agreement_key()
+    pki.write_private_file(ctx_path, ckks.private_context_bytes(ctx))
+    pki.write_private_file(x_path, kdf.private_key_bytes(agreement))
+    return DecryptorKeys(ctx, agreement)
+
+
+class RoundDecryptor:
+    """One round's decryption state (module docstring); transport-free, so it is unit-tested."""
+
+    def __init__(
+        self,
+        keys: DecryptorKeys,
+        signed_plan: cpb.SignedReleasePlan,
+        *,
+        site_id: str,
+        server_key: bytes,
+        federation_id: str,
+    ) -> None:
+        try:
+            signed_blobs.verify_blob(
+                server_key,
+                context=signed_blobs.PLAN_CONTEXT,
+                blob=signed_plan.plan,
+                signature=signed_plan.signature,
+            )
+        except CryptoError as exc:
+            raise DaemonError("the release plan is not signed by the server in the kit") from exc
+        plan = cpb.ReleasePlan.FromString(signed_plan.plan)
+        if plan.aggregation != cpb.AGGREGATION_MODE_CKKS or plan.federation_id != federation_id:
+            raise DaemonError("the release plan is not a CKKS plan of this federation")
+        self.plan, self.keys, self.site_id = plan, keys, site_id
+        self.releases = {r.name: r for r in plan.releases}
+        self.decryptor = Decryptor(
+            keys.ctx,
+            [
+                CkksRelease(
+                    name=r.name,
+                    members=tuple(r.member_site_ids),
+                    upload_name=r.upload_name or r.name,
+                    length=_length(r),
+                    prescale=r.encoding.ckks.prescale,
+                    grid=r.encoding.ckks.grid_step,
+                )
+                for r in plan.releases
+            ],
+        )
+        self.senders: set[str] = set()
+
+    def add_tags(self, sealed: pb.SealedMessage) -> None:
+        """Open one site's sealed AggregateTags and register them (each sender once)."""
+        sender = sealed.sender_site_id
+        if sender in self.senders or sender not in self.plan.participants:
+            return
+        plaintext = open_tags(
+            sealed.ciphertext,
+            sender_public_key=sealed.sender_public_key,
+            recipient_private_key=self.keys.agreement,
+            round_salt=self.plan.round_salt,
+            round_id=self.plan.round_id,
+            sender=sender,
+            recipient=self.site_id,
+        )
+        message = pb.AggregateTags.FromString(plaintext)
+        if message.site_id != sender or message.round_id != self.plan.round_id:
+            raise CkksMalformedError("aggregate tags name another sender or round")
+        self.decryptor.register_tags(
+            site=sender, tags={t.upload_name: t.value for t in message.tags}
+        )
+        self.senders.add(sender)
+
+    def decrypt(self, job: pb.DecryptionJob, aggregate: bytes) -> tuple[int, str, bytes]:
+        """(status, reason, float64 result bytes) for one job; never raises for a refusal."""
+        try:
+            if hashlib.sha256(aggregate).digest() != job.ciphertext_sha256:
+                raise CkksMalformedError("aggregate bytes differ from the job's digest")
+            values = self.decryptor.decrypt(
+                job.release_name,
+                ckks.unpack_ciphertexts(aggregate),
+                members=list(job.member_site_ids),
+            )
+        except (CkksNotInPlanError, CkksAlreadyDecryptedError, CkksTagMismatchError) as exc:
+            return _STATUS[type(exc)], str(exc), b""
+        except CryptoError as exc:
+            return pb.DECRYPTION_STATUS_REFUSED_MALFORMED, str(exc), b""
+        return pb.DECRYPTION_STATUS_DECRYPTED, "", values.astype("<f8").tobytes()
+
+
+def _length(release: cpb.Release) -> int:
+    if release.encoding.packing == cpb.PACKING_UPPER_TRIANGLE:
+        d = int(release.shape[0])
+        return d * (d + 1) // 2
+    return int(np.prod(release.shape))
+
+
+class DecryptorDaemon:
+    """The decryptor's process: publish the public context, then serve decryption jobs."""
+
+    def __init__(
+        self, config: ClientConfig, *, insecure: bool = False, max_idle_s: float | None = None
+    ) -> None:
+        if config.role != "decryptor":
+            raise DaemonError("DecryptorDaemon needs role = 'decryptor' in client.toml")
+        self.config = config
+        self.insecure = insecure
+        self.max_idle_s = max_idle_s
+        self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
+        t = config.timing
+        self.retry = RetryPolicy(attempts=t.retry_attempts, initial_s=t.poll_interval_s)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((INSECURE_SITE_HEADER, config.site_id),) if insecure else ()
+        )
+        self.keys = load_or_create_keys(config.state_dir)
+        self.rounds: dict[str, RoundDecryptor] = {}
+        self.stub: Any = None
+
+    def _call(self, what: str, request: Any) -> Any:
+        method = getattr(self.stub, what)
+        timeout = self.config.timing.rpc_timeout_s
+        return with_retry(
+            lambda: method(request, timeout=timeout, metadata=self.metadata or None),
+            what=what,
+            policy=self.retry,
+        )
+
+    def _upload(self, data: bytes, *, round_id: str, name: str, kind: int) -> None:
+        def send() -> Any:
+            chunks = iter_upload_chunks(data, round_id=round_id, release_name=name, kind=kind)
+            return self.stub.Upload(
+                chunks, timeout=self.config.timing.upload_timeout_s, metadata=self.metadata or None
+            )
+
+        with_retry(send, what=f"upload {name}", policy=self.retry)
+
+    def enroll_and_publish(self) -> None:
+        c = self.config
+        proof = signatures.sign_fields(
+            self.identity,
+            context=signed_blobs.ENROL_CONTEXT,
+            fields=signed_blobs.enrol_fields(
+                federation_id=c.federation_id,
+                site_id=c.site_id,
+                identity_public_key=c.identity_public_key,
+            ),
+        )
+        response = self._call(
+            "Enroll",
+            pb.EnrollRequest(
+                identity_public_key=c.identity_public_key,
+                proof=proof,
+                role=pb.SITE_ROLE_DECRYPTOR,
+                protocol_version=1,
+            ),
+        )
+        if response.server_identity_public_key != c.server_public_key:
+            raise DaemonError("the server's identity key differs from the one in the startup kit")
+        data = self.keys.public_context
+        digest = hashlib.sha256(data).digest()
+        self._upload(
+            data, round_id="ckks", name="ckks/context", kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT
+        )
+        signature = signatures.sign_fields(
+            self.identity,
+            context=CKKS_CONTEXT_CONTEXT,
+            fields=context_fields(
+                round_id="", context_sha256=digest, cipher_public_key=self.keys.cipher_public_key
+            ),
+        )
+        self._call(
+            "PublishCkksContext",
+            pb.CkksContextAnnouncement(
+                context_sha256=digest,
+                size_bytes=len(data),
+                cipher_public_key=self.keys.cipher_public_key,
+                signature=signature,
+            ),
+        )
+        log.info("decryptor=%s published its public CKKS context (%d bytes)", c.site_id, len(data))
+
+    def _round(self, jobs: pb.DecryptionJobs) -> RoundDecryptor:
+        work = self.rounds.get(jobs.round_id)
+        if work is None:
+            work = RoundDecryptor(
+                self.keys,
+                jobs.release_plan,
+                site_id=self.config.site_id,
+                server_key=self.config.server_public_key,
+                federation_id=self.config.federation_id,
+            )
+            self.rounds[jobs.round_id] = work
+        return work
+
+    def serve_once(self) -> int:
+        """Handle the pending jobs of the current round; returns how many were handled."""
+        jobs: pb.DecryptionJobs = self._call("GetDecryptionJobs", cpb.RoundRef())
+        if not jobs.jobs:
+            return 0
+        work = self._round(jobs)
+        tags: pb.SealedMessages = self._call(
+            "GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id)
+        )
+        for sealed in tags.messages:
+            try:
+                work.add_tags(sealed)
+            except CryptoError as exc:
+                log.warning("decryptor: tags from %s refused: %s", sealed.sender_site_id, exc)
+        for job in jobs.jobs:
+            t0 = time.perf_counter()
+            aggregate = download_payload(
+                self.stub,
+                pb.DownloadRequest(
+                    round_id=jobs.round_id,
+                    kind=pb.PAYLOAD_KIND_CKKS_AGGREGATE,
+                    release_name=job.release_name,
+                ),
+                timeout_s=self.config.timing.upload_timeout_s,
+                metadata=self.metadata,
+            )
+            t1 = time.perf_counter()
+            status, reason, result = work.decrypt(job, aggregate)
+            self._record(
+                round_id=jobs.round_id, release=job.release_name, status=status,
+                download_s=t1 - t0, decrypt_s=time.perf_counter() - t1, size=len(aggregate),
+            )  # fmt: skip
+            digest = hashlib.sha256(result).digest() if result else b""
+            if result:
+                self._upload(
+                    result,
+                    round_id=jobs.round_id,
+                    name=job.release_name,
+                    kind=pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE,
+                )
+            release = work.releases.get(job.release_name)
+            grid = release.encoding.ckks.grid_step if release is not None else 0.0
+            self._call(
+                "ReportDecryption",
+                self.outcome(jobs.round_id, job.release_name, status, reason, digest, grid),
+            )
+            log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
+        return len(jobs.jobs)
+
+    def _record(self, **fields: Any) -> None:
+        """Append one job's timing to ``state_dir/ckks/decryptions.jsonl`` (no values)."""
+        fields["status"] = pb.DecryptionStatus.Name(fields["status"])
+        with (self.config.state_dir / "ckks" / "decryptions.jsonl").open("a") as handle:
+            handle.write(json.dumps(fields) + "\n")
+
+    def outcome(
+        self, round_id: str, release: str, status: int, reason: str, digest: bytes, grid: float
+    ) -> pb.DecryptionOutcome:
+        """The signed DecryptionOutcome (context "decryption")."""
+        signature = signatures.sign_fields(
+            self.identity,
+            context=DECRYPTION_CONTEXT,
+            fields=decryption_fields(
+                round_id=round_id, release_name=release, status=status, result_sha256=digest
+            ),
+        )
+        return pb.DecryptionOutcome(
+            round_id=round_id,
+            release_name=release,
+            status=status,  # type: ignore[arg-type]
+            reason=reason[:300],
+            result_sha256=digest,
+            grid_step=grid,
+            signature=signature,
+        )
+
+    def run(self) -> int:
+        """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0."""
+        with open_channel(self.config, insecure=self.insecure) as channel:
+            self.stub = pb_grpc.CoordinatorStub(channel)
+            self.enroll_and_publish()
+            idle_since = time.monotonic()
+            while True:
+                try:
+                    handled = self.serve_once()
+                except RemoteCallError as exc:
+                    log.warning("decryptor: %s", exc)
+                    handled = 0
+                if handled:
+                    idle_since = time.monotonic()
+                elif (
+                    self.max_idle_s is not None and time.monotonic() - idle_since > self.max_idle_s
+                ):
+                    return 0
+                time.sleep(self.config.timing.poll_interval_s)

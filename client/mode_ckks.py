@@ -1,0 +1,253 @@
+"""CKKS mode on a data site (design §7): public context, sealed aggregate tags, encrypted uploads.
+
+Between the accepted plan and the model, a site
+
+1. fetches the decryptor's announcement (``GetCkksContext``) and checks its signature (context
+   "ckks-context", :mod:`afl.crypto.ckks_wire`) with the decryptor's identity key from the
+   startup kit's [peers]; the decryptor must not be this site;
+2. downloads the public context (``Download``), checks its SHA-256 against the signed
+   announcement and loads it with :func:`afl.crypto.ckks.load_public_context` (which refuses a
+   context holding a secret key, or parameters other than the vetted ones);
+3. draws one secret tag r per upload slot (:func:`afl.crypto.ckks.new_tag`) and sends them sealed
+   to the decryptor's X25519 key (``SendAggregateTags``; the server cannot read them);
+4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
+   the tag in slot 0 of every ciphertext (:func:`afl.crypto.ckks.encrypt_block`) and streams the
+   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
+
+``encode`` runs before the context is known, so it only checks the declared bound (values that
+would overflow the slot budget are refused with an error, never clipped) and keeps float64.
+Tags are drawn per run: a daemon restarted between SendAggregateTags and its uploads cannot
+resume the round (the server keeps the first tags; the round then times out and is re-planned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.client.daemon_stats import PayloadError, SlotPayload, encode_float64
+from afl.client.daemon_transport import (
+    MAX_CHUNK_BYTES,
+    DaemonError,
+    RemoteCallError,
+    upload_payload,
+    with_retry,
+)
+from afl.crypto import ckks
+from afl.crypto import ckks_params as cp
+from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
+from afl.crypto.errors import CryptoError
+from afl.crypto.signatures import load_public_key_raw, verify_fields
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+if TYPE_CHECKING:  # daemon_modes registers this module's strategy: no import cycle at runtime
+    from afl.client.daemon_modes import RoundSession, UploadRecord
+
+__all__ = ["CkksClientStrategy", "download_payload", "fetch_public_context"]
+
+
+def download_payload(
+    stub: Any, request: pb.DownloadRequest, *, timeout_s: float, metadata: Sequence[Any] = ()
+) -> bytes:
+    """Concatenate a ``Download`` stream; check chunk order, size and the final SHA-256."""
+    chunks: Iterator[pb.UploadChunk] = stub.Download(
+        request, timeout=timeout_s, metadata=tuple(metadata) or None
+    )
+    parts: list[bytes] = []
+    last: pb.UploadChunk | None = None
+    for i, chunk in enumerate(chunks):
+        if chunk.chunk_index != i:
+            raise DaemonError("download chunks out of order")
+        parts.append(chunk.data)
+        last = chunk
+    data = b"".join(parts)
+    if last is None or last.total_bytes != len(data):
+        raise DaemonError("download truncated")
+    if hashlib.sha256(data).digest() != last.sha256:
+        raise DaemonError("download digest mismatch")
+    return data
+
+
+def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
+    delay, start = session.retry.initial_s, time.monotonic()
+    while True:
+        try:
+            announcement: pb.CkksContextAnnouncement = with_retry(
+                lambda: session.stub.GetCkksContext(
+                    cpb.RoundRef(round_id=session.round_id),
+                    timeout=session.rpc_timeout_s,
+                    metadata=session.metadata or None,
+                ),
+                what="GetCkksContext",
+                policy=session.retry,
+            )
+            return announcement
+        except RemoteCallError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            if time.monotonic() - start > deadline_s:
+                raise DaemonError("the decryptor published no CKKS context in time") from exc
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
+def fetch_public_context(
+    session: RoundSession, peers: Mapping[str, bytes]
+) -> tuple[Any, pb.CkksContextAnnouncement]:
+    """Steps 1-2 of the module docstring: the verified public context and its announcement."""
+    ann = _poll_context(session, session.upload_timeout_s)
+    decryptor = ann.decryptor_site_id
+    if decryptor == session.site_id or decryptor not in peers:
+        raise DaemonError(f"the CKKS decryptor {decryptor!r} is not a peer in this site's kit")
+    if ann.round_id not in ("", session.round_id):
+        raise DaemonError("the CKKS context announcement belongs to another round")
+    try:
+        verify_fields(
+            load_public_key_raw(peers[decryptor]),
+            ann.signature,
+            context=CKKS_CONTEXT_CONTEXT,
+            fields=context_fields(
+                round_id=ann.round_id,
+                context_sha256=ann.context_sha256,
+                cipher_public_key=ann.cipher_public_key,
+            ),
+        )
+    except CryptoError as exc:
+        raise DaemonError("the CKKS context announcement is not signed by the decryptor") from exc
+    data = download_payload(
+        session.stub,
+        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT),
+        timeout_s=session.upload_timeout_s,
+        metadata=session.metadata,
+    )
+    if hashlib.sha256(data).digest() != ann.context_sha256:
+        raise DaemonError("the downloaded CKKS context differs from the signed announcement")
+    try:
+        return ckks.load_public_context(data), ann
+    except CryptoError as exc:
+        raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
+
+
+def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
+    """(prescale, K) of an upload slot: K is the largest member count of its releases."""
+    releases = [r for r in plan.releases if (r.upload_name or r.name) == slot]
+    if not releases:
+        raise PayloadError(f"no release of the plan uses upload slot {slot!r}")
+    prescales = {r.encoding.ckks.prescale for r in releases}
+    if len(prescales) != 1:
+        raise PayloadError(f"releases of slot {slot!r} declare different pre-scales")
+    return prescales.pop(), max(len(r.member_site_ids) for r in releases)
+
+
+class CkksClientStrategy:
+    """CKKS: encrypted, tagged uploads (see the module docstring)."""
+
+    name: str = "ckks"
+    aggregation: int = int(cpb.AGGREGATION_MODE_CKKS)
+
+    def encode(self, release: cpb.Release, values: NDArray[np.float64]) -> bytes:
+        enc = release.encoding
+        if enc.dtype != cpb.DTYPE_CKKS_VECTORS or not enc.HasField("ckks"):
+            raise PayloadError(f"release {release.name}: CKKS mode needs a CkksEncoding")
+        prescale, k = enc.ckks.prescale, len(release.member_site_ids)
+        x = np.asarray(values, dtype=np.float64).ravel()
+        peak = float(np.max(np.abs(x))) * prescale if x.size else 0.0
+        if not np.all(np.isfinite(x)) or peak > cp.per_site_slot_bound(k):
+            raise PayloadError(
+                f"release {release.name}: values exceed the plan's declared bound "
+                f"(|x|·prescale = {peak:.4g} > 2^17/{k}); raise [round] ckks_gram_bound / ckks_vector_bound on the server"
+            )
+        return encode_float64(x)
+
+    def exchange(
+        self,
+        session: RoundSession,
+        payloads: Sequence[SlotPayload],
+        *,
+        already_complete: Collection[str] = (),
+    ) -> list[UploadRecord]:
+        from afl.client import daemon_modes  # runtime import: daemon_modes registers this class
+
+        plan: cpb.ReleasePlan | None = session.plan
+        if plan is None:
+            raise DaemonError("CKKS mode needs the verified release plan")
+        ctx, ann = fetch_public_context(session, session.peer_keys)
+        todo = [p for p in payloads if p.slot not in already_complete]
+        tags = {p.slot: ckks.new_tag(num_summands=_slot_release(plan, p.slot)[1]) for p in todo}
+        if todo:
+            message = pb.AggregateTags(
+                round_id=session.round_id,
+                site_id=session.site_id,
+                tags=[pb.TagValue(upload_name=s, value=v) for s, v in tags.items()],
+            )
+            ephemeral, blob = seal_tags(
+                message.SerializeToString(),
+                recipient_public_key=ann.cipher_public_key,
+                round_salt=plan.round_salt,
+                round_id=session.round_id,
+                sender=session.site_id,
+                recipient=ann.decryptor_site_id,
+            )
+            request = pb.SendAggregateTagsRequest(
+                round_id=session.round_id,
+                sealed=pb.SealedMessage(
+                    recipient_site_id=ann.decryptor_site_id,
+                    sender_public_key=ephemeral,
+                    ciphertext=blob,
+                ),
+            )
+            with_retry(
+                lambda: session.stub.SendAggregateTags(
+                    request, timeout=session.rpc_timeout_s, metadata=session.metadata or None
+                ),
+                what="SendAggregateTags",
+                policy=session.retry,
+            )
+        records = []
+        for item in payloads:
+            if item.slot in already_complete:
+                records.append(
+                    daemon_modes.UploadRecord(
+                        item.slot, item.releases, 0, item.sha256, 0, True, True, 0.0
+                    )
+                )
+                continue
+            start = time.perf_counter()
+            prescale, k = _slot_release(plan, item.slot)
+            values = np.frombuffer(item.payload, dtype="<f8")
+            try:
+                vectors = ckks.encrypt_block(
+                    ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
+                )
+            except CryptoError as exc:
+                raise PayloadError(f"slot {item.slot}: {exc}") from exc
+            packed = ckks.pack_ciphertexts(ckks.serialize_ciphertexts(vectors))
+            receipt = upload_payload(
+                session.stub,
+                packed,
+                round_id=session.round_id,
+                release_name=item.slot,
+                policy=session.retry,
+                timeout_s=session.upload_timeout_s,
+                metadata=session.metadata,
+            )
+            records.append(
+                daemon_modes.UploadRecord(
+                    slot=item.slot,
+                    releases=item.releases,
+                    bytes=len(packed),
+                    sha256=hashlib.sha256(packed).hexdigest(),
+                    chunks=max(1, -(-len(packed) // MAX_CHUNK_BYTES)),
+                    duplicate=bool(receipt.duplicate),
+                    skipped=False,
+                    seconds=time.perf_counter() - start,
+                )
+            )
+        return records

@@ -1,0 +1,101 @@
+"""Helpers shared by the `afl bench` stats, solve and scaling suites: timing and output files.
+
+Timings are the best (minimum) wall time of ``repeats`` runs of ``time.perf_counter``: the least
+disturbed run estimates the cost, the others measure the machine's noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_blas_threads_argument", "best_seconds", "blas_threads", "line_plot", "write_json"]
+
+
+@contextmanager
+def blas_threads(limit: int | None) -> Iterator[None]:
+    """Cap the BLAS thread pools (numpy's and scipy's OpenBLAS) for the block; None: no cap.
+
+    On a small or busy machine multi-threaded OpenBLAS can be many times slower than one thread
+    (threads spin waiting for cores), so the suites can measure both.
+    """
+    if limit is None:
+        yield
+        return
+    if limit < 1:
+        raise ValueError(f"BLAS threads must be >= 1, got {limit}")
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    with threadpool_limits(limits=limit, user_api="blas"):
+        yield
+
+
+def add_blas_threads_argument(p: argparse.ArgumentParser) -> None:
+    """The --blas-threads option shared by the stats, solve and scaling suites."""
+    p.add_argument(
+        "--blas-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cap numpy/scipy BLAS threads at N during the run (default: the library's own)",
+    )
+
+
+def best_seconds(fn: Callable[[], object], *, repeats: int) -> float:
+    """min over ``repeats`` calls of fn's wall time, in seconds."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def write_json(data: dict[str, Any], path: Path) -> Path:
+    """Write ``data`` as indented JSON, creating the parent folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def line_plot(
+    path: Path,
+    *,
+    x: Sequence[float],
+    series: dict[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log: bool = True,
+) -> Path:
+    """One PNG with a marked line per series (matplotlib Agg; log-log axes by default)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in series.items():
+        ax.plot(list(x), list(ys), marker="o", label=label)
+    if log:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    ax.set_xticks(list(x), [f"{v:g}" for v in x])
+    ax.minorticks_off()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

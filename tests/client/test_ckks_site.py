@@ -1,0 +1,112 @@
+"""A data site in CKKS mode (design §7): it encrypts only under a public context whose
+announcement the decryptor signed (key from the kit) and whose bytes match the signed digest,
+never under a context holding a secret key; its tags are sealed to the decryptor alone."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from afl.client.daemon_modes import RoundSession
+from afl.client.daemon_transport import DaemonError, RetryPolicy
+from afl.client.mode_ckks import fetch_public_context
+from afl.crypto import ckks, kdf, signatures
+from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, open_tags, seal_tags
+from afl.crypto.errors import DecryptionError
+from afl.proto.v1 import coordinator_pb2 as pb
+
+DECRYPTOR_KEY = signatures.generate_identity_key()
+PEERS = {"dec": signatures.public_key_to_raw(DECRYPTOR_KEY), "site-1": b"\x01" * 32}
+
+
+@pytest.fixture(scope="module")
+def private_ctx() -> Any:
+    return ckks.create_private_context()
+
+
+class FakeStub:
+    """Serves one announcement and one context (what a possibly malicious server sends)."""
+
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        self.announcement, self.data = announcement, data
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        return self.announcement
+
+    def Download(self, request: Any, **kw: Any) -> Iterator[pb.UploadChunk]:
+        yield pb.UploadChunk(
+            chunk_index=0,
+            total_chunks=1,
+            data=self.data,
+            sha256=hashlib.sha256(self.data).digest(),
+            total_bytes=len(self.data),
+        )
+
+
+def _announce(data: bytes, *, signer: Any = DECRYPTOR_KEY, site: str = "dec") -> Any:
+    digest, cpk = hashlib.sha256(data).digest(), b"\x09" * 32
+    fields = context_fields(round_id="", context_sha256=digest, cipher_public_key=cpk)
+    return pb.CkksContextAnnouncement(
+        decryptor_site_id=site,
+        context_sha256=digest,
+        cipher_public_key=cpk,
+        signature=signatures.sign_fields(signer, context=CKKS_CONTEXT_CONTEXT, fields=fields),
+    )
+
+
+def _session(stub: Any) -> RoundSession:
+    return RoundSession(
+        stub=stub, round_id="r1", site_id="site-1", retry=RetryPolicy(attempts=1, initial_s=0.01),
+        rpc_timeout_s=1.0, upload_timeout_s=1.0,
+    )  # fmt: skip
+
+
+def test_verified_public_context_is_accepted(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    ctx, ann = fetch_public_context(_session(FakeStub(_announce(data), data)), PEERS)
+    assert not ctx.is_private() and ann.decryptor_site_id == "dec"
+
+
+def test_forged_or_swapped_contexts_are_refused(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    impostor = signatures.generate_identity_key()
+    cases = {
+        "not signed by the decryptor": FakeStub(_announce(data, signer=impostor), data),
+        "differs from the signed": FakeStub(_announce(data), data + b"\x00"),
+        "not a peer": FakeStub(_announce(data, site="server-friend"), data),
+    }
+    for message, stub in cases.items():
+        with pytest.raises(DaemonError, match=message):
+            fetch_public_context(_session(stub), PEERS)
+    secret = ckks.private_context_bytes(private_ctx)  # validly announced, but holds the key
+    with pytest.raises(DaemonError, match="unacceptable CKKS context"):
+        fetch_public_context(_session(FakeStub(_announce(secret), secret)), PEERS)
+    with pytest.raises(DaemonError, match="not a peer"):  # a site is never its own decryptor
+        fetch_public_context(_session(FakeStub(_announce(data, site="site-1"), data)), PEERS)
+
+
+def test_sealed_tags_open_only_for_the_decryptor_and_binding() -> None:
+    recipient = kdf.generate_agreement_key()
+    salt = b"\x05" * 32
+    eph, blob = seal_tags(
+        b"tags", recipient_public_key=kdf.public_key_bytes(recipient), round_salt=salt,
+        round_id="r1", sender="site-1", recipient="dec",
+    )  # fmt: skip
+    binding: dict[str, Any] = {
+        "round_salt": salt, "round_id": "r1", "sender": "site-1", "recipient": "dec",
+    }  # fmt: skip
+    assert open_tags(blob, sender_public_key=eph, recipient_private_key=recipient, **binding) == (
+        b"tags"
+    )
+    for key, value in (("sender", "site-2"), ("round_id", "r2"), ("recipient", "other")):
+        with pytest.raises(DecryptionError):
+            open_tags(
+                blob, sender_public_key=eph, recipient_private_key=recipient,
+                **{**binding, key: value},
+            )  # fmt: skip
+    with pytest.raises(DecryptionError):
+        open_tags(blob, sender_public_key=eph, recipient_private_key=kdf.generate_agreement_key(),
+                  **binding)  # fmt: skip

@@ -1,0 +1,154 @@
+"""End to end in MASK mode (issue 5, design §6): afl-server and one afl-client process per site
+over loopback gRPC with mutual TLS. The masked federation's W equals the plaintext mode's W on
+the same caches; sites killed after ShareKeys or after MaskedInput leave the survivors' exact
+result; one drop-out more than the threshold allows aborts the round with a reason and no model;
+what the server stores is masked (uncorrelated with the sites' statistics)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.core.aggregation import federated_solve
+from afl.core.featurecache import open_cache
+from afl.core.packing import pack_upper
+from afl.core.stats import LocalStats, local_statistics
+from afl.lab.demo_federation import (
+    LoopbackFederation,
+    LoopbackRun,
+    mask_round_settings,
+    prepare_loopback,
+    run_loopback,
+)
+from afl.server.store import Store
+
+D = 16
+CLASSES = ("A", "B", "C")
+VANISH = "AFL_FAULT_VANISH_AFTER"
+
+
+def _data(k: int, seed: int = 11) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
+    rng = np.random.default_rng(seed)
+    directions = rng.normal(size=(len(CLASSES), D))
+    feats, labels = [], []
+    for site in range(k):
+        n = 120 + 20 * site
+        y = (rng.random((n, len(CLASSES))) < 0.4).astype(np.int8)
+        h = rng.normal(size=(n, D)) + y @ directions + 0.3 * site
+        feats.append(h.astype(np.float32))
+        labels.append(y)
+    return feats, labels
+
+
+def _run(
+    root: Path,
+    k: int,
+    *,
+    mask: bool = True,
+    env: dict[str, dict[str, str]] | None = None,
+    timeout_s: float = 6.0,
+) -> tuple[LoopbackFederation, LoopbackRun]:
+    feats, labels = _data(k)
+    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": timeout_s}
+    if mask:
+        settings.update(mask_round_settings(feats))
+    loop = prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=np.ones((k, len(CLASSES)), dtype=bool),
+        test_features=feats[0][:20],
+        test_labels=labels[0][:20],
+        round_settings=settings,
+    )
+    return loop, run_loopback(loop, timeout_s=120, client_env=env)
+
+
+def _stats(loop: LoopbackFederation, sites: list[str]) -> list[LocalStats]:
+    out = []
+    for site in sites:
+        cache = open_cache(loop.root / "data" / site)
+        out.append(local_statistics(cache.features, cache.labels, active=np.ones(3, dtype=bool)))
+    return out
+
+
+def _final_w(run: LoopbackRun, site: str) -> NDArray[np.float64]:
+    report = run.final_report(site)
+    assert report["outcome"] == "COMPLETED", report
+    return np.asarray(np.load(report["model"]["path"]), dtype=np.float64)
+
+
+def _rel(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_masked_w_equals_plaintext_w_and_server_stores_only_masked(tmp_path: Path) -> None:
+    loop, run = _run(tmp_path / "mask", 4)
+    assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
+    plain_loop, plain = _run(tmp_path / "plain", 4, mask=False)
+    assert plain.client_rcs == dict.fromkeys(plain_loop.site_ids, 0), plain.logs
+    w_plain = _final_w(plain, "site-1")
+    stats = _stats(loop, list(loop.site_ids))
+    w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    assert _rel(w_plain, w_ref) <= 1e-9
+    for site in loop.site_ids:
+        assert _rel(_final_w(run, site), w_plain) <= 1e-9
+    report = run.final_report("site-1")
+    assert report["plan"]["aggregation"] == "AGGREGATION_MODE_MASK"
+    slots = {u["slot"] for u in report["uploads"]}
+    assert {"gram[all]", "b[A]", "mask/share-keys", "mask/unmask"} <= slots
+    # The server's disk holds masked uint64 vectors only: no correlation with the true Gram.
+    fed_dir = loop.server_config.parent
+    store = Store(fed_dir / "state", federation_id=loop.provisioned.federation_id)
+    round_id = report["round_id"]
+    uploads = store.uploads(round_id)
+    for k, site in enumerate(loop.site_ids):
+        stored = np.frombuffer(store.read_payload(uploads[(site, "gram[all]")]), dtype="<u8")
+        truth = pack_upper(stats[k].gram)
+        assert stored.shape == truth.shape
+        as_float = stored.astype(np.float64)
+        assert abs(np.corrcoef(as_float, truth)[0, 1]) < 0.35
+        # uniform in Z_2^64: the top bit is set about half the time, unlike small encodings
+        assert 0.3 < float(np.mean(stored >= np.uint64(1 << 63))) < 0.7
+
+
+def test_site_killed_after_share_keys_leaves_the_survivors_result(tmp_path: Path) -> None:
+    loop, run = _run(tmp_path, 5, env={"site-5": {VANISH: "share-keys"}})
+    assert run.client_rcs["site-5"] == 70, run.logs
+    survivors = ["site-1", "site-2", "site-3", "site-4"]
+    assert all(run.client_rcs[s] == 0 for s in survivors), run.logs
+    w_ref, _ = federated_solve(_stats(loop, survivors), gamma=1.0, gram_scope="global")
+    for site in survivors:
+        assert _rel(_final_w(run, site), w_ref) <= 1e-9
+        assert run.final_report(site)["model"]["contributors"] == survivors
+
+
+def test_site_killed_after_masked_input_is_unmasked_from_shares(tmp_path: Path) -> None:
+    loop, run = _run(tmp_path, 5, env={"site-2": {VANISH: "masked-input"}})
+    assert run.client_rcs["site-2"] == 70, run.logs
+    rest = ["site-1", "site-3", "site-4", "site-5"]
+    assert all(run.client_rcs[s] == 0 for s in rest), run.logs
+    # site-2's masked input arrived (it is in U3): its self mask is removed from the others'
+    # shares, so the sum includes it.
+    w_ref, _ = federated_solve(_stats(loop, list(loop.site_ids)), gamma=1.0, gram_scope="global")
+    for site in rest:
+        assert _rel(_final_w(run, site), w_ref) <= 1e-9
+
+
+def test_one_dropout_beyond_the_threshold_aborts_without_release(tmp_path: Path) -> None:
+    # 5 sites, t = 3: three sites vanish after ShareKeys, leaving 2 < t masked inputs.
+    env = {s: {VANISH: "share-keys"} for s in ("site-3", "site-4", "site-5")}
+    loop, run = _run(tmp_path, 5, env=env)
+    for site in ("site-1", "site-2"):
+        assert run.client_rcs[site] == 4, run.logs  # aborted, no replacement
+        report = run.final_report(site)
+        assert report["outcome"] == "ABORTED"
+        assert "fewer than the threshold t=3" in report["reason"]
+        assert "nothing released" in report["reason"]
+        assert "model" not in report
+    store = Store(loop.server_config.parent / "state", federation_id=loop.provisioned.federation_id)
+    assert store.model() is None

@@ -1,0 +1,134 @@
+"""Server side of the CKKS mode (design §7, issue 7): the server never holds a secret key (a
+private context, configured or found in its state, makes it refuse to start; a published one is
+refused), the decryptor is never a data participant, and CKKS plans declare a pre-scale and grid
+that respect the slot budget and hide the CKKS noise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.crypto import ckks
+from afl.crypto import ckks_params as cp
+from afl.crypto.errors import CkksContextError
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server import daemon
+from afl.server.config import load_config
+from afl.server.errors import ConfigError
+from afl.server.mode_ckks import CkksStrategy, PublishedContext
+from afl.server.modes import strategy_for
+from afl.server.plan import PlannedRelease
+from afl.server.provisioning import provision
+
+SITES = ("dec", "site-1", "site-2", "site-3")
+
+
+@pytest.fixture(scope="module")
+def private_ctx() -> object:
+    return ckks.create_private_context()
+
+
+def _federation(tmp_path: Path, context: bytes | None) -> Path:
+    fed = provision(
+        tmp_path / "fed",
+        sites=SITES,
+        decryptor="dec",
+        round_settings={"classes": ["A"], "feature_dim": 4, "aggregation": "ckks"},
+    )
+    config = fed.server_dir / "server.toml"
+    if context is not None:
+        (fed.server_dir / "ctx.bin").write_bytes(context)
+        config.write_text(config.read_text() + '\n[ckks]\npublic_context = "ctx.bin"\n')
+    return config
+
+
+def test_server_with_a_private_context_refuses_to_start(
+    tmp_path: Path, private_ctx: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _federation(tmp_path, ckks.private_context_bytes(private_ctx))
+    assert daemon.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to start" in err and "secret key" in err
+
+
+def test_server_with_the_public_context_builds_a_ckks_strategy(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    config = load_config(_federation(tmp_path, ckks.public_context_bytes(private_ctx)))
+    assert config.round.participants == ("site-1", "site-2", "site-3")  # not the decryptor
+    strategy = strategy_for("ckks", config=config)
+    assert isinstance(strategy, CkksStrategy) and strategy.configured is not None
+
+
+def test_decryptor_cannot_be_listed_as_a_participant(tmp_path: Path) -> None:
+    config = _federation(tmp_path, None)
+    text = config.read_text().replace("participants = []", 'participants = ["dec", "site-1"]')
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="decryptor site holds no data"):
+        load_config(config)
+
+
+def test_private_context_in_the_state_dir_refuses_restart(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    folder = tmp_path / "ckks"
+    folder.mkdir()
+    (folder / "context.bin").write_bytes(ckks.private_context_bytes(private_ctx))
+    (folder / "announcement.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="refusing to start"):
+        CkksStrategy(state_dir=tmp_path)
+
+
+def test_publish_refuses_a_private_context_and_keeps_the_first(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    strategy = CkksStrategy(state_dir=tmp_path)
+    announcement = pb.CkksContextAnnouncement(decryptor_site_id="dec")
+    secret = ckks.private_context_bytes(private_ctx)
+    with pytest.raises(CkksContextError):
+        strategy.publish(PublishedContext(secret, private_ctx, announcement))
+    assert strategy.published is None and not (tmp_path / "ckks" / "context.bin").exists()
+    data = ckks.public_context_bytes(private_ctx)
+    strategy.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
+    assert CkksStrategy(state_dir=tmp_path).published is not None  # survives a restart
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bound=st.floats(min_value=1e-3, max_value=1e9),
+    members=st.integers(min_value=1, max_value=64),
+)
+def test_plan_encoding_respects_slot_budget_and_hides_noise(bound: float, members: int) -> None:
+    enc = CkksStrategy(gram_bound=bound).encoding(members)
+    assert members * bound * enc.prescale <= cp.SUM_SLOT_BOUND  # the sum never wraps
+    assert 2 * members * bound * enc.prescale > cp.SUM_SLOT_BOUND  # and uses the budget
+    assert enc.grid_step >= cp.min_grid(prescale=enc.prescale, num_summands=members)
+
+
+def test_plan_options_make_every_release_ckks_vectors() -> None:
+    strategy = CkksStrategy(gram_bound=10.0, vector_bound=0.5)
+    options = strategy.plan_options(("a", "b"))
+    assert options["aggregation"] == cpb.AGGREGATION_MODE_CKKS
+    gram = PlannedRelease("gram[all]", ("a", "b"), cpb.STATISTIC_KIND_GRAM, (), (3, 3))
+    encoding = options["encoding"](gram)
+    assert encoding.dtype == cpb.DTYPE_CKKS_VECTORS
+    assert encoding.packing == cpb.PACKING_UPPER_TRIANGLE
+    assert encoding.ckks.prescale == cp.choose_prescale(bound=10.0, num_summands=2)
+    b = PlannedRelease("b[A]", ("a", "b"), cpb.STATISTIC_KIND_CLASS_VECTOR, ("A",), (3, 1))
+    b_encoding = options["encoding"](b)
+    assert b_encoding.packing == cpb.PACKING_DENSE
+    assert b_encoding.ckks.prescale == cp.choose_prescale(bound=0.5, num_summands=2)
+
+
+def test_ckks_needs_exactly_one_decryptor_site(tmp_path: Path) -> None:
+    fed = provision(
+        tmp_path / "fed",
+        sites=SITES,
+        round_settings={"classes": ["A"], "feature_dim": 4, "aggregation": "ckks"},
+    )
+    with pytest.raises(ConfigError, match="exactly one site with role"):
+        load_config(fed.server_dir / "server.toml")
