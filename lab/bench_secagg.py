@@ -180,19 +180,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e",
         action="store_true",
         help="instead: masked vs plaintext rounds through the real daemons on loopback mTLS "
-        "(first --sites and --dim; afl.lab.bench_secagg_e2e)",
+        "(first --sites and --dim; afl.lab.bench_e2e)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench_secagg_e2e import run_e2e_bench
+        from afl.lab.bench_e2e import run_e2e_bench
 
-        row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed)
+        row = run_e2e_bench(
+            num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=("plaintext", "mask")
+        )
         print(
-            f"e2e K={row['num_sites']} d={row['d']}: round x{row['round_seconds_ratio']:.2f}, "
-            f"bytes/site x{row['bytes_sent_per_site_ratio']:.2f}",
+            f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "
+            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}",
             file=sys.stderr,
         )
         text = json.dumps({"benchmark": "secagg-e2e", "results": [row]}, indent=2)
