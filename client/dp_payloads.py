@@ -180,6 +180,7 @@ def dp_report(plan: cpb.ReleasePlan, site_id: str) -> dict[str, object]:
                 "sigma": r.noise.sigma,
                 "sensitivity": r.noise.sensitivity,
                 "assumed_colluders": r.noise.assumed_colluders,
+                "share_sigma": _share_sigma(r),  # this site's noise share σ/√(n - t)
             }
             for r in plan.releases
             if site_id in r.member_site_ids

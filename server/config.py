@@ -26,7 +26,8 @@ pre-scales), and optionally ``[ckks] public_context``
 start). The decryptor-role site is never a participant.
 
 DP mode (design §8): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
-rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1.
+rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregation = "mask"
+it needs mask_max_samples (N bounds the masked statistics, :mod:`afl.server.dp_mask`).
 
 Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
 max_upload_bytes. Relative paths are resolved against the file's folder.
@@ -118,6 +119,7 @@ class MaskSettings:
     gram_bound: float
     vector_bound: float
     threshold: int = 0
+    max_samples: int = 0  # N, declared rows per site (DP + mask bounds, afl.server.dp_mask)
 
 
 def _mask_settings(t: _Table) -> MaskSettings:
@@ -136,7 +138,9 @@ def _mask_settings(t: _Table) -> MaskSettings:
             "aggregation = 'mask' needs declared bounds: mask_feature_norm (L, the largest "
             "feature-row norm) and mask_max_samples (N), or mask_gram_bound and mask_vector_bound",
         )
-    return MaskSettings(gram_bound=gram, vector_bound=vector, threshold=threshold)
+    return MaskSettings(
+        gram_bound=gram, vector_bound=vector, threshold=threshold, max_samples=samples
+    )
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,20 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             "min_participants",
             f"must lie in 1..{len(participants)} (participants), got {min_participants}",
         )
+    mask = _mask_settings(t) if aggregation == "mask" else None
+    dp = _dp_settings(t, rounds)
+    if dp is not None and aggregation == "ckks":
+        raise t.fail(
+            "dp",
+            "DP with aggregation = 'ckks' is not implemented (the CKKS pre-scale and grid would "
+            "have to keep the noise grid); use aggregation = 'mask' or 'plaintext' with DP",
+        )
+    if dp is not None and mask is not None and mask.max_samples < 1:
+        raise t.fail(
+            "mask_max_samples",
+            "DP with aggregation = 'mask' needs mask_max_samples (N, the largest site's rows): "
+            "the masked DP statistics are bounded by N·L², N·L and N (design §8)",
+        )
     return RoundSettings(
         classes=classes,
         feature_dim=d,
@@ -339,10 +357,10 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         upload_timeout_s=t.number("upload_timeout_s", 600.0),
         operator_override=t.get("operator_override", bool, False),
         override_reason=t.get("override_reason", str, ""),
-        mask=_mask_settings(t) if aggregation == "mask" else None,
+        mask=mask,
         ckks_gram_bound=t.number("ckks_gram_bound", 1.0e6),
         ckks_vector_bound=t.number("ckks_vector_bound", 1.0e3),
-        dp=_dp_settings(t, rounds),
+        dp=dp,
     )
 
 

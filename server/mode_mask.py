@@ -48,6 +48,7 @@ from afl.crypto.signatures import load_public_key_raw
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import MaskSettings
+from afl.server.dp_mask import dp_mask_encodings
 from afl.server.errors import (
     ConflictError,
     InvalidRequestError,
@@ -129,6 +130,10 @@ class MaskStrategy:
                 bound=bound, frac_bits=spec.codec().frac_bits, min_survivors=spec.min_survivors
             ),
         )
+
+    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+        """DP mode: bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`)."""
+        dp_mask_encodings(plan, max_samples=self.settings.max_samples)
 
     # --- uploads (AggregationStrategy) -------------------------------------------------------
 

@@ -285,6 +285,12 @@ class RoundMachine:
         )
         if calibration is not None:
             apply_dp(plan, calibration)
+            try:  # MASK: fixed-point bounds of the noised statistics (afl.server.dp_mask)
+                self._mode_hook("dp_encodings", plan, default=None)
+            except ValueError as exc:
+                self._set_stage(view, Stage.ABORTED, reason=f"DP encoding failed: {exc}")
+                self.metrics.rounds.labels(outcome="aborted").inc()
+                return
         signed = sign_plan(plan, self._key)
         self.store.update_round(
             view.round_id,

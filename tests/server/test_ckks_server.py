@@ -64,6 +64,13 @@ def test_server_with_the_public_context_builds_a_ckks_strategy(
     assert isinstance(strategy, CkksStrategy) and strategy.configured is not None
 
 
+def test_dp_with_ckks_is_refused_with_a_clear_reason(tmp_path: Path) -> None:
+    config = _federation(tmp_path, None)
+    config.write_text(config.read_text() + "\n[round.dp]\nepsilon = 2.0\nclip_norm = 1.0\n")
+    with pytest.raises(ConfigError, match="DP with aggregation = 'ckks' is not implemented"):
+        load_config(config)
+
+
 def test_decryptor_cannot_be_listed_as_a_participant(tmp_path: Path) -> None:
     config = _federation(tmp_path, None)
     text = config.read_text().replace("participants = []", 'participants = ["dec", "site-1"]')

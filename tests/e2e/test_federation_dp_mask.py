@@ -1,0 +1,125 @@
+"""End to end DP round in MASK mode over loopback gRPC with mutual TLS (issue 6, design §6, §8):
+afl-server with ``aggregation = "mask"`` and a [round.dp] table, one afl-client per site. With a
+huge ε the masked DP W matches the plaintext DP W and the noise-free pooled solve within a
+tolerance derived from the plan's noise scales; every site reports its ε (equal to the server's
+budget); the plan's noise split assumes t = min(tolerated, n - 1) colluders, so each site's share
+has variance σ²/(n - t), and each release's fixed-point grid is fine enough for the noise grid."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.lab.demo_federation import (
+    LoopbackFederation,
+    LoopbackRun,
+    mask_round_settings,
+    prepare_loopback,
+    run_loopback,
+)
+from afl.proto.v1 import common_pb2 as cpb
+from afl.server import toml_text
+from afl.server.config import load_config
+from afl.server.dp_mask import dp_mask_bound
+from afl.server.store import Store
+from tests.e2e.test_federation_dp import CLASSES, CLIP, EPSILON, _bound, _data, _pooled
+
+SITES = ["site-1", "site-2", "site-3", "site-4"]
+TOLERATED = 1
+
+
+def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, LoopbackRun]:
+    feats, labels = _data(len(SITES))
+    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 20.0}
+    if mask:
+        settings.update(mask_round_settings(feats))
+    loop = prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=np.ones((len(SITES), len(CLASSES)), dtype=bool),
+        test_features=feats[0][:30],
+        test_labels=labels[0][:30],
+        round_settings=settings,
+    )
+    doc = tomllib.loads(loop.server_config.read_text(encoding="utf-8"))
+    doc["round"]["dp"] = {
+        "epsilon": EPSILON,
+        "delta": 1e-6,
+        "clip_norm": CLIP,
+        "tolerated": TOLERATED,
+    }
+    loop.server_config.write_text(toml_text.dumps(doc), encoding="utf-8")
+    return loop, run_loopback(loop, timeout_s=180)
+
+
+def _w(run: LoopbackRun, site: str) -> NDArray[np.float64]:
+    return np.asarray(np.load(run.final_report(site)["model"]["path"]), dtype=np.float64)
+
+
+def _signed_plan(loop: LoopbackFederation) -> cpb.ReleasePlan:
+    config = load_config(loop.server_config)
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    rows = [r for r in store.rounds() if r.plan is not None]
+    assert rows
+    return cpb.ReleasePlan.FromString(rows[-1].plan or b"")
+
+
+def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
+    loop, run = _federation(tmp_path / "mask", mask=True)
+    assert all(run.client_rcs[s] == 0 for s in SITES), run.logs
+    _, plain = _federation(tmp_path / "plain", mask=False)
+    assert all(plain.client_rcs[s] == 0 for s in SITES), plain.logs
+    w_ref, st = _pooled(loop.root, SITES)
+
+    config = load_config(loop.server_config)
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    budgets: list[Any] = [e[2] for e in store.audit_entries() if e[1] == "dp-budget"]
+    assert store.verify_audit_chain() and budgets
+    plan = _signed_plan(loop)
+    assert plan.aggregation == cpb.AGGREGATION_MODE_MASK and plan.dp.enabled
+    n = len(SITES)
+    t = min(TOLERATED, n - 1)
+    assert config.round.mask is not None
+    for release in plan.releases:
+        fp = release.encoding.fixed_point
+        assert fp.frac_bits >= release.noise.frac_bits + 1
+        assert fp.min_survivors >= n - t
+        assert fp.bound == dp_mask_bound(
+            release, max_samples=config.round.mask.max_samples, clip_norm=CLIP
+        )
+
+    sigmas: dict[str, float] = {}
+    for site in SITES:
+        report = run.final_report(site)
+        assert report["outcome"] == "COMPLETED"
+        dp = report["dp"]
+        assert dp["delta"] == 1e-6 and dp["epsilon"] <= EPSILON * (1 + 1e-6)
+        assert math.isclose(dp["epsilon"], dp["epsilon_server"], rel_tol=1e-6)
+        assert math.isclose(budgets[-1]["sites"][site]["epsilon"], dp["epsilon"], rel_tol=1e-6)
+        assert set(dp["releases"]) == {"gram[all]", "s_pos", "t_sum", "counts"}
+        for r in dp["releases"].values():
+            assert r["assumed_colluders"] == t
+            assert math.isclose(r["share_sigma"] ** 2, r["sigma"] ** 2 / (n - t), rel_tol=1e-12)
+        sigmas = {name: r["sigma"] for name, r in dp["releases"].items()}
+        assert np.array_equal(_w(run, site), _w(run, SITES[0]))
+
+    # Plaintext DP noise is local (t = n - 1): the guaranteed σ is the same, the shares larger.
+    plain_dp = plain.final_report(SITES[0])["dp"]
+    assert all(r["assumed_colluders"] == n - 1 for r in plain_dp["releases"].values())
+    plain_sig = {name: r["sigma"] for name, r in plain_dp["releases"].items()}
+    for name, sigma in sigmas.items():
+        assert math.isclose(sigma, plain_sig[name], rel_tol=1e-3)  # grids may differ
+
+    bound = _bound(w_ref, st, sigmas, n)
+    assert bound <= 0.05 * float(np.linalg.norm(w_ref))
+    w_mask, w_plain = _w(run, SITES[0]), _w(plain, SITES[0])
+    assert 0 < float(np.linalg.norm(w_mask - w_ref)) <= bound
+    assert 0 < float(np.linalg.norm(w_plain - w_ref)) <= bound
+    assert float(np.linalg.norm(w_mask - w_plain)) <= 2 * bound

@@ -1,0 +1,129 @@
+"""DP mode with ``aggregation = "mask"`` on the server (issue 6, design §6, §8): the fixed-point
+bounds, grids and thresholds of the noised statistics (:mod:`afl.server.dp_mask`). Oracles: a
+site's actual noisy uploads (:mod:`afl.client.dp_payloads`) for worst-case data (every row at
+the clip norm, one direction, every label positive), encoded and summed in Z_2^64 and decoded
+back to the exact float64 sum."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.client.dp_payloads import dp_statistics, noisy_values
+from afl.core.packing import pack_upper
+from afl.crypto.fixedpoint import FixedPointCodec
+from afl.proto.v1 import common_pb2 as cpb
+from afl.server import toml_text
+from afl.server.config import MaskSettings, load_config
+from afl.server.dp_mask import dp_mask_encodings
+from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
+from afl.server.errors import ConfigError
+from afl.server.mode_mask import MaskStrategy
+from afl.server.plan import build_plan
+from afl.server.provisioning import provision
+
+SITES = ["s1", "s2", "s3", "s4", "s5"]
+CLASSES = ["a", "b"]
+D = 3
+
+
+def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.ReleasePlan:
+    releases = dp_releases(
+        classes=CLASSES,
+        participants=SITES,
+        coverage={s: CLASSES for s in SITES},
+        gram_scope="global",
+        d=D,
+    )
+    dp = DpSettings(epsilon=epsilon, delta=1e-6, clip_norm=clip, tolerated=tolerated)
+    calibration = calibrate(releases, dp, participants=SITES, plaintext=False)
+    strategy = MaskStrategy(
+        MaskSettings(gram_bound=1.0, vector_bound=1.0, max_samples=n_max), identities={}
+    )
+    plan = build_plan(
+        federation_id="f",
+        round_id="r1",
+        round_number=1,
+        participants=SITES,
+        gram_scope="global",
+        releases=releases,
+        **strategy.plan_options(tuple(SITES)),
+    )
+    apply_dp(plan, calibration)
+    strategy.dp_encodings(plan)
+    return plan
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n_max=st.integers(1, 400),
+    clip=st.floats(0.1, 10.0),
+    epsilon=st.sampled_from([0.5, 4.0, 1e3]),
+    tolerated=st.integers(0, 6),
+)
+def test_worst_case_noisy_uploads_fit_and_sum_exactly(
+    n_max: int, clip: float, epsilon: float, tolerated: int
+) -> None:
+    plan = _plan(n_max=n_max, clip=clip, epsilon=epsilon, tolerated=tolerated)
+    h = np.zeros((n_max, D))
+    h[:, 0] = clip  # every row at the clip norm, in one direction: |G_00| = N·L²
+    y = np.ones((n_max, len(CLASSES)), dtype=np.int64)
+    stats = dp_statistics(h, y, labelled=np.ones(len(CLASSES), dtype=bool), clip_norm=clip)
+    t = min(tolerated, len(SITES) - 1)
+    for release in plan.releases:
+        fp = release.encoding.fixed_point
+        assert release.noise.assumed_colluders == t
+        assert fp.frac_bits >= release.noise.frac_bits + 1
+        assert fp.min_survivors == max(3, len(SITES) - t)
+        block = {
+            cpb.STATISTIC_KIND_GRAM: stats.gram,
+            cpb.STATISTIC_KIND_POSITIVE_SUM: stats.positive_sum.T,
+            cpb.STATISTIC_KIND_FEATURE_SUM: stats.label_sum.T,
+            cpb.STATISTIC_KIND_COUNT: np.stack([stats.positive_count, stats.label_count]),
+        }[release.kind]
+        uploads = []
+        for _ in SITES:
+            noisy = noisy_values(release, block)
+            flat = pack_upper(noisy) if release.kind == cpb.STATISTIC_KIND_GRAM else noisy.ravel()
+            assert float(np.abs(flat).max()) <= fp.bound
+            uploads.append(flat)
+        codec = FixedPointCodec(bound=fp.bound, frac_bits=fp.frac_bits, max_summands=len(SITES))
+        ring = sum((codec.encode(u) for u in uploads), np.zeros(uploads[0].shape, np.uint64))
+        assert np.array_equal(codec.decode(ring), np.sum(uploads, axis=0))
+
+
+def test_a_grid_too_fine_for_the_ring_is_refused() -> None:
+    with pytest.raises(ValueError, match="fewer than the noise grid needs"):
+        _plan(n_max=2**40, clip=1e3, epsilon=1e5, tolerated=0)
+
+
+def test_dp_encodings_need_a_dp_plan() -> None:
+    plan = _plan(n_max=10, clip=1.0, epsilon=1.0, tolerated=0)
+    plan.dp.enabled = False
+    with pytest.raises(ValueError, match="need a DP plan"):
+        dp_mask_encodings(plan, max_samples=10)
+
+
+def test_dp_with_mask_needs_max_samples(tmp_path: Path) -> None:
+    base: dict[str, toml_text.TomlValue] = {
+        "classes": CLASSES,
+        "feature_dim": D,
+        "min_participants": 3,
+    }
+    fed = provision(tmp_path / "f", sites=SITES, round_settings=base)
+    doc = tomllib.loads((fed.server_dir / "server.toml").read_text(encoding="utf-8"))
+    doc["round"].update(aggregation="mask", mask_gram_bound=9.0, mask_vector_bound=3.0)
+    doc["round"]["dp"] = {"epsilon": 2.0, "clip_norm": 1.0}
+    path = fed.server_dir / "dpmask.toml"
+    path.write_text(toml_text.dumps(doc), encoding="utf-8")
+    with pytest.raises(ConfigError, match="mask_max_samples"):
+        load_config(path)
+    doc["round"].update(mask_feature_norm=2.0, mask_max_samples=50)
+    path.write_text(toml_text.dumps(doc), encoding="utf-8")
+    config = load_config(path)
+    assert config.round.mask is not None and config.round.mask.max_samples == 50
