@@ -122,10 +122,11 @@ def load_state_dict_file(
                 obj = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise WeightsError(
-                f"cannot read weights from {file} with the safe loader: {exc}. If the file is "
-                'trusted, convert it on a machine with the library once: `python -c "import '
-                "torch, torchxrayvision; m = torch.load('IN', weights_only=False); "
-                "torch.save(m.state_dict(), 'OUT')\"` and pass OUT"
+                f"cannot read weights from {file} with the safe loader: {exc}. Provide a plain "
+                "state dict instead: on a machine with internet access, build the model with "
+                "torchxrayvision's own constructor (it fetches and checks its published weights), "
+                "save model.state_dict() with torch.save, copy that file here and pass it (pin "
+                "it with --sha256). This loader never unpickles arbitrary objects."
             ) from exc
     return _as_state_dict(obj, file)
 

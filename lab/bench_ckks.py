@@ -27,11 +27,9 @@ of two above the largest entries (times ``bound_slack``). Input data come from n
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +38,7 @@ from numpy.typing import NDArray
 from afl.crypto import ckks
 from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_decrypt import decrypt_release
+from afl.lab.bench_common import emit_json
 
 __all__ = ["add_arguments", "run", "run_ckks_bench"]
 
@@ -262,11 +261,7 @@ def run(args: argparse.Namespace) -> int:
             f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.1f} vs plaintext",
             file=sys.stderr,
         )
-        text = json.dumps({"benchmark": "ckks-e2e", "results": [row]}, indent=2)
-        if args.out:
-            Path(args.out).write_text(text + "\n", encoding="utf-8")
-        else:
-            print(text)
+        emit_json({"benchmark": "ckks-e2e", "results": [row]}, args.out)
         return 0
     rows = []
     for d in args.dim:
@@ -289,9 +284,5 @@ def run(args: argparse.Namespace) -> int:
                 f"{row['accuracy']['gram']['max_rel_error']:.2e}",
                 file=sys.stderr,
             )
-    text = json.dumps({"benchmark": "ckks", "results": rows}, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-    else:
-        print(text)
+    emit_json({"benchmark": "ckks", "results": rows}, args.out)
     return 0

@@ -65,6 +65,14 @@ def write_json(data: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def emit_json(data: dict[str, Any], out: str | None) -> None:
+    """Write a bench result to ``out`` (JSON file) or, when ``out`` is None, to standard output."""
+    if out:
+        write_json(data, Path(out))
+    else:
+        print(json.dumps(data, indent=2))
+
+
 def line_plot(
     path: Path,
     *,

@@ -19,11 +19,9 @@ come from numpy's RNG (benchmark data, not secrets); masks use the protocol's CS
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +31,7 @@ from afl.crypto.secagg_client import ClientStage
 from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg_local import run_local_round
 from afl.crypto.signatures import generate_identity_key
+from afl.lab.bench_common import emit_json
 
 __all__ = ["add_arguments", "run", "run_secagg_bench"]
 
@@ -197,11 +196,7 @@ def run(args: argparse.Namespace) -> int:
             f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}",
             file=sys.stderr,
         )
-        text = json.dumps({"benchmark": "secagg-e2e", "results": [row]}, indent=2)
-        if args.out:
-            Path(args.out).write_text(text + "\n", encoding="utf-8")
-        else:
-            print(text)
+        emit_json({"benchmark": "secagg-e2e", "results": [row]}, args.out)
         return 0
     results = []
     for d in args.dim:
@@ -222,9 +217,5 @@ def run(args: argparse.Namespace) -> int:
                 f"{row['bytes_up_per_site_ratio']:.2f}",
                 file=sys.stderr,
             )
-    text = json.dumps({"benchmark": "secagg", "results": results}, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
-    else:
-        print(text)
+    emit_json({"benchmark": "secagg", "results": results}, args.out)
     return 0
