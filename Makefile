@@ -33,7 +33,7 @@ proto: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gen_proto.sh
 
 typecheck: install
-	$(BIN)/mypy core crypto client server lab tests
+	$(BIN)/mypy core crypto client server lab tests proto/afl/proto/wire.py
 
 test: lint typecheck
 	$(BIN)/pytest -m "not slow" -q

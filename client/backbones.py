@@ -1,4 +1,4 @@
-"""Backbone registry: frozen feature extractors with their own preprocessing (design §3).
+"""Backbone registry: frozen feature extractors with their own preprocessing (docs/method.md §1).
 
 * TorchXRayVision DenseNet-121 (every published weight variant): ``h = model.features2(x)``,
   ReLU + global average pool, d = 1024; one channel, 224 px, pixels scaled to about

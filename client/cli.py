@@ -153,7 +153,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         config = load_client_config(args.config)
         for warning in config.warnings:
             logging.getLogger("afl.client").warning("%s", warning)
-        if config.role == "decryptor":  # the CKKS decryptor site (design §7)
+        if config.role == "decryptor":  # the CKKS decryptor site (docs/protocol.md §4.3)
             from afl.client.decryptor import DecryptorDaemon
 
             return DecryptorDaemon(config, insecure=args.insecure).run()

@@ -1,5 +1,5 @@
 """``client.toml``: the afl-client daemon's configuration, as written by ``afl provision``
-(:mod:`afl.server.provisioning`) and completed by the site's IT (design §1, §9).
+(:mod:`afl.server.provisioning`) and completed by the site's IT (docs/operations.md).
 
 Sections (paths are relative to the file's own folder)::
 
@@ -70,7 +70,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LocalPolicy:
-    """The site's own rules for release plans (design §5); checked by :mod:`afl.client.policy`."""
+    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -289,7 +289,7 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         identity_public_key=public,
         server_public_key=r.key_hex(ident, "identity", "server_public_key"),
         peers=peers,
-        # The CKKS decryptor holds no data (design §7): [data] is optional for it.
+        # The CKKS decryptor holds no data (docs/protocol.md §1): [data] is optional for it.
         data=_data(r) if role == "participant" or "data" in doc else DataConfig(r.path.parent),
         policy=_policy(r),
         timing=_timing(r, client),

@@ -1,11 +1,12 @@
-"""The afl-client daemon loop (issue 4, design §1, §5, §9; contract in the module docs of
-:mod:`afl.client.daemon_transport`, :mod:`afl.client.daemon_verify`, :mod:`afl.client.policy`).
+"""The afl-client daemon loop (docs/architecture.md §3; contract in the module docs of
+:mod:`afl.client.daemon_rpc`, :mod:`afl.client.daemon_verify`, :mod:`afl.client.policy` and
+:mod:`afl.client.modes`).
 
 One run: statistics from the feature cache (read back from ``state_dir`` when already computed)
 -> Enroll (identity key + proof of possession) -> poll GetStatus with back-off until a round the
 site takes part in opens -> GetRoundConfig, verify the server's signature on the release plan,
 check it against the local policy -> RespondToPlan (signed) -> when the round collects uploads,
-the mode's exchange (PLAINTEXT: one chunked Upload per slot) -> wait for the model, verify its
+the mode's exchange (:mod:`afl.client.mode_registry`; plaintext: one chunked Upload per slot) -> wait for the model, verify its
 signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitReport. A round 2
 (pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from importlib import metadata
 from typing import Any
@@ -28,7 +30,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.config import ClientConfig
-from afl.client.daemon_modes import STRATEGIES, AggregationStrategy, RoundSession
 from afl.client.daemon_rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon_state import DaemonState, plan_summary
 from afl.client.daemon_stats import (
@@ -51,6 +52,8 @@ from afl.client.daemon_verify import (
     verify_round_config,
 )
 from afl.client.dp_payloads import dp_report, dp_slot_payloads, dp_statistics
+from afl.client.mode_registry import MODES
+from afl.client.modes import AggregationMode, RoundSession
 from afl.client.policy import PolicyDecision, check_plan
 from afl.core.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
@@ -63,7 +66,6 @@ from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 __all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
-PROTOCOL_VERSION = 1
 _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
     pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
@@ -99,13 +101,13 @@ class ClientDaemon:
         *,
         insecure: bool = False,
         max_rounds: int | None = None,
-        strategies: dict[int, AggregationStrategy] | None = None,
+        modes: Mapping[int, AggregationMode] | None = None,
     ) -> None:
         self.config = config
         self.site_id = config.site_id
         self.insecure = insecure
         self.max_rounds = max_rounds
-        self.strategies = dict(STRATEGIES if strategies is None else strategies)
+        self.modes = dict(MODES if modes is None else modes)
         self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
         self.server_key = signatures.load_public_key_raw(config.server_public_key)
         t = config.timing
@@ -115,7 +117,6 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
-        self.stub: Any = None
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
         self.stats_from_state = False
@@ -155,38 +156,19 @@ class ClientDaemon:
         """Enroll with the identity key and its proof of possession (context "enrol")."""
         assert self.stats is not None and self.cache is not None
         start = time.perf_counter()
-        public = self.config.identity_public_key
-        proof = signatures.sign_fields(
-            self.identity,
-            context=signed_blobs.ENROL_CONTEXT,
-            fields=signed_blobs.enrol_fields(
-                federation_id=self.config.federation_id,
-                site_id=self.site_id,
-                identity_public_key=public,
-            ),
-        )
         names = self.cache.meta.classes
         coverage = [c for i, c in enumerate(names) if self.stats.contributes[i]]
-        role = (
-            pb.SITE_ROLE_DECRYPTOR if self.config.role == "decryptor" else pb.SITE_ROLE_PARTICIPANT
-        )
-        request = pb.EnrollRequest(
-            identity_public_key=public,
-            proof=proof,
-            role=role,
+        response = self.rpc.enroll(
+            federation_id=self.config.federation_id,
+            identity=self.identity,
+            identity_public_key=self.config.identity_public_key,
+            server_public_key=self.config.server_public_key,
+            role=pb.SITE_ROLE_PARTICIPANT,
             labelled_classes=coverage if self.config.policy.disclose_coverage else [],
             backbone=self._backbone(),
             feature_dim=self.stats.d,
             software_version=_version(),
-            protocol_version=PROTOCOL_VERSION,
         )
-        response: pb.EnrollResponse = self.rpc.call("Enroll", request, wait_for_ready=True)
-        if response.server_identity_public_key != self.config.server_public_key:
-            raise DaemonError("the server's identity key differs from the one in the startup kit")
-        if response.federation_id != self.config.federation_id:
-            raise DaemonError(f"the server serves federation {response.federation_id!r}")
-        if response.site_id and response.site_id != self.site_id:
-            raise DaemonError(f"the server sees this site as {response.site_id!r}")
         self.timings["enrol"] = time.perf_counter() - start
         log.info("site=%s enrolled in %s", self.site_id, response.federation_id)
         return response
@@ -235,7 +217,7 @@ class ClientDaemon:
             plan,
             site_id=self.site_id,
             policy=self.config.policy,
-            supported_modes=tuple(self.strategies),
+            supported_modes=tuple(self.modes),
             history=self.store.history(exclude_round=cfg.round_id),
         )
         return decision, plan, plan_sha
@@ -276,7 +258,7 @@ class ClientDaemon:
             raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
         assert plan is not None
         self.store.remember(plan)
-        strategy = self.strategies[plan.aggregation]
+        mode = self.modes[plan.aggregation]
         class_names = list(cfg.class_names)
         cols = [self.cache.meta.classes.index(c) for c in class_names]
         stats = _reorder(self.stats, cols)
@@ -297,7 +279,9 @@ class ClientDaemon:
                 state_dir=self.state,
             )  # fmt: skip
             timings["pseudo_labels"] = time.perf_counter() - t0
-        if plan.dp.enabled:  # DP mode (design §8): clipped additive statistics + noise share
+        if (
+            plan.dp.enabled
+        ):  # DP mode (docs/protocol.md §7): clipped additive statistics + noise share
             report["dp"] = dp_report(plan, self.site_id)
             payloads = dp_slot_payloads(
                 plan,
@@ -309,7 +293,7 @@ class ClientDaemon:
                     labelled=self.labelled[cols],
                     clip_norm=plan.dp.clip_norm,
                 ),
-                encode=strategy.encode,
+                encode=mode.encode,
             )
         else:
             payloads = slot_payloads(
@@ -318,27 +302,21 @@ class ClientDaemon:
                 class_names=class_names,
                 stats=stats,
                 pseudo=pseudo,
-                encode=strategy.encode,
+                encode=mode.encode,
             )
         t0 = time.perf_counter()
-        first = getattr(strategy, "first_stage", pb.ROUND_STAGE_UPLOAD)  # MASK: ADVERTISE_KEYS
-        status = self.rpc.await_stage(round_id, at_least=first)
+        status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         session = RoundSession(
-            stub=self.stub,
+            rpc=self.rpc,
             round_id=round_id,
             site_id=self.site_id,
-            retry=self.retry,
-            rpc_timeout_s=self.config.timing.rpc_timeout_s,
-            upload_timeout_s=self.config.timing.upload_timeout_s,
-            metadata=self.metadata,
             plan=plan,
             identity_key=self.identity,
             peer_keys=self.config.peers,
-            rpc=self.rpc,
         )
-        records = strategy.exchange(
+        records = mode.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)
         )
         timings["upload"] = time.perf_counter() - t0
@@ -400,9 +378,8 @@ class ClientDaemon:
         if self.stats is None:
             self.prepare()
         with open_channel(self.config, insecure=self.insecure) as channel:
-            self.stub = pb_grpc.CoordinatorStub(channel)
             self.rpc = CoordinatorClient(
-                self.stub,
+                pb_grpc.CoordinatorStub(channel),
                 site_id=self.site_id,
                 timing=self.config.timing,
                 retry=self.retry,

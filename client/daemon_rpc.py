@@ -1,5 +1,11 @@
-"""The daemon's polling conversation with the coordinator: every RPC with retries and back-off
-(:func:`afl.client.daemon_transport.with_retry`), waiting for a round and for a round's stage.
+"""The daemon's conversation with the coordinator: every RPC with retries and back-off
+(:func:`afl.client.daemon_transport.with_retry`), enrolment, chunked uploads and downloads, and
+waiting for a round and for a round's stage. Used by the site daemon, its aggregation modes and the
+CKKS decryptor alike.
+
+Enrolment (``Enroll``): the identity public key with a proof of possession (signature, context
+"enrol", over (federation_id, site_id, identity_public_key)); the reply must name this federation
+and this site and carry the server identity key of the startup kit.
 
 Polling interval: starts at ``poll_interval_s`` and grows by 1.5x per idle poll up to
 ``max_poll_interval_s``; waits give up after ``max_wait_s`` (DaemonError), or, when
@@ -10,10 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from afl.client.config import TimingConfig
-from afl.client.daemon_transport import DaemonError, RetryPolicy, with_retry
+from afl.client.daemon_transport import (
+    DaemonError,
+    RetryPolicy,
+    download_payload,
+    upload_payload,
+    with_retry,
+)
+from afl.crypto import signatures, signed_blobs
+from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = ["CoordinatorClient", "RoundFailed"]
@@ -60,6 +77,79 @@ class CoordinatorClient:
             what=what,
             policy=self.retry,
         )
+
+    def upload(
+        self,
+        data: bytes,
+        *,
+        round_id: str,
+        release_name: str,
+        kind: int = pb.PAYLOAD_KIND_STATISTIC,
+    ) -> pb.UploadReceipt:
+        """A chunked ``Upload`` whose receipt is checked against what was sent."""
+        return upload_payload(
+            self.stub,
+            data,
+            round_id=round_id,
+            release_name=release_name,
+            kind=kind,
+            policy=self.retry,
+            timeout_s=self.timing.upload_timeout_s,
+            metadata=self.metadata,
+        )
+
+    def download(self, request: pb.DownloadRequest) -> bytes:
+        """A ``Download`` stream, reassembled and digest-checked."""
+        return download_payload(
+            self.stub,
+            request,
+            policy=self.retry,
+            timeout_s=self.timing.upload_timeout_s,
+            metadata=self.metadata,
+        )
+
+    def enroll(
+        self,
+        *,
+        federation_id: str,
+        identity: Ed25519PrivateKey,
+        identity_public_key: bytes,
+        server_public_key: bytes,
+        role: int,
+        labelled_classes: Sequence[str] = (),
+        backbone: str = "",
+        feature_dim: int = 0,
+        software_version: str = "",
+    ) -> pb.EnrollResponse:
+        """Enroll this site (module docstring); :class:`DaemonError` if the reply does not match
+        the startup kit."""
+        proof = signatures.sign_fields(
+            identity,
+            context=signed_blobs.ENROL_CONTEXT,
+            fields=signed_blobs.enrol_fields(
+                federation_id=federation_id,
+                site_id=self.site_id,
+                identity_public_key=identity_public_key,
+            ),
+        )
+        request = pb.EnrollRequest(
+            identity_public_key=identity_public_key,
+            proof=proof,
+            role=role,  # type: ignore[arg-type]
+            labelled_classes=list(labelled_classes),
+            backbone=backbone,
+            feature_dim=feature_dim,
+            software_version=software_version,
+            protocol_version=wire.PROTOCOL_VERSION,
+        )
+        response: pb.EnrollResponse = self.call("Enroll", request, wait_for_ready=True)
+        if response.server_identity_public_key != server_public_key:
+            raise DaemonError("the server's identity key differs from the one in the startup kit")
+        if response.federation_id != federation_id:
+            raise DaemonError(f"the server serves federation {response.federation_id!r}")
+        if response.site_id and response.site_id != self.site_id:
+            raise DaemonError(f"the server sees this site as {response.site_id!r}")
+        return response
 
     def status(self, round_id: str = "") -> pb.StatusResponse:
         status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))

@@ -1,4 +1,5 @@
-"""The afl-client daemon's state folder (design §9: the client resumes after a crash).
+"""The afl-client daemon's state folder (docs/architecture.md §8: the client resumes
+after a crash).
 
     state_dir/
       stats/local-<key>.npz           round-1 statistics (afl.client.daemon_stats)

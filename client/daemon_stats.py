@@ -1,5 +1,5 @@
 """The site's statistics for a round, computed once from its feature cache and kept in the
-daemon's state folder (design §9: a restart never re-extracts or recomputes), and the payload of
+daemon's state folder (docs/architecture.md §8: a restart never re-extracts or recomputes), and the payload of
 every release the site is a member of.
 
 Round 1: ``LocalStats`` (raw Gram ``G_k = H_kᵀH_k`` and balanced ``b_{k,c}``, paper eq. 7, 11-12)
@@ -9,7 +9,7 @@ via :func:`afl.core.refinement.pseudo_label_projection` for the classes the site
 Payloads (PLAINTEXT encoding): a GRAM release carries ``G_k`` (packed upper triangle, or dense),
 a CLASS_VECTOR release ``b_k[:, class_names]`` (d, C_r) row-major, a PSEUDO_CLASS_VECTOR release
 ``b_pseudo_k[:, class_names]``; classes the site does not contribute to are zero columns (global
-scope: the sum is over all participants and non-labellers send zeros, design §5).
+scope: the sum is over all participants and non-labellers send zeros, docs/protocol.md §6).
 
 The statistics cache key is the SHA-256 of the cache's meta.json and labels.npy, the size and
 mtime of features.npy, and the labelled-class mask: a changed cache is recomputed, an unchanged one

@@ -1,14 +1,13 @@
-"""The afl-client's side of the wire: mTLS channel, retries with back-off, chunked uploads
-(design §9; proto/afl/proto/v1/coordinator.proto).
+"""The afl-client's side of the wire: mTLS channel, retries with back-off, chunked uploads and
+downloads (docs/protocol.md §3; proto/afl/proto/v1/coordinator.proto).
 
 Retries: a call failing with UNAVAILABLE or DEADLINE_EXCEEDED is retried after
 ``min(max_s, initial_s · multiplier^i) · U(0.5, 1)`` seconds (exponential back-off with jitter),
 at most ``attempts`` times in all; every other status is final. Uploads are idempotent on the
 server by (round, site, release, SHA-256), so a retried upload never counts twice.
 
-Upload framing: the payload is cut into chunks of at most 1 MiB (gRPC's default receive limit is
-4 MiB); every chunk repeats the header (round, release, index, total chunks, total bytes, kind)
-and the last one carries the SHA-256 of the whole payload.
+Framing of uploads and downloads: :mod:`afl.proto.wire` (chunks of at most 1 MiB, the header on
+every chunk, the SHA-256 of the whole payload on the last one).
 """
 
 from __future__ import annotations
@@ -17,30 +16,29 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 
 from afl.client.config import ClientConfig
+from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
-    "MAX_CHUNK_BYTES",
     "RETRYABLE_CODES",
     "DaemonError",
     "RemoteCallError",
     "RetryPolicy",
     "UploadError",
-    "iter_upload_chunks",
+    "download_payload",
     "open_channel",
     "status_code",
     "upload_payload",
     "with_retry",
 ]
 
-MAX_CHUNK_BYTES = 1 << 20
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # Metadata naming the site on an --insecure (development) channel, where no certificate exists.
 INSECURE_SITE_HEADER = "x-afl-site-id"
@@ -117,32 +115,6 @@ def with_retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def iter_upload_chunks(
-    payload: bytes,
-    *,
-    round_id: str,
-    release_name: str,
-    kind: int = pb.PAYLOAD_KIND_STATISTIC,
-    chunk_bytes: int = MAX_CHUNK_BYTES,
-) -> Iterator[pb.UploadChunk]:
-    """The chunks of one upload (framing in the module docstring); one empty chunk if empty."""
-    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-    digest = hashlib.sha256(payload).digest()
-    total = max(1, -(-len(payload) // chunk_bytes))
-    for index in range(total):
-        yield pb.UploadChunk(
-            round_id=round_id,
-            release_name=release_name,
-            chunk_index=index,
-            total_chunks=total,
-            data=payload[index * chunk_bytes : (index + 1) * chunk_bytes],
-            sha256=digest if index == total - 1 else b"",
-            kind=kind,  # type: ignore[arg-type]
-            total_bytes=len(payload),
-        )
-
-
 def upload_payload(
     stub: Any,
     payload: bytes,
@@ -152,7 +124,8 @@ def upload_payload(
     policy: RetryPolicy,
     timeout_s: float,
     metadata: Sequence[tuple[str, str]] = (),
-    chunk_bytes: int = MAX_CHUNK_BYTES,
+    chunk_bytes: int = wire.MAX_CHUNK_BYTES,
+    kind: int = pb.PAYLOAD_KIND_STATISTIC,
 ) -> pb.UploadReceipt:
     """Stream ``payload`` through ``Coordinator.Upload`` and check the receipt's digest.
 
@@ -162,8 +135,12 @@ def upload_payload(
     digest = hashlib.sha256(payload).digest()
 
     def send() -> pb.UploadReceipt:
-        chunks = iter_upload_chunks(
-            payload, round_id=round_id, release_name=release_name, chunk_bytes=chunk_bytes
+        chunks = wire.iter_chunks(
+            payload,
+            round_id=round_id,
+            release_name=release_name,
+            kind=kind,
+            chunk_bytes=chunk_bytes,
         )
         receipt: pb.UploadReceipt = stub.Upload(
             chunks, timeout=timeout_s, metadata=tuple(metadata) or None
@@ -188,14 +165,41 @@ def upload_payload(
     return receipt
 
 
+def download_payload(
+    stub: Any,
+    request: pb.DownloadRequest,
+    *,
+    policy: RetryPolicy,
+    timeout_s: float,
+    metadata: Sequence[tuple[str, str]] = (),
+    max_bytes: int = 1 << 30,
+) -> bytes:
+    """A ``Download`` stream, reassembled and checked like an upload (:mod:`afl.proto.wire`:
+    chunk order, sizes, the final SHA-256); retried on UNAVAILABLE/DEADLINE_EXCEEDED."""
+
+    def fetch() -> bytes:
+        chunks: Iterable[pb.UploadChunk] = stub.Download(
+            request, timeout=timeout_s, metadata=tuple(metadata) or None
+        )
+        try:
+            payload = wire.assemble(chunks, max_bytes=max_bytes, require_names=False)
+            return payload.data
+        except wire.WireError as exc:
+            raise DaemonError(
+                f"download of {request.release_name or 'the context'}: {exc}"
+            ) from exc
+
+    return with_retry(fetch, what="Download", policy=policy)
+
+
 def open_channel(config: ClientConfig, *, insecure: bool = False) -> grpc.Channel:
-    """A channel to the coordinator: mTLS with the kit's CA, certificate and key (design §9).
+    """A channel to the coordinator: mTLS with the kit's CA, certificate and key (docs/protocol.md §3).
 
     ``insecure`` (development only) opens a plaintext channel and logs a loud warning.
     """
     options = [
-        ("grpc.max_send_message_length", 8 * MAX_CHUNK_BYTES),
-        ("grpc.max_receive_message_length", 64 * MAX_CHUNK_BYTES),
+        ("grpc.max_send_message_length", 8 * wire.MAX_CHUNK_BYTES),
+        ("grpc.max_receive_message_length", 64 * wire.MAX_CHUNK_BYTES),
     ]
     if insecure:
         log.warning(

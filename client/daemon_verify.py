@@ -1,9 +1,11 @@
-"""Signature and consistency checks of what the coordinator sends a site (design §5, §9).
+"""Signature and consistency checks of what the coordinator sends a site or the decryptor
+(docs/protocol.md §3, §6).
 
-* Release plan: Ed25519 signature of the server's identity key (from the startup kit, never from
-  the wire) over ``canonical(PROTOCOL_VERSION, "release-plan", plan_bytes)``, verified over the
-  exact serialized bytes before parsing; the plan must be bound to this federation and round and
-  repeat the round config's participants, mode and scope.
+* Release plan (:func:`verify_signed_plan`): Ed25519 signature of the server's identity key (from
+  the startup kit, never from the wire) over the exact serialized bytes with context
+  "release-plan" (:mod:`afl.crypto.signed_blobs`), verified before parsing; the plan must name this
+  federation. :func:`verify_round_config` also checks that it is bound to the round and repeats
+  the round config's participants, mode and scope.
 * Model: signature with context ``"model"`` over the serialized ``Model``; it must name this
   federation and round, the round's classes, the plan the site accepted, and hold a finite
   float64 W of shape (d, C).
@@ -23,18 +25,24 @@ from afl.crypto.errors import SignatureError
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["VerificationError", "VerifiedModel", "verify_model", "verify_round_config"]
+__all__ = [
+    "VerificationError",
+    "VerifiedModel",
+    "verify_model",
+    "verify_round_config",
+    "verify_signed_plan",
+]
 
 
 class VerificationError(ValueError):
     """A plan or model is not signed by the federation's server or does not match the round."""
 
 
-def verify_round_config(
-    config: pb.RoundConfig, *, server_key: Ed25519PublicKey, federation_id: str
+def verify_signed_plan(
+    signed: cpb.SignedReleasePlan, *, server_key: Ed25519PublicKey, federation_id: str, what: str
 ) -> tuple[cpb.ReleasePlan, bytes]:
-    """The verified plan and the SHA-256 of its bytes; :class:`VerificationError` otherwise."""
-    signed = config.release_plan
+    """The plan of ``signed`` and the SHA-256 of its bytes, if the server of the startup kit
+    signed it for this federation; :class:`VerificationError` (naming ``what``) otherwise."""
     try:
         signed_blobs.verify_blob(
             server_key,
@@ -44,13 +52,27 @@ def verify_round_config(
         )
     except SignatureError as exc:
         raise VerificationError(
-            f"round {config.round_id}: the release plan is not signed by this federation's server"
+            f"{what}: the release plan is not signed by this federation's server"
         ) from exc
-    plan = cpb.ReleasePlan()
-    plan.ParseFromString(signed.plan)
+    plan = cpb.ReleasePlan.FromString(signed.plan)
+    if plan.federation_id != federation_id:
+        raise VerificationError(
+            f"{what}: federation {plan.federation_id!r} is not {federation_id!r}"
+        )
+    return plan, hashlib.sha256(signed.plan).digest()
+
+
+def verify_round_config(
+    config: pb.RoundConfig, *, server_key: Ed25519PublicKey, federation_id: str
+) -> tuple[cpb.ReleasePlan, bytes]:
+    """The verified plan and the SHA-256 of its bytes; :class:`VerificationError` otherwise."""
+    what = f"round {config.round_id}"
+    plan, digest = verify_signed_plan(
+        config.release_plan, server_key=server_key, federation_id=federation_id, what=what
+    )
     problems = []
-    if plan.federation_id != federation_id or config.federation_id != federation_id:
-        problems.append(f"federation {plan.federation_id!r} is not {federation_id!r}")
+    if config.federation_id != federation_id:
+        problems.append(f"federation {config.federation_id!r} is not {federation_id!r}")
     if plan.round_id != config.round_id:
         problems.append(f"plan is bound to round {plan.round_id!r}, not {config.round_id!r}")
     if plan.round_number != config.round_number:
@@ -60,8 +82,8 @@ def verify_round_config(
     if plan.aggregation != config.aggregation or plan.gram_scope != config.gram_scope:
         problems.append("plan and config disagree on the aggregation mode or gram scope")
     if problems:
-        raise VerificationError(f"round {config.round_id}: " + "; ".join(problems))
-    return plan, hashlib.sha256(signed.plan).digest()
+        raise VerificationError(f"{what}: " + "; ".join(problems))
+    return plan, digest
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The CKKS decryptor site: an ``afl-client run`` whose client.toml says ``role = "decryptor"``
-(design §7).
+(docs/protocol.md §4.3).
 
 Choice: the decryptor is a DEDICATED site that holds no data (it is never a round participant;
 [data] is optional in its client.toml). It sees every released sum, which the server learns
@@ -31,21 +31,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from afl.client.config import ClientConfig
+from afl.client.daemon_rpc import CoordinatorClient
 from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
     RemoteCallError,
     RetryPolicy,
-    iter_upload_chunks,
     open_channel,
-    with_retry,
 )
-from afl.client.mode_ckks import download_payload
-from afl.crypto import ckks, kdf, pki, signatures, signed_blobs
+from afl.client.daemon_verify import VerificationError, verify_signed_plan
+from afl.crypto import ckks, kdf, pki, signatures
 from afl.crypto.ckks_decrypt import CkksRelease, Decryptor
 from afl.crypto.ckks_wire import (
     CKKS_CONTEXT_CONTEXT,
@@ -61,6 +59,7 @@ from afl.crypto.errors import (
     CkksTagMismatchError,
     CryptoError,
 )
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -115,16 +114,15 @@ class RoundDecryptor:
         federation_id: str,
     ) -> None:
         try:
-            signed_blobs.verify_blob(
-                server_key,
-                context=signed_blobs.PLAN_CONTEXT,
-                blob=signed_plan.plan,
-                signature=signed_plan.signature,
+            plan, _ = verify_signed_plan(
+                signed_plan,
+                server_key=signatures.load_public_key_raw(server_key),
+                federation_id=federation_id,
+                what="decryption job",
             )
-        except CryptoError as exc:
-            raise DaemonError("the release plan is not signed by the server in the kit") from exc
-        plan = cpb.ReleasePlan.FromString(signed_plan.plan)
-        if plan.aggregation != cpb.AGGREGATION_MODE_CKKS or plan.federation_id != federation_id:
+        except (VerificationError, CryptoError) as exc:
+            raise DaemonError(str(exc)) from exc
+        if plan.aggregation != cpb.AGGREGATION_MODE_CKKS:
             raise DaemonError("the release plan is not a CKKS plan of this federation")
         self.plan, self.keys, self.site_id = plan, keys, site_id
         self.releases = {r.name: r for r in plan.releases}
@@ -135,7 +133,7 @@ class RoundDecryptor:
                     name=r.name,
                     members=tuple(r.member_site_ids),
                     upload_name=r.upload_name or r.name,
-                    length=_length(r),
+                    length=wire.release_length(r),
                     prescale=r.encoding.ckks.prescale,
                     grid=r.encoding.ckks.grid_step,
                 )
@@ -183,13 +181,6 @@ class RoundDecryptor:
         return pb.DECRYPTION_STATUS_DECRYPTED, "", values.astype("<f8").tobytes()
 
 
-def _length(release: cpb.Release) -> int:
-    if release.encoding.packing == cpb.PACKING_UPPER_TRIANGLE:
-        d = int(release.shape[0])
-        return d * (d + 1) // 2
-    return int(np.prod(release.shape))
-
-
 class DecryptorDaemon:
     """The decryptor's process: publish the public context, then serve decryption jobs."""
 
@@ -209,52 +200,29 @@ class DecryptorDaemon:
         )
         self.keys = load_or_create_keys(config.state_dir)
         self.rounds: dict[str, RoundDecryptor] = {}
-        self.stub: Any = None
+        self.rpc: CoordinatorClient | None = None
 
-    def _call(self, what: str, request: Any) -> Any:
-        method = getattr(self.stub, what)
-        timeout = self.config.timing.rpc_timeout_s
-        return with_retry(
-            lambda: method(request, timeout=timeout, metadata=self.metadata or None),
-            what=what,
-            policy=self.retry,
-        )
-
-    def _upload(self, data: bytes, *, round_id: str, name: str, kind: int) -> None:
-        def send() -> Any:
-            chunks = iter_upload_chunks(data, round_id=round_id, release_name=name, kind=kind)
-            return self.stub.Upload(
-                chunks, timeout=self.config.timing.upload_timeout_s, metadata=self.metadata or None
-            )
-
-        with_retry(send, what=f"upload {name}", policy=self.retry)
+    def _rpc(self) -> CoordinatorClient:
+        if self.rpc is None:
+            raise DaemonError("the decryptor is not connected (call run())")
+        return self.rpc
 
     def enroll_and_publish(self) -> None:
-        c = self.config
-        proof = signatures.sign_fields(
-            self.identity,
-            context=signed_blobs.ENROL_CONTEXT,
-            fields=signed_blobs.enrol_fields(
-                federation_id=c.federation_id,
-                site_id=c.site_id,
-                identity_public_key=c.identity_public_key,
-            ),
+        c, rpc = self.config, self._rpc()
+        rpc.enroll(
+            federation_id=c.federation_id,
+            identity=self.identity,
+            identity_public_key=c.identity_public_key,
+            server_public_key=c.server_public_key,
+            role=pb.SITE_ROLE_DECRYPTOR,
         )
-        response = self._call(
-            "Enroll",
-            pb.EnrollRequest(
-                identity_public_key=c.identity_public_key,
-                proof=proof,
-                role=pb.SITE_ROLE_DECRYPTOR,
-                protocol_version=1,
-            ),
-        )
-        if response.server_identity_public_key != c.server_public_key:
-            raise DaemonError("the server's identity key differs from the one in the startup kit")
         data = self.keys.public_context
         digest = hashlib.sha256(data).digest()
-        self._upload(
-            data, round_id="ckks", name="ckks/context", kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT
+        rpc.upload(
+            data,
+            round_id="ckks",
+            release_name="ckks/context",
+            kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT,
         )
         signature = signatures.sign_fields(
             self.identity,
@@ -263,7 +231,7 @@ class DecryptorDaemon:
                 round_id="", context_sha256=digest, cipher_public_key=self.keys.cipher_public_key
             ),
         )
-        self._call(
+        rpc.call(
             "PublishCkksContext",
             pb.CkksContextAnnouncement(
                 context_sha256=digest,
@@ -289,13 +257,12 @@ class DecryptorDaemon:
 
     def serve_once(self) -> int:
         """Handle the pending jobs of the current round; returns how many were handled."""
-        jobs: pb.DecryptionJobs = self._call("GetDecryptionJobs", cpb.RoundRef())
+        rpc = self._rpc()
+        jobs: pb.DecryptionJobs = rpc.call("GetDecryptionJobs", cpb.RoundRef())
         if not jobs.jobs:
             return 0
         work = self._round(jobs)
-        tags: pb.SealedMessages = self._call(
-            "GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id)
-        )
+        tags: pb.SealedMessages = rpc.call("GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id))
         for sealed in tags.messages:
             try:
                 work.add_tags(sealed)
@@ -303,15 +270,12 @@ class DecryptorDaemon:
                 log.warning("decryptor: tags from %s refused: %s", sealed.sender_site_id, exc)
         for job in jobs.jobs:
             t0 = time.perf_counter()
-            aggregate = download_payload(
-                self.stub,
+            aggregate = rpc.download(
                 pb.DownloadRequest(
                     round_id=jobs.round_id,
                     kind=pb.PAYLOAD_KIND_CKKS_AGGREGATE,
                     release_name=job.release_name,
-                ),
-                timeout_s=self.config.timing.upload_timeout_s,
-                metadata=self.metadata,
+                )
             )
             t1 = time.perf_counter()
             status, reason, result = work.decrypt(job, aggregate)
@@ -321,15 +285,15 @@ class DecryptorDaemon:
             )  # fmt: skip
             digest = hashlib.sha256(result).digest() if result else b""
             if result:
-                self._upload(
+                rpc.upload(
                     result,
                     round_id=jobs.round_id,
-                    name=job.release_name,
+                    release_name=job.release_name,
                     kind=pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE,
                 )
             release = work.releases.get(job.release_name)
             grid = release.encoding.ckks.grid_step if release is not None else 0.0
-            self._call(
+            rpc.call(
                 "ReportDecryption",
                 self.outcome(jobs.round_id, job.release_name, status, reason, digest, grid),
             )
@@ -366,7 +330,13 @@ class DecryptorDaemon:
     def run(self) -> int:
         """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0."""
         with open_channel(self.config, insecure=self.insecure) as channel:
-            self.stub = pb_grpc.CoordinatorStub(channel)
+            self.rpc = CoordinatorClient(
+                pb_grpc.CoordinatorStub(channel),
+                site_id=self.config.site_id,
+                timing=self.config.timing,
+                retry=self.retry,
+                metadata=self.metadata,
+            )
             self.enroll_and_publish()
             idle_since = time.monotonic()
             while True:

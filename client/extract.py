@@ -1,4 +1,4 @@
-"""Images → feature cache: batched, resumable, shardable extraction (design §3, §9).
+"""Images → feature cache: batched, resumable, shardable extraction (docs/method.md §1, docs/operations.md).
 
 ``H = f_backbone(x)`` for every image of a site (paper eq. 1), written block by block through
 :class:`afl.core.featurecache.FeatureCacheWriter` into a staging cache ``OUT.partial``; a crash

@@ -1,8 +1,8 @@
-"""Merge shard caches of one site into a single cache in source order (design §9).
+"""Merge shard caches of one site into a single cache in source order (docs/operations.md).
 
 Each shard holds whole global batches (``afl.client.shards``), so the merged features are
 byte-identical to those of a single run with the same batch size, and any statistic that is a sum
-over rows (``G = Σ_i h_i h_iᵀ``, ``b = Σ_i h_i y_i``, design §3) is the sum of the shards'
+over rows (``G = Σ_i h_i h_iᵀ``, ``b = Σ_i h_i y_i``, docs/method.md §1) is the sum of the shards'
 statistics. Shards must come from the same data list, backbone, weights and options.
 """
 

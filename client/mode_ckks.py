@@ -1,4 +1,5 @@
-"""CKKS mode on a data site (design §7): public context, sealed aggregate tags, encrypted uploads.
+"""The site's ``ckks`` mode: public context, sealed aggregate tags, encrypted uploads
+(docs/protocol.md §4.3, docs/architecture.md §4).
 
 Between the accepted plan and the model, a site
 
@@ -24,21 +25,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.daemon_stats import PayloadError, SlotPayload, encode_float64
-from afl.client.daemon_transport import (
-    MAX_CHUNK_BYTES,
-    DaemonError,
-    RemoteCallError,
-    upload_payload,
-    with_retry,
-)
+from afl.client.daemon_transport import DaemonError, RemoteCallError
+from afl.client.modes import RoundSession, UploadRecord, skipped_record, upload_record
 from afl.crypto import ckks
 from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
@@ -47,46 +43,16 @@ from afl.crypto.signatures import load_public_key_raw, verify_fields
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-if TYPE_CHECKING:  # daemon_modes registers this module's strategy: no import cycle at runtime
-    from afl.client.daemon_modes import RoundSession, UploadRecord
-
-__all__ = ["CkksClientStrategy", "download_payload", "fetch_public_context"]
-
-
-def download_payload(
-    stub: Any, request: pb.DownloadRequest, *, timeout_s: float, metadata: Sequence[Any] = ()
-) -> bytes:
-    """Concatenate a ``Download`` stream; check chunk order, size and the final SHA-256."""
-    chunks: Iterator[pb.UploadChunk] = stub.Download(
-        request, timeout=timeout_s, metadata=tuple(metadata) or None
-    )
-    parts: list[bytes] = []
-    last: pb.UploadChunk | None = None
-    for i, chunk in enumerate(chunks):
-        if chunk.chunk_index != i:
-            raise DaemonError("download chunks out of order")
-        parts.append(chunk.data)
-        last = chunk
-    data = b"".join(parts)
-    if last is None or last.total_bytes != len(data):
-        raise DaemonError("download truncated")
-    if hashlib.sha256(data).digest() != last.sha256:
-        raise DaemonError("download digest mismatch")
-    return data
+__all__ = ["CkksMode", "fetch_public_context"]
 
 
 def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
-    delay, start = session.retry.initial_s, time.monotonic()
+    rpc = session.rpc
+    delay, start = rpc.retry.initial_s, time.monotonic()
     while True:
         try:
-            announcement: pb.CkksContextAnnouncement = with_retry(
-                lambda: session.stub.GetCkksContext(
-                    cpb.RoundRef(round_id=session.round_id),
-                    timeout=session.rpc_timeout_s,
-                    metadata=session.metadata or None,
-                ),
-                what="GetCkksContext",
-                policy=session.retry,
+            announcement: pb.CkksContextAnnouncement = rpc.call(
+                "GetCkksContext", cpb.RoundRef(round_id=session.round_id)
             )
             return announcement
         except RemoteCallError as exc:
@@ -102,7 +68,7 @@ def fetch_public_context(
     session: RoundSession, peers: Mapping[str, bytes]
 ) -> tuple[Any, pb.CkksContextAnnouncement]:
     """Steps 1-2 of the module docstring: the verified public context and its announcement."""
-    ann = _poll_context(session, session.upload_timeout_s)
+    ann = _poll_context(session, session.rpc.timing.upload_timeout_s)
     decryptor = ann.decryptor_site_id
     if decryptor == session.site_id or decryptor not in peers:
         raise DaemonError(f"the CKKS decryptor {decryptor!r} is not a peer in this site's kit")
@@ -121,11 +87,8 @@ def fetch_public_context(
         )
     except CryptoError as exc:
         raise DaemonError("the CKKS context announcement is not signed by the decryptor") from exc
-    data = download_payload(
-        session.stub,
-        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT),
-        timeout_s=session.upload_timeout_s,
-        metadata=session.metadata,
+    data = session.rpc.download(
+        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT)
     )
     if hashlib.sha256(data).digest() != ann.context_sha256:
         raise DaemonError("the downloaded CKKS context differs from the signed announcement")
@@ -146,11 +109,12 @@ def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
     return prescales.pop(), max(len(r.member_site_ids) for r in releases)
 
 
-class CkksClientStrategy:
+class CkksMode:
     """CKKS: encrypted, tagged uploads (see the module docstring)."""
 
     name: str = "ckks"
     aggregation: int = int(cpb.AGGREGATION_MODE_CKKS)
+    first_stage: int = int(pb.ROUND_STAGE_UPLOAD)
 
     def encode(self, release: cpb.Release, values: NDArray[np.float64]) -> bytes:
         enc = release.encoding
@@ -173,11 +137,7 @@ class CkksClientStrategy:
         *,
         already_complete: Collection[str] = (),
     ) -> list[UploadRecord]:
-        from afl.client import daemon_modes  # runtime import: daemon_modes registers this class
-
-        plan: cpb.ReleasePlan | None = session.plan
-        if plan is None:
-            raise DaemonError("CKKS mode needs the verified release plan")
+        plan = session.plan
         ctx, ann = fetch_public_context(session, session.peer_keys)
         todo = [p for p in payloads if p.slot not in already_complete]
         tags = {p.slot: ckks.new_tag(num_summands=_slot_release(plan, p.slot)[1]) for p in todo}
@@ -195,31 +155,22 @@ class CkksClientStrategy:
                 sender=session.site_id,
                 recipient=ann.decryptor_site_id,
             )
-            request = pb.SendAggregateTagsRequest(
-                round_id=session.round_id,
-                sealed=pb.SealedMessage(
-                    recipient_site_id=ann.decryptor_site_id,
-                    sender_public_key=ephemeral,
-                    ciphertext=blob,
+            session.rpc.call(
+                "SendAggregateTags",
+                pb.SendAggregateTagsRequest(
+                    round_id=session.round_id,
+                    sealed=pb.SealedMessage(
+                        recipient_site_id=ann.decryptor_site_id,
+                        sender_public_key=ephemeral,
+                        ciphertext=blob,
+                    ),
                 ),
-            )
-            with_retry(
-                lambda: session.stub.SendAggregateTags(
-                    request, timeout=session.rpc_timeout_s, metadata=session.metadata or None
-                ),
-                what="SendAggregateTags",
-                policy=session.retry,
             )
         records = []
         for item in payloads:
             if item.slot in already_complete:
-                records.append(
-                    daemon_modes.UploadRecord(
-                        item.slot, item.releases, 0, item.sha256, 0, True, True, 0.0
-                    )
-                )
+                records.append(skipped_record(item))
                 continue
-            start = time.perf_counter()
             prescale, k = _slot_release(plan, item.slot)
             values = np.frombuffer(item.payload, dtype="<f8")
             try:
@@ -229,25 +180,5 @@ class CkksClientStrategy:
             except CryptoError as exc:
                 raise PayloadError(f"slot {item.slot}: {exc}") from exc
             packed = ckks.pack_ciphertexts(ckks.serialize_ciphertexts(vectors))
-            receipt = upload_payload(
-                session.stub,
-                packed,
-                round_id=session.round_id,
-                release_name=item.slot,
-                policy=session.retry,
-                timeout_s=session.upload_timeout_s,
-                metadata=session.metadata,
-            )
-            records.append(
-                daemon_modes.UploadRecord(
-                    slot=item.slot,
-                    releases=item.releases,
-                    bytes=len(packed),
-                    sha256=hashlib.sha256(packed).hexdigest(),
-                    chunks=max(1, -(-len(packed) // MAX_CHUNK_BYTES)),
-                    duplicate=bool(receipt.duplicate),
-                    skipped=False,
-                    seconds=time.perf_counter() - start,
-                )
-            )
+            records.append(upload_record(session, item.slot, item.releases, packed))
         return records

@@ -1,4 +1,5 @@
-"""MASK aggregation mode of the afl-client (Bonawitz et al. CCS'17; design §6; issue 5).
+"""The site's ``mask`` mode: pairwise masking with drop-out recovery (Bonawitz et al. CCS'17;
+docs/protocol.md §4.2, docs/architecture.md §4).
 
 The site runs :class:`afl.crypto.secagg_client.SecAggClient` over the coordinator's MASK RPCs:
 
@@ -7,62 +8,40 @@ The site runs :class:`afl.crypto.secagg_client.SecAggClient` over the coordinato
     (UNMASK) GetUnmaskRequest, Unmask
 
 Every server message is checked against the SIGNED plan (the protocol config, including the
-config digest bound into every signature, is derived from the plan alone) and the client's own
-state by the state machine: peers' adverts and consistency signatures are verified with the
-identity keys of the startup kit ([peers]), never keys the server sends; the client refuses an
-unmask request that asks for both shares of one peer, names non-survivors, lacks t signatures,
-or requests a release below its t_R. Values outside a release's declared bound are an error
-(never clipped). Only masked uint64 vectors leave the site.
-
-Fault injection for the drop-out tests: with ``AFL_FAULT_VANISH_AFTER`` set to ``advertise``,
-``share-keys``, ``masked-input`` or ``consistency``, the process exits abruptly (``os._exit``, no
-report, like a killed site) right after sending that stage's message.
+config digest bound into every signature, is derived from the plan alone by
+:func:`afl.proto.wire.round_config_from_plan`) and the client's own state by the state machine:
+peers' adverts and consistency signatures are verified with the identity keys of the startup
+kit ([peers]), never keys the server sends; the client refuses an unmask request that asks for
+both shares of one peer, names non-survivors, lacks t signatures, or requests a release below its
+t_R. Values outside a release's declared bound are an error (never clipped). Only masked uint64
+vectors leave the site.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.daemon_stats import PayloadError, SlotPayload, encode_float64
-from afl.client.daemon_transport import MAX_CHUNK_BYTES, DaemonError, upload_payload
-from afl.client.mode_mask_wire import (
-    advert_to_proto,
-    directory_from_proto,
-    round_config_from_plan,
-    routed_from_proto,
-    share_keys_to_proto,
-    unmask_request_from_proto,
-    unmask_response_to_proto,
-)
+from afl.client.daemon_transport import DaemonError
+from afl.client.modes import RoundSession, UploadRecord, upload_record
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_client import SecAggClient
 from afl.crypto.secagg_config import default_threshold
 from afl.crypto.secagg_messages import ConsistencyRequest
 from afl.crypto.signatures import load_public_key_raw
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-if TYPE_CHECKING:  # daemon_modes registers this module: import it lazily (no import cycle)
-    from afl.client.daemon_modes import RoundSession, UploadRecord
-
-__all__ = ["FAULT_ENV", "MaskStrategy"]
-
-FAULT_ENV = "AFL_FAULT_VANISH_AFTER"
-_FAULT_EXIT = 70
+__all__ = ["MaskMode"]
 
 
-def _vanish_after(stage: str) -> None:
-    if os.environ.get(FAULT_ENV) == stage:
-        os._exit(_FAULT_EXIT)  # simulated crash: no report, no goodbye
-
-
-class MaskStrategy:
+class MaskMode:
     """Client side of ``aggregation = "mask"`` (module docstring)."""
 
     name: str = "mask"
@@ -91,97 +70,59 @@ class MaskStrategy:
         *,
         already_complete: Collection[str] = (),
     ) -> list[UploadRecord]:
-        if session.plan is None or session.identity_key is None or session.rpc is None:
-            raise DaemonError("MASK mode needs the verified plan, identity key and RPC client")
-        plan: cpb.ReleasePlan = session.plan
         if already_complete:
             raise DaemonError("a masked round cannot be resumed after its uploads (keys are lost)")
-        client = self._client(session, plan, payloads)
+        client = self._client(session, payloads)
         try:
             return self._run(session, client)
         except CryptoError as exc:  # the state machine refused a server message
             raise DaemonError(f"masked exchange refused: {exc}") from exc
 
-    def _run(self, session: RoundSession, client: SecAggClient) -> list[UploadRecord]:
-        from afl.client.daemon_modes import UploadRecord
-
+    @staticmethod
+    def _run(session: RoundSession, client: SecAggClient) -> list[UploadRecord]:
         rpc, rid = session.rpc, session.round_id
+        ref = cpb.RoundRef(round_id=rid)
         sent: list[UploadRecord] = []
 
-        def record(slot: str, message: Any, start: float) -> None:
-            size = message.ByteSize()
+        def send(method: str, slot: str, message: Any) -> None:
+            start = time.perf_counter()
+            rpc.call(method, message)
             elapsed = time.perf_counter() - start
-            sent.append(UploadRecord(slot, (), size, "", 1, False, False, elapsed))
+            sent.append(UploadRecord(slot, (), message.ByteSize(), "", 1, False, False, elapsed))
 
-        t0 = time.perf_counter()
-        advert = advert_to_proto(client.advertise_keys())
-        rpc.call("AdvertiseKeys", advert)
-        record("mask/advertise-keys", advert, t0)
-        _vanish_after("advertise")
+        send("AdvertiseKeys", "mask/advertise-keys", wire.advert_to_proto(client.advertise_keys()))
 
         rpc.await_stage(rid, at_least=pb.ROUND_STAGE_SHARE_KEYS)
-        t0 = time.perf_counter()
-        keys = rpc.call("GetAdvertisedKeys", cpb.RoundRef(round_id=rid))
-        upload = share_keys_to_proto(client.share_keys(directory_from_proto(keys)))
-        rpc.call("ShareKeys", upload)
-        record("mask/share-keys", upload, t0)
-        _vanish_after("share-keys")
+        directory = wire.directory_from_proto(rpc.call("GetAdvertisedKeys", ref))
+        send("ShareKeys", "mask/share-keys", wire.share_keys_to_proto(client.share_keys(directory)))
 
         rpc.await_stage(rid, at_least=pb.ROUND_STAGE_UPLOAD)
-        t0 = time.perf_counter()
-        shared = rpc.call("GetSharedKeys", cpb.RoundRef(round_id=rid))
-        masked = client.masked_input(routed_from_proto(shared, recipient=session.site_id))
+        shared = rpc.call("GetSharedKeys", ref)
+        masked = client.masked_input(wire.routed_from_proto(shared, recipient=session.site_id))
         for name, y in masked.vectors:
             data = np.ascontiguousarray(y, dtype="<u8").tobytes()
-            start = time.perf_counter()
-            receipt = upload_payload(
-                session.stub,
-                data,
-                round_id=rid,
-                release_name=name,
-                policy=session.retry,
-                timeout_s=session.upload_timeout_s,
-                metadata=session.metadata,
-            )
-            chunks = max(1, -(-len(data) // MAX_CHUNK_BYTES))
-            sent.append(
-                UploadRecord(
-                    name,
-                    (name,),
-                    len(data),
-                    receipt.sha256.hex(),
-                    chunks,
-                    bool(receipt.duplicate),
-                    False,
-                    time.perf_counter() - start,
-                )
-            )
-        _vanish_after("masked-input")
+            sent.append(upload_record(session, name, (name,), data))
 
         rpc.await_stage(rid, at_least=pb.ROUND_STAGE_CONSISTENCY_CHECK)
-        t0 = time.perf_counter()
-        survivors = rpc.call("GetSurvivors", cpb.RoundRef(round_id=rid))
-        signed = client.consistency_check(ConsistencyRequest(rid, tuple(survivors.survivors)))
-        message = pb.ConsistencySignature(
-            round_id=rid, survivors=list(survivors.survivors), signature=signed.signature
+        survivors = tuple(rpc.call("GetSurvivors", ref).survivors)
+        signed = client.consistency_check(ConsistencyRequest(rid, survivors))
+        send(
+            "ConsistencyCheck",
+            "mask/consistency-check",
+            pb.ConsistencySignature(
+                round_id=rid, survivors=list(survivors), signature=signed.signature
+            ),
         )
-        rpc.call("ConsistencyCheck", message)
-        record("mask/consistency-check", message, t0)
-        _vanish_after("consistency")
 
         rpc.await_stage(rid, at_least=pb.ROUND_STAGE_UNMASK)
-        t0 = time.perf_counter()
-        request = rpc.call("GetUnmaskRequest", cpb.RoundRef(round_id=rid))
-        response = unmask_response_to_proto(client.unmask(unmask_request_from_proto(request)))
-        rpc.call("Unmask", response)
-        record("mask/unmask", response, t0)
+        request = wire.unmask_request_from_proto(rpc.call("GetUnmaskRequest", ref))
+        send("Unmask", "mask/unmask", wire.unmask_response_to_proto(client.unmask(request)))
         return sent
 
-    def _client(
-        self, session: RoundSession, plan: cpb.ReleasePlan, payloads: Sequence[SlotPayload]
-    ) -> SecAggClient:
+    @staticmethod
+    def _client(session: RoundSession, payloads: Sequence[SlotPayload]) -> SecAggClient:
         try:
-            config = round_config_from_plan(plan)
+            config = wire.round_config_from_plan(session.plan)
         except CryptoError as exc:
             raise DaemonError(f"the MASK plan is not valid: {exc}") from exc
         if config.t < default_threshold(len(config.cohort)):

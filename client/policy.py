@@ -1,4 +1,4 @@
-"""A site's check of a signed release plan against its local policy (design §5).
+"""A site's check of a signed release plan against its local policy (docs/protocol.md §6).
 
 Before anything is uploaded the site reads the exact list of aggregates the server will learn
 and refuses when
@@ -9,12 +9,12 @@ and refuses when
   in (``history``: statistics of the same data combine across rounds), lets the server determine
   the site's own contribution by differencing, or the sum of a group smaller than
   ``min_cohort`` that contains the site: the row-space test of :func:`afl.core.leakage.audit_releases`
-  (e_k ∈ rowspace(A), design §5);
+  (e_k ∈ rowspace(A), docs/protocol.md §6);
 * the plan's DP cost for the site exceeds ``max_epsilon`` (no DP counts as ε = ∞). The cost is
   the larger of the server's stated budget and the site's own recomputation from the releases'
   noise (σ, sensitivity at the declared clip norm).
 
-DP covers small cohorts and exposure (issue 6): when the plan has DP and the site's ε is within
+DP covers small cohorts and exposure (docs/protocol.md §7): when the plan has DP and the site's ε is within
 ``max_epsilon``, the min-cohort and differencing rules are waived (every release is noised and
 the site's patients are (ε, δ)-DP whatever the server combines); the audit is still reported.
 
@@ -117,7 +117,7 @@ def check_plan(
         return _refuse("the plan names a release twice")
     epsilon = _site_epsilon(plan, site_id)
     # DP covers small cohorts and exposure by differencing when every release the site is in
-    # is noised and the site's ε is within its budget (design §5, §8; issue 6).
+    # is noised and the site's ε is within its budget (docs/protocol.md §6, §7).
     covered = plan.dp.enabled and epsilon <= policy.max_epsilon
     for r in releases:
         unknown = set(r.member_site_ids) - set(participants)

@@ -1,4 +1,4 @@
-"""Site data sources and image readers (design §4): what a hospital has on disk → labelled records.
+"""Site data sources and image readers (docs/method.md §2): what a hospital has on disk → labelled records.
 
 Sources give an ordered list of :class:`ImageRecord` (id, path, labels) over a fixed class list;
 labels use the feature-cache convention 1 positive, 0 negative, -1 not labelled (structurally

@@ -1,6 +1,6 @@
 """Backbone weights from local files only: locate, verify (SHA-256) and load a state dict.
 
-No function here ever downloads anything (design §1: no internet at run time). A weights
+No function here ever downloads anything (no internet at run time). A weights
 argument is either the file itself or a directory in which the backbone's canonical file name
 (the basename of its published URL) is looked up. A missing or mismatched file raises an error
 that names the expected file, the URL to fetch it from on another machine and how to pass it.

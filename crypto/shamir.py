@@ -25,6 +25,7 @@ __all__ = [
     "PRIME",
     "SECRET_BYTES",
     "SHARE_BYTES",
+    "VALUE_BYTES",
     "Share",
     "interpolate_at_zero",
     "lagrange_weights_at_zero",
@@ -36,9 +37,9 @@ __all__ = [
 #: The field modulus: the Mersenne prime 2^521 - 1.
 PRIME = (1 << 521) - 1
 SECRET_BYTES = 32
-_VALUE_BYTES = (PRIME.bit_length() + 7) // 8  # 66
+VALUE_BYTES = (PRIME.bit_length() + 7) // 8  # 66
 _INDEX_BYTES = 2
-SHARE_BYTES = _INDEX_BYTES + _VALUE_BYTES
+SHARE_BYTES = _INDEX_BYTES + VALUE_BYTES
 MAX_SHARES = (1 << (8 * _INDEX_BYTES)) - 1
 
 
@@ -64,7 +65,7 @@ class Share:
 
     def to_bytes(self) -> bytes:
         """u16be(index) || u528be(value): 68 bytes."""
-        return self.index.to_bytes(_INDEX_BYTES, "big") + self.value.to_bytes(_VALUE_BYTES, "big")
+        return self.index.to_bytes(_INDEX_BYTES, "big") + self.value.to_bytes(VALUE_BYTES, "big")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Share:

@@ -234,6 +234,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
     return proc.returncode
 
 
+#: How :func:`run_loopback` starts a site daemon (followed by ``run --config ...``).
+CLIENT_COMMAND = (sys.executable, "-m", "afl.client.cli")
+
+
 def run_loopback(
     fed: LoopbackFederation,
     *,
@@ -241,11 +245,12 @@ def run_loopback(
     client_args: Sequence[str] = (),
     server_args: Sequence[str] = (),
     log_level: str = "WARNING",
-    client_env: Mapping[str, Mapping[str, str]] | None = None,
+    client_commands: Mapping[str, Sequence[str]] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
-    stop the server; logs go to ``<root>/logs``. ``client_env`` adds environment variables per
-    site (e.g. the MASK mode's fault injection ``AFL_FAULT_VANISH_AFTER``)."""
+    stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
+    program that runs the client (``python -m afl.client.cli``) by another argv prefix that takes
+    the same arguments (the drop-out tests start a client that vanishes mid-round)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -261,21 +266,18 @@ def run_loopback(
         if fed.decryptor_config is not None:
             logs["decryptor"] = logs_dir / "decryptor.log"
             handles.append(open(logs["decryptor"], "wb"))  # noqa: SIM115
-            cmd = [sys.executable, "-m", "afl.client.cli", "run"]
-            cmd += ["--config", str(fed.decryptor_config), "--log-level", log_level, *client_args]
+            cmd = [*CLIENT_COMMAND, "run", "--config", str(fed.decryptor_config)]
+            cmd += ["--log-level", log_level, *client_args]
             helpers.append(
                 subprocess.Popen(cmd, stdout=handles[-1], stderr=subprocess.STDOUT, env=env)
             )
         for site, config in fed.client_configs.items():
             logs[site] = logs_dir / f"{site}.log"
             handles.append(open(logs[site], "wb"))  # noqa: SIM115
-            cmd = [sys.executable, "-m", "afl.client.cli", "run", "--config", str(config)]
-            cmd += ["--log-level", log_level, *client_args]
+            program = (client_commands or {}).get(site, CLIENT_COMMAND)
+            cmd = [*program, "run", "--config", str(config), "--log-level", log_level]
             clients[site] = subprocess.Popen(
-                cmd,
-                stdout=handles[-1],
-                stderr=subprocess.STDOUT,
-                env={**env, **(client_env or {}).get(site, {})},
+                [*cmd, *client_args], stdout=handles[-1], stderr=subprocess.STDOUT, env=env
             )
         deadline = time.monotonic() + timeout_s
         rcs: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""server.toml: load and validate the afl-server configuration (design §9, issue 4).
+"""server.toml: load and validate the afl-server configuration (docs/operations.md).
 
 ``afl provision`` writes [server], [tls], [identity] and [sites]; it also writes a [round] table
 from :func:`round_template` that the coordinator completes (the class names and d at least)::
@@ -8,7 +8,7 @@ from :func:`round_template` that the coordinator completes (the class names and 
     feature_dim = 1024                           # d
     backbone = ""                                # feature extractor id ("" = not checked)
     gamma = 1.0                                  # ridge γ, added once by the server
-    gram_scope = "global"                        # or "per-class" (design §5)
+    gram_scope = "global"                        # or "per-class" (docs/protocol.md §6)
     aggregation = "plaintext"
     rounds = 1                                   # 2 = pseudo-label refinement (paper eq. 16-22)
     tau = 0.7; alpha = 0.5; delta_pos = 5; delta_neg = 50
@@ -19,13 +19,13 @@ from :func:`round_template` that the coordinator completes (the class names and 
     mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": declared bounds
     mask_gram_bound = 0.0; mask_vector_bound = 0.0    # (or explicit ones); mask_threshold = 0
 
-CKKS mode (design §7): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
+CKKS mode (docs/protocol.md §4.3): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
 (declared bounds on |entry| of one site's Gram and class vectors; they set the plan's
 pre-scales), and optionally ``[ckks] public_context``
 (the decryptor's PUBLIC context file; a context holding a secret key makes the server refuse to
 start). The decryptor-role site is never a participant.
 
-DP mode (design §8): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
+DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
 rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregation = "mask"
 it needs mask_max_samples (N bounds the masked statistics, :mod:`afl.server.dp_mask`).
 
@@ -111,7 +111,7 @@ class SiteEntry:
 
 @dataclass(frozen=True)
 class MaskSettings:
-    """MASK mode's declared bounds (design §6): per-site |G_ij| <= gram_bound (default
+    """MASK mode's declared bounds (docs/protocol.md §5): per-site |G_ij| <= gram_bound (default
     max_samples · feature_norm², since |h_i·h_j| <= L² for ‖h‖ <= L), |b_j| <= vector_bound
     (default 2 · feature_norm: a balanced class vector is a difference of two means of rows), and
     the Shamir threshold t (0 = a majority of the participants)."""
@@ -314,7 +314,7 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         )
     except ValueError as exc:
         raise ConfigError(f"{source}: [round] refinement: {exc}") from exc
-    # The CKKS decryptor holds no data (design §7): not a participant by default, never one.
+    # The CKKS decryptor holds no data (docs/protocol.md §1): not a participant by default, never one.
     data_sites = tuple(sorted(s for s, e in sites.items() if e.role != "decryptor"))
     participants = t.strings("participants", []) or data_sites
     if any(sites[s].role == "decryptor" for s in participants if s in sites):
@@ -340,7 +340,7 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         raise t.fail(
             "mask_max_samples",
             "DP with aggregation = 'mask' needs mask_max_samples (N, the largest site's rows): "
-            "the masked DP statistics are bounded by N·L², N·L and N (design §8)",
+            "the masked DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
         )
     return RoundSettings(
         classes=classes,

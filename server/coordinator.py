@@ -1,18 +1,22 @@
 """Request handling of the coordinator: enrolment, status, plan decisions, uploads, models
-(issue 4, design §9). Transport-free: the gRPC servicer decodes messages, takes the caller's site
-id from its certificate and calls these methods; errors are :mod:`afl.server.errors` classes.
+(docs/architecture.md §2). Transport-free: the gRPC servicer decodes messages, takes the caller's
+site id from its certificate and calls these methods; errors are :mod:`afl.server.errors` classes.
+The coordinator is also the :class:`~afl.server.modes.RoundAccess` of the mode request handlers
+(:class:`~afl.server.mode_mask.MaskRequests`, :class:`~afl.server.mode_ckks.CkksRequests`).
 
 Enrolment (coordinator.proto ``Enroll``): the certificate's site id must be provisioned, the
 identity key must equal the provisioned key, and the proof must verify (context "enrol", fields
 (federation_id, site_id, identity_public_key); :mod:`afl.crypto.signed_blobs`).
 
 Uploads are idempotent by (round, site, release, sha256): the same digest again returns the
-stored receipt with ``duplicate = True``; another digest is a :class:`ConflictError`.
+stored receipt with ``duplicate = True``; another digest is a :class:`ConflictError`. Whether a
+new payload may be stored now is the round's mode's decision (``check_upload``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,6 +31,7 @@ from afl.crypto.signed_blobs import (
     enrol_fields,
     plan_decision_fields,
 )
+from afl.proto import wire
 from afl.proto.v1 import common_pb2
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import ServerConfig
@@ -36,15 +41,15 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.modes import AggregationStrategy, strategy_for
+from afl.server.mode_registry import mode_for
+from afl.server.modes import AggregationMode
 from afl.server.observability import ServerMetrics
-from afl.server.rounds import RoundMachine, RoundView, Stage, stage_name
+from afl.server.plan import RoundView
+from afl.server.rounds import RoundMachine
 from afl.server.store import EnrolmentRow, Store
-from afl.server.uploads import AssembledUpload
 
-__all__ = ["PROTOCOL_VERSION", "SERVER_VERSION", "Coordinator"]
+__all__ = ["SERVER_VERSION", "Coordinator"]
 
-PROTOCOL_VERSION = 1
 SERVER_VERSION = "afl-server/0.1.0"
 _ROLES = {"participant": pb.SITE_ROLE_PARTICIPANT, "decryptor": pb.SITE_ROLE_DECRYPTOR}
 
@@ -60,7 +65,7 @@ class Coordinator:
         store: Store,
         identity_key: Ed25519PrivateKey,
         *,
-        strategy: AggregationStrategy | None = None,
+        mode: AggregationMode | None = None,
         metrics: ServerMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -70,13 +75,30 @@ class Coordinator:
             config,
             store,
             identity_key,
-            strategy=strategy or strategy_for(config.round.aggregation, config=config),
+            mode=mode or mode_for(config),
             metrics=self.metrics,
             clock=clock,
         )
         self.store = store
-        with self.machine.lock:
+        self.lock: threading.Condition = self.machine.lock
+        with self.lock:
             self.machine.advance()
+
+    # --- RoundAccess (what the mode request handlers use) ------------------------------------
+
+    @property
+    def mode(self) -> AggregationMode:
+        return self.machine.mode
+
+    def find(self, round_id: str) -> RoundView:
+        return self.machine.find(round_id)
+
+    def require_participant(self, view: RoundView, site_id: str) -> None:
+        self.machine.require_participant(view, site_id)
+
+    def advance(self) -> None:
+        """Apply due transitions (call with the lock held)."""
+        self.machine.advance()
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -84,9 +106,10 @@ class Coordinator:
         if site_id not in self.config.sites:
             raise NotPermittedError(f"site {site_id!r} is not provisioned in this federation")
 
-    def _enrolled(self, site_id: str) -> EnrolmentRow:
+    def require_enrolled(self, site_id: str) -> EnrolmentRow:
+        """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
         self._known(site_id)
-        with self.machine.lock:
+        with self.lock:
             row = self.store.enrolments().get(site_id)
         if row is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
@@ -113,7 +136,7 @@ class Coordinator:
             raise NotPermittedError("enrol proof of possession does not verify") from exc
         if request.role not in (pb.SITE_ROLE_UNSPECIFIED, _ROLES[entry.role]):
             raise NotPermittedError(f"site {site_id!r} is provisioned as {entry.role}")
-        if request.protocol_version not in (0, PROTOCOL_VERSION):
+        if request.protocol_version not in (0, wire.PROTOCOL_VERSION):
             raise WrongStageError(f"protocol version {request.protocol_version} is not spoken")
         if request.feature_dim and request.feature_dim != settings.feature_dim:
             raise InvalidRequestError(
@@ -127,7 +150,7 @@ class Coordinator:
         unknown = sorted(set(request.labelled_classes) - set(settings.classes))
         if unknown:
             raise InvalidRequestError(f"labelled_classes names unknown classes: {unknown}")
-        with self.machine.lock:
+        with self.lock:
             self.store.put_enrolment(
                 EnrolmentRow(
                     site_id,
@@ -147,7 +170,7 @@ class Coordinator:
             site_id=site_id,
             federation_id=self.config.federation_id,
             server_identity_public_key=self.config.identity_public_key,
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=wire.PROTOCOL_VERSION,
             message="enrolled",
         )
 
@@ -158,7 +181,7 @@ class Coordinator:
 
     def status(self, site_id: str, round_id: str = "") -> pb.StatusResponse:
         self._known(site_id)
-        with self.machine.lock:
+        with self.lock:
             enrolled = site_id in self.store.enrolments()
             view = self.machine.find(round_id)
             latest = self.store.model()
@@ -174,9 +197,9 @@ class Coordinator:
             return response
 
     def round_config(self, site_id: str, round_id: str = "") -> pb.RoundConfig:
-        self._enrolled(site_id)
+        self.require_enrolled(site_id)
         settings = self.config.round
-        with self.machine.lock:
+        with self.lock:
             view = self.machine.find(round_id)
             self.machine.require_participant(view, site_id)
             row = view.row
@@ -193,12 +216,12 @@ class Coordinator:
             backbone=settings.backbone,
             gamma=settings.gamma,
             gram_scope=common_pb2.ReleasePlan.FromString(row.plan).gram_scope,
-            aggregation=self.machine.strategy.proto_mode,  # type: ignore[arg-type]
+            aggregation=self.mode.proto_mode,  # type: ignore[arg-type]
             dp=common_pb2.ReleasePlan.FromString(row.plan).dp,
             min_participants=settings.min_participants,
             stage_timeout_s=int(settings.upload_timeout_s),
             release_plan=common_pb2.SignedReleasePlan(plan=row.plan, signature=row.plan_signature),
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=wire.PROTOCOL_VERSION,
         )
         if row.number == 2:
             r = settings.refinement
@@ -211,11 +234,12 @@ class Coordinator:
 
     def decide(self, site_id: str, decision: pb.PlanDecision) -> None:
         """Record a signed accept/refuse of the round's plan."""
-        enrolment = self._enrolled(site_id)
-        with self.machine.lock:
+        enrolment = self.require_enrolled(site_id)
+        with self.lock:
             view = self.machine.find(decision.round_id or "-")
             self.machine.require_participant(view, site_id)
-            if view.row.plan is None or view.row.stage not in Stage.ACCEPTING_UPLOADS:
+            accepting = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
+            if view.row.plan is None or view.stage not in accepting:
                 raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
             if decision.plan_sha256 != blob_sha256(view.row.plan):
                 raise WrongStageError("the decision names another release plan than this round's")
@@ -248,12 +272,12 @@ class Coordinator:
             )
             self.machine.advance()
 
-    def upload(self, site_id: str, upload: AssembledUpload) -> pb.UploadReceipt:
+    def upload(self, site_id: str, upload: wire.AssembledPayload) -> pb.UploadReceipt:
         """Store one checked payload (see the module docstring for idempotency)."""
-        self._enrolled(site_id)
+        self.require_enrolled(site_id)
         if upload.kind not in (pb.PAYLOAD_KIND_UNSPECIFIED, pb.PAYLOAD_KIND_STATISTIC):
-            raise InvalidRequestError("plaintext rounds accept STATISTIC payloads only")
-        with self.machine.lock:
+            raise InvalidRequestError("sites upload STATISTIC payloads only")
+        with self.lock:
             view = self.machine.find(upload.round_id or "-")
             self.machine.require_participant(view, site_id)
             existing = self.store.uploads(view.round_id).get((site_id, upload.release_name))
@@ -268,16 +292,10 @@ class Coordinator:
                 return self._receipt(
                     view, existing.release_name, existing.sha256, existing.size, duplicate=True
                 )
-            if view.row.stage not in Stage.ACCEPTING_UPLOADS:
-                raise WrongStageError(
-                    f"round {view.round_id!r} is "
-                    f"{stage_name(view.row.stage)}, not accepting uploads"
-                )
-            gate = getattr(self.machine.strategy, "admit_upload", None)
-            if gate is not None:  # modes with their own stages (MASK: UPLOAD stage, U2 only)
-                gate(view, site_id)
             decision = self.store.decisions(view.round_id).get(site_id)
-            if decision is None or not decision[0]:
+            if view.stage in (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD) and (
+                decision is None or not decision[0]
+            ):
                 raise WrongStageError("accept the release plan (RespondToPlan) before uploading")
             release = next((r for r in view.releases if r.name == upload.release_name), None)
             if release is None:
@@ -286,7 +304,9 @@ class Coordinator:
                 )
             if site_id not in release.members:
                 raise NotPermittedError(f"site {site_id!r} is not a member of {release.name!r}")
-            self.machine.strategy.check_payload(release, upload.data)
+            self.mode.check_upload(
+                view, self.machine, site_id=site_id, release=release, data=upload.data
+            )
             self.store.put_upload(
                 view.round_id, site_id, release.name, data=upload.data, sha256=upload.sha256
             )
@@ -320,8 +340,8 @@ class Coordinator:
         )
 
     def model(self, site_id: str, round_id: str = "") -> pb.SignedModel:
-        self._enrolled(site_id)
-        with self.machine.lock:
+        self.require_enrolled(site_id)
+        with self.lock:
             found = self.store.model(round_id or None)
         if found is None:
             raise WrongStageError(
@@ -330,8 +350,8 @@ class Coordinator:
         return pb.SignedModel(model=found[1], signature=found[2])
 
     def report(self, site_id: str, report: pb.ClientReport) -> None:
-        self._enrolled(site_id)
-        with self.machine.lock:
+        self.require_enrolled(site_id)
+        with self.lock:
             view = self.machine.find(report.round_id or "-")
             self.machine.require_participant(view, site_id)
             self.store.put_report(view.round_id, site_id, report.SerializeToString())
@@ -350,26 +370,24 @@ class Coordinator:
     ) -> tuple[list[pb.RoundEvent], int]:
         """Round events numbered above ``sequence`` of rounds ``site_id`` takes part in, waiting
         up to ``timeout_s`` for any event; also returns the last sequence number looked at."""
-        self._enrolled(site_id)
-        with self.machine.lock:
-            self.machine.lock.wait_for(
-                lambda: len(self.machine.events) > sequence, timeout=timeout_s
-            )
+        self.require_enrolled(site_id)
+        with self.lock:
+            self.lock.wait_for(lambda: len(self.machine.events) > sequence, timeout=timeout_s)
             events = self.machine.events[sequence:]
             mine = [e for e in events if site_id in e.status.participants]
             return mine, len(self.machine.events)
 
     def rounds_up_to(self, round_id: str) -> set[str]:
         """Ids of ``round_id`` and every round before it (empty when ``round_id`` is "")."""
-        with self.machine.lock:
+        with self.lock:
             ids = [row.round_id for row in self.store.rounds()] if round_id else []
         return set(ids[: ids.index(round_id) + 1]) if round_id in ids else set()
 
     def event_count(self) -> int:
-        with self.machine.lock:
+        with self.lock:
             return len(self.machine.events)
 
     def tick(self) -> None:
         """Apply due timeouts (the daemon calls this periodically)."""
-        with self.machine.lock:
+        with self.lock:
             self.machine.advance()

@@ -1,4 +1,5 @@
-"""`afl-server --config server.toml [--insecure]`: the coordinator daemon (issue 4, design §9).
+"""`afl-server --config server.toml [--insecure]`: the coordinator daemon (docs/operations.md,
+docs/architecture.md §2).
 
 Mutual TLS by default (the kit's ca.pem, server.pem, server.key; clients must present a
 certificate of the federation CA); ``--insecure`` serves plaintext gRPC for development only and

@@ -1,7 +1,7 @@
-"""Error classes of afl.server, one per gRPC status the coordinator returns (design §9).
+"""Error classes of afl.server, one per gRPC status the coordinator returns.
 
 Domain code raises these; :func:`afl.server.servicer.status_for` maps them to status codes in
-one place. Messages never contain statistics or key material.
+one place (chunk framing errors are :class:`afl.proto.wire.WireError`). Messages never contain statistics or key material.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ __all__ = [
     "NotPermittedError",
     "ServerError",
     "StateError",
-    "TooLargeError",
     "WrongStageError",
 ]
 
@@ -36,10 +35,6 @@ class WrongStageError(ServerError):
 
 class ConflictError(ServerError):
     """A different payload for a release the site already uploaded."""
-
-
-class TooLargeError(ServerError):
-    """A chunk or transfer above the configured size limits."""
 
 
 class ConfigError(ValueError):

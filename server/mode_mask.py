@@ -1,9 +1,10 @@
-"""MASK aggregation mode of the coordinator (Bonawitz et al. CCS'17; design §6; issue 5).
+"""The coordinator's ``mask`` mode: pairwise masking with drop-out recovery (Bonawitz et al.
+CCS'17; docs/protocol.md §4.2, docs/architecture.md §4).
 
-Once every participant accepted the signed plan, the round runs the server state machine
-:class:`~afl.crypto.secagg_server.SecAggServer` through these RoundStage values, each with its
-own deadline (``upload_timeout_s``); a stage closes as soon as every live site has answered, or
-at its deadline with the sites that did (the others have dropped out):
+Once every participant accepted the signed plan, the round runs the transport-free server state
+machine :class:`~afl.crypto.secagg_server.SecAggServer` through these RoundStage values, each with
+its own deadline (``upload_timeout_s``); a stage closes as soon as every live site has answered,
+or at its deadline with the sites that did (the others have dropped out):
 
     ADVERTISE_KEYS -> SHARE_KEYS -> UPLOAD (masked input) -> CONSISTENCY_CHECK -> UNMASK -> SOLVING
 
@@ -11,24 +12,33 @@ A stage closing with fewer than t live sites, or a release left with fewer than 
 surviving members, ABORTS the round with the reason and releases nothing. The decoded sums
 (over the surviving members, U3) go to the same solve as the plaintext mode.
 
-Encodings (design §6): release R is fixed-point encoded in Z_{2^64} with its declared bound B_R
-(Gram: ``gram_bound``; class vectors: ``vector_bound``) and the most fractional bits f with
-m_R·B_R·2^f < 2^63 (m_R members); sites reject out-of-range values with an error. The stored
-uploads are the masked uint64 vectors only; the key material lives in memory, so a server
-restarted mid-exchange aborts the round (nothing is released).
+Encodings (docs/protocol.md §5): release R is fixed-point encoded in Z_{2^64} with its declared
+bound B_R (Gram: ``gram_bound``; class vectors: ``vector_bound``) and the most fractional bits f
+with m_R·B_R·2^f < 2^63 (m_R members); sites reject out-of-range values with an error. A masked
+upload is handed to the protocol as soon as the site's last release arrives, BEFORE it is stored:
+a refusal (wrong length, a site outside U2, the wrong stage) is the site's error status, never a
+silent drop. The stored uploads are the masked uint64 vectors only.
+
+:class:`MaskRequests` serves the mode's RPCs (coordinator.proto "MASK mode"): every request is
+checked — the caller is enrolled and a participant of the round, the round runs this mode and is
+in the request's stage, and the message passes the protocol state machine (signatures, senders,
+shapes, duplicates). A retry of the identical request is acknowledged as a duplicate.
+
+The key material lives in memory: a coordinator restarted during the exchange aborts the round
+(nothing is released).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.core.packing import unpack_upper
+from afl.core.aggregation import AggregationError
 from afl.crypto.errors import (
     DuplicateMessageError,
     ProtocolError,
@@ -36,18 +46,20 @@ from afl.crypto.errors import (
     StageError,
     UnknownParticipantError,
 )
-from afl.crypto.secagg_config import default_threshold
+from afl.crypto.secagg_config import ReleaseSpec, default_threshold
 from afl.crypto.secagg_messages import (
     ClientMessage,
+    ConsistencySignature,
     KeyDirectory,
     RoutedShares,
     UnmaskRequest,
 )
 from afl.crypto.secagg_server import SecAggServer
 from afl.crypto.signatures import load_public_key_raw
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import MaskSettings
+from afl.server.config import MaskSettings, ServerConfig
 from afl.server.dp_mask import dp_mask_encodings
 from afl.server.errors import (
     ConflictError,
@@ -55,12 +67,20 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.mask_wire import masked_upload, release_length, round_config_from_plan
-from afl.server.plan import PlannedRelease
+from afl.server.modes import (
+    PlanOptions,
+    RoundAccess,
+    RoundContext,
+    Transition,
+    participant_round,
+    shaped,
+)
+from afl.server.plan import PlannedRelease, RoundView
 
-__all__ = ["MASK_STAGES", "MaskRound", "MaskStrategy"]
+__all__ = ["MASK_STAGES", "MaskMode", "MaskRequests", "MaskRound"]
 
 log = logging.getLogger("afl.server.mask")
+T = TypeVar("T")
 
 #: RoundStage values of the masked exchange, in order.
 MASK_STAGES = (
@@ -70,6 +90,7 @@ MASK_STAGES = (
     pb.ROUND_STAGE_CONSISTENCY_CHECK,
     pb.ROUND_STAGE_UNMASK,
 )
+FloatArray = NDArray[np.float64]
 
 
 @dataclass
@@ -86,36 +107,39 @@ class MaskRound:
     unmask: UnmaskRequest | None = None
 
 
-class MaskStrategy:
-    """Server side of ``aggregation = "mask"`` (see the module docstring)."""
+class MaskMode:
+    """Server side of ``aggregation = "mask"`` (module docstring)."""
 
     name = "mask"
     proto_mode = int(cpb.AGGREGATION_MODE_MASK)
+    exchange_stages: tuple[int, ...] = MASK_STAGES
 
     def __init__(self, settings: MaskSettings, *, identities: Mapping[str, bytes]) -> None:
         self.settings = settings
         self._identities = {s: load_public_key_raw(k) for s, k in identities.items()}
         self.rounds: dict[str, MaskRound] = {}
-        self._sums: dict[str, dict[str, NDArray[np.float64]]] = {}
+        self._sums: dict[str, dict[str, FloatArray]] = {}
         self._contributors: dict[str, tuple[str, ...]] = {}
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> MaskMode:
+        if config.round.mask is None:
+            raise ValueError("aggregation = 'mask' needs the [round] mask_* bounds")
+        identities = {s: e.identity_public_key for s, e in config.sites.items()}
+        return cls(config.round.mask, identities=identities)
 
     # --- plan --------------------------------------------------------------------------------
 
-    def plan_options(self, participants: tuple[str, ...]) -> dict[str, Any]:
-        """build_plan arguments: MASK mode, t, and each release's fixed-point encoding."""
+    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
         t = self.settings.threshold or default_threshold(len(participants))
         if not 2 <= t <= len(participants):
             raise ValueError(f"mask_threshold {t} must lie in 2..{len(participants)}")
-        return {
-            "aggregation": cpb.AGGREGATION_MODE_MASK,
-            "encoding": self.encoding,
-            "mask_threshold": t,
-        }
+        return PlanOptions(
+            aggregation=cpb.AGGREGATION_MODE_MASK, encoding=self.encoding, mask_threshold=t
+        )
 
     def encoding(self, release: PlannedRelease) -> cpb.Encoding:
-        """uint64 fixed point with bound B and f = max{f : m·B·2^f < 2^63} (design §6)."""
-        from afl.crypto.secagg_config import ReleaseSpec  # local: keeps the import list short
-
+        """uint64 fixed point with bound B and f = max{f : m·B·2^f < 2^63} (module docstring)."""
         bound = self.settings.gram_bound if release.packed else self.settings.vector_bound
         m = len(release.members)
         threshold = None if m >= 3 else m  # t_R below the minimum cohort only for tiny releases
@@ -132,95 +156,51 @@ class MaskStrategy:
         )
 
     def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
-        """DP mode: bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`)."""
+        """Bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`)."""
         dp_mask_encodings(plan, max_samples=self.settings.max_samples)
 
-    # --- uploads (AggregationStrategy) -------------------------------------------------------
+    # --- the exchange ------------------------------------------------------------------------
 
-    def check_payload(self, release: PlannedRelease, data: bytes) -> None:
-        n = release_length(_as_proto(release))
-        if len(data) != 8 * n:
-            raise InvalidRequestError(
-                f"masked release {release.name!r} must be {n} uint64 ({8 * n} bytes), "
-                f"got {len(data)} bytes"
-            )
-
-    def release_sum(
-        self, release: PlannedRelease, payloads: Mapping[str, bytes]
-    ) -> NDArray[np.float64]:
-        raise WrongStageError("masked releases are decoded by the Unmask stage, not summed")
-
-    def admit_upload(self, view: Any, site_id: str) -> None:
-        """Masked input is accepted only in the UPLOAD stage, from sites of U2."""
-        state = self.rounds.get(view.round_id)
-        if view.row.stage != pb.ROUND_STAGE_UPLOAD or state is None:
-            raise WrongStageError("masked input is accepted only in the UPLOAD stage")
-        if site_id not in state.expected:
-            raise NotPermittedError(f"site {site_id!r} dropped out before MaskedInput")
-
-    # --- stage driver ------------------------------------------------------------------------
-
-    def drive(self, machine: Any, view: Any) -> bool:
-        """Advance the masked exchange of ``view``; False leaves the stage to the round machine."""
-        stage = view.row.stage
-        if stage == pb.ROUND_STAGE_PLAN_REVIEW:
-            decisions = machine.store.decisions(view.round_id)
-            participants = view.row.participants
-            if any(not ok for ok, _ in decisions.values()) or not set(participants) <= set(
-                decisions
-            ):
-                return False
-            self._start(view)
-            self._next(machine, view, pb.ROUND_STAGE_ADVERTISE_KEYS)
-            return True
-        if stage not in MASK_STAGES:
-            return False
-        state = self.rounds.get(view.round_id)
-        if state is None:
-            self._abort(machine, view, "the server restarted during the masked exchange")
-            return True
-        if stage == pb.ROUND_STAGE_UPLOAD:
-            self._feed_uploads(machine, view, state)
-        if set(state.received) < state.expected and machine.now_ms() < view.row.deadline_ms:
-            return True
-        try:
-            following = self._close(view.row.stage, state)
-        except RoundAbortedError as exc:
-            self._abort(machine, view, str(exc))
-            return True
-        if following == pb.ROUND_STAGE_SOLVING:
-            result = state.server.result
-            assert result is not None
-            if result.withheld:
-                why = "; ".join(f"{n}: {r}" for n, r in sorted(result.withheld.items()))
-                self._abort(machine, view, f"releases withheld, nothing released ({why})")
-                return True
-            self._sums[view.round_id] = {
-                r.name: _shaped(r, result.sums[r.name]) for r in view.releases
-            }
-            self._contributors[view.round_id] = result.survivors
-            del self.rounds[view.round_id]
-        self._next(machine, view, following)
-        return True
-
-    def _start(self, view: Any) -> None:
-        plan = cpb.ReleasePlan.FromString(view.row.plan)
-        config = round_config_from_plan(plan)
+    def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
+        assert view.row.plan is not None
+        config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
         server = SecAggServer(config=config, identities=self._identities)
         lengths = {r.name: r.length for r in config.releases}
         self.rounds[view.round_id] = MaskRound(server, lengths, set(config.cohort))
+        return Transition(pb.ROUND_STAGE_ADVERTISE_KEYS, timeout_s=ctx.stage_timeout_s)
 
-    def _next(self, machine: Any, view: Any, stage: int) -> None:
-        timeout_ms = int(machine.config.round.upload_timeout_s * 1000)
-        machine._set_stage(view, stage, deadline_ms=machine.now_ms() + timeout_ms)
+    def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
+        state = self.rounds.get(view.round_id)
+        if state is None:
+            return Transition(
+                pb.ROUND_STAGE_ABORTED,
+                reason="the coordinator restarted during the masked exchange",
+            )
+        if set(state.received) < state.expected and ctx.now_ms() < view.row.deadline_ms:
+            return None
+        try:
+            following = self._close(view.stage, state)
+        except RoundAbortedError as exc:
+            return self._abort(view, str(exc))
+        if following != pb.ROUND_STAGE_SOLVING:
+            return Transition(following, timeout_s=ctx.stage_timeout_s)
+        result = state.server.result
+        assert result is not None
+        if result.withheld:
+            why = "; ".join(f"{n}: {r}" for n, r in sorted(result.withheld.items()))
+            return self._abort(view, f"releases withheld, nothing released ({why})")
+        self._sums[view.round_id] = {r.name: shaped(r, result.sums[r.name]) for r in view.releases}
+        self._contributors[view.round_id] = result.survivors
+        del self.rounds[view.round_id]
+        return Transition(pb.ROUND_STAGE_SOLVING)
 
-    def _abort(self, machine: Any, view: Any, reason: str) -> None:
+    def _abort(self, view: RoundView, reason: str) -> Transition:
         self.rounds.pop(view.round_id, None)
         log.warning("masked round aborted", extra={"round_id": view.round_id, "reason": reason})
-        machine._set_stage(view, pb.ROUND_STAGE_ABORTED, reason=reason)
-        machine.metrics.rounds.labels(outcome="aborted").inc()
+        return Transition(pb.ROUND_STAGE_ABORTED, reason=reason)
 
-    def _close(self, stage: int, state: MaskRound) -> int:
+    @staticmethod
+    def _close(stage: int, state: MaskRound) -> int:
         server = state.server
         state.received = {}
         if stage == pb.ROUND_STAGE_ADVERTISE_KEYS:
@@ -242,72 +222,196 @@ class MaskStrategy:
         server.close_unmask()
         return pb.ROUND_STAGE_SOLVING
 
-    def _feed_uploads(self, machine: Any, view: Any, state: MaskRound) -> None:
-        uploads = machine.store.uploads(view.round_id)
-        for site in sorted(state.expected - set(state.received)):
-            names = [n for n in state.lengths if site in state.server.config.release(n).members]
-            if not all((site, n) in uploads for n in names):
-                continue
-            payloads = {n: machine.store.read_payload(uploads[(site, n)]) for n in names}
-            message = masked_upload(site, view.round_id, payloads, state.lengths)
-            try:
-                state.server.receive(message, sender=site)
-            except ProtocolError as exc:
-                log.warning("masked input refused", extra={"site_id": site, "reason": str(exc)})
-                continue
-            state.received[site] = b""
+    def check_upload(
+        self,
+        view: RoundView,
+        ctx: RoundContext,
+        *,
+        site_id: str,
+        release: PlannedRelease,
+        data: bytes,
+    ) -> None:
+        """Masked input: UPLOAD stage only, from sites of U2; the site's last release hands the
+        whole masked input to the protocol (a refusal is raised, nothing is stored)."""
+        state = self.rounds.get(view.round_id)
+        if view.stage != pb.ROUND_STAGE_UPLOAD or state is None:
+            raise WrongStageError("masked input is accepted only in the UPLOAD stage")
+        if site_id not in state.expected:
+            raise NotPermittedError(f"site {site_id!r} dropped out before MaskedInput")
+        if len(data) != 8 * release.length:
+            raise InvalidRequestError(
+                f"masked release {release.name!r} must be {release.length} uint64 "
+                f"({8 * release.length} bytes), got {len(data)} bytes"
+            )
+        names = [r.name for r in view.releases if site_id in r.members]
+        stored = ctx.uploads(view.round_id)
+        payloads = {release.name: data}
+        for name in names:
+            if name != release.name and (site_id, name) in stored:
+                payloads[name] = ctx.read_payload(stored[(site_id, name)])
+        if len(payloads) < len(names):
+            return
+        try:
+            message = wire.masked_upload(site_id, view.round_id, payloads, state.lengths)
+            state.server.receive(message, sender=site_id)
+        except (wire.WireError, ProtocolError) as exc:
+            raise InvalidRequestError(f"masked input refused: {exc}") from exc
+        state.received[site_id] = b""
 
-    # --- requests (called with the round machine's lock held) --------------------------------
+    # --- results -----------------------------------------------------------------------------
 
-    def state(self, view: Any, stage: int) -> MaskRound:
+    def sums(self, view: RoundView, ctx: RoundContext) -> Mapping[str, FloatArray]:
+        sums = self._sums.get(view.round_id)
+        if sums is None:
+            raise AggregationError(
+                f"round {view.round_id!r} has no unmasked sums: the coordinator restarted after "
+                "the unmasking"
+            )
+        return sums
+
+    def contributors(self, view: RoundView) -> tuple[str, ...]:
+        return self._contributors.get(view.round_id, tuple(view.row.participants))
+
+    # --- request handling (called with the lock held) ----------------------------------------
+
+    def state(self, view: RoundView, stage: int) -> MaskRound:
         """The round's state, if it is (at least) in ``stage``; else :class:`WrongStageError`."""
         state = self.rounds.get(view.round_id)
-        if state is None or view.row.stage < stage:
+        if state is None or view.stage < stage:
             raise WrongStageError(
-                f"round {view.round_id!r} is {pb.RoundStage.Name(view.row.stage)}, "
-                f"not {pb.RoundStage.Name(stage)}"  # type: ignore[arg-type]
+                f"round {view.round_id!r} is {wire.stage_name(view.stage)}, "
+                f"not {wire.stage_name(stage)}"
             )
         return state
 
-    def receive(self, view: Any, site: str, stage: int, message: ClientMessage, raw: bytes) -> bool:
-        """Hand one client message of ``stage`` to the protocol; True if it was a retry of the
-        same request (idempotent), :class:`ConflictError` if it differs from the first."""
+    def receive(
+        self, view: RoundView, site_id: str, stage: int, message: ClientMessage, raw: bytes
+    ) -> bool:
+        """Hand one client message of ``stage`` to the protocol; True if it repeats the request
+        already received (idempotent), :class:`ConflictError` if it differs from it."""
         state = self.state(view, stage)
-        if view.row.stage != stage:
+        if view.stage != stage:
             raise WrongStageError(f"round {view.round_id!r} has moved past this stage")
-        if site in state.received:
-            if state.received[site] == raw:
+        if site_id in state.received:
+            if state.received[site_id] == raw:
                 return True
             raise ConflictError("a different message of this stage was already received")
         try:
-            state.server.receive(message, sender=site)
+            state.server.receive(message, sender=site_id)
         except (StageError, UnknownParticipantError) as exc:
             raise WrongStageError(str(exc)) from exc
         except DuplicateMessageError as exc:
             raise ConflictError(str(exc)) from exc
         except ProtocolError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        state.received[site] = raw
+        state.received[site_id] = raw
         return False
 
-    # --- solve hooks -------------------------------------------------------------------------
 
-    def decoded_sums(self, view: Any) -> Mapping[str, NDArray[np.float64]] | None:
-        sums = self._sums.get(view.round_id)
-        if sums is None:
-            raise WrongStageError(f"round {view.round_id!r} has no unmasked sums (restarted?)")
-        return sums
+class MaskRequests:
+    """Domain side of the MASK RPCs (module docstring); the servicer decodes and encodes."""
 
-    def contributors(self, view: Any) -> tuple[str, ...]:
-        return self._contributors.get(view.round_id, tuple(view.row.participants))
+    def __init__(self, access: RoundAccess, mode: MaskMode) -> None:
+        self.access, self.mode = access, mode
 
+    def _send(
+        self,
+        site: str,
+        round_id: str,
+        stage: int,
+        build: Callable[[RoundView], ClientMessage],
+        raw: bytes,
+    ) -> cpb.Ack:
+        with participant_round(self.access, site, round_id) as view:
+            try:
+                message = build(view)
+            except wire.WireError as exc:
+                raise InvalidRequestError(str(exc)) from exc
+            retry = self.mode.receive(view, site, stage, message, raw)
+        return cpb.Ack(message="duplicate ignored" if retry else "received")
 
-def _as_proto(release: PlannedRelease) -> cpb.Release:
-    packing = cpb.PACKING_UPPER_TRIANGLE if release.packed else cpb.PACKING_DENSE
-    return cpb.Release(shape=list(release.shape), encoding=cpb.Encoding(packing=packing))
+    def _get(
+        self, site: str, round_id: str, stage: int, body: Callable[[RoundView, MaskRound], T]
+    ) -> T:
+        with participant_round(self.access, site, round_id, advance_first=True) as view:
+            return body(view, self.mode.state(view, stage))
 
+    def advertise_keys(self, site: str, request: pb.AdvertiseKeysRequest) -> cpb.Ack:
+        return self._send(
+            site,
+            request.round_id,
+            pb.ROUND_STAGE_ADVERTISE_KEYS,
+            lambda view: wire.advert_from_proto(site, request),
+            request.SerializeToString(),
+        )
 
-def _shaped(release: PlannedRelease, flat: NDArray[np.float64]) -> NDArray[np.float64]:
-    if release.packed:
-        return unpack_upper(flat)
-    return np.asarray(flat, dtype=np.float64).reshape(release.shape)
+    def advertised_keys(self, site: str, round_id: str) -> pb.AdvertisedKeys:
+        def body(view: RoundView, state: MaskRound) -> pb.AdvertisedKeys:
+            assert state.directory is not None
+            return wire.directory_to_proto(state.directory)
+
+        return self._get(site, round_id, pb.ROUND_STAGE_SHARE_KEYS, body)
+
+    def share_keys(self, site: str, request: pb.ShareKeysRequest) -> cpb.Ack:
+        return self._send(
+            site,
+            request.round_id,
+            pb.ROUND_STAGE_SHARE_KEYS,
+            lambda view: wire.share_keys_from_proto(site, request),
+            request.SerializeToString(),
+        )
+
+    def shared_keys(self, site: str, round_id: str) -> pb.SharedKeys:
+        def body(view: RoundView, state: MaskRound) -> pb.SharedKeys:
+            if site not in state.routed:
+                raise NotPermittedError(f"site {site!r} dropped out before ShareKeys closed")
+            return wire.routed_to_proto(state.routed[site])
+
+        return self._get(site, round_id, pb.ROUND_STAGE_UPLOAD, body)
+
+    def survivors(self, site: str, round_id: str) -> pb.SurvivorList:
+        def body(view: RoundView, state: MaskRound) -> pb.SurvivorList:
+            assert state.survivors is not None
+            return pb.SurvivorList(round_id=view.round_id, survivors=list(state.survivors))
+
+        return self._get(site, round_id, pb.ROUND_STAGE_CONSISTENCY_CHECK, body)
+
+    def consistency_check(self, site: str, request: pb.ConsistencySignature) -> cpb.Ack:
+        def build(view: RoundView) -> ConsistencySignature:
+            state = self.mode.state(view, pb.ROUND_STAGE_CONSISTENCY_CHECK)
+            assert state.survivors is not None
+            return wire.consistency_from_proto(site, request, survivors=state.survivors)
+
+        return self._send(
+            site,
+            request.round_id,
+            pb.ROUND_STAGE_CONSISTENCY_CHECK,
+            build,
+            request.SerializeToString(),
+        )
+
+    def consistency_signatures(self, site: str, round_id: str) -> pb.ConsistencySignatures:
+        def body(view: RoundView, state: MaskRound) -> pb.ConsistencySignatures:
+            assert state.unmask is not None
+            request = wire.unmask_request_to_proto(state.unmask)
+            return pb.ConsistencySignatures(
+                round_id=view.round_id, survivors=request.survivors, signatures=request.signatures
+            )
+
+        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body)
+
+    def unmask_request(self, site: str, round_id: str) -> pb.UnmaskRequest:
+        def body(view: RoundView, state: MaskRound) -> pb.UnmaskRequest:
+            assert state.unmask is not None
+            return wire.unmask_request_to_proto(state.unmask)
+
+        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body)
+
+    def unmask(self, site: str, request: pb.UnmaskResponse) -> cpb.Ack:
+        return self._send(
+            site,
+            request.round_id,
+            pb.ROUND_STAGE_UNMASK,
+            lambda view: wire.unmask_response_from_proto(site, request),
+            request.SerializeToString(),
+        )

@@ -1,92 +1,282 @@
-"""Aggregation modes of the coordinator as strategy objects (design §6, §7; issue 4).
+"""Aggregation modes of the coordinator: the declared interface, and the ``plaintext`` mode
+(docs/architecture.md §4).
 
-A mode checks each site's payload for a release and turns a release's payloads into the released
-sum. ``plaintext`` (this module) is the baseline: float64 statistics in the clear over TLS,
-summed with :func:`afl.core.aggregation.sum_members` in sorted site order. The masking and CKKS
-modes implement the same two methods (and add their own stages) later.
+The round state machine (:mod:`afl.server.rounds`) owns the stages every round shares —
+WAITING_FOR_PARTICIPANTS, PLAN_REVIEW, SOLVING, PUBLISHED, ABORTED — and asks the round's
+:class:`AggregationMode` for everything between an accepted plan and the released sums:
+
+* :meth:`~AggregationMode.plan_options` and :meth:`~AggregationMode.dp_encodings`: the mode's part
+  of the signed release plan (aggregation mode, each release's wire encoding, MASK's threshold);
+* :meth:`~AggregationMode.begin`: the first exchange stage once every participant accepted;
+* :meth:`~AggregationMode.drive`: the transition due in one of the mode's
+  :attr:`~AggregationMode.exchange_stages` (or None);
+* :meth:`~AggregationMode.check_upload`: whether a site's payload may be stored now;
+* :meth:`~AggregationMode.sums`: the released sums the solve uses (None: not available yet);
+* :meth:`~AggregationMode.contributors`: whose data the published model contains.
+
+Modes never set stages themselves: they return a :class:`Transition` that the round machine
+applies (store first, then the audit log, then the event). They read the round through
+:class:`RoundContext` and answer mode-specific RPCs through :class:`RoundAccess`, both implemented
+by the coordinator; they never touch its private members.
+
+``plaintext`` (this module): little-endian float64 statistics in the clear over TLS, summed with
+:func:`afl.core.aggregation.sum_members` in sorted site order. One exchange stage, UPLOAD: sites
+that accepted the plan may upload while others still review; the round moves to SOLVING once
+every participant's uploads are stored, and at the stage deadline it aborts and is re-planned with
+the sites whose uploads are complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.core.aggregation import sum_members
-from afl.core.packing import packed_length, unpack_upper
-from afl.proto.v1 import common_pb2
-from afl.server.errors import InvalidRequestError
-from afl.server.plan import PlannedRelease
-from afl.server.uploads import decode_float64
+from afl.core.aggregation import AggregationError, sum_members
+from afl.core.packing import unpack_upper
+from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.config import ServerConfig
+from afl.server.errors import InvalidRequestError, WrongStageError
+from afl.server.plan import PlannedRelease, PlanOptions, RoundView
+from afl.server.store import EnrolmentRow, Store, UploadRow
 
-__all__ = ["AggregationStrategy", "PlaintextStrategy", "strategy_for"]
+__all__ = [
+    "AggregationMode",
+    "PlainUploadStage",
+    "PlaintextMode",
+    "PlanOptions",
+    "RoundAccess",
+    "RoundContext",
+    "Transition",
+    "complete_sites",
+    "decode_float64",
+    "participant_round",
+    "shaped",
+]
+
+FloatArray = NDArray[np.float64]
 
 
-class AggregationStrategy(Protocol):
-    """What the round state machine needs from an aggregation mode."""
+@dataclass(frozen=True)
+class Transition:
+    """A stage change a mode asks the round machine to apply.
+
+    ``timeout_s``: the new stage's deadline is now + timeout_s (None keeps the current deadline).
+    ``replan_with``: for ABORTED only, open a replacement round with these sites (None: no
+    replacement).
+    """
+
+    stage: int
+    reason: str = ""
+    timeout_s: float | None = None
+    replan_with: tuple[str, ...] | None = None
+
+
+class RoundContext(Protocol):
+    """Read access to a round's durable state (implemented by the round machine)."""
+
+    @property
+    def stage_timeout_s(self) -> float: ...
+
+    def now_ms(self) -> int: ...
+
+    def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]: ...
+
+    def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]: ...
+
+    def read_payload(self, row: UploadRow) -> bytes: ...
+
+
+class RoundAccess(Protocol):
+    """What a mode's request handlers may use of the coordinator (all under :attr:`lock`)."""
+
+    lock: threading.Condition
+    config: ServerConfig
+    store: Store
+
+    def require_enrolled(self, site_id: str) -> EnrolmentRow: ...
+
+    def find(self, round_id: str) -> RoundView: ...
+
+    def require_participant(self, view: RoundView, site_id: str) -> None: ...
+
+    def advance(self) -> None: ...
+
+
+@contextmanager
+def participant_round(
+    access: RoundAccess, site_id: str, round_id: str, *, advance_first: bool = False
+) -> Iterator[RoundView]:
+    """Hold the lock with the round ``round_id`` (which the request must name) checked for
+    ``site_id`` (enrolled, a participant); apply due transitions after the body (and before, if
+    ``advance_first``)."""
+    access.require_enrolled(site_id)
+    with access.lock:
+        if advance_first:
+            access.advance()
+        view = access.find(round_id or "-")
+        access.require_participant(view, site_id)
+        yield view
+        access.advance()
+
+
+class AggregationMode(Protocol):
+    """What the round state machine needs from an aggregation mode (module docstring)."""
 
     name: str
     proto_mode: int
+    exchange_stages: tuple[int, ...]
 
-    def check_payload(self, release: PlannedRelease, data: bytes) -> None:
-        """Raise :class:`InvalidRequestError` unless ``data`` is a valid upload for ``release``."""
+    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+        """Mode, encodings and threshold of the plan over ``participants`` (ValueError: none fits)."""
+        ...
 
-    def release_sum(
-        self, release: PlannedRelease, payloads: Mapping[str, bytes]
-    ) -> NDArray[np.float64]:
-        """The released sum over ``release.members`` in its logical shape ((d, d) or (d, k))."""
+    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+        """Rewrite a DP plan's encodings for the noised statistics (ValueError: they do not fit)."""
+        ...
+
+    def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
+        """The first exchange stage, once every participant accepted the plan."""
+        ...
+
+    def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
+        """The transition due in one of :attr:`exchange_stages`, or None."""
+        ...
+
+    def check_upload(
+        self,
+        view: RoundView,
+        ctx: RoundContext,
+        *,
+        site_id: str,
+        release: PlannedRelease,
+        data: bytes,
+    ) -> None:
+        """Raise unless ``data`` may be stored now as ``site_id``'s upload to ``release``."""
+        ...
+
+    def sums(self, view: RoundView, ctx: RoundContext) -> Mapping[str, FloatArray] | None:
+        """The released sums in their logical shapes; None while they are not available yet.
+        :class:`afl.core.aggregation.AggregationError` when they never will be."""
+        ...
+
+    def contributors(self, view: RoundView) -> tuple[str, ...]:
+        """The sites whose statistics the released sums contain."""
+        ...
 
 
-def _wire_length(release: PlannedRelease) -> int:
+def decode_float64(data: bytes, *, length: int, what: str) -> FloatArray:
+    """``length`` little-endian float64 values; :class:`InvalidRequestError` on a wrong size or
+    any NaN/inf (the message names ``what``, never a value)."""
+    if len(data) != 8 * length:
+        raise InvalidRequestError(
+            f"{what}: payload has {len(data)} bytes, the release's shape needs {8 * length}"
+        )
+    values = np.frombuffer(data, dtype="<f8").astype(np.float64)
+    if not np.isfinite(values).all():
+        raise InvalidRequestError(f"{what}: payload contains NaN or infinite values")
+    return values
+
+
+def shaped(release: PlannedRelease, flat: NDArray[np.float64]) -> FloatArray:
+    """A release's flat wire vector in its logical shape ((d, d) for a packed Gram)."""
     if release.packed:
-        return packed_length(release.shape[0])
-    return int(np.prod(release.shape))
+        return unpack_upper(np.asarray(flat, dtype=np.float64))
+    return np.asarray(flat, dtype=np.float64).reshape(release.shape)
 
 
-class PlaintextStrategy:
-    """Little-endian float64 payloads (packed upper triangle for Gram), summed in the clear."""
+def complete_sites(view: RoundView, ctx: RoundContext) -> list[str]:
+    """Participants whose upload of every release they are a member of is stored."""
+    uploaded = set(ctx.uploads(view.round_id))
+    return [
+        s
+        for s in view.row.participants
+        if all((s, r.name) in uploaded for r in view.releases if s in r.members)
+    ]
+
+
+class PlainUploadStage:
+    """The UPLOAD stage shared by ``plaintext`` and ``ckks`` (module docstring)."""
+
+    exchange_stages: tuple[int, ...] = (pb.ROUND_STAGE_UPLOAD,)
+    _ACCEPTING = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
+
+    def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
+        return Transition(pb.ROUND_STAGE_UPLOAD)
+
+    def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
+        done = complete_sites(view, ctx)
+        if len(done) == len(view.row.participants):
+            return Transition(pb.ROUND_STAGE_SOLVING)
+        if ctx.now_ms() >= view.row.deadline_ms:
+            late = [s for s in view.row.participants if s not in done]
+            return Transition(
+                pb.ROUND_STAGE_ABORTED,
+                reason=f"timed out waiting for {', '.join(late)}",
+                replan_with=tuple(done),
+            )
+        return None
+
+    def require_accepting(self, view: RoundView) -> None:
+        if view.row.stage not in self._ACCEPTING:
+            raise WrongStageError(
+                f"round {view.round_id!r} is {wire.stage_name(view.row.stage)}, not accepting "
+                "uploads"
+            )
+
+    def contributors(self, view: RoundView) -> tuple[str, ...]:
+        return tuple(view.row.participants)
+
+
+class PlaintextMode(PlainUploadStage):
+    """``aggregation = "plaintext"`` (module docstring)."""
 
     name = "plaintext"
-    proto_mode = int(common_pb2.AGGREGATION_MODE_PLAINTEXT)
+    proto_mode = int(cpb.AGGREGATION_MODE_PLAINTEXT)
 
-    def check_payload(self, release: PlannedRelease, data: bytes) -> None:
-        decode_float64(data, length=_wire_length(release), what=f"release {release.name!r}")
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> PlaintextMode:
+        return cls()
 
-    def release_sum(
-        self, release: PlannedRelease, payloads: Mapping[str, bytes]
-    ) -> NDArray[np.float64]:
-        missing = sorted(set(release.members) - set(payloads))
-        if missing:
-            raise InvalidRequestError(f"release {release.name!r} lacks uploads from {missing}")
-        members = list(release.members)
-        arrays = [
-            decode_float64(payloads[s], length=_wire_length(release), what=release.name)
-            for s in members
-        ]
-        total = sum_members(arrays, frozenset(range(len(members))))
-        if release.packed:
-            return unpack_upper(total)
-        return total.reshape(release.shape)
+    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+        return PlanOptions(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT)
 
+    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+        """Float64 carries the noised statistics exactly (the sites check the grid range)."""
 
-def strategy_for(aggregation: str, *, config: Any = None) -> AggregationStrategy:
-    """The strategy object of a configured aggregation mode (``config``: the ServerConfig)."""
-    if aggregation == "plaintext":
-        return PlaintextStrategy()
-    if aggregation == "ckks":
-        from afl.server.mode_ckks import CkksStrategy
+    def check_upload(
+        self,
+        view: RoundView,
+        ctx: RoundContext,
+        *,
+        site_id: str,
+        release: PlannedRelease,
+        data: bytes,
+    ) -> None:
+        self.require_accepting(view)
+        decode_float64(data, length=release.length, what=f"release {release.name!r}")
 
-        return CkksStrategy(
-            gram_bound=config.round.ckks_gram_bound if config is not None else 1.0e6,
-            vector_bound=config.round.ckks_vector_bound if config is not None else 1.0e3,
-            state_dir=config.state_dir if config is not None else None,
-            configured_context=config.ckks_public_context if config is not None else None,
-        )
-    if aggregation == "mask" and config is not None and config.round.mask is not None:
-        from afl.server.mode_mask import MaskStrategy  # imports the protocol only when used
-
-        identities = {s: e.identity_public_key for s, e in config.sites.items()}
-        return MaskStrategy(config.round.mask, identities=identities)
-    raise ValueError(f"aggregation mode {aggregation!r} is not available yet")
+    def sums(self, view: RoundView, ctx: RoundContext) -> dict[str, FloatArray]:
+        uploads = ctx.uploads(view.round_id)
+        out: dict[str, FloatArray] = {}
+        for release in view.releases:
+            missing = sorted(s for s in release.members if (s, release.name) not in uploads)
+            if missing:
+                raise AggregationError(f"release {release.name!r} lacks uploads from {missing}")
+            arrays = [
+                decode_float64(
+                    ctx.read_payload(uploads[(s, release.name)]),
+                    length=release.length,
+                    what=release.name,
+                )
+                for s in release.members
+            ]
+            out[release.name] = shaped(release, sum_members(arrays, frozenset(range(len(arrays)))))
+        return out

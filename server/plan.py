@@ -1,4 +1,5 @@
-"""The release plan of a round: what the server will learn, signed before any upload (design §5).
+"""The release plan of a round: what the server will learn, signed before any upload
+(docs/protocol.md §6).
 
 Round 1 (from coverage and ``gram_scope``, via :func:`afl.core.leakage.releases_for_round`):
 
@@ -30,10 +31,14 @@ from afl.core.aggregation import GramScope
 from afl.core.leakage import LeakageReport, Release, audit_releases, releases_for_round
 from afl.crypto.signed_blobs import PLAN_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2
+from afl.proto.wire import release_length
+from afl.server.store import RoundRow
 
 __all__ = [
     "GLOBAL_GRAM",
+    "PlanOptions",
     "PlannedRelease",
+    "RoundView",
     "audit_plan",
     "build_plan",
     "releases_from_plan",
@@ -62,12 +67,43 @@ class PlannedRelease:
         return self.kind == common_pb2.STATISTIC_KIND_GRAM
 
     @property
+    def length(self) -> int:
+        """Wire elements of one site's contribution (:func:`afl.proto.wire.release_length`)."""
+        return release_length(shape=self.shape, packed=self.packed)
+
+    @property
     def quantity(self) -> str:
         """Which releases may be combined linearly (afl.core.leakage): Gram, or one class's b."""
         if self.packed:
             return "gram"
         prefix = "b_pseudo" if self.kind == common_pb2.STATISTIC_KIND_PSEUDO_CLASS_VECTOR else "b"
         return f"{prefix}[{self.class_names[0]}]"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """An aggregation mode's part of the plan: the mode, each release's wire encoding (default:
+    plaintext float64) and MASK's Shamir threshold t."""
+
+    aggregation: int = common_pb2.AGGREGATION_MODE_PLAINTEXT
+    encoding: Callable[[PlannedRelease], common_pb2.Encoding] | None = None
+    mask_threshold: int = 0
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """A stored round row plus the releases of its signed plan (empty before the plan exists)."""
+
+    row: RoundRow
+    releases: tuple[PlannedRelease, ...]
+
+    @property
+    def round_id(self) -> str:
+        return self.row.round_id
+
+    @property
+    def stage(self) -> int:
+        return self.row.stage
 
 
 def _planned(release: Release, *, d: int, participants: Sequence[str]) -> PlannedRelease:
@@ -145,20 +181,18 @@ def build_plan(
     releases: Sequence[PlannedRelease],
     operator_override: bool = False,
     override_reason: str = "",
-    aggregation: int = common_pb2.AGGREGATION_MODE_PLAINTEXT,
-    encoding: Callable[[PlannedRelease], common_pb2.Encoding] | None = None,
-    mask_threshold: int = 0,
+    options: PlanOptions = PlanOptions(),
 ) -> common_pb2.ReleasePlan:
-    """The ReleasePlan message (no DP) with a fresh 32-byte round salt; ``encoding`` gives each
-    release's wire encoding (default: plaintext float64), ``mask_threshold`` MASK mode's t."""
-    encode = encoding or _encoding
+    """The ReleasePlan message (no DP) with a fresh 32-byte round salt; ``options`` is the
+    aggregation mode's part (:meth:`afl.server.modes.AggregationMode.plan_options`)."""
+    encode = options.encoding or _encoding
     return common_pb2.ReleasePlan(
         version=1,
         federation_id=federation_id,
         round_id=round_id,
         round_number=round_number,
         participants=sorted(participants),
-        aggregation=aggregation,  # type: ignore[arg-type]
+        aggregation=options.aggregation,  # type: ignore[arg-type]
         gram_scope=_SCOPES[gram_scope],
         releases=[
             common_pb2.Release(
@@ -177,7 +211,7 @@ def build_plan(
         operator_override=operator_override,
         override_reason=override_reason,
         round_salt=os.urandom(32),
-        mask_threshold=mask_threshold,
+        mask_threshold=options.mask_threshold,
     )
 
 

@@ -1,5 +1,5 @@
 """`afl provision`: a federation CA, the server's credentials and one startup kit per site
-(design §9; the model is NVFlare's provisioning).
+(docs/protocol.md §1, docs/operations.md; the model is NVFlare's provisioning).
 
 Layout written under ``out_dir``::
 
@@ -111,7 +111,7 @@ def _server_toml(
         "round": round_template(round_settings),
     }
     header = (
-        "afl-server configuration, written by `afl provision` (design §9).\n"
+        "afl-server configuration, written by `afl provision` (docs/operations.md).\n"
         "Paths are relative to this file's folder. server.key and identity.key are secrets."
     )
     return toml_text.dumps(document, header=header)
@@ -146,7 +146,7 @@ def _client_toml(
         "policy": {"min_cohort": 3, "allow_exposure": False, "max_epsilon": float("inf")},
     }
     header = (
-        f"afl-client configuration for site {site_id!r}, written by `afl provision` (design §9).\n"
+        f"afl-client configuration for site {site_id!r}, written by `afl provision` (docs/operations.md).\n"
         "Paths are relative to this file's folder. site.key and identity.key are secrets.\n"
         "Site IT: set [data] (feature cache, the classes this site labels) and review [policy]."
     )
@@ -169,7 +169,7 @@ def provision(
 
     ``server_hosts[0]`` is the address written into every client.toml; every host, plus
     ``localhost`` and ``127.0.0.1``, goes into the server certificate's subjectAltName.
-    ``decryptor`` names the site that gets ``role = "decryptor"`` (CKKS mode, design §7).
+    ``decryptor`` names the site that gets ``role = "decryptor"`` (CKKS mode, docs/protocol.md §4.3).
     ``round_settings`` overrides keys of server.toml's [round] table
     (:func:`afl.server.config.round_template`: classes, feature_dim, gram_scope, ...).
 

@@ -1,11 +1,14 @@
-"""Thin gRPC servicer of the Coordinator service (design §9): decode, take the caller's site id
-from its mTLS certificate, call :class:`~afl.server.coordinator.Coordinator`, and map errors to
-status codes in ONE place (:func:`status_for`).
+"""The gRPC servicer of the Coordinator service: every RPC, thin (docs/architecture.md §2).
+
+Each method decodes its request, takes the caller's site id from its mTLS certificate, calls the
+domain code — :class:`~afl.server.coordinator.Coordinator` for the shared flow,
+:class:`~afl.server.mode_mask.MaskRequests` and :class:`~afl.server.mode_ckks.CkksRequests` for
+the mode-specific RPCs — and maps errors to status codes in ONE place (:func:`status_for`).
 
 The site id comes from ``context.auth_context()["x509_pem_cert"]`` (the verified client
 certificate; :func:`afl.crypto.pki.site_id_from_pem`), never from a message field. Only with the
-``--insecure`` dev flag is it read from the ``x-afl-site-id`` metadata header instead.
-RPCs of the masking and CKKS modes stay UNIMPLEMENTED (the generated base class).
+``--insecure`` dev flag is it read from the ``x-afl-site-id`` metadata header instead. A mode RPC
+sent to a server running another mode is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -18,20 +21,18 @@ import grpc
 
 from afl.crypto.errors import CryptoError
 from afl.crypto.pki import PkiError, site_id_from_pem
-from afl.proto.v1 import common_pb2
+from afl.proto import wire
+from afl.proto.v1 import common_pb2, coordinator_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.ckks_service import CKKS_DECRYPTOR_KINDS, CkksServicerMixin
 from afl.server.coordinator import Coordinator
 from afl.server.errors import (
     ConflictError,
     InvalidRequestError,
     NotPermittedError,
-    TooLargeError,
     WrongStageError,
 )
-from afl.server.mask_rpcs import MaskRpcs
-from afl.server.unimplemented import OtherModesServicer
-from afl.server.uploads import assemble
+from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksMode, CkksRequests
+from afl.server.mode_mask import MaskMode, MaskRequests
 
 __all__ = ["INSECURE_SITE_HEADER", "CoordinatorServicer", "status_for"]
 
@@ -44,7 +45,8 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NotPermittedError, grpc.StatusCode.PERMISSION_DENIED),
     (WrongStageError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
-    (TooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (wire.WireLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (wire.WireError, grpc.StatusCode.INVALID_ARGUMENT),
     (CryptoError, grpc.StatusCode.PERMISSION_DENIED),
 )
 
@@ -61,7 +63,7 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
 
 
-class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """gRPC front end of one :class:`Coordinator`."""
 
     def __init__(
@@ -76,6 +78,9 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
         self._insecure = insecure
         self._watch_poll_s = watch_poll_s
         self._stopping = stopping
+        mode = coordinator.mode
+        self._mask = MaskRequests(coordinator, mode) if isinstance(mode, MaskMode) else None
+        self._ckks = CkksRequests(coordinator, mode) if isinstance(mode, CkksMode) else None
 
     # --- plumbing ----------------------------------------------------------------------------
 
@@ -109,7 +114,22 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
             context.abort(code, message)
             raise AssertionError("unreachable") from exc  # context.abort raises
 
-    # --- RPCs --------------------------------------------------------------------------------
+    def _mask_requests(self) -> MaskRequests:
+        if self._mask is None:
+            raise WrongStageError("this server does not run aggregation = 'mask'")
+        return self._mask
+
+    def _ckks_requests(self) -> CkksRequests:
+        if self._ckks is None:
+            raise WrongStageError("this federation does not run aggregation = 'ckks'")
+        return self._ckks
+
+    @staticmethod
+    def _ack(message: str, action: Callable[[], object]) -> common_pb2.Ack:
+        action()
+        return common_pb2.Ack(message=message)
+
+    # --- the shared flow ---------------------------------------------------------------------
 
     def Enroll(self, request: pb.EnrollRequest, context: grpc.ServicerContext) -> Any:
         return self._call("Enroll", context, lambda s: self.coordinator.enroll(s, request))
@@ -122,7 +142,9 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
     def WatchRounds(
         self, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RoundEvent]:
-        site = self._call("WatchRounds", context, lambda s: self.coordinator._enrolled(s).site_id)
+        site = self._call(
+            "WatchRounds", context, lambda s: self.coordinator.require_enrolled(s).site_id
+        )
         earlier = self.coordinator.rounds_up_to(request.after_round_id)
         sequence = 0
         while context.is_active() and not self._stopping():
@@ -139,11 +161,11 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
         )
 
     def RespondToPlan(self, request: pb.PlanDecision, context: grpc.ServicerContext) -> Any:
-        def body(site: str) -> common_pb2.Ack:
-            self.coordinator.decide(site, request)
-            return common_pb2.Ack(message="decision recorded")
-
-        return self._call("RespondToPlan", context, body)
+        return self._call(
+            "RespondToPlan",
+            context,
+            lambda s: self._ack("decision recorded", lambda: self.coordinator.decide(s, request)),
+        )
 
     def Upload(
         self, request_iterator: Iterator[pb.UploadChunk], context: grpc.ServicerContext
@@ -151,17 +173,25 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
         config = self.coordinator.config
 
         def body(site: str) -> pb.UploadReceipt:
-            self.coordinator._enrolled(site)  # refuse strangers before reading their payload
-            upload = assemble(
+            self.coordinator.require_enrolled(site)  # refuse strangers before reading a payload
+            upload = wire.assemble(
                 request_iterator,
                 max_chunk_bytes=config.max_chunk_bytes,
-                max_upload_bytes=config.max_upload_bytes,
+                max_bytes=config.max_upload_bytes,
             )
             if upload.kind in CKKS_DECRYPTOR_KINDS:
-                return self.ckks_upload(site, upload)
+                return self._ckks_requests().accept_decryptor_upload(site, upload)
             return self.coordinator.upload(site, upload)
 
         return self._call("Upload", context, body)
+
+    def Download(
+        self, request: pb.DownloadRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.UploadChunk]:
+        round_id, name, data = self._call(
+            "Download", context, lambda s: self._ckks_requests().download(s, request)
+        )
+        yield from wire.iter_chunks(data, round_id=round_id, release_name=name, kind=request.kind)
 
     def GetModel(self, request: pb.ModelRequest, context: grpc.ServicerContext) -> Any:
         return self._call(
@@ -169,8 +199,111 @@ class CoordinatorServicer(MaskRpcs, CkksServicerMixin, OtherModesServicer):
         )
 
     def SubmitReport(self, request: pb.ClientReport, context: grpc.ServicerContext) -> Any:
-        def body(site: str) -> common_pb2.Ack:
-            self.coordinator.report(site, request)
-            return common_pb2.Ack(message="report stored")
+        return self._call(
+            "SubmitReport",
+            context,
+            lambda s: self._ack("report stored", lambda: self.coordinator.report(s, request)),
+        )
 
-        return self._call("SubmitReport", context, body)
+    # --- MASK mode ---------------------------------------------------------------------------
+
+    def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "AdvertiseKeys", context, lambda s: self._mask_requests().advertise_keys(s, request)
+        )
+
+    def GetAdvertisedKeys(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetAdvertisedKeys",
+            context,
+            lambda s: self._mask_requests().advertised_keys(s, request.round_id),
+        )
+
+    def ShareKeys(self, request: pb.ShareKeysRequest, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "ShareKeys", context, lambda s: self._mask_requests().share_keys(s, request)
+        )
+
+    def GetSharedKeys(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetSharedKeys",
+            context,
+            lambda s: self._mask_requests().shared_keys(s, request.round_id),
+        )
+
+    def GetSurvivors(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetSurvivors", context, lambda s: self._mask_requests().survivors(s, request.round_id)
+        )
+
+    def ConsistencyCheck(
+        self, request: pb.ConsistencySignature, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "ConsistencyCheck",
+            context,
+            lambda s: self._mask_requests().consistency_check(s, request),
+        )
+
+    def GetConsistencySignatures(
+        self, request: common_pb2.RoundRef, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "GetConsistencySignatures",
+            context,
+            lambda s: self._mask_requests().consistency_signatures(s, request.round_id),
+        )
+
+    def GetUnmaskRequest(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetUnmaskRequest",
+            context,
+            lambda s: self._mask_requests().unmask_request(s, request.round_id),
+        )
+
+    def Unmask(self, request: pb.UnmaskResponse, context: grpc.ServicerContext) -> Any:
+        return self._call("Unmask", context, lambda s: self._mask_requests().unmask(s, request))
+
+    # --- CKKS mode ---------------------------------------------------------------------------
+
+    def PublishCkksContext(
+        self, request: pb.CkksContextAnnouncement, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "PublishCkksContext",
+            context,
+            lambda s: self._ack(
+                "context published", lambda: self._ckks_requests().publish(s, request)
+            ),
+        )
+
+    def GetCkksContext(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call("GetCkksContext", context, lambda s: self._ckks_requests().get_context(s))
+
+    def SendAggregateTags(
+        self, request: pb.SendAggregateTagsRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "SendAggregateTags",
+            context,
+            lambda s: self._ack("tags stored", lambda: self._ckks_requests().send_tags(s, request)),
+        )
+
+    def GetAggregateTags(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetAggregateTags", context, lambda s: self._ckks_requests().get_tags(s, request)
+        )
+
+    def GetDecryptionJobs(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetDecryptionJobs", context, lambda s: self._ckks_requests().jobs(s, request)
+        )
+
+    def ReportDecryption(self, request: pb.DecryptionOutcome, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "ReportDecryption",
+            context,
+            lambda s: self._ack(
+                "outcome recorded", lambda: self._ckks_requests().report(s, request)
+            ),
+        )

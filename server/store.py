@@ -1,4 +1,4 @@
-"""The coordinator's durable state: SQLite (WAL) plus payload files (design §9).
+"""The coordinator's durable state: SQLite (WAL) plus payload files (docs/architecture.md §8).
 
 Tables: ``meta`` (schema version, federation id), ``enrolments``, ``rounds`` (stage, signed
 plan, deadline), ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file),

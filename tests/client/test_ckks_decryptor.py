@@ -4,6 +4,7 @@ server that forwards a single site's ciphertext as a "sum" (a forged decryption 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -17,7 +18,7 @@ from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_wire import seal_tags
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.mode_ckks import CkksStrategy
+from afl.server.mode_ckks import CkksMode
 from afl.server.plan import build_plan, round1_releases, sign_plan
 
 SITES = ("site-1", "site-2", "site-3")
@@ -35,11 +36,11 @@ def _signed_plan(server_key: Any, *, mode: int = cpb.AGGREGATION_MODE_CKKS) -> A
         classes=["A"], participants=SITES, coverage={}, gram_scope="global", d=D,
         need_global_gram=False,
     )  # fmt: skip
-    options = CkksStrategy(gram_bound=BOUND, vector_bound=BOUND).plan_options(SITES)
-    options["aggregation"] = mode
+    ckks_options = CkksMode(gram_bound=BOUND, vector_bound=BOUND).plan_options(SITES)
+    options = dataclasses.replace(ckks_options, aggregation=mode)
     plan = build_plan(
         federation_id="fed", round_id="r1-x", round_number=1, participants=SITES,
-        gram_scope="global", releases=releases, **options,
+        gram_scope="global", releases=releases, options=options,
     )  # fmt: skip
     return sign_plan(plan, server_key)
 
@@ -155,7 +156,7 @@ def test_jobs_outside_the_plan_are_refused_before_decrypting(keys: DecryptorKeys
 def test_plan_must_be_signed_by_the_kits_server_and_in_ckks_mode(keys: DecryptorKeys) -> None:
     fed = Federation(keys)
     other = signatures.public_key_to_raw(signatures.generate_identity_key())
-    with pytest.raises(DaemonError, match="not signed by the server"):
+    with pytest.raises(DaemonError, match="not signed by this federation's server"):
         RoundDecryptor(keys, fed.signed, site_id="decryptor", server_key=other, federation_id="fed")
     plaintext = _signed_plan(fed.server_key, mode=cpb.AGGREGATION_MODE_PLAINTEXT)
     with pytest.raises(DaemonError, match="not a CKKS plan"):

@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 
-from afl.client.daemon_modes import RoundSession
+from afl.client.config import TimingConfig
+from afl.client.daemon_rpc import CoordinatorClient
 from afl.client.daemon_transport import DaemonError, RetryPolicy
 from afl.client.mode_ckks import fetch_public_context
+from afl.client.modes import RoundSession
 from afl.crypto import ckks, kdf, signatures
 from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, open_tags, seal_tags
 from afl.crypto.errors import DecryptionError
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
 DECRYPTOR_KEY = signatures.generate_identity_key()
@@ -58,10 +61,19 @@ def _announce(data: bytes, *, signer: Any = DECRYPTOR_KEY, site: str = "dec") ->
 
 
 def _session(stub: Any) -> RoundSession:
+    rpc = CoordinatorClient(
+        stub,
+        site_id="site-1",
+        timing=TimingConfig(rpc_timeout_s=1.0, upload_timeout_s=1.0),
+        retry=RetryPolicy(attempts=1, initial_s=0.01),
+    )
     return RoundSession(
-        stub=stub, round_id="r1", site_id="site-1", retry=RetryPolicy(attempts=1, initial_s=0.01),
-        rpc_timeout_s=1.0, upload_timeout_s=1.0,
-    )  # fmt: skip
+        rpc=rpc,
+        round_id="r1",
+        site_id="site-1",
+        plan=cpb.ReleasePlan(),
+        identity_key=signatures.generate_identity_key(),
+    )
 
 
 def test_verified_public_context_is_accepted(private_ctx: Any) -> None:

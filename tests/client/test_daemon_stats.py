@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from afl.client.daemon_modes import PlaintextStrategy
 from afl.client.daemon_stats import (
     PayloadError,
     labelled_mask,
@@ -17,6 +16,7 @@ from afl.client.daemon_stats import (
     slot_payloads,
 )
 from afl.client.daemon_verify import VerificationError, verify_model, verify_round_config
+from afl.client.modes import PlaintextMode
 from afl.core.featurecache import CacheMeta, FeatureCache, write_cache
 from afl.core.packing import unpack_upper
 from afl.core.refinement import RefinementParams, pseudo_label_projection
@@ -106,7 +106,7 @@ def test_slot_payloads_follow_the_plan(tmp_path: Path) -> None:
     plan = cpb.ReleasePlan(releases=[gram, b_c, b_ab, other])
     out = slot_payloads(
         plan, site_id="me", class_names=CLASSES, stats=stats, pseudo=None,
-        encode=PlaintextStrategy().encode,
+        encode=PlaintextMode().encode,
     )  # fmt: skip
     by_slot = {p.slot: p for p in out}
     assert set(by_slot) == {"gram[all]", "b[C]", "b[B,A]"}
@@ -127,7 +127,7 @@ def test_slot_payloads_follow_the_plan(tmp_path: Path) -> None:
     )
     (one,) = slot_payloads(
         shared, site_id="me", class_names=CLASSES, stats=stats, pseudo=None,
-        encode=PlaintextStrategy().encode,
+        encode=PlaintextMode().encode,
     )  # fmt: skip
     assert one.releases == ("gram[all]", "g2")
     clash = cpb.ReleasePlan(
@@ -145,7 +145,7 @@ def test_slot_payloads_follow_the_plan(tmp_path: Path) -> None:
             class_names=CLASSES,
             stats=stats,
             pseudo=None,
-            encode=PlaintextStrategy().encode,
+            encode=PlaintextMode().encode,
         )
     for bad, msg in [
         (_release("g", cpb.STATISTIC_KIND_GRAM, [], [D, D + 1], cpb.PACKING_DENSE), "Gram shape"),
@@ -166,7 +166,7 @@ def test_slot_payloads_follow_the_plan(tmp_path: Path) -> None:
                 class_names=CLASSES,
                 stats=stats,
                 pseudo=None,
-                encode=PlaintextStrategy().encode,
+                encode=PlaintextMode().encode,
             )
 
 

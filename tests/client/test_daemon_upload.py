@@ -1,4 +1,5 @@
-"""Chunked uploads with digests and retries (afl.client.daemon_transport) against a tiny fake
+"""Chunked uploads with digests and retries (afl.client.daemon_transport; the framing itself is
+tested in tests/proto/test_wire.py) against a tiny fake
 Coordinator servicer on loopback gRPC."""
 
 from __future__ import annotations
@@ -10,20 +11,17 @@ from concurrent import futures
 
 import grpc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from afl.client.daemon_transport import (
-    MAX_CHUNK_BYTES,
     RemoteCallError,
     RetryPolicy,
     UploadError,
-    iter_upload_chunks,
     upload_payload,
     with_retry,
 )
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+from afl.proto.wire import MAX_CHUNK_BYTES
 
 FAST = RetryPolicy(attempts=4, initial_s=0.001, max_s=0.01)
 
@@ -92,24 +90,6 @@ def fake() -> Iterator[tuple[FakeCoordinator, pb_grpc.CoordinatorStub]]:
     finally:
         channel.close()
         server.stop(None)
-
-
-@settings(max_examples=50, deadline=None)
-@given(size=st.integers(0, 5000), chunk=st.integers(1, 1500))
-def test_chunks_reassemble_exactly(size: int, chunk: int) -> None:
-    payload = bytes(i % 251 for i in range(size))
-    chunks = list(iter_upload_chunks(payload, round_id="r", release_name="x", chunk_bytes=chunk))
-    assert b"".join(c.data for c in chunks) == payload
-    assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
-    assert all(c.total_chunks == len(chunks) and c.total_bytes == size for c in chunks)
-    assert all(len(c.data) <= chunk for c in chunks)
-    assert chunks[-1].sha256 == hashlib.sha256(payload).digest()
-    assert all(c.sha256 == b"" for c in chunks[:-1])
-
-
-def test_chunk_size_is_capped_at_one_mib() -> None:
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        list(iter_upload_chunks(b"x", round_id="r", release_name="x", chunk_bytes=2 << 20))
 
 
 def test_upload_of_three_mib_uses_one_mib_chunks(fake) -> None:

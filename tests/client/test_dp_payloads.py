@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from afl.client.daemon_modes import PlaintextStrategy
 from afl.client.dp_payloads import (
     dp_slot_payloads,
     dp_statistics,
     noisy_values,
     site_epsilon,
 )
+from afl.client.modes import PlaintextMode
 from afl.core.dp_stats import clip_rows, sufficient_statistics
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import (
@@ -32,6 +32,7 @@ from afl.crypto.signed_blobs import (
 )
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.wire import AssembledPayload
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
@@ -39,7 +40,6 @@ from afl.server.plan import build_plan
 from afl.server.provisioning import provision
 from afl.server.rounds import Stage
 from afl.server.store import Store
-from afl.server.uploads import AssembledUpload
 
 D = 5
 SITES = ["a", "b", "c"]
@@ -142,7 +142,7 @@ def test_payloads_cover_the_site_releases_only() -> None:
     feats, labels = _data(2)
     stats = dp_statistics(feats, labels, labelled=np.array([True, False]), clip_norm=2.0)
     out = dp_slot_payloads(
-        plan, site_id="b", class_names=CLASSES, stats=stats, encode=PlaintextStrategy().encode
+        plan, site_id="b", class_names=CLASSES, stats=stats, encode=PlaintextMode().encode
     )
     mine = [r for r in plan.releases if "b" in r.member_site_ids]
     assert [p.slot for p in out] == [r.name for r in mine] and len(mine) == 4
@@ -199,10 +199,10 @@ def test_in_process_dp_round_with_huge_epsilon_equals_the_pooled_solve(tmp_path:
         feats, labels = data[s]
         stats = dp_statistics(feats, labels, labelled=np.array([True, True]), clip_norm=2.0)
         for p in dp_slot_payloads(plan, site_id=s, class_names=CLASSES, stats=stats,
-                                  encode=PlaintextStrategy().encode):  # fmt: skip
+                                  encode=PlaintextMode().encode):  # fmt: skip
             coordinator.upload(
                 s,
-                AssembledUpload(
+                AssembledPayload(
                     round_id=view.round_id,
                     release_name=p.slot,
                     kind=pb.PAYLOAD_KIND_STATISTIC,

@@ -16,8 +16,8 @@ from numpy.typing import NDArray
 
 from afl.client.config import load_client_config
 from afl.client.daemon import ClientDaemon
-from afl.client.daemon_modes import PlaintextStrategy
 from afl.client.daemon_transport import DaemonError
+from afl.client.modes import PlaintextMode
 from afl.core.aggregation import class_b_sums, federated_solve
 from afl.core.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
@@ -155,7 +155,7 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert (keep / "federation" / "ca.pem").exists()
 
 
-class _CrashAfterFirstUpload(PlaintextStrategy):
+class _CrashAfterFirstUpload(PlaintextMode):
     """Uploads the first slot, then dies like a killed process would."""
 
     def exchange(self, session, payloads, *, already_complete=()):
@@ -184,7 +184,7 @@ def test_restarted_client_resumes_from_its_state(tmp_path: Path) -> None:
         for t in threads:
             t.start()
         crashing = ClientDaemon(
-            configs["site-1"], strategies={cpb.AGGREGATION_MODE_PLAINTEXT: _CrashAfterFirstUpload()}
+            configs["site-1"], modes={cpb.AGGREGATION_MODE_PLAINTEXT: _CrashAfterFirstUpload()}
         )
         with pytest.raises(DaemonError, match="simulated crash"):
             crashing.run()

@@ -24,10 +24,10 @@ from afl.lab.demo_federation import (
     run_loopback,
 )
 from afl.server.store import Store
+from tests.e2e import vanishing_client
 
 D = 16
 CLASSES = ("A", "B", "C")
-VANISH = "AFL_FAULT_VANISH_AFTER"
 
 
 def _data(k: int, seed: int = 11) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
@@ -48,7 +48,7 @@ def _run(
     k: int,
     *,
     mask: bool = True,
-    env: dict[str, dict[str, str]] | None = None,
+    vanish: dict[str, str] | None = None,
     timeout_s: float = 6.0,
 ) -> tuple[LoopbackFederation, LoopbackRun]:
     feats, labels = _data(k)
@@ -65,7 +65,8 @@ def _run(
         test_labels=labels[0][:20],
         round_settings=settings,
     )
-    return loop, run_loopback(loop, timeout_s=120, client_env=env)
+    commands = {site: vanishing_client.command(stage) for site, stage in (vanish or {}).items()}
+    return loop, run_loopback(loop, timeout_s=120, client_commands=commands)
 
 
 def _stats(loop: LoopbackFederation, sites: list[str]) -> list[LocalStats]:
@@ -117,8 +118,8 @@ def test_masked_w_equals_plaintext_w_and_server_stores_only_masked(tmp_path: Pat
 
 
 def test_site_killed_after_share_keys_leaves_the_survivors_result(tmp_path: Path) -> None:
-    loop, run = _run(tmp_path, 5, env={"site-5": {VANISH: "share-keys"}})
-    assert run.client_rcs["site-5"] == 70, run.logs
+    loop, run = _run(tmp_path, 5, vanish={"site-5": "share-keys"})
+    assert run.client_rcs["site-5"] == vanishing_client.EXIT_CODE, run.logs
     survivors = ["site-1", "site-2", "site-3", "site-4"]
     assert all(run.client_rcs[s] == 0 for s in survivors), run.logs
     w_ref, _ = federated_solve(_stats(loop, survivors), gamma=1.0, gram_scope="global")
@@ -128,8 +129,8 @@ def test_site_killed_after_share_keys_leaves_the_survivors_result(tmp_path: Path
 
 
 def test_site_killed_after_masked_input_is_unmasked_from_shares(tmp_path: Path) -> None:
-    loop, run = _run(tmp_path, 5, env={"site-2": {VANISH: "masked-input"}})
-    assert run.client_rcs["site-2"] == 70, run.logs
+    loop, run = _run(tmp_path, 5, vanish={"site-2": "masked-input"})
+    assert run.client_rcs["site-2"] == vanishing_client.EXIT_CODE, run.logs
     rest = ["site-1", "site-3", "site-4", "site-5"]
     assert all(run.client_rcs[s] == 0 for s in rest), run.logs
     # site-2's masked input arrived (it is in U3): its self mask is removed from the others'
@@ -141,8 +142,8 @@ def test_site_killed_after_masked_input_is_unmasked_from_shares(tmp_path: Path) 
 
 def test_one_dropout_beyond_the_threshold_aborts_without_release(tmp_path: Path) -> None:
     # 5 sites, t = 3: three sites vanish after ShareKeys, leaving 2 < t masked inputs.
-    env = {s: {VANISH: "share-keys"} for s in ("site-3", "site-4", "site-5")}
-    loop, run = _run(tmp_path, 5, env=env)
+    vanish = dict.fromkeys(("site-3", "site-4", "site-5"), "share-keys")
+    loop, run = _run(tmp_path, 5, vanish=vanish)
     for site in ("site-1", "site-2"):
         assert run.client_rcs[site] == 4, run.logs  # aborted, no replacement
         report = run.final_report(site)

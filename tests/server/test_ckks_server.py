@@ -19,8 +19,8 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
 from afl.server.config import load_config
 from afl.server.errors import ConfigError
-from afl.server.mode_ckks import CkksStrategy, PublishedContext
-from afl.server.modes import strategy_for
+from afl.server.mode_ckks import CkksMode, PublishedContext
+from afl.server.mode_registry import mode_for
 from afl.server.plan import PlannedRelease
 from afl.server.provisioning import provision
 
@@ -55,13 +55,13 @@ def test_server_with_a_private_context_refuses_to_start(
     assert "refusing to start" in err and "secret key" in err
 
 
-def test_server_with_the_public_context_builds_a_ckks_strategy(
+def test_server_with_the_public_context_builds_the_ckks_mode(
     tmp_path: Path, private_ctx: object
 ) -> None:
     config = load_config(_federation(tmp_path, ckks.public_context_bytes(private_ctx)))
     assert config.round.participants == ("site-1", "site-2", "site-3")  # not the decryptor
-    strategy = strategy_for("ckks", config=config)
-    assert isinstance(strategy, CkksStrategy) and strategy.configured is not None
+    strategy = mode_for(config)
+    assert isinstance(strategy, CkksMode) and strategy.configured is not None
 
 
 def test_dp_with_ckks_is_refused_with_a_clear_reason(tmp_path: Path) -> None:
@@ -87,13 +87,13 @@ def test_private_context_in_the_state_dir_refuses_restart(
     (folder / "context.bin").write_bytes(ckks.private_context_bytes(private_ctx))
     (folder / "announcement.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match="refusing to start"):
-        CkksStrategy(state_dir=tmp_path)
+        CkksMode(state_dir=tmp_path)
 
 
 def test_publish_refuses_a_private_context_and_keeps_the_first(
     tmp_path: Path, private_ctx: object
 ) -> None:
-    strategy = CkksStrategy(state_dir=tmp_path)
+    strategy = CkksMode(state_dir=tmp_path)
     announcement = pb.CkksContextAnnouncement(decryptor_site_id="dec")
     secret = ckks.private_context_bytes(private_ctx)
     with pytest.raises(CkksContextError):
@@ -101,7 +101,7 @@ def test_publish_refuses_a_private_context_and_keeps_the_first(
     assert strategy.published is None and not (tmp_path / "ckks" / "context.bin").exists()
     data = ckks.public_context_bytes(private_ctx)
     strategy.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
-    assert CkksStrategy(state_dir=tmp_path).published is not None  # survives a restart
+    assert CkksMode(state_dir=tmp_path).published is not None  # survives a restart
 
 
 @settings(max_examples=40, deadline=None)
@@ -110,23 +110,24 @@ def test_publish_refuses_a_private_context_and_keeps_the_first(
     members=st.integers(min_value=1, max_value=64),
 )
 def test_plan_encoding_respects_slot_budget_and_hides_noise(bound: float, members: int) -> None:
-    enc = CkksStrategy(gram_bound=bound).encoding(members)
+    enc = CkksMode(gram_bound=bound).encoding(members)
     assert members * bound * enc.prescale <= cp.SUM_SLOT_BOUND  # the sum never wraps
     assert 2 * members * bound * enc.prescale > cp.SUM_SLOT_BOUND  # and uses the budget
     assert enc.grid_step >= cp.min_grid(prescale=enc.prescale, num_summands=members)
 
 
 def test_plan_options_make_every_release_ckks_vectors() -> None:
-    strategy = CkksStrategy(gram_bound=10.0, vector_bound=0.5)
+    strategy = CkksMode(gram_bound=10.0, vector_bound=0.5)
     options = strategy.plan_options(("a", "b"))
-    assert options["aggregation"] == cpb.AGGREGATION_MODE_CKKS
+    assert options.aggregation == cpb.AGGREGATION_MODE_CKKS
     gram = PlannedRelease("gram[all]", ("a", "b"), cpb.STATISTIC_KIND_GRAM, (), (3, 3))
-    encoding = options["encoding"](gram)
+    assert options.encoding is not None
+    encoding = options.encoding(gram)
     assert encoding.dtype == cpb.DTYPE_CKKS_VECTORS
     assert encoding.packing == cpb.PACKING_UPPER_TRIANGLE
     assert encoding.ckks.prescale == cp.choose_prescale(bound=10.0, num_summands=2)
     b = PlannedRelease("b[A]", ("a", "b"), cpb.STATISTIC_KIND_CLASS_VECTOR, ("A",), (3, 1))
-    b_encoding = options["encoding"](b)
+    b_encoding = options.encoding(b)
     assert b_encoding.packing == cpb.PACKING_DENSE
     assert b_encoding.ckks.prescale == cp.choose_prescale(bound=0.5, num_summands=2)
 

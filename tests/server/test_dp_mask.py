@@ -23,7 +23,7 @@ from afl.server.config import MaskSettings, load_config
 from afl.server.dp_mask import dp_mask_encodings
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
 from afl.server.errors import ConfigError
-from afl.server.mode_mask import MaskStrategy
+from afl.server.mode_mask import MaskMode
 from afl.server.plan import build_plan
 from afl.server.provisioning import provision
 
@@ -42,7 +42,7 @@ def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.Rel
     )
     dp = DpSettings(epsilon=epsilon, delta=1e-6, clip_norm=clip, tolerated=tolerated)
     calibration = calibrate(releases, dp, participants=SITES, plaintext=False)
-    strategy = MaskStrategy(
+    strategy = MaskMode(
         MaskSettings(gram_bound=1.0, vector_bound=1.0, max_samples=n_max), identities={}
     )
     plan = build_plan(
@@ -52,7 +52,7 @@ def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.Rel
         participants=SITES,
         gram_scope="global",
         releases=releases,
-        **strategy.plan_options(tuple(SITES)),
+        options=strategy.plan_options(tuple(SITES)),
     )
     apply_dp(plan, calibration)
     strategy.dp_encodings(plan)

@@ -1,37 +1,38 @@
-"""Server side of the MASK mode (issue 5, design §6): the plan's fixed-point encodings respect
-K·B·2^f < 2^63 with the most fractional bits, server and site derive the same protocol config
-(digest) from the signed plan, and masked uploads are refused outside the UPLOAD stage."""
+"""Server side of the MASK mode (docs/protocol.md §4.2, §5): the plan's fixed-point encodings
+respect K·B·2^f < 2^63 with the most fractional bits, masked uploads are refused outside the
+UPLOAD stage, and a masked input the protocol refuses is the uploader's error, never stored."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afl.client.daemon_stats import PayloadError
-from afl.client.mode_mask import MaskStrategy as ClientMask
-from afl.client.mode_mask_wire import round_config_from_plan as site_config
+from afl.client.mode_mask import MaskMode as ClientMask
 from afl.crypto.signatures import public_key_to_raw
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import MaskSettings
-from afl.server.errors import WrongStageError
-from afl.server.mask_wire import round_config_from_plan as server_config
-from afl.server.mode_mask import MaskStrategy
-from afl.server.plan import build_plan, round1_releases
+from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
+from afl.server.mode_mask import MaskMode
+from afl.server.plan import RoundView, build_plan, releases_from_plan, round1_releases
+from afl.server.store import RoundRow, UploadRow
 
 SITES = ("site-1", "site-2", "site-3", "site-4")
 
 
-def _strategy(gram: float = 5.0e4, vector: float = 20.0) -> MaskStrategy:
+def _mode(gram: float = 5.0e4, vector: float = 20.0) -> MaskMode:
     keys = {s: public_key_to_raw(Ed25519PrivateKey.generate().public_key()) for s in SITES}
-    return MaskStrategy(MaskSettings(gram_bound=gram, vector_bound=vector), identities=keys)
+    return MaskMode(MaskSettings(gram_bound=gram, vector_bound=vector), identities=keys)
 
 
-def _plan(strategy: MaskStrategy, d: int = 6) -> cpb.ReleasePlan:
+def _plan(mode: MaskMode, d: int = 6) -> cpb.ReleasePlan:
     releases = round1_releases(
         classes=("A", "B"),
         participants=SITES,
@@ -47,7 +48,7 @@ def _plan(strategy: MaskStrategy, d: int = 6) -> cpb.ReleasePlan:
         participants=SITES,
         gram_scope="global",
         releases=releases,
-        **strategy.plan_options(SITES),
+        options=mode.plan_options(SITES),
     )
 
 
@@ -56,7 +57,7 @@ def _plan(strategy: MaskStrategy, d: int = 6) -> cpb.ReleasePlan:
 def test_encodings_use_the_most_fractional_bits_below_the_ring_half(
     gram: float, vector: float
 ) -> None:
-    plan = _plan(_strategy(gram, vector))
+    plan = _plan(_mode(gram, vector))
     assert plan.aggregation == cpb.AGGREGATION_MODE_MASK
     assert plan.mask_threshold == 3  # a majority of 4
     for release in plan.releases:
@@ -69,31 +70,82 @@ def test_encodings_use_the_most_fractional_bits_below_the_ring_half(
         assert fp.bound == expected
 
 
-def test_server_and_site_derive_the_same_protocol_config() -> None:
-    plan = _plan(_strategy())
-    assert server_config(plan).digest() == site_config(plan).digest()
-    assert server_config(plan).t == 3
+class _Context:
+    """The round context of a mode, with uploads kept in memory."""
+
+    stage_timeout_s = 60.0
+
+    def __init__(self) -> None:
+        self.payloads: dict[tuple[str, str], bytes] = {}
+
+    def now_ms(self) -> int:
+        return 0
+
+    def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]:
+        return dict.fromkeys(SITES, (True, ""))
+
+    def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
+        return {k: UploadRow(k[0], k[1], b"", len(v), Path("/")) for k, v in self.payloads.items()}
+
+    def read_payload(self, row: UploadRow) -> bytes:
+        return self.payloads[(row.site_id, row.release_name)]
+
+
+def _view(plan: cpb.ReleasePlan, stage: int) -> RoundView:
+    data = plan.SerializeToString()
+    row = RoundRow("r1-x", 1, "", stage, SITES, data, b"", 0, "")
+    return RoundView(row, tuple(releases_from_plan(data)))
 
 
 def test_masked_upload_only_in_the_upload_stage() -> None:
-    strategy = _strategy()
-    plan = _plan(strategy)
-    row = SimpleNamespace(
-        round_id="r1-x", stage=pb.ROUND_STAGE_ADVERTISE_KEYS, plan=plan.SerializeToString()
-    )
-    view = SimpleNamespace(round_id="r1-x", row=row)
-    strategy._start(view)
+    mode, ctx = _mode(), _Context()
+    plan = _plan(mode)
+    view = _view(plan, pb.ROUND_STAGE_ADVERTISE_KEYS)
+    assert mode.begin(view, ctx).stage == pb.ROUND_STAGE_ADVERTISE_KEYS
+    gram = view.releases[0]
+    data = bytes(8 * gram.length)
     with pytest.raises(WrongStageError, match="UPLOAD stage"):
-        strategy.admit_upload(view, "site-1")
-    row.stage = pb.ROUND_STAGE_UPLOAD
-    strategy.admit_upload(view, "site-1")  # accepted now
+        mode.check_upload(view, ctx, site_id="site-1", release=gram, data=data)
+    upload = _view(plan, pb.ROUND_STAGE_UPLOAD)
+    with pytest.raises(InvalidRequestError, match="must be"):
+        mode.check_upload(upload, ctx, site_id="site-1", release=gram, data=data[:-8])
+    mode.check_upload(upload, ctx, site_id="site-1", release=gram, data=data)  # accepted now
+
+
+def test_a_refused_masked_input_is_the_uploaders_error() -> None:
+    """The site's last release hands its masked input to the protocol before it is stored: a
+    site outside U2 (here: the protocol has not closed ShareKeys, so nobody is in U2) gets the
+    refusal as its own error status instead of a receipt."""
+    mode, ctx = _mode(), _Context()
+    plan = _plan(mode)
+    view = _view(plan, pb.ROUND_STAGE_UPLOAD)
+    mode.begin(view, ctx)
+    releases = [r for r in view.releases if "site-1" in r.members]
+    for release in releases[:-1]:
+        mode.check_upload(
+            view, ctx, site_id="site-1", release=release, data=bytes(8 * release.length)
+        )
+        ctx.payloads[("site-1", release.name)] = bytes(8 * release.length)
+    last = releases[-1]
+    with pytest.raises(InvalidRequestError, match="masked input refused"):
+        mode.check_upload(view, ctx, site_id="site-1", release=last, data=bytes(8 * last.length))
+    mode.rounds["r1-x"].expected.discard("site-2")
+    with pytest.raises(NotPermittedError, match="dropped out"):
+        mode.check_upload(view, ctx, site_id="site-2", release=last, data=bytes(8 * last.length))
+
+
+def test_wire_config_is_the_signed_plans() -> None:
+    plan = _plan(_mode())
+    config = wire.round_config_from_plan(plan)
+    assert config.t == 3 and config.cohort == SITES
+    assert {r.name: r.length for r in config.releases} == {
+        r.name: wire.release_length(r) for r in plan.releases
+    }
 
 
 def test_site_refuses_values_beyond_the_declared_bound() -> None:
-    plan = _plan(_strategy(vector=1.0))
+    plan = _plan(_mode(vector=1.0))
     b_release = next(r for r in plan.releases if r.kind == cpb.STATISTIC_KIND_CLASS_VECTOR)
-    import numpy as np
-
     with pytest.raises(PayloadError, match="exceeds the plan's declared bound"):
         ClientMask().encode(b_release, np.full(6, 2.0))
     assert len(ClientMask().encode(b_release, np.full(6, 0.5))) == 48

@@ -22,13 +22,13 @@ from afl.crypto.signed_blobs import (
 )
 from afl.proto.v1 import common_pb2
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.wire import AssembledPayload
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import WrongStageError
 from afl.server.provisioning import ProvisionedFederation, provision
 from afl.server.rounds import Stage
 from afl.server.store import Store
-from afl.server.uploads import AssembledUpload
 
 SITES = ["p1", "p2", "p3"]
 COVERAGE = {"p1": ["a"], "p2": ["a", "b"], "p3": ["b"]}  # per-class sums have 2 members < 3
@@ -122,7 +122,7 @@ def test_uploads_need_an_accepted_plan_and_the_log_holds_digests_only(
     assert view.row.stage == Stage.PLAN_REVIEW
     values = np.linspace(0.125, 3.0, packed_length(D))
     data = values.astype("<f8").tobytes()
-    upload = AssembledUpload(
+    upload = AssembledPayload(
         view.round_id, "gram[all]", pb.PAYLOAD_KIND_STATISTIC, data, hashlib.sha256(data).digest()
     )
     with pytest.raises(WrongStageError, match="accept the release plan"):

@@ -1,4 +1,4 @@
-"""Unit tests of afl.server's pieces: config validation, chunk assembly, the signed plan, the
+"""Unit tests of afl.server's pieces: config validation, the signed plan, the
 store's audit chain and state checks, the error mapping and the daemon's command line."""
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from afl.crypto import signatures
 from afl.crypto.errors import SignatureError
 from afl.crypto.signed_blobs import PLAN_CONTEXT, verify_blob
 from afl.proto.v1 import common_pb2, coordinator_pb2
+from afl.proto.wire import WireError, WireLimitError
 from afl.server import daemon
 from afl.server.config import load_config, round_template
 from afl.server.errors import (
@@ -26,14 +25,13 @@ from afl.server.errors import (
     InvalidRequestError,
     NotPermittedError,
     StateError,
-    TooLargeError,
     WrongStageError,
 )
+from afl.server.modes import decode_float64
 from afl.server.plan import build_plan, releases_from_plan, round1_releases, sign_plan
 from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
 from afl.server.servicer import status_for
 from afl.server.store import Store
-from afl.server.uploads import ChunkAssembler, assemble, decode_float64
 
 ROUND: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": 8, "min_participants": 2}
 
@@ -41,29 +39,6 @@ ROUND: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": 8, "min_participa
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
     return provision(tmp_path_factory.mktemp("fed") / "f", sites=["x1", "x2"], round_settings=ROUND)
-
-
-def _chunks(data: bytes, size: int, **over: Any) -> list[coordinator_pb2.UploadChunk]:
-    parts = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
-    fields: dict[str, Any] = {
-        "round_id": "r",
-        "release_name": "gram[all]",
-        "total_bytes": len(data),
-    }
-    fields.update(over)
-    return [
-        coordinator_pb2.UploadChunk(
-            chunk_index=i,
-            total_chunks=len(parts),
-            data=p,
-            sha256=hashlib.sha256(data).digest() if i == len(parts) - 1 else b"",
-            **fields,
-        )
-        for i, p in enumerate(parts)
-    ]
-
-
-# --- config -----------------------------------------------------------------------------------
 
 
 def test_provisioned_config_loads_with_round_settings(federation: ProvisionedFederation) -> None:
@@ -112,54 +87,6 @@ def test_config_file_problems(tmp_path: Path, federation: ProvisionedFederation)
     with pytest.raises(ProvisioningError, match="unknown"):
         provision(tmp_path / "g", sites=["x1"], round_settings={"clases": ["a"]})
     assert tomllib.loads(text)["round"]["aggregation"] == "plaintext"
-
-
-# --- chunk assembly ---------------------------------------------------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.binary(min_size=0, max_size=3000), size=st.integers(1, 700))
-def test_any_chunking_reassembles(data: bytes, size: int) -> None:
-    upload = assemble(_chunks(data, size), max_chunk_bytes=700, max_upload_bytes=4000)
-    assert upload.data == data and upload.sha256 == hashlib.sha256(data).digest()
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.binary(min_size=40, max_size=400), seed=st.integers(0, 2**32 - 1))
-def test_any_reordering_or_duplication_is_rejected(data: bytes, seed: int) -> None:
-    parts = _chunks(data, 10)
-    rng = np.random.default_rng(seed)
-    order = list(rng.permutation(len(parts)))
-    if order == sorted(order):
-        order = [order[1], order[0], *order[2:]]
-    with pytest.raises(InvalidRequestError):
-        assemble([parts[i] for i in order], max_chunk_bytes=10, max_upload_bytes=1000)
-    dup = int(rng.integers(len(parts)))
-    with pytest.raises(InvalidRequestError):
-        assemble(
-            [*parts[: dup + 1], parts[dup], *parts[dup + 1 :]],
-            max_chunk_bytes=10,
-            max_upload_bytes=1000,
-        )
-
-
-def test_chunk_header_and_size_rules() -> None:
-    data = bytes(range(100))
-    parts = _chunks(data, 30)
-    with pytest.raises(TooLargeError, match="declared upload"):
-        ChunkAssembler(max_chunk_bytes=30, max_upload_bytes=99).add(parts[0])
-    with pytest.raises(TooLargeError, match="chunk of 30 bytes"):
-        ChunkAssembler(max_chunk_bytes=29, max_upload_bytes=1000).add(parts[0])
-    changed = _chunks(data, 30, release_name="b[a]")
-    with pytest.raises(InvalidRequestError, match="header"):
-        assemble([parts[0], *changed[1:]], max_chunk_bytes=30, max_upload_bytes=1000)
-    with pytest.raises(InvalidRequestError, match="truncated"):
-        assemble(parts[:-1], max_chunk_bytes=30, max_upload_bytes=1000)
-    with pytest.raises(InvalidRequestError, match="empty"):
-        assemble([], max_chunk_bytes=30, max_upload_bytes=1000)
-    lying = _chunks(data, 30, total_bytes=120)
-    with pytest.raises(InvalidRequestError, match="total_bytes"):
-        assemble(lying, max_chunk_bytes=30, max_upload_bytes=1000)
 
 
 def test_decode_float64_checks_length_and_finiteness() -> None:
@@ -235,7 +162,8 @@ def test_store_audit_chain_and_state_checks(tmp_path: Path) -> None:
         (NotPermittedError("x"), grpc.StatusCode.PERMISSION_DENIED),
         (WrongStageError("x"), grpc.StatusCode.FAILED_PRECONDITION),
         (ConflictError("x"), grpc.StatusCode.ALREADY_EXISTS),
-        (TooLargeError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (WireLimitError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (WireError("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (SignatureError("x"), grpc.StatusCode.PERMISSION_DENIED),
         (KeyError("secret detail"), grpc.StatusCode.INTERNAL),
     ],

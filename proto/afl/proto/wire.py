@@ -1,0 +1,446 @@
+"""The one hand-written mapping between the generated protobuf messages and the protocol, used by
+the coordinator, the sites and the decryptor alike (docs/architecture.md §5).
+
+* :data:`PROTOCOL_VERSION`: the wire protocol version a site and the server speak
+  (``EnrollRequest.protocol_version``, ``RoundConfig.protocol_version``). Not to be confused with
+  :data:`afl.crypto.canonical.DOMAIN_TAG`, the domain separator inside every signature and KDF.
+* :func:`release_length`: number of wire elements of one site's contribution to a release
+  (d(d+1)/2 for a Gram travelling as a packed upper triangle, prod(shape) otherwise).
+* Chunk framing of ``Upload`` and ``Download`` streams, both directions (:func:`iter_chunks`,
+  :class:`ChunkAssembler`): every chunk repeats the header (round, release, kind, total chunks,
+  total bytes), indices run 0..total-1 in order, and the last chunk carries the SHA-256 of the
+  whole payload. At most :data:`MAX_CHUNK_BYTES` per chunk (gRPC's default receive limit is 4 MiB).
+* The MASK-mode messages (coordinator.proto "MASK mode") both ways: site -> protobuf
+  (``*_to_proto``) and protobuf -> :mod:`afl.crypto.secagg_messages` objects (``*_from_proto``).
+  A message's sender is always the authenticated caller passed in by the receiver, never a field
+  of the request. :func:`round_config_from_plan` derives the protocol config from the SIGNED
+  release plan alone, so the config digest bound into every signature is the same everywhere.
+
+Errors are :class:`WireError` (malformed input) and :class:`WireLimitError` (over a size limit);
+the server maps them to INVALID_ARGUMENT and RESOURCE_EXHAUSTED, the sites to a DaemonError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from afl.core.packing import packed_length
+from afl.crypto.errors import ShamirError
+from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
+from afl.crypto.secagg_messages import (
+    KIND_MASK_KEY,
+    KIND_SELF_MASK,
+    AdvertiseKeys,
+    ConsistencySignature,
+    EncryptedShare,
+    KeyDirectory,
+    MaskedInputUpload,
+    RevealedShare,
+    RoutedShares,
+    ShareKeysUpload,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+from afl.crypto.shamir import VALUE_BYTES, Share
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "MAX_CHUNK_BYTES",
+    "PROTOCOL_VERSION",
+    "AssembledPayload",
+    "ChunkAssembler",
+    "WireError",
+    "WireLimitError",
+    "advert_from_proto",
+    "advert_to_proto",
+    "assemble",
+    "consistency_from_proto",
+    "directory_from_proto",
+    "directory_to_proto",
+    "iter_chunks",
+    "masked_upload",
+    "release_length",
+    "round_config_from_plan",
+    "routed_from_proto",
+    "routed_to_proto",
+    "share_keys_from_proto",
+    "share_keys_to_proto",
+    "stage_name",
+    "unmask_request_from_proto",
+    "unmask_request_to_proto",
+    "unmask_response_from_proto",
+    "unmask_response_to_proto",
+]
+
+#: Wire protocol version (EnrollRequest / RoundConfig ``protocol_version``).
+PROTOCOL_VERSION = 1
+#: Largest chunk of an Upload or Download stream.
+MAX_CHUNK_BYTES = 1 << 20
+
+_SHARE_TYPES: dict[int, Literal["self-mask", "mask-key"]] = {
+    pb.SHARE_TYPE_SELF_MASK_SEED: KIND_SELF_MASK,
+    pb.SHARE_TYPE_MASK_KEY: KIND_MASK_KEY,
+}
+
+
+class WireError(ValueError):
+    """A message or stream that does not follow the wire format (the text names the field)."""
+
+
+class WireLimitError(WireError):
+    """A chunk or a transfer above the receiver's size limits."""
+
+
+def stage_name(stage: int) -> str:
+    """Name of a RoundStage value, e.g. "ROUND_STAGE_UPLOAD"."""
+    return pb.RoundStage.Name(stage)  # type: ignore[arg-type]
+
+
+def release_length(
+    release: cpb.Release | None = None, *, shape: Sequence[int] = (), packed: bool = False
+) -> int:
+    """Wire elements of one site's contribution to a release: d(d+1)/2 for a Gram packed as an
+    upper triangle, prod(shape) otherwise. Pass a ``cpb.Release`` or its ``shape``/``packed``."""
+    if release is not None:
+        shape = tuple(int(n) for n in release.shape)
+        packed = release.encoding.packing == cpb.PACKING_UPPER_TRIANGLE
+    if packed:
+        return packed_length(int(shape[0]))
+    return int(np.prod([int(n) for n in shape], dtype=np.int64))
+
+
+# --- chunk framing --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AssembledPayload:
+    """A complete, digest-checked payload of one Upload or Download stream."""
+
+    round_id: str
+    release_name: str
+    kind: int
+    data: bytes
+    sha256: bytes
+
+
+def iter_chunks(
+    data: bytes,
+    *,
+    round_id: str,
+    release_name: str,
+    kind: int = pb.PAYLOAD_KIND_STATISTIC,
+    chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> Iterator[pb.UploadChunk]:
+    """The chunks of one payload (module docstring); one empty chunk for an empty payload."""
+    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    digest = hashlib.sha256(data).digest()
+    total = max(1, -(-len(data) // chunk_bytes))
+    for index in range(total):
+        yield pb.UploadChunk(
+            round_id=round_id,
+            release_name=release_name,
+            chunk_index=index,
+            total_chunks=total,
+            data=data[index * chunk_bytes : (index + 1) * chunk_bytes],
+            sha256=digest if index == total - 1 else b"",
+            kind=kind,  # type: ignore[arg-type]
+            total_bytes=len(data),
+        )
+
+
+def chunk_count(size: int, *, chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Number of chunks :func:`iter_chunks` cuts ``size`` bytes into."""
+    return max(1, -(-size // chunk_bytes))
+
+
+class ChunkAssembler:
+    """Feed chunks with :meth:`add`, then :meth:`finish`. A stream is accepted only if every
+    chunk repeats the first one's header, indices run 0..total-1 in order (a duplicated, skipped
+    or reordered chunk is refused), no chunk exceeds ``max_chunk_bytes``, the declared total is
+    at most ``max_bytes`` (checked on the FIRST chunk, before buffering), the bytes received equal
+    the declared total and SHA-256 of the concatenation equals the digest on the last chunk."""
+
+    def __init__(
+        self, *, max_chunk_bytes: int = MAX_CHUNK_BYTES, max_bytes: int, require_names: bool = True
+    ) -> None:
+        self._max_chunk, self._max_bytes = max_chunk_bytes, max_bytes
+        self._require_names = require_names
+        self._header: tuple[str, str, int, int, int] | None = None
+        self._parts: list[bytes] = []
+        self._received = 0
+        self._digest = b""
+
+    def add(self, chunk: pb.UploadChunk) -> None:
+        header = (
+            chunk.round_id,
+            chunk.release_name,
+            int(chunk.kind),
+            chunk.total_chunks,
+            chunk.total_bytes,
+        )
+        if self._header is None:
+            if self._require_names and (not chunk.round_id or not chunk.release_name):
+                raise WireError("upload chunks must name the round and the release")
+            if chunk.total_chunks < 1:
+                raise WireError("total_chunks must be at least 1")
+            if chunk.total_bytes > self._max_bytes:
+                raise WireLimitError(
+                    f"declared transfer of {chunk.total_bytes} bytes exceeds the limit of "
+                    f"{self._max_bytes} bytes"
+                )
+            self._header = header
+        elif header != self._header:
+            raise WireError("chunk header fields changed within one transfer")
+        if len(chunk.data) > self._max_chunk:
+            raise WireLimitError(
+                f"chunk of {len(chunk.data)} bytes exceeds the limit of {self._max_chunk} bytes"
+            )
+        expected = len(self._parts)
+        if chunk.chunk_index != expected:
+            raise WireError(
+                f"chunk index {chunk.chunk_index} where {expected} was expected (chunks must "
+                "arrive once each, in order)"
+            )
+        if expected >= chunk.total_chunks:
+            raise WireError("more chunks than total_chunks")
+        self._received += len(chunk.data)
+        if self._received > chunk.total_bytes:
+            raise WireError("chunks carry more bytes than total_bytes declares")
+        self._parts.append(chunk.data)
+        if expected == chunk.total_chunks - 1:
+            self._digest = chunk.sha256
+
+    def finish(self) -> AssembledPayload:
+        if self._header is None:
+            raise WireError("empty transfer: no chunks received")
+        round_id, release_name, kind, total_chunks, total_bytes = self._header
+        if len(self._parts) != total_chunks:
+            raise WireError(f"truncated transfer: {len(self._parts)} of {total_chunks} chunks")
+        if self._received != total_bytes:
+            raise WireError(
+                f"transfer has {self._received} bytes, total_bytes declares {total_bytes}"
+            )
+        if len(self._digest) != 32:
+            raise WireError("the last chunk must carry the 32-byte SHA-256 digest")
+        data = b"".join(self._parts)
+        digest = hashlib.sha256(data).digest()
+        if not hmac.compare_digest(digest, self._digest):
+            raise WireError("SHA-256 of the received payload does not match its digest")
+        return AssembledPayload(round_id, release_name, kind, data, digest)
+
+
+def assemble(
+    chunks: Iterable[pb.UploadChunk],
+    *,
+    max_bytes: int,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
+    require_names: bool = True,
+) -> AssembledPayload:
+    """Consume a chunk stream into one checked payload (:class:`ChunkAssembler`)."""
+    assembler = ChunkAssembler(
+        max_chunk_bytes=max_chunk_bytes, max_bytes=max_bytes, require_names=require_names
+    )
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish()
+
+
+# --- MASK mode --------------------------------------------------------------------------------
+
+
+def round_config_from_plan(plan: cpb.ReleasePlan) -> RoundConfig:
+    """The protocol config of a MASK plan: round id and salt, cohort, t and, per release, its
+    members, length and fixed-point encoding (bound B, f, t_R) exactly as signed. Raises
+    :class:`afl.crypto.errors.SecAggConfigError` when the plan is not a valid MASK config."""
+    releases = tuple(
+        ReleaseSpec(
+            name=r.name,
+            members=tuple(r.member_site_ids),
+            length=release_length(r),
+            bound=r.encoding.fixed_point.bound,
+            threshold=r.encoding.fixed_point.min_survivors or None,
+            frac_bits=r.encoding.fixed_point.frac_bits,
+        )
+        for r in plan.releases
+    )
+    return RoundConfig(
+        round_id=plan.round_id,
+        round_salt=bytes(plan.round_salt),
+        cohort=tuple(plan.participants),
+        releases=releases,
+        threshold=plan.mask_threshold or None,
+    )
+
+
+def advert_to_proto(advert: AdvertiseKeys) -> pb.AdvertiseKeysRequest:
+    return pb.AdvertiseKeysRequest(
+        round_id=advert.round_id,
+        cipher_public_key=advert.enc_public,
+        mask_public_key=advert.mask_public,
+        signature=advert.signature,
+    )
+
+
+def advert_from_proto(sender: str, request: pb.AdvertiseKeysRequest) -> AdvertiseKeys:
+    return AdvertiseKeys(
+        request.round_id,
+        sender,
+        bytes(request.cipher_public_key),
+        bytes(request.mask_public_key),
+        bytes(request.signature),
+    )
+
+
+def directory_to_proto(directory: KeyDirectory) -> pb.AdvertisedKeys:
+    return pb.AdvertisedKeys(
+        round_id=directory.round_id,
+        keys=[
+            pb.SiteKeys(
+                site_id=a.site_id,
+                cipher_public_key=a.enc_public,
+                mask_public_key=a.mask_public,
+                signature=a.signature,
+            )
+            for a in sorted(directory.adverts, key=lambda a: a.site_id)
+        ],
+    )
+
+
+def directory_from_proto(keys: pb.AdvertisedKeys) -> KeyDirectory:
+    adverts = tuple(
+        AdvertiseKeys(
+            keys.round_id,
+            k.site_id,
+            bytes(k.cipher_public_key),
+            bytes(k.mask_public_key),
+            bytes(k.signature),
+        )
+        for k in keys.keys
+    )
+    return KeyDirectory(keys.round_id, adverts)
+
+
+def _sealed(shares: Iterable[EncryptedShare]) -> list[pb.SealedMessage]:
+    return [
+        pb.SealedMessage(
+            sender_site_id=s.sender, recipient_site_id=s.recipient, ciphertext=s.ciphertext
+        )
+        for s in shares
+    ]
+
+
+def share_keys_to_proto(upload: ShareKeysUpload) -> pb.ShareKeysRequest:
+    return pb.ShareKeysRequest(round_id=upload.round_id, shares=_sealed(upload.shares))
+
+
+def share_keys_from_proto(sender: str, request: pb.ShareKeysRequest) -> ShareKeysUpload:
+    """The sender of every sealed bundle is the caller (the envelope's sender field is ignored)."""
+    shares = tuple(
+        EncryptedShare(sender, m.recipient_site_id, bytes(m.ciphertext)) for m in request.shares
+    )
+    return ShareKeysUpload(request.round_id, sender, shares)
+
+
+def routed_to_proto(routed: RoutedShares) -> pb.SharedKeys:
+    return pb.SharedKeys(round_id=routed.round_id, shares=_sealed(routed.shares))
+
+
+def routed_from_proto(shared: pb.SharedKeys, *, recipient: str) -> RoutedShares:
+    shares = tuple(
+        EncryptedShare(m.sender_site_id, m.recipient_site_id, bytes(m.ciphertext))
+        for m in shared.shares
+    )
+    return RoutedShares(shared.round_id, recipient, shares)
+
+
+def masked_upload(
+    sender: str, round_id: str, payloads: Mapping[str, bytes], lengths: Mapping[str, int]
+) -> MaskedInputUpload:
+    """A site's masked payloads (uint64 little-endian, one per release) as one protocol upload."""
+    vectors = []
+    for name in sorted(payloads):
+        data = payloads[name]
+        if len(data) != 8 * lengths[name]:
+            raise WireError(
+                f"masked release {name!r} must be {lengths[name]} uint64 "
+                f"({8 * lengths[name]} bytes), got {len(data)} bytes"
+            )
+        vectors.append((name, np.frombuffer(data, dtype="<u8").astype(np.uint64)))
+    return MaskedInputUpload(round_id, sender, tuple(vectors))
+
+
+def consistency_from_proto(
+    sender: str, request: pb.ConsistencySignature, *, survivors: tuple[str, ...]
+) -> ConsistencySignature:
+    if tuple(request.survivors) != survivors:
+        raise WireError("the signed survivor list differs from GetSurvivors")
+    return ConsistencySignature(request.round_id, sender, bytes(request.signature))
+
+
+def unmask_request_to_proto(request: UnmaskRequest) -> pb.UnmaskRequest:
+    return pb.UnmaskRequest(
+        round_id=request.round_id,
+        survivors=list(request.survivors),
+        dropped=list(request.dropped),
+        releases=list(request.releases),
+        signatures=[
+            pb.SiteSignature(site_id=s.site_id, signature=s.signature) for s in request.signatures
+        ],
+    )
+
+
+def unmask_request_from_proto(request: pb.UnmaskRequest) -> UnmaskRequest:
+    return UnmaskRequest(
+        request.round_id,
+        tuple(request.survivors),
+        tuple(request.dropped),
+        tuple(request.releases),
+        tuple(
+            ConsistencySignature(request.round_id, s.site_id, bytes(s.signature))
+            for s in request.signatures
+        ),
+    )
+
+
+def unmask_response_to_proto(response: UnmaskResponse) -> pb.UnmaskResponse:
+    return pb.UnmaskResponse(
+        round_id=response.round_id,
+        shares=[
+            pb.RevealedShare(
+                owner_site_id=s.owner,
+                type=(
+                    pb.SHARE_TYPE_SELF_MASK_SEED
+                    if s.kind == KIND_SELF_MASK
+                    else pb.SHARE_TYPE_MASK_KEY
+                ),
+                share=cpb.ShamirShare(
+                    x=s.share.index, y=s.share.value.to_bytes(VALUE_BYTES, "big")
+                ),
+                release_name=s.release,
+            )
+            for s in response.shares
+        ],
+    )
+
+
+def unmask_response_from_proto(sender: str, request: pb.UnmaskResponse) -> UnmaskResponse:
+    shares = []
+    for item in request.shares:
+        kind = _SHARE_TYPES.get(item.type)
+        if kind is None or len(item.share.y) != VALUE_BYTES:
+            raise WireError("a revealed share has an unknown type or a malformed value")
+        try:
+            share = Share(index=int(item.share.x), value=int.from_bytes(item.share.y, "big"))
+        except ShamirError as exc:
+            raise WireError(f"a revealed share is malformed: {exc}") from exc
+        release = item.release_name if kind == KIND_SELF_MASK else ""
+        shares.append(RevealedShare(item.owner_site_id, kind, release, share))
+    return UnmaskResponse(request.round_id, sender, tuple(shares))
