@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.afl-installed
-# torch is pinned to the build this workplace serves from local disk (design §2).
+# torch is pinned to the build this workplace serves from local disk (docs/architecture.md §1).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: venv install demo test test-all lint typecheck proto proto-check clean

@@ -3,9 +3,9 @@
 ``per-class`` (paper-exact): ``w_c = (Σ_{k∈S_c} G_k + γI)⁻¹ Σ_{k∈S_c} b_{k,c}``. Classes with the
 same coverage set S_c share one Cholesky factorisation, solved for several right-hand sides.
 
-``global`` (hardened default, design §5): one Gram sum over all participants for every class,
-``w_c = (Σ_k G_k + γI)⁻¹ Σ_k b_{k,c}`` where non-labelling clients contribute b = 0. The server
-then learns a single Gram sum and no coverage sets.
+``global`` (hardened default, docs/method.md §1, docs/protocol.md §6): one Gram sum over all
+participants for every class, ``w_c = (Σ_k G_k + γI)⁻¹ Σ_k b_{k,c}`` where non-labelling clients
+contribute b = 0. The server then learns a single Gram sum and no coverage sets.
 
 The server only ever sees sums (``AggregationPlan`` names them); ``solve_from_sums`` turns the
 released sums into W, so plaintext, masked and encrypted modes share one solve.

@@ -1,4 +1,4 @@
-"""Task heterogeneity: which site labels which class (design §4, paper §IV "Missing m").
+"""Task heterogeneity: which site labels which class (docs/method.md §2, paper §IV "Missing m").
 
 An assignment is a boolean ``active`` matrix of shape (K sites, C classes): ``active[k, c]``
 is true iff site k annotates class c; the labels of inactive classes are structurally absent.

@@ -10,9 +10,9 @@ A cache is a directory::
 
 Writers pre-allocate ``features.npy`` and commit progress atomically (write + fsync + rename)
 after each block, so a crash loses at most the block in flight and a writer re-opened on the
-same directory resumes at ``rows_done`` (design §9: a crash never repeats hours of extraction).
-Features are stored as float32 (the backbones' output precision); all statistics are computed
-in float64 by the readers.
+same directory resumes at ``rows_done`` (docs/architecture.md §8: a crash never repeats hours of
+extraction). Features are stored as float32 (the backbones' output precision); all statistics are
+computed in float64 by the readers.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ For an active class c at client k with N+ positives and N- negatives, sample i g
 The zero-positive / zero-negative case is undefined in the paper (division by zero). We define
 it: such a class is *unusable* at that client, its column is all zeros (the client contributes
 nothing for it, exactly as if the class were missing there) and the reason is recorded so the
-round report can say why (design §3).
+round report can say why (docs/method.md §1).
 """
 
 from __future__ import annotations

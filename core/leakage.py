@@ -1,8 +1,8 @@
 """Leakage audit of a release plan: which sites' data do linear combinations of the sums expose.
 
-Design §5. Secure aggregation hides the individual inputs of one sum, but the server learns every
-released sum. Releases of the SAME quantity (e.g. every Gram-matrix sum) can be added and
-subtracted: with the releases-by-sites 0/1 incidence matrix ``A`` (R x K), the server learns
+See docs/protocol.md §6. Secure aggregation hides the individual inputs of one sum, but the server
+learns every released sum. Releases of the SAME quantity (e.g. every Gram-matrix sum) can be added
+and subtracted: with the releases-by-sites 0/1 incidence matrix ``A`` (R x K), the server learns
 ``x·A`` for every rational row vector ``x``. Hence (Chin & Ozsoyoglu 1982; Denning et al. 1979):
 
 * site k is *exposed* iff ``e_k ∈ rowspace(A)``;
@@ -72,7 +72,7 @@ class Exposure:
 
 @dataclass(frozen=True)
 class LeakageReport:
-    """Result of :func:`audit_releases` (design §5)."""
+    """Result of :func:`audit_releases` (docs/protocol.md §6)."""
 
     sites: tuple[SiteId, ...]
     releases: tuple[Release, ...]
@@ -266,7 +266,7 @@ def audit_releases(
     min_cohort: int = DEFAULT_MIN_COHORT,
     max_group_candidates: int = DEFAULT_MAX_GROUP_CANDIDATES,
 ) -> LeakageReport:
-    """Audit a release plan (design §5): exposed sites, small determined groups, small releases.
+    """Audit a release plan (docs/protocol.md §6): exposed sites, small groups, small releases.
 
     Each quantity is analysed separately (row-space test on its incidence matrix, see the module
     docstring). Raises :class:`ReleasePlanError` on malformed input.
@@ -319,7 +319,7 @@ def releases_for_round(
     participants: Sequence[SiteId],
     gram_scope: GramScope,
 ) -> list[Release]:
-    """Build the release list of one analytic round from a coverage spec (design §5).
+    """Build the release list of one analytic round from a coverage spec (docs/protocol.md §6).
 
     ``coverage`` maps each class to the participants that label it. ``per-class`` (paper eq. 13-15)
     releases one Gram sum per distinct coverage set and one b sum per class over S_c; ``global``

@@ -1,4 +1,4 @@
-"""Inference and evaluation (paper eq. 23-25; design §4).
+"""Inference and evaluation (paper eq. 23-25; docs/method.md §1).
 
 Scores are ``σ(H W)``; a class is predicted positive when ``p > 0.5`` (the paper's threshold).
 With balanced targets the raw scores are tiny, so ``p`` sits near 0.5 and the threshold acts as

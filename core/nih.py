@@ -1,4 +1,4 @@
-"""NIH ChestX-ray14 protocol from the metadata torchxrayvision ships (design §4).
+"""NIH ChestX-ray14 protocol from the metadata torchxrayvision ships (docs/method.md §2).
 
 The metadata is ``Data_Entry_2017_v2020.csv.gz`` (112,120 rows) in torchxrayvision's ``data/``
 folder. We locate it *without importing* torchxrayvision (that would import torch) and parse it

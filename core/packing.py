@@ -1,4 +1,4 @@
-"""Packed upper triangle of a symmetric matrix: d(d+1)/2 values on the wire (design §3).
+"""Packed upper triangle of a symmetric matrix: d(d+1)/2 values on the wire (docs/method.md §1).
 
 For d = 1024 that is 524,800 float64 values instead of 1,048,576. Row-major order of
 ``numpy.triu_indices(d)``; the same order is used by every aggregation mode.

@@ -1,8 +1,8 @@
 """Local sufficient statistics of one client, accumulated batch by batch (paper eq. 11-12).
 
 The client sends the raw Gram ``G_k = H_kᵀ H_k`` (not ``A_k = G_k + γI``: the server adds γ once,
-so the paper's ``-(|S_c|-1)γI`` correction of eq. 13 disappears, design §3) and, per active class,
-``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of eq. 7.
+so the paper's ``-(|S_c|-1)γI`` correction of eq. 13 disappears, docs/method.md §1) and, per active
+class, ``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of eq. 7.
 
 Streaming: eq. 7 normalises by the class counts, which are known only at the end. Because
 ``b_{k,c} = S⁺_c / N⁺ - S⁻_c / N⁻`` with ``S^±_c`` the sums of positive / negative feature rows,

@@ -1,4 +1,4 @@
-"""SURROGATE features on the real label matrix: the embedded default data set (design §4).
+"""SURROGATE features on the real label matrix: the embedded default data set (docs/method.md §2).
 
 No NIH images and no pretrained weights are available on these machines, so the default data
 set pairs the REAL NIH label matrix with synthetic image features. Everything computed from
@@ -23,7 +23,7 @@ Generative model, row i with labels ``y_i`` in {0,1}^C at site ``s_i``, ``d`` di
 ``h`` is non-negative with magnitudes O(0.1-1), like TorchXRayVision DenseNet ``features2``
 (ReLU + global average pooling). The default profile is tuned so that the centrally trained
 balanced ridge head (gamma = 1) on the 7:3 image-wise NIH PA split reaches a macro test AUC
-of about 0.78 (design §4 asks for 0.75-0.85; the paper reports ~0.77 on real features).
+of about 0.78 (target range 0.75-0.85; the paper reports ~0.77 on real features).
 
 Determinism: global parameters come from ``default_rng([seed, 0])``, site shifts from
 ``default_rng([seed, 2, k])`` and the rows of chunk j (``CHUNK_ROWS`` rows) from

@@ -1,5 +1,5 @@
-"""Cryptographic primitives for secure aggregation (design §6, §7); imports only numpy,
-cryptography and tenseal (the CKKS modules).
+"""Cryptographic primitives for secure aggregation (docs/protocol.md §4.2, §4.3, §5); imports only
+numpy, cryptography and tenseal (the CKKS modules).
 
 Modules:
     errors       error classes (all derive from ``CryptoError``).
@@ -17,8 +17,8 @@ Modules:
     secagg_server    server state machine: stage checks, drop-outs, release rule, result.
     secagg_unmask    server-side reconstruction of dropped mask keys and self masks.
     secagg_local     in-process driver of one round with drop-outs, timing and byte counts.
-    pki          X.509 federation CA and site certificates for gRPC mutual TLS (design §9).
+    pki          X.509 federation CA and site certificates for gRPC mTLS (docs/protocol.md §3).
     ckks_params  vetted CKKS parameters (N, moduli, scale, security), pre-scaling and noise bounds.
     ckks         CKKS contexts (public/private), tagged block encryption, (de)serialization, sums.
-    ckks_decrypt decryptor: tag-checked, grid-rounded, release-once decryption (design §7).
+    ckks_decrypt decryptor: tag-checked, grid-rounded, decrypt-once (docs/protocol.md §4.3).
 """

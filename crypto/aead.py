@@ -1,4 +1,4 @@
-"""AES-256-GCM encryption of Shamir share payloads (design §6, ShareKeys stage).
+"""AES-256-GCM encryption of Shamir share payloads (ShareKeys stage; docs/protocol.md §4.2, §5).
 
     blob = nonce (12 random bytes) || AES-256-GCM_K(nonce, plaintext, AD)
 

@@ -1,5 +1,5 @@
 """Canonical, injective byte encoding of field tuples, used for signatures, HKDF info and AEAD
-associated data (design §6: domain separation).
+associated data (docs/protocol.md §5: domain separation).
 
 Encoding of a tuple (f_1, ..., f_m):
 

@@ -1,4 +1,4 @@
-"""CKKS mode, transport-independent core: contexts, encryption with aggregate tags, sums (design §7).
+"""CKKS mode core: contexts, encryption with aggregate tags, sums (docs/protocol.md §4.3).
 
 Roles:
     decryptor  ``create_private_context()``; publishes ``public_context_bytes(ctx)`` (public key

@@ -1,4 +1,4 @@
-"""CKKS mode, decryptor side: tag-checked, grid-rounded, release-once decryption (design §7).
+"""CKKS decryptor side: tag-checked, grid-rounded, release-once decryption (docs/protocol.md §4.3).
 
 ``decrypt_release`` decrypts the homomorphic sum of a release's members and, BEFORE returning
 anything, checks that the tag slot (slot 0) of every ciphertext equals Σ_{k ∈ members} r_k within
@@ -18,7 +18,8 @@ server that failed one). Requests with a wrong release name, member list or malf
 ciphertexts are refused before the secret key is used and do not consume the release.
 
 Not covered: the tag check is no proof against every homomorphic manipulation, and TenSEAL has no
-threshold decryption; the mode assumes the decryptor and the server do not collude (design §7).
+threshold decryption; the mode assumes the decryptor and the server do not collude
+(docs/protocol.md §4.3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Vetted CKKS parameters and the pre-scaling / tolerance rules of the CKKS mode (design §7).
+"""Vetted CKKS parameters and the CKKS mode's pre-scaling / tolerance rules (docs/protocol.md §4.3).
 
 Every number the CKKS mode relies on lives here, with its justification.
 

@@ -1,4 +1,4 @@
-"""CKKS mode, wire-level crypto shared by the server, the sites and the decryptor (design §7).
+"""CKKS mode, wire-level crypto shared by server, sites and decryptor (docs/protocol.md §4.3).
 
 Signed statements (Ed25519, :mod:`afl.crypto.signatures`, canonical field encoding):
 

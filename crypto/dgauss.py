@@ -1,4 +1,4 @@
-"""Discrete Gaussian noise over the integers from a CSPRNG (design §8, issue 6).
+"""Discrete Gaussian noise over the integers from a CSPRNG (the DP mode, docs/protocol.md §7).
 
 The discrete Gaussian N_Z(0, σ²) has P(Y = y) ∝ exp(-y²/(2σ²)) for every integer y. Sampler:
 Canonne, Kamath & Steinke 2020 ("The Discrete Gaussian for Differential Privacy", Algorithm 3):

@@ -1,4 +1,4 @@
-"""Error types of afl.crypto: one base class so callers can map all of them in one place (design §9).
+"""Error types of afl.crypto, under one base class so callers map them in one place.
 
 Messages never include secret material (keys, seeds, shares) or statistics.
 """
@@ -76,8 +76,8 @@ class MaskingError(CryptoError, ValueError):
 
 
 class ProtocolError(CryptoError):
-    """A secure-aggregation protocol violation (design §6): wrong stage, unknown or dropped
-    sender, duplicate message, message for another round, or an invalid message body."""
+    """A secure-aggregation protocol violation (docs/protocol.md §4.2): wrong stage, unknown or
+    dropped sender, duplicate message, message for another round, or an invalid message body."""
 
 
 class StageError(ProtocolError):
@@ -110,7 +110,7 @@ class SecAggConfigError(ProtocolError, ValueError):
 
 
 class CkksError(CryptoError):
-    """Base class of the CKKS mode's errors (design §7)."""
+    """Base class of the CKKS mode's errors (docs/protocol.md §4.3)."""
 
 
 class CkksConfigError(CkksError, ValueError):

@@ -1,10 +1,10 @@
-"""Fixed-point encoding of float64 blocks into the ring Z_{2^64} (design §6).
+"""Fixed-point encoding of float64 blocks into the ring Z_{2^64} (docs/protocol.md §5).
 
 A value x with |x| <= B is encoded as q = round(x · 2^f) taken mod 2^64 (numpy uint64, wrapping
 arithmetic). A sum of at most K encodings is decoded by reading it as a signed two's-complement
 int64 and scaling by 2^-f. Decoding is exact (no wrap-around ambiguity) when
 
-    K · M < 2^63,   M = round(B · 2^f)   (the largest |q|; "K·B·2^f < 2^63" in design §6),
+    K · M < 2^63,   M = round(B · 2^f)   (the largest |q|; "K·B·2^f < 2^63" in docs/protocol.md §5),
 
 which the codec checks at construction. Each release block declares its own bound B: Gram
 entries grow with N_k·‖h‖², b entries are O(1), and one scale does not fit both.
@@ -85,8 +85,8 @@ def choose_frac_bits(*, bound: float, max_summands: int) -> int:
 class FixedPointCodec:
     """Fixed-point codec for one release block: declared bound B, f fractional bits, K summands.
 
-    Construction validates K · round(B·2^f) < 2^63 (design §6). ``encode`` rejects |x| > B and
-    NaN/inf with :class:`EncodingRangeError` (never clips); ``decode`` maps a wrapped uint64 sum
+    Construction validates K · round(B·2^f) < 2^63 (docs/protocol.md §5). ``encode`` rejects |x| > B
+    and NaN/inf with :class:`EncodingRangeError` (never clips); ``decode`` maps a wrapped uint64 sum
     of at most K encodings back to float64.
     """
 

@@ -1,4 +1,4 @@
-"""X25519 key agreement and HKDF-SHA256 key derivation with domain separation (design §6).
+"""X25519 key agreement and HKDF-SHA256 key derivation with domain separation (docs/protocol.md §5).
 
 Every derived key is
 

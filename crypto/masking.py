@@ -1,4 +1,4 @@
-"""Pairwise and self masks in Z_{2^64} for one release (Bonawitz et al. CCS'17; design §6).
+"""Pairwise and self masks in Z_{2^64} per release (Bonawitz et al. CCS'17; docs/protocol.md §4.2).
 
 For a release R with member set M (its cohort) and vector length n, site i uploads
 

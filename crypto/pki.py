@@ -1,5 +1,5 @@
-"""X.509 public-key infrastructure of a federation (design §9): a federation CA, the server's
-TLS certificate and one client certificate per site, for gRPC mutual TLS.
+"""X.509 public-key infrastructure of a federation (docs/protocol.md §3): a federation CA, the
+server's TLS certificate and one client certificate per site, for gRPC mutual TLS.
 
 Keys are ECDSA P-256 (curve secp256r1) signed with SHA-256: gRPC's TLS stack (BoringSSL) accepts
 them everywhere, unlike Ed25519 certificates. The site's Ed25519 *identity* key (signatures in

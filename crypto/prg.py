@@ -1,4 +1,4 @@
-"""Pseudo-random generator for masks: AES-256-CTR keyed by a full 32-byte seed (design §6).
+"""Mask PRG: AES-256-CTR keyed by a full 32-byte seed (docs/protocol.md §5).
 
     PRG(s, ctx)[0:n] = little-endian uint64 words of AES-256-CTR_s(IV(ctx), 0^{8n})
 
@@ -7,7 +7,7 @@ block bind the context (protocol version, round, release, purpose), the last 64 
 from zero, so streams for different contexts do not overlap for any n < 2^67 words.
 
 The whole 256-bit seed is the AES key: no folding to 32 bits and no numpy RNG (the weaknesses of
-Flower's SecAgg+ named in design §6).
+Flower's SecAgg+).
 """
 
 from __future__ import annotations

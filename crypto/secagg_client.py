@@ -1,4 +1,4 @@
-"""Client state machine of the secure-aggregation protocol (Bonawitz et al. CCS'17; design §6).
+"""Client state machine of secure aggregation (Bonawitz et al. CCS'17; docs/protocol.md §4.2).
 
 Stages (each method checks it is called in its stage, else :class:`StageError`):
 

@@ -1,16 +1,17 @@
-"""Round configuration of the secure-aggregation protocol (design §5, §6): the cohort, the Shamir
-threshold t, the round id and salt, and the release plan (one :class:`ReleaseSpec` per aggregate).
+"""Round configuration of the secure-aggregation protocol (docs/protocol.md §4.2, §6): the cohort,
+the Shamir threshold t, the round id and salt, and the release plan (one :class:`ReleaseSpec` per
+aggregate).
 
 Thresholds.
     Round threshold t (default ⌊n/2⌋ + 1, a majority of the cohort of n sites): every stage needs
     at least t live clients or the round aborts with no release, and every secret is shared
     t-of-n (Bonawitz et al. CCS'17).
-    Release threshold t_R (default max(⌊m/2⌋ + 1, 3) for a release with m members; design §5
-    minimum cohort 3): a release R is released iff |M_R ∩ U3| >= t_R, where U3 is the set of
-    clients whose masked input arrived. Its sum is Σ_{i ∈ M_R ∩ U3} x_{i,R}: the release's
-    members that survived. Clients enforce it: they never reveal self-mask shares for a release
-    below its threshold (the self-mask seed b_{i,R} is per release, so withholding one release
-    keeps its uploads masked while the others are unmasked).
+    Release threshold t_R (default max(⌊m/2⌋ + 1, 3) for a release with m members: at least
+    the minimum cohort 3 of docs/protocol.md §6): a release R is released iff |M_R ∩ U3| >= t_R,
+    where U3 is the set of clients whose masked input arrived. Its sum is Σ_{i ∈ M_R ∩ U3} x_{i,R}:
+    the release's members that survived. Clients enforce it: they never reveal self-mask shares for
+    a release below its threshold (the self-mask seed b_{i,R} is per release, so withholding one
+    release keeps its uploads masked while the others are unmasked).
 
 Fixed point: release R is encoded with ``FixedPointCodec.for_bound(bound=B_R, max_summands=m)``
 (the most fractional bits with m·B_R·2^f < 2^63), unless ``frac_bits`` is given.
@@ -34,7 +35,8 @@ __all__ = [
     "default_threshold",
 ]
 
-#: Default minimum number of surviving members of a release (design §5 local policy).
+#: Default minimum number of surviving members of a release (the site's local policy,
+#: docs/protocol.md §6).
 MIN_RELEASE_COHORT = 3
 
 

@@ -1,6 +1,6 @@
-"""In-process driver of one secure-aggregation round (design §6): runs the client and server state
-machines of :mod:`afl.crypto.secagg_client` / :mod:`afl.crypto.secagg_server` message by message,
-with a drop-out schedule, and accounts CPU time per party and bytes per site.
+"""In-process driver of one secure-aggregation round (docs/protocol.md §4.2): runs the client and
+server state machines of :mod:`afl.crypto.secagg_client` / :mod:`afl.crypto.secagg_server` message
+by message, with a drop-out schedule, and accounts CPU time per party and bytes per site.
 
 A drop-out is given as the client stage *before* which the site vanishes: ``SHARE_KEYS`` means it
 advertised keys and then sent nothing more; ``MASKED_INPUT`` means it vanished after ShareKeys;

@@ -1,5 +1,5 @@
-"""Messages of the secure-aggregation protocol (Bonawitz et al. CCS'17; design §6), one frozen
-dataclass per message of every stage, transport-independent.
+"""Messages of the secure-aggregation protocol (Bonawitz et al. CCS'17; docs/protocol.md §4.2), one
+frozen dataclass per message of every stage, transport-independent.
 
 Stage              client → server                 server → client(s)
 AdvertiseKeys      :class:`AdvertiseKeys`           :class:`KeyDirectory` (all adverts, U1)

@@ -1,4 +1,4 @@
-"""Server state machine of the secure-aggregation protocol (Bonawitz et al. CCS'17; design §6).
+"""Server state machine of secure aggregation (Bonawitz et al. CCS'17; docs/protocol.md §4.2).
 
 Each stage collects client messages with :meth:`SecAggServer.receive` until the driver closes it
 (a deadline in a daemon, an explicit call here); clients that sent nothing by then have dropped:

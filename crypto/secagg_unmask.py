@@ -1,4 +1,4 @@
-"""Server-side reconstruction of the secure-aggregation protocol's Unmask stage (design §6).
+"""Server-side reconstruction of secure aggregation's Unmask stage (docs/protocol.md §4.2).
 
 From the Unmask responses of U5 (≥ t clients) the server recovers, by Shamir interpolation of
 t shares (:func:`afl.crypto.shamir.reconstruct_many`: one set of Lagrange weights for all

@@ -1,4 +1,4 @@
-"""Shamir t-of-n secret sharing of 32-byte secrets over GF(p), p = 2^521 - 1 (design §6).
+"""Shamir t-of-n secret sharing of 32-byte secrets over GF(p), p = 2^521 - 1 (docs/protocol.md §5).
 
 Split: pick a_1 .. a_{t-1} uniformly in GF(p) with the ``secrets`` CSPRNG and set
 

@@ -1,4 +1,4 @@
-"""Ed25519 identity keys: generate, sign, verify, serialize (design §6, §9).
+"""Ed25519 identity keys: generate, sign, verify, serialize (docs/protocol.md §3, §5).
 
 Protocol messages are signed over a domain-separated canonical encoding
 

@@ -1,4 +1,4 @@
-"""Signed protocol blobs shared by afl-server and afl-client (design §5, §9; coordinator.proto).
+"""Signed protocol blobs of afl-server and afl-client (docs/protocol.md §3, §6; coordinator.proto).
 
 Release plans and models travel as their serialized protobuf bytes plus an Ed25519 signature
 (``SignedReleasePlan``, ``SignedModel``); protobuf serialization is not canonical, so the

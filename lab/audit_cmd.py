@@ -1,4 +1,4 @@
-"""Command-line front end of `afl audit`: the leakage audit of a coverage spec (design §5).
+"""Command line of `afl audit`: the leakage audit of a coverage spec (docs/protocol.md §6).
 
     afl audit --coverage FILE [--gram-scope per-class|global] [--min-cohort 3] [--json]
 

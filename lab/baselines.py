@@ -1,4 +1,4 @@
-"""Gradient FL baselines on the frozen features (paper §IV "Comparison Baseline Methods"; issue 9).
+"""Gradient FL baselines on the frozen features (paper §IV "Comparison Baseline Methods").
 
 Every method trains the same linear head (weights (d, C) + bias (C,), per-class sigmoid BCE;
 ``afl.lab.linear_head``) from zeros for ``rounds`` rounds (paper: R = 50) of ``local_epochs``

@@ -1,4 +1,4 @@
-"""`afl bench ckks`: in-process cost and accuracy of the CKKS mode (design §7, issue 7).
+"""`afl bench ckks`: in-process cost and accuracy of the CKKS mode (docs/protocol.md §4.3).
 
 K simulated sites each encrypt the packed upper triangle of a d×d Gram matrix (d(d+1)/2 values,
 524,800 for d = 1024, 129 ciphertexts) and their class vectors b (d·C values) under the

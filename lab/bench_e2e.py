@@ -2,7 +2,7 @@
 
 Runs :func:`afl.lab.demo_federation.run_loopback` on the same K site caches (random benchmark
 features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the reference), ``mask``
-(issue 5) and/or ``ckks`` (issue 7: afl-server, a dedicated decryptor site and K
+(pairwise masking) and/or ``ckks`` (afl-server, a dedicated decryptor site and K
 ``afl-client run`` processes over loopback mTLS). Reported per mode:
 
     round_seconds        the slowest site's round time (plan check -> verified model)

@@ -3,7 +3,7 @@
 The pipeline figure covers decode (Pillow) + preprocess + DataLoader workers + host→device copy +
 forward + cache writes (``afl.client.extract.extract_features``); the forward figure runs the same
 backbone on a pre-built batch already on the device. The ratio pipeline / forward is the figure of
-merit (1.0 = the input pipeline costs nothing; issue 3 targets ≥ 0.9 on GPU). Images are generated
+merit (1.0 = the input pipeline costs nothing; the target is ≥ 0.9 on GPU). Images are generated
 PNGs (uint8, ``image_size`` px) and the backbone is random-init: throughput does not depend on
 weight values.
 """

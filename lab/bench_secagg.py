@@ -1,4 +1,4 @@
-"""`afl bench secagg`: in-process cost of secure aggregation (design §6, issue 5).
+"""`afl bench secagg`: in-process cost of secure aggregation (docs/protocol.md §4.2).
 
 One round of the Bonawitz protocol (:func:`afl.crypto.secagg_local.run_local_round`) over K
 simulated sites, each releasing the packed upper triangle of a d×d Gram matrix (d(d+1)/2 values,

@@ -1,4 +1,4 @@
-"""`afl bench stats`: local-statistics throughput against the machine's raw ``HᵀH`` (issue 9).
+"""`afl bench stats`: local-statistics throughput against the machine's raw ``HᵀH``.
 
 A site's round-1 cost is one pass of :class:`afl.core.stats.StatsAccumulator` over its features
 (paper eq. 11-12: ``G_k = H_kᵀ H_k`` by BLAS ``dsyrk`` plus ``S^±_c`` sums for ``b_{k,c}``),

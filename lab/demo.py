@@ -1,4 +1,4 @@
-"""`afl demo` (what `make demo` runs): a real federation on this machine (issue 4).
+"""`afl demo` (what `make demo` runs): a real federation on this machine.
 
 1. ``afl provision`` into a temporary folder: a federation CA, the server's kit, 8 site kits;
 2. the embedded default data (SURROGATE features on the real NIH ChestX-ray14 PA labels, FedMLP's
@@ -6,16 +6,16 @@
    (:func:`afl.core.assignment.missing_m_assignment`, seed 1037): each site's feature cache holds
    -1 for the classes it does not label;
 3. ``afl-server`` and one ``afl-client run`` per site as separate processes on loopback, over
-   mutual TLS, in the MASK aggregation mode by default (pairwise masking, design §6; the
+   mutual TLS, in the MASK aggregation mode by default (pairwise masking, docs/protocol.md §4.2; the
    operator-declared bounds come from :func:`afl.lab.demo_federation.mask_round_settings`), or
-   ``--aggregation plaintext``, or ``--aggregation ckks`` (TenSEAL, design §7: the loopback
-   federation then includes a dedicated decryptor site);
+   ``--aggregation plaintext``, or ``--aggregation ckks`` (TenSEAL, docs/protocol.md §4.3: the
+   loopback federation then includes a dedicated decryptor site);
 4. the published, signed model (every site verified the same one) evaluated on the test cache:
    per-class and macro BACC / AUC / AP (paper eq. 23-25), the bytes each site sent, timings.
 
 ``--gram-scope per-class`` runs the paper-exact law; under Missing-3 its release plan exposes
-single sites' Gram matrices (design §5), so the demo then sets the operator override on the server
-and ``allow_exposure = true`` in every site's policy, and says so.
+single sites' Gram matrices (docs/protocol.md §6), so the demo then sets the operator override on
+the server and ``allow_exposure = true`` in every site's policy, and says so.
 """
 
 from __future__ import annotations
@@ -49,15 +49,19 @@ _SETTING = re.compile(r"^missing-(\d+)$")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setting", default="missing-3", help="Missing-m setting (default missing-3)")
     p.add_argument(
-        "--gram-scope", choices=("global", "per-class"), default="global", help="design §5"
+        "--gram-scope",
+        choices=("global", "per-class"),
+        default="global",
+        help="global (default): one Gram sum over all sites; per-class: the paper's law, one per "
+        "coverage set (docs/method.md §1.5, docs/protocol.md §6)",
     )
     p.add_argument("--rounds", type=int, choices=(1, 2), default=1, help="2 = pseudo-label round")
     p.add_argument(
         "--aggregation",
         choices=("plaintext", "mask", "ckks"),
         default="mask",
-        help="mask (default): pairwise masking, design §6; ckks: TenSEAL with a decryptor site, "
-        "design §7; plaintext: the baseline",
+        help="mask (default): pairwise masking, docs/protocol.md §4.2; ckks: TenSEAL with a "
+        "decryptor site, docs/protocol.md §4.3; plaintext: the baseline",
     )
     p.add_argument("--sites", type=int, default=8, help="number of sites (default 8)")
     p.add_argument("--d", type=int, default=1024, help="surrogate feature dimension (default 1024)")
@@ -148,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
         data_s = time.perf_counter() - t0
         per_class = args.gram_scope == "per-class"
         settings: dict[str, Any] = {"gram_scope": args.gram_scope, "rounds": args.rounds}
-        if args.aggregation == "mask":  # declared bounds of the masked encoding (design §6)
+        if args.aggregation == "mask":  # masked encoding's declared bounds (docs/protocol.md §4.2)
             settings.update(mask_round_settings(fed.site_features))
-        if args.aggregation == "ckks":  # declared bound of the CKKS pre-scale (design §7)
+        if args.aggregation == "ckks":  # CKKS pre-scale's declared bound (docs/protocol.md §4.3)
             settings.update(ckks_round_settings(fed.site_features))
         policy = {}
         if per_class:

@@ -1,9 +1,9 @@
 """A real federation on loopback: provisioned kits, site feature caches, and ``afl-server`` plus
-one ``afl-client run`` process per site over mutual TLS (issue 4; used by ``afl demo`` and the
+one ``afl-client run`` process per site over mutual TLS (used by ``afl demo`` and the
 end-to-end tests).
 
-Task heterogeneity (design §4) is written into the data the way a hospital would hold it: a site's
-cache carries -1 labels for the classes it does not annotate, and its client.toml lists the
+Task heterogeneity (docs/method.md §2) is written into the data the way a hospital would hold it: a
+site's cache carries -1 labels for the classes it does not annotate, and its client.toml lists the
 classes it labels. Nothing here computes the model: the daemons do.
 """
 
@@ -91,8 +91,8 @@ def mask_round_settings(
     site_features: Sequence[NDArray[Any]], *, headroom: float = 1.05
 ) -> dict[str, toml_text.TomlValue]:
     """[round] settings of ``aggregation = "mask"`` with the bounds an operator declares for
-    these caches (design §6): L = the largest feature-row norm and N = the largest site, each
-    with ``headroom``; the server derives the Gram bound N·L² and the class-vector bound 2L."""
+    these caches (docs/protocol.md §4.2): L = the largest feature-row norm and N = the largest site,
+    each with ``headroom``; the server derives the Gram bound N·L² and the class-vector bound 2L."""
     norm = max(
         float(np.linalg.norm(np.asarray(f, dtype=np.float64), axis=1).max()) for f in site_features
     )
@@ -107,9 +107,9 @@ def mask_round_settings(
 def ckks_round_settings(
     site_features: Sequence[NDArray[Any]], *, headroom: float = 1.05
 ) -> dict[str, toml_text.TomlValue]:
-    """[round] settings of ``aggregation = "ckks"`` (design §7): the declared bounds on any entry
-    of one site's Gram, N·L² (|h_i·h_j| <= L² per row), and class vector, 2L (a difference of
-    two means of rows), with L the largest feature-row norm and N the largest site, each with
+    """[round] settings of ``aggregation = "ckks"`` (docs/protocol.md §4.3): the declared bounds on
+    any entry of one site's Gram, N·L² (|h_i·h_j| <= L² per row), and class vector, 2L (a difference
+    of two means of rows), with L the largest feature-row norm and N the largest site, each with
     ``headroom``."""
     norm = headroom * max(
         float(np.linalg.norm(np.asarray(f, dtype=np.float64), axis=1).max()) for f in site_features

@@ -2,7 +2,7 @@
 
 Two sources, one shape:
 - the embedded default: the REAL NIH ChestX-ray14 PA label matrix (from the metadata
-  torchxrayvision ships) with SURROGATE features (design §4), split 7:3 and partitioned IID
+  torchxrayvision ships) with SURROGATE features (docs/method.md §2), split 7:3 and partitioned IID
   into K sites as in FedMLP;
 - feature caches (``afl.core.featurecache``) written by ``afl-client extract`` or by
   ``save_federation``: one per site plus a test cache.

@@ -1,4 +1,4 @@
-"""`afl report`: one self-contained HTML file from an `afl simulate` results JSON (issue 9).
+"""`afl report`: one self-contained HTML file from an `afl simulate` results JSON.
 
 Sections: data provenance (SURROGATE features flagged in a banner), the paper's Table II layout
 (methods × settings × macro BACC / AUC in %, mAP in 0-1, best per column in bold), macro metrics

@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     hyper.add_argument("--alpha", type=float, default=0.5)
     hyper.add_argument("--delta-pos", type=int, default=5)
     hyper.add_argument("--delta-neg", type=int, default=50)
-    dp = p.add_argument_group("differential privacy (design §8; adds DP rows, 1 round)")
+    dp = p.add_argument_group("differential privacy (docs/protocol.md §7; adds DP rows, 1 round)")
     dp.add_argument(
         "--dp-epsilon",
         action="append",

@@ -1,4 +1,4 @@
-"""Verification of afl-server's hash-chained audit log (design §9; issue 8), from the SQLite state
+"""Verification of afl-server's hash-chained audit log (docs/protocol.md §11), from the SQLite state
 database or from a JSON-lines export.
 
 The chain is the one :meth:`afl.server.store.Store.audit` writes:

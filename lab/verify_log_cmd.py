@@ -1,4 +1,4 @@
-"""`afl verify-log FILE`: check the hash chain of afl-server's audit log (design §9; issue 8).
+"""`afl verify-log FILE`: check the hash chain of afl-server's audit log (docs/protocol.md §11).
 
     afl verify-log FILE [--expect-head HEX] [--expect-count N] [--export OUT.jsonl] [--json]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fails (exit 1) when the checked-in generated code in proto/afl/proto/v1 differs from what
-# scripts/gen_proto.sh produces from the .proto sources now (design §2). Called by `make test`.
-# The generator versions are pinned in scripts/gen_proto.sh (exit 2 if they are not installed).
+# scripts/gen_proto.sh produces from the .proto sources now (docs/architecture.md §1). Called by
+# `make test`. The generator versions are pinned in scripts/gen_proto.sh (exit 2 if they are not
+# installed).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the checked-in Python code for proto/afl/proto/v1/*.proto (design §2).
+# Regenerates the checked-in Python code for proto/afl/proto/v1/*.proto (docs/architecture.md §1).
 #
 # Usage: scripts/gen_proto.sh [OUT_ROOT]
 #   OUT_ROOT defaults to proto/ (in place). scripts/check_proto_drift.sh passes a temp dir.

@@ -1,1 +1,1 @@
-"""afl wire protocol, version 1: .proto sources and checked-in generated code (design §2)."""
+"""afl wire protocol v1: .proto sources and checked-in generated code (docs/architecture.md §1)."""
