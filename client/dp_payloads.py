@@ -1,21 +1,24 @@
 """A site's DP-mode uploads: clipped additive statistics plus its discrete Gaussian noise share
-(design §8, issue 6; the releases and their noise are set by :mod:`afl.server.dp_plan`).
+(docs/protocol.md §7; the releases and their noise are set by :mod:`afl.server.dp_plan` with the
+rulebook :mod:`afl.core.dp_accounting`).
 
 1. Clip every feature row to ``‖h‖ ≤ L`` (``plan.dp.clip_norm``) and compute the additive
    statistics G, S+_c, T_c, n+_c, N_c over the site's labelled classes
    (:func:`afl.core.dp_stats.sufficient_statistics`; non-labelled classes are zeros).
 2. For each release r the site is a member of, with grid 2^-f (``noise.frac_bits``), guaranteed σ
    (``noise.sigma``) and t (``noise.assumed_colluders``), its share in grid units is
-   σ_int = σ/√(n_r - t)·2^f. Values are rounded to the grid and an integer discrete Gaussian
-   N_Z(0, σ_int²) from the OS CSPRNG (:func:`afl.crypto.dgauss.discrete_gaussian`) is added:
-   x̃ = (round(x·2^f) + Z)/2^f. The Gram uses a full d x d noise matrix, symmetrised
-   (2·round(G·2^f) + Z + Zᵀ)/2^(f+1) (free post-processing, design §8), then packed.
+   σ_int = σ/√(n_r - t)·2^f (:func:`afl.core.dp_accounting.noise_share`). Values are rounded to
+   the grid and an integer discrete Gaussian N_Z(0, σ_int²) from the OS CSPRNG
+   (:func:`afl.crypto.dgauss.discrete_gaussian`) is added: x̃ = (round(x·2^f) + Z)/2^f. The Gram
+   uses a full d x d noise matrix, symmetrised (2·round(G·2^f) + Z + Zᵀ)/2^(f+1) (free
+   post-processing), then packed.
 3. The result is sent in the round's mode encoding (PLAINTEXT: float64, exact because every
    value is an integer multiple of 2^-(f+1) below 2^52 grid steps; larger values are refused).
 
 :func:`site_epsilon` recomputes the site's ε from the plan's noise fields, so a site never relies
 on the server's arithmetic alone: μ² = Σ_{r ∋ site} (Δ_r/σ_r)² with Δ_r at least the sensitivity
-implied by the declared clip norm (GDP composition, :mod:`afl.core.dp_accounting`).
+implied by the declared clip norm for one row per individual (the plan does not carry m), composed
+by :func:`afl.core.dp_accounting.epsilon_for_releases`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.daemon_stats import PayloadError, SlotPayload
-from afl.core.dp_accounting import epsilon_from_mu
+from afl.core.dp_accounting import (
+    AccountingError,
+    GaussianRelease,
+    StatisticKind,
+    epsilon_for_releases,
+    noise_share,
+    statistic_sensitivity,
+)
 from afl.core.dp_stats import SufficientStatistics, clip_rows, sufficient_statistics
 from afl.core.packing import pack_upper
 from afl.crypto.dgauss import discrete_gaussian
@@ -39,6 +49,12 @@ __all__ = ["dp_report", "dp_slot_payloads", "dp_statistics", "noisy_values", "si
 FloatArray = NDArray[np.float64]
 _LIMIT = float(2**52)
 _NOISED = (cpb.NOISE_MECHANISM_DISCRETE_GAUSSIAN, cpb.NOISE_MECHANISM_GAUSSIAN)
+_KINDS: dict[int, StatisticKind] = {
+    cpb.STATISTIC_KIND_GRAM: "gram",
+    cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
+    cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
+    cpb.STATISTIC_KIND_COUNT: "counts",
+}
 
 
 def dp_statistics(
@@ -56,10 +72,12 @@ def dp_statistics(
 
 
 def _share_sigma(release: cpb.Release) -> float:
+    """This site's noise share σ/√(n - t) (:func:`afl.core.dp_accounting.noise_share`)."""
     n, t = len(release.member_site_ids), int(release.noise.assumed_colluders)
-    if not 0 <= t < n:
-        raise PayloadError(f"release {release.name}: assumed_colluders {t} with {n} members")
-    return float(release.noise.sigma) / math.sqrt(n - t)
+    try:
+        return noise_share(float(release.noise.sigma), members=n, colluders=t)
+    except AccountingError as exc:
+        raise PayloadError(f"release {release.name}: {exc}") from exc
 
 
 def _to_grid(x: FloatArray, scale: float, what: str) -> NDArray[np.int64]:
@@ -143,27 +161,28 @@ def dp_slot_payloads(
 
 
 def _min_sensitivity(release: cpb.Release, clip_norm: float) -> float:
-    c_r = float(len(release.class_names))
-    if release.kind == cpb.STATISTIC_KIND_GRAM:
-        return clip_norm**2
-    if release.kind == cpb.STATISTIC_KIND_COUNT:
-        return math.sqrt(2.0 * c_r)
-    return math.sqrt(c_r) * clip_norm
+    """The release's sensitivity at the declared clip norm, one row per individual
+    (:func:`afl.core.dp_accounting.statistic_sensitivity`); another class-vector kind is taken as
+    a d x C_r sum of rows like ``s_pos``, and a vector release with no classes as 0."""
+    kind = _KINDS.get(int(release.kind), "s_pos")
+    if kind != "gram" and not release.class_names:
+        return 0.0
+    return statistic_sensitivity(kind, clip_norm=clip_norm, n_classes=len(release.class_names))
 
 
 def site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
     """ε of ``site_id`` in this round, recomputed from the plan (inf without DP noise)."""
     if not plan.dp.enabled or not 0 < plan.dp.delta < 1 or not plan.dp.clip_norm > 0:
         return math.inf
-    mu_sq = 0.0
+    mine = []
     for r in plan.releases:
         if site_id not in r.member_site_ids:
             continue
         if r.noise.mechanism not in _NOISED or not r.noise.sigma > 0:
             return math.inf
         sens = max(float(r.noise.sensitivity), _min_sensitivity(r, plan.dp.clip_norm))
-        mu_sq += (sens / float(r.noise.sigma)) ** 2
-    return epsilon_from_mu(mu=math.sqrt(mu_sq), delta=plan.dp.delta)
+        mine.append(GaussianRelease(r.name, sens, float(r.noise.sigma)))
+    return epsilon_for_releases(mine, delta=plan.dp.delta)
 
 
 def dp_report(plan: cpb.ReleasePlan, site_id: str) -> dict[str, object]:

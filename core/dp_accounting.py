@@ -1,8 +1,9 @@
-"""Privacy accounting for Gaussian releases of one dataset (design §8).
+"""The DP rulebook: privacy accounting and noise calibration of the DP mode (docs/protocol.md §7,
+docs/architecture.md §6). Pure functions on plain data; every other module calls these.
 
-A Gaussian release with L2 sensitivity Δ and noise standard deviation σ is μ-GDP with μ = Δ/σ
-(Dong, Roth & Su 2019). Releases of the same dataset compose (adaptive or not) into one
-μ-GDP mechanism with
+**Accounting.** A Gaussian release with L2 sensitivity Δ and noise standard deviation σ is μ-GDP
+with μ = Δ/σ (Dong, Roth & Su 2019). Releases of the same dataset compose (adaptive or not) into
+one μ-GDP mechanism with
 
     μ² = Σ_j (Δ_j / σ_j)²,   i.e. noise multiplier  z_eff = 1/μ = (Σ_j (Δ_j/σ_j)²)^(-1/2).
 
@@ -14,12 +15,26 @@ A Gaussian release with L2 sensitivity Δ and noise standard deviation σ is μ-
 subsampling, hence no CLT approximation). opacus' ``GaussianAccountant`` is never used: it is a
 loose CLT approximation for subsampled SGD. opacus imports torch, so it is imported lazily; when it
 is not installed (server-only installs) the same formula is solved here with scipy.
+
+**The releases of a DP round** (:func:`release_groups`, :func:`plan_releases`). Classes are
+grouped by the set of sites that contribute to them: one group over all participants in
+``global`` scope, one group per distinct coverage set S_c in ``per-class`` scope. Each group
+releases four additive statistics over its members: ``gram`` (d x d), ``s_pos`` and ``t_sum``
+(d x C_r) and ``counts`` (n+ and N, 2 x C_r); their L2 sensitivities to one individual are in
+:func:`statistic_sensitivity`.
+
+**Noise** (:func:`calibrate_releases`). One noise multiplier z for every release, σ_r = z·Δ_r, so
+site k, a member of R_k releases, is μ_k-GDP with μ_k = √R_k / z; z is calibrated so that the worst
+site meets (ε, δ) (:func:`noise_multiplier_for_sites`). The noise is distributed: each of the n_r
+members adds a share of standard deviation σ_r/√(n_r - t_r) (:func:`noise_share`), on the grid
+2^-f_r, whose rounding inflates the accounted sensitivity (:func:`grid_frac_bits`,
+:func:`grid_inflation`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,7 +71,7 @@ def _check_delta(delta: float) -> None:
 
 
 def mu_from_releases(releases: Sequence[GaussianRelease]) -> float:
-    """Composed GDP parameter μ = sqrt(Σ_j (Δ_j/σ_j)²) (design §8); inf if some σ_j = 0 < Δ_j."""
+    """Composed GDP parameter μ = sqrt(Σ_j (Δ_j/σ_j)²); inf if some σ_j = 0 < Δ_j."""
     total = 0.0
     for r in releases:
         if r.sensitivity == 0:
@@ -68,7 +83,7 @@ def mu_from_releases(releases: Sequence[GaussianRelease]) -> float:
 
 
 def effective_noise_multiplier(releases: Sequence[GaussianRelease]) -> float:
-    """z_eff = (Σ_j (Δ_j/σ_j)²)^(-1/2) (design §8); inf for no (or zero-sensitivity) releases."""
+    """z_eff = (Σ_j (Δ_j/σ_j)²)^(-1/2); inf for no (or zero-sensitivity) releases."""
     mu = mu_from_releases(releases)
     return math.inf if mu == 0 else 1.0 / mu
 
@@ -110,7 +125,7 @@ def _opacus_available() -> bool:
 
 
 def epsilon_from_mu(*, mu: float, delta: float, backend: Backend = "auto") -> float:
-    """Smallest ε such that μ-GDP is (ε, δ)-DP (exact dual, design §8).
+    """Smallest ε such that μ-GDP is (ε, δ)-DP (exact dual, Balle & Wang 2018).
 
     ``backend``: ``opacus`` (``eps_from_mu``), ``scipy`` (the same formula solved here) or
     ``auto`` (opacus when importable). Returns 0 when μ = 0 or δ(0) ≤ δ, inf when μ = inf.
@@ -136,14 +151,15 @@ def epsilon_from_mu(*, mu: float, delta: float, backend: Backend = "auto") -> fl
 def epsilon_for_releases(
     releases: Sequence[GaussianRelease], *, delta: float, backend: Backend = "auto"
 ) -> float:
-    """ε at δ of the composition of ``releases`` of one dataset (design §8)."""
+    """ε at δ of the composition of ``releases`` of one dataset: ε(μ, δ) with μ from
+    :func:`mu_from_releases`."""
     return epsilon_from_mu(mu=mu_from_releases(releases), delta=delta, backend=backend)
 
 
 def calibrate_noise_multiplier(*, epsilon: float, delta: float, rel_tol: float = 1e-10) -> float:
     """Noise multiplier z = σ/Δ (= 1/μ) of one Gaussian release that is exactly (ε, δ)-DP.
 
-    Bisection on μ of δ(ε; μ) = δ, which is increasing in μ (design §8). ε = inf returns 0
+    Bisection on μ of δ(ε; μ) = δ, which is increasing in μ. ε = inf returns 0
     (no noise). For several releases with a common budget, use the result as z_eff.
     """
     _check_delta(delta)
@@ -168,3 +184,275 @@ def calibrate_sigma(*, epsilon: float, delta: float, sensitivity: float) -> floa
     if not sensitivity > 0:
         raise AccountingError(f"sensitivity must be > 0, got {sensitivity}")
     return calibrate_noise_multiplier(epsilon=epsilon, delta=delta) * sensitivity
+
+
+# ---------------------------------------------------------------------------------------------
+# The DP round: its releases, their sensitivities, the noise split and grid, the calibration.
+# ---------------------------------------------------------------------------------------------
+
+StatisticKind = Literal["gram", "s_pos", "t_sum", "counts"]
+#: The four statistics each release group publishes, in plan order.
+STATISTIC_KINDS: tuple[StatisticKind, ...] = ("gram", "s_pos", "t_sum", "counts")
+GRAM_SCOPES = ("global", "per-class")
+#: Rounding to the noise grid may inflate a release's sensitivity by at most this fraction.
+GRID_INFLATION_MAX = 1e-4
+#: A member's noise share spans at least this many grid steps (its standard deviation).
+MIN_SHARE_STEPS = 64.0
+
+
+def statistic_sensitivity(
+    kind: StatisticKind, *, clip_norm: float, n_classes: int = 0, rows_per_individual: int = 1
+) -> float:
+    """L2 sensitivity Δ of one released statistic to one individual.
+
+    Every row is clipped to ‖h‖ ≤ L; one individual owns at most m rows (group privacy: adding
+    or removing m rows moves a sum by at most m times one row, by the triangle inequality). One
+    row h, labelled (and positive) in all C_r classes of the release, changes
+
+        gram     G = Σ h hᵀ (d x d)           by ‖h hᵀ‖_F = ‖h‖² ≤ L²      →  Δ = m·L²
+        s_pos    S+ (d x C_r), h per column    by √C_r·‖h‖ ≤ √C_r·L         →  Δ = m·√C_r·L
+        t_sum    T  (d x C_r), h per column    by √C_r·L                    →  Δ = m·√C_r·L
+        counts   n+ and N (2 x C_r), 1 each     by √(2C_r)                   →  Δ = m·√(2C_r)
+
+    ``n_classes`` is C_r (ignored for ``gram``).
+    """
+    if not (clip_norm > 0 and math.isfinite(clip_norm)) or rows_per_individual < 1:
+        raise AccountingError("need a finite clip_norm > 0 and rows_per_individual >= 1")
+    m = float(rows_per_individual)
+    if kind == "gram":
+        return m * clip_norm**2
+    if n_classes < 1:
+        raise AccountingError(f"{kind}: need n_classes >= 1, got {n_classes}")
+    if kind in ("s_pos", "t_sum"):
+        return m * math.sqrt(n_classes) * clip_norm
+    if kind == "counts":
+        return m * math.sqrt(2.0 * n_classes)
+    raise AccountingError(f"unknown statistic kind {kind!r}")
+
+
+def statistic_shape(kind: StatisticKind, *, d: int, n_classes: int) -> tuple[int, int]:
+    """Logical shape of a release: gram (d, d), s_pos and t_sum (d, C_r), counts (2, C_r)."""
+    if kind == "gram":
+        return (d, d)
+    if kind == "counts":
+        return (2, n_classes)
+    if kind in ("s_pos", "t_sum"):
+        return (d, n_classes)
+    raise AccountingError(f"unknown statistic kind {kind!r}")
+
+
+def assumed_colluders(*, members: int, tolerated: int, local: bool) -> int:
+    """t_r, the members of a release whose noise share is not counted on.
+
+    t_r = min(t, n_r - 1) under secure aggregation (t = ``tolerated`` colluders or drop-outs);
+    t_r = n_r - 1 when ``local`` (plaintext: the coordinator sees every upload, so each member
+    adds the full σ_r, local DP).
+    """
+    if members < 1 or tolerated < 0:
+        raise AccountingError(f"need members >= 1 and tolerated >= 0 (got {members}, {tolerated})")
+    return members - 1 if local else min(tolerated, members - 1)
+
+
+def noise_share(sigma: float, *, members: int, colluders: int) -> float:
+    """σ_s = σ/√(n - t): one member's share of the noise of a release with guaranteed σ.
+
+    Each of the n members adds N(0, σ_s²); any n - t honest members alone sum to variance
+    (n - t)·σ_s² = σ². Requires 0 ≤ t < n (AccountingError otherwise).
+    """
+    if not 0 <= colluders < members:
+        raise AccountingError(f"need 0 <= assumed colluders < members (got {colluders}, {members})")
+    if not sigma >= 0:
+        raise AccountingError(f"sigma must be >= 0, got {sigma}")
+    return sigma / math.sqrt(members - colluders)
+
+
+def grid_frac_bits(*, sensitivity: float, coordinates: int, share_sigma: float) -> int:
+    """Fractional bits f of the noise grid 2^-f of one release: the smallest f ≥ 0 with
+
+        √D·2^-f ≤ 1e-4·Δ      (rounding D values to the grid inflates Δ by at most 1e-4·Δ)
+        σ_s·2^f ≥ 64          (the share's discrete Gaussian spans at least 64 grid steps)
+
+    i.e. f = max(0, ⌈log2 max(√D / (1e-4·Δ), 64/σ_s)⌉); D = 0 (integer values) drops the first
+    condition. The caller bounds f (the integer range of the transport).
+    """
+    if not sensitivity > 0 or not share_sigma > 0 or coordinates < 0:
+        raise AccountingError("need sensitivity > 0, share_sigma > 0 and coordinates >= 0")
+    need = MIN_SHARE_STEPS / share_sigma
+    if coordinates:
+        need = max(need, math.sqrt(coordinates) / (GRID_INFLATION_MAX * sensitivity))
+    return max(0, math.ceil(math.log2(need)))
+
+
+def grid_inflation(*, coordinates: int, frac_bits: int) -> float:
+    """√D·2^-f: how far rounding D values to the grid 2^-f can move them in L2 (each by < 2^-f).
+
+    The accounted sensitivity of a release on the grid is Δ + √D·2^-f.
+    """
+    if coordinates < 0 or frac_bits < 0:
+        raise AccountingError("need coordinates >= 0 and frac_bits >= 0")
+    return math.sqrt(coordinates) * 2.0**-frac_bits
+
+
+def noise_multiplier_for_sites(
+    *, epsilon: float, delta: float, releases_per_site: Iterable[int]
+) -> float:
+    """One noise multiplier z (σ_r = z·Δ_r for every release) with every site (ε_k ≤ ε, δ)-DP.
+
+    Site k, a member of R_k releases, composes into μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² = R_k/z², so the
+    worst site has R = max_k R_k and z = √R · z*(ε, δ), z* the multiplier of one release
+    (:func:`calibrate_noise_multiplier`, μ* = 1/z*). ε = inf gives 0 (no noise).
+    """
+    worst = max(releases_per_site, default=0)
+    if worst < 1:
+        raise AccountingError("the plan releases nothing to calibrate")
+    return calibrate_noise_multiplier(epsilon=epsilon, delta=delta) * math.sqrt(worst)
+
+
+@dataclass(frozen=True)
+class ReleaseGroup:
+    """Classes that share one contributing member set: they are released together."""
+
+    members: tuple[str, ...]
+    classes: tuple[str, ...]
+
+
+def release_groups(
+    *,
+    classes: Sequence[str],
+    participants: Collection[str],
+    coverage: Mapping[str, Collection[str]],
+    gram_scope: str,
+) -> tuple[ReleaseGroup, ...]:
+    """The release groups of a DP round (``coverage`` maps site -> the classes it labels).
+
+    ``global``: one group, every participant (sorted), every class. ``per-class``: one group per
+    distinct coverage set S_c = {k : c ∈ coverage[k]} (sorted), its classes in ``classes``
+    order, groups in order of first class; a class no participant labels is in no group.
+    """
+    if gram_scope not in GRAM_SCOPES:
+        raise AccountingError(f"gram_scope must be one of {GRAM_SCOPES}, got {gram_scope!r}")
+    everyone = tuple(sorted(participants))
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for c in classes:
+        members = (
+            everyone
+            if gram_scope == "global"
+            else tuple(s for s in everyone if c in coverage.get(s, ()))
+        )
+        if members:
+            groups.setdefault(members, []).append(c)
+    return tuple(ReleaseGroup(m, tuple(cls)) for m, cls in groups.items())
+
+
+@dataclass(frozen=True)
+class StatisticRelease:
+    """One released statistic as plain data: ``name`` is its key, ``n_classes`` its C_r."""
+
+    name: str
+    kind: StatisticKind
+    members: tuple[str, ...]
+    n_classes: int
+    shape: tuple[int, ...]
+
+    @property
+    def rounded_coordinates(self) -> int:
+        """D_r, the values rounded to the noise grid: all of them, none for integer counts."""
+        return 0 if self.kind == "counts" else math.prod(self.shape)
+
+
+def plan_releases(groups: Sequence[ReleaseGroup], *, d: int) -> list[StatisticRelease]:
+    """The four releases (:data:`STATISTIC_KINDS`) of every group, named ``kind[classes]``."""
+    out = []
+    for g in groups:
+        c_r = len(g.classes)
+        for kind in STATISTIC_KINDS:
+            name = f"{kind}[{','.join(g.classes)}]"
+            shape = statistic_shape(kind, d=d, n_classes=c_r)
+            out.append(StatisticRelease(name, kind, g.members, c_r, shape))
+    return out
+
+
+@dataclass(frozen=True)
+class ReleaseNoise:
+    """Noise of one release: guaranteed σ, accounted sensitivity, grid, colluders assumed."""
+
+    sigma: float
+    sensitivity: float
+    frac_bits: int
+    assumed_colluders: int
+
+
+@dataclass(frozen=True)
+class NoiseCalibration:
+    """The calibrated noise of every release (by name) and the ε each site spends."""
+
+    noise_multiplier: float
+    noise: Mapping[str, ReleaseNoise]
+    site_epsilon: Mapping[str, float]
+
+
+def site_epsilons(
+    releases: Sequence[StatisticRelease],
+    noise: Mapping[str, ReleaseNoise],
+    *,
+    sites: Iterable[str],
+    delta: float,
+) -> dict[str, float]:
+    """ε_k at δ of every site: the composition (:func:`epsilon_for_releases`) of the releases it
+    is a member of, μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² with the accounted Δ_r and σ_r of ``noise``."""
+    out = {}
+    for site in sites:
+        mine = [
+            GaussianRelease(r.name, noise[r.name].sensitivity, noise[r.name].sigma)
+            for r in releases
+            if site in r.members
+        ]
+        out[site] = epsilon_for_releases(mine, delta=delta)
+    return out
+
+
+def calibrate_releases(
+    releases: Sequence[StatisticRelease],
+    *,
+    epsilon: float,
+    delta: float,
+    clip_norm: float,
+    rows_per_individual: int = 1,
+    tolerated: int = 0,
+    local: bool = False,
+    participants: Collection[str] | None = None,
+) -> NoiseCalibration:
+    """Noise of every release so that every site is (ε_k ≤ ε, δ)-DP (finite ε > 0).
+
+    For release r with n_r members: Δ_r (:func:`statistic_sensitivity`), z from the worst site
+    (:func:`noise_multiplier_for_sites`), t_r (:func:`assumed_colluders`), the grid f_r
+    (:func:`grid_frac_bits` for the share z·Δ_r/√(n_r - t_r)), the accounted sensitivity
+    Δ'_r = Δ_r + √D_r·2^-f_r (:func:`grid_inflation`) and σ_r = z·Δ'_r, so still
+    μ_k = √R_k / z. ε_k by :func:`site_epsilons` over ``participants`` (default: every member).
+    """
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise AccountingError(f"epsilon must be finite and > 0, got {epsilon}")
+    sites = (
+        sorted({s for r in releases for s in r.members})
+        if participants is None
+        else list(participants)
+    )
+    per_site = [sum(1 for r in releases if s in r.members) for s in sites]
+    z = noise_multiplier_for_sites(epsilon=epsilon, delta=delta, releases_per_site=per_site)
+    noise: dict[str, ReleaseNoise] = {}
+    for r in releases:
+        base = statistic_sensitivity(
+            r.kind,
+            clip_norm=clip_norm,
+            n_classes=r.n_classes,
+            rows_per_individual=rows_per_individual,
+        )
+        n_r = len(r.members)
+        t_r = assumed_colluders(members=n_r, tolerated=tolerated, local=local)
+        share = noise_share(z * base, members=n_r, colluders=t_r)
+        coords = r.rounded_coordinates
+        frac = grid_frac_bits(sensitivity=base, coordinates=coords, share_sigma=share)
+        sens = base + grid_inflation(coordinates=coords, frac_bits=frac)
+        noise[r.name] = ReleaseNoise(z * sens, sens, frac, t_r)
+    eps = site_epsilons(releases, noise, sites=sites, delta=delta)
+    return NoiseCalibration(z, noise, eps)

@@ -1,20 +1,20 @@
-"""Differentially private release of the analytic sufficient statistics (design §8), float version.
-
-Pipeline (each step numbered as in design §8):
+"""Differentially private release of the analytic sufficient statistics (docs/protocol.md §7),
+float version. The sensitivities, noise split and calibration are the rulebook's
+(:mod:`afl.core.dp_accounting`); this module holds the data pipeline.
 
 1. Row clipping ``h <- h·min(1, L/‖h‖)``, so every feature row has ‖h‖ ≤ L.
 2. Additive statistics over the rows (summable across sites, hence compatible with secure
    aggregation): ``G = Σ h hᵀ``; per class c, over the rows that carry a label for c, the positive
    sum ``S+_c = Σ_{y=1} h``, positive count ``n+_c``, label total ``T_c = Σ h`` and label count
    ``N_c``. A site that labels every class has ``T_c = T = Σ h`` and ``N_c = N`` for all c; keeping
-   them per class lets sites that do not label c send zeros (global gram_scope, design §5).
-3. Gaussian noise, one σ per statistic. Adding or removing one row changes G by ``h hᵀ``
-   (Frobenius ≤ L²), the (C, d) blocks S+ and T by ≤ √C·L and the count vectors by ≤ √C
-   (a row labelled, and positive, in all C classes). ``rows_per_individual = m`` multiplies all
-   sensitivities by m (group privacy, several images per patient).
+   them per class lets sites that do not label c send zeros (global gram_scope, docs/protocol.md
+   §6).
+3. Gaussian noise, one σ per statistic (:class:`NoiseScales`; released as ``gram``, ``s_pos``,
+   ``t_sum`` and ``counts`` = (n+, N) with the sensitivities of
+   :func:`afl.core.dp_accounting.statistic_sensitivity`).
    Noise on G: ``Ĝ = G + σ_G·(Z + Zᵀ)/2`` with Z a full iid N(0,1) d x d matrix. The mechanism is
-   ``G + σ_G·Z`` (Frobenius sensitivity L², noise multiplier σ_G/L²); the symmetrisation is free
-   post-processing. Resulting noise variance: σ_G² on the diagonal, σ_G²/2 off the diagonal.
+   ``G + σ_G·Z`` (Frobenius sensitivity m·L², noise multiplier σ_G/(m·L²)); the symmetrisation is
+   free post-processing. Resulting noise variance: σ_G² on the diagonal, σ_G²/2 off the diagonal.
 4. Server-side normalisation into balanced targets (paper eq. 7, pooled):
    ``b_c = S+_c/n+_c - (T_c - S+_c)/(N_c - n+_c)``, counts floored at ``min_count`` (noise can
    make them small or negative; post-processing). Difference from the paper: the paper normalises
@@ -30,13 +30,10 @@ Noise comes from a ``numpy.random.Generator`` passed in: this module is for simu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-
-from afl.core.dp_accounting import GaussianRelease
 
 FloatArray = NDArray[np.float64]
 
@@ -46,7 +43,7 @@ class DPStatsError(ValueError):
 
 
 def clip_rows(features: FloatArray, *, clip_norm: float) -> FloatArray:
-    """Design §8 step 1: ``h <- h·min(1, L/‖h‖)`` for every row of ``features`` (n, d)."""
+    """Step 1: ``h <- h·min(1, L/‖h‖)`` for every row of ``features`` (n, d)."""
     if not clip_norm > 0:
         raise DPStatsError(f"clip_norm must be > 0, got {clip_norm}")
     h = np.asarray(features, dtype=np.float64)
@@ -62,7 +59,7 @@ def clip_rows(features: FloatArray, *, clip_norm: float) -> FloatArray:
 
 @dataclass(frozen=True)
 class SufficientStatistics:
-    """Additive statistics of design §8: G (d,d), S+ (C,d), n+ (C,), T (C,d), N (C,)."""
+    """Additive statistics (step 2): G (d,d), S+ (C,d), n+ (C,), T (C,d), N (C,)."""
 
     gram: FloatArray
     positive_sum: FloatArray
@@ -86,7 +83,7 @@ def sufficient_statistics(
     *,
     label_mask: NDArray[np.bool_] | None = None,
 ) -> SufficientStatistics:
-    """Design §8 step 2 on one site's (already clipped) rows.
+    """Step 2 on one site's (already clipped) rows.
 
     ``labels`` (n, C) holds 1 for positive, 0 for negative; ``label_mask`` (n, C) or (C,) says
     which labels exist (default: all). Missing labels are ignored whatever their value.
@@ -116,7 +113,8 @@ def sufficient_statistics(
 
 @dataclass(frozen=True)
 class NoiseScales:
-    """Noise standard deviation σ per statistic (0 = not noised)."""
+    """Noise standard deviation σ per statistic (0 = not noised). In a DP round n+ and N are one
+    release (``counts``) and share its σ."""
 
     gram: float
     positive_sum: float
@@ -124,85 +122,11 @@ class NoiseScales:
     label_sum: float
     label_count: float
 
-    @classmethod
-    def for_noise_multiplier(
-        cls,
-        *,
-        noise_multiplier: float,
-        clip_norm: float,
-        n_classes: int,
-        rows_per_individual: int = 1,
-    ) -> NoiseScales:
-        """σ_j = z·Δ_j for all five statistics; their composition has z_eff = z/√5 (design §8)."""
-        s = statistic_sensitivities(
-            clip_norm=clip_norm, n_classes=n_classes, rows_per_individual=rows_per_individual
-        )
-        z = noise_multiplier
-        return cls(
-            gram=z * s.gram,
-            positive_sum=z * s.positive_sum,
-            positive_count=z * s.positive_count,
-            label_sum=z * s.label_sum,
-            label_count=z * s.label_count,
-        )
-
-
-N_STATISTICS = 5
-
-
-def noise_share(scales: NoiseScales, *, contributors: int, tolerated: int = 0) -> NoiseScales:
-    """Per-contributor σ for distributed noise under secure aggregation (design §8).
-
-    Each of n contributors adds N(0, σ²/(n - t)): if up to t of them collude or drop out, the
-    honest remaining shares still sum to variance ≥ σ². With one contributor it is the full σ.
-    """
-    if contributors < 1 or not 0 <= tolerated < contributors:
-        raise DPStatsError(
-            f"need contributors >= 1 and 0 <= tolerated < contributors "
-            f"(got {contributors}, {tolerated})"
-        )
-    f = 1.0 / math.sqrt(contributors - tolerated)
-    return NoiseScales(
-        gram=f * scales.gram,
-        positive_sum=f * scales.positive_sum,
-        positive_count=f * scales.positive_count,
-        label_sum=f * scales.label_sum,
-        label_count=f * scales.label_count,
-    )
-
-
-def statistic_sensitivities(
-    *, clip_norm: float, n_classes: int, rows_per_individual: int = 1
-) -> NoiseScales:
-    """L2 sensitivities (design §8 step 3): G m·L², S+ and T m·√C·L, n+ and N m·√C."""
-    if not clip_norm > 0 or n_classes < 1 or rows_per_individual < 1:
-        raise DPStatsError("need clip_norm > 0, n_classes >= 1, rows_per_individual >= 1")
-    m = float(rows_per_individual)
-    root_c = math.sqrt(n_classes)
-    return NoiseScales(
-        gram=m * clip_norm**2,
-        positive_sum=m * root_c * clip_norm,
-        positive_count=m * root_c,
-        label_sum=m * root_c * clip_norm,
-        label_count=m * root_c,
-    )
-
-
-def gaussian_releases(
-    scales: NoiseScales, *, clip_norm: float, n_classes: int, rows_per_individual: int = 1
-) -> list[GaussianRelease]:
-    """The five Gaussian mechanisms of one noised :class:`SufficientStatistics`, for accounting."""
-    sens = statistic_sensitivities(
-        clip_norm=clip_norm, n_classes=n_classes, rows_per_individual=rows_per_individual
-    )
-    names = ("gram", "positive_sum", "positive_count", "label_sum", "label_count")
-    return [GaussianRelease(n, getattr(sens, n), getattr(scales, n)) for n in names]
-
 
 def add_noise(
     stats: SufficientStatistics, *, scales: NoiseScales, rng: np.random.Generator
 ) -> SufficientStatistics:
-    """Design §8 step 3: Gaussian noise per statistic; G gets σ_G·(Z + Zᵀ)/2 (symmetric)."""
+    """Step 3: Gaussian noise per statistic; G gets σ_G·(Z + Zᵀ)/2 (symmetric)."""
     for name in ("gram", "positive_sum", "positive_count", "label_sum", "label_count"):
         if not getattr(scales, name) >= 0:
             raise DPStatsError(f"noise scale {name} must be >= 0")
@@ -224,7 +148,7 @@ def add_noise(
 
 
 def balanced_targets(stats: SufficientStatistics, *, min_count: float = 1.0) -> FloatArray:
-    """Design §8 step 4: b_c = S+_c/n+_c - (T_c - S+_c)/(N_c - n+_c), returned as (d, C).
+    """Step 4: b_c = S+_c/n+_c - (T_c - S+_c)/(N_c - n+_c), returned as (d, C).
 
     Counts below ``min_count`` are floored to it (post-processing of noisy counts). A class with
     no positives or no negatives (noise-free count 0) thus gets only the other term.
@@ -240,7 +164,7 @@ def balanced_targets(stats: SufficientStatistics, *, min_count: float = 1.0) -> 
 
 
 def floor_eigenvalues(matrix: FloatArray, *, floor: float) -> FloatArray:
-    """Design §8 step 5: V·diag(max(λ, floor))·Vᵀ of the symmetric part of ``matrix``."""
+    """Step 5: V·diag(max(λ, floor))·Vᵀ of the symmetric part of ``matrix``."""
     a = np.asarray(matrix, dtype=np.float64)
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise DPStatsError(f"need a square matrix, got shape {a.shape}")

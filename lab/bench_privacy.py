@@ -1,7 +1,8 @@
 """`afl bench privacy`: utility vs ε (PNG + JSON) and the accuracy cost of `global` vs `per-class`.
 
-Runs `afl simulate`'s DP rows (design §8) on a federation (default: the embedded surrogate) for
-each Missing-m setting, both Gram scopes and every ε, plus the non-private rows as references.
+Runs `afl simulate`'s DP rows (docs/protocol.md §7: the daemons' releases and calibration) on a
+federation (default: the embedded surrogate) for each Missing-m setting, both Gram scopes and
+every ε, plus the non-private rows as references.
 """
 
 from __future__ import annotations

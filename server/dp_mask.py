@@ -1,10 +1,10 @@
-"""Fixed-point encodings of a DP plan in MASK mode (design §6 and §8, issue 6).
+"""Fixed-point encodings of a DP plan in MASK mode (docs/protocol.md §5 and §7).
 
 In DP mode a site uploads clipped additive statistics plus its discrete Gaussian noise share
 (:mod:`afl.client.dp_payloads`), so the declared MASK bounds of balanced class vectors do not
 apply. With N = ``mask_max_samples`` (rows per site), L = ``clip_norm`` and the share's standard
-deviation σ_s = σ_r/√(n_r - t_r) of release r, one site's values satisfy, with probability
-≥ 1 - 10^-15 per coordinate (|Z| ≤ 8σ_s):
+deviation σ_s = σ_r/√(n_r - t_r) of release r (:func:`afl.core.dp_accounting.noise_share`), one
+site's values satisfy, with probability ≥ 1 - 10^-15 per coordinate (|Z| ≤ 8σ_s):
 
     |G_ij| ≤ N·L² + 8σ_s + 2^-f_n,  |S+|, |T| ≤ N·L + 8σ_s + 2^-f_n,  |n+|, |N| ≤ N + 8σ_s + 2^-f_n
 
@@ -20,8 +20,7 @@ than n_r - t_r would carry less noise than σ_r even with no colluder, so it is 
 
 from __future__ import annotations
 
-import math
-
+from afl.core.dp_accounting import AccountingError, noise_share
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_config import ReleaseSpec
 from afl.proto.v1 import common_pb2 as cpb
@@ -34,11 +33,11 @@ NOISE_TAIL = 8.0
 
 def dp_mask_bound(release: cpb.Release, *, max_samples: int, clip_norm: float) -> float:
     """B_r of one DP release (module docstring); ``release.noise`` must be set."""
-    n = len(release.member_site_ids)
-    t = int(release.noise.assumed_colluders)
-    if not 0 <= t < n:
-        raise ValueError(f"release {release.name}: assumed_colluders {t} with {n} members")
-    share = float(release.noise.sigma) / math.sqrt(n - t)
+    n, t = len(release.member_site_ids), int(release.noise.assumed_colluders)
+    try:
+        share = noise_share(float(release.noise.sigma), members=n, colluders=t)
+    except AccountingError as exc:
+        raise ValueError(f"release {release.name}: {exc}") from exc
     noise = NOISE_TAIL * share + 2.0 ** -int(release.noise.frac_bits)
     if release.kind == cpb.STATISTIC_KIND_GRAM:
         return max_samples * clip_norm**2 + noise

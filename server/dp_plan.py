@@ -1,4 +1,4 @@
-"""DP mode of a round: the releases, noise calibration and per-site budgets (design §8, issue 6).
+"""DP mode of a round: the releases, noise calibration and per-site budgets (docs/protocol.md §7).
 
 Configured by an optional ``[round.dp]`` table of server.toml (:class:`DpSettings`)::
 
@@ -9,33 +9,37 @@ Configured by an optional ``[round.dp]`` table of server.toml (:class:`DpSetting
     tolerated = 0              # t: colluding or dropping contributors the noise split tolerates
     rows_per_individual = 1    # m: images per patient (group privacy multiplies sensitivities)
 
-Releases (round 1 only): instead of balanced b (its scale 1/N+ is data dependent), sites release
-the ADDITIVE statistics of design §8 over each group of classes that share one contributing set
-(one group over all participants in ``global`` scope; one per distinct coverage set S_c in
-``per-class`` scope): ``gram`` (packed Gram, Δ = m·L² Frobenius), ``s_pos`` (S+ per class, d x C_r,
-Δ = m·√C_r·L), ``t_sum`` (T per class, d x C_r, Δ = m·√C_r·L) and ``counts`` (n+ and N per
-class, 2 x C_r, Δ = m·√(2C_r)).
+Every formula is the rulebook's (:mod:`afl.core.dp_accounting`); this module maps it onto the
+plan's protobuf releases. Releases (round 1 only): instead of balanced b (its scale 1/N+ is data
+dependent), sites release the ADDITIVE statistics over each group of classes that share one
+contributing set (:func:`~afl.core.dp_accounting.release_groups`: one group over all
+participants in ``global`` scope; one per distinct coverage set S_c in ``per-class`` scope):
+``gram`` (packed Gram, Δ = m·L² Frobenius), ``s_pos`` (S+ per class, d x C_r, Δ = m·√C_r·L),
+``t_sum`` (T per class, d x C_r, Δ = m·√C_r·L) and ``counts`` (n+ and N per class, 2 x C_r,
+Δ = m·√(2C_r)).
 
-Noise: each release r carries a discrete Gaussian on the grid 2^-f_r (``DpNoise.frac_bits``).
-Rounding a site's values to the grid moves each of the D_r coordinates by < 1 grid step, so the
-sensitivity used for accounting is Δ_r + √D_r·2^-f_r (counts are integers: no inflation); f_r is
-chosen so that this inflation is ≤ 1e-4·Δ_r. One noise multiplier z is used for every release:
-σ_r = z·Δ_r. Site k's releases compose into μ_k-GDP with μ_k = √R_k / z (R_k = releases site k
-is a member of, design §8), so z = z*(ε, δ)·√max_k R_k makes every site (ε_k ≤ ε, δ)-DP;
-ε_k is computed with :mod:`afl.core.dp_accounting` (opacus' exact GDP dual).
+Noise (:func:`~afl.core.dp_accounting.calibrate_releases`): each release r carries a discrete
+Gaussian on the grid 2^-f_r (``DpNoise.frac_bits``). Rounding a site's values to the grid moves
+each of the D_r coordinates by < 1 grid step, so the sensitivity used for accounting is
+Δ_r + √D_r·2^-f_r (counts are integers: no inflation); f_r is chosen so that this inflation is
+≤ 1e-4·Δ_r and a share spans ≥ 64 grid steps, and a plan needing f_r > 40 is refused (epsilon too
+large for the integer grid). One noise multiplier z is used for every release: σ_r = z·Δ_r.
+Site k's releases compose into μ_k-GDP with μ_k = √R_k / z (R_k = releases site k is a member
+of), so z = z*(ε, δ)·√max_k R_k makes every site (ε_k ≤ ε, δ)-DP; ε_k is the composition of its
+releases (opacus' exact GDP dual).
 
-Distributed noise (design §8): ``DpNoise.sigma`` is the GUARANTEED standard deviation σ_r in the
-released sum; each of the n_r members adds a share N_Z(0, σ_r²/(n_r - t_r)) (``assumed_colluders``
-t_r), so the shares of any n_r - t_r honest members alone have variance ≥ σ_r². In MASK/CKKS mode
+Distributed noise: ``DpNoise.sigma`` is the GUARANTEED standard deviation σ_r in the released sum;
+each of the n_r members adds a share N_Z(0, σ_r²/(n_r - t_r)) (``assumed_colluders`` t_r), so the
+shares of any n_r - t_r honest members alone have variance ≥ σ_r². In MASK/CKKS mode
 t_r = min(t, n_r - 1). In PLAINTEXT mode the server sees every upload, so it is a colluder with
 everyone else: t_r = n_r - 1 and every site adds the full σ_r (local DP), whatever ``tolerated``
 says. The sum of the honest discrete Gaussian shares is accounted as one Gaussian of σ_r, an
 approximation we state rather than hide: a sum of discrete Gaussians is close to a discrete
 Gaussian, with a slack that decays like e^{-cσ_s²} in the share's σ_s in grid units (Kairouz, Liu
 & Steinke 2021, "The Distributed Discrete Gaussian Mechanism"), so shares are kept at ≥ 64 grid
-steps (enforced here); and the discrete Gaussian's privacy matches the continuous one's at the
-same σ up to terms of the same kind (Canonne, Kamath & Steinke 2020). Sampling itself is exact up
-to binary64 rounding (:mod:`afl.crypto.dgauss`).
+steps; and the discrete Gaussian's privacy matches the continuous one's at the same σ up to
+terms of the same kind (Canonne, Kamath & Steinke 2020). Sampling itself is exact up to binary64
+rounding (:mod:`afl.crypto.dgauss`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from afl.core.dp_accounting import calibrate_noise_multiplier, epsilon_from_mu
+from afl.core.dp_accounting import (
+    ReleaseNoise,
+    StatisticKind,
+    StatisticRelease,
+    calibrate_releases,
+    noise_share,
+    plan_releases,
+    release_groups,
+)
 from afl.core.leakage import LeakageReport, Release, audit_releases
 from afl.proto.v1 import common_pb2
 from afl.server.plan import GLOBAL_GRAM, PlannedRelease
@@ -61,16 +73,15 @@ __all__ = [
     "dp_settings_from_table",
 ]
 
-_KINDS = {
+_KINDS: dict[StatisticKind, int] = {
     "gram": common_pb2.STATISTIC_KIND_GRAM,
     "s_pos": common_pb2.STATISTIC_KIND_POSITIVE_SUM,
     "t_sum": common_pb2.STATISTIC_KIND_FEATURE_SUM,
     "counts": common_pb2.STATISTIC_KIND_COUNT,
 }
-_PREFIX: dict[int, str] = {int(v): k for k, v in _KINDS.items()}
+_PREFIX: dict[int, StatisticKind] = {int(v): k for k, v in _KINDS.items()}
 _DP_KEYS = {"epsilon", "delta", "clip_norm", "tolerated", "rows_per_individual"}
-_MIN_SHARE_STEPS = 64.0  # a noise share spans at least this many grid steps
-_MAX_FRAC_BITS = 40
+_MAX_FRAC_BITS = 40  # the integer grid's range on the wire (afl.client.dp_payloads)
 
 
 @dataclass(frozen=True)
@@ -125,28 +136,24 @@ def dp_releases(
     gram_scope: str,
     d: int,
 ) -> list[PlannedRelease]:
-    """Round-1 releases of DP mode (module docstring); ``coverage`` maps site -> classes."""
+    """Round-1 releases of DP mode (module docstring); ``coverage`` maps site -> classes.
+
+    The groups and their four statistics are :func:`afl.core.dp_accounting.release_groups` and
+    :func:`~afl.core.dp_accounting.plan_releases`; only the release names are chosen here.
+    """
     everyone = sorted(participants)
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for c in classes:
-        members = (
-            tuple(everyone)
-            if gram_scope == "global"
-            else tuple(s for s in everyone if c in coverage.get(s, ()))
-        )
-        if members:
-            groups.setdefault(members, []).append(c)
+    groups = release_groups(
+        classes=classes, participants=everyone, coverage=coverage, gram_scope=gram_scope
+    )
     out: list[PlannedRelease] = []
-    for members, cls in groups.items():
+    for group in groups:
+        members = group.members
         gram_name = GLOBAL_GRAM if list(members) == everyone else "gram" + _group_label(members, [])
-        suffix = "" if gram_scope == "global" else "[" + ",".join(cls) + "]"
-        c_r = len(cls)
-        out.append(PlannedRelease(gram_name, members, _KINDS["gram"], (), (d, d)))
-        out.append(PlannedRelease(f"s_pos{suffix}", members, _KINDS["s_pos"], tuple(cls), (d, c_r)))
-        out.append(PlannedRelease(f"t_sum{suffix}", members, _KINDS["t_sum"], tuple(cls), (d, c_r)))
-        out.append(
-            PlannedRelease(f"counts{suffix}", members, _KINDS["counts"], tuple(cls), (2, c_r))
-        )
+        suffix = "" if gram_scope == "global" else "[" + ",".join(group.classes) + "]"
+        for r in plan_releases([group], d=d):
+            name = gram_name if r.kind == "gram" else f"{r.kind}{suffix}"
+            class_names = () if r.kind == "gram" else group.classes
+            out.append(PlannedRelease(name, members, _KINDS[r.kind], class_names, r.shape))
     return out
 
 
@@ -162,16 +169,6 @@ def audit_dp_plan(releases: Sequence[PlannedRelease], participants: Sequence[str
                 Release(f"{r.name}#{c}", frozenset(r.members), f"{_PREFIX[int(r.kind)]}[{c}]")
             )
     return audit_releases(rows, sorted(participants), min_cohort=min(3, max(1, len(participants))))
-
-
-@dataclass(frozen=True)
-class ReleaseNoise:
-    """Noise of one release: guaranteed σ, accounted sensitivity, grid, colluders assumed."""
-
-    sigma: float
-    sensitivity: float
-    frac_bits: int
-    assumed_colluders: int
 
 
 @dataclass(frozen=True)
@@ -205,18 +202,14 @@ class DpCalibration:
         }
 
 
-def _base_sensitivity(release: PlannedRelease, s: DpSettings) -> float:
-    m, c_r = float(s.rows_per_individual), float(len(release.class_names))
-    if release.kind == _KINDS["gram"]:
-        return m * s.clip_norm**2
-    if release.kind == _KINDS["counts"]:
-        return m * math.sqrt(2.0 * c_r)
-    return m * math.sqrt(c_r) * s.clip_norm
-
-
-def _coordinates(release: PlannedRelease) -> int:
-    """Coordinates rounded to the grid (the Gram's noise is a full d x d matrix)."""
-    return 0 if release.kind == _KINDS["counts"] else math.prod(release.shape)
+def _statistic(release: PlannedRelease) -> StatisticRelease:
+    """A planned release as the rulebook's plain data."""
+    kind = _PREFIX.get(int(release.kind))
+    if kind is None:
+        raise ValueError(f"release {release.name}: kind {release.kind} is not a DP statistic")
+    return StatisticRelease(
+        release.name, kind, tuple(release.members), len(release.class_names), release.shape
+    )
 
 
 def calibrate(
@@ -226,35 +219,29 @@ def calibrate(
     participants: Sequence[str],
     plaintext: bool,
 ) -> DpCalibration:
-    """σ per release and ε per site (module docstring)."""
-    per_site = {s: sum(1 for r in releases if s in r.members) for s in participants}
-    r_max = max(per_site.values(), default=0)
-    if r_max == 0:
-        raise ValueError("the plan releases nothing to calibrate")
-    z = calibrate_noise_multiplier(epsilon=settings.epsilon, delta=settings.delta) * math.sqrt(
-        r_max
+    """σ per release and ε per site (:func:`afl.core.dp_accounting.calibrate_releases`;
+    ``plaintext``: local DP, t_r = n_r - 1). ValueError (an
+    :class:`~afl.core.dp_accounting.AccountingError` from the rulebook) when the plan releases
+    nothing or its grid would need more than 40 fractional bits."""
+    cal = calibrate_releases(
+        [_statistic(r) for r in releases],
+        epsilon=settings.epsilon,
+        delta=settings.delta,
+        clip_norm=settings.clip_norm,
+        rows_per_individual=settings.rows_per_individual,
+        tolerated=settings.tolerated,
+        local=plaintext,
+        participants=participants,
     )
-    noise: dict[str, ReleaseNoise] = {}
     for r in releases:
-        base = _base_sensitivity(r, settings)
-        n_r = len(r.members)
-        t_r = n_r - 1 if plaintext else min(settings.tolerated, n_r - 1)
-        share = z * base / math.sqrt(n_r - t_r)
-        coords = _coordinates(r)
-        # Grid: rounding inflation √D·2^-f ≤ 1e-4·Δ, and a share spans >= 64 grid steps.
-        need = max(math.sqrt(coords) / (1e-4 * base) if coords else 1.0, _MIN_SHARE_STEPS / share)
-        frac = max(0, math.ceil(math.log2(need)))
-        if frac > _MAX_FRAC_BITS:
+        n = cal.noise[r.name]
+        if n.frac_bits > _MAX_FRAC_BITS:
+            share = noise_share(n.sigma, members=len(r.members), colluders=n.assumed_colluders)
             raise ValueError(
                 f"release {r.name}: noise share {share:.3g} is too small for the integer grid "
                 f"(epsilon {settings.epsilon:g} is too large; use a smaller epsilon)"
             )
-        sens = base + (math.sqrt(coords) * 2.0**-frac if coords else 0.0)
-        noise[r.name] = ReleaseNoise(z * sens, sens, frac, t_r)
-    site_eps = {
-        s: epsilon_from_mu(mu=math.sqrt(k) / z, delta=settings.delta) for s, k in per_site.items()
-    }
-    return DpCalibration(settings, noise, site_eps, z)
+    return DpCalibration(settings, cal.noise, cal.site_epsilon, cal.noise_multiplier)
 
 
 def apply_dp(plan: common_pb2.ReleasePlan, calibration: DpCalibration) -> None:

@@ -1,5 +1,5 @@
 """The server's solve in DP mode: normalise the noisy additive statistics, keep Ĝ + γI positive
-definite, solve (design §8 steps 4-5, issue 6).
+definite, solve (docs/protocol.md §7; steps 4-5 of :mod:`afl.core.dp_stats`).
 
 For every class group of the plan (releases ``gram``, ``s_pos``, ``t_sum``, ``counts`` over one
 member set, :mod:`afl.server.dp_plan`), with noisy sums Ĝ, Ŝ+ (d x C_r), T̂ (d x C_r) and
@@ -12,8 +12,9 @@ via :func:`afl.core.dp_stats.balanced_targets` (counts floored at 1) and
 :func:`afl.core.dp_stats.regularised_gram`; both are post-processing, so they cost no privacy.
 Difference from the paper: b is normalised over the pooled rows of the group (one unit of
 positive and negative mass in total) instead of per client (one unit per site); the two agree for
-one site, and W differs from the paper's by the per-class weighting of sites (design §8). The
-Gram's symmetric noise is already symmetrised by the sites. Classes in no group keep w_c = 0.
+one site, and W differs from the paper's by the per-class weighting of sites (docs/protocol.md
+§7). The Gram's symmetric noise is already symmetrised by the sites. Classes in no group keep
+w_c = 0.
 """
 
 from __future__ import annotations

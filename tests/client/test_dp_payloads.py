@@ -107,7 +107,7 @@ def test_noise_share_scale_grid_and_symmetry(monkeypatch: pytest.MonkeyPatch) ->
     noise = noisy - np.rint(gram * 2**f) / 2**f
     off = noise[np.triu_indices(d, 1)]
     share = sigma  # n - t = 1: the full σ
-    # Diagonal variance σ², off-diagonal σ²/2 (design §8); 6 standard errors.
+    # Diagonal variance σ², off-diagonal σ²/2 (docs/protocol.md §7); 6 standard errors.
     assert abs(np.diag(noise).var() / share**2 - 1) <= 6 * math.sqrt(2 / d)
     assert abs(off.var() / (share**2 / 2) - 1) <= 6 * math.sqrt(2 / off.size)
     vec = noisy_values(

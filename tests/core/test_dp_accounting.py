@@ -1,4 +1,5 @@
-"""Tests of Gaussian-mechanism accounting (design §8) against the analytic Gaussian mechanism."""
+"""Tests of Gaussian-mechanism accounting (docs/protocol.md §7) against the analytic Gaussian
+mechanism."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Tests of the DP sufficient-statistics pipeline (design §8)."""
+"""Tests of the DP sufficient-statistics pipeline (docs/protocol.md §7)."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -10,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from afl.core.dp_accounting import effective_noise_multiplier
+from afl.core.dp_accounting import StatisticKind, statistic_sensitivity
 from afl.core.dp_stats import (
     DPStatsError,
     NoiseScales,
@@ -19,10 +17,7 @@ from afl.core.dp_stats import (
     balanced_targets,
     clip_rows,
     floor_eigenvalues,
-    gaussian_releases,
-    noise_share,
     regularised_gram,
-    statistic_sensitivities,
     sufficient_statistics,
 )
 
@@ -101,7 +96,9 @@ def test_noise_free_path_equals_exact_balanced_b() -> None:
 def test_noisy_gram_is_symmetric_and_pd_fix_holds() -> None:
     h, y = make_site(6, d=12)
     stats = sufficient_statistics(clip_rows(h, clip_norm=1.0), y)
-    scales = NoiseScales.for_noise_multiplier(noise_multiplier=5.0, clip_norm=1.0, n_classes=3)
+    scales = NoiseScales(
+        gram=5.0, positive_sum=5.0, positive_count=5.0, label_sum=5.0, label_count=5.0
+    )
     noisy = add_noise(stats, scales=scales, rng=np.random.default_rng(7))
     np.testing.assert_array_equal(noisy.gram, noisy.gram.T)
     assert np.linalg.eigvalsh(noisy.gram + 0.1 * np.eye(12))[0] < 0.1  # noise broke the floor
@@ -157,29 +154,49 @@ def test_empirical_noise_variance() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(
-    rows=hnp.arrays(np.float64, (4, 5), elements=st.floats(-50, 50)),
-    labels=hnp.arrays(np.float64, (4, 3), elements=st.sampled_from([0.0, 1.0])),
+    rows=hnp.arrays(np.float64, (5, 5), elements=st.floats(-50, 50)),
+    labels=hnp.arrays(np.float64, (5, 3), elements=st.sampled_from([0.0, 1.0])),
     clip=st.floats(min_value=0.1, max_value=10.0),
+    m=st.integers(1, 3),
 )
-def test_one_row_changes_statistics_within_sensitivity(rows, labels, clip) -> None:
+def test_one_row_changes_statistics_within_sensitivity(rows, labels, clip, m) -> None:
+    # Removing one individual's m rows moves each released statistic (the four releases of the
+    # rulebook: gram, s_pos, t_sum and counts = (n+, N)) by at most its declared sensitivity.
     h = clip_rows(rows, clip_norm=clip)
-    with_row = sufficient_statistics(h, labels)
-    without = sufficient_statistics(h[1:], labels[1:])
-    sens = statistic_sensitivities(clip_norm=clip, n_classes=3)
-    for name in ("gram", "positive_sum", "positive_count", "label_sum", "label_count"):
-        diff = np.linalg.norm(getattr(with_row, name) - getattr(without, name))
-        assert diff <= getattr(sens, name) * (1 + 1e-9)
+    with_rows = sufficient_statistics(h, labels)
+    without = sufficient_statistics(h[m:], labels[m:])
+    diff: dict[StatisticKind, np.ndarray] = {
+        "gram": with_rows.gram - without.gram,
+        "s_pos": with_rows.positive_sum - without.positive_sum,
+        "t_sum": with_rows.label_sum - without.label_sum,
+        "counts": np.stack([with_rows.positive_count, with_rows.label_count])
+        - np.stack([without.positive_count, without.label_count]),
+    }
+    for kind, delta in diff.items():
+        sens = statistic_sensitivity(kind, clip_norm=clip, n_classes=3, rows_per_individual=m)
+        assert np.linalg.norm(delta) <= sens * (1 + 1e-9)
 
 
-def test_accounting_of_uniform_noise_scales() -> None:
-    scales = NoiseScales.for_noise_multiplier(
-        noise_multiplier=3.0, clip_norm=2.0, n_classes=8, rows_per_individual=2
+def test_sensitivity_is_attained() -> None:
+    # The bounds are tight: one row at the clip norm, positive in every class.
+    clip, c = 2.0, 4
+    h = np.zeros((1, 3))
+    h[0, 0] = clip
+    stats = sufficient_statistics(h, np.ones((1, c)))
+    assert np.linalg.norm(stats.gram) == pytest.approx(
+        statistic_sensitivity("gram", clip_norm=clip)
     )
-    assert scales.gram == pytest.approx(3.0 * 2 * 4.0)
-    assert scales.positive_count == pytest.approx(3.0 * 2 * math.sqrt(8))
-    releases = gaussian_releases(scales, clip_norm=2.0, n_classes=8, rows_per_individual=2)
-    assert len(releases) == 5
-    assert effective_noise_multiplier(releases) == pytest.approx(3.0 / math.sqrt(5))
+    sums: list[tuple[StatisticKind, np.ndarray]] = [
+        ("s_pos", stats.positive_sum),
+        ("t_sum", stats.label_sum),
+    ]
+    for kind, block in sums:
+        sens = statistic_sensitivity(kind, clip_norm=clip, n_classes=c)
+        assert np.linalg.norm(block) == pytest.approx(sens)
+    counts = np.stack([stats.positive_count, stats.label_count])
+    assert np.linalg.norm(counts) == pytest.approx(
+        statistic_sensitivity("counts", clip_norm=clip, n_classes=c)
+    )
 
 
 def test_balanced_targets_floor_noisy_counts() -> None:
@@ -195,16 +212,3 @@ def test_balanced_targets_floor_noisy_counts() -> None:
     np.testing.assert_allclose(b[:, 0], [1.0 - 4.0 / 3.5, 2.0 - 4.0 / 3.5])
     with pytest.raises(DPStatsError):
         balanced_targets(stats, min_count=0.0)
-
-
-def test_noise_shares_sum_to_the_target_variance() -> None:
-    scales = NoiseScales(
-        gram=2.0, positive_sum=1.0, positive_count=3.0, label_sum=1.0, label_count=1.0
-    )
-    share = noise_share(scales, contributors=8, tolerated=2)
-    # 6 honest shares of variance σ²/6 each sum to σ².
-    assert 6 * share.gram**2 == pytest.approx(scales.gram**2)
-    assert 6 * share.positive_count**2 == pytest.approx(scales.positive_count**2)
-    assert noise_share(scales, contributors=1) == scales
-    with pytest.raises(DPStatsError):
-        noise_share(scales, contributors=3, tolerated=3)

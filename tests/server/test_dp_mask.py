@@ -1,4 +1,4 @@
-"""DP mode with ``aggregation = "mask"`` on the server (issue 6, design §6, §8): the fixed-point
+"""DP mode with ``aggregation = "mask"`` on the server (docs/protocol.md §5, §7): the fixed-point
 bounds, grids and thresholds of the noised statistics (:mod:`afl.server.dp_mask`). Oracles: a
 site's actual noisy uploads (:mod:`afl.client.dp_payloads`) for worst-case data (every row at
 the clip norm, one direction, every label positive), encoded and summed in Z_2^64 and decoded

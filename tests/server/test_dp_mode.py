@@ -1,4 +1,4 @@
-"""DP mode on the server (issue 6, design §5, §8): the DP release plan, its leakage audit, noise
+"""DP mode on the server (docs/protocol.md §6, §7): the DP release plan, its leakage audit, noise
 calibration and per-site budgets, the refusal of a failing per-class plan unless DP covers it,
 and the server-side normalisation/solve. Oracles: a hand-derived exposure list checked against an
 independent numpy rank test, :mod:`afl.core.dp_accounting` compositions computed from scratch,
@@ -168,7 +168,7 @@ def test_noise_free_dp_solve_equals_pooled_ridge() -> None:
         "counts": np.stack([np.where(mask, y_all, 0).sum(0), mask.sum(0)]).astype(float),
     }
     w = solve_dp_round(releases, sums, classes=classes, gamma=0.5)
-    # Global scope: every row is in the Gram; unlabelled rows get target 0 (design §5).
+    # Global scope: every row is in the Gram; unlabelled rows get target 0 (docs/protocol.md §6).
     np.testing.assert_allclose(w, _pooled_oracle(feats, labels, 0.5), rtol=1e-8, atol=1e-13)
 
 

@@ -1,0 +1,185 @@
+"""`afl simulate --dp-epsilon` releases and calibrates exactly as the daemons do: at the same
+(ε, δ, L, m, C, coverage) the simulation's σ per statistic and per-site ε equal the server's DP
+plan (:mod:`afl.server.dp_plan`, the reference), for global and per-class scope; the noise the
+simulation actually draws has those σ; noise-free, its W equals the server's DP solve."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from afl.core import dp_stats
+from afl.lab.simulate_dp import (
+    DPConfig,
+    calibrate_dp,
+    class_names,
+    clip_site,
+    dp_solve,
+    site_names,
+)
+from afl.proto.v1 import common_pb2 as cpb
+from afl.server.dp_plan import DpCalibration, DpSettings, calibrate, dp_releases
+from afl.server.dp_solve import solve_dp_round
+from afl.server.plan import PlannedRelease
+from tests.lab.test_simulate import small_federation
+
+# Missing-style coverage of 5 sites x 4 classes: two distinct coverage sets share classes, site 4
+# labels nothing, class 3 is labelled by nobody.
+COVERAGES = {
+    "overlapping": np.array(
+        [
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+            [0, 1, 1, 0],
+            [1, 0, 1, 0],
+            [0, 0, 0, 0],
+        ],
+        dtype=bool,
+    ),
+    "full": np.ones((5, 4), dtype=bool),
+    "missing-3-of-4": ~np.eye(5, 4, dtype=bool),
+}
+GRAM, S_POS, T_SUM, COUNTS = (
+    cpb.STATISTIC_KIND_GRAM,
+    cpb.STATISTIC_KIND_POSITIVE_SUM,
+    cpb.STATISTIC_KIND_FEATURE_SUM,
+    cpb.STATISTIC_KIND_COUNT,
+)
+KIND_NAMES: dict[int, str] = {GRAM: "gram", S_POS: "s_pos", T_SUM: "t_sum", COUNTS: "counts"}
+
+
+def _daemon(
+    active: NDArray[np.bool_], *, scope: str, d: int, settings: DpSettings, plaintext: bool
+) -> tuple[list[PlannedRelease], DpCalibration]:
+    sites, classes = site_names(active.shape[0]), class_names(active.shape[1])
+    coverage = {
+        s: [c for c, on in zip(classes, row, strict=True) if on]
+        for s, row in zip(sites, active, strict=True)
+    }
+    releases = dp_releases(
+        classes=classes, participants=sites, coverage=coverage, gram_scope=scope, d=d
+    )
+    return releases, calibrate(releases, settings, participants=sites, plaintext=plaintext)
+
+
+def _key(kind: str, members: tuple[str, ...]) -> tuple[str, frozenset[str]]:
+    return kind, frozenset(members)
+
+
+@pytest.mark.parametrize("coverage", sorted(COVERAGES))
+@pytest.mark.parametrize("scope", ["global", "per-class"])
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "clip", "m"),
+    [(1.0, 1e-5, 14.0, 1), (4.0, 1e-6, 2.5, 3), (0.3, 1e-5, 1.0, 2)],
+)
+def test_simulate_and_the_daemons_give_the_same_noise_and_epsilon(
+    coverage: str, scope: Any, epsilon: float, delta: float, clip: float, m: int
+) -> None:
+    active, d = COVERAGES[coverage], 12
+    config = DPConfig(epsilons=(epsilon,), delta=delta, clip_norm=clip, rows_per_individual=m)
+    sim_releases, sim = calibrate_dp(active, scope=scope, d=d, epsilon=epsilon, config=config)
+    assert sim is not None
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=clip, rows_per_individual=m)
+    # The simulation is secure aggregation with t = 0: the mask daemons' calibration, exactly.
+    releases, daemon = _daemon(active, scope=scope, d=d, settings=settings, plaintext=False)
+    sim_sigma = {_key(r.kind, r.members): sim.noise[r.name] for r in sim_releases}
+    daemon_sigma = {_key(KIND_NAMES[r.kind], r.members): daemon.noise[r.name] for r in releases}
+    assert sim_sigma.keys() == daemon_sigma.keys()
+    for key, noise in daemon_sigma.items():
+        assert sim_sigma[key].sigma == pytest.approx(noise.sigma, rel=1e-12), key
+        assert sim_sigma[key].sensitivity == pytest.approx(noise.sensitivity, rel=1e-12), key
+    assert sim.noise_multiplier == pytest.approx(daemon.noise_multiplier, rel=1e-12)
+    assert sim.site_epsilon.keys() == daemon.site_epsilon.keys()
+    for site, eps in daemon.site_epsilon.items():
+        assert sim.site_epsilon[site] == pytest.approx(eps, rel=1e-12)
+    assert max(sim.site_epsilon.values()) == pytest.approx(epsilon, rel=1e-6)
+    # Plaintext daemons (local DP) differ only by the noise grid's rounding allowance (≤ 1e-4·Δ).
+    _, local = _daemon(active, scope=scope, d=d, settings=settings, plaintext=True)
+    for r in releases:
+        key = _key(KIND_NAMES[r.kind], r.members)
+        assert sim_sigma[key].sigma == pytest.approx(local.noise[r.name].sigma, rel=1e-4)
+    for site, eps in local.site_epsilon.items():
+        assert sim.site_epsilon[site] == pytest.approx(eps, rel=1e-12)
+
+
+@pytest.mark.parametrize("scope", ["global", "per-class"])
+def test_the_simulated_noise_has_the_daemons_sigma(
+    scope: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fed = small_federation(3, sites=5, d=8)
+    active = COVERAGES["overlapping"]
+    config = DPConfig(epsilons=(2.0,), clip_norm=20.0, rows_per_individual=2)
+    drawn: list[tuple[dp_stats.SufficientStatistics, dp_stats.NoiseScales]] = []
+    real = dp_stats.add_noise
+
+    def spy(stats: Any, *, scales: Any, rng: Any) -> Any:
+        drawn.append((stats, scales))
+        return real(stats, scales=scales, rng=rng)
+
+    monkeypatch.setattr(dp_stats, "add_noise", spy)  # simulate_dp calls dp_stats.add_noise
+    sites = [clip_site(h, clip_norm=config.clip_norm) for h in fed.site_features]
+    _, info = dp_solve(
+        sites, fed.site_labels, active, scope=scope, epsilon=2.0, gamma=1.0, config=config
+    )
+    settings = DpSettings(epsilon=2.0, delta=config.delta, clip_norm=20.0, rows_per_individual=2)
+    releases, daemon = _daemon(active, scope=scope, d=8, settings=settings, plaintext=False)
+    grams = [r for r in releases if r.kind == GRAM]
+    assert len(drawn) == len(grams)  # one noised release group per Gram
+    for (stats, scales), gram in zip(drawn, grams, strict=True):
+        group = {
+            KIND_NAMES[r.kind]: daemon.noise[r.name].sigma
+            for r in releases
+            if r.members == gram.members
+        }
+        assert stats.positive_sum.shape[0] == len(
+            next(r for r in releases if r.members == gram.members and r.kind == S_POS).class_names
+        )
+        assert scales.gram == group["gram"]
+        assert scales.positive_sum == group["s_pos"]
+        assert scales.label_sum == group["t_sum"]
+        assert scales.positive_count == scales.label_count == group["counts"]
+    assert info["noise_multiplier"] == daemon.noise_multiplier
+    assert info["epsilon_achieved_worst_site"] == max(daemon.site_epsilon.values())
+    per_site = [sum(1 for r in releases if s in r.members) for s in site_names(5)]
+    assert info["releases_worst_site"] == max(per_site)
+
+
+@pytest.mark.parametrize("scope", ["global", "per-class"])
+def test_noise_free_simulation_equals_the_servers_dp_solve(scope: Any) -> None:
+    fed = small_federation(4, sites=5, d=8)
+    active = COVERAGES["overlapping"]
+    config = DPConfig(epsilons=(math.inf,), clip_norm=20.0, pd_method="floor")
+    sites = [clip_site(h, clip_norm=config.clip_norm) for h in fed.site_features]
+    w_sim, info = dp_solve(
+        sites, fed.site_labels, active, scope=scope, epsilon=math.inf, gamma=0.5, config=config
+    )
+    assert info["noise_multiplier"] == 0.0 and info["epsilon_achieved_worst_site"] == math.inf
+    names, classes = site_names(5), class_names(4)
+    coverage = {
+        s: [c for c, on in zip(classes, row, strict=True) if on]
+        for s, row in zip(names, active, strict=True)
+    }
+    releases = dp_releases(
+        classes=classes, participants=names, coverage=coverage, gram_scope=scope, d=8
+    )
+    stats = {
+        s: dp_stats.sufficient_statistics(site.features, y, label_mask=active[k])
+        for k, (s, site, y) in enumerate(zip(names, sites, fed.site_labels, strict=True))
+    }
+    sums: dict[str, NDArray[np.float64]] = {}
+    for r in releases:
+        total = sum((stats[s] for s in r.members[1:]), stats[r.members[0]])
+        cols = [classes.index(c) for c in r.class_names]
+        by_kind: dict[int, NDArray[np.float64]] = {
+            GRAM: total.gram,
+            S_POS: total.positive_sum[cols].T,
+            T_SUM: total.label_sum[cols].T,
+            COUNTS: np.stack([total.positive_count[cols], total.label_count[cols]]),
+        }
+        sums[r.name] = by_kind[r.kind]
+    w_server = solve_dp_round(releases, sums, classes=classes, gamma=0.5)
+    np.testing.assert_allclose(w_sim, w_server, rtol=1e-9, atol=1e-12)
