@@ -1,8 +1,9 @@
 """`afl report`: the HTML is self-contained and shows the table, plots and ROC curves.
 
 Results come from :func:`afl.lab.simulate.simulate` on the small synthetic federation of
-test_simulate; the Table II cells are checked against the results JSON, the plots by decoding
-their inline PNGs, and (when Chromium is installed) by rendering the page in headless Chromium.
+tests/lab/synthetic.py; the Table II cells are checked against the results JSON, the plots by
+decoding their inline PNGs, and (when Chromium is installed) by rendering the page in headless
+Chromium.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from afl.lab.federation import save_federation
 from afl.lab.report import ReportError, render_report, write_report
 from afl.lab.report_cmd import add_arguments, run
 from afl.lab.simulate import SimulationConfig, missing_settings, simulate
-from tests.lab.test_simulate import small_federation
+from tests.lab.synthetic import small_federation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')

@@ -11,7 +11,7 @@ from afl.core.assignment import CoverageSpec
 from afl.core.metrics import evaluate, predict_proba
 from afl.lab import tables
 from afl.lab.cli import main
-from afl.lab.federation import Federation, load_federation, save_federation
+from afl.lab.federation import load_federation, save_federation
 from afl.lab.simulate import (
     CENTRAL,
     ORACLE,
@@ -20,31 +20,7 @@ from afl.lab.simulate import (
     missing_settings,
     simulate,
 )
-
-CLASSES = ("a", "b", "c", "d")
-
-
-def small_federation(seed: int = 0, *, sites: int = 4, d: int = 16) -> Federation:
-    rng = np.random.default_rng(seed)
-    directions = rng.normal(size=(len(CLASSES), d))
-
-    def draw(n: int, shift: float) -> tuple[np.ndarray, np.ndarray]:
-        labels = (rng.random((n, len(CLASSES))) < 0.25).astype(np.int8)
-        feats = np.abs(rng.normal(size=(n, d)) + labels @ directions + shift)
-        return feats.astype(np.float32), labels
-
-    site_data = [draw(int(rng.integers(150, 250)), 0.1 * k) for k in range(sites)]
-    test_f, test_l = draw(400, 0.0)
-    return Federation(
-        classes=CLASSES,
-        site_names=tuple(f"s{k}" for k in range(sites)),
-        site_features=tuple(f for f, _ in site_data),
-        site_labels=tuple(y for _, y in site_data),
-        test_features=test_f,
-        test_labels=test_l,
-        provenance="synthetic test data",
-        surrogate=True,
-    )
+from tests.lab.synthetic import CLASSES, small_federation
 
 
 def test_grid_rows_and_theorem1_row():

@@ -1,6 +1,6 @@
-"""Server side of the MASK mode (issue 5, design §6): the plan's fixed-point encodings respect
-K·B·2^f < 2^63 with the most fractional bits, server and site derive the same protocol config
-(digest) from the signed plan, and masked uploads are refused outside the UPLOAD stage."""
+"""Server side of the MASK mode (docs/protocol.md §4.2, §5): the plan's fixed-point encodings
+respect K·B·2^f < 2^63 with the most fractional bits, server and site derive the same protocol
+config (digest) from the signed plan, and masked uploads are refused outside the UPLOAD stage."""
 
 from __future__ import annotations
 

@@ -34,13 +34,10 @@ from afl.server.provisioning import ProvisionedFederation, ProvisioningError, pr
 from afl.server.servicer import status_for
 from afl.server.store import Store
 from afl.server.uploads import ChunkAssembler, assemble, decode_float64
+from tests.helpers.federation import FederationSpec
 
 ROUND: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": 8, "min_participants": 2}
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    return provision(tmp_path_factory.mktemp("fed") / "f", sites=["x1", "x2"], round_settings=ROUND)
+FEDERATION = FederationSpec(sites=["x1", "x2"], round_settings=ROUND)
 
 
 def _chunks(data: bytes, size: int, **over: Any) -> list[coordinator_pb2.UploadChunk]:
