@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from afl.core.nih import FEDMLP_PARTITION_SEED
-from afl.lab.federation import Federation, default_federation
+from afl.lab.dataset import FederatedDataset, default_dataset
 from afl.lab.simulate import (
     SimulationConfig,
     dp_method_name,
@@ -29,7 +29,7 @@ DEFAULT_EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, math.inf)
 
 
 def run_privacy_bench(
-    fed: Federation,
+    fed: FederatedDataset,
     *,
     missing: tuple[int, ...] = (1, 7),
     epsilons: tuple[float, ...] = DEFAULT_EPSILONS,
@@ -125,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    fed = default_federation()
+    fed = default_dataset()
     bench = run_privacy_bench(
         fed,
         missing=tuple(args.setting or (1, 7)),

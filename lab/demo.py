@@ -2,7 +2,7 @@
 
 1. ``afl provision`` into a temporary folder: a federation CA, the server's kit, 8 site kits;
 2. the embedded default data (SURROGATE features on the real NIH ChestX-ray14 PA labels, FedMLP's
-   split and partition, :func:`afl.lab.federation.default_federation`) with a Missing-m assignment
+   split and partition, :func:`afl.lab.dataset.default_dataset`) with a Missing-m assignment
    (:func:`afl.core.assignment.missing_m_assignment`, seed 1037): each site's feature cache holds
    -1 for the classes it does not label;
 3. ``afl-server`` and one ``afl-client run`` per site as separate processes on loopback, over
@@ -33,6 +33,7 @@ import numpy as np
 from afl.core.assignment import missing_m_assignment
 from afl.core.featurecache import open_cache
 from afl.core.metrics import Metrics, evaluate, predict_proba
+from afl.lab.dataset import default_dataset
 from afl.lab.demo_federation import (
     LoopbackRun,
     ckks_round_settings,
@@ -40,7 +41,6 @@ from afl.lab.demo_federation import (
     prepare_loopback,
     run_loopback,
 )
-from afl.lab.federation import default_federation
 
 ASSIGNMENT_SEED = 1037
 _SETTING = re.compile(r"^missing-(\d+)$")
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         _say(args, f"afl demo: generating the embedded default data (d={args.d}) ...")
         t0 = time.perf_counter()
-        fed = default_federation(num_sites=args.sites, d=args.d)
+        fed = default_dataset(num_sites=args.sites, d=args.d)
         active = missing_m_assignment(
             num_clients=args.sites,
             num_classes=len(fed.classes),

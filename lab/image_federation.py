@@ -20,7 +20,7 @@ from afl.client.extract import extract_features
 from afl.client.sitedata import nih_source
 from afl.core import nih
 from afl.core.featurecache import FeatureCacheError
-from afl.lab.federation import Federation
+from afl.lab.dataset import FederatedDataset
 
 
 def _nih_table(root: Path) -> Path:
@@ -47,7 +47,7 @@ def image_federation(
     workers: int = 2,
     device: str = "auto",
     progress: bool = True,
-) -> Federation:
+) -> FederatedDataset:
     """Extract (or resume) features of all PA images, then split and partition as FedMLP."""
     root = Path(images)
     classes = nih.CLASS_SETS[class_set]
@@ -75,7 +75,7 @@ def image_federation(
         return np.array([row_of[data.image_ids[i]] for i in indices], dtype=np.int64)
 
     features = cache.features
-    return Federation(
+    return FederatedDataset(
         classes=data.classes,
         site_names=tuple(f"site-{k + 1}" for k in range(num_sites)),
         site_features=tuple(np.asarray(features[np.sort(rows(train[p]))]) for p in parts),

@@ -1,4 +1,4 @@
-"""`afl simulate`: the paper's experiment grid in process, no network (issue 2, Table II layout).
+"""`afl simulate`: the paper's experiment grid in process, no network (Table II layout; docs/method.md §2).
 
 For each Missing-m setting (or a coverage file) the same per-site statistics feed:
 - analytic 1 round and 2 rounds (eq. 13-22) under each ``gram_scope``;
@@ -31,7 +31,7 @@ from afl.core.packing import packed_length
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
 from afl.core.stats import LocalStats, local_statistics
 from afl.lab.baselines import BaselineConfig, run_baseline
-from afl.lab.federation import Federation
+from afl.lab.dataset import FederatedDataset
 from afl.lab.simulate_dp import ClippedSite, DPConfig, clip_site, dp_solve
 
 ORACLE = "oracle: pooled ridge per S_c (Theorem 1)"
@@ -52,7 +52,7 @@ def analytic_communication(
     """Bytes each site sends and receives (float64 payloads; the busiest site is reported).
 
     Round 1 uploads the packed Gram and one b per class: only labelled classes under
-    ``per-class``, every class under ``global`` (zeros for non-labelled ones, design §5). Round 2
+    ``per-class``, every class under ``global`` (zeros for non-labelled ones, docs/protocol.md §6). Round 2
     uploads one b_pseudo per missing class (every class under ``global``). Each round downloads W.
     """
     num_classes = active.shape[1]
@@ -125,7 +125,7 @@ def missing_settings(
     )
 
 
-def coverage_setting(spec: CoverageSpec, fed: Federation, name: str = "coverage") -> Setting:
+def coverage_setting(spec: CoverageSpec, fed: FederatedDataset, name: str = "coverage") -> Setting:
     """A coverage file mapped onto the federation: classes by name, sites by position."""
     if len(spec.sites) != fed.num_sites:
         raise ValueError(
@@ -146,7 +146,7 @@ def _timed(sink: dict[str, float], key: str) -> Iterator[None]:
 
 
 def _row(
-    method: str, weights: NDArray[np.float64], fed: Federation, **extra: Any
+    method: str, weights: NDArray[np.float64], fed: FederatedDataset, **extra: Any
 ) -> dict[str, Any]:
     metrics = evaluate(
         predict_proba(fed.test_features, weights), fed.test_labels, classes=fed.classes
@@ -166,7 +166,7 @@ def pooled_ridge(
 
 
 def theorem1_oracle(
-    fed: Federation, active: NDArray[np.bool_], *, gamma: float
+    fed: FederatedDataset, active: NDArray[np.bool_], *, gamma: float
 ) -> NDArray[np.float64]:
     """W from pooled rows of each S_c; classes with one cover share one fit (multi-target)."""
     targets = [
@@ -195,7 +195,7 @@ def _rel_diff(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
 
 
 def _round2(
-    fed: Federation,
+    fed: FederatedDataset,
     stats: Sequence[LocalStats],
     active: NDArray[np.bool_],
     weights1: NDArray[np.float64],
@@ -228,7 +228,7 @@ def _round2(
 
 
 def _dp_rows(
-    fed: Federation,
+    fed: FederatedDataset,
     clipped: Sequence[ClippedSite],
     setting: Setting,
     config: SimulationConfig,
@@ -260,7 +260,7 @@ def _dp_rows(
 
 
 def simulate(
-    fed: Federation,
+    fed: FederatedDataset,
     config: SimulationConfig,
     *,
     progress: bool = True,

@@ -17,7 +17,7 @@ from afl.core.nih import CLASS_SETS, FEDMLP_PARTITION_SEED
 from afl.core.refinement import RefinementParams
 from afl.lab import tables
 from afl.lab.baselines import BASELINES, BaselineConfig
-from afl.lab.federation import Federation, default_federation, load_federation, save_federation
+from afl.lab.dataset import FederatedDataset, default_dataset, load_dataset, save_dataset
 from afl.lab.simulate import (
     Setting,
     SimulationConfig,
@@ -131,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _settings(args: argparse.Namespace, fed: Federation) -> SimulationConfig:
+def _settings(args: argparse.Namespace, fed: FederatedDataset) -> SimulationConfig:
     if args.coverage and args.setting:
         raise SystemExit("afl simulate: give --setting or --coverage, not both")
     settings: tuple[Setting, ...]
@@ -183,7 +183,7 @@ def _settings(args: argparse.Namespace, fed: Federation) -> SimulationConfig:
     )
 
 
-def load_data(args: argparse.Namespace) -> Federation:
+def load_data(args: argparse.Namespace) -> FederatedDataset:
     if args.images and args.features:
         raise SystemExit("afl simulate: give --images or --features, not both")
     if args.images:
@@ -218,8 +218,8 @@ def load_data(args: argparse.Namespace) -> Federation:
         )
         if not sites or not (root / "test" / "meta.json").exists():
             raise SystemExit(f"afl simulate: {root} must hold one cache per site and a test/ cache")
-        return load_federation(sites, root / "test")
-    return default_federation(
+        return load_dataset(sites, root / "test")
+    return default_dataset(
         class_set=args.class_set,
         split=args.split,
         num_sites=args.sites,
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: dict[str, Any] = simulate(fed, config, progress=progress, on_weights=keep)
     if save_dir is not None:
-        save_federation(fed, save_dir / "data")
+        save_dataset(fed, save_dir / "data")
         results["saved"] = {"data": str(save_dir / "data"), "weights": saved}
         (save_dir / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     print(tables.assignments(results))

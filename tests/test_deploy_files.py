@@ -1,4 +1,4 @@
-"""Validation of deploy/ (issue 8) with the tools available here (Docker may not run):
+"""Validation of deploy/ with the tools available here (Docker may not run):
 
 * compose.yaml: parsed by a small block-YAML reader (the subset compose.yaml uses; cross-checked
   against PyYAML when it is installed) and checked structurally;
@@ -36,7 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from afl.client.config import load_client_config
 from afl.core.featurecache import CacheMeta, write_cache
 from afl.server.config import load_config, round_template
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.provisioning import ProvisionedFederation
+from tests.helpers.federation import FederationSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -49,6 +50,7 @@ PLACEHOLDER_KEYS = {
     "site-3": "53" * 32,
 }
 BIN = Path(sys.executable).parent
+FEDERATION = FederationSpec(sites=SITES, federation_id="fed-example")
 
 
 # --- a reader for the block-YAML subset of compose.yaml -------------------------------------------
@@ -274,11 +276,6 @@ def render(example: str, fed: ProvisionedFederation, tmp: Path, *, site: str = "
         .replace(f"/var/lib/afl-client/{site}", str(tmp / f"{site}-state"))
         .replace(f"/srv/afl/{site}/cache", str(tmp / "data" / site))
     )
-
-
-@pytest.fixture()
-def federation(tmp_path: Path) -> ProvisionedFederation:
-    return provision(tmp_path / "kits", sites=SITES, federation_id="fed-example")
 
 
 def test_example_configs_load_with_the_real_loaders(

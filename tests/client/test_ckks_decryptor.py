@@ -1,4 +1,4 @@
-"""The CKKS decryptor site's job handling (design §7, issue 7): it decrypts only planned
+"""The CKKS decryptor site's job handling (docs/protocol.md §4.3): it decrypts only planned
 releases, each once, and only sums whose tag slots equal the members' sealed secret tags. A
 server that forwards a single site's ciphertext as a "sum" (a forged decryption job) is refused."""
 
@@ -27,8 +27,8 @@ BOUND = 50.0
 
 
 @pytest.fixture(scope="module")
-def keys() -> DecryptorKeys:
-    return DecryptorKeys(ckks.create_private_context(), kdf.generate_agreement_key())
+def keys(private_ctx: Any) -> DecryptorKeys:
+    return DecryptorKeys(private_ctx, kdf.generate_agreement_key())
 
 
 def _signed_plan(server_key: Any, *, mode: int = cpb.AGGREGATION_MODE_CKKS) -> Any:

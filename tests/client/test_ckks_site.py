@@ -1,4 +1,4 @@
-"""A data site in CKKS mode (design §7): it encrypts only under a public context whose
+"""A data site in CKKS mode (docs/protocol.md §4.3): it encrypts only under a public context whose
 announcement the decryptor signed (key from the kit) and whose bytes match the signed digest,
 never under a context holding a secret key; its tags are sealed to the decryptor alone."""
 
@@ -23,11 +23,6 @@ from afl.proto.v1 import coordinator_pb2 as pb
 
 DECRYPTOR_KEY = signatures.generate_identity_key()
 PEERS = {"dec": signatures.public_key_to_raw(DECRYPTOR_KEY), "site-1": b"\x01" * 32}
-
-
-@pytest.fixture(scope="module")
-def private_ctx() -> Any:
-    return ckks.create_private_context()
 
 
 class FakeStub:

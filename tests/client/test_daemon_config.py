@@ -10,13 +10,15 @@ import pytest
 
 from afl.client.config import ConfigError, LocalPolicy, load_client_config
 from afl.server import toml_text
-from afl.server.provisioning import provision
+from afl.server.provisioning import ProvisionedFederation
+from tests.helpers.federation import FederationSpec
+
+FEDERATION = FederationSpec(sites=["site-a", "site-b"], port=50999)
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    fed = provision(tmp_path_factory.mktemp("fed"), sites=["site-a", "site-b"], port=50999)
-    return fed.site_dirs["site-a"]
+def kit(federation: ProvisionedFederation) -> Path:
+    return federation.site_dirs["site-a"]
 
 
 def _rewrite(kit: Path, tmp: Path, **sections: dict[str, object]) -> Path:

@@ -1,4 +1,4 @@
-"""A site's local policy check of a release plan (afl.client.policy, design §5)."""
+"""A site's local policy check of a release plan (afl.client.policy, docs/protocol.md §6)."""
 
 from __future__ import annotations
 

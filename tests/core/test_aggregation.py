@@ -16,6 +16,7 @@ from afl.core.aggregation import (
 )
 from afl.core.labels import balanced_targets
 from afl.core.stats import local_statistics
+from tests.helpers.numeric import relative_error
 
 
 def _make_clients(rng, *, num_clients, d, num_classes, rows=(30, 90)):
@@ -43,10 +44,6 @@ def _ridge_oracle(feats, labels, actives, *, cls, members, gamma):
     return model.coef_
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("gamma", [1.0, 0.01])
 def test_theorem1_per_class_equals_pooled_ridge(gamma):
     rng = np.random.default_rng(7)
@@ -59,7 +56,7 @@ def test_theorem1_per_class_equals_pooled_ridge(gamma):
         members = sorted(plan.class_cover[c])
         assert members == [k for k in range(5) if actives[k][c]]
         oracle = _ridge_oracle(feats, labels, actives, cls=c, members=members, gamma=gamma)
-        assert _rel(weights[:, c], oracle) <= 1e-9
+        assert relative_error(weights[:, c], oracle) <= 1e-9
 
 
 def test_global_scope_equals_ridge_on_all_rows_with_zero_targets_for_non_labellers():
@@ -72,7 +69,7 @@ def test_global_scope_equals_ridge_on_all_rows_with_zero_targets_for_non_labelle
     assert plan.gram_releases == (frozenset(range(4)),)
     for c in range(3):
         oracle = _ridge_oracle(feats, labels, actives, cls=c, members=range(4), gamma=1.0)
-        assert _rel(weights[:, c], oracle) <= 1e-9
+        assert relative_error(weights[:, c], oracle) <= 1e-9
 
 
 @settings(max_examples=25, deadline=None)
@@ -100,7 +97,7 @@ def test_partition_invariance(seed, num_parts, gamma):
         plan, gram_sums={plan.participants: gram_sum}, b_sums=b_sum[:, None], gamma=gamma
     )
     oracle = Ridge(alpha=gamma, fit_intercept=False, solver="svd").fit(rows, target).coef_
-    assert _rel(w[:, 0], oracle) <= 1e-9
+    assert relative_error(w[:, 0], oracle) <= 1e-9
 
 
 def test_classes_with_same_cover_share_one_factorisation():

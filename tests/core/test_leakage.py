@@ -1,4 +1,4 @@
-"""Tests of the release-plan leakage audit (design §5)."""
+"""Tests of the release-plan leakage audit (docs/protocol.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""NIH ChestX-ray14 protocol: the metadata facts of design §4 and the FedMLP split/partition."""
+"""NIH ChestX-ray14 protocol: the metadata facts of docs/method.md §2 and the FedMLP
+split/partition."""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ from hypothesis import strategies as st
 from sklearn.model_selection import train_test_split
 
 from afl.core import nih
-
-
-@pytest.fixture(scope="module")
-def pa() -> nih.NihLabels:
-    return nih.load_pa_labels(classes=nih.PAPER_CLASSES)
 
 
 def test_pa_counts_and_prevalence(pa: nih.NihLabels) -> None:

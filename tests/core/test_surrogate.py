@@ -1,4 +1,5 @@
-"""Surrogate features (design §4): determinism, shape, scale, signal and the tuning target."""
+"""Surrogate features (docs/method.md §2): determinism, shape, scale, signal and the tuning
+target."""
 
 from __future__ import annotations
 
@@ -9,11 +10,6 @@ from sklearn.metrics import roc_auc_score
 
 from afl.core import nih
 from afl.core import surrogate as sg
-
-
-@pytest.fixture(scope="module")
-def pa() -> nih.NihLabels:
-    return nih.load_pa_labels(classes=nih.PAPER_CLASSES)
 
 
 def balanced_ridge_auc(

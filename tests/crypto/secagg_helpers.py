@@ -1,5 +1,6 @@
-"""Shared fixtures of the secure-aggregation protocol tests: cohorts, release plans, inputs and an
-exact plaintext oracle (math.fsum over the surviving members)."""
+"""Shared helpers of the secure-aggregation protocol tests: cohorts, release plans, inputs, honest
+clients and server for a cohort, and an exact plaintext oracle (math.fsum over the surviving
+members)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.crypto.fixedpoint import FixedPointCodec
+from afl.crypto.secagg_client import SecAggClient
 from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
+from afl.crypto.secagg_server import SecAggServer
 from afl.crypto.signatures import generate_identity_key
 
 GRAM_BOUND = 1e4
@@ -57,6 +60,29 @@ def make_federation(
         for s in spec.members:
             inputs[s][spec.name] = rng.uniform(-spec.bound / 2, spec.bound / 2, spec.length)
     return Federation(config, {s: generate_identity_key() for s in ids}, inputs)
+
+
+def honest_clients(fed: Federation) -> dict[str, SecAggClient]:
+    """One honest client per cohort member (cohort order), knowing every member's identity key."""
+    identities = {s: k.public_key() for s, k in fed.keys.items()}
+    return {
+        s: SecAggClient(
+            site_id=s,
+            identity_key=fed.keys[s],
+            config=fed.config,
+            identities=identities,
+            inputs=fed.inputs[s],
+        )
+        for s in fed.config.cohort
+    }
+
+
+def honest_round(fed: Federation) -> tuple[SecAggServer, dict[str, SecAggClient]]:
+    """A server for ``fed``'s round and its honest clients, before any message was sent."""
+    server = SecAggServer(
+        config=fed.config, identities={s: k.public_key() for s, k in fed.keys.items()}
+    )
+    return server, honest_clients(fed)
 
 
 def exact_sum(

@@ -29,16 +29,6 @@ from afl.crypto.errors import (
 )
 
 
-@pytest.fixture(scope="module")
-def private_ctx() -> ts.Context:
-    return ckks.create_private_context(n_threads=1)
-
-
-@pytest.fixture(scope="module")
-def public_ctx(private_ctx: ts.Context) -> ts.Context:
-    return ckks.load_public_context(ckks.public_context_bytes(private_ctx))
-
-
 def _oracle(xs: list[np.ndarray]) -> np.ndarray:
     return np.array([math.fsum(col) for col in zip(*xs, strict=True)])
 

@@ -1,4 +1,5 @@
-"""Tests of afl.crypto.ckks_decrypt.Decryptor: plan membership, tags, decrypt-once (design §7).
+"""Tests of afl.crypto.ckks_decrypt.Decryptor: plan membership, tags, decrypt-once (docs/protocol.md
+§4.3).
 
 Tolerance: ``ckks_params.error_bound`` (derived from Δ, K, the pre-scale and the grid; see the
 ckks_params docstring), against the float64 sum of the members' vectors.
@@ -28,16 +29,6 @@ SITES = ("site-a", "site-b", "site-c", "site-d")
 N = 600
 BOUND = 50.0
 K_UPLOAD = 3  # largest member count among the releases sharing upload "gram"
-
-
-@pytest.fixture(scope="module")
-def private_ctx() -> ts.Context:
-    return ckks.create_private_context(n_threads=1)
-
-
-@pytest.fixture(scope="module")
-def public_ctx(private_ctx: ts.Context) -> ts.Context:
-    return ckks.load_public_context(ckks.public_context_bytes(private_ctx))
 
 
 def _release(name: str, members: tuple[str, ...]) -> CkksRelease:

@@ -1,4 +1,5 @@
-"""Tests of afl.crypto.ckks_params: security level, pre-scaling rule, derived bounds (design §7)."""
+"""Tests of afl.crypto.ckks_params: security level, pre-scaling rule, derived bounds
+(docs/protocol.md §4.3)."""
 
 from __future__ import annotations
 

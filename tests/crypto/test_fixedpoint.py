@@ -1,4 +1,5 @@
-"""Tests of afl.crypto.fixedpoint: exact wrapping sums decode to the float64 sum (design §6)."""
+"""Tests of afl.crypto.fixedpoint: exact wrapping sums decode to the float64 sum (docs/protocol.md
+§5)."""
 
 from __future__ import annotations
 
@@ -169,7 +170,8 @@ def test_sum_property_gram_like(k: int, data: st.DataObject) -> None:
 
 
 def test_realistic_gram_and_b_blocks_to_1e_9_relative() -> None:
-    """Per-site Gram G_k = H_kᵀH_k and b_k = H_kᵀy_k/N_k with separate codecs (design §6)."""
+    """Per-site Gram G_k = H_kᵀH_k and b_k = H_kᵀy_k/N_k with separate codecs (docs/protocol.md
+    §5)."""
     rng = np.random.default_rng(0)  # test data only, not key material
     k, d = 8, 32
     grams, bs = [], []

@@ -1,4 +1,5 @@
-"""afl.crypto.pki (design §9): CA, server and site certificates, site identity extraction."""
+"""afl.crypto.pki (docs/protocol.md §3): CA, server and site certificates, site identity
+extraction."""
 
 from __future__ import annotations
 

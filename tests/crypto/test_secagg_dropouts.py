@@ -1,6 +1,6 @@
-"""Drop-outs at every stage of the secure-aggregation round (design §6): up to n - t drop-outs the
-round completes with exactly the survivors' sums; one more aborts with a clear reason and no
-release; a sub-cohort release below its minimum is withheld while the others are released."""
+"""Drop-outs at every stage of the secure-aggregation round (docs/protocol.md §4.2): up to n - t
+drop-outs the round completes with exactly the survivors' sums; one more aborts with a clear reason
+and no release; a sub-cohort release below its minimum is withheld while the others are released."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from afl.crypto.errors import RoundAbortedError, StageError
 from afl.crypto.secagg_client import ClientStage
 from afl.crypto.secagg_local import LocalRoundReport, run_local_round
 from afl.crypto.secagg_server import ServerStage
-from tests.crypto.secagg_helpers import assert_sum_matches, exact_sum, make_federation, site_ids
+from tests.crypto.secagg_helpers import (
+    assert_sum_matches,
+    exact_sum,
+    honest_round,
+    make_federation,
+    site_ids,
+)
 
 N = 7  # t = 4: up to 3 drop-outs
 
@@ -87,22 +93,8 @@ def test_one_dropout_too_many_aborts_with_no_release(stage: ClientStage, where: 
 
 
 def test_aborted_server_releases_nothing_and_accepts_nothing() -> None:
-    from afl.crypto.secagg_client import SecAggClient
-    from afl.crypto.secagg_server import SecAggServer
-
     fed = make_federation(n=5)
-    idents = {s: k.public_key() for s, k in fed.keys.items()}
-    server = SecAggServer(config=fed.config, identities=idents)
-    clients = {
-        s: SecAggClient(
-            site_id=s,
-            identity_key=fed.keys[s],
-            config=fed.config,
-            identities=idents,
-            inputs=fed.inputs[s],
-        )
-        for s in fed.config.cohort
-    }
+    server, clients = honest_round(fed)
     for s in fed.config.cohort:
         server.receive(clients[s].advertise_keys(), sender=s)
     directory = server.close_advertise()

@@ -1,5 +1,5 @@
-"""A malicious server against honest secure-aggregation clients (design §6): the client refuses
-any Unmask request that would reveal both the self-mask share and the mask-key share of one
+"""A malicious server against honest secure-aggregation clients (docs/protocol.md §4.2): the client
+refuses any Unmask request that would reveal both the self-mask share and the mask-key share of one
 peer, or that is inconsistent with the survivor list it signed; it rejects forged adverts and
 tampered share bundles."""
 
@@ -20,7 +20,7 @@ from afl.crypto.secagg_messages import (
 )
 from afl.crypto.secagg_server import SecAggServer
 from afl.crypto.shamir import PRIME, Share
-from tests.crypto.secagg_helpers import Federation, make_federation
+from tests.crypto.secagg_helpers import Federation, honest_clients, honest_round, make_federation
 
 
 @dataclass
@@ -37,18 +37,7 @@ def _run_to_consistency(
     fed: Federation, *, silent: tuple[str, ...] = ()
 ) -> tuple[SecAggServer, dict[str, SecAggClient], ConsistencyRequest]:
     """Run honestly to the survivor list U3; ``silent`` sites vanish after ShareKeys (U2 \\ U3)."""
-    idents = {s: k.public_key() for s, k in fed.keys.items()}
-    server = SecAggServer(config=fed.config, identities=idents)
-    clients = {
-        s: SecAggClient(
-            site_id=s,
-            identity_key=fed.keys[s],
-            config=fed.config,
-            identities=idents,
-            inputs=fed.inputs[s],
-        )
-        for s in fed.config.cohort
-    }
+    server, clients = honest_round(fed)
     for s, c in clients.items():
         server.receive(c.advertise_keys(), sender=s)
     directory = server.close_advertise()
@@ -153,17 +142,7 @@ def test_honest_request_reveals_one_kind_per_peer() -> None:
 
 def test_client_rejects_forged_directory_and_tampered_shares() -> None:
     fed = make_federation(n=4)
-    idents = {s: k.public_key() for s, k in fed.keys.items()}
-    clients = {
-        s: SecAggClient(
-            site_id=s,
-            identity_key=fed.keys[s],
-            config=fed.config,
-            identities=idents,
-            inputs=fed.inputs[s],
-        )
-        for s in fed.config.cohort
-    }
+    clients = honest_clients(fed)
     adverts = [c.advertise_keys() for c in clients.values()]
     swapped = replace(adverts[1], enc_public=adverts[2].enc_public)  # server swaps a key
     with pytest.raises(ProtocolError, match="does not verify"):

@@ -1,6 +1,6 @@
-"""Secure aggregation state machines, honest runs (design §6): decoded masked aggregates equal the
-plaintext float64 sums; sub-cohort releases; stage, round, sender and duplicate checks; stored
-uploads independent of the inputs."""
+"""Secure aggregation state machines, honest runs (docs/protocol.md §4.2): decoded masked aggregates
+equal the plaintext float64 sums; sub-cohort releases; stage, round, sender and duplicate checks;
+stored uploads independent of the inputs."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from tests.crypto.secagg_helpers import (
     Federation,
     assert_sum_matches,
     exact_sum,
+    honest_round,
     make_federation,
     site_ids,
 )
@@ -104,18 +105,7 @@ def test_config_rejects_bad_plans() -> None:
 
 def _started(n: int = 4) -> tuple[SecAggServer, dict[str, SecAggClient], Federation]:
     fed = make_federation(n=n)
-    ids = {s: k.public_key() for s, k in fed.keys.items()}
-    server = SecAggServer(config=fed.config, identities=ids)
-    clients = {
-        s: SecAggClient(
-            site_id=s,
-            identity_key=fed.keys[s],
-            config=fed.config,
-            identities=ids,
-            inputs=fed.inputs[s],
-        )
-        for s in fed.config.cohort
-    }
+    server, clients = honest_round(fed)
     return server, clients, fed
 
 
@@ -185,18 +175,8 @@ def test_stored_uploads_are_independent_of_the_statistics() -> None:
     # Strongly structured inputs: a ramp, so a leak would correlate strongly.
     for i, s in enumerate(ids):
         fed.inputs[s]["gram"] = np.linspace(-4e3, 4e3, d) * (1 + i) / n
-    idents = {s: k.public_key() for s, k in fed.keys.items()}
-    server = SecAggServer(config=fed.config, identities=idents)
-    clients = [
-        SecAggClient(
-            site_id=s,
-            identity_key=fed.keys[s],
-            config=fed.config,
-            identities=idents,
-            inputs=fed.inputs[s],
-        )
-        for s in ids
-    ]
+    server, by_site = honest_round(fed)
+    clients = list(by_site.values())  # the cohort's order: ids
     for c in clients:
         server.receive(c.advertise_keys(), sender=c.site_id)
     directory = server.close_advertise()

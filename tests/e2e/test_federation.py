@@ -1,6 +1,6 @@
-"""End to end over loopback gRPC with mutual TLS: afl-server and one afl-client process per site
-(issue 4). The federated W must equal the in-process solve on the same caches (≤ 1e-9 relative),
-a site whose policy refuses the plan says why, and `afl demo` runs."""
+"""End to end over loopback gRPC with mutual TLS: afl-server and one afl-client process per site.
+The federated W must equal the in-process solve on the same caches (≤ 1e-9 relative), a site whose
+policy refuses the plan says why, and `afl demo` runs."""
 
 from __future__ import annotations
 
@@ -19,35 +19,22 @@ from afl.client.daemon import ClientDaemon
 from afl.client.daemon_transport import DaemonError
 from afl.client.modes import PlaintextMode
 from afl.core.aggregation import class_b_sums, federated_solve
-from afl.core.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
-from afl.core.stats import LocalStats, local_statistics
 from afl.lab.demo_federation import LoopbackFederation, LoopbackRun, prepare_loopback, run_loopback
 from afl.proto.v1 import common_pb2 as cpb
+from tests.e2e.loopback import SiteData, cached_statistics
+from tests.helpers.numeric import relative_error
 
 D = 32
 CLASSES = ("A", "B", "C")
 PARAMS = RefinementParams(tau=0.5, alpha=0.5, delta_pos=2, delta_neg=2)
-
-
-def _data(k: int, seed: int = 7) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
-    """Features with class signal (so round 2 finds confident pseudo-labels)."""
-    rng = np.random.default_rng(seed)
-    directions = rng.normal(size=(len(CLASSES), D))
-    feats, labels = [], []
-    for site in range(k):
-        n = 250 + 30 * site
-        y = (rng.random((n, len(CLASSES))) < 0.35).astype(np.int8)
-        h = rng.normal(size=(n, D)) + y @ directions + 0.3 * site
-        feats.append(h.astype(np.float32))
-        labels.append(y)
-    return feats, labels
+DATA = SiteData(d=D, classes=len(CLASSES), rows=250, rows_step=30, positive_rate=0.35, seed=7)
 
 
 def _federation(
     root: Path, active: NDArray[np.bool_], **kw: object
 ) -> tuple[LoopbackFederation, LoopbackRun]:
-    feats, labels = _data(active.shape[0])
+    feats, labels = DATA.draw(active.shape[0])
     loop = prepare_loopback(
         root,
         classes=CLASSES,
@@ -59,23 +46,6 @@ def _federation(
         **kw,  # type: ignore[arg-type]
     )
     return loop, run_loopback(loop, timeout_s=120)
-
-
-def _site_stats(
-    loop: LoopbackFederation, sites: list[str]
-) -> tuple[list[LocalStats], list[FeatureCache]]:
-    stats, caches = [], []
-    for site in sites:
-        cache = open_cache(loop.root / "data" / site)
-        stats.append(
-            local_statistics(cache.features, cache.labels, active=np.all(cache.labels >= 0, axis=0))
-        )
-        caches.append(cache)
-    return stats, caches
-
-
-def _rel(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _weights(run: LoopbackRun, site: str, round_number: int) -> NDArray[np.float64]:
@@ -90,7 +60,7 @@ def test_two_round_federation_matches_in_process_solve(tmp_path: Path) -> None:
                 "delta_pos": PARAMS.delta_pos, "delta_neg": PARAMS.delta_neg}  # fmt: skip
     loop, run = _federation(tmp_path, active, round_settings=settings)
     assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
-    stats, caches = _site_stats(loop, list(loop.site_ids))
+    stats, caches = cached_statistics(loop, list(loop.site_ids))
     w1_ref, plan = federated_solve(stats, gamma=1.0, gram_scope="global")
     pseudo = [
         pseudo_label_projection(c.features, weights=w1_ref, missing=~active[k], params=PARAMS)
@@ -105,8 +75,8 @@ def test_two_round_federation_matches_in_process_solve(tmp_path: Path) -> None:
         gamma=1.0,
     )
     for site in loop.site_ids:
-        assert _rel(_weights(run, site, 1), w1_ref) <= 1e-9
-        assert _rel(_weights(run, site, 2), w2_ref) <= 1e-9
+        assert relative_error(_weights(run, site, 1), w1_ref) <= 1e-9
+        assert relative_error(_weights(run, site, 2), w2_ref) <= 1e-9
     report = run.final_report("site-1")
     d_packed = D * (D + 1) // 2
     # Round 2 uploads one b_pseudo[c] per class; round 1 the packed Gram and one b[c] per class.
@@ -132,7 +102,7 @@ def test_exposed_site_refuses_and_the_rest_complete_per_class(tmp_path: Path) ->
     # The coordinator aborts that plan and re-plans with the three remaining sites.
     remaining = ["site-1", "site-2", "site-3"]
     assert all(run.client_rcs[s] == 0 for s in remaining), run.logs
-    stats, _ = _site_stats(loop, remaining)
+    stats, _ = cached_statistics(loop, remaining)
     w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="per-class")
     for site in remaining:
         # A site may or may not have seen the aborted round before the replacement opened.
@@ -140,7 +110,7 @@ def test_exposed_site_refuses_and_the_rest_complete_per_class(tmp_path: Path) ->
         assert outcomes in (["COMPLETED"], ["ABORTED", "COMPLETED"])
         final = run.final_report(site)
         assert final["plan"]["participants"] == remaining
-        assert _rel(np.load(final["model"]["path"]), w_ref) <= 1e-9
+        assert relative_error(np.load(final["model"]["path"]), w_ref) <= 1e-9
 
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
@@ -165,7 +135,7 @@ class _CrashAfterFirstUpload(PlaintextMode):
 
 def test_restarted_client_resumes_from_its_state(tmp_path: Path) -> None:
     active = np.ones((3, len(CLASSES)), dtype=bool)
-    feats, labels = _data(3)
+    feats, labels = DATA.draw(3)
     loop = prepare_loopback(
         tmp_path, classes=CLASSES, site_features=feats, site_labels=labels, active=active,
         test_features=feats[0][:20], test_labels=labels[0][:20],
@@ -207,6 +177,6 @@ def test_restarted_client_resumes_from_its_state(tmp_path: Path) -> None:
     assert final["outcome"] == "COMPLETED"
     skipped = [u["slot"] for u in final["uploads"] if u["already_complete"]]
     assert skipped == ["gram[all]"]  # the upload done before the crash is not sent again
-    stats, _ = _site_stats(loop, list(loop.site_ids))
+    stats, _ = cached_statistics(loop, list(loop.site_ids))
     w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
-    assert _rel(np.load(final["model"]["path"]), w_ref) <= 1e-9
+    assert relative_error(np.load(final["model"]["path"]), w_ref) <= 1e-9

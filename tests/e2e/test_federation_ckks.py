@@ -1,6 +1,6 @@
-"""CKKS mode end to end over loopback mTLS (issue 7, design §7): afl-server, a dedicated decryptor
-site and one afl-client per data site. The CKKS W must equal the plaintext W within the bound
-DERIVED in docs/protocol.md ("CKKS precision"; tests/e2e/ckks_tolerance.py), and the macro AUC
+"""CKKS mode end to end over loopback mTLS (docs/protocol.md §4.3): afl-server, a dedicated
+decryptor site and one afl-client per data site. The CKKS W must equal the plaintext W within the
+bound DERIVED in docs/protocol.md ("CKKS precision"; tests/e2e/ckks_tolerance.py), and the macro AUC
 must differ by < 1e-4."""
 
 from __future__ import annotations
@@ -9,37 +9,26 @@ import json
 from pathlib import Path
 
 import numpy as np
-from numpy.typing import NDArray
 
 from afl.core.aggregation import federated_solve
 from afl.core.featurecache import open_cache
 from afl.core.metrics import evaluate, predict_proba
-from afl.core.stats import local_statistics
 from afl.crypto import ckks
 from afl.lab.demo_federation import ckks_round_settings, prepare_loopback, run_loopback
 from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
+from tests.e2e.loopback import SiteData, cached_statistics
 
 D = 24
 CLASSES = ("A", "B", "C")
 K = 3
 GAMMA = 1.0
-
-
-def _data(k: int, seed: int = 11) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
-    rng = np.random.default_rng(seed)
-    directions = rng.normal(size=(len(CLASSES), D))
-    feats, labels = [], []
-    for site in range(k + 1):  # the last block is the test set
-        n = 220 + 25 * site
-        y = (rng.random((n, len(CLASSES))) < 0.35).astype(np.int8)
-        h = rng.normal(size=(n, D)) + 0.6 * (y @ directions) + 0.3 * site
-        feats.append(h.astype(np.float32))
-        labels.append(y)
-    return feats, labels
+DATA = SiteData(
+    d=D, classes=len(CLASSES), rows=220, rows_step=25, positive_rate=0.35, seed=11, signal=0.6
+)
 
 
 def test_ckks_federation_matches_plaintext_within_derived_bound(tmp_path: Path) -> None:
-    feats, labels = _data(K)
+    feats, labels = DATA.draw(K + 1)  # the last block is the test set
     active = np.ones((K, len(CLASSES)), dtype=bool)
     active[0, 2] = False  # task heterogeneity: site-1 does not label C
     settings = {**ckks_round_settings(feats[:K]), "gamma": GAMMA, "gram_scope": "global"}
@@ -63,12 +52,7 @@ def test_ckks_federation_matches_plaintext_within_derived_bound(tmp_path: Path) 
     packed = D * (D + 1) // 2
     assert report["bytes_sent"] > 8 * (packed + len(CLASSES) * D) * 10
 
-    stats = []
-    for site in loop.site_ids:
-        cache = open_cache(loop.root / "data" / site)
-        stats.append(
-            local_statistics(cache.features, cache.labels, active=np.all(cache.labels >= 0, axis=0))
-        )
+    stats, _ = cached_statistics(loop, loop.site_ids)
     w_plain, _ = federated_solve(stats, gamma=GAMMA, gram_scope="global")
     gram = np.sum([s.gram for s in stats], axis=0)
     gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]

@@ -1,14 +1,13 @@
-"""End to end DP round in MASK mode over loopback gRPC with mutual TLS (issue 6, design §6, §8):
+"""End to end DP round in MASK mode over loopback gRPC with mutual TLS (docs/protocol.md §4.2, §7):
 afl-server with ``aggregation = "mask"`` and a [round.dp] table, one afl-client per site. With a
-huge ε the masked DP W matches the plaintext DP W and the noise-free pooled solve within a
-tolerance derived from the plan's noise scales; every site reports its ε (equal to the server's
-budget); the plan's noise split assumes t = min(tolerated, n - 1) colluders, so each site's share
-has variance σ²/(n - t), and each release's fixed-point grid is fine enough for the noise grid."""
+huge ε the masked DP W matches the plaintext DP W and the noise-free pooled solve within a tolerance
+derived from the plan's noise scales; every site reports its ε (equal to the server's budget); the
+plan's noise split assumes t = min(tolerated, n - 1) colluders, so each site's share has variance
+σ²/(n - t), and each release's fixed-point grid is fine enough for the noise grid."""
 
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +22,27 @@ from afl.lab.demo_federation import (
     run_loopback,
 )
 from afl.proto.v1 import common_pb2 as cpb
-from afl.server import toml_text
 from afl.server.config import load_config
 from afl.server.dp_mask import dp_mask_bound
 from afl.server.store import Store
-from tests.e2e.test_federation_dp import CLASSES, CLIP, EPSILON, _bound, _data, _pooled
+from tests.e2e.dp_scenario import (
+    CLASSES,
+    CLIP,
+    EPSILON,
+    add_dp_table,
+    checked_dp_report,
+    dp_budgets,
+    pooled_solve,
+    site_data,
+    w_error_bound,
+)
 
 SITES = ["site-1", "site-2", "site-3", "site-4"]
 TOLERATED = 1
 
 
 def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, LoopbackRun]:
-    feats, labels = _data(len(SITES))
+    feats, labels = site_data(len(SITES))
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 20.0}
     if mask:
         settings.update(mask_round_settings(feats))
@@ -48,14 +56,8 @@ def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, Loopback
         test_labels=labels[0][:30],
         round_settings=settings,
     )
-    doc = tomllib.loads(loop.server_config.read_text(encoding="utf-8"))
-    doc["round"]["dp"] = {
-        "epsilon": EPSILON,
-        "delta": 1e-6,
-        "clip_norm": CLIP,
-        "tolerated": TOLERATED,
-    }
-    loop.server_config.write_text(toml_text.dumps(doc), encoding="utf-8")
+    table = {"epsilon": EPSILON, "delta": 1e-6, "clip_norm": CLIP, "tolerated": TOLERATED}
+    add_dp_table(loop.server_config, table)
     return loop, run_loopback(loop, timeout_s=180)
 
 
@@ -76,12 +78,10 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
     assert all(run.client_rcs[s] == 0 for s in SITES), run.logs
     _, plain = _federation(tmp_path / "plain", mask=False)
     assert all(plain.client_rcs[s] == 0 for s in SITES), plain.logs
-    w_ref, st = _pooled(loop.root, SITES)
+    w_ref, st = pooled_solve(loop.root, SITES)
 
     config = load_config(loop.server_config)
-    store = Store(config.state_dir, federation_id=config.federation_id)
-    budgets: list[Any] = [e[2] for e in store.audit_entries() if e[1] == "dp-budget"]
-    assert store.verify_audit_chain() and budgets
+    budgets = dp_budgets(loop.server_config)
     plan = _signed_plan(loop)
     assert plan.aggregation == cpb.AGGREGATION_MODE_MASK and plan.dp.enabled
     n = len(SITES)
@@ -97,12 +97,7 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
 
     sigmas: dict[str, float] = {}
     for site in SITES:
-        report = run.final_report(site)
-        assert report["outcome"] == "COMPLETED"
-        dp = report["dp"]
-        assert dp["delta"] == 1e-6 and dp["epsilon"] <= EPSILON * (1 + 1e-6)
-        assert math.isclose(dp["epsilon"], dp["epsilon_server"], rel_tol=1e-6)
-        assert math.isclose(budgets[-1]["sites"][site]["epsilon"], dp["epsilon"], rel_tol=1e-6)
+        dp = checked_dp_report(run.final_report(site), budgets, site)
         assert set(dp["releases"]) == {"gram[all]", "s_pos", "t_sum", "counts"}
         for r in dp["releases"].values():
             assert r["assumed_colluders"] == t
@@ -117,7 +112,7 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
     for name, sigma in sigmas.items():
         assert math.isclose(sigma, plain_sig[name], rel_tol=1e-3)  # grids may differ
 
-    bound = _bound(w_ref, st, sigmas, n)
+    bound = w_error_bound(w_ref, st, sigmas, n)
     assert bound <= 0.05 * float(np.linalg.norm(w_ref))
     w_mask, w_plain = _w(run, SITES[0]), _w(plain, SITES[0])
     assert 0 < float(np.linalg.norm(w_mask - w_ref)) <= bound

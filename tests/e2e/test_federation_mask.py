@@ -1,4 +1,4 @@
-"""End to end in MASK mode (issue 5, design §6): afl-server and one afl-client process per site
+"""End to end in MASK mode (docs/protocol.md §4.2): afl-server and one afl-client process per site
 over loopback gRPC with mutual TLS. The masked federation's W equals the plaintext mode's W on
 the same caches; sites killed after ShareKeys or after MaskedInput leave the survivors' exact
 result; one drop-out more than the threshold allows aborts the round with a reason and no model;
@@ -13,9 +13,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.core.aggregation import federated_solve
-from afl.core.featurecache import open_cache
 from afl.core.packing import pack_upper
-from afl.core.stats import LocalStats, local_statistics
+from afl.core.stats import LocalStats
 from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
@@ -25,22 +24,12 @@ from afl.lab.demo_federation import (
 )
 from afl.server.store import Store
 from tests.e2e import vanishing_client
+from tests.e2e.loopback import SiteData, cached_statistics
+from tests.helpers.numeric import relative_error
 
 D = 16
 CLASSES = ("A", "B", "C")
-
-
-def _data(k: int, seed: int = 11) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
-    rng = np.random.default_rng(seed)
-    directions = rng.normal(size=(len(CLASSES), D))
-    feats, labels = [], []
-    for site in range(k):
-        n = 120 + 20 * site
-        y = (rng.random((n, len(CLASSES))) < 0.4).astype(np.int8)
-        h = rng.normal(size=(n, D)) + y @ directions + 0.3 * site
-        feats.append(h.astype(np.float32))
-        labels.append(y)
-    return feats, labels
+DATA = SiteData(d=D, classes=len(CLASSES), rows=120, rows_step=20, positive_rate=0.4, seed=11)
 
 
 def _run(
@@ -51,7 +40,7 @@ def _run(
     vanish: dict[str, str] | None = None,
     timeout_s: float = 6.0,
 ) -> tuple[LoopbackFederation, LoopbackRun]:
-    feats, labels = _data(k)
+    feats, labels = DATA.draw(k)
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": timeout_s}
     if mask:
         settings.update(mask_round_settings(feats))
@@ -70,21 +59,13 @@ def _run(
 
 
 def _stats(loop: LoopbackFederation, sites: list[str]) -> list[LocalStats]:
-    out = []
-    for site in sites:
-        cache = open_cache(loop.root / "data" / site)
-        out.append(local_statistics(cache.features, cache.labels, active=np.ones(3, dtype=bool)))
-    return out
+    return cached_statistics(loop, sites)[0]  # every site labels every class here
 
 
 def _final_w(run: LoopbackRun, site: str) -> NDArray[np.float64]:
     report = run.final_report(site)
     assert report["outcome"] == "COMPLETED", report
     return np.asarray(np.load(report["model"]["path"]), dtype=np.float64)
-
-
-def _rel(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_masked_w_equals_plaintext_w_and_server_stores_only_masked(tmp_path: Path) -> None:
@@ -95,9 +76,9 @@ def test_masked_w_equals_plaintext_w_and_server_stores_only_masked(tmp_path: Pat
     w_plain = _final_w(plain, "site-1")
     stats = _stats(loop, list(loop.site_ids))
     w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
-    assert _rel(w_plain, w_ref) <= 1e-9
+    assert relative_error(w_plain, w_ref) <= 1e-9
     for site in loop.site_ids:
-        assert _rel(_final_w(run, site), w_plain) <= 1e-9
+        assert relative_error(_final_w(run, site), w_plain) <= 1e-9
     report = run.final_report("site-1")
     assert report["plan"]["aggregation"] == "AGGREGATION_MODE_MASK"
     slots = {u["slot"] for u in report["uploads"]}
@@ -124,7 +105,7 @@ def test_site_killed_after_share_keys_leaves_the_survivors_result(tmp_path: Path
     assert all(run.client_rcs[s] == 0 for s in survivors), run.logs
     w_ref, _ = federated_solve(_stats(loop, survivors), gamma=1.0, gram_scope="global")
     for site in survivors:
-        assert _rel(_final_w(run, site), w_ref) <= 1e-9
+        assert relative_error(_final_w(run, site), w_ref) <= 1e-9
         assert run.final_report(site)["model"]["contributors"] == survivors
 
 
@@ -137,7 +118,7 @@ def test_site_killed_after_masked_input_is_unmasked_from_shares(tmp_path: Path) 
     # shares, so the sum includes it.
     w_ref, _ = federated_solve(_stats(loop, list(loop.site_ids)), gamma=1.0, gram_scope="global")
     for site in rest:
-        assert _rel(_final_w(run, site), w_ref) <= 1e-9
+        assert relative_error(_final_w(run, site), w_ref) <= 1e-9
 
 
 def test_one_dropout_beyond_the_threshold_aborts_without_release(tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ def test_json_output(capsys, missing7: Path) -> None:
 
 
 def test_simulate_labels_format_is_accepted(capsys, tmp_path: Path) -> None:
-    # Site c labels every class but c: per-class sums expose each site (design §5, K = 3).
+    # Site c labels every class but c: per-class sums expose each site (K = 3, docs/protocol.md
+    # §6).
     sites = ["a", "b", "c"]
     spec = {
         "classes": ["x", "y", "z"],

@@ -1,4 +1,4 @@
-"""Gradient baselines (issue 9): loss, missing-label treatments, FedProx, determinism, traffic."""
+"""Gradient baselines: loss, missing-label treatments, FedProx, determinism, traffic."""
 
 from __future__ import annotations
 

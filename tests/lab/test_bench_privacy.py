@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from afl.lab.bench_privacy import plot, run_privacy_bench
-from tests.lab.test_simulate import small_federation
+from tests.lab.synthetic import small_federation
 
 
 def test_privacy_bench_curves_and_plot(tmp_path):

@@ -1,8 +1,9 @@
 """`afl report`: the HTML is self-contained and shows the table, plots and ROC curves.
 
 Results come from :func:`afl.lab.simulate.simulate` on the small synthetic federation of
-test_simulate; the Table II cells are checked against the results JSON, the plots by decoding
-their inline PNGs, and (when Chromium is installed) by rendering the page in headless Chromium.
+tests/lab/synthetic.py; the Table II cells are checked against the results JSON, the plots by
+decoding their inline PNGs, and (when Chromium is installed) by rendering the page in headless
+Chromium.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from afl.lab.federation import save_federation
+from afl.lab.dataset import save_dataset
 from afl.lab.report import ReportError, render_report, write_report
 from afl.lab.report_cmd import add_arguments, run
 from afl.lab.simulate import SimulationConfig, missing_settings, simulate
-from tests.lab.test_simulate import small_federation
+from tests.lab.synthetic import small_federation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -46,7 +47,7 @@ def _results(save_dir: Path | None = None) -> dict[str, Any]:
     config = SimulationConfig(settings=settings, baselines=("fedavg",))
     results = simulate(fed, config, progress=False, on_weights=keep)
     if save_dir is not None:
-        save_federation(fed, save_dir / "data")
+        save_dataset(fed, save_dir / "data")
         results["saved"] = {"data": "run/data", "weights": saved}
     return results
 

@@ -11,7 +11,7 @@ from afl.core.assignment import CoverageSpec
 from afl.core.metrics import evaluate, predict_proba
 from afl.lab import tables
 from afl.lab.cli import main
-from afl.lab.federation import Federation, load_federation, save_federation
+from afl.lab.dataset import load_dataset, save_dataset
 from afl.lab.simulate import (
     CENTRAL,
     ORACLE,
@@ -20,31 +20,7 @@ from afl.lab.simulate import (
     missing_settings,
     simulate,
 )
-
-CLASSES = ("a", "b", "c", "d")
-
-
-def small_federation(seed: int = 0, *, sites: int = 4, d: int = 16) -> Federation:
-    rng = np.random.default_rng(seed)
-    directions = rng.normal(size=(len(CLASSES), d))
-
-    def draw(n: int, shift: float) -> tuple[np.ndarray, np.ndarray]:
-        labels = (rng.random((n, len(CLASSES))) < 0.25).astype(np.int8)
-        feats = np.abs(rng.normal(size=(n, d)) + labels @ directions + shift)
-        return feats.astype(np.float32), labels
-
-    site_data = [draw(int(rng.integers(150, 250)), 0.1 * k) for k in range(sites)]
-    test_f, test_l = draw(400, 0.0)
-    return Federation(
-        classes=CLASSES,
-        site_names=tuple(f"s{k}" for k in range(sites)),
-        site_features=tuple(f for f, _ in site_data),
-        site_labels=tuple(y for _, y in site_data),
-        test_features=test_f,
-        test_labels=test_l,
-        provenance="synthetic test data",
-        surrogate=True,
-    )
+from tests.lab.synthetic import CLASSES, small_federation
 
 
 def test_grid_rows_and_theorem1_row():
@@ -95,7 +71,7 @@ def test_saved_weights_recheck_independently(tmp_path):
     fed = small_federation(2)
     out = tmp_path / "r.json"
     root = tmp_path / "caches"
-    save_federation(fed, root)
+    save_dataset(fed, root)
     code = main(
         [
             "simulate",
@@ -116,7 +92,7 @@ def test_saved_weights_recheck_independently(tmp_path):
     results = json.loads(out.read_text())
     row = results["settings"]["missing-2"]["rows"][0]
     weights = np.load(results["saved"]["weights"]["missing-2/analytic 1-round (per-class)"])
-    reloaded = load_federation(
+    reloaded = load_dataset(
         [tmp_path / "save" / "data" / n for n in fed.site_names],
         tmp_path / "save" / "data" / "test",
     )
@@ -129,7 +105,7 @@ def test_saved_weights_recheck_independently(tmp_path):
 def test_bad_cli_input_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit, match="one cache per site"):
         main(["simulate", "--features", str(tmp_path)])
-    save_federation(small_federation(3), tmp_path / "c")
+    save_dataset(small_federation(3), tmp_path / "c")
     with pytest.raises(SystemExit, match="missing-M"):
         main(["simulate", "--features", str(tmp_path / "c"), "--setting", "missing"])
     with pytest.raises(SystemExit, match="--rounds"):

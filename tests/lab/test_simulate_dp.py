@@ -25,7 +25,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.server.dp_plan import DpCalibration, DpSettings, calibrate, dp_releases
 from afl.server.dp_solve import solve_dp_round
 from afl.server.plan import PlannedRelease
-from tests.lab.test_simulate import small_federation
+from tests.lab.synthetic import small_federation
 
 # Missing-style coverage of 5 sites x 4 classes: two distinct coverage sets share classes, site 4
 # labels nothing, class 3 is labelled by nobody.

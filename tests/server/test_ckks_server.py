@@ -1,4 +1,4 @@
-"""Server side of the CKKS mode (design §7, issue 7): the server never holds a secret key (a
+"""Server side of the CKKS mode (docs/protocol.md §4.3): the server never holds a secret key (a
 private context, configured or found in its state, makes it refuse to start; a published one is
 refused), the decryptor is never a data participant, and CKKS plans declare a pre-scale and grid
 that respect the slot budget and hide the CKKS noise."""
@@ -25,11 +25,6 @@ from afl.server.plan import PlannedRelease
 from afl.server.provisioning import provision
 
 SITES = ("dec", "site-1", "site-2", "site-3")
-
-
-@pytest.fixture(scope="module")
-def private_ctx() -> object:
-    return ckks.create_private_context()
 
 
 def _federation(tmp_path: Path, context: bytes | None) -> Path:

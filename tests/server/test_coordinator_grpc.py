@@ -25,6 +25,8 @@ from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
 from afl.server.daemon import CoordinatorServer
 from afl.server.provisioning import ProvisionedFederation, provision
+from tests.helpers.federation import FederationSpec
+from tests.helpers.numeric import relative_error
 from tests.server.fakeclient import FakeSite, chunks, payload
 
 SITES = ["s1", "s2", "s3", "s4"]
@@ -33,20 +35,11 @@ D = 16
 GAMMA = 0.5
 COVERAGE = {"s1": ["a", "b", "c"], "s2": ["a", "b"], "s3": ["b", "c"], "s4": ["a", "c"]}
 Code = grpc.StatusCode
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    out = tmp_path_factory.mktemp("fed") / "federation"
-    settings: dict[str, Any] = {
-        "classes": CLASSES,
-        "feature_dim": D,
-        "gamma": GAMMA,
-        "min_participants": 3,
-    }
-    return provision(
-        out, sites=[*SITES, "outsider"], federation_id="fed-t", round_settings=settings
-    )
+FEDERATION = FederationSpec(
+    sites=[*SITES, "outsider"],
+    federation_id="fed-t",
+    round_settings={"classes": CLASSES, "feature_dim": D, "gamma": GAMMA, "min_participants": 3},
+)
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +131,6 @@ def enrol_and_accept(sites: dict[str, FakeSite], key: bytes) -> tuple[Any, Any]:
     return config, plan
 
 
-def relative(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("scope", ["global", "per-class"])
 def test_round_solves_like_the_in_process_oracle(
     federation: ProvisionedFederation,
@@ -160,7 +149,7 @@ def test_round_solves_like_the_in_process_oracle(
     model, weights = sites["s2"].model(key)
     oracle, _ = federated_solve([stats[s] for s in SITES], gamma=GAMMA, gram_scope=scope)
     assert weights.shape == (D, len(CLASSES))
-    assert relative(weights, oracle) <= 1e-9
+    assert relative_error(weights, oracle) <= 1e-9
     assert list(model.class_names) == CLASSES and model.round_id == config.round_id
     assert list(model.contributors) == SITES
     status = sites["s1"].status()
@@ -224,7 +213,7 @@ def test_bad_uploads_get_the_right_status_and_the_round_completes(
         s1.send(chunks(rid, r.name, payload(r, stats["s1"], CLASSES)))
     _, weights = s1.model(key)
     oracle, _ = federated_solve([stats[s] for s in SITES], gamma=GAMMA, gram_scope="global")
-    assert relative(weights, oracle) <= 1e-9
+    assert relative_error(weights, oracle) <= 1e-9
     # After publication a retry is still idempotent.
     retry = chunks(rid, gram.name, payload(gram, stats["s2"], CLASSES))
     assert sites["s2"].send(retry).duplicate
@@ -311,7 +300,7 @@ def test_restart_resumes_without_re_uploading(
         sites[s].upload_all(config, plan, stats[s])
     _, weights = sites["s1"].model(key)
     oracle, _ = federated_solve([stats[s] for s in SITES], gamma=GAMMA, gram_scope="global")
-    assert relative(weights, oracle) <= 1e-9
+    assert relative_error(weights, oracle) <= 1e-9
     assert second.metrics.uploads.labels(outcome="stored")._value.get() == 2 * len(plan.releases)
     assert second.store.verify_audit_chain()
 
@@ -339,7 +328,7 @@ def test_refusal_aborts_and_replans_without_the_refuser(
         sites[s].upload_all(config, plan, stats[s])
     _, weights = sites["s1"].model(key)
     oracle, _ = federated_solve([stats[s] for s in SITES[:3]], gamma=GAMMA, gram_scope="global")
-    assert relative(weights, oracle) <= 1e-9
+    assert relative_error(weights, oracle) <= 1e-9
 
 
 def test_upload_timeout_replans_with_the_sites_that_finished(
@@ -364,7 +353,7 @@ def test_upload_timeout_replans_with_the_sites_that_finished(
         sites[s].upload_all(new, new_plan, stats[s])
     _, weights = sites["s1"].model(key, new.round_id)
     oracle, _ = federated_solve([stats[s] for s in SITES[:3]], gamma=GAMMA, gram_scope="global")
-    assert relative(weights, oracle) <= 1e-9
+    assert relative_error(weights, oracle) <= 1e-9
 
 
 def test_round_two_matches_the_refinement_oracle(
@@ -406,9 +395,9 @@ def test_round_two_matches_the_refinement_oracle(
         alpha=params.alpha,
         gamma=GAMMA,
     )
-    assert relative(w2, oracle) <= 1e-9
+    assert relative_error(w2, oracle) <= 1e-9
     assert any(p.contributes.any() for p in pseudo.values())
-    assert relative(w2, w1) > 1e-6  # round 2 changed something
+    assert relative_error(w2, w1) > 1e-6  # round 2 changed something
 
 
 def test_watch_rounds_streams_stage_changes(

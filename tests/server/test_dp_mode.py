@@ -35,9 +35,10 @@ from afl.server.dp_plan import (
 from afl.server.dp_solve import solve_dp_round
 from afl.server.errors import ConfigError
 from afl.server.plan import audit_plan, round1_releases
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
+from tests.helpers.federation import FederationSpec
 
 K = 8
 SITES = [f"s{i + 1}" for i in range(K)]
@@ -172,10 +173,9 @@ def test_noise_free_dp_solve_equals_pooled_ridge() -> None:
     np.testing.assert_allclose(w, _pooled_oracle(feats, labels, 0.5), rtol=1e-8, atol=1e-13)
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    settings: dict[str, Any] = {"classes": CLASSES, "feature_dim": D, "min_participants": 3}
-    return provision(tmp_path_factory.mktemp("dp") / "f", sites=SITES, round_settings=settings)
+FEDERATION = FederationSpec(
+    sites=SITES, round_settings={"classes": CLASSES, "feature_dim": D, "min_participants": 3}
+)
 
 
 def _coordinator(fed: ProvisionedFederation, state: Path, **round_settings: Any) -> Coordinator:

@@ -1,6 +1,6 @@
-"""Wire protocol v1 (design §2): the main messages build, serialize and parse back unchanged,
-large arrays travel as little-endian bytes with explicit shapes, and the service declares the
-RPCs (and streaming kinds) the daemons rely on."""
+"""Wire protocol v1 (docs/architecture.md §1): the main messages build, serialize and parse back
+unchanged, large arrays travel as little-endian bytes with explicit shapes, and the service declares
+the RPCs (and streaming kinds) the daemons rely on."""
 
 from __future__ import annotations
 

@@ -26,19 +26,17 @@ from afl.proto.wire import AssembledPayload
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import WrongStageError
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
+from tests.helpers.federation import FederationSpec
 
 SITES = ["p1", "p2", "p3"]
 COVERAGE = {"p1": ["a"], "p2": ["a", "b"], "p3": ["b"]}  # per-class sums have 2 members < 3
 D = 4
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    settings: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": D, "min_participants": 3}
-    return provision(tmp_path_factory.mktemp("m") / "f", sites=SITES, round_settings=settings)
+FEDERATION = FederationSpec(
+    sites=SITES, round_settings={"classes": ["a", "b"], "feature_dim": D, "min_participants": 3}
+)
 
 
 def _coordinator(fed: ProvisionedFederation, state: Path, **round_settings: Any) -> Coordinator:

@@ -1,4 +1,4 @@
-"""`afl provision` (design §9): the files it writes, their modes and contents, refusal to
+"""`afl provision` (docs/protocol.md §3): the files it writes, their modes and contents, refusal to
 overwrite, and a real gRPC mutual-TLS loopback check that a kit's certificate is accepted while
 certificates from another CA (or none) are refused."""
 
@@ -17,14 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.crypto import pki, signatures
 from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
+from tests.helpers.federation import FederationSpec
 
 SITES = ["hospital-a", "hospital-b", "site.c"]
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    out = tmp_path_factory.mktemp("fed") / "federation"
-    return provision(out, sites=SITES, federation_id="fed-test", decryptor="hospital-b")
+FEDERATION = FederationSpec(sites=SITES, federation_id="fed-test", decryptor="hospital-b")
 
 
 def _mode(path: Path) -> int:

@@ -32,13 +32,10 @@ from afl.server.plan import build_plan, releases_from_plan, round1_releases, sig
 from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
 from afl.server.servicer import status_for
 from afl.server.store import Store
+from tests.helpers.federation import FederationSpec
 
 ROUND: dict[str, Any] = {"classes": ["a", "b"], "feature_dim": 8, "min_participants": 2}
-
-
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> ProvisionedFederation:
-    return provision(tmp_path_factory.mktemp("fed") / "f", sites=["x1", "x2"], round_settings=ROUND)
+FEDERATION = FederationSpec(sites=["x1", "x2"], round_settings=ROUND)
 
 
 def test_provisioned_config_loads_with_round_settings(federation: ProvisionedFederation) -> None:

@@ -5,7 +5,7 @@ Two sources, one shape:
   torchxrayvision ships) with SURROGATE features (docs/method.md §2), split 7:3 and partitioned IID
   into K sites as in FedMLP;
 - feature caches (``afl.core.featurecache``) written by ``afl-client extract`` or by
-  ``save_federation``: one per site plus a test cache.
+  ``save_dataset``: one per site plus a test cache.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from afl.core.featurecache import CacheMeta, FeatureCacheError, open_cache, writ
 
 
 @dataclass(frozen=True)
-class Federation:
+class FederatedDataset:
     """Features are float32 (possibly memory-mapped); labels are complete 0/1 ground truth."""
 
     classes: tuple[str, ...]
@@ -60,7 +60,7 @@ class Federation:
         }
 
 
-def default_federation(
+def default_dataset(
     *,
     class_set: str = "paper",
     split: Literal["image", "patient"] = "image",
@@ -70,7 +70,7 @@ def default_federation(
     split_seed: int = nih.FEDMLP_SPLIT_SEED,
     partition_seed: int = nih.FEDMLP_PARTITION_SEED,
     metadata_path: str | os.PathLike[str] | None = None,
-) -> Federation:
+) -> FederatedDataset:
     """The embedded default: real NIH PA labels, surrogate features, FedMLP's split and partition."""
     if class_set not in nih.CLASS_SETS:
         raise ValueError(f"unknown class set {class_set!r}; choose one of {sorted(nih.CLASS_SETS)}")
@@ -88,7 +88,7 @@ def default_federation(
     features[rows_used] = surrogate.surrogate_features(
         labels=data.labels[rows_used], site=site[rows_used], d=d, seed=surrogate_seed
     )
-    return Federation(
+    return FederatedDataset(
         classes=data.classes,
         site_names=tuple(f"site-{k + 1}" for k in range(num_sites)),
         site_features=tuple(features[train[p]] for p in parts),
@@ -113,7 +113,7 @@ def default_federation(
     )
 
 
-def save_federation(fed: Federation, root: str | os.PathLike[str]) -> list[Path]:
+def save_dataset(fed: FederatedDataset, root: str | os.PathLike[str]) -> list[Path]:
     """Write one feature cache per site plus ``test/``: the format the daemons read."""
     out = Path(root)
     site_ids = fed.info.get("site_image_ids")
@@ -144,9 +144,9 @@ def save_federation(fed: Federation, root: str | os.PathLike[str]) -> list[Path]
     return paths
 
 
-def load_federation(
+def load_dataset(
     site_dirs: Sequence[str | os.PathLike[str]], test_dir: str | os.PathLike[str]
-) -> Federation:
+) -> FederatedDataset:
     """A federation from feature caches; every cache must agree on classes and d, labels complete."""
     caches = [open_cache(p) for p in site_dirs]
     test = open_cache(test_dir)
@@ -158,7 +158,7 @@ def load_federation(
                 f"{cache.root}: simulation needs complete ground-truth labels (found -1 entries); "
                 "task heterogeneity is applied by the simulation itself"
             )
-    return Federation(
+    return FederatedDataset(
         classes=test.meta.classes,
         site_names=tuple(Path(p).name for p in site_dirs),
         site_features=tuple(c.features for c in caches),
