@@ -1,13 +1,14 @@
 """``afl-client``: the hospital-side command line (extract features, merge shards, list backbones,
 run the daemon).
 
-Subcommands register themselves in :data:`SUBCOMMANDS` as ``(name, help, add_arguments, run)``;
-more (e.g. the daemon) are added by appending to it. ``main`` returns the process exit code:
+Subcommands are listed in :data:`SUBCOMMANDS` as ``(name, help, add_arguments, run)``.
+``main`` returns the process exit code:
 0 success, 1 a reported error (bad input, missing weights, unreadable file with --on-error fail),
 2 usage errors (argparse).
 """
 
 from __future__ import annotations
+
 
 import argparse
 import sys
@@ -17,6 +18,10 @@ from afl.client.shards import SHARD_MODES, ShardError, parse_shard
 from afl.client.sitedata import NIH_PAPER_CLASSES, SiteDataError, UnreadableImageError
 
 Handler = Callable[[argparse.Namespace], int]
+_DESCRIPTION = (
+    "The hospital side of afl: extract features from chest X-rays, merge shard caches, list the "
+    "backbones, and run the site daemon that takes part in the federation's rounds."
+)
 
 
 def _classes(text: str | None) -> tuple[str, ...] | None:
@@ -177,7 +182,7 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="afl-client", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="afl-client", description=_DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, add_args, handler in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text)

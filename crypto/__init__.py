@@ -3,7 +3,7 @@ numpy, cryptography and tenseal (the CKKS modules).
 
 Modules:
     errors       error classes (all derive from ``CryptoError``).
-    canonical    injective, typed, length-prefixed encoding of field tuples; ``PROTOCOL_VERSION``.
+    canonical    injective, typed, length-prefixed encoding of field tuples; ``DOMAIN_TAG``.
     fixedpoint   fixed-point codec float64 <-> Z_{2^64} with a declared bound per block.
     prg          AES-256-CTR expansion of a full 32-byte seed into uint64 words.
     kdf          X25519 key agreement; HKDF-SHA256 with salt and domain-separated info.

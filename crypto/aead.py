@@ -2,7 +2,7 @@
 
     blob = nonce (12 random bytes) || AES-256-GCM_K(nonce, plaintext, AD)
 
-with associated data AD = canonical(PROTOCOL_VERSION, "share", sender, recipient, round_id), so
+with associated data AD = canonical(DOMAIN_TAG, "share", sender, recipient, round_id), so
 a ciphertext only opens for the (sender, recipient, round) it was made for; replaying it to
 another recipient, as from another sender or in another round, fails authentication. K comes
 from :func:`afl.crypto.kdf.derive_share_key`.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from afl.crypto.canonical import PROTOCOL_VERSION, Field, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode
 from afl.crypto.errors import DecryptionError, InvalidSeedError
 
 __all__ = [
@@ -67,7 +67,7 @@ def share_associated_data(*, sender: str, recipient: str, round_id: str) -> tupl
     for name, value in (("sender", sender), ("recipient", recipient), ("round_id", round_id)):
         if not isinstance(value, str) or not value:
             raise TypeError(f"{name} must be a non-empty str")
-    return (PROTOCOL_VERSION, "share", sender, recipient, round_id)
+    return (DOMAIN_TAG, "share", sender, recipient, round_id)
 
 
 def encrypt_share(

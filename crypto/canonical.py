@@ -15,10 +15,11 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["PROTOCOL_VERSION", "Field", "canonical_encode"]
+__all__ = ["DOMAIN_TAG", "Field", "canonical_encode"]
 
-#: Protocol version string bound into every HKDF info, signature and AEAD associated data.
-PROTOCOL_VERSION = "afl-secagg/1"
+#: Domain-separation tag bound into every HKDF info, signature and AEAD associated data (it names
+#: the protocol family and its version; the wire version is afl.proto.wire.PROTOCOL_VERSION).
+DOMAIN_TAG = "afl-secagg/1"
 
 Field = bytes | str | int
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from afl.crypto import aead, kdf
-from afl.crypto.canonical import PROTOCOL_VERSION, Field
+from afl.crypto.canonical import DOMAIN_TAG, Field
 
 __all__ = [
     "CKKS_CONTEXT_CONTEXT",
@@ -65,7 +65,7 @@ def _tag_key(
 
 
 def _associated(sender: str, recipient: str, round_id: str) -> tuple[Field, ...]:
-    return (PROTOCOL_VERSION, PURPOSE_CKKS_TAGS, sender, recipient, round_id)
+    return (DOMAIN_TAG, PURPOSE_CKKS_TAGS, sender, recipient, round_id)
 
 
 def seal_tags(

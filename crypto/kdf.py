@@ -3,7 +3,7 @@
 Every derived key is
 
     K = HKDF-SHA256(IKM = X25519(sk_u, pk_v), salt = round_salt,
-                    info = canonical(PROTOCOL_VERSION, purpose, round_id, release, *binding))
+                    info = canonical(DOMAIN_TAG, purpose, round_id, release, *binding))
 
 (RFC 5869; ``canonical`` is the injective field encoding of :mod:`afl.crypto.canonical`). The
 salt is the round's public random nonce (published in the signed round config, see
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from afl.crypto.canonical import PROTOCOL_VERSION, Field, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode
 from afl.crypto.errors import KeyAgreementError, KeyFormatError
 
 __all__ = [
@@ -136,7 +136,7 @@ def derive_key(
     _check_text("purpose", purpose)
     _check_text("round_id", round_id)
     _check_text("release", release, allow_empty=True)
-    info = canonical_encode([PROTOCOL_VERSION, purpose, round_id, release, *binding])
+    info = canonical_encode([DOMAIN_TAG, purpose, round_id, release, *binding])
     hkdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=round_salt, info=info)
     return hkdf.derive(shared_secret)
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.crypto.canonical import PROTOCOL_VERSION, Field
+from afl.crypto.canonical import DOMAIN_TAG, Field
 from afl.crypto.errors import MaskingError
 from afl.crypto.prg import check_seed, expand_seed
 
@@ -43,7 +43,7 @@ def _context(round_id: str, release: str, purpose: str) -> tuple[Field, ...]:
     for name, value in (("round_id", round_id), ("release", release)):
         if not isinstance(value, str) or not value:
             raise MaskingError(f"{name} must be a non-empty str")
-    return (PROTOCOL_VERSION, "mask", purpose, round_id, release)
+    return (DOMAIN_TAG, "mask", purpose, round_id, release)
 
 
 def _check_length(length: int) -> int:

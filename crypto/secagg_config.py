@@ -23,7 +23,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from afl.crypto.canonical import PROTOCOL_VERSION, Field, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode
 from afl.crypto.errors import CryptoError, SecAggConfigError
 from afl.crypto.fixedpoint import FixedPointCodec
 from afl.crypto.kdf import MIN_SALT_BYTES, new_round_salt
@@ -203,7 +203,7 @@ class RoundConfig:
     def digest(self) -> bytes:
         """SHA-256 of the canonical encoding of the whole config (bound into every signature)."""
         fields: list[Field] = [
-            PROTOCOL_VERSION,
+            DOMAIN_TAG,
             "round-config",
             self.round_id,
             self.round_salt,

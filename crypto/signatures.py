@@ -2,7 +2,7 @@
 
 Protocol messages are signed over a domain-separated canonical encoding
 
-    m = canonical(PROTOCOL_VERSION, context, *fields)
+    m = canonical(DOMAIN_TAG, context, *fields)
 
 (:mod:`afl.crypto.canonical`: typed, length-prefixed fields), so a signature made for one
 message kind (``context``, e.g. ``"advertise-keys"``) or one field split never verifies as
@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from afl.crypto.canonical import PROTOCOL_VERSION, Field, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode
 from afl.crypto.errors import KeyFormatError, SignatureError
 
 __all__ = [
@@ -66,10 +66,10 @@ def verify(public_key: Ed25519PublicKey, signature: bytes, message: bytes) -> No
 
 
 def signed_message(*, context: str, fields: Sequence[Field]) -> bytes:
-    """The bytes actually signed: canonical(PROTOCOL_VERSION, context, *fields)."""
+    """The bytes actually signed: canonical(DOMAIN_TAG, context, *fields)."""
     if not isinstance(context, str) or not context:
         raise TypeError("context must be a non-empty str naming the message kind")
-    return canonical_encode([PROTOCOL_VERSION, context, *fields])
+    return canonical_encode([DOMAIN_TAG, context, *fields])
 
 
 def sign_fields(private_key: Ed25519PrivateKey, *, context: str, fields: Sequence[Field]) -> bytes:

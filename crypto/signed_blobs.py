@@ -4,7 +4,7 @@ Release plans and models travel as their serialized protobuf bytes plus an Ed255
 (``SignedReleasePlan``, ``SignedModel``); protobuf serialization is not canonical, so the
 signature covers the exact bytes, and receivers verify BEFORE parsing:
 
-    signature = Ed25519(server identity key, canonical(PROTOCOL_VERSION, context, blob))
+    signature = Ed25519(server identity key, canonical(DOMAIN_TAG, context, blob))
 
 with ``context`` = ``"release-plan"`` or ``"model"``. The two site-signed messages of the
 plaintext flow have their field tuples here too, so both sides build them the same way:
@@ -51,7 +51,7 @@ def blob_sha256(blob: bytes) -> bytes:
 
 
 def sign_blob(private_key: Ed25519PrivateKey, *, context: str, blob: bytes) -> bytes:
-    """Signature over canonical(PROTOCOL_VERSION, context, blob)."""
+    """Signature over canonical(DOMAIN_TAG, context, blob)."""
     if not isinstance(blob, bytes):
         raise TypeError(f"blob must be bytes, got {type(blob).__name__}")
     return sign_fields(private_key, context=context, fields=[blob])

@@ -134,7 +134,13 @@ class CoordinatorServer:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="afl-server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="afl-server",
+        description=(
+            "The afl coordinator: enrols the federation's sites, publishes signed release "
+            "plans, aggregates under the configured protection and publishes the signed model."
+        ),
+    )
     parser.add_argument("--config", required=True, help="server.toml from `afl provision`")
     parser.add_argument(
         "--insecure", action="store_true", help="DEVELOPMENT ONLY: no TLS, no client auth"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afl.crypto.canonical import PROTOCOL_VERSION, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, canonical_encode
 
 fields = st.one_of(st.binary(max_size=12), st.text(max_size=12), st.integers())
 tuples = st.lists(fields, max_size=5).map(tuple)
@@ -88,5 +88,5 @@ def test_rejects_bool_and_other_types() -> None:
 
 
 def test_protocol_version_is_a_nonempty_string() -> None:
-    assert isinstance(PROTOCOL_VERSION, str)
-    assert PROTOCOL_VERSION
+    assert isinstance(DOMAIN_TAG, str)
+    assert DOMAIN_TAG

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afl.crypto.canonical import PROTOCOL_VERSION, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, canonical_encode
 from afl.crypto.errors import KeyAgreementError, KeyFormatError
 from afl.crypto.kdf import (
     PURPOSE_PAIRWISE_MASK,
@@ -93,7 +93,7 @@ def test_derive_key_matches_rfc5869_oracle(
     got = derive_key(
         shared_secret=ikm, round_salt=salt, purpose=purpose, round_id=round_id, release=release
     )
-    info = canonical_encode([PROTOCOL_VERSION, purpose, round_id, release])
+    info = canonical_encode([DOMAIN_TAG, purpose, round_id, release])
     assert got == _hkdf_oracle(ikm, salt, info)
 
 
