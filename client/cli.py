@@ -9,7 +9,6 @@ Subcommands are listed in :data:`SUBCOMMANDS` as ``(name, help, add_arguments, r
 
 from __future__ import annotations
 
-
 import argparse
 import sys
 from collections.abc import Callable, Sequence
