@@ -149,12 +149,14 @@ def prepare_loopback(
     source: str = "surrogate",
     surrogate: bool = True,
     decryptor: bool = False,
+    server_tables: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
     ``active[k, c]``: site k labels class c (its other labels become -1). ``round_settings``
-    overrides server.toml's [round] (classes and feature_dim are filled in); ``policy`` maps a
-    site id to [policy] overrides for its client.toml.
+    overrides server.toml's [round] (classes and feature_dim are filled in); ``server_tables``
+    adds or updates other tables of server.toml (e.g. [retention]); ``policy`` maps a site id to
+    [policy] overrides for its client.toml.
     """
     out = Path(root)
     k = len(site_features)
@@ -179,6 +181,12 @@ def prepare_loopback(
         round_settings=settings,
         decryptor=extra[0] if extra else None,
     )
+    if server_tables:
+        server_toml = fed.server_dir / "server.toml"
+        doc = tomllib.loads(server_toml.read_text(encoding="utf-8"))
+        for name, table in server_tables.items():
+            doc[name] = {**doc.get(name, {}), **table}
+        server_toml.write_text(toml_text.dumps(doc), encoding="utf-8")
     decryptor_config = None
     if decryptor:
         decryptor_config = fed.site_dirs["decryptor"] / "client.toml"

@@ -29,12 +29,20 @@ DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, cl
 rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregation = "mask"
 it needs mask_max_samples (N bounds the masked statistics, :mod:`afl.server.dp_mask`).
 
+Runs: [round] is the settings of the run the server creates at its first start; later runs are
+submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
+from this file). [admins] names = ["operator"] lists the admin certificates (URI SAN
+``afl-admin:<name>``) allowed to use the Admin service; [retention] payload_days = 0 keeps the
+payloads of a finished run that many days (0: deleted when the run ends; models, reports and the
+audit log are kept).
+
 Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
 max_upload_bytes. Relative paths are resolved against the file's folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tomllib
@@ -57,7 +65,10 @@ __all__ = [
     "ServerConfig",
     "SiteEntry",
     "load_config",
+    "merged_run_table",
     "round_template",
+    "run_settings",
+    "settings_table",
 ]
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
@@ -186,6 +197,8 @@ class ServerConfig:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     ckks_public_context: Path | None = None
+    admins: tuple[str, ...] = ()
+    payload_retention_days: float = 0.0
 
 
 class _Table:
@@ -281,6 +294,64 @@ def _dp_settings(t: _Table, rounds: int) -> DpSettings | None:
         raise t.fail("dp", str(exc)) from exc
 
 
+def run_settings(
+    table: Mapping[str, Any], *, source: str | Path, sites: Mapping[str, SiteEntry]
+) -> RoundSettings:
+    """Validate the settings of one run: the keys of a [round] table (server.toml's, or a table
+    submitted with ``afl admin submit``); :class:`ConfigError` names the key and the problem."""
+    return _round({"round": dict(table)}, Path(source), sites)
+
+
+def settings_table(settings: RoundSettings) -> dict[str, Any]:
+    """The [round] table that :func:`run_settings` turns back into ``settings`` (how a run's
+    settings are stored and shown)."""
+    r = settings.refinement
+    table: dict[str, Any] = {
+        "classes": list(settings.classes),
+        "feature_dim": settings.feature_dim,
+        "backbone": settings.backbone,
+        "gamma": settings.gamma,
+        "gram_scope": settings.gram_scope,
+        "aggregation": settings.aggregation,
+        "rounds": settings.rounds,
+        "tau": r.tau,
+        "alpha": r.alpha,
+        "delta_pos": r.delta_pos,
+        "delta_neg": r.delta_neg,
+        "min_participants": settings.min_participants,
+        "participants": list(settings.participants),
+        "enrol_timeout_s": settings.enrol_timeout_s,
+        "upload_timeout_s": settings.upload_timeout_s,
+        "operator_override": settings.operator_override,
+        "override_reason": settings.override_reason,
+        "ckks_gram_bound": settings.ckks_gram_bound,
+        "ckks_vector_bound": settings.ckks_vector_bound,
+    }
+    if settings.mask is not None:
+        table.update(
+            mask_gram_bound=settings.mask.gram_bound,
+            mask_vector_bound=settings.mask.vector_bound,
+            mask_threshold=settings.mask.threshold,
+            mask_max_samples=settings.mask.max_samples,
+        )
+    if settings.dp is not None:
+        table["dp"] = dataclasses.asdict(settings.dp)
+    return table
+
+
+def merged_run_table(base: RoundSettings, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A submitted run's [round] table: ``base`` (server.toml's) updated with ``overrides``
+    (tables such as ``dp`` are replaced whole; the base's ``mask_*`` keys are dropped when the
+    submission sets its own or another aggregation mode)."""
+    table = settings_table(base)
+    if overrides.get("aggregation", base.aggregation) != base.aggregation or any(
+        k.startswith("mask_") for k in overrides
+    ):
+        table = {k: v for k, v in table.items() if not k.startswith("mask_")}
+    table.update(overrides)
+    return table
+
+
 def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry]) -> RoundSettings:
     t = _table(doc, "round", source)
     classes = t.strings("classes")
@@ -364,6 +435,13 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
     )
 
 
+def _retention_days(table: _Table) -> float:
+    days = table.number("payload_days", 0.0, positive=False)
+    if days < 0:
+        raise table.fail("payload_days", f"must be >= 0, got {days}")
+    return days
+
+
 def load_config(path: str | os.PathLike[str]) -> ServerConfig:
     """Read and validate ``path``; :class:`ConfigError` says which key is wrong and why."""
     source = Path(path)
@@ -396,6 +474,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         raise limits.fail("max_upload_bytes", "need 1 <= max_chunk_bytes <= max_upload_bytes")
     ckks = _Table(doc.get("ckks", {}), "ckks", source)
     ckks_context = file(ckks, "public_context") if "public_context" in doc.get("ckks", {}) else None
+    admins = _Table(doc.get("admins", {}), "admins", source).strings("names", [])
+    retention = _Table(doc.get("retention", {}), "retention", source)
     federation_id = server.get("federation_id", str)
     if not federation_id.strip():
         raise server.fail("federation_id", "must not be empty")
@@ -411,6 +491,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         identity_public_key=_hex_key(identity, "public_key"),
         sites=sites,
         round=_round(doc, source, sites),
+        admins=admins,
+        payload_retention_days=_retention_days(retention),
         metrics_port=metrics_port,
         max_chunk_bytes=max_chunk,
         max_upload_bytes=max_upload,

@@ -41,8 +41,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.mode_registry import mode_for
-from afl.server.modes import AggregationMode
+from afl.server.modes import AggregationMode, RoundContext
 from afl.server.observability import ServerMetrics
 from afl.server.plan import RoundView
 from afl.server.rounds import RoundMachine
@@ -65,20 +64,12 @@ class Coordinator:
         store: Store,
         identity_key: Ed25519PrivateKey,
         *,
-        mode: AggregationMode | None = None,
         metrics: ServerMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics()
-        self.machine = RoundMachine(
-            config,
-            store,
-            identity_key,
-            mode=mode or mode_for(config),
-            metrics=self.metrics,
-            clock=clock,
-        )
+        self.machine = RoundMachine(config, store, identity_key, metrics=self.metrics, clock=clock)
         self.store = store
         self.lock: threading.Condition = self.machine.lock
         with self.lock:
@@ -87,8 +78,11 @@ class Coordinator:
     # --- RoundAccess (what the mode request handlers use) ------------------------------------
 
     @property
-    def mode(self) -> AggregationMode:
-        return self.machine.mode
+    def context(self) -> RoundContext:
+        return self.machine
+
+    def mode_of(self, view: RoundView) -> AggregationMode:
+        return self.machine.mode_of(view)
 
     def find(self, round_id: str) -> RoundView:
         return self.machine.find(round_id)
@@ -118,7 +112,7 @@ class Coordinator:
     def enroll(self, site_id: str, request: pb.EnrollRequest) -> pb.EnrollResponse:
         """Register ``site_id`` (from its certificate) and its identity key."""
         self._known(site_id)
-        entry, settings = self.config.sites[site_id], self.config.round
+        entry = self.config.sites[site_id]
         if request.identity_public_key != entry.identity_public_key:
             raise NotPermittedError("identity key differs from the key provisioned for this site")
         try:
@@ -138,25 +132,15 @@ class Coordinator:
             raise NotPermittedError(f"site {site_id!r} is provisioned as {entry.role}")
         if request.protocol_version not in (0, wire.PROTOCOL_VERSION):
             raise WrongStageError(f"protocol version {request.protocol_version} is not spoken")
-        if request.feature_dim and request.feature_dim != settings.feature_dim:
-            raise InvalidRequestError(
-                f"feature_dim {request.feature_dim} differs from the federation's d = "
-                f"{settings.feature_dim}"
-            )
-        if settings.backbone and request.backbone and request.backbone != settings.backbone:
-            raise InvalidRequestError(
-                f"backbone {request.backbone!r} differs from the federation's {settings.backbone!r}"
-            )
-        unknown = sorted(set(request.labelled_classes) - set(settings.classes))
-        if unknown:
-            raise InvalidRequestError(f"labelled_classes names unknown classes: {unknown}")
+        if request.feature_dim < 0 or len(request.labelled_classes) > 10_000:
+            raise InvalidRequestError("feature_dim and labelled_classes are out of range")
         with self.lock:
             self.store.put_enrolment(
                 EnrolmentRow(
                     site_id,
                     bytes(request.identity_public_key),
                     entry.role,
-                    tuple(c for c in settings.classes if c in set(request.labelled_classes)),
+                    tuple(dict.fromkeys(request.labelled_classes)),
                     request.backbone,
                     request.feature_dim,
                 ),
@@ -192,19 +176,23 @@ class Coordinator:
                 latest_model_round_id=latest[0] if latest else "",
                 server_version=SERVER_VERSION,
             )
-            if enrolled and self._visible(view, site_id):
+            note = self.machine.notes.get(site_id, "") if enrolled else ""
+            if note:
+                response.note = note
+            elif enrolled and self._visible(view, site_id):
                 response.round.CopyFrom(self.machine.status(view, site_id))
             return response
 
     def round_config(self, site_id: str, round_id: str = "") -> pb.RoundConfig:
         self.require_enrolled(site_id)
-        settings = self.config.round
         with self.lock:
             view = self.machine.find(round_id)
             self.machine.require_participant(view, site_id)
             row = view.row
             if row.plan is None or row.plan_signature is None:
                 raise WrongStageError(f"round {row.round_id!r} has no release plan yet")
+            run = self.machine.run_of(view)
+        settings = run.settings
         config = pb.RoundConfig(
             federation_id=self.config.federation_id,
             round_id=row.round_id,
@@ -216,12 +204,13 @@ class Coordinator:
             backbone=settings.backbone,
             gamma=settings.gamma,
             gram_scope=common_pb2.ReleasePlan.FromString(row.plan).gram_scope,
-            aggregation=self.mode.proto_mode,  # type: ignore[arg-type]
+            aggregation=run.mode.proto_mode,  # type: ignore[arg-type]
             dp=common_pb2.ReleasePlan.FromString(row.plan).dp,
             min_participants=settings.min_participants,
             stage_timeout_s=int(settings.upload_timeout_s),
             release_plan=common_pb2.SignedReleasePlan(plan=row.plan, signature=row.plan_signature),
             protocol_version=wire.PROTOCOL_VERSION,
+            run_id=run.run_id,
         )
         if row.number == 2:
             r = settings.refinement
@@ -304,7 +293,7 @@ class Coordinator:
                 )
             if site_id not in release.members:
                 raise NotPermittedError(f"site {site_id!r} is not a member of {release.name!r}")
-            self.mode.check_upload(
+            self.machine.mode_of(view).check_upload(
                 view, self.machine, site_id=site_id, release=release, data=upload.data
             )
             self.store.put_upload(

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "ConflictError",
+    "DiskFullError",
     "InvalidRequestError",
     "NotPermittedError",
     "ServerError",
@@ -35,6 +36,10 @@ class WrongStageError(ServerError):
 
 class ConflictError(ServerError):
     """A different payload for a release the site already uploaded."""
+
+
+class DiskFullError(ServerError):
+    """The coordinator's disk is full: a payload could not be stored (RESOURCE_EXHAUSTED)."""
 
 
 class ConfigError(ValueError):

@@ -27,17 +27,19 @@ kind CKKS_AGGREGATE), uploads the decrypted, grid-rounded result (kind DECRYPTED
 signs the outcome (``ReportDecryption``). Only the decryptor-role site may fetch tags, jobs and
 aggregates or report.
 
-State lives in memory except the published context (``<state_dir>/ckks/context.bin`` and its
-signed announcement), which a restarted server re-loads and re-checks.
+Durable state: the published context (``<state_dir>/ckks/context.bin`` and its signed
+announcement, federation-wide: :class:`CkksContexts`), which a restarted server re-loads and
+re-checks; and per round, every sealed tag message, staged decrypted result and signed decryption
+outcome, persisted in the store's message journal BEFORE it is acknowledged, so a restarted
+coordinator rebuilds the round's :class:`CkksRound` and resumes it (the homomorphic sums are
+recomputed from the stored ciphertexts).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,15 +59,16 @@ from afl.crypto.signatures import load_public_key_raw, verify_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import ServerConfig
+from afl.server.ckks_context import CkksContexts, PublishedContext
+from afl.server.config import RoundSettings
 from afl.server.errors import (
-    ConfigError,
     ConflictError,
     InvalidRequestError,
     NotPermittedError,
     WrongStageError,
 )
 from afl.server.modes import (
+    ModeEnvironment,
     PlainUploadStage,
     PlanOptions,
     RoundAccess,
@@ -75,43 +78,18 @@ from afl.server.modes import (
     shaped,
 )
 from afl.server.plan import PlannedRelease, RoundView
+from afl.server.store import MessageRow
 
-__all__ = [
-    "CKKS_DECRYPTOR_KINDS",
-    "CkksMode",
-    "CkksRequests",
-    "PublishedContext",
-    "load_public_context_file",
-]
+__all__ = ["CKKS_DECRYPTOR_KINDS", "CkksMode", "CkksRequests"]
 
 DEFAULT_GRAM_BOUND = 1.0e6
 DEFAULT_VECTOR_BOUND = 1.0e3
+#: Journal kinds of a CKKS round (module docstring) and the site id they are filed under.
+TAGS, STAGED, OUTCOME = "ckks-tags", "ckks-result", "ckks-outcome"
+DECRYPTOR = "(decryptor)"
 #: Upload kinds only the decryptor sends.
 CKKS_DECRYPTOR_KINDS = (pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT, pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE)
 FloatArray = NDArray[np.float64]
-
-
-def load_public_context_file(path: Path) -> tuple[bytes, Any]:
-    """Read a serialized CKKS context; :class:`ConfigError` (refuse to start) if it holds a
-    secret key or does not have the vetted parameters."""
-    data = path.read_bytes()
-    try:
-        ctx = ckks.load_public_context(data)
-    except CryptoError as exc:
-        raise ConfigError(
-            f"{path}: refusing to start: the CKKS context is not an acceptable PUBLIC context "
-            f"({exc}); the server must never hold the decryptor's secret key"
-        ) from exc
-    return data, ctx
-
-
-@dataclass
-class PublishedContext:
-    """The decryptor's public context as published (bytes, parsed context, announcement)."""
-
-    data: bytes
-    ctx: Any
-    announcement: pb.CkksContextAnnouncement
 
 
 @dataclass
@@ -140,35 +118,22 @@ class CkksMode(PlainUploadStage):
     def __init__(
         self,
         *,
+        contexts: CkksContexts | None = None,
+        settings: RoundSettings | None = None,
         gram_bound: float = DEFAULT_GRAM_BOUND,
         vector_bound: float = DEFAULT_VECTOR_BOUND,
-        state_dir: Path | None = None,
-        configured_context: Path | None = None,
     ) -> None:
+        if settings is not None:
+            self.settings = settings
+            gram_bound, vector_bound = settings.ckks_gram_bound, settings.ckks_vector_bound
         self.gram_bound, self.vector_bound = float(gram_bound), float(vector_bound)
-        self._dir = None if state_dir is None else Path(state_dir) / "ckks"
+        self.contexts = contexts or CkksContexts()
         self._rounds: dict[str, CkksRound] = {}
         self._sum_lock = threading.Lock()
-        self.staged_contexts: dict[str, bytes] = {}
-        self.published: PublishedContext | None = None
-        self.configured: tuple[bytes, Any] | None = None
-        if configured_context is not None:
-            self.configured = load_public_context_file(configured_context)
-        if self._dir is not None and (self._dir / "context.bin").is_file():
-            data, ctx = load_public_context_file(self._dir / "context.bin")
-            announcement = pb.CkksContextAnnouncement.FromString(
-                (self._dir / "announcement.bin").read_bytes()
-            )
-            self.published = PublishedContext(data, ctx, announcement)
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> CkksMode:
-        return cls(
-            gram_bound=config.round.ckks_gram_bound,
-            vector_bound=config.round.ckks_vector_bound,
-            state_dir=config.state_dir,
-            configured_context=config.ckks_public_context,
-        )
+    def for_run(cls, env: ModeEnvironment) -> CkksMode:
+        return cls(contexts=env.ckks_contexts, settings=env.settings)
 
     # --- plan --------------------------------------------------------------------------------
 
@@ -193,32 +158,34 @@ class CkksMode(PlainUploadStage):
     def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
         raise ValueError("DP with aggregation = 'ckks' is not supported")
 
-    # --- context -----------------------------------------------------------------------------
-
-    def publish(self, published: PublishedContext) -> None:
-        """Record the decryptor's checked public context (persisted when a state dir is set)."""
-        ckks.ensure_public(published.ctx)
-        if self.configured is not None and self.configured[0] != published.data:
-            raise InvalidRequestError("the published context differs from the configured one")
-        if self.published is not None:
-            if self.published.data != published.data:
-                raise ConflictError("a different CKKS context is already published")
-            return
-        if self._dir is not None:
-            self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (self._dir / "context.bin").write_bytes(published.data)
-            (self._dir / "announcement.bin").write_bytes(published.announcement.SerializeToString())
-        self.published = published
-
     def context(self) -> PublishedContext:
-        if self.published is None:
-            raise WrongStageError("the decryptor has not published its CKKS context yet")
-        return self.published
+        return self.contexts.context()
 
     # --- uploads, sums and results -----------------------------------------------------------
 
-    def round_state(self, round_id: str) -> CkksRound:
-        return self._rounds.setdefault(round_id, CkksRound())
+    def round_state(self, view: RoundView, ctx: RoundContext) -> CkksRound:
+        """The round's state, rebuilt from the message journal after a restart."""
+        state = self._rounds.get(view.round_id)
+        if state is None:
+            state = CkksRound()
+            for message in ctx.messages(view.round_id):
+                self._replay(view, state, message)
+            self._rounds[view.round_id] = state
+        return state
+
+    def _replay(self, view: RoundView, state: CkksRound, message: MessageRow) -> None:
+        kind, _, name = message.kind.partition(":")
+        if kind == TAGS:
+            state.tags[message.site_id] = pb.SealedMessage.FromString(message.data)
+        elif kind == STAGED:
+            state.staged_results[name] = message.data
+        elif kind == OUTCOME:
+            outcome = pb.DecryptionOutcome.FromString(message.data)
+            data = state.staged_results.pop(name, b"")
+            self._record(state, _release(view, name), outcome, data)
+
+    def forget(self, round_id: str) -> None:
+        self._rounds.pop(round_id, None)
 
     def check_upload(
         self,
@@ -237,42 +204,103 @@ class CkksMode(PlainUploadStage):
         except CryptoError as exc:
             raise InvalidRequestError(f"release {release.name!r}: {exc}") from exc
 
-    def aggregate(
-        self, round_id: str, release: PlannedRelease, payloads: Mapping[str, bytes]
-    ) -> bytes:
+    def aggregate(self, view: RoundView, ctx: RoundContext, release: PlannedRelease) -> bytes:
         """Packed ciphertexts of Σ_k c_k over ``release.members`` (computed once per round)."""
-        state = self.round_state(round_id)
+        state = self.round_state(view, ctx)
         with self._sum_lock:
             if release.name not in state.aggregates:
-                ctx, length = self.context().ctx, release.length
-                uploads = [
+                uploads = ctx.uploads(view.round_id)
+                context, length = self.context().ctx, release.length
+                ciphertexts = [
                     ckks.deserialize_ciphertexts(
-                        ctx, ckks.unpack_ciphertexts(payloads[s]), length=length
+                        context,
+                        ckks.unpack_ciphertexts(ctx.read_payload(uploads[(s, release.name)])),
+                        length=length,
                     )
                     for s in release.members
                 ]
-                total = ckks.sum_ciphertexts(ctx, uploads, length=length)
+                total = ckks.sum_ciphertexts(context, ciphertexts, length=length)
                 state.aggregates[release.name] = ckks.pack_ciphertexts(
                     ckks.serialize_ciphertexts(total)
                 )
             return state.aggregates[release.name]
 
-    def accept_result(
-        self, round_id: str, release: PlannedRelease, *, status: int, data: bytes, reason: str
+    def add_tags(
+        self, view: RoundView, ctx: RoundContext, site_id: str, sealed: pb.SealedMessage
     ) -> None:
-        """Record the decryptor's outcome for ``release`` (the caller verified its signature)."""
-        state = self.round_state(round_id)
+        """Keep a site's sealed tags (persisted first); the same tags again are a no-op."""
+        tags = self.round_state(view, ctx).tags
+        if site_id in tags:
+            if tags[site_id] != sealed:
+                raise ConflictError("this site already sent other aggregate tags this round")
+            return
+        ctx.put_message(
+            view.round_id,
+            stage=pb.ROUND_STAGE_UPLOAD,
+            site_id=site_id,
+            kind=TAGS,
+            data=sealed.SerializeToString(),
+        )
+        tags[site_id] = sealed
+
+    def stage_result(
+        self, view: RoundView, ctx: RoundContext, release: PlannedRelease, data: bytes
+    ) -> None:
+        """Keep the decryptor's result upload until its signed outcome arrives (persisted first)."""
+        state = self.round_state(view, ctx)
         if release.name in state.results or release.name in state.refused:
             raise WrongStageError(f"release {release.name!r} already has a decryption outcome")
-        if status != pb.DECRYPTION_STATUS_DECRYPTED:
-            state.refused[release.name] = f"{pb.DecryptionStatus.Name(status)}: {reason}"  # type: ignore[arg-type]
+        ctx.put_message(
+            view.round_id,
+            stage=pb.ROUND_STAGE_SOLVING,
+            site_id=DECRYPTOR,
+            kind=f"{STAGED}:{release.name}",
+            data=data,
+        )
+        state.staged_results[release.name] = data
+
+    def accept_result(
+        self,
+        view: RoundView,
+        ctx: RoundContext,
+        release: PlannedRelease,
+        outcome: pb.DecryptionOutcome,
+    ) -> None:
+        """Record the decryptor's outcome for ``release`` (the caller verified its signature and
+        that a DECRYPTED outcome names the staged result's digest): persisted, then applied."""
+        state = self.round_state(view, ctx)
+        if release.name in state.results or release.name in state.refused:
+            raise WrongStageError(f"release {release.name!r} already has a decryption outcome")
+        data = b""
+        if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED:
+            data = state.staged_results.get(release.name, b"")
+            if hashlib.sha256(data).digest() != outcome.result_sha256:
+                raise InvalidRequestError("upload the result (DECRYPTED_AGGREGATE) first")
+            decode_float64(data, length=release.length, what=release.name)
+        ctx.put_message(
+            view.round_id,
+            stage=pb.ROUND_STAGE_SOLVING,
+            site_id=DECRYPTOR,
+            kind=f"{OUTCOME}:{release.name}",
+            data=outcome.SerializeToString(),
+        )
+        state.staged_results.pop(release.name, None)
+        self._record(state, release, outcome, data)
+
+    @staticmethod
+    def _record(
+        state: CkksRound, release: PlannedRelease, outcome: pb.DecryptionOutcome, data: bytes
+    ) -> None:
+        if outcome.status != pb.DECRYPTION_STATUS_DECRYPTED:
+            status = pb.DecryptionStatus.Name(outcome.status)
+            state.refused[release.name] = f"{status}: {outcome.reason}"
             return
         values = decode_float64(data, length=release.length, what=release.name)
         state.results[release.name] = shaped(release, values)
 
     def sums(self, view: RoundView, ctx: RoundContext) -> dict[str, FloatArray] | None:
         """The decryptor's results; None while a release still waits for its outcome."""
-        state = self.round_state(view.round_id)
+        state = self.round_state(view, ctx)
         for release in view.releases:
             if release.name in state.refused:
                 raise AggregationError(
@@ -283,11 +311,18 @@ class CkksMode(PlainUploadStage):
         return {r.name: state.results[r.name] for r in view.releases}
 
 
+def _release(view: RoundView, name: str) -> PlannedRelease:
+    for release in view.releases:
+        if release.name == name:
+            return release
+    raise InvalidRequestError(f"no release named {name!r} in round {view.round_id!r}")
+
+
 class CkksRequests:
     """Domain side of the CKKS RPCs (module docstring); the servicer decodes and encodes."""
 
-    def __init__(self, access: RoundAccess, mode: CkksMode) -> None:
-        self.access, self.mode = access, mode
+    def __init__(self, access: RoundAccess, contexts: CkksContexts) -> None:
+        self.access, self.contexts = access, contexts
 
     def decryptor_id(self) -> str:
         ids = [s for s, e in self.access.config.sites.items() if e.role == "decryptor"]
@@ -303,12 +338,11 @@ class CkksRequests:
     def _identity(self, site_id: str) -> Any:
         return load_public_key_raw(self.access.config.sites[site_id].identity_public_key)
 
-    @staticmethod
-    def _release(view: RoundView, name: str) -> PlannedRelease:
-        for release in view.releases:
-            if release.name == name:
-                return release
-        raise InvalidRequestError(f"no release named {name!r} in round {view.round_id!r}")
+    def _mode(self, view: RoundView) -> CkksMode:
+        mode = self.access.mode_of(view)
+        if not isinstance(mode, CkksMode):
+            raise WrongStageError(f"round {view.round_id!r} does not run aggregation = 'ckks'")
+        return mode
 
     # --- uploads of the decryptor --------------------------------------------------------------
 
@@ -319,13 +353,11 @@ class CkksRequests:
         self._require_decryptor(site_id)
         with self.access.lock:
             if upload.kind == pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT:
-                self.mode.staged_contexts[site_id] = upload.data
+                self.contexts.staged[site_id] = upload.data
             elif upload.kind == pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE:
                 view = self.access.find(upload.round_id or "-")
-                self._release(view, upload.release_name)
-                self.mode.round_state(view.round_id).staged_results[upload.release_name] = (
-                    upload.data
-                )
+                release = _release(view, upload.release_name)
+                self._mode(view).stage_result(view, self.access.context, release, upload.data)
             else:
                 raise InvalidRequestError("unexpected payload kind for the decryptor")
         return pb.UploadReceipt(
@@ -339,7 +371,7 @@ class CkksRequests:
 
     def publish(self, site_id: str, request: pb.CkksContextAnnouncement) -> None:
         self._require_decryptor(site_id)
-        data = self.mode.staged_contexts.get(site_id)
+        data = self.contexts.staged.get(site_id)
         if data is None or hashlib.sha256(data).digest() != request.context_sha256:
             raise InvalidRequestError("upload the context (CKKS_PUBLIC_CONTEXT) before announcing")
         try:
@@ -361,7 +393,7 @@ class CkksRequests:
         announcement.decryptor_site_id = site_id
         announcement.size_bytes = len(data)
         with self.access.lock:
-            self.mode.publish(PublishedContext(data, ctx, announcement))
+            self.contexts.publish(PublishedContext(data, ctx, announcement))
             self.access.store.audit(
                 "ckks-context-published",
                 {"site_id": site_id, "sha256": request.context_sha256.hex(), "bytes": len(data)},
@@ -370,23 +402,24 @@ class CkksRequests:
     def get_context(self, site_id: str) -> pb.CkksContextAnnouncement:
         self.access.require_enrolled(site_id)
         with self.access.lock:
-            return self.mode.context().announcement
+            return self.contexts.context().announcement
 
     def download(self, site_id: str, request: pb.DownloadRequest) -> tuple[str, str, bytes]:
         """(round_id, name, bytes) of the context (any enrolled site) or an aggregate."""
         self.access.require_enrolled(site_id)
         if request.kind == pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT:
             with self.access.lock:
-                return request.round_id, "ckks/context", self.mode.context().data
+                return request.round_id, "ckks/context", self.contexts.context().data
         if request.kind != pb.PAYLOAD_KIND_CKKS_AGGREGATE:
             raise InvalidRequestError("Download serves CKKS_PUBLIC_CONTEXT or CKKS_AGGREGATE")
         self._require_decryptor(site_id)
         with self.access.lock:
             view = self.access.find(request.round_id or "-")
-            self._release(view, request.release_name)
-            data = self.mode.round_state(view.round_id).aggregates.get(request.release_name)
-        if data is None:
-            raise WrongStageError(f"no decryption job for {request.release_name!r}")
+            release = _release(view, request.release_name)
+            mode = self._mode(view)
+            if view.stage != pb.ROUND_STAGE_SOLVING:
+                raise WrongStageError(f"no decryption job for {request.release_name!r}")
+            data = mode.aggregate(view, self.access.context, release)
         return view.round_id, request.release_name, data
 
     # --- tags ----------------------------------------------------------------------------------
@@ -399,16 +432,13 @@ class CkksRequests:
             sealed = pb.SealedMessage()
             sealed.CopyFrom(request.sealed)
             sealed.sender_site_id = site_id
-            tags = self.mode.round_state(view.round_id).tags
-            if site_id in tags and tags[site_id] != sealed:
-                raise ConflictError("this site already sent other aggregate tags this round")
-            tags[site_id] = sealed
+            self._mode(view).add_tags(view, self.access.context, site_id, sealed)
 
     def get_tags(self, site_id: str, request: cpb.RoundRef) -> pb.SealedMessages:
         self._require_decryptor(site_id)
         with self.access.lock:
             view = self.access.find(request.round_id or "-")
-            tags = self.mode.round_state(view.round_id).tags
+            tags = self._mode(view).round_state(view, self.access.context).tags
             return pb.SealedMessages(
                 round_id=view.round_id, messages=[tags[s] for s in sorted(tags)]
             )
@@ -420,20 +450,22 @@ class CkksRequests:
         with self.access.lock:
             view = self.access.find(request.round_id)
             out = pb.DecryptionJobs(round_id=view.round_id)
-            if view.row.plan is None or view.row.plan_signature is None:
+            mode = self.access.mode_of(view)
+            if (
+                view.row.plan is None
+                or view.row.plan_signature is None
+                or not isinstance(mode, CkksMode)
+            ):
                 return out
             out.release_plan.CopyFrom(
                 cpb.SignedReleasePlan(plan=view.row.plan, signature=view.row.plan_signature)
             )
             if view.stage != pb.ROUND_STAGE_SOLVING:
                 return out
-            uploads = self.access.store.uploads(view.round_id)
-            for name in self.mode.round_state(view.round_id).pending(view.releases):
-                release = self._release(view, name)
-                payloads = {
-                    s: self.access.store.read_payload(uploads[(s, name)]) for s in release.members
-                }
-                data = self.mode.aggregate(view.round_id, release, payloads)
+            context = self.access.context
+            for name in mode.round_state(view, context).pending(view.releases):
+                release = _release(view, name)
+                data = mode.aggregate(view, context, release)
                 out.jobs.append(
                     pb.DecryptionJob(
                         release_name=name,
@@ -462,16 +494,8 @@ class CkksRequests:
             raise NotPermittedError("decryption outcome signature does not verify") from exc
         with self.access.lock:
             view = self.access.find(request.round_id or "-")
-            release = self._release(view, request.release_name)
-            data = b""
-            if request.status == pb.DECRYPTION_STATUS_DECRYPTED:
-                staged = self.mode.round_state(view.round_id).staged_results
-                data = staged.pop(release.name, b"")
-                if hashlib.sha256(data).digest() != request.result_sha256:
-                    raise InvalidRequestError("upload the result (DECRYPTED_AGGREGATE) first")
-            self.mode.accept_result(
-                view.round_id, release, status=request.status, data=data, reason=request.reason
-            )
+            release = _release(view, request.release_name)
+            self._mode(view).accept_result(view, self.access.context, release, request)
             self.access.store.audit(
                 "ckks-decryption",
                 {

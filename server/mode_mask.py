@@ -24,8 +24,13 @@ checked — the caller is enrolled and a participant of the round, the round run
 in the request's stage, and the message passes the protocol state machine (signatures, senders,
 shapes, duplicates). A retry of the identical request is acknowledged as a duplicate.
 
-The key material lives in memory: a coordinator restarted during the exchange aborts the round
-(nothing is released).
+Crash safety: every message a site sends (key adverts, encrypted share bundles, consistency
+signatures, unmask responses) is persisted in the store's message journal before it is
+acknowledged, and masked inputs are stored uploads. The server state machine is deterministic, so
+a restarted coordinator rebuilds a round's :class:`MaskRound` by replaying the journal through a
+fresh :class:`~afl.crypto.secagg_server.SecAggServer` — every stage before the round's stored
+stage received and closed, the current one received — and the round goes on where it stopped;
+in SOLVING the unmasked sums are recomputed the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +54,6 @@ from afl.crypto.errors import (
 from afl.crypto.secagg_config import ReleaseSpec, default_threshold
 from afl.crypto.secagg_messages import (
     ClientMessage,
-    ConsistencySignature,
     KeyDirectory,
     RoutedShares,
     UnmaskRequest,
@@ -59,7 +63,7 @@ from afl.crypto.signatures import load_public_key_raw
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import MaskSettings, ServerConfig
+from afl.server.config import MaskSettings, RoundSettings
 from afl.server.dp_mask import dp_mask_encodings
 from afl.server.errors import (
     ConflictError,
@@ -68,6 +72,7 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.modes import (
+    ModeEnvironment,
     PlanOptions,
     RoundAccess,
     RoundContext,
@@ -91,6 +96,8 @@ MASK_STAGES = (
     pb.ROUND_STAGE_UNMASK,
 )
 FloatArray = NDArray[np.float64]
+#: Journal kind of the masked exchange's messages.
+JOURNAL_KIND = "mask"
 
 
 @dataclass
@@ -114,24 +121,33 @@ class MaskMode:
     proto_mode = int(cpb.AGGREGATION_MODE_MASK)
     exchange_stages: tuple[int, ...] = MASK_STAGES
 
-    def __init__(self, settings: MaskSettings, *, identities: Mapping[str, bytes]) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        mask: MaskSettings,
+        *,
+        identities: Mapping[str, bytes],
+        settings: RoundSettings | None = None,
+    ) -> None:
+        self.mask = mask
+        if settings is not None:
+            self.settings = settings
+        self._timeout_s = settings.upload_timeout_s if settings is not None else 600.0
         self._identities = {s: load_public_key_raw(k) for s, k in identities.items()}
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}
         self._contributors: dict[str, tuple[str, ...]] = {}
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> MaskMode:
-        if config.round.mask is None:
+    def for_run(cls, env: ModeEnvironment) -> MaskMode:
+        if env.settings.mask is None:
             raise ValueError("aggregation = 'mask' needs the [round] mask_* bounds")
-        identities = {s: e.identity_public_key for s, e in config.sites.items()}
-        return cls(config.round.mask, identities=identities)
+        identities = {s: e.identity_public_key for s, e in env.config.sites.items()}
+        return cls(env.settings.mask, identities=identities, settings=env.settings)
 
     # --- plan --------------------------------------------------------------------------------
 
     def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
-        t = self.settings.threshold or default_threshold(len(participants))
+        t = self.mask.threshold or default_threshold(len(participants))
         if not 2 <= t <= len(participants):
             raise ValueError(f"mask_threshold {t} must lie in 2..{len(participants)}")
         return PlanOptions(
@@ -140,7 +156,7 @@ class MaskMode:
 
     def encoding(self, release: PlannedRelease) -> cpb.Encoding:
         """uint64 fixed point with bound B and f = max{f : m·B·2^f < 2^63} (module docstring)."""
-        bound = self.settings.gram_bound if release.packed else self.settings.vector_bound
+        bound = self.mask.gram_bound if release.packed else self.mask.vector_bound
         m = len(release.members)
         threshold = None if m >= 3 else m  # t_R below the minimum cohort only for tiny releases
         spec = ReleaseSpec(
@@ -157,42 +173,90 @@ class MaskMode:
 
     def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
         """Bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`)."""
-        dp_mask_encodings(plan, max_samples=self.settings.max_samples)
+        dp_mask_encodings(plan, max_samples=self.mask.max_samples)
 
     # --- the exchange ------------------------------------------------------------------------
 
-    def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
+    def _fresh(self, view: RoundView) -> MaskRound:
         assert view.row.plan is not None
         config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
         server = SecAggServer(config=config, identities=self._identities)
         lengths = {r.name: r.length for r in config.releases}
-        self.rounds[view.round_id] = MaskRound(server, lengths, set(config.cohort))
-        return Transition(pb.ROUND_STAGE_ADVERTISE_KEYS, timeout_s=ctx.stage_timeout_s)
+        return MaskRound(server, lengths, set(config.cohort))
 
-    def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
+    def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
+        self.rounds[view.round_id] = self._fresh(view)
+        return Transition(pb.ROUND_STAGE_ADVERTISE_KEYS, timeout_s=self._timeout_s)
+
+    def _state(self, view: RoundView, ctx: RoundContext) -> MaskRound:
+        """The round's state; rebuilt from the journal after a restart (module docstring)."""
         state = self.rounds.get(view.round_id)
         if state is None:
-            return Transition(
-                pb.ROUND_STAGE_ABORTED,
-                reason="the coordinator restarted during the masked exchange",
-            )
+            if view.stage not in MASK_STAGES:
+                raise WrongStageError(
+                    f"round {view.round_id!r} is {wire.stage_name(view.stage)}, not in the masked "
+                    "exchange"
+                )
+            state = self.rounds[view.round_id] = self._replay(view, ctx, upto=view.stage)
+        return state
+
+    def _replay(self, view: RoundView, ctx: RoundContext, *, upto: int) -> MaskRound:
+        """Every stage before ``upto`` received and closed, ``upto`` itself received."""
+        state = self._fresh(view)
+        journal = [m for m in ctx.messages(view.round_id) if m.kind == JOURNAL_KIND]
+        for stage in MASK_STAGES:
+            if stage > upto:
+                break
+            if stage == pb.ROUND_STAGE_UPLOAD:
+                self._replay_uploads(view, ctx, state)
+            for message in journal:
+                if message.stage == stage:
+                    parsed = _parse(stage, message.site_id, message.data, state)
+                    state.server.receive(parsed, sender=message.site_id)
+                    state.received[message.site_id] = message.data
+            if stage < upto:
+                self._close(stage, state)
+        return state
+
+    def _replay_uploads(self, view: RoundView, ctx: RoundContext, state: MaskRound) -> None:
+        uploads = ctx.uploads(view.round_id)
+        complete: dict[str, dict[str, bytes]] = {}
+        for (site, name), row in uploads.items():  # oldest first: sites in the order they ended
+            names = {r.name for r in view.releases if site in r.members}
+            complete.setdefault(site, {})[name] = ctx.read_payload(row)
+            if set(complete[site]) == names and site in state.expected:
+                self._feed(view, state, site, complete[site])
+
+    def _feed(
+        self, view: RoundView, state: MaskRound, site_id: str, payloads: Mapping[str, bytes]
+    ) -> None:
+        message = wire.masked_upload(site_id, view.round_id, payloads, state.lengths)
+        state.server.receive(message, sender=site_id)
+        state.received[site_id] = b""
+
+    def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
+        state = self._state(view, ctx)
         if set(state.received) < state.expected and ctx.now_ms() < view.row.deadline_ms:
             return None
         try:
             following = self._close(view.stage, state)
+            if following == pb.ROUND_STAGE_SOLVING:
+                self._keep_result(view, state)
         except RoundAbortedError as exc:
             return self._abort(view, str(exc))
         if following != pb.ROUND_STAGE_SOLVING:
-            return Transition(following, timeout_s=ctx.stage_timeout_s)
+            return Transition(following, timeout_s=self._timeout_s)
+        del self.rounds[view.round_id]
+        return Transition(pb.ROUND_STAGE_SOLVING)
+
+    def _keep_result(self, view: RoundView, state: MaskRound) -> None:
         result = state.server.result
         assert result is not None
         if result.withheld:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(result.withheld.items()))
-            return self._abort(view, f"releases withheld, nothing released ({why})")
+            raise RoundAbortedError(f"releases withheld, nothing released ({why})")
         self._sums[view.round_id] = {r.name: shaped(r, result.sums[r.name]) for r in view.releases}
         self._contributors[view.round_id] = result.survivors
-        del self.rounds[view.round_id]
-        return Transition(pb.ROUND_STAGE_SOLVING)
 
     def _abort(self, view: RoundView, reason: str) -> Transition:
         self.rounds.pop(view.round_id, None)
@@ -233,9 +297,9 @@ class MaskMode:
     ) -> None:
         """Masked input: UPLOAD stage only, from sites of U2; the site's last release hands the
         whole masked input to the protocol (a refusal is raised, nothing is stored)."""
-        state = self.rounds.get(view.round_id)
-        if view.stage != pb.ROUND_STAGE_UPLOAD or state is None:
+        if view.stage != pb.ROUND_STAGE_UPLOAD:
             raise WrongStageError("masked input is accepted only in the UPLOAD stage")
+        state = self._state(view, ctx)
         if site_id not in state.expected:
             raise NotPermittedError(f"site {site_id!r} dropped out before MaskedInput")
         if len(data) != 8 * release.length:
@@ -252,44 +316,49 @@ class MaskMode:
         if len(payloads) < len(names):
             return
         try:
-            message = wire.masked_upload(site_id, view.round_id, payloads, state.lengths)
-            state.server.receive(message, sender=site_id)
+            self._feed(view, state, site_id, payloads)
         except (wire.WireError, ProtocolError) as exc:
             raise InvalidRequestError(f"masked input refused: {exc}") from exc
-        state.received[site_id] = b""
 
     # --- results -----------------------------------------------------------------------------
 
     def sums(self, view: RoundView, ctx: RoundContext) -> Mapping[str, FloatArray]:
-        sums = self._sums.get(view.round_id)
-        if sums is None:
-            raise AggregationError(
-                f"round {view.round_id!r} has no unmasked sums: the coordinator restarted after "
-                "the unmasking"
-            )
-        return sums
+        """The unmasked sums (recomputed from the journal after a restart)."""
+        if view.round_id not in self._sums:
+            try:
+                self._keep_result(view, self._replay(view, ctx, upto=pb.ROUND_STAGE_SOLVING))
+            except (ProtocolError, wire.WireError) as exc:
+                raise AggregationError(
+                    f"round {view.round_id!r}: the masked exchange cannot be replayed: {exc}"
+                ) from exc
+        return self._sums[view.round_id]
 
     def contributors(self, view: RoundView) -> tuple[str, ...]:
         return self._contributors.get(view.round_id, tuple(view.row.participants))
 
+    def forget(self, round_id: str) -> None:
+        self.rounds.pop(round_id, None)
+        self._sums.pop(round_id, None)
+        self._contributors.pop(round_id, None)
+
     # --- request handling (called with the lock held) ----------------------------------------
 
-    def state(self, view: RoundView, stage: int) -> MaskRound:
+    def state(self, view: RoundView, ctx: RoundContext, stage: int) -> MaskRound:
         """The round's state, if it is (at least) in ``stage``; else :class:`WrongStageError`."""
-        state = self.rounds.get(view.round_id)
-        if state is None or view.stage < stage:
+        if view.stage < stage or view.stage not in MASK_STAGES:
             raise WrongStageError(
                 f"round {view.round_id!r} is {wire.stage_name(view.stage)}, "
                 f"not {wire.stage_name(stage)}"
             )
-        return state
+        return self._state(view, ctx)
 
     def receive(
-        self, view: RoundView, site_id: str, stage: int, message: ClientMessage, raw: bytes
+        self, view: RoundView, ctx: RoundContext, site_id: str, stage: int, raw: bytes
     ) -> bool:
-        """Hand one client message of ``stage`` to the protocol; True if it repeats the request
-        already received (idempotent), :class:`ConflictError` if it differs from it."""
-        state = self.state(view, stage)
+        """Hand one client message of ``stage`` (its serialized request) to the protocol and
+        persist it; True if it repeats the request already received (idempotent),
+        :class:`ConflictError` if it differs from it."""
+        state = self.state(view, ctx, stage)
         if view.stage != stage:
             raise WrongStageError(f"round {view.round_id!r} has moved past this stage")
         if site_id in state.received:
@@ -297,53 +366,68 @@ class MaskMode:
                 return True
             raise ConflictError("a different message of this stage was already received")
         try:
+            message = _parse(stage, site_id, raw, state)
             state.server.receive(message, sender=site_id)
+        except wire.WireError as exc:
+            raise InvalidRequestError(str(exc)) from exc
         except (StageError, UnknownParticipantError) as exc:
             raise WrongStageError(str(exc)) from exc
         except DuplicateMessageError as exc:
             raise ConflictError(str(exc)) from exc
         except ProtocolError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        try:
+            ctx.put_message(
+                view.round_id, stage=stage, site_id=site_id, kind=JOURNAL_KIND, data=raw
+            )
+        except BaseException:
+            self.rounds.pop(view.round_id, None)  # memory must not run ahead of the journal
+            raise
         state.received[site_id] = raw
         return False
+
+
+def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMessage:
+    """A site's serialized request of ``stage`` as the protocol message (sender = the site)."""
+    if stage == pb.ROUND_STAGE_ADVERTISE_KEYS:
+        return wire.advert_from_proto(site_id, pb.AdvertiseKeysRequest.FromString(raw))
+    if stage == pb.ROUND_STAGE_SHARE_KEYS:
+        return wire.share_keys_from_proto(site_id, pb.ShareKeysRequest.FromString(raw))
+    if stage == pb.ROUND_STAGE_CONSISTENCY_CHECK:
+        assert state.survivors is not None
+        request = pb.ConsistencySignature.FromString(raw)
+        return wire.consistency_from_proto(site_id, request, survivors=state.survivors)
+    if stage == pb.ROUND_STAGE_UNMASK:
+        return wire.unmask_response_from_proto(site_id, pb.UnmaskResponse.FromString(raw))
+    raise WrongStageError(f"stage {wire.stage_name(stage)} takes no message")
 
 
 class MaskRequests:
     """Domain side of the MASK RPCs (module docstring); the servicer decodes and encodes."""
 
-    def __init__(self, access: RoundAccess, mode: MaskMode) -> None:
-        self.access, self.mode = access, mode
+    def __init__(self, access: RoundAccess) -> None:
+        self.access = access
 
-    def _send(
-        self,
-        site: str,
-        round_id: str,
-        stage: int,
-        build: Callable[[RoundView], ClientMessage],
-        raw: bytes,
-    ) -> cpb.Ack:
+    def _mode(self, view: RoundView) -> MaskMode:
+        mode = self.access.mode_of(view)
+        if not isinstance(mode, MaskMode):
+            raise WrongStageError(f"round {view.round_id!r} does not run aggregation = 'mask'")
+        return mode
+
+    def _send(self, site: str, round_id: str, stage: int, raw: bytes) -> cpb.Ack:
         with participant_round(self.access, site, round_id) as view:
-            try:
-                message = build(view)
-            except wire.WireError as exc:
-                raise InvalidRequestError(str(exc)) from exc
-            retry = self.mode.receive(view, site, stage, message, raw)
+            retry = self._mode(view).receive(view, self.access.context, site, stage, raw)
         return cpb.Ack(message="duplicate ignored" if retry else "received")
 
     def _get(
         self, site: str, round_id: str, stage: int, body: Callable[[RoundView, MaskRound], T]
     ) -> T:
         with participant_round(self.access, site, round_id, advance_first=True) as view:
-            return body(view, self.mode.state(view, stage))
+            return body(view, self._mode(view).state(view, self.access.context, stage))
 
     def advertise_keys(self, site: str, request: pb.AdvertiseKeysRequest) -> cpb.Ack:
-        return self._send(
-            site,
-            request.round_id,
-            pb.ROUND_STAGE_ADVERTISE_KEYS,
-            lambda view: wire.advert_from_proto(site, request),
-            request.SerializeToString(),
-        )
+        stage = pb.ROUND_STAGE_ADVERTISE_KEYS
+        return self._send(site, request.round_id, stage, request.SerializeToString())
 
     def advertised_keys(self, site: str, round_id: str) -> pb.AdvertisedKeys:
         def body(view: RoundView, state: MaskRound) -> pb.AdvertisedKeys:
@@ -353,13 +437,8 @@ class MaskRequests:
         return self._get(site, round_id, pb.ROUND_STAGE_SHARE_KEYS, body)
 
     def share_keys(self, site: str, request: pb.ShareKeysRequest) -> cpb.Ack:
-        return self._send(
-            site,
-            request.round_id,
-            pb.ROUND_STAGE_SHARE_KEYS,
-            lambda view: wire.share_keys_from_proto(site, request),
-            request.SerializeToString(),
-        )
+        stage = pb.ROUND_STAGE_SHARE_KEYS
+        return self._send(site, request.round_id, stage, request.SerializeToString())
 
     def shared_keys(self, site: str, round_id: str) -> pb.SharedKeys:
         def body(view: RoundView, state: MaskRound) -> pb.SharedKeys:
@@ -377,18 +456,8 @@ class MaskRequests:
         return self._get(site, round_id, pb.ROUND_STAGE_CONSISTENCY_CHECK, body)
 
     def consistency_check(self, site: str, request: pb.ConsistencySignature) -> cpb.Ack:
-        def build(view: RoundView) -> ConsistencySignature:
-            state = self.mode.state(view, pb.ROUND_STAGE_CONSISTENCY_CHECK)
-            assert state.survivors is not None
-            return wire.consistency_from_proto(site, request, survivors=state.survivors)
-
-        return self._send(
-            site,
-            request.round_id,
-            pb.ROUND_STAGE_CONSISTENCY_CHECK,
-            build,
-            request.SerializeToString(),
-        )
+        stage = pb.ROUND_STAGE_CONSISTENCY_CHECK
+        return self._send(site, request.round_id, stage, request.SerializeToString())
 
     def consistency_signatures(self, site: str, round_id: str) -> pb.ConsistencySignatures:
         def body(view: RoundView, state: MaskRound) -> pb.ConsistencySignatures:
@@ -408,10 +477,5 @@ class MaskRequests:
         return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body)
 
     def unmask(self, site: str, request: pb.UnmaskResponse) -> cpb.Ack:
-        return self._send(
-            site,
-            request.round_id,
-            pb.ROUND_STAGE_UNMASK,
-            lambda view: wire.unmask_response_from_proto(site, request),
-            request.SerializeToString(),
-        )
+        stage = pb.ROUND_STAGE_UNMASK
+        return self._send(site, request.round_id, stage, request.SerializeToString())

@@ -42,13 +42,15 @@ from afl.core.packing import unpack_upper
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import ServerConfig
+from afl.server.ckks_context import CkksContexts
+from afl.server.config import RoundSettings, ServerConfig
 from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.plan import PlannedRelease, PlanOptions, RoundView
-from afl.server.store import EnrolmentRow, Store, UploadRow
+from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
 __all__ = [
     "AggregationMode",
+    "ModeEnvironment",
     "PlainUploadStage",
     "PlaintextMode",
     "PlanOptions",
@@ -80,10 +82,9 @@ class Transition:
 
 
 class RoundContext(Protocol):
-    """Read access to a round's durable state (implemented by the round machine)."""
-
-    @property
-    def stage_timeout_s(self) -> float: ...
+    """A round's durable state as a mode sees it (implemented by the round machine): read access,
+    and the journal where a secure mode persists every protocol message before acknowledging it,
+    so that a restarted coordinator can rebuild the mode's state."""
 
     def now_ms(self) -> int: ...
 
@@ -93,6 +94,12 @@ class RoundContext(Protocol):
 
     def read_payload(self, row: UploadRow) -> bytes: ...
 
+    def put_message(
+        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
+    ) -> None: ...
+
+    def messages(self, round_id: str) -> list[MessageRow]: ...
+
 
 class RoundAccess(Protocol):
     """What a mode's request handlers may use of the coordinator (all under :attr:`lock`)."""
@@ -101,9 +108,14 @@ class RoundAccess(Protocol):
     config: ServerConfig
     store: Store
 
+    @property
+    def context(self) -> RoundContext: ...
+
     def require_enrolled(self, site_id: str) -> EnrolmentRow: ...
 
     def find(self, round_id: str) -> RoundView: ...
+
+    def mode_of(self, view: RoundView) -> AggregationMode: ...
 
     def require_participant(self, view: RoundView, site_id: str) -> None: ...
 
@@ -130,6 +142,7 @@ def participant_round(
 class AggregationMode(Protocol):
     """What the round state machine needs from an aggregation mode (module docstring)."""
 
+    settings: RoundSettings
     name: str
     proto_mode: int
     exchange_stages: tuple[int, ...]
@@ -171,6 +184,10 @@ class AggregationMode(Protocol):
         """The sites whose statistics the released sums contain."""
         ...
 
+    def forget(self, round_id: str) -> None:
+        """Drop what the mode keeps in memory for a finished round (the store keeps the rest)."""
+        ...
+
 
 def decode_float64(data: bytes, *, length: int, what: str) -> FloatArray:
     """``length`` little-endian float64 values; :class:`InvalidRequestError` on a wrong size or
@@ -202,14 +219,28 @@ def complete_sites(view: RoundView, ctx: RoundContext) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class ModeEnvironment:
+    """What a mode is built from (:mod:`afl.server.mode_registry`): the server configuration, the
+    run's settings and the federation-wide CKKS context of the decryptor."""
+
+    config: ServerConfig
+    settings: RoundSettings
+    ckks_contexts: CkksContexts
+
+
 class PlainUploadStage:
     """The UPLOAD stage shared by ``plaintext`` and ``ckks`` (module docstring)."""
 
+    settings: RoundSettings
     exchange_stages: tuple[int, ...] = (pb.ROUND_STAGE_UPLOAD,)
     _ACCEPTING = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
 
     def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
         return Transition(pb.ROUND_STAGE_UPLOAD)
+
+    def forget(self, round_id: str) -> None:
+        """Nothing kept in memory besides the store."""
 
     def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
         done = complete_sites(view, ctx)
@@ -241,9 +272,12 @@ class PlaintextMode(PlainUploadStage):
     name = "plaintext"
     proto_mode = int(cpb.AGGREGATION_MODE_PLAINTEXT)
 
+    def __init__(self, settings: RoundSettings) -> None:
+        self.settings = settings
+
     @classmethod
-    def from_config(cls, config: ServerConfig) -> PlaintextMode:
-        return cls()
+    def for_run(cls, env: ModeEnvironment) -> PlaintextMode:
+        return cls(env.settings)
 
     def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT)

@@ -1,32 +1,45 @@
-"""The coordinator's round state machine (docs/architecture.md §2).
+"""The coordinator's runs and their round state machine (docs/architecture.md §2).
 
-    WAITING_FOR_PARTICIPANTS --all expected enrolled, or >= min_participants at the enrol
+A federation hosts many RUNS, one after another: each has its own settings (the keys of
+server.toml's [round] table) and its own aggregation mode instance. The server creates the first
+run from server.toml at its first start; later runs are submitted by an admin
+(:meth:`RoundMachine.submit_run`) and queue. The oldest queued run becomes ACTIVE when no run is;
+it ends PUBLISHED (its final round's model is stored) or ABORTED (a round aborted without a
+replacement, or an admin aborted it), and the next queued run starts.
+
+Rounds of the active run:
+
+    WAITING_FOR_PARTICIPANTS --the run's expected sites enrolled (sites whose declared backbone or
+        d differ from the run's are left out, with a note), or >= min_participants at the enrol
         deadline--> PLAN_REVIEW (signed plan published)
     PLAN_REVIEW --every participant accepted--> the mode's exchange stages (mode.begin)
         plaintext, ckks: UPLOAD;  mask: ADVERTISE_KEYS, SHARE_KEYS, UPLOAD, CONSISTENCY_CHECK, UNMASK
     exchange stages --mode.drive--> SOLVING --mode.sums available, solved--> PUBLISHED
     PUBLISHED (round 1, rounds = 2) --> round 2 opens in PLAN_REVIEW (same participants)
 
-A refusal of the plan, or a deadline passing, ABORTS the round (nothing is released: a plan binds
-one cohort) and, when at least ``min_participants`` sites remain (those that did not refuse;
-after a timeout, those whose uploads are complete), opens a replacement round with them and a new
-plan. A failed solve aborts the round with the reason. Every transition is committed to the
-:class:`~afl.server.store.Store` first, then logged to the audit log, then announced as a round
-event, so a restarted coordinator resumes the open round from SQLite; payloads already received
-are kept, never re-requested.
+A refusal of the plan ABORTS the round and, when at least ``min_participants`` sites remain,
+opens a replacement round with them and a new plan; at the plan deadline, sites that never
+answered are dropped the same way (the replacement round has the sites that accepted); an
+exchange stage's deadline is the mode's to handle. A failed solve aborts the round with the
+reason. Every transition is committed to the :class:`~afl.server.store.Store` first, then logged
+to the audit log, then announced as a round event, so a restarted coordinator resumes the open
+round; the secure modes rebuild their state from the store's message journal.
 
 The round's :class:`~afl.server.modes.AggregationMode` never changes stages itself: it returns a
 :class:`~afl.server.modes.Transition` that :meth:`RoundMachine.apply` carries out. The machine is
-the mode's :class:`~afl.server.modes.RoundContext`. Call every method with :attr:`lock` held.
+the modes' :class:`~afl.server.modes.RoundContext`. Call every method with :attr:`lock` held.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,11 +48,19 @@ from numpy.typing import NDArray
 from afl.core.aggregation import AggregationError
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
-from afl.server.config import ServerConfig
+from afl.server.ckks_context import CkksContexts
+from afl.server.config import (
+    RoundSettings,
+    ServerConfig,
+    merged_run_table,
+    run_settings,
+    settings_table,
+)
 from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
 from afl.server.dp_solve import solve_dp_round
-from afl.server.errors import NotPermittedError, WrongStageError
-from afl.server.modes import AggregationMode, Transition, complete_sites
+from afl.server.errors import NotPermittedError, StateError, WrongStageError
+from afl.server.mode_registry import mode_for
+from afl.server.modes import AggregationMode, ModeEnvironment, Transition
 from afl.server.observability import ServerMetrics
 from afl.server.plan import (
     RoundView,
@@ -51,11 +72,12 @@ from afl.server.plan import (
     sign_plan,
 )
 from afl.server.solve import build_signed_model, solve_round_one, solve_round_two
-from afl.server.store import RoundRow, Store, UploadRow
+from afl.server.store import EnrolmentRow, MessageRow, RoundRow, RunRow, Store, UploadRow
 
-__all__ = ["RoundMachine", "RoundView", "Stage"]
+__all__ = ["RoundMachine", "RoundView", "Run", "Stage"]
 
 log = logging.getLogger("afl.server.rounds")
+_DAY_MS = 86_400_000
 
 
 class Stage:
@@ -67,10 +89,24 @@ class Stage:
     SOLVING = pb.ROUND_STAGE_SOLVING
     PUBLISHED = pb.ROUND_STAGE_PUBLISHED
     ABORTED = pb.ROUND_STAGE_ABORTED
+    FINAL = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)
+
+
+@dataclass
+class Run:
+    """A run: its stored row, its validated settings and its aggregation mode."""
+
+    row: RunRow
+    settings: RoundSettings
+    mode: AggregationMode
+
+    @property
+    def run_id(self) -> str:
+        return self.row.run_id
 
 
 class RoundMachine:
-    """Transitions of the round state machine; :class:`afl.server.coordinator.Coordinator`
+    """Runs and the transitions of their rounds; :class:`afl.server.coordinator.Coordinator`
     adds the requests."""
 
     def __init__(
@@ -79,29 +115,23 @@ class RoundMachine:
         store: Store,
         identity_key: Ed25519PrivateKey,
         *,
-        mode: AggregationMode,
         metrics: ServerMetrics,
+        ckks_contexts: CkksContexts | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config, self.store, self._key = config, store, identity_key
-        self.mode, self.metrics, self.clock = mode, metrics, clock
+        self.metrics, self.clock = metrics, clock
+        self.ckks_contexts = ckks_contexts or CkksContexts.from_config(config)
         self.lock = threading.Condition()
         self.events: list[pb.RoundEvent] = []
+        self.notes: dict[str, str] = {}  # site -> why it takes no part in the current round
+        self._runs: dict[str, Run] = {}
+        self._next_purge_ms = 0
         with self.lock:
-            if store.rounds():
-                return
-            self._new_round(
-                number=1,
-                parent="",
-                participants=config.round.participants,
-                timeout_s=config.round.enrol_timeout_s,
-            )
+            self._bootstrap()
+            self._activate_next()
 
-    # --- RoundContext (what modes read) -------------------------------------------------------
-
-    @property
-    def stage_timeout_s(self) -> float:
-        return self.config.round.upload_timeout_s
+    # --- RoundContext (what modes read and journal) -------------------------------------------
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -115,6 +145,175 @@ class RoundMachine:
     def read_payload(self, row: UploadRow) -> bytes:
         return self.store.read_payload(row)
 
+    def put_message(
+        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
+    ) -> None:
+        self.store.put_message(round_id, stage=stage, site_id=site_id, kind=kind, data=data)
+
+    def messages(self, round_id: str) -> list[MessageRow]:
+        return self.store.messages(round_id)
+
+    # --- runs --------------------------------------------------------------------------------
+
+    def _bootstrap(self) -> None:
+        """The first start creates the run of server.toml's [round] (and gives it the rounds of
+        a state folder written before runs existed)."""
+        if self.store.runs():
+            return
+        legacy = bool(self.store.rounds())
+        table = settings_table(self.config.round)
+        run_id = self._submit("initial", table, submitted_by="server.toml")
+        if legacy:
+            self.store.attach_rounds(run_id)
+            self.store.update_run(run_id, state="active")
+            self._settle(run_id)
+
+    def run(self, run_id: str) -> Run:
+        """A run with its settings and mode (built once per process)."""
+        cached = self._runs.get(run_id)
+        rows = {r.run_id: r for r in self.store.runs()}
+        if run_id not in rows:
+            raise WrongStageError(f"no run {run_id!r} on this server")
+        row = rows[run_id]
+        if cached is not None:
+            cached.row = row
+            return cached
+        settings = run_settings(row.settings, source=f"run {run_id}", sites=self.config.sites)
+        env = ModeEnvironment(self.config, settings, self.ckks_contexts)
+        run = self._runs[run_id] = Run(row, settings, mode_for(env))
+        return run
+
+    def run_of(self, view: RoundView) -> Run:
+        return self.run(view.row.run_id)
+
+    def mode_of(self, view: RoundView) -> AggregationMode:
+        return self.run_of(view).mode
+
+    def active_run(self) -> Run | None:
+        active = [r for r in self.store.runs() if r.state == "active"]
+        return self.run(active[0].run_id) if active else None
+
+    def _submit(self, name: str, table: Mapping[str, Any], *, submitted_by: str) -> str:
+        settings = run_settings(table, source=f"run {name!r}", sites=self.config.sites)
+        number = len(self.store.runs()) + 1
+        run_id = f"run-{number}"
+        self.store.create_run(
+            run_id=run_id, name=name or run_id, settings=dict(table), submitted_by=submitted_by
+        )
+        self.store.audit(
+            "run-submitted",
+            {
+                "run_id": run_id,
+                "name": name or run_id,
+                "by": submitted_by,
+                "aggregation": settings.aggregation,
+                "gram_scope": settings.gram_scope,
+                "rounds": settings.rounds,
+                "dp": settings.dp is not None,
+            },
+        )
+        return run_id
+
+    def submit_run(self, name: str, overrides: Mapping[str, Any], *, submitted_by: str) -> Run:
+        """Queue a run whose settings are server.toml's [round] updated with ``overrides``;
+        :class:`ConfigError` names a bad key."""
+        table = merged_run_table(self.config.round, overrides)
+        run_id = self._submit(name, table, submitted_by=submitted_by)
+        self._activate_next()
+        self.advance()
+        return self.run(run_id)
+
+    def abort_run(self, run_id: str, *, reason: str, by: str) -> Run:
+        """Abort a queued or active run (its open round releases nothing)."""
+        run = self.run(run_id)
+        if run.row.state in ("published", "aborted"):
+            raise WrongStageError(f"run {run_id!r} already ended ({run.row.state})")
+        why = f"aborted by admin {by}: {reason}" if reason else f"aborted by admin {by}"
+        if run.row.state == "queued":
+            self._finish_run(run_id, "aborted", why)
+            return self.run(run_id)
+        rounds = self.store.rounds(run_id)
+        if rounds and rounds[-1].stage not in Stage.FINAL:
+            self._abort(self.view(rounds[-1]), why)  # finishes the run (no replacement)
+        else:
+            self._finish_run(run_id, "aborted", why)
+        self.advance()
+        return self.run(run_id)
+
+    def _activate_next(self) -> None:
+        runs = self.store.runs()
+        if any(r.state == "active" for r in runs):
+            return
+        queued = [r for r in runs if r.state == "queued"]
+        if not queued:
+            return
+        run = self.run(queued[0].run_id)
+        self.store.update_run(run.run_id, state="active")
+        self.store.audit("run-started", {"run_id": run.run_id})
+        log.info("run started", extra={"run_id": run.run_id})
+        self._new_round(
+            run,
+            number=1,
+            parent="",
+            participants=run.settings.participants,
+            timeout_s=run.settings.enrol_timeout_s,
+        )
+
+    def _settle(self, run_id: str) -> None:
+        """Finish a migrated run whose last round already ended."""
+        rounds = self.store.rounds(run_id)
+        if not rounds or rounds[-1].stage not in Stage.FINAL:
+            return
+        last = rounds[-1]
+        settings = self.run(run_id).settings
+        if last.stage == Stage.PUBLISHED and last.number == settings.rounds:
+            self._finish_run(run_id, "published", "")
+        elif last.stage == Stage.ABORTED:
+            self._finish_run(run_id, "aborted", last.abort_reason)
+
+    def _finish_run(self, run_id: str, state: str, reason: str) -> None:
+        self.store.update_run(run_id, state=state, reason=reason)
+        model = self.run_model(run_id)
+        self.store.audit(
+            "run-finished",
+            {
+                "run_id": run_id,
+                "state": state,
+                "reason": reason,
+                "model_round_id": model[0] if model else "",
+                "model_sha256": hashlib.sha256(model[1]).hexdigest() if model else "",
+            },
+        )
+        log.info("run finished", extra={"run_id": run_id, "state": state, "reason": reason})
+        run = self.run(run_id)
+        for row in self.store.rounds(run_id):
+            run.mode.forget(row.round_id)
+        if self.config.payload_retention_days <= 0:
+            self._purge(run_id)
+        self._activate_next()
+
+    def _purge(self, run_id: str) -> None:
+        deleted = self.store.purge_payloads([r.round_id for r in self.store.rounds(run_id)])
+        if deleted:
+            self.store.audit("payloads-deleted", {"run_id": run_id, "files": deleted})
+
+    def purge_due(self) -> None:
+        """Delete the payloads of runs that ended more than ``payload_days`` ago (retention)."""
+        now = self.now_ms()
+        if now < self._next_purge_ms:
+            return
+        self._next_purge_ms = now + 60_000
+        keep_ms = self.config.payload_retention_days * _DAY_MS
+        for row in self.store.runs():
+            if row.state in ("published", "aborted") and row.finished_ms + keep_ms <= now:
+                self._purge(row.run_id)
+
+    def run_model(self, run_id: str) -> tuple[str, bytes, bytes] | None:
+        """(round id, model bytes, signature) of the run's final published round, if any."""
+        rounds = self.store.rounds(run_id)
+        published = [r for r in rounds if r.stage == Stage.PUBLISHED]
+        return self.store.model(published[-1].round_id) if published else None
+
     # --- reading -----------------------------------------------------------------------------
 
     def view(self, row: RoundRow) -> RoundView:
@@ -122,7 +321,14 @@ class RoundMachine:
         return RoundView(row, tuple(releases))
 
     def current(self) -> RoundView:
-        return self.view(self.store.rounds()[-1])
+        """The open round of the active run, or the last round when no run is active."""
+        active = self.active_run()
+        rounds = self.store.rounds(active.run_id) if active is not None else self.store.rounds()
+        if not rounds:
+            rounds = self.store.rounds()
+        if not rounds:
+            raise WrongStageError("no round has been created yet")
+        return self.view(rounds[-1])
 
     def find(self, round_id: str) -> RoundView:
         """The round ``round_id`` (the current round for ""; requests that must name a round
@@ -152,16 +358,24 @@ class RoundMachine:
             abort_reason=view.row.abort_reason,
             caller_accepted_plan=decisions.get(site_id, (False, ""))[0],
             caller_uploads_complete=sorted(r for (s, r) in uploads if s == site_id),
+            run_id=view.row.run_id,
         )
 
     # --- transitions -------------------------------------------------------------------------
 
     def _new_round(
-        self, *, number: int, parent: str, participants: tuple[str, ...], timeout_s: float
+        self,
+        run: Run,
+        *,
+        number: int,
+        parent: str,
+        participants: tuple[str, ...],
+        timeout_s: float,
     ) -> RoundView:
         round_id = f"r{number}-{secrets.token_hex(8)}"
         self.store.create_round(
             round_id=round_id,
+            run_id=run.run_id,
             number=number,
             parent_round_id=parent,
             stage=Stage.WAITING,
@@ -170,7 +384,12 @@ class RoundMachine:
         )
         self.store.audit(
             "round-created",
-            {"round_id": round_id, "number": number, "participants": list(participants)},
+            {
+                "round_id": round_id,
+                "run_id": run.run_id,
+                "number": number,
+                "participants": list(participants),
+            },
         )
         log.info("round created", extra={"round_id": round_id, "number": number})
         self._emit(round_id)
@@ -219,28 +438,32 @@ class RoundMachine:
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None
     ) -> None:
         """ABORT ``view``; with ``replan_with``, open a replacement round with those sites when
-        they are at least ``min_participants``."""
+        they are at least ``min_participants``; otherwise the run ends aborted."""
+        run = self.run_of(view)
         self._set_stage(view, Stage.ABORTED, reason=reason)
         self.metrics.rounds.labels(outcome="aborted").inc()
-        if replan_with is None:
-            return
-        if len(replan_with) >= self.config.round.min_participants:
+        run.mode.forget(view.round_id)
+        if replan_with is not None and len(replan_with) >= run.settings.min_participants:
             replacement = self._new_round(
+                run,
                 number=view.row.number,
                 parent=view.row.parent_round_id,
                 participants=replan_with,
-                timeout_s=self.config.round.upload_timeout_s,
+                timeout_s=run.settings.upload_timeout_s,
             )
             self._open(replacement, replan_with)
-        else:
+            return
+        if replan_with is not None:
             log.warning(
                 "round aborted; too few sites remain for a replacement round",
                 extra={"round_id": view.round_id, "remaining": len(replan_with)},
             )
+        self._finish_run(run.run_id, "aborted", reason)
 
     def _open(self, view: RoundView, participants: tuple[str, ...]) -> None:
         """Publish the signed plan of a round over ``participants`` (or abort with the reason)."""
-        settings = self.config.round
+        run = self.run_of(view)
+        settings, mode = run.settings, run.mode
         coverage = {s: e.labelled_classes for s, e in self.store.enrolments().items()}
         dp = settings.dp if view.row.number == 1 else None
         if dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
@@ -272,7 +495,7 @@ class RoundMachine:
         if dp is not None:
             try:
                 calibration = calibrate(
-                    releases, dp, participants=participants, plaintext=self.mode.name == "plaintext"
+                    releases, dp, participants=participants, plaintext=mode.name == "plaintext"
                 )
             except ValueError as exc:
                 self._abort(view, f"DP calibration failed: {exc}")
@@ -293,9 +516,9 @@ class RoundMachine:
             )
             return
         try:
-            options = self.mode.plan_options(participants)
+            options = mode.plan_options(participants)
         except ValueError as exc:
-            self._abort(view, f"the {self.mode.name} plan cannot be built: {exc}")
+            self._abort(view, f"the {mode.name} plan cannot be built: {exc}")
             return
         plan = build_plan(
             federation_id=self.config.federation_id,
@@ -308,10 +531,11 @@ class RoundMachine:
             override_reason=settings.override_reason if not report.passed else "",
             options=options,
         )
+        plan.run_id = run.run_id
         if calibration is not None:
             apply_dp(plan, calibration)
             try:
-                self.mode.dp_encodings(plan)
+                mode.dp_encodings(plan)
             except ValueError as exc:
                 self._abort(view, f"DP encoding failed: {exc}")
                 return
@@ -331,89 +555,105 @@ class RoundMachine:
 
     def advance(self) -> None:
         """Apply every transition that is due."""
-        for _ in range(16):  # transitions may chain (publish -> round 2 opens -> ...)
+        for _ in range(32):  # transitions chain (publish -> round 2 opens; a run ends -> next)
             before = self.current()
             self._step(before)
             if self.current().row == before.row:
-                return
+                break
+        if self.config.payload_retention_days > 0:
+            self.purge_due()
 
     def _step(self, view: RoundView) -> None:
-        stage, now, settings = view.stage, self.now_ms(), self.config.round
+        if view.stage in Stage.FINAL or not view.row.run_id:
+            return
+        run = self.run_of(view)
+        stage, now = view.stage, self.now_ms()
         if stage == Stage.WAITING:
-            expected = set(view.row.participants)
-            enrolled = tuple(sorted(expected & set(self.store.enrolments())))
-            if len(enrolled) == len(expected):
-                self._open(view, enrolled)
-            elif now >= view.row.deadline_ms:
-                if len(enrolled) >= settings.min_participants:
-                    self._open(view, enrolled)
-                else:
-                    self.store.update_round(
-                        view.round_id,
-                        stage=stage,
-                        deadline_ms=now + int(settings.enrol_timeout_s * 1000),
-                    )
+            self._wait(view, run, now)
         elif stage == Stage.PLAN_REVIEW:
-            self._review(view, now)
-        elif stage in self.mode.exchange_stages:
-            transition = self.mode.drive(view, self)
+            self._review(view, run, now)
+        elif stage in run.mode.exchange_stages:
+            transition = run.mode.drive(view, self)
             if transition is not None:
                 self.apply(view, transition)
         elif stage == Stage.SOLVING:
-            self._solve(view)
+            self._solve(view, run)
 
-    def _review(self, view: RoundView, now: int) -> None:
+    def _eligible(self, run: Run, enrolment: EnrolmentRow) -> str:
+        """Why an enrolled site cannot take part in ``run`` ("" if it can)."""
+        s = run.settings
+        if s.backbone and enrolment.backbone and enrolment.backbone != s.backbone:
+            return (
+                f"run {run.run_id} needs features from {s.backbone!r}, the site declared "
+                f"{enrolment.backbone!r}"
+            )
+        if enrolment.feature_dim and enrolment.feature_dim != s.feature_dim:
+            return (
+                f"run {run.run_id} needs d = {s.feature_dim}, the site declared "
+                f"d = {enrolment.feature_dim}"
+            )
+        return ""
+
+    def _wait(self, view: RoundView, run: Run, now: int) -> None:
+        enrolments = self.store.enrolments()
+        expected = set(view.row.participants)
+        notes = {
+            s: why
+            for s in sorted(expected & set(enrolments))
+            if (why := self._eligible(run, enrolments[s]))
+        }
+        for site, why in notes.items():
+            if self.notes.get(site) != why:
+                self.store.audit(
+                    "site-left-out", {"round_id": view.round_id, "site_id": site, "reason": why}
+                )
+                log.warning("site left out", extra={"site_id": site, "reason": why})
+        self.notes = notes
+        expected -= set(notes)
+        ready = tuple(sorted(expected & set(enrolments)))
+        if ready and len(ready) == len(expected):
+            self._open(view, ready)
+        elif now >= view.row.deadline_ms:
+            if len(ready) >= run.settings.min_participants:
+                self._open(view, ready)
+            else:
+                self.store.update_round(
+                    view.round_id,
+                    stage=view.stage,
+                    deadline_ms=now + int(run.settings.enrol_timeout_s * 1000),
+                )
+
+    def _review(self, view: RoundView, run: Run, now: int) -> None:
         decisions = self.store.decisions(view.round_id)
+        participants = view.row.participants
         refused = sorted(s for s, (ok, _) in decisions.items() if not ok)
         if refused:
             reasons = "; ".join(f"{s}: {decisions[s][1]}" for s in refused)
-            keep = tuple(s for s in view.row.participants if s not in refused)
+            keep = tuple(s for s in participants if s not in refused)
             self._abort(view, f"plan refused by {reasons}", replan_with=keep)
-        elif all(s in decisions for s in view.row.participants):
-            self.apply(view, self.mode.begin(view, self))
+        elif all(s in decisions for s in participants):
+            self.apply(view, run.mode.begin(view, self))
         elif now >= view.row.deadline_ms:
-            done = complete_sites(view, self)
-            late = [s for s in view.row.participants if s not in done]
-            self._abort(view, f"timed out waiting for {', '.join(late)}", replan_with=tuple(done))
+            silent = [s for s in participants if s not in decisions]
+            accepted = tuple(s for s in participants if s in decisions)
+            self._abort(
+                view,
+                f"timed out waiting for the plan decision of {', '.join(silent)}",
+                replan_with=accepted,
+            )
 
     def sums(self, view: RoundView) -> Mapping[str, NDArray[np.float64]] | None:
         """The released sums of ``view`` (None while the mode still waits for them)."""
-        return self.mode.sums(view, self)
+        return self.mode_of(view).sums(view, self)
 
-    def _solve(self, view: RoundView) -> None:
-        settings = self.config.round
+    def _solve(self, view: RoundView, run: Run) -> None:
+        settings = run.settings
         try:
             sums = self.sums(view)
             if sums is None:
                 return  # e.g. CKKS: the decryptor has not answered every job yet
-            if view.row.number == 1 and settings.dp is not None:
-                weights = solve_dp_round(
-                    view.releases, sums, classes=settings.classes, gamma=settings.gamma
-                )
-            elif view.row.number == 1:
-                weights = solve_round_one(
-                    view.releases,
-                    sums,
-                    classes=settings.classes,
-                    participants=view.row.participants,
-                    gram_scope=settings.gram_scope,
-                    gamma=settings.gamma,
-                )
-            else:
-                parent = self.find(view.row.parent_round_id)
-                parent_sums = self.sums(parent)
-                if parent_sums is None:
-                    raise AggregationError(f"round {parent.round_id!r} has no released sums")
-                weights = solve_round_two(
-                    parent.releases,
-                    parent_sums,
-                    view.releases,
-                    sums,
-                    classes=settings.classes,
-                    gamma=settings.gamma,
-                    alpha=settings.refinement.alpha,
-                )
-        except AggregationError as exc:
+            weights = self._weights(view, settings, sums)
+        except (AggregationError, StateError) as exc:
             self._abort(view, f"solve failed: {exc}")
             return
         assert view.row.plan is not None
@@ -426,17 +666,53 @@ class RoundMachine:
             classes=settings.classes,
             gamma=settings.gamma,
             backbone=settings.backbone,
-            contributors=self.mode.contributors(view),
+            contributors=run.mode.contributors(view),
             plan_bytes=view.row.plan,
         )
         self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)
         self._set_stage(view, Stage.PUBLISHED)
         self.metrics.rounds.labels(outcome="published").inc()
-        if view.row.number == 1 and settings.rounds == 2:
+        if view.row.number < settings.rounds:
             following = self._new_round(
-                number=2,
+                run,
+                number=view.row.number + 1,
                 parent=view.round_id,
                 participants=view.row.participants,
                 timeout_s=settings.upload_timeout_s,
             )
             self._open(following, view.row.participants)
+        else:
+            self._finish_run(run.run_id, "published", "")
+
+    def _weights(
+        self,
+        view: RoundView,
+        settings: RoundSettings,
+        sums: Mapping[str, NDArray[np.float64]],
+    ) -> NDArray[np.float64]:
+        if view.row.number == 1 and settings.dp is not None:
+            return solve_dp_round(
+                view.releases, sums, classes=settings.classes, gamma=settings.gamma
+            )
+        if view.row.number == 1:
+            return solve_round_one(
+                view.releases,
+                sums,
+                classes=settings.classes,
+                participants=view.row.participants,
+                gram_scope=settings.gram_scope,
+                gamma=settings.gamma,
+            )
+        parent = self.find(view.row.parent_round_id)
+        parent_sums = self.sums(parent)
+        if parent_sums is None:
+            raise AggregationError(f"round {parent.round_id!r} has no released sums")
+        return solve_round_two(
+            parent.releases,
+            parent_sums,
+            view.releases,
+            sums,
+            classes=settings.classes,
+            gamma=settings.gamma,
+            alpha=settings.refinement.alpha,
+        )

@@ -8,7 +8,7 @@ the mode-specific RPCs — and maps errors to status codes in ONE place (:func:`
 The site id comes from ``context.auth_context()["x509_pem_cert"]`` (the verified client
 certificate; :func:`afl.crypto.pki.site_id_from_pem`), never from a message field. Only with the
 ``--insecure`` dev flag is it read from the ``x-afl-site-id`` metadata header instead. A mode RPC
-sent to a server running another mode is FAILED_PRECONDITION.
+naming a round of another mode is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.coordinator import Coordinator
 from afl.server.errors import (
     ConflictError,
+    DiskFullError,
     InvalidRequestError,
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksMode, CkksRequests
-from afl.server.mode_mask import MaskMode, MaskRequests
+from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksRequests
+from afl.server.mode_mask import MaskRequests
 
 __all__ = ["INSECURE_SITE_HEADER", "CoordinatorServicer", "status_for"]
 
@@ -45,6 +46,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (NotPermittedError, grpc.StatusCode.PERMISSION_DENIED),
     (WrongStageError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
+    (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (wire.WireLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (wire.WireError, grpc.StatusCode.INVALID_ARGUMENT),
     (CryptoError, grpc.StatusCode.PERMISSION_DENIED),
@@ -78,9 +80,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._insecure = insecure
         self._watch_poll_s = watch_poll_s
         self._stopping = stopping
-        mode = coordinator.mode
-        self._mask = MaskRequests(coordinator, mode) if isinstance(mode, MaskMode) else None
-        self._ckks = CkksRequests(coordinator, mode) if isinstance(mode, CkksMode) else None
+        self._mask = MaskRequests(coordinator)
+        self._ckks = CkksRequests(coordinator, coordinator.machine.ckks_contexts)
 
     # --- plumbing ----------------------------------------------------------------------------
 
@@ -113,16 +114,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             context.abort(code, message)
             raise AssertionError("unreachable") from exc  # context.abort raises
-
-    def _mask_requests(self) -> MaskRequests:
-        if self._mask is None:
-            raise WrongStageError("this server does not run aggregation = 'mask'")
-        return self._mask
-
-    def _ckks_requests(self) -> CkksRequests:
-        if self._ckks is None:
-            raise WrongStageError("this federation does not run aggregation = 'ckks'")
-        return self._ckks
 
     @staticmethod
     def _ack(message: str, action: Callable[[], object]) -> common_pb2.Ack:
@@ -180,7 +171,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 max_bytes=config.max_upload_bytes,
             )
             if upload.kind in CKKS_DECRYPTOR_KINDS:
-                return self._ckks_requests().accept_decryptor_upload(site, upload)
+                return self._ckks.accept_decryptor_upload(site, upload)
             return self.coordinator.upload(site, upload)
 
         return self._call("Upload", context, body)
@@ -189,7 +180,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: pb.DownloadRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.UploadChunk]:
         round_id, name, data = self._call(
-            "Download", context, lambda s: self._ckks_requests().download(s, request)
+            "Download", context, lambda s: self._ckks.download(s, request)
         )
         yield from wire.iter_chunks(data, round_id=round_id, release_name=name, kind=request.kind)
 
@@ -208,32 +199,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     # --- MASK mode ---------------------------------------------------------------------------
 
     def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:
-        return self._call(
-            "AdvertiseKeys", context, lambda s: self._mask_requests().advertise_keys(s, request)
-        )
+        return self._call("AdvertiseKeys", context, lambda s: self._mask.advertise_keys(s, request))
 
     def GetAdvertisedKeys(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
         return self._call(
             "GetAdvertisedKeys",
             context,
-            lambda s: self._mask_requests().advertised_keys(s, request.round_id),
+            lambda s: self._mask.advertised_keys(s, request.round_id),
         )
 
     def ShareKeys(self, request: pb.ShareKeysRequest, context: grpc.ServicerContext) -> Any:
-        return self._call(
-            "ShareKeys", context, lambda s: self._mask_requests().share_keys(s, request)
-        )
+        return self._call("ShareKeys", context, lambda s: self._mask.share_keys(s, request))
 
     def GetSharedKeys(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
         return self._call(
             "GetSharedKeys",
             context,
-            lambda s: self._mask_requests().shared_keys(s, request.round_id),
+            lambda s: self._mask.shared_keys(s, request.round_id),
         )
 
     def GetSurvivors(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
         return self._call(
-            "GetSurvivors", context, lambda s: self._mask_requests().survivors(s, request.round_id)
+            "GetSurvivors", context, lambda s: self._mask.survivors(s, request.round_id)
         )
 
     def ConsistencyCheck(
@@ -242,7 +229,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._call(
             "ConsistencyCheck",
             context,
-            lambda s: self._mask_requests().consistency_check(s, request),
+            lambda s: self._mask.consistency_check(s, request),
         )
 
     def GetConsistencySignatures(
@@ -251,18 +238,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._call(
             "GetConsistencySignatures",
             context,
-            lambda s: self._mask_requests().consistency_signatures(s, request.round_id),
+            lambda s: self._mask.consistency_signatures(s, request.round_id),
         )
 
     def GetUnmaskRequest(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
         return self._call(
             "GetUnmaskRequest",
             context,
-            lambda s: self._mask_requests().unmask_request(s, request.round_id),
+            lambda s: self._mask.unmask_request(s, request.round_id),
         )
 
     def Unmask(self, request: pb.UnmaskResponse, context: grpc.ServicerContext) -> Any:
-        return self._call("Unmask", context, lambda s: self._mask_requests().unmask(s, request))
+        return self._call("Unmask", context, lambda s: self._mask.unmask(s, request))
 
     # --- CKKS mode ---------------------------------------------------------------------------
 
@@ -272,13 +259,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._call(
             "PublishCkksContext",
             context,
-            lambda s: self._ack(
-                "context published", lambda: self._ckks_requests().publish(s, request)
-            ),
+            lambda s: self._ack("context published", lambda: self._ckks.publish(s, request)),
         )
 
     def GetCkksContext(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
-        return self._call("GetCkksContext", context, lambda s: self._ckks_requests().get_context(s))
+        return self._call("GetCkksContext", context, lambda s: self._ckks.get_context(s))
 
     def SendAggregateTags(
         self, request: pb.SendAggregateTagsRequest, context: grpc.ServicerContext
@@ -286,24 +271,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return self._call(
             "SendAggregateTags",
             context,
-            lambda s: self._ack("tags stored", lambda: self._ckks_requests().send_tags(s, request)),
+            lambda s: self._ack("tags stored", lambda: self._ckks.send_tags(s, request)),
         )
 
     def GetAggregateTags(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
-        return self._call(
-            "GetAggregateTags", context, lambda s: self._ckks_requests().get_tags(s, request)
-        )
+        return self._call("GetAggregateTags", context, lambda s: self._ckks.get_tags(s, request))
 
     def GetDecryptionJobs(self, request: common_pb2.RoundRef, context: grpc.ServicerContext) -> Any:
-        return self._call(
-            "GetDecryptionJobs", context, lambda s: self._ckks_requests().jobs(s, request)
-        )
+        return self._call("GetDecryptionJobs", context, lambda s: self._ckks.jobs(s, request))
 
     def ReportDecryption(self, request: pb.DecryptionOutcome, context: grpc.ServicerContext) -> Any:
         return self._call(
             "ReportDecryption",
             context,
-            lambda s: self._ack(
-                "outcome recorded", lambda: self._ckks_requests().report(s, request)
-            ),
+            lambda s: self._ack("outcome recorded", lambda: self._ckks.report(s, request)),
         )

@@ -1,35 +1,64 @@
-"""The coordinator's durable state: SQLite (WAL) plus payload files (docs/architecture.md §8).
+"""The coordinator's durable state: SQLite plus payload files plus an anchor (docs/architecture.md
+§8, docs/operations.md "Backup and restore").
 
-Tables: ``meta`` (schema version, federation id), ``enrolments``, ``rounds`` (stage, signed
-plan, deadline), ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file),
-``models`` (signed model bytes), ``reports`` (client reports) and ``audit_log`` (append-only,
-hash-chained: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
+Tables: ``meta`` (schema version, federation id, commit counter), ``enrolments``, ``runs`` (each
+run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, deadline),
+``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
+protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
+consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
+model bytes), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
+``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
 
-Payloads live under ``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600), written
-atomically BEFORE their row is committed, so a row always names a complete file. Every write is
-one transaction; a killed server restarts from exactly the committed state.
+Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
+before it returns), and every write is one transaction. Payloads live under
+``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600), written atomically BEFORE their
+row is committed, so a row always names a complete file.
+
+Rollback detection: every transaction increments the commit counter, and after each commit the
+counter, the audit log's length and its head hash are written (atomically, fsync'd) to
+``<state_dir>/anchor.json``, outside the database. On open the store refuses with a one-line
+:class:`StateError` (the daemon exits 2) when the database is missing while the anchor exists,
+holds fewer commits than the anchor (a deleted or truncated WAL, an old copy), has an audit chain
+that does not pass through the anchored head, is malformed, or names a payload file that is
+missing or has the wrong size. It never silently starts fresh.
 
 Not thread-safe by itself: the coordinator serialises calls with its own lock.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import write_private_file
-from afl.server.errors import StateError
+from afl.server.errors import DiskFullError, StateError
 
-__all__ = ["SCHEMA_VERSION", "EnrolmentRow", "RoundRow", "Store", "UploadRow", "now_ms"]
+__all__ = [
+    "ANCHOR_NAME",
+    "DB_NAME",
+    "SCHEMA_VERSION",
+    "EnrolmentRow",
+    "MessageRow",
+    "RoundRow",
+    "RunRow",
+    "Store",
+    "UploadRow",
+    "now_ms",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DB_NAME = "server.sqlite3"
+ANCHOR_NAME = "anchor.json"
+GENESIS = b"\x00" * 32
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -37,18 +66,28 @@ CREATE TABLE IF NOT EXISTS enrolments (
     site_id TEXT PRIMARY KEY, identity_public_key BLOB NOT NULL, role TEXT NOT NULL,
     labelled_classes TEXT NOT NULL, backbone TEXT NOT NULL, feature_dim INTEGER NOT NULL,
     software_version TEXT NOT NULL, enrolled_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    ordinal INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT UNIQUE NOT NULL, name TEXT NOT NULL,
+    settings TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    submitted_by TEXT NOT NULL, created_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS rounds (
     ordinal INTEGER PRIMARY KEY AUTOINCREMENT, round_id TEXT UNIQUE NOT NULL,
     number INTEGER NOT NULL, parent_round_id TEXT NOT NULL, stage INTEGER NOT NULL,
     participants TEXT NOT NULL, plan BLOB, plan_signature BLOB, deadline_ms INTEGER NOT NULL,
-    abort_reason TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL);
+    abort_reason TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL,
+    run_id TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS decisions (
     round_id TEXT NOT NULL, site_id TEXT NOT NULL, accept INTEGER NOT NULL, reason TEXT NOT NULL,
     PRIMARY KEY (round_id, site_id));
 CREATE TABLE IF NOT EXISTS uploads (
     round_id TEXT NOT NULL, site_id TEXT NOT NULL, release_name TEXT NOT NULL,
     sha256 BLOB NOT NULL, size INTEGER NOT NULL, path TEXT NOT NULL, received_ms INTEGER NOT NULL,
+    purged INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (round_id, site_id, release_name));
+CREATE TABLE IF NOT EXISTS messages (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, round_id TEXT NOT NULL, stage INTEGER NOT NULL,
+    site_id TEXT NOT NULL, kind TEXT NOT NULL, data BLOB NOT NULL, received_ms INTEGER NOT NULL,
+    UNIQUE (round_id, stage, site_id, kind));
 CREATE TABLE IF NOT EXISTS models (
     round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
@@ -60,10 +99,19 @@ CREATE TABLE IF NOT EXISTS audit_log (
     detail TEXT NOT NULL, prev_hash BLOB NOT NULL, hash BLOB NOT NULL);
 """
 
+#: Run states: queued (submitted, waiting for the runs before it), active (its rounds are open),
+#: published (its final round's model is published), aborted (no model; the reason says why).
+RUN_STATES = ("queued", "active", "published", "aborted")
+
 
 def now_ms() -> int:
     """Wall-clock Unix milliseconds."""
     return int(time.time() * 1000)
+
+
+def audit_hash(prev: bytes, *, time_ms: int, event: str, detail: str) -> bytes:
+    """One link of the audit chain (module docstring)."""
+    return hashlib.sha256(prev + canonical_encode([time_ms, event, detail])).digest()
 
 
 @dataclass(frozen=True)
@@ -77,6 +125,18 @@ class EnrolmentRow:
 
 
 @dataclass(frozen=True)
+class RunRow:
+    run_id: str
+    name: str
+    settings: dict[str, object]
+    state: str
+    reason: str
+    submitted_by: str
+    created_ms: int
+    finished_ms: int
+
+
+@dataclass(frozen=True)
 class RoundRow:
     round_id: str
     number: int
@@ -87,6 +147,7 @@ class RoundRow:
     plan_signature: bytes | None
     deadline_ms: int
     abort_reason: str
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,33 +159,173 @@ class UploadRow:
     path: Path
 
 
+@dataclass(frozen=True)
+class MessageRow:
+    """A protocol message a secure mode persisted before acknowledging it."""
+
+    stage: int
+    site_id: str
+    kind: str
+    data: bytes
+
+
 class Store:
-    """SQLite state of one federation in ``state_dir`` (created if missing)."""
+    """SQLite state of one federation in ``state_dir`` (created if missing and unanchored)."""
 
     def __init__(self, state_dir: Path, *, federation_id: str) -> None:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = sqlite3.connect(
-            self.state_dir / "server.sqlite3", check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        os.chmod(self.state_dir, 0o700)
+        self.path = self.state_dir / DB_NAME
+        self.anchor_path = self.state_dir / ANCHOR_NAME
+        anchor = self._read_anchor()
+        if anchor is not None and not self.path.exists():
+            raise StateError(
+                f"{self.path} is missing but {self.anchor_path} records "
+                f"{anchor['commits']} commits of federation {anchor['federation_id']!r}: restore "
+                "the state folder from a backup (docs/operations.md), or move the folder away to "
+                "start a new federation"
+            )
+        previous = os.umask(0o077)  # the database, its WAL and shm are created 0600
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._check_integrity()
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise StateError(f"{self.path} is not a readable afl state database ({exc})") from exc
+        finally:
+            os.umask(previous)
         self._check_meta(federation_id)
+        self._check_anchor(anchor, federation_id)
+        self._check_payloads()
+        self._write_anchor()
 
     def close(self) -> None:
         """Close the database (pending transactions are already committed)."""
         self._db.close()
+
+    # --- integrity ---------------------------------------------------------------------------
+
+    def _check_integrity(self) -> None:
+        row = self._db.execute("PRAGMA quick_check").fetchone()
+        if row is None or row[0] != "ok":
+            raise StateError(
+                f"{self.path} fails SQLite's integrity check: {row[0] if row else '?'}"
+            )
+
+    def _read_anchor(self) -> dict[str, object] | None:
+        try:
+            text = self.anchor_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateError(f"cannot read {self.anchor_path}: {exc.strerror}") from exc
+        try:
+            anchor = json.loads(text)
+            int(anchor["commits"]), int(anchor["audit_count"]), bytes.fromhex(anchor["audit_head"])
+            str(anchor["federation_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StateError(f"{self.anchor_path} is malformed ({exc})") from exc
+        if not isinstance(anchor, dict):
+            raise StateError(f"{self.anchor_path} is malformed")
+        return anchor
+
+    def _commits(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'commits'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _audit_tail(self) -> tuple[int, bytes]:
+        row = self._db.execute(
+            "SELECT seq, hash FROM audit_log ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        count = self._db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]
+        return int(count), bytes(row[1]) if row else GENESIS
+
+    def _check_anchor(self, anchor: Mapping[str, object] | None, federation_id: str) -> None:
+        if anchor is None:
+            return
+        if anchor["federation_id"] != federation_id:
+            raise StateError(
+                f"{self.anchor_path} belongs to federation {anchor['federation_id']!r}, not "
+                f"{federation_id!r}: use another state_dir"
+            )
+        commits = self._commits()
+        want = int(str(anchor["commits"]))
+        if commits < want:
+            raise StateError(
+                f"{self.path} holds {commits} commits but {self.anchor_path} records {want}: the "
+                "database was rolled back (a deleted or truncated WAL, or an older copy); restore "
+                "the whole state folder from one backup (docs/operations.md)"
+            )
+        count = int(str(anchor["audit_count"]))
+        head = bytes.fromhex(str(anchor["audit_head"]))
+        entries = self.audit_entries()
+        if len(entries) < count or (count and entries[count - 1][4] != head):
+            raise StateError(
+                f"the audit log in {self.path} does not pass through the head recorded in "
+                f"{self.anchor_path} ({count} records): it was truncated or rewritten"
+            )
+        if not self.verify_audit_chain():
+            raise StateError(f"the audit log in {self.path} is not a valid hash chain")
+
+    def _check_payloads(self) -> None:
+        rows = self._db.execute("SELECT path, size FROM uploads WHERE purged = 0").fetchall()
+        for path_text, size in rows:
+            path = Path(path_text)
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                raise StateError(
+                    f"payload file {path} is missing (its upload is recorded in {self.path}); "
+                    "restore the state folder from a backup (docs/operations.md)"
+                ) from None
+            if actual != int(size):
+                raise StateError(
+                    f"payload file {path} holds {actual} bytes, {size} were stored; restore the "
+                    "state folder from a backup (docs/operations.md)"
+                )
+
+    def _write_anchor(self) -> None:
+        count, head = self._audit_tail()
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'federation_id'").fetchone()
+        anchor = {
+            "federation_id": row[0] if row else "",
+            "commits": self._commits(),
+            "audit_count": count,
+            "audit_head": head.hex(),
+        }
+        data = (json.dumps(anchor, sort_keys=True) + "\n").encode()
+        tmp = self.anchor_path.with_name(ANCHOR_NAME + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.anchor_path)
+
+    def anchor(self) -> dict[str, object]:
+        """The anchor as last written (commits, audit count and head)."""
+        anchor = self._read_anchor()
+        assert anchor is not None
+        return anchor
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield self._db
+            self._db.execute(
+                "INSERT INTO meta VALUES ('commits', '1') ON CONFLICT(key) DO UPDATE SET "
+                "value = CAST(value AS INTEGER) + 1"
+            )
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+        self._write_anchor()
 
     def _check_meta(self, federation_id: str) -> None:
         rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
@@ -133,15 +334,32 @@ class Store:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                 db.execute("INSERT INTO meta VALUES ('federation_id', ?)", (federation_id,))
             return
-        if rows.get("schema_version") != str(SCHEMA_VERSION):
-            raise StateError(
-                f"{self.state_dir}: state schema version {rows.get('schema_version')!r}, this "
-                f"afl-server needs {SCHEMA_VERSION}"
-            )
         if rows.get("federation_id") != federation_id:
             raise StateError(
                 f"{self.state_dir} holds the state of federation {rows.get('federation_id')!r}, "
                 f"not {federation_id!r}: use another state_dir"
+            )
+        version = rows.get("schema_version")
+        if version == "1":
+            self._migrate_from_v1()
+        elif version != str(SCHEMA_VERSION):
+            raise StateError(
+                f"{self.state_dir}: state schema version {version!r}, this afl-server needs "
+                f"{SCHEMA_VERSION}"
+            )
+
+    def _migrate_from_v1(self) -> None:
+        """Schema 1 (one run per state folder) -> 2: the existing rounds become run ``run-1``
+        with the settings of server.toml's [round] as recorded by the daemon on first use."""
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(rounds)")}
+        upload_columns = {r[1] for r in self._db.execute("PRAGMA table_info(uploads)")}
+        with self._tx() as db:
+            if "run_id" not in columns:
+                db.execute("ALTER TABLE rounds ADD COLUMN run_id TEXT NOT NULL DEFAULT ''")
+            if "purged" not in upload_columns:
+                db.execute("ALTER TABLE uploads ADD COLUMN purged INTEGER NOT NULL DEFAULT 0")
+            db.execute(
+                "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
             )
 
     # --- enrolment ---------------------------------------------------------------------------
@@ -172,12 +390,51 @@ class Store:
             for r in rows
         }
 
+    # --- runs --------------------------------------------------------------------------------
+
+    def create_run(
+        self, *, run_id: str, name: str, settings: Mapping[str, object], submitted_by: str
+    ) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO runs (run_id, name, settings, state, submitted_by, created_ms) "
+                "VALUES (?, ?, ?, 'queued', ?, ?)",
+                (run_id, name, json.dumps(dict(settings), sort_keys=True), submitted_by, now_ms()),
+            )
+
+    def update_run(self, run_id: str, *, state: str, reason: str = "") -> None:
+        if state not in RUN_STATES:
+            raise ValueError(f"unknown run state {state!r}")
+        finished = now_ms() if state in ("published", "aborted") else 0
+        with self._tx() as db:
+            db.execute(
+                "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",
+                (state, reason, finished, run_id),
+            )
+
+    def runs(self) -> list[RunRow]:
+        """Every run, oldest first."""
+        rows = self._db.execute(
+            "SELECT run_id, name, settings, state, reason, submitted_by, created_ms, finished_ms "
+            "FROM runs ORDER BY ordinal"
+        ).fetchall()
+        return [
+            RunRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], int(r[6]), int(r[7]))
+            for r in rows
+        ]
+
+    def attach_rounds(self, run_id: str) -> None:
+        """Give rounds without a run (a migrated schema-1 state) to ``run_id``."""
+        with self._tx() as db:
+            db.execute("UPDATE rounds SET run_id = ? WHERE run_id = ''", (run_id,))
+
     # --- rounds ------------------------------------------------------------------------------
 
     def create_round(
         self,
         *,
         round_id: str,
+        run_id: str,
         number: int,
         parent_round_id: str,
         stage: int,
@@ -187,7 +444,7 @@ class Store:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO rounds (round_id, number, parent_round_id, stage, participants, "
-                "deadline_ms, created_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "deadline_ms, created_ms, run_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     round_id,
                     number,
@@ -196,6 +453,7 @@ class Store:
                     json.dumps(list(participants)),
                     deadline_ms,
                     now_ms(),
+                    run_id,
                 ),
             )
 
@@ -226,12 +484,18 @@ class Store:
                     (plan, plan_signature, round_id),
                 )
 
-    def rounds(self) -> list[RoundRow]:
-        """Every round, oldest first."""
-        rows = self._db.execute(
+    def rounds(self, run_id: str | None = None) -> list[RoundRow]:
+        """Every round (of ``run_id``, when given), oldest first."""
+        select = (
             "SELECT round_id, number, parent_round_id, stage, participants, plan, plan_signature, "
-            "deadline_ms, abort_reason FROM rounds ORDER BY ordinal"
-        ).fetchall()
+            "deadline_ms, abort_reason, run_id FROM rounds"
+        )
+        if run_id is None:
+            rows = self._db.execute(f"{select} ORDER BY ordinal").fetchall()
+        else:
+            rows = self._db.execute(
+                f"{select} WHERE run_id = ? ORDER BY ordinal", (run_id,)
+            ).fetchall()
         return [
             RoundRow(
                 r[0],
@@ -243,11 +507,12 @@ class Store:
                 None if r[6] is None else bytes(r[6]),
                 int(r[7]),
                 r[8],
+                r[9],
             )
             for r in rows
         ]
 
-    # --- decisions and uploads ---------------------------------------------------------------
+    # --- decisions, uploads and messages -----------------------------------------------------
 
     def put_decision(self, round_id: str, site_id: str, *, accept: bool, reason: str) -> None:
         with self._tx() as db:
@@ -265,21 +530,32 @@ class Store:
     def put_upload(
         self, round_id: str, site_id: str, release_name: str, *, data: bytes, sha256: bytes
     ) -> UploadRow:
-        """Write the payload file, then commit its row (the caller checked for duplicates)."""
+        """Write the payload file, then commit its row (the caller checked for duplicates).
+        :class:`DiskFullError` when the disk is full (nothing is committed)."""
         folder = self.state_dir / "payloads" / round_id / site_id
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = write_private_file(folder / f"{sha256.hex()}.bin", data)
+        try:
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = write_private_file(folder / f"{sha256.hex()}.bin", data)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"the coordinator's disk is full ({self.state_dir}): the upload was not "
+                    "stored; the operator must free space"
+                ) from exc
+            raise
         with self._tx() as db:
             db.execute(
-                "INSERT INTO uploads VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO uploads (round_id, site_id, release_name, sha256, size, path, "
+                "received_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (round_id, site_id, release_name, sha256, len(data), str(path), now_ms()),
             )
         return UploadRow(site_id, release_name, sha256, len(data), path)
 
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
-        """(site, release) -> upload row, for one round."""
+        """(site, release) -> upload row, for one round, oldest first."""
         rows = self._db.execute(
-            "SELECT site_id, release_name, sha256, size, path FROM uploads WHERE round_id = ?",
+            "SELECT site_id, release_name, sha256, size, path FROM uploads WHERE round_id = ? "
+            "ORDER BY received_ms",
             (round_id,),
         ).fetchall()
         return {
@@ -288,11 +564,66 @@ class Store:
 
     @staticmethod
     def read_payload(row: UploadRow) -> bytes:
-        """The stored payload; :class:`StateError` if the file no longer matches its digest."""
-        data = row.path.read_bytes()
+        """The stored payload; :class:`StateError` if the file is gone or no longer matches its
+        digest (the caller aborts the round with the reason)."""
+        try:
+            data = row.path.read_bytes()
+        except OSError as exc:
+            raise StateError(f"payload file {row.path} cannot be read: {exc.strerror}") from exc
         if hashlib.sha256(data).digest() != row.sha256:
             raise StateError(f"payload file {row.path} does not match its recorded digest")
         return data
+
+    def purge_payloads(self, round_ids: Sequence[str]) -> int:
+        """Delete the payload files of ``round_ids`` (retention); their rows stay, marked purged.
+        Returns the number of files deleted."""
+        deleted = 0
+        for round_id in round_ids:
+            rows = self._db.execute(
+                "SELECT path FROM uploads WHERE round_id = ? AND purged = 0", (round_id,)
+            ).fetchall()
+            with self._tx() as db:
+                db.execute("UPDATE uploads SET purged = 1 WHERE round_id = ?", (round_id,))
+                db.execute("DELETE FROM messages WHERE round_id = ?", (round_id,))
+            for (path_text,) in rows:
+                Path(path_text).unlink(missing_ok=True)
+                deleted += 1
+            folder = self.state_dir / "payloads" / round_id
+            for sub in sorted(folder.glob("*"), reverse=True):
+                if sub.is_dir() and not any(sub.iterdir()):
+                    sub.rmdir()
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        return deleted
+
+    def put_message(
+        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
+    ) -> None:
+        """Persist one protocol message (before it is acknowledged). A second message of the same
+        (round, stage, site, kind) must equal the first: :class:`ValueError` otherwise."""
+        existing = self._db.execute(
+            "SELECT data FROM messages WHERE round_id = ? AND stage = ? AND site_id = ? AND "
+            "kind = ?",
+            (round_id, stage, site_id, kind),
+        ).fetchone()
+        if existing is not None:
+            if bytes(existing[0]) != data:
+                raise ValueError(f"a different {kind} message of {site_id} is already stored")
+            return
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO messages (round_id, stage, site_id, kind, data, received_ms) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (round_id, stage, site_id, kind, data, now_ms()),
+            )
+
+    def messages(self, round_id: str) -> list[MessageRow]:
+        """The persisted protocol messages of a round, in the order they were received."""
+        rows = self._db.execute(
+            "SELECT stage, site_id, kind, data FROM messages WHERE round_id = ? ORDER BY seq",
+            (round_id,),
+        ).fetchall()
+        return [MessageRow(int(r[0]), r[1], r[2], bytes(r[3])) for r in rows]
 
     # --- models, reports, audit --------------------------------------------------------------
 
@@ -324,14 +655,14 @@ class Store:
         ).fetchall()
         return {r[0]: bytes(r[1]) for r in rows}
 
-    def audit(self, event: str, detail: dict[str, object]) -> None:
+    def audit(self, event: str, detail: Mapping[str, object]) -> None:
         """Append to the hash-chained audit log (never statistics or key material)."""
         with self._tx() as db:
             last = db.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
-            prev = bytes(last[0]) if last else b"\x00" * 32
+            prev = bytes(last[0]) if last else GENESIS
             stamp = now_ms()
             text = json.dumps(detail, sort_keys=True)
-            digest = hashlib.sha256(prev + canonical_encode([stamp, event, text])).digest()
+            digest = audit_hash(prev, time_ms=stamp, event=event, detail=text)
             db.execute(
                 "INSERT INTO audit_log (time_ms, event, detail, prev_hash, hash) "
                 "VALUES (?, ?, ?, ?, ?)",
@@ -347,11 +678,34 @@ class Store:
 
     def verify_audit_chain(self) -> bool:
         """True iff every entry's hash chains from its predecessor."""
-        prev = b"\x00" * 32
-        for stamp, event, detail, prev_hash, digest in self.audit_entries():
-            text = json.dumps(detail, sort_keys=True)
-            want = hashlib.sha256(prev + canonical_encode([stamp, event, text])).digest()
-            if prev_hash != prev or digest != want:
+        prev = GENESIS
+        rows = self._db.execute(
+            "SELECT time_ms, event, detail, prev_hash, hash FROM audit_log ORDER BY seq"
+        ).fetchall()
+        for stamp, event, text, prev_hash, digest in rows:
+            want = audit_hash(prev, time_ms=int(stamp), event=event, detail=text)
+            if bytes(prev_hash) != prev or bytes(digest) != want:
                 return False
-            prev = digest
+            prev = bytes(digest)
         return True
+
+    def backup(self, destination: Path) -> Path:
+        """A consistent copy of the state folder in ``destination`` (SQLite's online backup of
+        the database, then the payload and CKKS files and the anchor)."""
+        destination = Path(destination)
+        destination.mkdir(parents=True, exist_ok=False, mode=0o700)
+        target = sqlite3.connect(destination / DB_NAME)
+        try:
+            self._db.backup(target)
+        finally:
+            target.close()
+        for sub in ("payloads", "ckks", "models"):
+            source = self.state_dir / sub
+            if source.is_dir():
+                for path in source.rglob("*"):
+                    if path.is_file():
+                        out = destination / path.relative_to(self.state_dir)
+                        out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                        write_private_file(out, path.read_bytes())
+        write_private_file(destination / ANCHOR_NAME, self.anchor_path.read_bytes())
+        return destination

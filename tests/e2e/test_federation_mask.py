@@ -53,6 +53,7 @@ def _run(
         test_features=feats[0][:20],
         test_labels=labels[0][:20],
         round_settings=settings,
+        server_tables={"retention": {"payload_days": 30}},  # inspected after the run
     )
     commands = {site: vanishing_client.command(stage) for site, stage in (vanish or {}).items()}
     return loop, run_loopback(loop, timeout_s=120, client_commands=commands)

@@ -19,8 +19,10 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
 from afl.server.config import load_config
 from afl.server.errors import ConfigError
-from afl.server.mode_ckks import CkksMode, PublishedContext
+from afl.server.ckks_context import CkksContexts, PublishedContext
+from afl.server.mode_ckks import CkksMode
 from afl.server.mode_registry import mode_for
+from afl.server.modes import ModeEnvironment
 from afl.server.plan import PlannedRelease
 from afl.server.provisioning import provision
 
@@ -55,8 +57,8 @@ def test_server_with_the_public_context_builds_the_ckks_mode(
 ) -> None:
     config = load_config(_federation(tmp_path, ckks.public_context_bytes(private_ctx)))
     assert config.round.participants == ("site-1", "site-2", "site-3")  # not the decryptor
-    strategy = mode_for(config)
-    assert isinstance(strategy, CkksMode) and strategy.configured is not None
+    mode = mode_for(ModeEnvironment(config, config.round, CkksContexts.from_config(config)))
+    assert isinstance(mode, CkksMode) and mode.contexts.configured is not None
 
 
 def test_dp_with_ckks_is_refused_with_a_clear_reason(tmp_path: Path) -> None:
@@ -82,21 +84,21 @@ def test_private_context_in_the_state_dir_refuses_restart(
     (folder / "context.bin").write_bytes(ckks.private_context_bytes(private_ctx))
     (folder / "announcement.bin").write_bytes(b"")
     with pytest.raises(ConfigError, match="refusing to start"):
-        CkksMode(state_dir=tmp_path)
+        CkksContexts(state_dir=tmp_path)
 
 
 def test_publish_refuses_a_private_context_and_keeps_the_first(
     tmp_path: Path, private_ctx: object
 ) -> None:
-    strategy = CkksMode(state_dir=tmp_path)
+    contexts = CkksContexts(state_dir=tmp_path)
     announcement = pb.CkksContextAnnouncement(decryptor_site_id="dec")
     secret = ckks.private_context_bytes(private_ctx)
     with pytest.raises(CkksContextError):
-        strategy.publish(PublishedContext(secret, private_ctx, announcement))
-    assert strategy.published is None and not (tmp_path / "ckks" / "context.bin").exists()
+        contexts.publish(PublishedContext(secret, private_ctx, announcement))
+    assert contexts.published is None and not (tmp_path / "ckks" / "context.bin").exists()
     data = ckks.public_context_bytes(private_ctx)
-    strategy.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
-    assert CkksMode(state_dir=tmp_path).published is not None  # survives a restart
+    contexts.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
+    assert CkksContexts(state_dir=tmp_path).published is not None  # survives a restart
 
 
 @settings(max_examples=40, deadline=None)

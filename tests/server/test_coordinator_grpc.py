@@ -247,8 +247,14 @@ def test_identity_checks(
     impostor = FakeSite("s1", federation.site_dirs["s1"], server.port)
     impostor.identity = sites["s2"].identity
     assert code_of(lambda: impostor.enroll(COVERAGE["s1"], D)) == Code.PERMISSION_DENIED
-    # Mismatched feature dimension.
-    assert code_of(lambda: sites["s1"].enroll(COVERAGE["s1"], D + 1)) == Code.INVALID_ARGUMENT
+    # A site whose features do not fit the run (another d) enrols, but the run leaves it out
+    # and its status says why; the other sites' round opens without it.
+    sites["s1"].enroll(COVERAGE["s1"], D + 1)
+    for s in ("s2", "s3"):
+        sites[s].enroll(COVERAGE[s], D)
+    wait_for(lambda: sites["s1"].status().note != "", "the note of the left-out site")
+    status = sites["s1"].status()
+    assert not status.HasField("round") and f"d = {D + 1}" in status.note
 
 
 def test_plan_signature_and_health(

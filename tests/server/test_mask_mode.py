@@ -22,7 +22,7 @@ from afl.server.config import MaskSettings
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.mode_mask import MaskMode
 from afl.server.plan import RoundView, build_plan, releases_from_plan, round1_releases
-from afl.server.store import RoundRow, UploadRow
+from afl.server.store import MessageRow, RoundRow, UploadRow
 
 SITES = ("site-1", "site-2", "site-3", "site-4")
 
@@ -73,10 +73,9 @@ def test_encodings_use_the_most_fractional_bits_below_the_ring_half(
 class _Context:
     """The round context of a mode, with uploads kept in memory."""
 
-    stage_timeout_s = 60.0
-
     def __init__(self) -> None:
         self.payloads: dict[tuple[str, str], bytes] = {}
+        self.journal: list[MessageRow] = []
 
     def now_ms(self) -> int:
         return 0
@@ -89,6 +88,14 @@ class _Context:
 
     def read_payload(self, row: UploadRow) -> bytes:
         return self.payloads[(row.site_id, row.release_name)]
+
+    def put_message(
+        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
+    ) -> None:
+        self.journal.append(MessageRow(stage, site_id, kind, data))
+
+    def messages(self, round_id: str) -> list[MessageRow]:
+        return list(self.journal)
 
 
 def _view(plan: cpb.ReleasePlan, stage: int) -> RoundView:

@@ -574,6 +574,7 @@ class ReleasePlan(_message.Message):
     OVERRIDE_REASON_FIELD_NUMBER: _builtins.int
     ROUND_SALT_FIELD_NUMBER: _builtins.int
     MASK_THRESHOLD_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Plan format version; 1 for this file. [visible: all]"""
     federation_id: _builtins.str
@@ -600,6 +601,8 @@ class ReleasePlan(_message.Message):
     """MASK mode: the round's Shamir threshold t (every stage needs >= t live sites, every secret
     is shared t-of-n; docs/protocol.md §4.2). 0 outside MASK mode. [visible: all]
     """
+    run_id: _builtins.str
+    """The run this round belongs to (informational; the plan is bound to round_id)."""
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Participating site ids, sorted. [visible: all]"""
@@ -633,10 +636,11 @@ class ReleasePlan(_message.Message):
         override_reason: _builtins.str = ...,
         round_salt: _builtins.bytes = ...,
         mask_threshold: _builtins.int = ...,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -365,6 +365,7 @@ class RoundStatus(_message.Message):
     ABORT_REASON_FIELD_NUMBER: _builtins.int
     CALLER_ACCEPTED_PLAN_FIELD_NUMBER: _builtins.int
     CALLER_UPLOADS_COMPLETE_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     round_number: _builtins.int
@@ -377,6 +378,8 @@ class RoundStatus(_message.Message):
     """Why the round was aborted (ABORTED only); no statistics. [visible: participants]"""
     caller_accepted_plan: _builtins.bool
     """Whether the server holds the caller's accepted plan decision. [visible: the site]"""
+    run_id: _builtins.str
+    """The run this round belongs to (a federation hosts many runs). [visible: participants]"""
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Participants, sorted. [visible: participants]"""
@@ -396,10 +399,11 @@ class RoundStatus(_message.Message):
         abort_reason: _builtins.str = ...,
         caller_accepted_plan: _builtins.bool = ...,
         caller_uploads_complete: _abc.Iterable[_builtins.str] | None = ...,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_reason", b"abort_reason", "caller_accepted_plan", b"caller_accepted_plan", "caller_uploads_complete", b"caller_uploads_complete", "participants", b"participants", "round_id", b"round_id", "round_number", b"round_number", "stage", b"stage", "stage_deadline_unix_ms", b"stage_deadline_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_reason", b"abort_reason", "caller_accepted_plan", b"caller_accepted_plan", "caller_uploads_complete", b"caller_uploads_complete", "participants", b"participants", "round_id", b"round_id", "round_number", b"round_number", "run_id", b"run_id", "stage", b"stage", "stage_deadline_unix_ms", b"stage_deadline_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -435,6 +439,7 @@ class StatusResponse(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     LATEST_MODEL_ROUND_ID_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
     federation_id: _builtins.str
     """Federation id. [visible: all]"""
     site_id: _builtins.str
@@ -445,6 +450,10 @@ class StatusResponse(_message.Message):
     """Round id of the latest published model ("" if none). [visible: all]"""
     server_version: _builtins.str
     """Server's afl version. [visible: all]"""
+    note: _builtins.str
+    """Why the caller takes no part in the current round, when it does not (e.g. its declared
+    backbone differs from the run's). [visible: the caller]
+    """
     @_builtins.property
     def round(self) -> Global___RoundStatus:
         """The requested round; unset when there is none. [visible: participants]"""
@@ -458,10 +467,11 @@ class StatusResponse(_message.Message):
         round: Global___RoundStatus | None = ...,
         latest_model_round_id: _builtins.str = ...,
         server_version: _builtins.str = ...,
+        note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "note", b"note", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -652,6 +662,7 @@ class RoundConfig(_message.Message):
     STAGE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     RELEASE_PLAN_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
     federation_id: _builtins.str
     """Federation id. [visible: participants]"""
     round_id: _builtins.str
@@ -680,6 +691,8 @@ class RoundConfig(_message.Message):
     """Per-stage timeout in seconds. [visible: participants]"""
     protocol_version: _builtins.int
     """Wire protocol version (1). [visible: participants]"""
+    run_id: _builtins.str
+    """The run this round belongs to. [visible: participants]"""
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Participating site ids, sorted. [visible: participants]"""
@@ -736,10 +749,11 @@ class RoundConfig(_message.Message):
         stage_timeout_s: _builtins.int = ...,
         release_plan: _common_pb2.SignedReleasePlan | None = ...,
         protocol_version: _builtins.int = ...,
+        run_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ckks", b"ckks", "dp", b"dp", "masking", b"masking", "refinement", b"refinement", "release_plan", b"release_plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "backbone", b"backbone", "ckks", b"ckks", "class_names", b"class_names", "dp", b"dp", "feature_dim", b"feature_dim", "federation_id", b"federation_id", "gamma", b"gamma", "gram_scope", b"gram_scope", "masking", b"masking", "min_participants", b"min_participants", "parent_round_id", b"parent_round_id", "participants", b"participants", "protocol_version", b"protocol_version", "refinement", b"refinement", "release_plan", b"release_plan", "round_id", b"round_id", "round_number", b"round_number", "stage_timeout_s", b"stage_timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "backbone", b"backbone", "ckks", b"ckks", "class_names", b"class_names", "dp", b"dp", "feature_dim", b"feature_dim", "federation_id", b"federation_id", "gamma", b"gamma", "gram_scope", b"gram_scope", "masking", b"masking", "min_participants", b"min_participants", "parent_round_id", b"parent_round_id", "participants", b"participants", "protocol_version", b"protocol_version", "refinement", b"refinement", "release_plan", b"release_plan", "round_id", b"round_id", "round_number", b"round_number", "run_id", b"run_id", "stage_timeout_s", b"stage_timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
