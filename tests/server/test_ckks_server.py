@@ -17,9 +17,9 @@ from afl.crypto.errors import CkksContextError
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
+from afl.server.ckks_context import CkksContexts, PublishedContext
 from afl.server.config import load_config
 from afl.server.errors import ConfigError
-from afl.server.ckks_context import CkksContexts, PublishedContext
 from afl.server.mode_ckks import CkksMode
 from afl.server.mode_registry import mode_for
 from afl.server.modes import ModeEnvironment
