@@ -5,7 +5,10 @@ Sections (paths are relative to the file's own folder)::
 
     [client]   site_id, federation_id, server ("host:port"), role, state_dir,
                poll_interval_s (0.2), max_poll_interval_s (2.0), rpc_timeout_s (30),
-               upload_timeout_s (600), max_wait_s (86400), linger_s (5), retry_attempts (8)
+               upload_timeout_s (600), max_wait_s (86400), linger_s (5), retry_attempts (8),
+               retry_window_s (180: a call is retried for at least this long, so a daemon outlasts
+               a coordinator restart), serve (false: true = keep taking part in new runs until
+               stopped, as under systemd)
     [tls]      ca_cert, cert, key                       (the kit's ca.pem, site.pem, site.key)
     [identity] key, public_key (hex), server_public_key (hex)
     [peers]    <site id> = <identity public key, hex>
@@ -55,6 +58,8 @@ _KNOWN: dict[str, set[str]] = {
         "max_wait_s",
         "linger_s",
         "retry_attempts",
+        "retry_window_s",
+        "serve",
     },
     "tls": {"ca_cert", "cert", "key"},
     "identity": {"key", "public_key", "server_public_key"},
@@ -103,6 +108,7 @@ class TimingConfig:
     max_wait_s: float = 86400.0
     linger_s: float = 5.0
     retry_attempts: int = 8
+    retry_window_s: float = 180.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class ClientConfig:
     policy: LocalPolicy = field(default_factory=LocalPolicy)
     timing: TimingConfig = field(default_factory=TimingConfig)
     warnings: tuple[str, ...] = ()
+    serve: bool = False
 
 
 class _Reader:
@@ -239,6 +246,7 @@ def _timing(r: _Reader, sec: Mapping[str, Any]) -> TimingConfig:
         max_wait_s=r.number(sec, "client", "max_wait_s", 86400.0, minimum=0.0),
         linger_s=r.number(sec, "client", "linger_s", 5.0, minimum=0.0),
         retry_attempts=r.integer(sec, "client", "retry_attempts", 8, minimum=1),
+        retry_window_s=r.number(sec, "client", "retry_window_s", 180.0, minimum=0.0),
     )
 
 
@@ -293,5 +301,6 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         data=_data(r) if role == "participant" or "data" in doc else DataConfig(r.path.parent),
         policy=_policy(r),
         timing=_timing(r, client),
+        serve=r.boolean(client, "client", "serve", False),
     )
     return ClientConfig(**{**config.__dict__, "warnings": tuple(r.warnings)})

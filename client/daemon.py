@@ -42,8 +42,8 @@ from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
     RemoteCallError,
-    RetryPolicy,
     open_channel,
+    retry_policy,
 )
 from afl.client.daemon_verify import (
     VerificationError,
@@ -111,7 +111,7 @@ class ClientDaemon:
         self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
         self.server_key = signatures.load_public_key_raw(config.server_public_key)
         t = config.timing
-        self.retry = RetryPolicy(attempts=t.retry_attempts, initial_s=t.poll_interval_s)
+        self.retry = retry_policy(t)
         self.metadata: tuple[tuple[str, str], ...] = (
             ((INSECURE_SITE_HEADER, self.site_id),) if insecure else ()
         )
@@ -352,6 +352,8 @@ class ClientDaemon:
         report["outcome"] = name.removeprefix("CLIENT_OUTCOME_")
         report["reason"] = reason
         report["warnings"] = list(self.warnings)
+        if self.rpc.watcher is not None:
+            report["round_events_by_stream"] = self.rpc.watcher.events_received
         path = self.store.write_report(report)
         log.info("site=%s round %s %s; report %s", self.site_id, report["round_id"],
                  report["outcome"], path)  # fmt: skip
@@ -374,7 +376,8 @@ class ClientDaemon:
         return _OUTCOME_EXIT[outcome]
 
     def run(self) -> int:
-        """Prepare, enroll, take part in rounds until none is left; the exit code."""
+        """Prepare, enroll, take part in rounds until none is left (or, serving, until the
+        process is stopped); the exit code."""
         if self.stats is None:
             self.prepare()
         with open_channel(self.config, insecure=self.insecure) as channel:
@@ -385,49 +388,59 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
-            self.enroll()
-            done = self.store.completed_rounds()
-            lingering = bool(done)
-            rounds, code = 0, EXIT_OK
-            while self.max_rounds is None or rounds < self.max_rounds:
-                t0 = time.perf_counter()
-                status = self.rpc.wait_for_round(done, lingering=lingering)
-                if status is None:
-                    break
-                report: dict[str, Any] = {
-                    "site_id": self.site_id,
-                    "federation_id": self.config.federation_id,
-                    "round_id": status.round_id,
-                    "round_number": status.round_number,
-                    "bytes_sent": 0,
-                    "bytes_received": 0,
-                    "timings_s": {**self.timings, "wait_round": time.perf_counter() - t0},
-                }
-                t1 = time.perf_counter()
+            try:
+                self.enroll()
+                self.rpc.watch()
+                return self._rounds()
+            finally:
+                self.rpc.close()
+
+    def _rounds(self) -> int:
+        serve = self.config.serve
+        done = self.store.completed_rounds()
+        lingering = bool(done)
+        rounds, code = 0, EXIT_OK
+        while self.max_rounds is None or rounds < self.max_rounds:
+            t0 = time.perf_counter()
+            status = self.rpc.wait_for_round(done, lingering=lingering, forever=serve)
+            if status is None:
+                break
+            report: dict[str, Any] = {
+                "site_id": self.site_id,
+                "federation_id": self.config.federation_id,
+                "run_id": status.run_id,
+                "round_id": status.round_id,
+                "round_number": status.round_number,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "timings_s": {**self.timings, "wait_round": time.perf_counter() - t0},
+            }
+            t1 = time.perf_counter()
+            done.add(status.round_id)
+            lingering = True
+            try:
                 try:
-                    try:
-                        self.run_round(status, report)
-                    except RemoteCallError as exc:
-                        aborted = self._aborted_meanwhile(status.round_id)
-                        if aborted is None:
-                            raise
-                        raise aborted from exc
-                except RoundFailed as exc:
-                    code = self._finish(report, exc.outcome, exc.reason)
-                    if exc.outcome != pb.CLIENT_OUTCOME_ABORTED:
-                        return code
-                    # The coordinator opens a replacement round (new plan) when enough sites
-                    # remain: wait up to linger_s for it.
-                    done.add(status.round_id)
-                    lingering = True
-                    continue
-                except (DaemonError, VerificationError, ValueError) as exc:
-                    self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
+                    self.run_round(status, report)
+                except RemoteCallError as exc:
+                    aborted = self._aborted_meanwhile(status.round_id)
+                    if aborted is None:
+                        raise
+                    raise aborted from exc
+            except RoundFailed as exc:
+                code = self._finish(report, exc.outcome, exc.reason)
+                # An aborted round is usually followed by a replacement round (new plan) with
+                # the remaining sites: wait for it. A serving daemon goes on after any outcome.
+                if exc.outcome != pb.CLIENT_OUTCOME_ABORTED and not serve:
+                    return code
+                continue
+            except (DaemonError, VerificationError, ValueError) as exc:
+                code = self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
+                if not serve:
                     raise
-                report["timings_s"]["round"] = time.perf_counter() - t1
-                self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
-                done.add(status.round_id)
-                lingering = True
-                rounds += 1
-                code = EXIT_OK
+                log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
+                continue
+            report["timings_s"]["round"] = time.perf_counter() - t1
+            self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
+            rounds += 1
+            code = EXIT_OK
         return code

@@ -7,18 +7,25 @@ Enrolment (``Enroll``): the identity public key with a proof of possession (sign
 "enrol", over (federation_id, site_id, identity_public_key)); the reply must name this federation
 and this site and carry the server identity key of the startup kit.
 
-Polling interval: starts at ``poll_interval_s`` and grows by 1.5x per idle poll up to
-``max_poll_interval_s``; waits give up after ``max_wait_s`` (DaemonError), or, when
-``lingering``, return None after ``linger_s`` without a new round.
+Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
+subscription open in a background thread (reconnecting with back-off) and wakes the waiting
+daemon on every event, which then reads its own status with ``GetStatus``. Polling is the
+fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
+``poll_interval_s`` and growing by 1.5x per idle poll up to ``max_poll_interval_s``; while the
+stream is up a poll still happens every ``max_poll_interval_s`` as a safety net. Waits give up
+after ``max_wait_s`` (DaemonError), or, when ``lingering``, return None after ``linger_s``
+without a new round (a serving daemon waits for ever).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.client.config import TimingConfig
@@ -26,6 +33,7 @@ from afl.client.daemon_transport import (
     DaemonError,
     RetryPolicy,
     download_payload,
+    status_code,
     upload_payload,
     with_retry,
 )
@@ -33,7 +41,7 @@ from afl.crypto import signatures, signed_blobs
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CoordinatorClient", "RoundFailed"]
+__all__ = ["CoordinatorClient", "RoundFailed", "RoundWatcher"]
 
 log = logging.getLogger("afl.client")
 
@@ -48,6 +56,59 @@ class RoundFailed(DaemonError):
         super().__init__(reason)
         self.outcome = outcome
         self.reason = reason
+
+
+class RoundWatcher:
+    """A ``WatchRounds`` subscription in a background thread (module docstring)."""
+
+    def __init__(self, stub: Any, *, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self._stub, self._metadata = stub, metadata
+        self._event = threading.Event()
+        self._stopped = threading.Event()
+        self._call: Any = None
+        self.connected = False
+        self.unavailable = False
+        self.events_received = 0
+        self._thread = threading.Thread(target=self._run, name="afl-watch-rounds", daemon=True)
+
+    def start(self) -> RoundWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = 0.5
+        while not self._stopped.is_set():
+            try:
+                self._call = self._stub.WatchRounds(
+                    pb.WatchRequest(), metadata=self._metadata or None
+                )
+                self.connected = True
+                for _event in self._call:
+                    self.events_received += 1
+                    self._event.set()
+                    delay = 0.5
+            except grpc.RpcError as exc:
+                if status_code(exc) == grpc.StatusCode.UNIMPLEMENTED:
+                    self.unavailable = True
+                    log.info("the coordinator offers no WatchRounds stream: polling instead")
+                    return
+            finally:
+                self.connected = False
+                self._event.set()  # a waiter re-reads its status (and falls back to polling)
+            self._stopped.wait(delay)
+            delay = min(2 * delay, 10.0)
+
+    def wait(self, timeout: float) -> None:
+        """Block until the next round event (or ``timeout``)."""
+        self._event.wait(timeout)
+        self._event.clear()
 
 
 class CoordinatorClient:
@@ -67,6 +128,18 @@ class CoordinatorClient:
         self.timing = timing
         self.retry = retry
         self.metadata = metadata
+        self.watcher: RoundWatcher | None = None
+
+    def watch(self) -> RoundWatcher:
+        """Subscribe to round events (call after enrolling); :meth:`close` ends it."""
+        if self.watcher is None:
+            self.watcher = RoundWatcher(self.stub, metadata=self.metadata).start()
+        return self.watcher
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
 
     def call(self, what: str, request: Any, **kw: Any) -> Any:
         """``stub.<what>(request)`` with the RPC deadline and retries."""
@@ -155,17 +228,30 @@ class CoordinatorClient:
         status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
         return status
 
-    def _sleep_backoff(self, delay: float, *, cap: float | None = None) -> float:
+    def _pause(self, delay: float, *, cap: float | None = None) -> float:
+        """Wait for the next round event (stream up) or ``delay`` (polling); the next delay."""
+        if self.watcher is not None and self.watcher.connected:
+            self.watcher.wait(self.timing.max_poll_interval_s)
+            return delay
         time.sleep(delay)
         return min(delay * 1.5, self.timing.max_poll_interval_s if cap is None else cap)
 
-    def wait_for_round(self, done: set[str], *, lingering: bool) -> pb.RoundStatus | None:
-        """The next round this site takes part in, or None after ``linger_s`` without one."""
+    def wait_for_round(
+        self, done: set[str], *, lingering: bool, forever: bool = False
+    ) -> pb.RoundStatus | None:
+        """The next round this site takes part in, or None after ``linger_s`` without one
+        (``forever``: no time limit)."""
         t = self.timing
         start = time.monotonic()
         delay = t.poll_interval_s
+        noted = ""
         while True:
             status = self.status()
+            if status.note and status.note != noted:
+                log.warning(
+                    "site=%s takes no part in the current run: %s", self.site_id, status.note
+                )
+                noted = status.note
             r = status.round if status.HasField("round") else None
             if r is not None and r.round_id not in done:
                 waiting = r.stage in (
@@ -179,11 +265,11 @@ class CoordinatorClient:
                 elif not waiting and r.stage != pb.ROUND_STAGE_ABORTED:
                     return r
             elapsed = time.monotonic() - start
-            if lingering and elapsed > t.linger_s:
+            if not forever and lingering and elapsed > t.linger_s:
                 return None
-            if elapsed > t.max_wait_s:
+            if not forever and elapsed > t.max_wait_s:
                 raise DaemonError(f"no round opened within max_wait_s = {t.max_wait_s:g} s")
-            delay = self._sleep_backoff(delay)
+            delay = self._pause(delay)
 
     def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
         """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts."""
@@ -200,4 +286,4 @@ class CoordinatorClient:
                 raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
             # Within a round the next stage is usually seconds away (the peers' work), so the
             # poll interval stays short instead of backing off to max_poll_interval_s.
-            delay = self._sleep_backoff(delay, cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s))
+            delay = self._pause(delay, cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s))

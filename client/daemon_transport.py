@@ -3,7 +3,8 @@ downloads (docs/protocol.md §3; proto/afl/proto/v1/coordinator.proto).
 
 Retries: a call failing with UNAVAILABLE or DEADLINE_EXCEEDED is retried after
 ``min(max_s, initial_s · multiplier^i) · U(0.5, 1)`` seconds (exponential back-off with jitter),
-at most ``attempts`` times in all; every other status is final. Uploads are idempotent on the
+at least ``attempts`` times in all and for at least ``window_s`` seconds (default 180 s, longer
+than a coordinator restart takes); every other status is final. Uploads are idempotent on the
 server by (round, site, release, SHA-256), so a retried upload never counts twice.
 
 Framing of uploads and downloads: :mod:`afl.proto.wire` (chunks of at most 1 MiB, the header on
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from afl.client.config import ClientConfig
+from afl.client.config import ClientConfig, TimingConfig
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -34,6 +35,7 @@ __all__ = [
     "UploadError",
     "download_payload",
     "open_channel",
+    "retry_policy",
     "status_code",
     "upload_payload",
     "with_retry",
@@ -73,11 +75,21 @@ class RetryPolicy:
     initial_s: float = 0.2
     max_s: float = 10.0
     multiplier: float = 2.0
+    window_s: float = 0.0
 
     def delay(self, attempt: int) -> float:
         """Back-off before retry number ``attempt`` (0-based), jittered into [d/2, d]."""
         base = min(self.max_s, self.initial_s * self.multiplier**attempt)
         return base * (0.5 + 0.5 * secrets.SystemRandom().random())
+
+
+def retry_policy(timing: TimingConfig) -> RetryPolicy:
+    """The retry policy of a daemon's [client] timing (module docstring)."""
+    return RetryPolicy(
+        attempts=timing.retry_attempts,
+        initial_s=timing.poll_interval_s,
+        window_s=timing.retry_window_s,
+    )
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode | None:
@@ -101,18 +113,22 @@ def with_retry(
     policy: RetryPolicy,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
-    """Run ``call``; retry on UNAVAILABLE/DEADLINE_EXCEEDED; :class:`RemoteCallError` otherwise."""
-    for attempt in range(policy.attempts):
+    """Run ``call``; retry on UNAVAILABLE/DEADLINE_EXCEEDED (module docstring);
+    :class:`RemoteCallError` otherwise or when the retry budget is spent."""
+    start = time.monotonic()
+    attempt = 0
+    while True:
         try:
             return call()
         except grpc.RpcError as exc:
             code = status_code(exc)
-            if code not in RETRYABLE_CODES or attempt == policy.attempts - 1:
+            attempt += 1
+            spent = attempt >= policy.attempts and time.monotonic() - start >= policy.window_s
+            if code not in RETRYABLE_CODES or spent:
                 raise RemoteCallError(what, code, _details(exc)) from exc
-            pause = policy.delay(attempt)
+            pause = policy.delay(min(attempt - 1, 30))
             log.info("%s: %s, retrying in %.2f s", what, code.name if code else "?", pause)
             sleep(pause)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def upload_payload(

@@ -38,9 +38,8 @@ from afl.client.daemon_rpc import CoordinatorClient
 from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
-    RemoteCallError,
-    RetryPolicy,
     open_channel,
+    retry_policy,
 )
 from afl.client.daemon_verify import VerificationError, verify_signed_plan
 from afl.crypto import ckks, kdf, pki, signatures
@@ -194,7 +193,7 @@ class DecryptorDaemon:
         self.max_idle_s = max_idle_s
         self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
         t = config.timing
-        self.retry = RetryPolicy(attempts=t.retry_attempts, initial_s=t.poll_interval_s)
+        self.retry = retry_policy(t)
         self.metadata: tuple[tuple[str, str], ...] = (
             ((INSECURE_SITE_HEADER, config.site_id),) if insecure else ()
         )
@@ -328,7 +327,9 @@ class DecryptorDaemon:
         )
 
     def run(self) -> int:
-        """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0."""
+        """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0. The decryptor waits
+        for the coordinator like the sites do: enrolment and every poll are retried while the
+        server is unreachable, and a failed job is retried at the next poll."""
         with open_channel(self.config, insecure=self.insecure) as channel:
             self.rpc = CoordinatorClient(
                 pb_grpc.CoordinatorStub(channel),
@@ -337,14 +338,17 @@ class DecryptorDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
-            self.enroll_and_publish()
             idle_since = time.monotonic()
+            published = False
             while True:
+                handled = 0
                 try:
+                    if not published:
+                        self.enroll_and_publish()
+                        published = True
                     handled = self.serve_once()
-                except RemoteCallError as exc:
-                    log.warning("decryptor: %s", exc)
-                    handled = 0
+                except DaemonError as exc:
+                    log.warning("decryptor: %s (retrying)", exc)
                 if handled:
                     idle_since = time.monotonic()
                 elif (

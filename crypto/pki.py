@@ -10,7 +10,9 @@ A site certificate names the site twice, and both must agree:
     subject CN = <site id>,   subjectAltName URI = ``afl-site:<site id>``
 
 :func:`site_id_from_certificate` is what the server calls on the peer certificate of every
-request; it never trusts a site id sent in a message body.
+request; it never trusts a site id sent in a message body. An operator's certificate for the
+Admin service names an admin the same way with ``afl-admin:<name>`` (and no ``afl-site:`` URI),
+so a site certificate never opens the Admin service and an admin certificate is never a site.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from afl.crypto.errors import CryptoError
 
 __all__ = [
+    "ADMIN_URI_SCHEME",
     "SITE_URI_SCHEME",
     "CertifiedKey",
     "PkiError",
+    "admin_name_from_pem",
     "certificate_to_pem",
     "create_ca",
+    "issue_admin_certificate",
     "issue_server_certificate",
     "issue_site_certificate",
     "load_certificate_pem",
@@ -52,6 +57,8 @@ __all__ = [
 
 #: URI scheme of the subjectAltName that carries a site id.
 SITE_URI_SCHEME = "afl-site"
+#: URI scheme of the subjectAltName that carries an admin (operator) name.
+ADMIN_URI_SCHEME = "afl-admin"
 #: Site ids: 1-64 characters, lowercase letters, digits, '.', '_', '-'; alphanumeric at both ends.
 _SITE_ID_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
 _CLOCK_SKEW = dt.timedelta(minutes=5)
@@ -239,31 +246,56 @@ def issue_site_certificate(
     )
 
 
-def site_id_from_certificate(certificate: x509.Certificate) -> str:
-    """The site id a client certificate names; :class:`PkiError` unless its CN and its single
-    ``afl-site:`` URI SAN agree on one valid site id."""
+def issue_admin_certificate(ca: CertifiedKey, *, name: str, valid_days: int = 825) -> CertifiedKey:
+    """An operator's TLS client certificate for the Admin service: CN = name, URI SAN
+    ``afl-admin:<name>`` (never a site: it carries no ``afl-site:`` URI)."""
+    validate_site_id(name)
+    return _issue(
+        ca,
+        common_name=name,
+        san=[x509.UniformResourceIdentifier(f"{ADMIN_URI_SCHEME}:{name}")],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        valid_days=valid_days,
+    )
+
+
+def _identity_from_certificate(certificate: x509.Certificate, scheme: str) -> str:
     common_names = certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if len(common_names) != 1 or not isinstance(common_names[0].value, str):
         raise PkiError("certificate must have exactly one subject common name")
     try:
         san = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound as exc:
-        raise PkiError("certificate has no subjectAltName naming a site") from exc
-    prefix = f"{SITE_URI_SCHEME}:"
+        raise PkiError(f"certificate has no subjectAltName naming an {scheme} identity") from exc
+    prefix = f"{scheme}:"
     uris = [
         u for u in san.get_values_for_type(x509.UniformResourceIdentifier) if u.startswith(prefix)
     ]
     if len(uris) != 1:
         raise PkiError(f"certificate must carry exactly one '{prefix}<id>' URI, found {len(uris)}")
-    site_id = uris[0][len(prefix) :]
-    if site_id != common_names[0].value:
-        raise PkiError("certificate common name and afl-site URI name different sites")
-    return validate_site_id(site_id)
+    name = uris[0][len(prefix) :]
+    if name != common_names[0].value:
+        raise PkiError(
+            f"certificate common name and {scheme} URI name different identities (different sites or admins)"
+        )
+    return validate_site_id(name)
+
+
+def site_id_from_certificate(certificate: x509.Certificate) -> str:
+    """The site id a client certificate names; :class:`PkiError` unless its CN and its single
+    ``afl-site:`` URI SAN agree on one valid site id."""
+    return _identity_from_certificate(certificate, SITE_URI_SCHEME)
 
 
 def site_id_from_pem(pem: bytes) -> str:
     """:func:`site_id_from_certificate` of a PEM certificate (e.g. gRPC's ``x509_pem_cert``)."""
     return site_id_from_certificate(load_certificate_pem(pem))
+
+
+def admin_name_from_pem(pem: bytes) -> str:
+    """The admin name of a PEM client certificate (``afl-admin:`` URI SAN agreeing with its CN);
+    :class:`PkiError` for a site certificate or anything else."""
+    return _identity_from_certificate(load_certificate_pem(pem), ADMIN_URI_SCHEME)
 
 
 def verify_issued_by(certificate: x509.Certificate, ca_certificate: x509.Certificate) -> None:

@@ -13,6 +13,7 @@ from afl.core.featurecache import FeatureCacheError
 from afl.core.labels import LabelError
 from afl.core.nih import NihMetadataError
 from afl.lab import (
+    admin_cmd,
     audit_cmd,
     bench_cmd,
     demo,
@@ -39,6 +40,11 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
         "provision",
         "create a federation CA, the server's certificate and one startup kit per site",
         provision_cmd,
+    ),
+    (
+        "admin",
+        "the runs of a federation: submit, ls, status, abort, logs, download-model",
+        admin_cmd,
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
     ("report", "a self-contained HTML report from `afl simulate` results JSON", report_cmd),

@@ -7,7 +7,9 @@ export (:func:`afl.lab.verify_log.export_jsonl`). The first bad record is report
 deleted, reordered or truncated (:mod:`afl.lab.verify_log`). ``--expect-head``/``--expect-count``
 are an anchor printed by an earlier run (keep it off the server); with them, a cut tail or a
 re-hashed chain is detected too. ``--export`` writes the records read as JSON lines (for archiving
-or handing to a reviewer), before verifying.
+or handing to a reviewer), before verifying. Without ``--expect-head``, the anchor afl-server keeps
+beside its database (``anchor.json``: audit count and head, written after every commit) is used
+when present, so a database rolled back by a deleted WAL is reported as truncated.
 
 Exit status: 0 the chain verifies, 1 tampering found, 2 the file cannot be read as an audit log.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from afl.lab.verify_log import LogFormatError, export_jsonl, read_log, verify_chain
 
@@ -63,17 +66,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _server_anchor(path: Path) -> tuple[bytes, int] | None:
+    """(head, count) from the anchor.json beside a state database, if there is one."""
+    folder = path if path.is_dir() else path.parent
+    anchor = folder / "anchor.json"
+    if not anchor.is_file() or (path.is_file() and path.name != "server.sqlite3"):
+        return None
+    try:
+        doc = json.loads(anchor.read_text(encoding="utf-8"))
+        return bytes.fromhex(doc["audit_head"]), int(doc["audit_count"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LogFormatError(f"{anchor} is malformed: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     """Verify ``args.file``; print the report. Returns the process exit code."""
     try:
         records = read_log(args.file)
+        _server_anchor(Path(args.file))
     except LogFormatError as exc:
         print(f"afl verify-log: error: {exc}", file=sys.stderr)
         return 2
     if args.export:
         written = export_jsonl(records, args.export)
         print(f"exported {written} records to {args.export}", file=sys.stderr)
-    report = verify_chain(records, expect_head=args.expect_head, expect_count=args.expect_count)
+    expect_head, expect_count = args.expect_head, args.expect_count
+    anchor = _server_anchor(Path(args.file)) if expect_head is None else None
+    if anchor is not None:
+        expect_head, expect_count = anchor
+        print(f"using the server's anchor.json ({expect_count} records)", file=sys.stderr)
+    report = verify_chain(records, expect_head=expect_head, expect_count=expect_count)
     if args.json:
         print(json.dumps(report.to_dict(), sort_keys=True))
     elif report.problem is None:

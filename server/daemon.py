@@ -19,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -27,13 +28,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.signatures import load_private_key_pem, public_key_to_raw
-from afl.proto.v1 import coordinator_pb2_grpc
+from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
 from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, StateError
 from afl.server.observability import ServerMetrics, configure_logging, start_metrics_http
-from afl.server.servicer import CoordinatorServicer
-from afl.server.store import Store
+from afl.server.servicer import AdminServicer, CoordinatorServicer
+from afl.server.store import Store, backup_state
 
 __all__ = ["SERVICE_NAME", "CoordinatorServer", "main"]
 
@@ -68,6 +69,9 @@ class CoordinatorServer:
             self.coordinator, insecure=insecure, stopping=self._stopped.is_set
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, self._grpc)
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminServicer(self.coordinator, insecure=insecure), self._grpc
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.port = self._bind(config.listen)
         self._ticker = threading.Thread(target=self._tick_loop, name="afl-ticker", daemon=True)
@@ -151,8 +155,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _backup(argv: Sequence[str]) -> int:
+    """``afl-server backup --config server.toml --out DIR``: a consistent copy of the state."""
+    parser = argparse.ArgumentParser(
+        prog="afl-server backup",
+        description=(
+            "Copy the coordinator's state folder consistently (the server may be running): the "
+            "database by SQLite's online backup, the payloads it names, the CKKS context and a "
+            "matching anchor. Restore by replacing the state folder with the copy while the "
+            "server is stopped (docs/operations.md)."
+        ),
+    )
+    parser.add_argument("--config", required=True, help="server.toml")
+    parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        anchor = backup_state(config.state_dir, Path(args.out))
+    except (ConfigError, StateError) as exc:
+        print(f"afl-server backup: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"backed up {config.state_dir} to {args.out}: {anchor['commits']} commits, "
+        f"{anchor['audit_count']} audit records, head {str(anchor['audit_head'])[:16]}"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afl-server`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["backup"]:
+        return _backup(argv[1:])
     args = _parser().parse_args(argv)
     configure_logging(getattr(logging, args.log_level))
     try:

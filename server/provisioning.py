@@ -7,6 +7,7 @@ Layout written under ``out_dir``::
     ca.pem                   federation CA certificate
     ca.key           0600    CA private key: keep it offline; needed only to add sites later
     server/          0700    ca.pem, server.pem, server.key (0600), identity.key (0600), server.toml
+    admins/<name>/   0700    ca.pem, admin.pem, admin.key (0600), admin.toml (for `afl admin`)
     sites/<id>/      0700    ca.pem, site.pem, site.key (0600), identity.key (0600), client.toml
 
 TLS keys are ECDSA P-256 (:mod:`afl.crypto.pki`); identity keys are Ed25519
@@ -30,7 +31,7 @@ from afl.crypto import pki, signatures
 from afl.server import toml_text
 from afl.server.config import round_template
 
-__all__ = ["ProvisionedFederation", "ProvisioningError", "provision"]
+__all__ = ["ProvisionedFederation", "ProvisioningError", "provision", "write_admin_kit"]
 
 DEFAULT_PORT = 50051
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -98,6 +99,7 @@ def _server_toml(
     peers: Mapping[str, bytes],
     roles: Mapping[str, str],
     round_settings: Mapping[str, toml_text.TomlValue] | None,
+    admins: Sequence[str] = (),
 ) -> str:
     document: dict[str, toml_text.TomlValue] = {
         "server": {"federation_id": federation_id, "listen": listen, "state_dir": "state"},
@@ -107,7 +109,12 @@ def _server_toml(
             site: {"identity_public_key": key.hex(), "role": roles[site]}
             for site, key in peers.items()
         },
-        # Round settings (afl.server.config): set classes and feature_dim before starting.
+        # Admin certificates allowed to use the Admin service (afl admin; docs/operations.md).
+        "admins": {"names": list(admins)},
+        # Payloads of a finished run are deleted after this many days (0: when the run ends).
+        "retention": {"payload_days": 0},
+        # Settings of the first run (afl.server.config): set classes and feature_dim before
+        # starting; later runs are submitted with `afl admin submit`.
         "round": round_template(round_settings),
     }
     header = (
@@ -153,6 +160,42 @@ def _client_toml(
     return toml_text.dumps(document, header=header)
 
 
+def write_admin_kit(
+    kit: Path,
+    *,
+    ca: pki.CertifiedKey,
+    name: str,
+    federation_id: str,
+    server_address: str,
+    server_public_key: bytes,
+    valid_days: int = 825,
+) -> Path:
+    """An operator's admin kit: ca.pem, admin.pem (URI SAN ``afl-admin:<name>``), admin.key
+    (0600) and admin.toml for ``afl admin --config`` (with the server's identity public key, to
+    verify downloaded models). The server must list ``name`` in server.toml [admins] names."""
+    _mkdir_private(kit.parent)
+    _mkdir_private(kit)
+    certified = pki.issue_admin_certificate(ca, name=name, valid_days=valid_days)
+    _write_public(kit / "ca.pem", ca.certificate_pem())
+    _write_public(kit / "admin.pem", certified.certificate_pem())
+    pki.write_private_file(kit / "admin.key", certified.private_key_pem())
+    document: dict[str, toml_text.TomlValue] = {
+        "admin": {
+            "name": name,
+            "federation_id": federation_id,
+            "server": server_address,
+            "server_public_key": server_public_key.hex(),
+        },
+        "tls": {"ca_cert": "ca.pem", "cert": "admin.pem", "key": "admin.key"},
+    }
+    header = (
+        f"afl admin configuration of {name!r}, written by `afl provision` (docs/operations.md).\n"
+        "Paths are relative to this file's folder. admin.key is a secret."
+    )
+    _write_public(kit / "admin.toml", toml_text.dumps(document, header=header).encode())
+    return kit
+
+
 def provision(
     out_dir: str | os.PathLike[str],
     *,
@@ -164,6 +207,7 @@ def provision(
     valid_days: int = 825,
     force: bool = False,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    admins: Sequence[str] = ("operator",),
 ) -> ProvisionedFederation:
     """Create a federation under ``out_dir`` (layout in the module docstring).
 
@@ -172,6 +216,7 @@ def provision(
     ``decryptor`` names the site that gets ``role = "decryptor"`` (CKKS mode, docs/protocol.md §4.3).
     ``round_settings`` overrides keys of server.toml's [round] table
     (:func:`afl.server.config.round_template`: classes, feature_dim, gram_scope, ...).
+    ``admins`` get an admin kit each under ``admins/<name>/`` (:func:`write_admin_kit`).
 
     Raises:
         ProvisioningError: bad arguments, or ``out_dir`` already holds a federation (ca.pem,
@@ -228,8 +273,19 @@ def provision(
         peers=peers,
         roles=roles,
         round_settings=round_settings,
+        admins=admins,
     )
     _write_public(server_dir / "server.toml", server_text.encode())
+    for name in admins:
+        write_admin_kit(
+            root / "admins" / name,
+            ca=ca,
+            name=name,
+            federation_id=fed_id,
+            server_address=server_address,
+            server_public_key=server_public,
+            valid_days=valid_days,
+        )
 
     site_dirs: dict[str, Path] = {}
     for site_id in site_ids:

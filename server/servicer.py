@@ -1,4 +1,5 @@
-"""The gRPC servicer of the Coordinator service: every RPC, thin (docs/architecture.md §2).
+"""The gRPC servicers of afl-server: every RPC of the Coordinator and Admin services, thin
+(docs/architecture.md §2).
 
 Each method decodes its request, takes the caller's site id from its mTLS certificate, calls the
 domain code — :class:`~afl.server.coordinator.Coordinator` for the shared flow,
@@ -8,7 +9,9 @@ the mode-specific RPCs — and maps errors to status codes in ONE place (:func:`
 The site id comes from ``context.auth_context()["x509_pem_cert"]`` (the verified client
 certificate; :func:`afl.crypto.pki.site_id_from_pem`), never from a message field. Only with the
 ``--insecure`` dev flag is it read from the ``x-afl-site-id`` metadata header instead. A mode RPC
-naming a round of another mode is FAILED_PRECONDITION.
+naming a round of another mode is FAILED_PRECONDITION. The Admin service (:class:`AdminServicer`,
+:mod:`afl.server.admin`) takes the caller's admin name from an ``afl-admin:<name>`` certificate
+(``x-afl-admin`` header with ``--insecure``); site certificates never open it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import Any, TypeVar
 import grpc
 
 from afl.crypto.errors import CryptoError
-from afl.crypto.pki import PkiError, site_id_from_pem
+from afl.crypto.pki import PkiError, admin_name_from_pem, site_id_from_pem
 from afl.proto import wire
-from afl.proto.v1 import common_pb2, coordinator_pb2_grpc
+from afl.proto.v1 import admin_pb2 as apb
+from afl.proto.v1 import admin_pb2_grpc, common_pb2, coordinator_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.admin import AdminRequests
 from afl.server.coordinator import Coordinator
 from afl.server.errors import (
     ConflictError,
@@ -35,9 +40,16 @@ from afl.server.errors import (
 from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksRequests
 from afl.server.mode_mask import MaskRequests
 
-__all__ = ["INSECURE_SITE_HEADER", "CoordinatorServicer", "status_for"]
+__all__ = [
+    "INSECURE_ADMIN_HEADER",
+    "INSECURE_SITE_HEADER",
+    "AdminServicer",
+    "CoordinatorServicer",
+    "status_for",
+]
 
 INSECURE_SITE_HEADER = "x-afl-site-id"
+INSECURE_ADMIN_HEADER = "x-afl-admin"
 log = logging.getLogger("afl.server.servicer")
 T = TypeVar("T")
 
@@ -65,7 +77,49 @@ def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+class _Thin:
+    """The one place errors become statuses, for both services."""
+
+    coordinator: Coordinator
+
+    def _identify(self, context: grpc.ServicerContext) -> str:
+        raise NotImplementedError
+
+    def _call(self, method: str, context: grpc.ServicerContext, body: Callable[[str], T]) -> T:
+        try:
+            return body(self._identify(context))
+        except Exception as exc:  # the one place errors become statuses
+            code, message = status_for(exc)
+            self.coordinator.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("unexpected error", extra={"method": method})
+            else:
+                log.info(
+                    "request refused",
+                    extra={"method": method, "code": code.name, "reason": message},
+                )
+            context.abort(code, message)
+            raise AssertionError("unreachable") from exc  # context.abort raises
+
+
+def _peer_identity(
+    context: grpc.ServicerContext, *, insecure: bool, header: str, parse: Callable[[bytes], str]
+) -> str:
+    if insecure:
+        for key, value in context.invocation_metadata():
+            if key == header:
+                return str(value)
+        raise NotPermittedError(f"--insecure mode: send the {header} header")
+    certs = context.auth_context().get("x509_pem_cert") or []
+    if not certs:
+        raise NotPermittedError("no client certificate: mutual TLS is required")
+    try:
+        return parse(certs[0])
+    except PkiError as exc:
+        raise NotPermittedError(f"the client certificate does not fit this service: {exc}") from exc
+
+
+class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
     """gRPC front end of one :class:`Coordinator`."""
 
     def __init__(
@@ -83,37 +137,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._mask = MaskRequests(coordinator)
         self._ckks = CkksRequests(coordinator, coordinator.machine.ckks_contexts)
 
-    # --- plumbing ----------------------------------------------------------------------------
-
-    def _site(self, context: grpc.ServicerContext) -> str:
-        if self._insecure:
-            for key, value in context.invocation_metadata():
-                if key == INSECURE_SITE_HEADER:
-                    return str(value)
-            raise NotPermittedError(f"--insecure mode: send the {INSECURE_SITE_HEADER} header")
-        certs = context.auth_context().get("x509_pem_cert") or []
-        if not certs:
-            raise NotPermittedError("no client certificate: mutual TLS is required")
-        try:
-            return site_id_from_pem(certs[0])
-        except PkiError as exc:
-            raise NotPermittedError("the client certificate names no valid site") from exc
-
-    def _call(self, method: str, context: grpc.ServicerContext, body: Callable[[str], T]) -> T:
-        try:
-            return body(self._site(context))
-        except Exception as exc:  # the one place errors become statuses
-            code, message = status_for(exc)
-            self.coordinator.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("unexpected error", extra={"method": method})
-            else:
-                log.info(
-                    "request refused",
-                    extra={"method": method, "code": code.name, "reason": message},
-                )
-            context.abort(code, message)
-            raise AssertionError("unreachable") from exc  # context.abort raises
+    def _identify(self, context: grpc.ServicerContext) -> str:
+        return _peer_identity(
+            context, insecure=self._insecure, header=INSECURE_SITE_HEADER, parse=site_id_from_pem
+        )
 
     @staticmethod
     def _ack(message: str, action: Callable[[], object]) -> common_pb2.Ack:
@@ -286,3 +313,38 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             context,
             lambda s: self._ack("outcome recorded", lambda: self._ckks.report(s, request)),
         )
+
+
+class AdminServicer(_Thin, admin_pb2_grpc.AdminServicer):
+    """gRPC front end of the Admin service (:class:`afl.server.admin.AdminRequests`)."""
+
+    def __init__(self, coordinator: Coordinator, *, insecure: bool = False) -> None:
+        self.coordinator = coordinator
+        self._insecure = insecure
+        self._admin = AdminRequests(coordinator)
+
+    def _identify(self, context: grpc.ServicerContext) -> str:
+        return _peer_identity(
+            context,
+            insecure=self._insecure,
+            header=INSECURE_ADMIN_HEADER,
+            parse=admin_name_from_pem,
+        )
+
+    def SubmitRun(self, request: apb.SubmitRunRequest, context: grpc.ServicerContext) -> Any:
+        return self._call("SubmitRun", context, lambda a: self._admin.submit(a, request))
+
+    def ListRuns(self, request: apb.ListRunsRequest, context: grpc.ServicerContext) -> Any:
+        return self._call("ListRuns", context, lambda a: self._admin.list(a))
+
+    def GetRun(self, request: apb.RunRef, context: grpc.ServicerContext) -> Any:
+        return self._call("GetRun", context, lambda a: self._admin.get(a, request.run_id))
+
+    def AbortRun(self, request: apb.AbortRunRequest, context: grpc.ServicerContext) -> Any:
+        return self._call("AbortRun", context, lambda a: self._admin.abort(a, request))
+
+    def GetLogs(self, request: apb.LogRequest, context: grpc.ServicerContext) -> Any:
+        return self._call("GetLogs", context, lambda a: self._admin.logs(a, request))
+
+    def GetRunModel(self, request: apb.RunRef, context: grpc.ServicerContext) -> Any:
+        return self._call("GetRunModel", context, lambda a: self._admin.model(a, request.run_id))

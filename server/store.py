@@ -11,8 +11,10 @@ model bytes), ``reports`` (client reports) and ``audit_log`` (append-only, hash-
 
 Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
 before it returns), and every write is one transaction. Payloads live under
-``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600), written atomically BEFORE their
-row is committed, so a row always names a complete file.
+``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600; rows hold the path relative to
+the state folder, so a folder restored elsewhere works), written atomically BEFORE their row is
+committed, so a row always names a complete file. :func:`backup_state` copies a running server's
+state consistently.
 
 Rollback detection: every transaction increments the commit counter, and after each commit the
 counter, the audit log's length and its head hash are written (atomically, fsync'd) to
@@ -52,6 +54,7 @@ __all__ = [
     "RunRow",
     "Store",
     "UploadRow",
+    "backup_state",
     "now_ms",
 ]
 
@@ -273,7 +276,7 @@ class Store:
     def _check_payloads(self) -> None:
         rows = self._db.execute("SELECT path, size FROM uploads WHERE purged = 0").fetchall()
         for path_text, size in rows:
-            path = Path(path_text)
+            path = self._payload_path(path_text)
             try:
                 actual = path.stat().st_size
             except FileNotFoundError:
@@ -543,11 +546,12 @@ class Store:
                     "stored; the operator must free space"
                 ) from exc
             raise
+        relative = str(path.relative_to(self.state_dir))
         with self._tx() as db:
             db.execute(
                 "INSERT INTO uploads (round_id, site_id, release_name, sha256, size, path, "
                 "received_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (round_id, site_id, release_name, sha256, len(data), str(path), now_ms()),
+                (round_id, site_id, release_name, sha256, len(data), relative, now_ms()),
             )
         return UploadRow(site_id, release_name, sha256, len(data), path)
 
@@ -559,8 +563,14 @@ class Store:
             (round_id,),
         ).fetchall()
         return {
-            (r[0], r[1]): UploadRow(r[0], r[1], bytes(r[2]), int(r[3]), Path(r[4])) for r in rows
+            (r[0], r[1]): UploadRow(r[0], r[1], bytes(r[2]), int(r[3]), self._payload_path(r[4]))
+            for r in rows
         }
+
+    def _payload_path(self, stored: str) -> Path:
+        """Payload paths are stored relative to the state folder (older states: absolute)."""
+        path = Path(stored)
+        return path if path.is_absolute() else self.state_dir / path
 
     @staticmethod
     def read_payload(row: UploadRow) -> bytes:
@@ -586,7 +596,7 @@ class Store:
                 db.execute("UPDATE uploads SET purged = 1 WHERE round_id = ?", (round_id,))
                 db.execute("DELETE FROM messages WHERE round_id = ?", (round_id,))
             for (path_text,) in rows:
-                Path(path_text).unlink(missing_ok=True)
+                self._payload_path(path_text).unlink(missing_ok=True)
                 deleted += 1
             folder = self.state_dir / "payloads" / round_id
             for sub in sorted(folder.glob("*"), reverse=True):
@@ -669,6 +679,22 @@ class Store:
                 (stamp, event, text, prev, digest),
             )
 
+    def audit_records(
+        self, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[tuple[int, int, str, str, bytes, bytes]]:
+        """(seq, time, event, detail JSON text, prev hash, hash) of the records after
+        ``after_seq``, oldest first."""
+        query = (
+            "SELECT seq, time_ms, event, detail, prev_hash, hash FROM audit_log WHERE seq > ? "
+            "ORDER BY seq"
+        )
+        params: tuple[int, ...] = (after_seq,)
+        if limit is not None:
+            query += " LIMIT ?"
+            params = (after_seq, limit)
+        rows = self._db.execute(query, params).fetchall()
+        return [(int(r[0]), int(r[1]), r[2], r[3], bytes(r[4]), bytes(r[5])) for r in rows]
+
     def audit_entries(self) -> list[tuple[int, str, dict[str, object], bytes, bytes]]:
         """(time, event, detail, prev hash, hash) in order."""
         rows = self._db.execute(
@@ -689,23 +715,68 @@ class Store:
             prev = bytes(digest)
         return True
 
-    def backup(self, destination: Path) -> Path:
-        """A consistent copy of the state folder in ``destination`` (SQLite's online backup of
-        the database, then the payload and CKKS files and the anchor)."""
-        destination = Path(destination)
-        destination.mkdir(parents=True, exist_ok=False, mode=0o700)
+
+def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:
+    """A consistent copy of a (possibly running) server's state folder in ``destination``: an
+    online SQLite backup of the database, the payload files its rows name, the CKKS context, and
+    an anchor computed from the COPY (so the copy is self-consistent even if the server committed
+    meanwhile). Returns that anchor. :class:`StateError` names what went wrong."""
+    source = Path(state_dir)
+    destination = Path(destination)
+    if not (source / DB_NAME).is_file():
+        raise StateError(f"{source / DB_NAME} does not exist: nothing to back up")
+    if destination.exists() and any(destination.iterdir()):
+        raise StateError(f"{destination} is not empty: back up into a new folder")
+    destination.mkdir(parents=True, exist_ok=True, mode=0o700)
+    previous = os.umask(0o077)
+    try:
+        src = sqlite3.connect(f"file:{source / DB_NAME}?mode=ro", uri=True)
         target = sqlite3.connect(destination / DB_NAME)
         try:
-            self._db.backup(target)
+            src.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")
         finally:
-            target.close()
-        for sub in ("payloads", "ckks", "models"):
-            source = self.state_dir / sub
-            if source.is_dir():
-                for path in source.rglob("*"):
-                    if path.is_file():
-                        out = destination / path.relative_to(self.state_dir)
-                        out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                        write_private_file(out, path.read_bytes())
-        write_private_file(destination / ANCHOR_NAME, self.anchor_path.read_bytes())
-        return destination
+            src.close()
+        rows = target.execute("SELECT path FROM uploads WHERE purged = 0").fetchall()
+        fed = target.execute("SELECT value FROM meta WHERE key = 'federation_id'").fetchone()
+        commits = target.execute("SELECT value FROM meta WHERE key = 'commits'").fetchone()
+        tail = target.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
+        count = target.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]
+        relocated = []
+        for (path_text,) in rows:
+            path = Path(path_text) if Path(path_text).is_absolute() else source / path_text
+            try:
+                relative = path.relative_to(source)
+            except ValueError as exc:
+                raise StateError(f"payload file {path} lies outside {source}") from exc
+            out = destination / relative
+            out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                write_private_file(out, path.read_bytes())
+            except FileNotFoundError as exc:
+                raise StateError(
+                    f"payload file {path} disappeared during the backup (the server deleted it "
+                    "after its run ended): run the backup again"
+                ) from exc
+            relocated.append((str(relative), path_text))
+        with target:
+            target.executemany("UPDATE uploads SET path = ? WHERE path = ?", relocated)
+        target.close()
+    finally:
+        os.umask(previous)
+    ckks_dir = source / "ckks"
+    if ckks_dir.is_dir():
+        for path in ckks_dir.iterdir():
+            if path.is_file():
+                (destination / "ckks").mkdir(exist_ok=True, mode=0o700)
+                write_private_file(destination / "ckks" / path.name, path.read_bytes())
+    anchor = {
+        "federation_id": fed[0] if fed else "",
+        "commits": int(commits[0]) if commits else 0,
+        "audit_count": int(count),
+        "audit_head": (bytes(tail[0]) if tail else GENESIS).hex(),
+    }
+    write_private_file(
+        destination / ANCHOR_NAME, (json.dumps(anchor, sort_keys=True) + "\n").encode()
+    )
+    return anchor
