@@ -150,13 +150,15 @@ def prepare_loopback(
     surrogate: bool = True,
     decryptor: bool = False,
     server_tables: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
+    client_settings: Mapping[str, toml_text.TomlValue] | None = None,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
     ``active[k, c]``: site k labels class c (its other labels become -1). ``round_settings``
     overrides server.toml's [round] (classes and feature_dim are filled in); ``server_tables``
-    adds or updates other tables of server.toml (e.g. [retention]); ``policy`` maps a site id to
-    [policy] overrides for its client.toml.
+    adds or updates other tables of server.toml (e.g. [retention]); ``client_settings`` updates
+    [client] of every kit (e.g. ``serve = true``); ``policy`` maps a site id to [policy] overrides
+    for its client.toml.
     """
     out = Path(root)
     k = len(site_features)
@@ -191,7 +193,7 @@ def prepare_loopback(
     if decryptor:
         decryptor_config = fed.site_dirs["decryptor"] / "client.toml"
         doc = tomllib.loads(decryptor_config.read_text(encoding="utf-8"))
-        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING}
+        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING, **(client_settings or {})}
         decryptor_config.write_text(toml_text.dumps(doc), encoding="utf-8")
     data = out / "data"
     meta = {"classes": classes, "source": source, "surrogate": surrogate}
@@ -206,7 +208,7 @@ def prepare_loopback(
             "classes": [c for c, on in zip(classes, active[i], strict=True) if on],
         }
         doc["policy"] = {**doc.get("policy", {}), **(policy or {}).get(site, {})}
-        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING}
+        doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING, **(client_settings or {})}
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
         configs[site] = path
     _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), **meta)

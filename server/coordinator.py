@@ -227,11 +227,16 @@ class Coordinator:
         with self.lock:
             view = self.machine.find(decision.round_id or "-")
             self.machine.require_participant(view, site_id)
-            accepting = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
-            if view.row.plan is None or view.stage not in accepting:
-                raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
+            if view.row.plan is None:
+                raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
             if decision.plan_sha256 != blob_sha256(view.row.plan):
                 raise WrongStageError("the decision names another release plan than this round's")
+            previous = self.store.decisions(view.round_id).get(site_id)
+            if previous is not None and previous[0] == decision.accept:
+                return  # a retry (e.g. its answer was lost in a coordinator restart)
+            accepting = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
+            if view.stage not in accepting:
+                raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
             try:
                 verify_fields(
                     load_public_key_raw(enrolment.identity_public_key),
@@ -245,8 +250,7 @@ class Coordinator:
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
-            previous = self.store.decisions(view.round_id).get(site_id)
-            if previous is not None and previous[0] != decision.accept:
+            if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
             reason = decision.reason[:500]
             self.store.put_decision(view.round_id, site_id, accept=decision.accept, reason=reason)

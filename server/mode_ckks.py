@@ -99,6 +99,7 @@ class CkksRound:
     tags: dict[str, pb.SealedMessage] = field(default_factory=dict)
     aggregates: dict[str, bytes] = field(default_factory=dict)
     staged_results: dict[str, bytes] = field(default_factory=dict)
+    outcomes: dict[str, bytes] = field(default_factory=dict)  # release -> signed outcome bytes
     results: dict[str, FloatArray] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
 
@@ -248,15 +249,18 @@ class CkksMode(PlainUploadStage):
     ) -> None:
         """Keep the decryptor's result upload until its signed outcome arrives (persisted first)."""
         state = self.round_state(view, ctx)
-        if release.name in state.results or release.name in state.refused:
-            raise WrongStageError(f"release {release.name!r} already has a decryption outcome")
-        ctx.put_message(
-            view.round_id,
-            stage=pb.ROUND_STAGE_SOLVING,
-            site_id=DECRYPTOR,
-            kind=f"{STAGED}:{release.name}",
-            data=data,
-        )
+        if release.name in state.outcomes:
+            return  # a retry of a result whose outcome is already recorded
+        try:
+            ctx.put_message(
+                view.round_id,
+                stage=pb.ROUND_STAGE_SOLVING,
+                site_id=DECRYPTOR,
+                kind=f"{STAGED}:{release.name}",
+                data=data,
+            )
+        except ValueError as exc:
+            raise ConflictError(f"release {release.name!r}: {exc}") from exc
         state.staged_results[release.name] = data
 
     def accept_result(
@@ -269,7 +273,9 @@ class CkksMode(PlainUploadStage):
         """Record the decryptor's outcome for ``release`` (the caller verified its signature and
         that a DECRYPTED outcome names the staged result's digest): persisted, then applied."""
         state = self.round_state(view, ctx)
-        if release.name in state.results or release.name in state.refused:
+        if release.name in state.outcomes:
+            if state.outcomes[release.name] == outcome.SerializeToString():
+                return  # a retry (its answer may have been lost in a coordinator restart)
             raise WrongStageError(f"release {release.name!r} already has a decryption outcome")
         data = b""
         if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED:
@@ -291,6 +297,7 @@ class CkksMode(PlainUploadStage):
     def _record(
         state: CkksRound, release: PlannedRelease, outcome: pb.DecryptionOutcome, data: bytes
     ) -> None:
+        state.outcomes[release.name] = outcome.SerializeToString()
         if outcome.status != pb.DECRYPTION_STATUS_DECRYPTED:
             status = pb.DecryptionStatus.Name(outcome.status)
             state.refused[release.name] = f"{status}: {outcome.reason}"

@@ -356,15 +356,17 @@ class MaskMode:
         self, view: RoundView, ctx: RoundContext, site_id: str, stage: int, raw: bytes
     ) -> bool:
         """Hand one client message of ``stage`` (its serialized request) to the protocol and
-        persist it; True if it repeats the request already received (idempotent),
-        :class:`ConflictError` if it differs from it."""
+        persist it; True if it repeats a request already journaled (idempotent, also after the
+        stage closed: its answer may have been lost in a restart), :class:`ConflictError` if it
+        differs from it."""
+        for stored in ctx.messages(view.round_id):
+            if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
+                if stored.data == raw:
+                    return True
+                raise ConflictError("a different message of this stage was already received")
         state = self.state(view, ctx, stage)
         if view.stage != stage:
             raise WrongStageError(f"round {view.round_id!r} has moved past this stage")
-        if site_id in state.received:
-            if state.received[site_id] == raw:
-                return True
-            raise ConflictError("a different message of this stage was already received")
         try:
             message = _parse(stage, site_id, raw, state)
             state.server.receive(message, sender=site_id)

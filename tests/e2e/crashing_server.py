@@ -1,0 +1,76 @@
+"""An ``afl-server`` that kills itself (SIGKILL) at a chosen point of a chosen run, for the
+restart tests: the kill comes right after a transition or a message is COMMITTED to the store,
+the most fragile moment for whatever the server holds only in memory.
+
+Usage: ``python crashing_server.py POINT RUN_ID <afl-server arguments>`` where POINT is
+
+* ``ROUND_STAGE_<NAME>``: the first time a round of RUN_ID enters that stage;
+* ``upload:N``: once the N-th payload of RUN_ID's rounds is stored;
+* ``decryption``: once the decryptor's first signed outcome of RUN_ID is journaled.
+
+The fault is injected here, around the real daemon's store, so no product code path knows it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server import daemon
+from afl.server.store import Store
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run_of(store: Store, round_id: str) -> str:
+    return next((r.run_id for r in store.rounds() if r.round_id == round_id), "")
+
+
+def install(point: str, run_id: str) -> None:
+    """Patch :class:`Store` so that the process dies at ``point`` of ``run_id``."""
+    if point.startswith("ROUND_STAGE_"):
+        stage = pb.RoundStage.Value(point)  # type: ignore[arg-type]
+        update_round = Store.update_round
+
+        def patched_update_round(self: Store, round_id: str, **kw: Any) -> None:
+            update_round(self, round_id, **kw)
+            if kw.get("stage") == stage and _run_of(self, round_id) == run_id:
+                _kill()
+
+        Store.update_round = patched_update_round  # type: ignore[method-assign]
+    elif point.startswith("upload:"):
+        target, seen = int(point.split(":")[1]), [0]
+        put_upload = Store.put_upload
+
+        def patched_put_upload(self: Store, round_id: str, *args: Any, **kw: Any) -> Any:
+            row = put_upload(self, round_id, *args, **kw)
+            if _run_of(self, round_id) == run_id:
+                seen[0] += 1
+                if seen[0] == target:
+                    _kill()
+            return row
+
+        Store.put_upload = patched_put_upload  # type: ignore[method-assign]
+    elif point == "decryption":
+        put_message = Store.put_message
+
+        def patched_put_message(self: Store, round_id: str, **kw: Any) -> None:
+            put_message(self, round_id, **kw)
+            if str(kw.get("kind", "")).startswith("ckks-outcome") and (
+                _run_of(self, round_id) == run_id
+            ):
+                _kill()
+
+        Store.put_message = patched_put_message  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown crash point {point!r}")
+
+
+if __name__ == "__main__":
+    install(sys.argv[1], sys.argv[2])
+    sys.exit(daemon.main(sys.argv[3:]))

@@ -1,0 +1,154 @@
+"""A loopback federation whose daemons the test starts, kills and restarts one by one, and an
+admin connection to its server: the harness of the restart, runs and liveness tests.
+
+Sites run in ``serve`` mode (they keep taking part in new runs until stopped), so one federation
+lives through several runs and several coordinator restarts. Nothing here measures time: every
+wait has a generous limit and fails with the daemons' logs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from afl.lab.admin_cmd import connect, load_admin_kit
+from afl.lab.demo_federation import CLIENT_COMMAND, LoopbackFederation
+from afl.proto.v1 import admin_pb2 as apb
+from afl.proto.v1 import admin_pb2_grpc
+from afl.proto.v1 import coordinator_pb2 as pb
+
+T = TypeVar("T")
+HERE = Path(__file__).resolve().parent
+SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
+ENDED = ("published", "aborted")
+
+
+class Daemons:
+    """The processes of one loopback federation (module docstring)."""
+
+    def __init__(self, loop: LoopbackFederation) -> None:
+        self.loop = loop
+        self.logs = loop.root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.server: subprocess.Popen[bytes] | None = None
+        self.servers_started = 0
+        self.clients: dict[str, subprocess.Popen[bytes]] = {}
+        self._handles: list[Any] = []
+        kit = load_admin_kit(loop.provisioned.root / "admins" / "operator" / "admin.toml")
+        self._channel, _ = connect(kit)
+        self.admin = admin_pb2_grpc.AdminStub(self._channel)
+
+    def _spawn(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
+        handle = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop())
+        self._handles.append(handle)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+    def start_server(self, *, crash_at: tuple[str, str] | None = None) -> None:
+        """Start afl-server (or one that kills itself at ``crash_at`` = (point, run id))."""
+        assert self.server is None or self.server.poll() is not None
+        program: tuple[str, ...] = SERVER_COMMAND
+        if crash_at is not None:
+            program = (sys.executable, str(HERE / "crashing_server.py"), *crash_at)
+        self.servers_started += 1
+        args = ["--config", str(self.loop.server_config), "--log-level", "INFO"]
+        self.server = self._spawn(f"server-{self.servers_started}", [*program, *args])
+
+    def start_clients(self) -> None:
+        configs = dict(self.loop.client_configs)
+        if self.loop.decryptor_config is not None:
+            configs["decryptor"] = self.loop.decryptor_config
+        for site, config in configs.items():
+            argv = [*CLIENT_COMMAND, "run", "--config", str(config), "--log-level", "INFO"]
+            self.clients[site] = self._spawn(site, argv)
+
+    def wait_server_exit(self, *, timeout_s: float = 300.0) -> int:
+        """The running server's exit code (it must exit, e.g. killed by its crash point)."""
+        assert self.server is not None
+        try:
+            return self.server.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not exit in time\n{self.log_tail()}") from None
+
+    def call(self, method: Callable[..., T], request: Any, *, timeout_s: float = 300.0) -> T:
+        """An Admin call, retried while the server is down or starting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return method(request, timeout=20)
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the Admin service did not answer\n{self.log_tail()}") from exc
+                time.sleep(0.5)
+
+    def submit(self, settings_toml: str = "", *, name: str = "") -> apb.RunInfo:
+        request = apb.SubmitRunRequest(name=name, settings_toml=settings_toml)
+        return self.call(self.admin.SubmitRun, request)
+
+    def wait_run(self, run_id: str, *, timeout_s: float = 400.0) -> apb.RunInfo:
+        """The run once it has ended (published or aborted)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.call(self.admin.GetRun, apb.RunRef(run_id=run_id))
+            if info.state in ENDED:
+                return info
+            if self.server is not None and self.server.poll() is not None:
+                raise AssertionError(f"the server exited during {run_id}\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{run_id} did not end: {info}\n{self.log_tail()}")
+            time.sleep(0.3)
+
+    def model(self, run_id: str) -> pb.SignedModel:
+        return self.call(self.admin.GetRunModel, apb.RunRef(run_id=run_id))
+
+    def stop_clients(self) -> dict[str, int]:
+        codes = {}
+        for site, proc in self.clients.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for site, proc in self.clients.items():
+            try:
+                codes[site] = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[site] = proc.wait()
+        return codes
+
+    def stop(self) -> int | None:
+        """Stop every daemon; the server's exit code (None if it was not running)."""
+        self.stop_clients()
+        code = None
+        if self.server is not None and self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            try:
+                code = self.server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                code = self.server.wait()
+        self._channel.close()
+        for handle in self._handles:
+            handle.close()
+        return code
+
+    def log_tail(self, lines: int = 25) -> str:
+        out = []
+        for path in sorted(self.logs.glob("*.log")):
+            text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            out.append(f"--- {path.name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)
+
+    def server_logs(self) -> str:
+        return "\n".join(
+            p.read_text(encoding="utf-8", errors="replace")
+            for p in sorted(self.logs.glob("server-*.log"))
+        )

@@ -1,0 +1,107 @@
+"""A coordinator killed (SIGKILL) at every stage of every mode and restarted on the same state:
+each run resumes and publishes the same W as the in-process oracle, the next run completes, and
+no restart exits non-zero (docs/operations.md "What survives what", docs/protocol.md §9).
+
+One federation per mode; its sites serve runs until stopped. Run i is killed at crash point i by
+a server started for that purpose (tests/e2e/crashing_server.py); the server started after the
+kill is the one that kills itself at the next run's point, and the last one is a plain afl-server
+on which one more run must complete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from afl.core.aggregation import federated_solve
+from afl.lab.demo_federation import ckks_round_settings, mask_round_settings, prepare_loopback
+from afl.proto.v1 import coordinator_pb2 as pb
+from tests.e2e.loopback import SiteData, cached_statistics
+from tests.e2e.processes import Daemons
+from tests.helpers.numeric import relative_error
+
+CLASSES = ("A", "B", "C")
+DATA = SiteData(d=12, classes=len(CLASSES), rows=80, rows_step=10, positive_rate=0.4, seed=5)
+SITES = 3
+
+CRASH_POINTS = {
+    "plaintext": ["ROUND_STAGE_PLAN_REVIEW", "upload:2", "ROUND_STAGE_SOLVING"],
+    "mask": [
+        "ROUND_STAGE_PLAN_REVIEW",
+        "ROUND_STAGE_ADVERTISE_KEYS",
+        "ROUND_STAGE_SHARE_KEYS",
+        "upload:2",
+        "ROUND_STAGE_CONSISTENCY_CHECK",
+        "ROUND_STAGE_UNMASK",
+        "ROUND_STAGE_SOLVING",
+    ],
+    "ckks": ["ROUND_STAGE_UPLOAD", "ROUND_STAGE_SOLVING", "decryption"],
+}
+
+
+def _federation(root: Path, mode: str) -> Any:
+    feats, labels = DATA.draw(SITES)
+    settings: dict[str, Any] = {
+        "gram_scope": "global",
+        "aggregation": mode,
+        "upload_timeout_s": 300.0,
+        "enrol_timeout_s": 300.0,
+    }
+    if mode == "mask":
+        settings.update(mask_round_settings(feats))
+    if mode == "ckks":
+        settings.update(ckks_round_settings(feats))
+    return prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=np.ones((SITES, len(CLASSES)), dtype=bool),
+        test_features=feats[0][:20],
+        test_labels=labels[0][:20],
+        round_settings=settings,
+        decryptor=mode == "ckks",
+        client_settings={"serve": True},
+    )
+
+
+def _weights(signed: pb.SignedModel) -> np.ndarray:
+    model = pb.Model.FromString(signed.model)
+    shape = tuple(model.weights.shape)
+    return np.frombuffer(model.weights.data, dtype="<f8").reshape(shape)
+
+
+@pytest.mark.parametrize("mode", sorted(CRASH_POINTS))
+def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
+    tmp_path: Path, mode: str
+) -> None:
+    loop = _federation(tmp_path, mode)
+    stats, _ = cached_statistics(loop, list(loop.site_ids))
+    oracle, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    daemons = Daemons(loop)
+    points = CRASH_POINTS[mode]
+    try:
+        daemons.start_server(crash_at=(points[0], "run-1"))
+        daemons.start_clients()
+        for i, point in enumerate(points):
+            run_id = f"run-{i + 1}"
+            if i > 0:
+                assert daemons.submit(name=f"after {points[i - 1]}").run_id == run_id
+            code = daemons.wait_server_exit()
+            assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
+            following = (points[i + 1], f"run-{i + 2}") if i + 1 < len(points) else None
+            daemons.start_server(crash_at=following)
+            info = daemons.wait_run(run_id)
+            assert info.state == "published", (point, info, daemons.log_tail())
+            assert relative_error(_weights(daemons.model(run_id)), oracle) <= 1e-9, point
+        last = daemons.submit(name="after every restart")
+        info = daemons.wait_run(last.run_id)
+        assert info.state == "published", (info, daemons.log_tail())
+        assert relative_error(_weights(daemons.model(last.run_id)), oracle) <= 1e-9
+    finally:
+        server_code = daemons.stop()
+    assert server_code == 0, daemons.log_tail()  # the last server was never killed
+    assert "Traceback" not in daemons.server_logs()
