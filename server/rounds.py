@@ -272,7 +272,7 @@ class RoundMachine:
             self._finish_run(run_id, "aborted", last.abort_reason)
 
     def _finish_run(self, run_id: str, state: str, reason: str) -> None:
-        self.store.update_run(run_id, state=state, reason=reason)
+        self.store.update_run(run_id, state=state, reason=reason, at_ms=self.now_ms())
         model = self.run_model(run_id)
         self.store.audit(
             "run-finished",

@@ -405,10 +405,15 @@ class Store:
                 (run_id, name, json.dumps(dict(settings), sort_keys=True), submitted_by, now_ms()),
             )
 
-    def update_run(self, run_id: str, *, state: str, reason: str = "") -> None:
+    def update_run(
+        self, run_id: str, *, state: str, reason: str = "", at_ms: int | None = None
+    ) -> None:
+        """Set a run's state; ``at_ms`` (default: now) is its finishing time when it ended."""
         if state not in RUN_STATES:
             raise ValueError(f"unknown run state {state!r}")
-        finished = now_ms() if state in ("published", "aborted") else 0
+        finished = (
+            (now_ms() if at_ms is None else at_ms) if state in ("published", "aborted") else 0
+        )
         with self._tx() as db:
             db.execute(
                 "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",

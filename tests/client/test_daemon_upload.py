@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -157,3 +159,34 @@ def test_with_retry_backs_off_exponentially_and_stops_on_final_codes() -> None:
     with pytest.raises(RemoteCallError, match="PERMISSION_DENIED: nope"):
         with_retry(denied, what="x", policy=policy, sleep=pauses.append)
     assert len(pauses) == 2
+
+
+def test_retries_last_for_the_window_so_a_restart_is_outlived(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call keeps being retried for ``window_s`` even after ``attempts`` (a coordinator
+    restart takes seconds); without a window the attempts are the budget."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def flaky(failures: int) -> Any:
+        left = [failures]
+
+        def call() -> str:
+            if left[0]:
+                left[0] -= 1
+                raise _Rpc(grpc.StatusCode.UNAVAILABLE)
+            return "ok"
+
+        return call
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    window = RetryPolicy(attempts=2, initial_s=1.0, max_s=2.0, window_s=30.0)
+    assert with_retry(flaky(12), what="x", policy=window, sleep=sleep) == "ok"
+    assert clock[0] >= 10.0  # well past two attempts, still inside the window
+    with pytest.raises(RemoteCallError, match="UNAVAILABLE"):
+        with_retry(flaky(100), what="x", policy=window, sleep=sleep)
+    with pytest.raises(RemoteCallError):
+        with_retry(flaky(3), what="x", policy=RetryPolicy(attempts=2), sleep=sleep)

@@ -8,6 +8,7 @@ wait has a generous limit and fails with the daemons' logs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -53,11 +54,12 @@ class Daemons:
         return subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT, env=env)
 
     def start_server(self, *, crash_at: tuple[str, str] | None = None) -> None:
-        """Start afl-server (or one that kills itself at ``crash_at`` = (point, run id))."""
+        """Start afl-server (or one with a fault, ``crash_at`` = (point, run id): see
+        tests/e2e/faulty_server.py)."""
         assert self.server is None or self.server.poll() is not None
         program: tuple[str, ...] = SERVER_COMMAND
         if crash_at is not None:
-            program = (sys.executable, str(HERE / "crashing_server.py"), *crash_at)
+            program = (sys.executable, str(HERE / "faulty_server.py"), *crash_at)
         self.servers_started += 1
         args = ["--config", str(self.loop.server_config), "--log-level", "INFO"]
         self.server = self._spawn(f"server-{self.servers_started}", [*program, *args])
@@ -85,21 +87,27 @@ class Daemons:
             try:
                 return method(request, timeout=20)
             except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
                     raise
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"the Admin service did not answer\n{self.log_tail()}") from exc
+                    raise AssertionError(
+                        f"the Admin service did not answer\n{self.log_tail()}"
+                    ) from exc
                 time.sleep(0.5)
 
     def submit(self, settings_toml: str = "", *, name: str = "") -> apb.RunInfo:
         request = apb.SubmitRunRequest(name=name, settings_toml=settings_toml)
-        return self.call(self.admin.SubmitRun, request)
+        info: apb.RunInfo = self.call(self.admin.SubmitRun, request)
+        return info
 
     def wait_run(self, run_id: str, *, timeout_s: float = 400.0) -> apb.RunInfo:
         """The run once it has ended (published or aborted)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            info = self.call(self.admin.GetRun, apb.RunRef(run_id=run_id))
+            info: apb.RunInfo = self.call(self.admin.GetRun, apb.RunRef(run_id=run_id))
             if info.state in ENDED:
                 return info
             if self.server is not None and self.server.poll() is not None:
@@ -108,12 +116,28 @@ class Daemons:
                 raise AssertionError(f"{run_id} did not end: {info}\n{self.log_tail()}")
             time.sleep(0.3)
 
+    def wait_reports(self, round_id: str, *, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
+        """Every site's local report of ``round_id`` (the sites write it after the model)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reports = {}
+            for site, config in self.loop.client_configs.items():
+                path = config.parent / "state" / "reports" / f"{round_id}.json"
+                if path.is_file():
+                    reports[site] = json.loads(path.read_text(encoding="utf-8"))
+            if len(reports) == len(self.loop.client_configs):
+                return reports
+            if time.monotonic() > deadline:
+                raise AssertionError(f"reports of {round_id} missing\n{self.log_tail()}")
+            time.sleep(0.3)
+
     def model(self, run_id: str) -> pb.SignedModel:
-        return self.call(self.admin.GetRunModel, apb.RunRef(run_id=run_id))
+        signed: pb.SignedModel = self.call(self.admin.GetRunModel, apb.RunRef(run_id=run_id))
+        return signed
 
     def stop_clients(self) -> dict[str, int]:
         codes = {}
-        for site, proc in self.clients.items():
+        for proc in self.clients.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for site, proc in self.clients.items():

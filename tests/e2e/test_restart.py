@@ -3,7 +3,7 @@ each run resumes and publishes the same W as the in-process oracle, the next run
 no restart exits non-zero (docs/operations.md "What survives what", docs/protocol.md §9).
 
 One federation per mode; its sites serve runs until stopped. Run i is killed at crash point i by
-a server started for that purpose (tests/e2e/crashing_server.py); the server started after the
+a server started for that purpose (tests/e2e/faulty_server.py); the server started after the
 kill is the one that kills itself at the next run's point, and the last one is a plain afl-server
 on which one more run must complete.
 """

@@ -1,14 +1,16 @@
-"""An ``afl-server`` that kills itself (SIGKILL) at a chosen point of a chosen run, for the
-restart tests: the kill comes right after a transition or a message is COMMITTED to the store,
-the most fragile moment for whatever the server holds only in memory.
+"""An ``afl-server`` with one fault, for the restart and fallback tests.
 
-Usage: ``python crashing_server.py POINT RUN_ID <afl-server arguments>`` where POINT is
+Usage: ``python faulty_server.py POINT RUN_ID <afl-server arguments>``. The server kills itself
+(SIGKILL) right after something is COMMITTED to the store, the most fragile moment for whatever
+it holds only in memory, when POINT is
 
 * ``ROUND_STAGE_<NAME>``: the first time a round of RUN_ID enters that stage;
 * ``upload:N``: once the N-th payload of RUN_ID's rounds is stored;
-* ``decryption``: once the decryptor's first signed outcome of RUN_ID is journaled.
+* ``decryption``: once the decryptor's first signed outcome of RUN_ID is journaled;
 
-The fault is injected here, around the real daemon's store, so no product code path knows it.
+and with POINT ``no-watch-rounds`` (RUN_ID ignored) it answers ``WatchRounds`` UNIMPLEMENTED,
+like a server without round streams. The faults are injected here, around the real daemon, so no
+product code path knows them.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import signal
 import sys
 from typing import Any
 
+import grpc
+
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
+from afl.server.servicer import CoordinatorServicer
 from afl.server.store import Store
 
 
@@ -34,7 +39,7 @@ def _run_of(store: Store, round_id: str) -> str:
 def install(point: str, run_id: str) -> None:
     """Patch :class:`Store` so that the process dies at ``point`` of ``run_id``."""
     if point.startswith("ROUND_STAGE_"):
-        stage = pb.RoundStage.Value(point)  # type: ignore[arg-type]
+        stage = pb.RoundStage.Value(point)
         update_round = Store.update_round
 
         def patched_update_round(self: Store, round_id: str, **kw: Any) -> None:
@@ -56,6 +61,12 @@ def install(point: str, run_id: str) -> None:
             return row
 
         Store.put_upload = patched_put_upload  # type: ignore[method-assign]
+    elif point == "no-watch-rounds":
+
+        def unimplemented(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "no round streams on this server")
+
+        CoordinatorServicer.WatchRounds = unimplemented  # type: ignore[method-assign]
     elif point == "decryption":
         put_message = Store.put_message
 

@@ -1,0 +1,65 @@
+"""A site's requests to an in-process :class:`afl.server.coordinator.Coordinator`, for tests
+that drive the coordinator without the site daemon: enrolment and a signed plan acceptance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from afl.crypto import signatures
+from afl.crypto.signed_blobs import (
+    ENROL_CONTEXT,
+    PLAN_DECISION_CONTEXT,
+    blob_sha256,
+    enrol_fields,
+    plan_decision_fields,
+)
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.plan import RoundView
+
+
+def site_key(federation: Any, site: str) -> Any:
+    """The identity key of a provisioned site's kit."""
+    return signatures.load_private_key_pem(
+        (federation.site_dirs[site] / "identity.key").read_bytes()
+    )
+
+
+def enrol(
+    coordinator: Any,
+    federation: Any,
+    site: str,
+    *,
+    labelled: Sequence[str] = (),
+    feature_dim: int = 0,
+) -> pb.EnrollResponse:
+    key = site_key(federation, site)
+    public = signatures.public_key_to_raw(key)
+    fields = enrol_fields(
+        federation_id=coordinator.config.federation_id, site_id=site, identity_public_key=public
+    )
+    request = pb.EnrollRequest(
+        identity_public_key=public,
+        proof=signatures.sign_fields(key, context=ENROL_CONTEXT, fields=fields),
+        labelled_classes=list(labelled),
+        feature_dim=feature_dim,
+        protocol_version=1,
+    )
+    response: pb.EnrollResponse = coordinator.enroll(site, request)
+    return response
+
+
+def accept_plan(coordinator: Any, federation: Any, site: str, view: RoundView) -> None:
+    """``site`` accepts the signed plan of ``view``."""
+    assert view.row.plan is not None
+    digest = blob_sha256(view.row.plan)
+    fields = plan_decision_fields(round_id=view.round_id, accept=True, plan_sha256=digest)
+    signature = signatures.sign_fields(
+        site_key(federation, site), context=PLAN_DECISION_CONTEXT, fields=fields
+    )
+    coordinator.decide(
+        site,
+        pb.PlanDecision(
+            round_id=view.round_id, accept=True, plan_sha256=digest, signature=signature
+        ),
+    )
