@@ -15,6 +15,7 @@ from afl.core.nih import NihMetadataError
 from afl.lab import (
     audit_cmd,
     bench_cmd,
+    ca_cmd,
     demo,
     provision_cmd,
     report_cmd,
@@ -37,8 +38,15 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
     ("demo", "a full federation on the embedded default (what `make demo` runs)", demo),
     (
         "provision",
-        "create a federation CA, the server's certificate and one startup kit per site",
+        "DEMO/TESTS ONLY: a whole federation in one folder, every site's private keys "
+        "generated here (production: `afl ca` and `afl-client init`)",
         provision_cmd,
+    ),
+    (
+        "ca",
+        "production provisioning, operator's side: the CA, the coordinator's keys, signing "
+        "the sites' requests (private keys stay where they are made)",
+        ca_cmd,
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
     ("report", "a self-contained HTML report from `afl simulate` results JSON", report_cmd),
