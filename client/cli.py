@@ -1,5 +1,5 @@
-"""``afl-client``: the hospital-side command line (extract features, merge shards, list backbones,
-run the daemon).
+"""``afl-client``: the hospital-side command line (make the site's keys and import the operator's
+bundle, extract features, merge shards, list backbones, run the daemon).
 
 Subcommands are listed in :data:`SUBCOMMANDS` as ``(name, help, add_arguments, run)``.
 ``main`` returns the process exit code:
@@ -18,8 +18,9 @@ from afl.client.sitedata import NIH_PAPER_CLASSES, SiteDataError, UnreadableImag
 
 Handler = Callable[[argparse.Namespace], int]
 _DESCRIPTION = (
-    "The hospital side of afl: extract features from chest X-rays, merge shard caches, list the "
-    "backbones, and run the site daemon that takes part in the federation's rounds."
+    "The hospital side of afl: make the site's keys and import the operator's public bundle, "
+    "extract features from chest X-rays, merge shard caches, list the backbones, and run the "
+    "site daemon that takes part in the federation's rounds."
 )
 
 
@@ -167,7 +168,77 @@ def run_daemon(args: argparse.Namespace) -> int:
         return 1
 
 
+def add_init_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Production provisioning at the site (docs/operations.md §2). First "
+        "`afl-client init --kit DIR --site-id ID`: generates the site's TLS key and Ed25519 "
+        "identity key IN the kit folder (they never leave it) and writes the public request "
+        "<ID>.request.json for the operator; read its fingerprint to the operator. Then, with "
+        "the operator's folder for this site: `afl-client init --kit DIR --import FOLDER "
+        "--roster-fingerprint '...'`: checks the certificate, the roster and the client.toml "
+        "template against this kit's keys and installs them."
+    )
+    p.add_argument("--kit", required=True, help="the site's kit folder (created 0700)")
+    step = p.add_mutually_exclusive_group(required=True)
+    step.add_argument("--site-id", help="step 1: make the keys and the request of this site")
+    step.add_argument(
+        "--import",
+        dest="bundle",
+        metavar="FOLDER",
+        help="step 2: install the "
+        "operator's folder for this site (ca.pem, site.pem, roster.json, client.toml)",
+    )
+    p.add_argument(
+        "--role",
+        choices=("participant", "decryptor"),
+        default="participant",
+        help="step 1: the role this site asks for (decryptor: the CKKS secret-key holder)",
+    )
+    p.add_argument(
+        "--roster-fingerprint",
+        metavar="HEX",
+        help="step 2: the roster fingerprint the operator published out of band; the import is "
+        "refused if the roster differs",
+    )
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from afl.client.kit import KitError, import_bundle, init_site_kit
+
+    try:
+        if args.site_id is not None:
+            path, request = init_site_kit(args.kit, site_id=args.site_id, role=args.role)
+            print(f"site {request.name}: keys written to {args.kit} (site.key, identity.key; 0600)")
+            print(f"  request for the operator: {path}")
+            print(f"  fingerprint (read it to the operator): {request.fingerprint}")
+            return 0
+        imported = import_bundle(args.kit, args.bundle, roster_fingerprint=args.roster_fingerprint)
+    except KitError as exc:
+        print(f"afl-client init: error: {exc}", file=sys.stderr)
+        return 1
+    roster = imported.roster
+    print(
+        f"site {imported.request.name}: federation {roster.federation_id} installed in {args.kit}"
+    )
+    print(f"  coordinator: {roster.server_address}")
+    print(f"  sites: {', '.join(f'{s} ({e.role})' for s, e in sorted(roster.sites.items()))}")
+    checked = "matches" if args.roster_fingerprint else "COMPARE it with the operator's"
+    print(f"  roster fingerprint: {roster.fingerprint}  ({checked})")
+    if imported.config_is_new:
+        print(
+            f"  {imported.config.name}: the operator's template (client.toml kept; merge by hand)"
+        )
+    print("  next: set [data] in client.toml and review [policy] (docs/operations.md §2)")
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
+    (
+        "init",
+        "make this site's keys and request; then import the operator's bundle",
+        add_init_arguments,
+        run_init,
+    ),
     (
         "extract",
         "images -> feature cache (resumable, shardable)",
@@ -192,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run":  # the daemon handles its errors; no torch import on its path
+    if args.command in ("run", "init"):  # they handle their errors; no torch import on their path
         code: int = args.handler(args)
         return code
     from afl.client.backbones import BackboneError

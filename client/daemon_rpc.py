@@ -3,9 +3,12 @@
 waiting for a round and for a round's stage. Used by the site daemon, its aggregation modes and the
 CKKS decryptor alike.
 
-Enrolment (``Enroll``): the identity public key with a proof of possession (signature, context
-"enrol", over (federation_id, site_id, identity_public_key)); the reply must name this federation
-and this site and carry the server identity key of the startup kit.
+Enrolment (``GetEnrolChallenge`` then ``Enroll``; docs/protocol.md §3, M-74): the identity public
+key with a proof of possession over the server's fresh challenge and every declared field
+(signature, context "enrol", :func:`afl.proto.wire.enrol_proof_fields`, with the server identity
+key of the startup kit); the challenge and the reply must name this federation and this site, and
+the reply must carry the kit's server identity key. A retried enrolment asks for a new challenge
+(a nonce is valid once).
 
 Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
 subscription open in a background thread (reconnecting with back-off) and wakes the waiting
@@ -196,26 +199,45 @@ class CoordinatorClient:
     ) -> pb.EnrollResponse:
         """Enroll this site (module docstring); :class:`DaemonError` if the reply does not match
         the startup kit."""
-        proof = signatures.sign_fields(
-            identity,
-            context=signed_blobs.ENROL_CONTEXT,
-            fields=signed_blobs.enrol_fields(
-                federation_id=federation_id,
-                site_id=self.site_id,
+        timeout = self.timing.rpc_timeout_s
+        metadata = self.metadata or None
+
+        def attempt() -> pb.EnrollResponse:
+            challenge: pb.EnrolChallenge = self.stub.GetEnrolChallenge(
+                pb.EnrolChallengeRequest(), timeout=timeout, metadata=metadata, wait_for_ready=True
+            )
+            if challenge.federation_id != federation_id or challenge.site_id != self.site_id:
+                raise DaemonError(
+                    f"the server's challenge is for {challenge.site_id!r} in "
+                    f"{challenge.federation_id!r}, not this site's federation"
+                )
+            request = pb.EnrollRequest(
                 identity_public_key=identity_public_key,
-            ),
-        )
-        request = pb.EnrollRequest(
-            identity_public_key=identity_public_key,
-            proof=proof,
-            role=role,  # type: ignore[arg-type]
-            labelled_classes=list(labelled_classes),
-            backbone=backbone,
-            feature_dim=feature_dim,
-            software_version=software_version,
-            protocol_version=wire.PROTOCOL_VERSION,
-        )
-        response: pb.EnrollResponse = self.call("Enroll", request, wait_for_ready=True)
+                role=role,  # type: ignore[arg-type]
+                labelled_classes=list(labelled_classes),
+                backbone=backbone,
+                feature_dim=feature_dim,
+                software_version=software_version,
+                protocol_version=wire.PROTOCOL_VERSION,
+                challenge=challenge.nonce,
+            )
+            request.proof = signatures.sign_fields(
+                identity,
+                context=signed_blobs.ENROL_CONTEXT,
+                fields=wire.enrol_proof_fields(
+                    request,
+                    federation_id=federation_id,
+                    site_id=self.site_id,
+                    server_identity_public_key=server_public_key,
+                ),
+            )
+            reply: pb.EnrollResponse = self.stub.Enroll(
+                request, timeout=timeout, metadata=metadata, wait_for_ready=True
+            )
+            return reply
+
+        # Each retry fetches a new challenge: the server consumes a nonce on its first use.
+        response = with_retry(attempt, what="Enroll", policy=self.retry)
         if response.server_identity_public_key != server_public_key:
             raise DaemonError("the server's identity key differs from the one in the startup kit")
         if response.federation_id != federation_id:

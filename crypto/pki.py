@@ -13,6 +13,14 @@ A site certificate names the site twice, and both must agree:
 request; it never trusts a site id sent in a message body. An operator's certificate for the
 Admin service names an admin the same way with ``afl-admin:<name>`` (and no ``afl-site:`` URI),
 so a site certificate never opens the Admin service and an admin certificate is never a site.
+
+Keys stay where they are used (docs/protocol.md §1, M-70): a site (or the server) makes its key
+and a certificate signing request (:func:`site_csr`, :func:`server_csr`); the CA checks the request
+(:func:`check_site_csr`, :func:`check_server_csr`: self-signature, ECDSA P-256, the names asked
+for, no other extension) and signs the request's public key
+(:func:`issue_site_certificate_for`, :func:`issue_server_certificate_for`) with the extensions
+it chooses itself. The CA key may be stored encrypted with a passphrase
+(:func:`tls_private_key_to_pem`, :func:`load_tls_private_key_pem`).
 """
 
 from __future__ import annotations
@@ -41,12 +49,23 @@ __all__ = [
     "PkiError",
     "admin_name_from_pem",
     "certificate_to_pem",
+    "check_server_csr",
+    "check_site_csr",
     "create_ca",
+    "csr_to_pem",
+    "generate_tls_key",
+    "is_encrypted_pem",
     "issue_admin_certificate",
     "issue_server_certificate",
+    "issue_server_certificate_for",
     "issue_site_certificate",
+    "issue_site_certificate_for",
     "load_certificate_pem",
+    "load_csr_pem",
     "load_tls_private_key_pem",
+    "server_csr",
+    "server_san",
+    "site_csr",
     "site_id_from_certificate",
     "site_id_from_pem",
     "tls_private_key_to_pem",
@@ -168,22 +187,24 @@ def create_ca(*, common_name: str, valid_days: int = 3650) -> CertifiedKey:
     return CertifiedKey(certificate=certificate, private_key=key)
 
 
-def _issue(
+def _issue_for(
     ca: CertifiedKey,
     *,
+    public_key: ec.EllipticCurvePublicKey,
     common_name: str,
     san: Sequence[x509.GeneralName],
     usage: x509.ObjectIdentifier,
     valid_days: int,
-) -> CertifiedKey:
-    key = ec.generate_private_key(ec.SECP256R1())
+) -> x509.Certificate:
+    """A leaf certificate for ``public_key``; every extension is the CA's choice."""
+    _check_p256(public_key)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     ca_ski = ca.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    certificate = (
+    return (
         _builder(
             subject=subject,
             issuer=ca.certificate.subject,
-            public_key=key.public_key(),
+            public_key=public_key,
             days=valid_days,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -195,7 +216,19 @@ def _issue(
         )
         .sign(ca.private_key, hashes.SHA256())
     )
-    return CertifiedKey(certificate=certificate, private_key=key)
+
+
+def generate_tls_key() -> ec.EllipticCurvePrivateKey:
+    """A fresh ECDSA P-256 TLS key (from the OS CSPRNG)."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _check_p256(public_key: object) -> ec.EllipticCurvePublicKey:
+    if not isinstance(public_key, ec.EllipticCurvePublicKey):
+        raise PkiError(f"the key must be ECDSA P-256, got {type(public_key).__name__}")
+    if not isinstance(public_key.curve, ec.SECP256R1):
+        raise PkiError(f"the key must be ECDSA P-256, got curve {public_key.curve.name}")
+    return public_key
 
 
 def _host_name(host: str) -> x509.GeneralName:
@@ -207,15 +240,9 @@ def _host_name(host: str) -> x509.GeneralName:
         return x509.DNSName(host)
 
 
-def issue_server_certificate(
-    ca: CertifiedKey,
-    *,
-    common_name: str,
-    hosts: Sequence[str] = ("localhost", "127.0.0.1"),
-    valid_days: int = 825,
-) -> CertifiedKey:
-    """The server's TLS certificate: subjectAltName lists every host (DNS name or IP address)
-    clients may dial; duplicates are dropped, order is kept."""
+def server_san(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    """subjectAltName entries for ``hosts`` (DNS names or IP addresses), duplicates dropped,
+    order kept; :class:`PkiError` for an empty list or a malformed host."""
     if isinstance(hosts, str) or not hosts:
         raise PkiError("hosts must be a non-empty sequence of host names or IP addresses")
     names: list[x509.GeneralName] = []
@@ -223,11 +250,67 @@ def issue_server_certificate(
         name = _host_name(host)
         if name not in names:
             names.append(name)
-    return _issue(
+    return names
+
+
+def issue_server_certificate_for(
+    ca: CertifiedKey,
+    *,
+    public_key: ec.EllipticCurvePublicKey,
+    common_name: str,
+    hosts: Sequence[str],
+    valid_days: int = 825,
+) -> x509.Certificate:
+    """The server's TLS certificate for ``public_key``: subjectAltName lists every host."""
+    return _issue_for(
         ca,
+        public_key=public_key,
         common_name=common_name,
-        san=names,
+        san=server_san(hosts),
         usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        valid_days=valid_days,
+    )
+
+
+def issue_server_certificate(
+    ca: CertifiedKey,
+    *,
+    common_name: str,
+    hosts: Sequence[str] = ("localhost", "127.0.0.1"),
+    valid_days: int = 825,
+) -> CertifiedKey:
+    """A fresh server key and its certificate (:func:`issue_server_certificate_for`): for the
+    all-in-one ``afl provision`` and tests; in production the server makes its own key."""
+    key = generate_tls_key()
+    certificate = issue_server_certificate_for(
+        ca,
+        public_key=key.public_key(),
+        common_name=common_name,
+        hosts=hosts,
+        valid_days=valid_days,
+    )
+    return CertifiedKey(certificate=certificate, private_key=key)
+
+
+def _site_uri(site_id: str) -> x509.UniformResourceIdentifier:
+    return x509.UniformResourceIdentifier(f"{SITE_URI_SCHEME}:{validate_site_id(site_id)}")
+
+
+def issue_site_certificate_for(
+    ca: CertifiedKey,
+    *,
+    public_key: ec.EllipticCurvePublicKey,
+    site_id: str,
+    valid_days: int = 825,
+) -> x509.Certificate:
+    """A site's TLS client certificate for ``public_key``: CN = site id, URI SAN
+    ``afl-site:<site id>``."""
+    return _issue_for(
+        ca,
+        public_key=public_key,
+        common_name=site_id,
+        san=[_site_uri(site_id)],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         valid_days=valid_days,
     )
 
@@ -235,28 +318,117 @@ def issue_server_certificate(
 def issue_site_certificate(
     ca: CertifiedKey, *, site_id: str, valid_days: int = 825
 ) -> CertifiedKey:
-    """A site's TLS client certificate: CN = site id, URI SAN ``afl-site:<site id>``."""
+    """A fresh site key and its certificate (:func:`issue_site_certificate_for`): for the
+    all-in-one ``afl provision`` and tests; in production the site makes its own key."""
     validate_site_id(site_id)
-    return _issue(
-        ca,
-        common_name=site_id,
-        san=[x509.UniformResourceIdentifier(f"{SITE_URI_SCHEME}:{site_id}")],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        valid_days=valid_days,
+    key = generate_tls_key()
+    certificate = issue_site_certificate_for(
+        ca, public_key=key.public_key(), site_id=site_id, valid_days=valid_days
     )
+    return CertifiedKey(certificate=certificate, private_key=key)
+
+
+# --- certificate signing requests ---------------------------------------------------------------
+
+
+def _csr(
+    key: ec.EllipticCurvePrivateKey, *, common_name: str, san: Sequence[x509.GeneralName]
+) -> x509.CertificateSigningRequest:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(subject)
+        .add_extension(x509.SubjectAlternativeName(list(san)), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+
+
+def site_csr(key: ec.EllipticCurvePrivateKey, *, site_id: str) -> x509.CertificateSigningRequest:
+    """A site's CSR: CN = site id, URI SAN ``afl-site:<site id>``, signed by its own key."""
+    return _csr(key, common_name=validate_site_id(site_id), san=[_site_uri(site_id)])
+
+
+def server_csr(
+    key: ec.EllipticCurvePrivateKey, *, hosts: Sequence[str]
+) -> x509.CertificateSigningRequest:
+    """The server's CSR: CN = the first host, SAN = every host (:func:`server_san`)."""
+    return _csr(key, common_name=hosts[0] if hosts else "", san=server_san(hosts))
+
+
+def _check_csr(
+    csr: x509.CertificateSigningRequest, *, common_name: str, san: Sequence[x509.GeneralName]
+) -> ec.EllipticCurvePublicKey:
+    if not csr.is_signature_valid:
+        raise PkiError("the certificate request's self-signature does not verify")
+    public_key = _check_p256(csr.public_key())
+    names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if len(csr.subject) != 1 or len(names) != 1 or names[0].value != common_name:
+        raise PkiError(
+            f"the certificate request's subject is {csr.subject.rfc4514_string()!r}, "
+            f"expected CN={common_name}"
+        )
+    others = [
+        e.oid.dotted_string for e in csr.extensions if e.oid != x509.SubjectAlternativeName.oid
+    ]
+    if others:
+        raise PkiError(f"the certificate request asks for other extensions: {', '.join(others)}")
+    try:
+        asked = list(csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound as exc:
+        raise PkiError("the certificate request names no subjectAltName") from exc
+    if asked != list(san):
+        raise PkiError(
+            f"the certificate request asks for names {[str(n.value) for n in asked]}, "
+            f"expected {[str(n.value) for n in san]}"
+        )
+    return public_key
+
+
+def check_site_csr(
+    csr: x509.CertificateSigningRequest, *, site_id: str
+) -> ec.EllipticCurvePublicKey:
+    """The public key of a valid CSR for ``site_id``; :class:`PkiError` unless it is signed by
+    its own ECDSA P-256 key, names exactly CN = site id and URI SAN ``afl-site:<site id>``, and
+    asks for no other extension."""
+    return _check_csr(csr, common_name=validate_site_id(site_id), san=[_site_uri(site_id)])
+
+
+def check_server_csr(
+    csr: x509.CertificateSigningRequest, *, hosts: Sequence[str]
+) -> ec.EllipticCurvePublicKey:
+    """The public key of a valid server CSR for ``hosts`` (as :func:`check_site_csr`, with CN =
+    the first host and SAN = :func:`server_san` of ``hosts``)."""
+    san = server_san(hosts)
+    return _check_csr(csr, common_name=hosts[0], san=san)
+
+
+def csr_to_pem(csr: x509.CertificateSigningRequest) -> bytes:
+    """PEM encoding of a certificate signing request."""
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def load_csr_pem(pem: bytes) -> x509.CertificateSigningRequest:
+    """Parse one PEM certificate signing request; :class:`PkiError` if malformed."""
+    try:
+        return x509.load_pem_x509_csr(pem)
+    except (ValueError, TypeError) as exc:
+        raise PkiError("could not parse PEM certificate signing request") from exc
 
 
 def issue_admin_certificate(ca: CertifiedKey, *, name: str, valid_days: int = 825) -> CertifiedKey:
     """An operator's TLS client certificate for the Admin service: CN = name, URI SAN
     ``afl-admin:<name>`` (never a site: it carries no ``afl-site:`` URI)."""
     validate_site_id(name)
-    return _issue(
+    key = generate_tls_key()
+    certificate = _issue_for(
         ca,
+        public_key=key.public_key(),
         common_name=name,
         san=[x509.UniformResourceIdentifier(f"{ADMIN_URI_SCHEME}:{name}")],
         usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         valid_days=valid_days,
     )
+    return CertifiedKey(certificate=certificate, private_key=key)
 
 
 def _identity_from_certificate(certificate: x509.Certificate, scheme: str) -> str:
@@ -324,21 +496,42 @@ def load_certificate_pem(pem: bytes) -> x509.Certificate:
         raise PkiError("could not parse PEM certificate") from exc
 
 
-def tls_private_key_to_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    """Unencrypted PKCS#8 PEM (daemons start unattended; protect the file with mode 0600)."""
+def tls_private_key_to_pem(
+    key: ec.EllipticCurvePrivateKey, *, passphrase: bytes | None = None
+) -> bytes:
+    """PKCS#8 PEM; encrypted with ``passphrase`` when given (the CA key), else unencrypted
+    (daemons start unattended; protect the file with mode 0600)."""
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase)
+        if passphrase is not None
+        else serialization.NoEncryption()
+    )
     return key.private_bytes(
         encoding=serialization.Encoding.PEM,
         format=serialization.PrivateFormat.PKCS8,
-        encryption_algorithm=serialization.NoEncryption(),
+        encryption_algorithm=encryption,
     )
 
 
-def load_tls_private_key_pem(pem: bytes) -> ec.EllipticCurvePrivateKey:
-    """Load a PEM ECDSA private key; :class:`PkiError` if malformed or of another type."""
+def is_encrypted_pem(pem: bytes) -> bool:
+    """Whether ``pem`` holds a passphrase-encrypted private key."""
+    return b"-----BEGIN ENCRYPTED PRIVATE KEY-----" in pem or b"Proc-Type: 4,ENCRYPTED" in pem
+
+
+def load_tls_private_key_pem(
+    pem: bytes, *, passphrase: bytes | None = None
+) -> ec.EllipticCurvePrivateKey:
+    """Load a PEM ECDSA private key (decrypting it with ``passphrase`` if it is encrypted);
+    :class:`PkiError` if malformed, of another type, encrypted without a passphrase given, or
+    the passphrase is wrong."""
+    encrypted = is_encrypted_pem(pem)
+    if encrypted and passphrase is None:
+        raise PkiError("the private key is encrypted: a passphrase is needed")
     try:
-        key = serialization.load_pem_private_key(pem, password=None)
+        key = serialization.load_pem_private_key(pem, password=passphrase if encrypted else None)
     except (ValueError, TypeError) as exc:
-        raise PkiError("could not load PEM private key") from exc
+        what = "wrong passphrase, or not a PEM private key" if encrypted else "malformed PEM"
+        raise PkiError(f"could not load the private key ({what})") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise PkiError(f"expected an ECDSA private key, got {type(key).__name__}")
     return key

@@ -9,7 +9,10 @@ signature covers the exact bytes, and receivers verify BEFORE parsing:
 with ``context`` = ``"release-plan"`` or ``"model"``. The two site-signed messages of the
 plaintext flow have their field tuples here too, so both sides build them the same way:
 
-    enrol proof:    ("enrol", federation_id, site_id, identity_public_key)
+    enrol proof:    ("enrol", federation_id, site_id, identity_public_key,
+                     server_identity_public_key, challenge nonce, role,
+                     canonical(labelled_classes), backbone, feature_dim, software_version,
+                     protocol_version)
     plan decision:  ("plan-decision", round_id, 1 if accept else 0, sha256(plan bytes))
 
 Pure functions over bytes: this module imports nothing of afl outside :mod:`afl.crypto`, so the
@@ -19,10 +22,11 @@ client can verify without importing :mod:`afl.server`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from afl.crypto.canonical import Field
+from afl.crypto.canonical import Field, canonical_encode
 from afl.crypto.signatures import load_public_key_raw, sign_fields, verify_fields
 
 __all__ = [
@@ -70,9 +74,36 @@ def verify_blob(
     verify_fields(key, signature, context=context, fields=[blob])
 
 
-def enrol_fields(*, federation_id: str, site_id: str, identity_public_key: bytes) -> list[Field]:
-    """Fields of the enrol proof of possession (context :data:`ENROL_CONTEXT`)."""
-    return [federation_id, site_id, identity_public_key]
+def enrol_fields(
+    *,
+    federation_id: str,
+    site_id: str,
+    identity_public_key: bytes,
+    server_identity_public_key: bytes,
+    challenge: bytes,
+    role: int,
+    labelled_classes: Sequence[str],
+    backbone: str,
+    feature_dim: int,
+    software_version: str,
+    protocol_version: int,
+) -> list[Field]:
+    """Fields of the enrol proof of possession (context :data:`ENROL_CONTEXT`): every field the
+    site declares, the server it enrols with and the server's fresh challenge, so a proof is
+    valid for one enrolment only and no declared field can be changed under it."""
+    return [
+        federation_id,
+        site_id,
+        identity_public_key,
+        server_identity_public_key,
+        challenge,
+        role,
+        canonical_encode(list(labelled_classes)),
+        backbone,
+        feature_dim,
+        software_version,
+        protocol_version,
+    ]
 
 
 def plan_decision_fields(*, round_id: str, accept: bool, plan_sha256: bytes) -> list[Field]:

@@ -16,6 +16,7 @@ from afl.lab import (
     admin_cmd,
     audit_cmd,
     bench_cmd,
+    ca_cmd,
     demo,
     provision_cmd,
     report_cmd,
@@ -38,8 +39,15 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
     ("demo", "a full federation on the embedded default (what `make demo` runs)", demo),
     (
         "provision",
-        "create a federation CA, the server's certificate and one startup kit per site",
+        "DEMO/TESTS ONLY: a whole federation in one folder, every site's private keys "
+        "generated here (production: `afl ca` and `afl-client init`)",
         provision_cmd,
+    ),
+    (
+        "ca",
+        "production provisioning, operator's side: the CA, the coordinator's keys, signing "
+        "the sites' requests (private keys stay where they are made)",
+        ca_cmd,
     ),
     (
         "admin",

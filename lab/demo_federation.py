@@ -2,6 +2,12 @@
 one ``afl-client run`` process per site over mutual TLS (used by ``afl demo`` and the
 end-to-end tests).
 
+Kits come from the all-in-one :func:`afl.server.provisioning.provision` (demo and tests), or with
+``production=True`` from the production path run by each party in its own folder
+(:func:`provision_distributed`: CA, coordinator and every site make their own keys; the operator
+signs requests; sites import the public bundles), so no site's private key is ever written
+outside its kit folder (docs/protocol.md M-70).
+
 Task heterogeneity (docs/method.md §2) is written into the data the way a hospital would hold it: a
 site's cache carries -1 labels for the classes it does not annotate, and its client.toml lists the
 classes it labels. Nothing here computes the model: the daemons do.
@@ -11,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,9 +32,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.kit import import_bundle, init_site_kit
 from afl.core.featurecache import CacheMeta, write_cache
 from afl.server import toml_text
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.provisioning import (
+    ProvisionedFederation,
+    init_ca,
+    init_server_kit,
+    provision,
+    sign_requests,
+)
 
 __all__ = [
     "LoopbackFederation",
@@ -35,6 +50,7 @@ __all__ = [
     "free_port",
     "mask_round_settings",
     "prepare_loopback",
+    "provision_distributed",
     "run_loopback",
 ]
 
@@ -135,6 +151,53 @@ def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **m
     write_cache(root / name, meta=cache_meta, ids=ids, labels=labels, features=feats)
 
 
+def provision_distributed(
+    root: str | os.PathLike[str],
+    *,
+    sites: Sequence[str],
+    port: int,
+    round_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    decryptor: str | None = None,
+) -> ProvisionedFederation:
+    """The production path of docs/operations.md §2, each party in its own folder under ``root``:
+    ``operator/ca`` (``afl ca init``, CA key encrypted with a random passphrase), ``operator/inbox``
+    (the request files the operator received, all it signs from), ``server``
+    (``afl ca server-init``, then the signed ``operator/signed/server`` copied in), ``sites/<id>``
+    (``afl-client init``, then ``afl-client init --import`` of ``operator/signed/sites/<id>``
+    against the roster fingerprint). Returns the layout as a :class:`ProvisionedFederation`."""
+    base = Path(root)
+    passphrase = secrets.token_hex(16).encode()
+    ca_dir, federation_id = init_ca(base / "operator" / "ca", passphrase=passphrase)
+    server_kit = base / "server"
+    requests = [init_server_kit(server_kit, hosts=["localhost"], port=port)[0]]
+    site_dirs = {site: base / "sites" / site for site in sites}
+    for site, kit in site_dirs.items():
+        role = "decryptor" if site == decryptor else "participant"
+        requests.append(init_site_kit(kit, site_id=site, role=role)[0])
+    inbox = base / "operator" / "inbox"  # the operator receives the public request files only
+    inbox.mkdir(parents=True)
+    received = [Path(shutil.copyfile(path, inbox / path.name)) for path in requests]
+    signed = sign_requests(
+        ca_dir,
+        received,
+        base / "operator" / "signed",
+        passphrase=passphrase,
+        round_settings=round_settings,
+    )
+    for path in signed.server_dir.iterdir():  # the operator installs the coordinator's kit
+        shutil.copyfile(path, server_kit / path.name)
+    for site, kit in site_dirs.items():  # each site checks and installs its bundle
+        import_bundle(kit, signed.site_dirs[site], roster_fingerprint=signed.roster.fingerprint)
+    return ProvisionedFederation(
+        root=base,
+        federation_id=federation_id,
+        server_address=signed.roster.server_address,
+        ca_cert=ca_dir / "ca.pem",
+        server_dir=server_kit,
+        site_dirs=site_dirs,
+    )
+
+
 def prepare_loopback(
     root: str | os.PathLike[str],
     *,
@@ -151,6 +214,7 @@ def prepare_loopback(
     decryptor: bool = False,
     server_tables: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
     client_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    production: bool = False,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
@@ -158,7 +222,8 @@ def prepare_loopback(
     overrides server.toml's [round] (classes and feature_dim are filled in); ``server_tables``
     adds or updates other tables of server.toml (e.g. [retention]); ``client_settings`` updates
     [client] of every kit (e.g. ``serve = true``); ``policy`` maps a site id to [policy] overrides
-    for its client.toml.
+    for its client.toml. ``production``: kits from :func:`provision_distributed` instead of the
+    all-in-one :func:`provision`.
     """
     out = Path(root)
     k = len(site_features)
@@ -176,7 +241,8 @@ def prepare_loopback(
         **(round_settings or {}),
     }
     extra = ("decryptor",) if decryptor else ()  # CKKS: a dedicated decryptor site, no data
-    fed = provision(
+    make_kits = provision_distributed if production else provision
+    fed = make_kits(
         out / "federation",
         sites=site_ids + extra,
         port=free_port(),

@@ -2,6 +2,10 @@
 
 afl provision --out DIR --site hospital-a --site hospital-b [--server-host HOST ...]
               [--port 50051] [--federation-id ID] [--decryptor SITE] [--force]
+
+DEMO AND TESTS ONLY: it generates every site's private keys in one place, so whoever runs it
+holds them all (docs/protocol.md M-70). Production: `afl ca` (:mod:`afl.lab.ca_cmd`) and
+`afl-client init` (docs/operations.md §2).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `afl provision` options to ``parser``."""
+    parser.description = (
+        "DEMO AND TESTS ONLY: create a federation CA, the coordinator's kit and one kit per site "
+        "in one folder. Every site's TLS and identity private keys are generated HERE, so "
+        "whoever runs this holds them all and could impersonate any site. For a real federation "
+        "each site runs `afl-client init` and the operator `afl ca` (docs/operations.md §2)."
+    )
     parser.add_argument("--out", required=True, help="folder to write the federation into")
     parser.add_argument(
         "--site",
@@ -65,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
     except (ProvisioningError, PkiError) as exc:
         print(f"afl provision: error: {exc}", file=sys.stderr)
         return 2
-    print(f"federation {result.federation_id} provisioned in {result.root}")
+    print(
+        f"federation {result.federation_id} provisioned in {result.root} (demo/tests only: "
+        "every site's private keys were generated here)"
+    )
     print(f"  CA certificate: {result.ca_cert}  (keep {result.root / 'ca.key'} offline)")
     print(f"  server kit:     {result.server_dir}  (afl-server --config server.toml)")
     for site_id, kit in result.site_dirs.items():

@@ -4,9 +4,14 @@ site id from its certificate and calls these methods; errors are :mod:`afl.serve
 The coordinator is also the :class:`~afl.server.modes.RoundAccess` of the mode request handlers
 (:class:`~afl.server.mode_mask.MaskRequests`, :class:`~afl.server.mode_ckks.CkksRequests`).
 
-Enrolment (coordinator.proto ``Enroll``): the certificate's site id must be provisioned, the
-identity key must equal the provisioned key, and the proof must verify (context "enrol", fields
-(federation_id, site_id, identity_public_key); :mod:`afl.crypto.signed_blobs`).
+Enrolment (coordinator.proto ``GetEnrolChallenge``, ``Enroll``; docs/protocol.md §3, M-74): the
+certificate's site id must be provisioned; ``enrol_challenge`` hands it a fresh 32-byte nonce
+(OS CSPRNG) kept in memory for that site id for ``ENROL_CHALLENGE_TTL_S`` (at most
+``MAX_OPEN_CHALLENGES`` per site, the oldest dropped); ``enroll`` consumes the nonce on its first
+use, whatever the outcome, then requires the provisioned identity key and a proof over every
+declared field and the nonce (context "enrol", :func:`afl.proto.wire.enrol_proof_fields`). A
+replayed request, a changed field, another site's nonce or an expired one is refused; a
+restarted server knows no nonce (the site asks again).
 
 Uploads are idempotent by (round, site, release, sha256): the same digest again returns the
 stored receipt with ``duplicate = True``; another digest is a :class:`ConflictError`. Whether a
@@ -16,6 +21,7 @@ new payload may be stored now is the round's mode's decision (``check_upload``).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +34,6 @@ from afl.crypto.signed_blobs import (
     ENROL_CONTEXT,
     PLAN_DECISION_CONTEXT,
     blob_sha256,
-    enrol_fields,
     plan_decision_fields,
 )
 from afl.proto import wire
@@ -47,9 +52,11 @@ from afl.server.plan import RoundView
 from afl.server.rounds import RoundMachine
 from afl.server.store import EnrolmentRow, Store
 
-__all__ = ["SERVER_VERSION", "Coordinator"]
+__all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
 
 SERVER_VERSION = "afl-server/0.1.0"
+ENROL_CHALLENGE_TTL_S = 300.0
+MAX_OPEN_CHALLENGES = 4
 _ROLES = {"participant": pb.SITE_ROLE_PARTICIPANT, "decryptor": pb.SITE_ROLE_DECRYPTOR}
 
 log = logging.getLogger("afl.server.coordinator")
@@ -72,6 +79,8 @@ class Coordinator:
         self.machine = RoundMachine(config, store, identity_key, metrics=self.metrics, clock=clock)
         self.store = store
         self.lock: threading.Condition = self.machine.lock
+        self._clock = clock
+        self._challenges: dict[str, dict[bytes, float]] = {}  # site -> nonce -> expiry (s)
         with self.lock:
             self.machine.advance()
 
@@ -109,10 +118,40 @@ class Coordinator:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         return row
 
+    def enrol_challenge(self, site_id: str) -> pb.EnrolChallenge:
+        """A fresh nonce for ``site_id`` (from its certificate), valid once (module docstring)."""
+        self._known(site_id)
+        now = self._clock()
+        nonce = secrets.token_bytes(32)
+        with self.lock:
+            open_ = {n: t for n, t in self._challenges.get(site_id, {}).items() if t > now}
+            while len(open_) >= MAX_OPEN_CHALLENGES:
+                del open_[min(open_, key=open_.__getitem__)]
+            open_[nonce] = now + ENROL_CHALLENGE_TTL_S
+            self._challenges[site_id] = open_
+        return pb.EnrolChallenge(
+            nonce=nonce,
+            expires_unix_ms=int((now + ENROL_CHALLENGE_TTL_S) * 1000),
+            federation_id=self.config.federation_id,
+            site_id=site_id,
+        )
+
+    def _consume_challenge(self, site_id: str, nonce: bytes) -> None:
+        with self.lock:
+            expiry = self._challenges.get(site_id, {}).pop(nonce, None)
+        if expiry is None:
+            raise WrongStageError(
+                "enrolment challenge unknown or already used: call GetEnrolChallenge, then Enroll"
+            )
+        if expiry <= self._clock():
+            raise WrongStageError("enrolment challenge expired: call GetEnrolChallenge again")
+
     def enroll(self, site_id: str, request: pb.EnrollRequest) -> pb.EnrollResponse:
-        """Register ``site_id`` (from its certificate) and its identity key."""
+        """Register ``site_id`` (from its certificate) and its identity key, proven over a fresh
+        challenge and every declared field (module docstring)."""
         self._known(site_id)
         entry = self.config.sites[site_id]
+        self._consume_challenge(site_id, bytes(request.challenge))
         if request.identity_public_key != entry.identity_public_key:
             raise NotPermittedError("identity key differs from the key provisioned for this site")
         try:
@@ -120,14 +159,17 @@ class Coordinator:
                 load_public_key_raw(request.identity_public_key),
                 request.proof,
                 context=ENROL_CONTEXT,
-                fields=enrol_fields(
+                fields=wire.enrol_proof_fields(
+                    request,
                     federation_id=self.config.federation_id,
                     site_id=site_id,
-                    identity_public_key=request.identity_public_key,
+                    server_identity_public_key=self.config.identity_public_key,
                 ),
             )
         except CryptoError as exc:
-            raise NotPermittedError("enrol proof of possession does not verify") from exc
+            raise NotPermittedError(
+                "enrol proof does not verify over this challenge and the declared fields"
+            ) from exc
         if request.role not in (pb.SITE_ROLE_UNSPECIFIED, _ROLES[entry.role]):
             raise NotPermittedError(f"site {site_id!r} is provisioned as {entry.role}")
         if request.protocol_version not in (0, wire.PROTOCOL_VERSION):

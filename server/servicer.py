@@ -149,6 +149,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- the shared flow ---------------------------------------------------------------------
 
+    def GetEnrolChallenge(
+        self, request: pb.EnrolChallengeRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call("GetEnrolChallenge", context, self.coordinator.enrol_challenge)
+
     def Enroll(self, request: pb.EnrollRequest, context: grpc.ServicerContext) -> Any:
         return self._call("Enroll", context, lambda s: self.coordinator.enroll(s, request))
 

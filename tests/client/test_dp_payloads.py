@@ -24,10 +24,8 @@ from afl.client.modes import PlaintextMode
 from afl.core.dp_stats import clip_rows, sufficient_statistics
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import (
-    ENROL_CONTEXT,
     PLAN_DECISION_CONTEXT,
     blob_sha256,
-    enrol_fields,
     plan_decision_fields,
 )
 from afl.proto.v1 import common_pb2 as cpb
@@ -40,6 +38,7 @@ from afl.server.plan import build_plan
 from afl.server.provisioning import provision
 from afl.server.rounds import Stage
 from afl.server.store import Store
+from tests.helpers.enrol import enrol_in_process
 
 D = 5
 SITES = ["a", "b", "c"]
@@ -179,13 +178,7 @@ def test_in_process_dp_round_with_huge_epsilon_equals_the_pooled_solve(tmp_path:
         for s in SITES
     }
     for s in SITES:
-        public = signatures.public_key_to_raw(keys[s])
-        fields = enrol_fields(
-            federation_id=config.federation_id, site_id=s, identity_public_key=public
-        )
-        proof = signatures.sign_fields(keys[s], context=ENROL_CONTEXT, fields=fields)
-        coordinator.enroll(s, pb.EnrollRequest(identity_public_key=public, proof=proof,
-                                               labelled_classes=CLASSES, feature_dim=D))  # fmt: skip
+        enrol_in_process(coordinator, s, keys[s], labelled_classes=CLASSES, feature_dim=D)
     view = coordinator.machine.current()
     assert view.row.plan is not None
     plan = cpb.ReleasePlan.FromString(view.row.plan)

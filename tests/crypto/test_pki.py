@@ -10,7 +10,7 @@ import stat
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import given, settings
@@ -164,3 +164,51 @@ def test_write_private_file_is_0600_and_replaces_atomically(tmp_path: os.PathLik
     with open(path, "rb") as handle:
         assert handle.read() == b"secret"
     assert sorted(os.listdir(tmp_path)) == ["k.pem"]  # no temp file left behind
+
+
+# --- certificate signing requests and the encrypted CA key (M-71, M-73) -----------------------
+
+
+def test_site_csr_is_checked_and_signed_for_its_own_key(ca: pki.CertifiedKey) -> None:
+    key = pki.generate_tls_key()
+    csr = pki.load_csr_pem(pki.csr_to_pem(pki.site_csr(key, site_id="hospital-a")))
+    public = pki.check_site_csr(csr, site_id="hospital-a")
+    cert = pki.issue_site_certificate_for(ca, public_key=public, site_id="hospital-a")
+    pki.verify_issued_by(cert, ca.certificate)
+    assert pki.site_id_from_certificate(cert) == "hospital-a"
+    assert cert.public_key() == key.public_key()
+    with pytest.raises(pki.PkiError, match="subject"):
+        pki.check_site_csr(csr, site_id="hospital-b")
+
+
+def test_server_csr_must_name_exactly_the_hosts(ca: pki.CertifiedKey) -> None:
+    key = pki.generate_tls_key()
+    csr = pki.server_csr(key, hosts=["afl.example.org", "127.0.0.1"])
+    public = pki.check_server_csr(csr, hosts=["afl.example.org", "127.0.0.1"])
+    cert = pki.issue_server_certificate_for(
+        ca, public_key=public, common_name="afl.example.org", hosts=["afl.example.org", "127.0.0.1"]
+    )
+    pki.verify_issued_by(cert, ca.certificate)
+    with pytest.raises(pki.PkiError, match="names"):
+        pki.check_server_csr(csr, hosts=["afl.example.org", "127.0.0.1", "evil.example.org"])
+
+
+def test_csr_with_a_broken_self_signature_is_refused() -> None:
+    good = pki.site_csr(pki.generate_tls_key(), site_id="hospital-a")
+    tampered = bytearray(good.public_bytes(serialization.Encoding.DER))
+    tampered[-5] ^= 0x01  # a bit of the signature
+    csr = x509.load_der_x509_csr(bytes(tampered))
+    with pytest.raises(pki.PkiError, match="self-signature"):
+        pki.check_site_csr(csr, site_id="hospital-a")
+
+
+def test_encrypted_private_key_needs_its_passphrase() -> None:
+    key = pki.generate_tls_key()
+    pem = pki.tls_private_key_to_pem(key, passphrase=b"correct horse")
+    assert pki.is_encrypted_pem(pem) and not pki.is_encrypted_pem(pki.tls_private_key_to_pem(key))
+    loaded = pki.load_tls_private_key_pem(pem, passphrase=b"correct horse")
+    assert loaded.private_numbers() == key.private_numbers()
+    with pytest.raises(pki.PkiError, match="wrong passphrase"):
+        pki.load_tls_private_key_pem(pem, passphrase=b"wrong")
+    with pytest.raises(pki.PkiError, match="passphrase is needed"):
+        pki.load_tls_private_key_pem(pem)

@@ -7,15 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from afl.crypto import signatures
-from afl.crypto.signed_blobs import (
-    ENROL_CONTEXT,
-    PLAN_DECISION_CONTEXT,
-    blob_sha256,
-    enrol_fields,
-    plan_decision_fields,
-)
+from afl.crypto.signed_blobs import PLAN_DECISION_CONTEXT, blob_sha256, plan_decision_fields
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.plan import RoundView
+from tests.helpers.enrol import enrol_in_process
 
 
 def site_key(federation: Any, site: str) -> Any:
@@ -33,20 +28,14 @@ def enrol(
     labelled: Sequence[str] = (),
     feature_dim: int = 0,
 ) -> pb.EnrollResponse:
-    key = site_key(federation, site)
-    public = signatures.public_key_to_raw(key)
-    fields = enrol_fields(
-        federation_id=coordinator.config.federation_id, site_id=site, identity_public_key=public
-    )
-    request = pb.EnrollRequest(
-        identity_public_key=public,
-        proof=signatures.sign_fields(key, context=ENROL_CONTEXT, fields=fields),
-        labelled_classes=list(labelled),
+    """``site`` enrols over a fresh challenge with its kit's identity key."""
+    return enrol_in_process(
+        coordinator,
+        site,
+        site_key(federation, site),
+        labelled_classes=labelled,
         feature_dim=feature_dim,
-        protocol_version=1,
     )
-    response: pb.EnrollResponse = coordinator.enroll(site, request)
-    return response
 
 
 def accept_plan(coordinator: Any, federation: Any, site: str, view: RoundView) -> None:

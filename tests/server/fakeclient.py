@@ -20,16 +20,15 @@ from afl.core.packing import pack_upper
 from afl.core.stats import LocalStats, local_statistics
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import (
-    ENROL_CONTEXT,
     MODEL_CONTEXT,
     PLAN_CONTEXT,
     PLAN_DECISION_CONTEXT,
     blob_sha256,
-    enrol_fields,
     plan_decision_fields,
     verify_blob,
 )
 from afl.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.helpers.enrol import signed_enrol_request
 
 CHUNK = 1 << 20
 
@@ -102,28 +101,30 @@ class FakeSite:
         self.channel.close()
 
     def enroll(self, labelled: Sequence[str] = (), d: int = 0) -> coordinator_pb2.EnrollResponse:
-        public = signatures.public_key_to_raw(self.identity)
-        import tomllib
-
-        federation_id = tomllib.loads((self.kit / "client.toml").read_text())["client"][
-            "federation_id"
-        ]
-        proof = signatures.sign_fields(
+        """Enrol as the real site does (challenge, then a proof over every field)."""
+        challenge = self.challenge()
+        request = signed_enrol_request(
             self.identity,
-            context=ENROL_CONTEXT,
-            fields=enrol_fields(
-                federation_id=federation_id, site_id=self.site_id, identity_public_key=public
-            ),
-        )
-        request = coordinator_pb2.EnrollRequest(
-            identity_public_key=public,
-            proof=proof,
-            labelled_classes=list(labelled),
+            challenge=challenge,
+            server_public_key=self.server_public_key(),
+            labelled_classes=labelled,
             feature_dim=d,
-            protocol_version=1,
         )
         response: coordinator_pb2.EnrollResponse = self.stub.Enroll(request, timeout=10)
         return response
+
+    def challenge(self) -> coordinator_pb2.EnrolChallenge:
+        out: coordinator_pb2.EnrolChallenge = self.stub.GetEnrolChallenge(
+            coordinator_pb2.EnrolChallengeRequest(), timeout=10
+        )
+        return out
+
+    def server_public_key(self) -> bytes:
+        """The server identity key of this site's kit (client.toml)."""
+        import tomllib
+
+        text = (self.kit / "client.toml").read_text()
+        return bytes.fromhex(tomllib.loads(text)["identity"]["server_public_key"])
 
     def status(self, round_id: str = "") -> coordinator_pb2.StatusResponse:
         out: coordinator_pb2.StatusResponse = self.stub.GetStatus(

@@ -20,9 +20,7 @@ from afl.client.config import LocalPolicy
 from afl.client.policy import check_plan
 from afl.core.dp_accounting import GaussianRelease, epsilon_for_releases
 from afl.crypto import signatures
-from afl.crypto.signed_blobs import ENROL_CONTEXT, enrol_fields
 from afl.proto.v1 import common_pb2
-from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.dp_plan import (
@@ -38,6 +36,7 @@ from afl.server.plan import audit_plan, round1_releases
 from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
+from tests.helpers.enrol import enrol_in_process
 from tests.helpers.federation import FederationSpec
 
 K = 8
@@ -187,19 +186,8 @@ def _coordinator(fed: ProvisionedFederation, state: Path, **round_settings: Any)
         site_key = signatures.load_private_key_pem(
             (fed.site_dirs[site] / "identity.key").read_bytes()
         )
-        public = signatures.public_key_to_raw(site_key)
-        fields = enrol_fields(
-            federation_id=config.federation_id, site_id=site, identity_public_key=public
-        )
-        coordinator.enroll(
-            site,
-            pb.EnrollRequest(
-                identity_public_key=public,
-                proof=signatures.sign_fields(site_key, context=ENROL_CONTEXT, fields=fields),
-                labelled_classes=MISSING_7[site],
-                feature_dim=D,
-                protocol_version=1,
-            ),
+        enrol_in_process(
+            coordinator, site, site_key, labelled_classes=MISSING_7[site], feature_dim=D
         )
     return coordinator
 

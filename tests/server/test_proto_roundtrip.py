@@ -190,6 +190,10 @@ def test_masking_and_ckks_messages_round_trip() -> None:
             labelled_classes=["Effusion"],
             feature_dim=1024,
             protocol_version=1,
+            challenge=b"\x33" * 32,
+        ),
+        pb.EnrolChallenge(
+            nonce=b"\x44" * 32, expires_unix_ms=1_700_000_000_000, federation_id="f", site_id="s"
         ),
         pb.AdvertiseKeysRequest(
             round_id="r", cipher_public_key=b"\x01" * 32, mask_public_key=b"\x02" * 32
@@ -243,6 +247,7 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
     service = pb.DESCRIPTOR.services_by_name["Coordinator"]
     methods = {m.name: m for m in service.methods}
     expected = {
+        "GetEnrolChallenge",
         "Enroll",
         "GetStatus",
         "WatchRounds",

@@ -14,10 +14,8 @@ import pytest
 from afl.core.packing import packed_length
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import (
-    ENROL_CONTEXT,
     PLAN_DECISION_CONTEXT,
     blob_sha256,
-    enrol_fields,
     plan_decision_fields,
 )
 from afl.proto.v1 import common_pb2
@@ -29,6 +27,7 @@ from afl.server.errors import WrongStageError
 from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
+from tests.helpers.enrol import enrol_in_process
 from tests.helpers.federation import FederationSpec
 
 SITES = ["p1", "p2", "p3"]
@@ -52,19 +51,9 @@ def _key(fed: ProvisionedFederation, site: str) -> Any:
 
 def _enrol_all(coordinator: Coordinator, fed: ProvisionedFederation) -> None:
     for site in SITES:
-        key = _key(fed, site)
-        public = signatures.public_key_to_raw(key)
-        fields = enrol_fields(
-            federation_id=coordinator.config.federation_id, site_id=site, identity_public_key=public
+        enrol_in_process(
+            coordinator, site, _key(fed, site), labelled_classes=COVERAGE[site], feature_dim=D
         )
-        request = pb.EnrollRequest(
-            identity_public_key=public,
-            proof=signatures.sign_fields(key, context=ENROL_CONTEXT, fields=fields),
-            labelled_classes=COVERAGE[site],
-            feature_dim=D,
-            protocol_version=1,
-        )
-        coordinator.enroll(site, request)
 
 
 def _accept(coordinator: Coordinator, fed: ProvisionedFederation, site: str) -> None:

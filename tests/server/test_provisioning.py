@@ -4,6 +4,7 @@ certificates from another CA (or none) are refused."""
 
 from __future__ import annotations
 
+import json
 import stat
 import tomllib
 from collections.abc import Iterator
@@ -15,8 +16,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from afl.crypto import pki, signatures
-from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
+from afl.crypto import custody, pki, signatures
+from afl.server.provisioning import (
+    ProvisionedFederation,
+    ProvisioningError,
+    ca_key_is_encrypted,
+    init_ca,
+    init_server_kit,
+    provision,
+    sign_requests,
+)
 from tests.helpers.federation import FederationSpec
 
 SITES = ["hospital-a", "hospital-b", "site.c"]
@@ -45,6 +54,7 @@ def test_layout_and_private_file_modes(federation: ProvisionedFederation) -> Non
             "ca.pem",
             "client.toml",
             "identity.key",
+            "roster.json",
             "site.key",
             "site.pem",
         ]
@@ -212,3 +222,111 @@ def test_mtls_refuses_a_client_without_certificate(
         with pytest.raises(grpc.RpcError) as info:
             _check_health(channel)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- production: CA, server request, signing requests (M-70, M-71, M-73) ----------------------
+
+
+def _requests(tmp_path: Path, sites: dict[str, str]) -> list[Path]:
+    """A server request made in its own kit and one request per site (``sites``: id -> role)."""
+    paths = [init_server_kit(tmp_path / "server-kit", hosts=["afl.example.org"], port=6000)[0]]
+    for site_id, role in sites.items():
+        _, request = custody.new_site_request(site_id=site_id, role=role)
+        path = tmp_path / "inbox" / f"{site_id}.request.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(request.to_json())
+        paths.append(path)
+    return paths
+
+
+def test_signing_requests_writes_public_material_only(tmp_path: Path) -> None:
+    ca_dir, fed_id = init_ca(tmp_path / "ca", federation_id="fed-p", passphrase=b"pw")
+    assert fed_id == "fed-p"
+    assert b"ENCRYPTED PRIVATE KEY" in (ca_dir / "ca.key").read_bytes()
+    assert _mode(ca_dir / "ca.key") == 0o600 and ca_key_is_encrypted(ca_dir)
+    kit = tmp_path / "server-kit"
+    paths = _requests(tmp_path, {"h1": "participant", "h2": "decryptor"})
+    assert _mode(kit / "server.key") == 0o600 and _mode(kit / "identity.key") == 0o600
+    signed = sign_requests(ca_dir, paths, tmp_path / "out", passphrase=b"pw")
+    written = [p for p in signed.root.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if b"PRIVATE KEY" in p.read_bytes()]
+    ca = pki.load_certificate_pem((ca_dir / "ca.pem").read_bytes())
+    requests = {r.name: r for r in signed.requests}
+    server_cert = pki.load_certificate_pem((signed.server_dir / "server.pem").read_bytes())
+    pki.verify_issued_by(server_cert, ca)
+    assert server_cert.public_key() == requests["afl.example.org"].verify()
+    server_cfg = _load(signed.server_dir / "server.toml")
+    assert (
+        server_cfg["identity"]["public_key"]
+        == requests["afl.example.org"].identity_public_key.hex()
+    )
+    assert server_cfg["server"]["listen"] == "0.0.0.0:6000"
+    roster = custody.roster_from_json((signed.root / "roster.json").read_text())
+    assert roster == signed.roster and roster.server_address == "afl.example.org:6000"
+    assert roster.federation_id == fed_id == server_cfg["server"]["federation_id"]
+    for site_id, folder in signed.site_dirs.items():
+        cert = pki.load_certificate_pem((folder / "site.pem").read_bytes())
+        pki.verify_issued_by(cert, ca)
+        assert pki.site_id_from_certificate(cert) == site_id
+        assert cert.public_key() == requests[site_id].verify()
+        key = requests[site_id].identity_public_key.hex()
+        assert server_cfg["sites"][site_id] == {
+            "identity_public_key": key,
+            "role": requests[site_id].role,
+        }
+        template = _load(folder / "client.toml")
+        assert "policy" not in template and template["identity"]["public_key"] == key
+        assert (folder / "roster.json").read_text() == (signed.root / "roster.json").read_text()
+
+
+def test_wrong_or_missing_ca_passphrase_is_one_clear_error(tmp_path: Path) -> None:
+    ca_dir, _ = init_ca(tmp_path / "ca", passphrase=b"right")
+    paths = _requests(tmp_path, {"h1": "participant"})
+    with pytest.raises(ProvisioningError, match="wrong passphrase"):
+        sign_requests(ca_dir, paths, tmp_path / "out", passphrase=b"wrong")
+    with pytest.raises(ProvisioningError, match="passphrase is needed"):
+        sign_requests(ca_dir, paths, tmp_path / "out", passphrase=None)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ProvisioningError, match="already holds a federation CA"):
+        init_ca(tmp_path / "ca", passphrase=None)
+
+
+@pytest.mark.parametrize(
+    ("sites", "message"),
+    [
+        ({"h1": "decryptor", "h2": "decryptor"}, "at most one decryptor"),
+        ({}, "at least one site"),
+    ],
+)
+def test_requests_that_are_no_federation_are_refused(
+    tmp_path: Path, sites: dict[str, str], message: str
+) -> None:
+    ca_dir, _ = init_ca(tmp_path / "ca", passphrase=None)
+    with pytest.raises(ProvisioningError, match=message):
+        sign_requests(ca_dir, _requests(tmp_path, sites), tmp_path / "out", passphrase=None)
+
+
+def test_duplicate_and_tampered_requests_are_refused(tmp_path: Path) -> None:
+    ca_dir, _ = init_ca(tmp_path / "ca", passphrase=None)
+    paths = _requests(tmp_path, {"h1": "participant"})
+    with pytest.raises(ProvisioningError, match="two requests for the same site"):
+        sign_requests(ca_dir, [*paths, paths[1]], tmp_path / "out", passphrase=None)
+    with pytest.raises(ProvisioningError, match="exactly one server request"):
+        sign_requests(ca_dir, [paths[1]], tmp_path / "out", passphrase=None)
+    document = json.loads(paths[1].read_text())
+    document["identity_public_key"] = signatures.public_key_to_raw(
+        signatures.generate_identity_key()
+    ).hex()  # the operator's, or anyone's on the way, in place of the site's
+    del document["fingerprint"]
+    paths[1].write_text(json.dumps(document))
+    with pytest.raises(custody.CustodyError, match="does not verify"):
+        sign_requests(ca_dir, paths, tmp_path / "out", passphrase=None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_server_keys_are_never_overwritten(tmp_path: Path) -> None:
+    path, _ = init_server_kit(tmp_path / "kit", hosts=["localhost"])
+    key = (tmp_path / "kit" / "server.key").read_bytes()
+    with pytest.raises(ProvisioningError, match="already holds"):
+        init_server_kit(tmp_path / "kit", hosts=["localhost"])
+    assert (tmp_path / "kit" / "server.key").read_bytes() == key and path.is_file()

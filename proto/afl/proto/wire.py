@@ -4,6 +4,8 @@ the coordinator, the sites and the decryptor alike (docs/architecture.md §5).
 * :data:`PROTOCOL_VERSION`: the wire protocol version a site and the server speak
   (``EnrollRequest.protocol_version``, ``RoundConfig.protocol_version``). Not to be confused with
   :data:`afl.crypto.canonical.DOMAIN_TAG`, the domain separator inside every signature and KDF.
+* :func:`enrol_proof_fields`: the fields an ``EnrollRequest``'s proof signs, from the request
+  itself, so the site signs and the server verifies the same tuple (docs/protocol.md §3).
 * :func:`release_length`: number of wire elements of one site's contribution to a release
   (d(d+1)/2 for a Gram travelling as a packed upper triangle, prod(shape) otherwise).
 * Chunk framing of ``Upload`` and ``Download`` streams, both directions (:func:`iter_chunks`,
@@ -31,6 +33,7 @@ from typing import Literal
 import numpy as np
 
 from afl.core.packing import packed_length
+from afl.crypto.canonical import Field
 from afl.crypto.errors import ShamirError
 from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg_messages import (
@@ -48,6 +51,7 @@ from afl.crypto.secagg_messages import (
     UnmaskResponse,
 )
 from afl.crypto.shamir import VALUE_BYTES, Share
+from afl.crypto.signed_blobs import enrol_fields
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -64,6 +68,7 @@ __all__ = [
     "consistency_from_proto",
     "directory_from_proto",
     "directory_to_proto",
+    "enrol_proof_fields",
     "iter_chunks",
     "masked_upload",
     "release_length",
@@ -101,6 +106,31 @@ class WireLimitError(WireError):
 def stage_name(stage: int) -> str:
     """Name of a RoundStage value, e.g. "ROUND_STAGE_UPLOAD"."""
     return pb.RoundStage.Name(stage)  # type: ignore[arg-type]
+
+
+def enrol_proof_fields(
+    request: pb.EnrollRequest,
+    *,
+    federation_id: str,
+    site_id: str,
+    server_identity_public_key: bytes,
+) -> list[Field]:
+    """The fields of ``request``'s proof (:func:`afl.crypto.signed_blobs.enrol_fields`): every
+    field of the request but the proof, with the federation, the site (its certificate's) and
+    the server identity key each side holds itself."""
+    return enrol_fields(
+        federation_id=federation_id,
+        site_id=site_id,
+        identity_public_key=bytes(request.identity_public_key),
+        server_identity_public_key=server_identity_public_key,
+        challenge=bytes(request.challenge),
+        role=int(request.role),
+        labelled_classes=list(request.labelled_classes),
+        backbone=request.backbone,
+        feature_dim=int(request.feature_dim),
+        software_version=request.software_version,
+        protocol_version=int(request.protocol_version),
+    )
 
 
 def release_length(

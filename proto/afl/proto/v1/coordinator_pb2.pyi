@@ -14,7 +14,7 @@ stage or round), ALREADY_EXISTS (replayed upload with a different digest), RESOU
 Visibility tags ([visible: ...]) are defined in common.proto.
 
 A round, as seen by a site:
-  Enroll -> WatchRounds/GetStatus -> GetRoundConfig (verify the signed release plan against
+  GetEnrolChallenge -> Enroll -> WatchRounds/GetStatus -> GetRoundConfig (verify the signed release plan against
   local policy) -> RespondToPlan -> mode-specific exchange -> Upload -> GetModel (verify the
   signature) -> SubmitReport.
 MASK mode exchange (Bonawitz et al. CCS'17, docs/protocol.md §4.2):
@@ -257,6 +257,55 @@ CLIENT_OUTCOME_ABORTED: ClientOutcome.ValueType  # 4
 Global___ClientOutcome: _TypeAlias = ClientOutcome  # noqa: Y015
 
 @_typing.final
+class EnrolChallengeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnrolChallengeRequest: _TypeAlias = EnrolChallengeRequest  # noqa: Y015
+
+@_typing.final
+class EnrolChallenge(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    FEDERATION_ID_FIELD_NUMBER: _builtins.int
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    """32 random bytes, bound to the caller's certificate site id, valid once. [visible: server,
+    the site]
+    """
+    expires_unix_ms: _builtins.int
+    """When the server forgets the nonce, Unix milliseconds. [visible: server, the site]"""
+    federation_id: _builtins.str
+    """Federation id. [visible: all]"""
+    site_id: _builtins.str
+    """Site id as read from the caller's certificate. [visible: server, the site]"""
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+        expires_unix_ms: _builtins.int = ...,
+        federation_id: _builtins.str = ...,
+        site_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_unix_ms", b"expires_unix_ms", "federation_id", b"federation_id", "nonce", b"nonce", "site_id", b"site_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnrolChallenge: _TypeAlias = EnrolChallenge  # noqa: Y015
+
+@_typing.final
 class EnrollRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -268,13 +317,16 @@ class EnrollRequest(_message.Message):
     FEATURE_DIM_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    CHALLENGE_FIELD_NUMBER: _builtins.int
     identity_public_key: _builtins.bytes
     """Site's Ed25519 identity public key, raw 32 bytes; must equal the key provisioned for the
     certificate's site id. [visible: all]
     """
     proof: _builtins.bytes
-    """Proof of possession: identity signature, context "enrol", fields (federation_id, site_id,
-    identity_public_key). [visible: server]
+    """Proof of possession over every field the site declares: identity signature, context "enrol",
+    fields (federation_id, site_id, identity_public_key, server identity public key, challenge,
+    role, canonical(labelled_classes), backbone, feature_dim, software_version,
+    protocol_version) (afl.proto.wire.enrol_proof_fields). [visible: server]
     """
     role: Global___SiteRole.ValueType
     """Requested role; the server checks it against its configuration. [visible: all]"""
@@ -288,6 +340,8 @@ class EnrollRequest(_message.Message):
     """afl version string of the client. [visible: server]"""
     protocol_version: _builtins.int
     """Wire protocol version spoken by the client (1). [visible: server]"""
+    challenge: _builtins.bytes
+    """The nonce of a GetEnrolChallenge reply to this site, used once. [visible: server]"""
     @_builtins.property
     def labelled_classes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Classes the site labels (its coverage). Sent only when the site's policy allows disclosing
@@ -306,10 +360,11 @@ class EnrollRequest(_message.Message):
         feature_dim: _builtins.int = ...,
         software_version: _builtins.str = ...,
         protocol_version: _builtins.int = ...,
+        challenge: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "feature_dim", b"feature_dim", "identity_public_key", b"identity_public_key", "labelled_classes", b"labelled_classes", "proof", b"proof", "protocol_version", b"protocol_version", "role", b"role", "software_version", b"software_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "challenge", b"challenge", "feature_dim", b"feature_dim", "identity_public_key", b"identity_public_key", "labelled_classes", b"labelled_classes", "proof", b"proof", "protocol_version", b"protocol_version", "role", b"role", "software_version", b"software_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

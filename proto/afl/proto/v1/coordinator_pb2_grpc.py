@@ -37,6 +37,11 @@ class CoordinatorStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.GetEnrolChallenge = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetEnrolChallenge',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallengeRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallenge.FromString,
+                _registered_method=True)
         self.Enroll = channel.unary_unary(
                 '/afl.proto.v1.Coordinator/Enroll',
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrollRequest.SerializeToString,
@@ -164,9 +169,19 @@ class CoordinatorServicer:
     model publication. Served by afl-server; called by afl-client daemons over mTLS.
     """
 
+    def GetEnrolChallenge(self, request, context):
+        """A fresh enrolment challenge for the calling site (identity from its certificate): a random
+        nonce the server keeps until one Enroll uses it or it expires (docs/protocol.md §3, M-74).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Enroll(self, request, context):
-        """Registers the calling site (identity from its certificate) and its Ed25519 identity key.
-        Idempotent: re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED.
+        """Registers the calling site (identity from its certificate) and its Ed25519 identity key,
+        proven over a challenge of GetEnrolChallenge. Idempotent given a fresh challenge:
+        re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED; a used,
+        expired or unknown challenge is FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -339,6 +354,11 @@ class CoordinatorServicer:
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'GetEnrolChallenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEnrolChallenge,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallengeRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallenge.SerializeToString,
+            ),
             'Enroll': grpc.unary_unary_rpc_method_handler(
                     servicer.Enroll,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrollRequest.FromString,
@@ -471,6 +491,33 @@ class Coordinator:
     """The coordinator: enrolment, rounds, key and share routing, uploads, CKKS decryption jobs and
     model publication. Served by afl-server; called by afl-client daemons over mTLS.
     """
+
+    @staticmethod
+    def GetEnrolChallenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetEnrolChallenge',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallengeRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.EnrolChallenge.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Enroll(request,

@@ -14,7 +14,7 @@ stage or round), ALREADY_EXISTS (replayed upload with a different digest), RESOU
 Visibility tags ([visible: ...]) are defined in common.proto.
 
 A round, as seen by a site:
-  Enroll -> WatchRounds/GetStatus -> GetRoundConfig (verify the signed release plan against
+  GetEnrolChallenge -> Enroll -> WatchRounds/GetStatus -> GetRoundConfig (verify the signed release plan against
   local policy) -> RespondToPlan -> mode-specific exchange -> Upload -> GetModel (verify the
   signature) -> SubmitReport.
 MASK mode exchange (Bonawitz et al. CCS'17, docs/protocol.md §4.2):
@@ -60,9 +60,15 @@ class CoordinatorStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> CoordinatorAsyncStub: ...
+    GetEnrolChallenge: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EnrolChallengeRequest, _coordinator_pb2.EnrolChallenge]
+    """A fresh enrolment challenge for the calling site (identity from its certificate): a random
+    nonce the server keeps until one Enroll uses it or it expires (docs/protocol.md §3, M-74).
+    """
     Enroll: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EnrollRequest, _coordinator_pb2.EnrollResponse]
-    """Registers the calling site (identity from its certificate) and its Ed25519 identity key.
-    Idempotent: re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED.
+    """Registers the calling site (identity from its certificate) and its Ed25519 identity key,
+    proven over a challenge of GetEnrolChallenge. Idempotent given a fresh challenge:
+    re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED; a used,
+    expired or unknown challenge is FAILED_PRECONDITION.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
     """Polling status of the federation and of a round."""
@@ -123,9 +129,15 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
+    GetEnrolChallenge: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EnrolChallengeRequest, _coordinator_pb2.EnrolChallenge]  # type: ignore[assignment]
+    """A fresh enrolment challenge for the calling site (identity from its certificate): a random
+    nonce the server keeps until one Enroll uses it or it expires (docs/protocol.md §3, M-74).
+    """
     Enroll: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EnrollRequest, _coordinator_pb2.EnrollResponse]  # type: ignore[assignment]
-    """Registers the calling site (identity from its certificate) and its Ed25519 identity key.
-    Idempotent: re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED.
+    """Registers the calling site (identity from its certificate) and its Ed25519 identity key,
+    proven over a challenge of GetEnrolChallenge. Idempotent given a fresh challenge:
+    re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED; a used,
+    expired or unknown challenge is FAILED_PRECONDITION.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
     """Polling status of the federation and of a round."""
@@ -185,13 +197,25 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """
 
     @_abc_1.abstractmethod
+    def GetEnrolChallenge(
+        self,
+        request: _coordinator_pb2.EnrolChallengeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.EnrolChallenge, _abc.Awaitable[_coordinator_pb2.EnrolChallenge]]:
+        """A fresh enrolment challenge for the calling site (identity from its certificate): a random
+        nonce the server keeps until one Enroll uses it or it expires (docs/protocol.md §3, M-74).
+        """
+
+    @_abc_1.abstractmethod
     def Enroll(
         self,
         request: _coordinator_pb2.EnrollRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.EnrollResponse, _abc.Awaitable[_coordinator_pb2.EnrollResponse]]:
-        """Registers the calling site (identity from its certificate) and its Ed25519 identity key.
-        Idempotent: re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED.
+        """Registers the calling site (identity from its certificate) and its Ed25519 identity key,
+        proven over a challenge of GetEnrolChallenge. Idempotent given a fresh challenge:
+        re-enrolling with the same key succeeds; a different key is PERMISSION_DENIED; a used,
+        expired or unknown challenge is FAILED_PRECONDITION.
         """
 
     @_abc_1.abstractmethod
