@@ -4,8 +4,10 @@ waiting for a round and for a round's stage. Used by the site daemon, its aggreg
 CKKS decryptor alike.
 
 Enrolment (``Enroll``): the identity public key with a proof of possession (signature, context
-"enrol", over (federation_id, site_id, identity_public_key)); the reply must name this federation
-and this site and carry the server identity key of the startup kit.
+"enrol", over (federation_id, site_id, identity_public_key)), and what the site declares about its
+features (backbone, d, weights digest, random-init stamp, row bounds when its policy allows); the
+reply must name this federation and this site and carry the server identity key of the startup
+kit; a note in the reply (e.g. classes the federation does not use) is logged.
 
 Polling interval: starts at ``poll_interval_s`` and grows by 1.5x per idle poll up to
 ``max_poll_interval_s``; waits give up after ``max_wait_s`` (DaemonError), or, when
@@ -29,6 +31,7 @@ from afl.client.daemon_transport import (
     upload_payload,
     with_retry,
 )
+from afl.core.row_bounds import RowBounds
 from afl.crypto import signatures, signed_blobs
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -120,6 +123,9 @@ class CoordinatorClient:
         backbone: str = "",
         feature_dim: int = 0,
         software_version: str = "",
+        row_bounds: RowBounds | None = None,
+        weights_sha256: str = "",
+        random_init: bool = False,
     ) -> pb.EnrollResponse:
         """Enroll this site (module docstring); :class:`DaemonError` if the reply does not match
         the startup kit."""
@@ -141,6 +147,10 @@ class CoordinatorClient:
             feature_dim=feature_dim,
             software_version=software_version,
             protocol_version=wire.PROTOCOL_VERSION,
+            declared_rows=row_bounds.rows if row_bounds else 0,
+            declared_max_row_norm=row_bounds.max_row_norm if row_bounds else 0.0,
+            weights_sha256=weights_sha256,
+            random_init=random_init,
         )
         response: pb.EnrollResponse = self.call("Enroll", request, wait_for_ready=True)
         if response.server_identity_public_key != server_public_key:
@@ -149,6 +159,8 @@ class CoordinatorClient:
             raise DaemonError(f"the server serves federation {response.federation_id!r}")
         if response.site_id and response.site_id != self.site_id:
             raise DaemonError(f"the server sees this site as {response.site_id!r}")
+        if response.message and response.message != "enrolled":
+            log.warning("site=%s enrolment: %s", self.site_id, response.message)
         return response
 
     def status(self, round_id: str = "") -> pb.StatusResponse:

@@ -34,13 +34,13 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from afl.client.config import ClientConfig
+from afl.client.connectivity import connect
 from afl.client.daemon_rpc import CoordinatorClient
 from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
     RemoteCallError,
     RetryPolicy,
-    open_channel,
 )
 from afl.client.daemon_verify import VerificationError, verify_signed_plan
 from afl.crypto import ckks, kdf, pki, signatures
@@ -329,7 +329,7 @@ class DecryptorDaemon:
 
     def run(self) -> int:
         """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0."""
-        with open_channel(self.config, insecure=self.insecure) as channel:
+        with connect(self.config, insecure=self.insecure) as channel:
             self.rpc = CoordinatorClient(
                 pb_grpc.CoordinatorStub(channel),
                 site_id=self.config.site_id,

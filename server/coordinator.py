@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from afl.core.row_bounds import RowBounds
+from afl.core.suggest import unknown_names
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
 from afl.crypto.signed_blobs import (
@@ -147,9 +149,14 @@ class Coordinator:
             raise InvalidRequestError(
                 f"backbone {request.backbone!r} differs from the federation's {settings.backbone!r}"
             )
-        unknown = sorted(set(request.labelled_classes) - set(settings.classes))
-        if unknown:
-            raise InvalidRequestError(f"labelled_classes names unknown classes: {unknown}")
+        self._check_features(site_id, request)
+        bounds = RowBounds(int(request.declared_rows), float(request.declared_max_row_norm))
+        if (request.declared_rows or request.declared_max_row_norm) and not bounds.valid:
+            raise InvalidRequestError(f"declared row bounds {bounds} are not valid")
+        # Classes outside the federation are ignored, not refused: a cache may hold more columns
+        # than the federation uses. The note names them (a misspelling shows up here).
+        unknown = unknown_names(sorted(set(request.labelled_classes)), settings.classes)
+        note = f"enrolled; classes not in this federation (ignored): {unknown}" if unknown else ""
         with self.lock:
             self.store.put_enrolment(
                 EnrolmentRow(
@@ -159,20 +166,41 @@ class Coordinator:
                     tuple(c for c in settings.classes if c in set(request.labelled_classes)),
                     request.backbone,
                     request.feature_dim,
+                    row_bounds=bounds.powers_of_two() if bounds.valid else None,
+                    weights_sha256=request.weights_sha256,
+                    random_init=request.random_init,
                 ),
                 software_version=request.software_version,
             )
-            self.store.audit("enrolled", {"site_id": site_id})
+            self.store.audit("enrolled", {"site_id": site_id, **({"note": note} if note else {})})
             self.metrics.enrolments.inc()
-            log.info("site enrolled", extra={"site_id": site_id})
+            log.info("site enrolled", extra={"site_id": site_id, "note": note})
             self.machine.advance()
         return pb.EnrollResponse(
             site_id=site_id,
             federation_id=self.config.federation_id,
             server_identity_public_key=self.config.identity_public_key,
             protocol_version=wire.PROTOCOL_VERSION,
-            message="enrolled",
+            message=note or "enrolled",
         )
+
+    def _check_features(self, site_id: str, request: pb.EnrollRequest) -> None:
+        """The site's features come from the pinned weights, and from trained ones unless this
+        is a test federation ([round] backbone_sha256, allow_random_init)."""
+        settings = self.config.round
+        if request.random_init and not settings.allow_random_init:
+            raise NotPermittedError(
+                f"site {site_id!r} extracted its features with a RANDOM-INIT backbone (test "
+                "features); re-extract with the federation's weights, or set [round] "
+                "allow_random_init = true for a test federation"
+            )
+        pinned = settings.backbone_sha256
+        if pinned and request.weights_sha256.lower() != pinned and not request.random_init:
+            got = request.weights_sha256 or "no digest"
+            raise NotPermittedError(
+                f"site {site_id!r} extracted its features with weights sha256 {got}, the "
+                f"federation pins {pinned} ([round] backbone_sha256)"
+            )
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -355,14 +383,26 @@ class Coordinator:
             view = self.machine.find(report.round_id or "-")
             self.machine.require_participant(view, site_id)
             self.store.put_report(view.round_id, site_id, report.SerializeToString())
+            outcome = pb.ClientOutcome.Name(report.outcome)
+            reason = report.reason[
+                :500
+            ]  # the site's own words (no statistics, docs/protocol.md §11)
             self.store.audit(
                 "client-report",
                 {
                     "round_id": view.round_id,
                     "site_id": site_id,
-                    "outcome": pb.ClientOutcome.Name(report.outcome),
+                    "outcome": outcome,
+                    "reason": reason,
                     "bytes_sent": report.bytes_sent,
                 },
+            )
+        if report.outcome != pb.CLIENT_OUTCOME_COMPLETED:
+            log.warning(
+                "site reported %s: %s",
+                outcome.removeprefix("CLIENT_OUTCOME_"),
+                reason or "(no reason given)",
+                extra={"site_id": site_id, "round_id": view.round_id, "reason": reason},
             )
 
     def events_after(

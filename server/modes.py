@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError, sum_members
 from afl.core.packing import unpack_upper
+from afl.core.row_bounds import RowBounds
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -49,6 +50,7 @@ from afl.server.store import EnrolmentRow, Store, UploadRow
 
 __all__ = [
     "AggregationMode",
+    "Declared",
     "PlainUploadStage",
     "PlaintextMode",
     "PlanOptions",
@@ -62,6 +64,8 @@ __all__ = [
 ]
 
 FloatArray = NDArray[np.float64]
+#: Row bounds each site declared at enrolment (site id -> bounds; absent = not declared).
+Declared = Mapping[str, RowBounds]
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,14 @@ class AggregationMode(Protocol):
     proto_mode: int
     exchange_stages: tuple[int, ...]
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
-        """Mode, encodings and threshold of the plan over ``participants`` (ValueError: none fits)."""
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
+        """Mode, encodings and threshold of the plan over ``participants`` (ValueError: none
+        fits); ``declared``: the row bounds each site declared at enrolment (None: unknown)."""
         ...
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Rewrite a DP plan's encodings for the noised statistics (ValueError: they do not fit)."""
         ...
 
@@ -245,10 +252,12 @@ class PlaintextMode(PlainUploadStage):
     def from_config(cls, config: ServerConfig) -> PlaintextMode:
         return cls()
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT)
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Float64 carries the noised statistics exactly (the sites check the grid range)."""
 
     def check_upload(

@@ -142,7 +142,7 @@ def _client_toml(
             "server_public_key": server_public.hex(),
         },
         "peers": {site: key.hex() for site, key in peers.items()},
-        "data": {"cache_dir": "cache", "classes": []},
+        "data": {"cache": "cache", "classes": []},
         "policy": {"min_cohort": 3, "allow_exposure": False, "max_epsilon": float("inf")},
     }
     header = (
@@ -207,6 +207,9 @@ def provision(
     site_identities = {s: signatures.generate_identity_key() for s in site_ids}
     peers = {s: signatures.public_key_to_raw(k) for s, k in sorted(site_identities.items())}
     roles = {s: ("decryptor" if s == decryptor else "participant") for s in site_ids}
+    # A round cannot need more participants than there are data sites (the decryptor holds none).
+    data_sites = sum(role == "participant" for role in roles.values())
+    round_settings = {"min_participants": max(1, min(3, data_sites)), **(round_settings or {})}
 
     if not root.exists():
         _mkdir_private(root)

@@ -178,7 +178,7 @@ class RoundMachine:
 
     def _emit(self, round_id: str) -> None:
         view = self.find(round_id)
-        self.metrics.stage.set(view.stage)
+        self.metrics.set_stage(view.stage)
         event = pb.RoundEvent(
             sequence=len(self.events) + 1,
             time_unix_ms=self.now_ms(),
@@ -241,7 +241,9 @@ class RoundMachine:
     def _open(self, view: RoundView, participants: tuple[str, ...]) -> None:
         """Publish the signed plan of a round over ``participants`` (or abort with the reason)."""
         settings = self.config.round
-        coverage = {s: e.labelled_classes for s, e in self.store.enrolments().items()}
+        enrolments = self.store.enrolments()
+        coverage = {s: e.labelled_classes for s, e in enrolments.items()}
+        declared = {s: e.row_bounds for s, e in enrolments.items() if e.row_bounds is not None}
         dp = settings.dp if view.row.number == 1 else None
         if dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
             releases = dp_releases(
@@ -293,7 +295,7 @@ class RoundMachine:
             )
             return
         try:
-            options = self.mode.plan_options(participants)
+            options = self.mode.plan_options(participants, declared=declared)
         except ValueError as exc:
             self._abort(view, f"the {self.mode.name} plan cannot be built: {exc}")
             return
@@ -311,7 +313,7 @@ class RoundMachine:
         if calibration is not None:
             apply_dp(plan, calibration)
             try:
-                self.mode.dp_encodings(plan)
+                self.mode.dp_encodings(plan, declared=declared)
             except ValueError as exc:
                 self._abort(view, f"DP encoding failed: {exc}")
                 return

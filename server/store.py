@@ -1,6 +1,7 @@
 """The coordinator's durable state: SQLite (WAL) plus payload files (docs/architecture.md §8).
 
-Tables: ``meta`` (schema version, federation id), ``enrolments``, ``rounds`` (stage, signed
+Tables: ``meta`` (schema version, federation id), ``enrolments`` (with ``site_declarations``: what
+a site declared at enrolment beyond its identity, as JSON), ``rounds`` (stage, signed
 plan, deadline), ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file),
 ``models`` (signed model bytes), ``reports`` (client reports) and ``audit_log`` (append-only,
 hash-chained: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import write_private_file
 from afl.server.errors import StateError
@@ -37,6 +39,8 @@ CREATE TABLE IF NOT EXISTS enrolments (
     site_id TEXT PRIMARY KEY, identity_public_key BLOB NOT NULL, role TEXT NOT NULL,
     labelled_classes TEXT NOT NULL, backbone TEXT NOT NULL, feature_dim INTEGER NOT NULL,
     software_version TEXT NOT NULL, enrolled_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS site_declarations (
+    site_id TEXT PRIMARY KEY, declared TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS rounds (
     ordinal INTEGER PRIMARY KEY AUTOINCREMENT, round_id TEXT UNIQUE NOT NULL,
     number INTEGER NOT NULL, parent_round_id TEXT NOT NULL, stage INTEGER NOT NULL,
@@ -74,6 +78,21 @@ class EnrolmentRow:
     labelled_classes: tuple[str, ...]
     backbone: str
     feature_dim: int
+    # Declared at enrolment (coordinator.proto EnrollRequest): power-of-two row bounds (None = not
+    # declared), the weights digest and the random-init stamp.
+    row_bounds: RowBounds | None = None
+    weights_sha256: str = ""
+    random_init: bool = False
+
+    def declarations(self) -> dict[str, object]:
+        """The declared fields as stored (JSON-ready)."""
+        bounds = self.row_bounds
+        return {
+            "rows": bounds.rows if bounds else 0,
+            "max_row_norm": bounds.max_row_norm if bounds else 0.0,
+            "weights_sha256": self.weights_sha256,
+            "random_init": self.random_init,
+        }
 
 
 @dataclass(frozen=True)
@@ -101,15 +120,21 @@ class UploadRow:
 class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing)."""
 
-    def __init__(self, state_dir: Path, *, federation_id: str) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = sqlite3.connect(
-            self.state_dir / "server.sqlite3", check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+    def __init__(self, state_dir: Path, *, federation_id: str, read_only: bool = False) -> None:
+        """``read_only`` (`afl-server status`): open an existing state without writing to it, even
+        while the server runs; :class:`StateError` when there is none."""
+        self.state_dir, self.read_only = Path(state_dir), read_only
+        path = self.state_dir / "server.sqlite3"
+        if read_only:
+            if not path.is_file():
+                raise StateError(f"{self.state_dir}: no server state yet (afl-server never ran)")
+            self._db = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
+        else:
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
         self._check_meta(federation_id)
 
     def close(self) -> None:
@@ -128,6 +153,8 @@ class Store:
 
     def _check_meta(self, federation_id: str) -> None:
         rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        if not rows and self.read_only:
+            raise StateError(f"{self.state_dir}: the state database is empty")
         if not rows:
             with self._tx() as db:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -161,16 +188,33 @@ class Store:
                     now_ms(),
                 ),
             )
+            db.execute(
+                "INSERT OR REPLACE INTO site_declarations VALUES (?, ?)",
+                (row.site_id, json.dumps(row.declarations(), sort_keys=True)),
+            )
 
     def enrolments(self) -> dict[str, EnrolmentRow]:
         rows = self._db.execute(
-            "SELECT site_id, identity_public_key, role, labelled_classes, backbone, feature_dim "
-            "FROM enrolments"
+            "SELECT e.site_id, identity_public_key, role, labelled_classes, backbone, "
+            "feature_dim, d.declared FROM enrolments e "
+            "LEFT JOIN site_declarations d ON d.site_id = e.site_id"
         ).fetchall()
-        return {
-            r[0]: EnrolmentRow(r[0], bytes(r[1]), r[2], tuple(json.loads(r[3])), r[4], int(r[5]))
-            for r in rows
-        }
+        out = {}
+        for r in rows:
+            declared = json.loads(r[6]) if r[6] else {}
+            bounds = RowBounds(int(declared.get("rows", 0)), float(declared.get("max_row_norm", 0)))
+            out[r[0]] = EnrolmentRow(
+                r[0],
+                bytes(r[1]),
+                r[2],
+                tuple(json.loads(r[3])),
+                r[4],
+                int(r[5]),
+                row_bounds=bounds if bounds.valid else None,
+                weights_sha256=str(declared.get("weights_sha256", "")),
+                random_init=bool(declared.get("random_init", False)),
+            )
+        return out
 
     # --- rounds ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -101,7 +102,10 @@ class FakeSite:
     def close(self) -> None:
         self.channel.close()
 
-    def enroll(self, labelled: Sequence[str] = (), d: int = 0) -> coordinator_pb2.EnrollResponse:
+    def enroll(
+        self, labelled: Sequence[str] = (), d: int = 0, **declared: Any
+    ) -> coordinator_pb2.EnrollResponse:
+        """Enroll; ``declared``: further EnrollRequest fields (weights digest, row bounds...)."""
         public = signatures.public_key_to_raw(self.identity)
         import tomllib
 
@@ -121,6 +125,7 @@ class FakeSite:
             labelled_classes=list(labelled),
             feature_dim=d,
             protocol_version=1,
+            **declared,
         )
         response: coordinator_pb2.EnrollResponse = self.stub.Enroll(request, timeout=10)
         return response
