@@ -10,18 +10,43 @@ Subcommands are listed in :data:`SUBCOMMANDS` as ``(name, help, add_arguments, r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from afl.client.shards import SHARD_MODES, ShardError, parse_shard
-from afl.client.sitedata import NIH_PAPER_CLASSES, SiteDataError, UnreadableImageError
+from afl.client.sitedata import (
+    NIH_PAPER_CLASSES,
+    SiteDataError,
+    SiteSource,
+    UnreadableImageError,
+    missing_files,
+)
+from afl.core.about import afl_version
+
+if TYPE_CHECKING:
+    from afl.client.config import ClientConfig
 
 Handler = Callable[[argparse.Namespace], int]
 _DESCRIPTION = (
     "The hospital side of afl: make the site's keys and import the operator's public bundle, "
-    "extract features from chest X-rays, merge shard caches, list the backbones, and run the "
-    "site daemon that takes part in the federation's rounds."
+    "extract features from chest X-rays, merge shard caches, list the backbones, check the "
+    "site's setup (doctor), run the site daemon that takes part in the federation's rounds, and "
+    "show its state (status)."
 )
+
+
+def _version() -> str:
+    return f"afl-client {afl_version()}"
+
+
+def default_workers() -> int:
+    """DataLoader workers: up to 4, never more than the CPUs this process may use (torch warns
+    above that; a 2-core machine gets 2)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(4, cpus or 1))
 
 
 def _classes(text: str | None) -> tuple[str, ...] | None:
@@ -41,7 +66,12 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sha256", help="pin the weights file's SHA-256 (64 hex digits)")
     p.add_argument("--out", required=True, help="feature cache directory to write")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help=f"DataLoader worker processes (default {default_workers()}: up to 4, at most the CPUs)",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (stamped in the cache)")
     p.add_argument("--channels-last", action="store_true", help="channels_last memory format")
@@ -54,9 +84,65 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
         "manifest default: every column except the path/id columns)",
     )
     p.add_argument("--views", help="NIH only: comma-separated View Position filter, e.g. PA")
+    p.add_argument(
+        "--only-present",
+        action="store_true",
+        help="NIH only: extract the listed images that are on disk (a partial download); without "
+        "it a folder missing listed images is refused before any work starts",
+    )
+    p.add_argument(
+        "--uncertain-as",
+        choices=("unlabelled", "positive", "negative"),
+        default="unlabelled",
+        help="manifest: what -1 means. afl's convention: not labelled (default); a CheXpert-style "
+        "file's -1 means uncertain: map it to positive or negative",
+    )
+    p.add_argument(
+        "--warn-unreadable",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="warn loudly when more than this fraction of the images is unreadable (default 0.05)",
+    )
     p.add_argument("--path-column", default="path", help="manifest: image path column")
     p.add_argument("--id-column", help="manifest: image id column (default: the path)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _preflight(source: SiteSource, args: argparse.Namespace) -> SiteSource:
+    """Refuse before any work what cannot be a usable run: a partial NIH folder (unless
+    --only-present), a list whose files are all missing; print the source's warnings."""
+    for warning in source.warnings:
+        print(f"WARNING: {warning}", file=sys.stderr)
+    missing = missing_files(source)
+    total = len(source.records)
+    if not total:
+        raise SiteDataError(f"{source.description}: the list holds no images")
+    if missing and args.images and not args.only_present:
+        raise SiteDataError(
+            f"{args.images}: only {total - len(missing):,} of the {total:,} images listed in its "
+            f"Data_Entry_2017 CSV are on disk (first missing: {missing[0].path}); complete the "
+            "folder, or pass --only-present to extract the images that are there"
+        )
+    if missing and args.images:
+        keep = {r.path for r in missing}
+        kept = tuple(r for r in source.records if r.path not in keep)
+        print(
+            f"--only-present: extracting {len(kept):,} of {total:,} listed images", file=sys.stderr
+        )
+        return replace(source, records=kept)
+    if len(missing) == total:
+        raise SiteDataError(
+            f"{source.description}: none of the {total:,} listed image files exists (first: "
+            f"{missing[0].path}); paths are relative to the manifest's folder"
+        )
+    if missing:
+        print(
+            f"WARNING: {len(missing):,} of {total:,} listed image files do not exist (first: "
+            f"{missing[0].path}); they will be reported as unreadable",
+            file=sys.stderr,
+        )
+    return source
 
 
 def run_extract(args: argparse.Namespace) -> int:
@@ -74,7 +160,9 @@ def run_extract(args: argparse.Namespace) -> int:
             classes=classes,
             path_column=args.path_column,
             id_column=args.id_column,
+            uncertain_as=args.uncertain_as,
         )
+    source = _preflight(source, args)
     backbone = load_backbone(
         args.backbone, weights=args.weights, sha256=args.sha256, random_init=args.random_init
     )
@@ -95,11 +183,23 @@ def run_extract(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     meta = result.cache.meta
+    bad = len(result.unreadable)
     print(
         f"{args.out}: {meta.n} images x {meta.d} features from {meta.provenance}; "
-        f"{len(result.unreadable)} unreadable (listed in {args.out}/unreadable.csv); "
+        f"{bad} unreadable (listed in {args.out}/unreadable.csv); "
         f"{result.images_per_s:.1f} images/s"
     )
+    if meta.n == 0:
+        first = f" (first: {result.unreadable[0].error})" if result.unreadable else ""
+        raise SiteDataError(f"no image could be read: {bad} unreadable{first}")
+    if bad and bad > args.warn_unreadable * (meta.n + bad):
+        print(
+            f"WARNING: {bad} of {meta.n + bad} images ({bad / (meta.n + bad):.0%}) were "
+            f"UNREADABLE and are left out of {args.out} (more than --warn-unreadable "
+            f"{args.warn_unreadable:g}); first: {result.unreadable[0].error}; all are listed in "
+            f"{args.out}/unreadable.csv",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -232,6 +332,52 @@ def run_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="client.toml from the site's startup kit")
+    p.add_argument("--insecure", action="store_true", help="the server runs --insecure (dev)")
+
+
+def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
+    add_status_arguments(p)
+    p.add_argument("--no-connect", action="store_true", help="skip the coordinator checks")
+
+
+def _site_config(args: argparse.Namespace) -> ClientConfig | None:
+    """client.toml, or None after printing why it cannot be loaded."""
+    from afl.client.config import ConfigError, load_client_config
+
+    try:
+        return load_client_config(args.config)
+    except ConfigError as exc:
+        print(f"afl-client {args.command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from afl.client.doctor import doctor
+    from afl.crypto.kit_check import PROBLEM, report_lines
+
+    config = _site_config(args)
+    if config is None:
+        return 2
+    findings = doctor(config, insecure=args.insecure, connect=not args.no_connect)
+    print(f"afl-client doctor {config.path}")
+    print("\n".join(report_lines(findings)))
+    problems = sum(f.level == PROBLEM for f in findings)
+    print(f"{problems} problem(s) found" if problems else "ready: `afl-client run --config ...`")
+    return 1 if problems else 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from afl.client.doctor import status_lines
+
+    config = _site_config(args)
+    if config is None:
+        return 2
+    print("\n".join(status_lines(config, insecure=args.insecure)))
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
     (
         "init",
@@ -248,11 +394,27 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
     ("merge", "merge shard caches into one cache", add_merge_arguments, run_merge),
     ("backbones", "list backbones and their expected weight files", lambda p: None, run_backbones),
     ("run", "the site daemon: join the federation's rounds (mTLS)", add_run_arguments, run_daemon),
+    (
+        "doctor",
+        "check the kit, the connection to the coordinator and the feature cache; print the "
+        "values masked rounds use",
+        add_doctor_arguments,
+        run_doctor,
+    ),
+    (
+        "status",
+        "this site's state: enrolment, current round and stage, last model, last error",
+        add_status_arguments,
+        run_status,
+    ),
 ]
+# Subcommands that never import torch (they handle their own errors).
+_LIGHT = ("run", "init", "doctor", "status")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="afl-client", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, add_args, handler in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text)
@@ -263,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("run", "init"):  # they handle their errors; no torch import on their path
+    if args.command in _LIGHT:  # they handle their errors; no torch import on their path
         code: int = args.handler(args)
         return code
     from afl.client.backbones import BackboneError

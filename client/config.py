@@ -15,7 +15,9 @@ Sections (paths are relative to the file's own folder)::
     [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
                classes   classes this site labels; [] = every cache column without -1 labels
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
-    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true)
+    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true),
+               disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
+               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2)
 
 Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
 are checked strictly for type and range).
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from afl.core.suggest import did_you_mean
 from afl.crypto import signatures
 from afl.crypto.errors import KeyFormatError
 
@@ -64,7 +67,13 @@ _KNOWN: dict[str, set[str]] = {
     "tls": {"ca_cert", "cert", "key"},
     "identity": {"key", "public_key", "server_public_key"},
     "data": {"cache", "cache_dir", "classes", "backbone"},
-    "policy": {"min_cohort", "allow_exposure", "max_epsilon", "disclose_coverage"},
+    "policy": {
+        "min_cohort",
+        "allow_exposure",
+        "max_epsilon",
+        "disclose_coverage",
+        "disclose_row_bounds",
+    },
 }
 _ROLES = ("participant", "decryptor")
 
@@ -81,6 +90,7 @@ class LocalPolicy:
     allow_exposure: bool = False
     max_epsilon: float = math.inf
     disclose_coverage: bool = True
+    disclose_row_bounds: bool = True
 
 
 @dataclass(frozen=True)
@@ -150,8 +160,10 @@ class _Reader:
             return {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{self.path}: [{name}] must be a table")
-        for key in sorted(set(raw) - _KNOWN.get(name, set(raw))):
-            self.warnings.append(f"{self.path}: unknown key [{name}] {key} (ignored)")
+        known = _KNOWN.get(name, set(raw))
+        for key in sorted(set(raw) - known):
+            hint = did_you_mean(key, known)
+            self.warnings.append(f"{self.path}: unknown key [{name}] {key}{hint} (ignored)")
         return raw
 
     def string(
@@ -213,6 +225,7 @@ def _policy(r: _Reader) -> LocalPolicy:
         allow_exposure=r.boolean(sec, "policy", "allow_exposure", False),
         max_epsilon=r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0),
         disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", True),
+        disclose_row_bounds=r.boolean(sec, "policy", "disclose_row_bounds", True),
     )
 
 

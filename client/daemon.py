@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
@@ -30,19 +29,20 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.config import ClientConfig
+from afl.client.connectivity import connect
 from afl.client.daemon_rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon_state import DaemonState, plan_summary
 from afl.client.daemon_stats import (
     labelled_mask,
     load_or_compute_pseudo,
     load_or_compute_stats,
+    round_classes,
     slot_payloads,
 )
 from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
     RemoteCallError,
-    open_channel,
     retry_policy,
 )
 from afl.client.daemon_verify import (
@@ -57,6 +57,7 @@ from afl.client.modes import AggregationMode, RoundSession
 from afl.client.policy import PolicyDecision, check_plan
 from afl.core.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
+from afl.core.row_bounds import RowBounds, measure
 from afl.core.stats import LocalStats
 from afl.crypto import signatures, signed_blobs
 from afl.proto.v1 import common_pb2 as cpb
@@ -80,16 +81,6 @@ def _version() -> str:
         return metadata.version("afl")
     except metadata.PackageNotFoundError:  # pragma: no cover
         return "0+unknown"
-
-
-def _reorder(stats: LocalStats, cols: list[int]) -> LocalStats:
-    return replace(
-        stats,
-        b=np.ascontiguousarray(stats.b[:, cols]),
-        contributes=stats.contributes[cols],
-        n_pos=stats.n_pos[cols],
-        n_neg=stats.n_neg[cols],
-    )
 
 
 class ClientDaemon:
@@ -121,6 +112,7 @@ class ClientDaemon:
         self.stats: LocalStats | None = None
         self.stats_from_state = False
         self.labelled = np.zeros(0, dtype=bool)
+        self.row_bounds: RowBounds | None = None
         self.warnings: list[str] = list(config.warnings)
         self.timings: dict[str, float] = {}
 
@@ -134,6 +126,7 @@ class ClientDaemon:
             self.cache, active=self.labelled, state_dir=self.state
         )
         self.stats_from_state = cached
+        self.row_bounds = measure(self.cache.features)
         self.warnings += list(self.stats.skipped)
         self.timings["statistics"] = time.perf_counter() - start
         log.info(
@@ -168,6 +161,13 @@ class ClientDaemon:
             backbone=self._backbone(),
             feature_dim=self.stats.d,
             software_version=_version(),
+            row_bounds=(
+                self.row_bounds.declared()
+                if self.row_bounds is not None and self.config.policy.disclose_row_bounds
+                else None
+            ),
+            weights_sha256=str(self.cache.meta.extra.get("weights_sha256") or ""),
+            random_init=self.cache.meta.random_init,
         )
         self.timings["enrol"] = time.perf_counter() - start
         log.info("site=%s enrolled in %s", self.site_id, response.federation_id)
@@ -192,9 +192,8 @@ class ClientDaemon:
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
         assert self.stats is not None and self.cache is not None
-        unknown = [c for c in cfg.class_names if c not in self.cache.meta.classes]
-        if unknown:
-            return f"the round's classes {unknown} are not in this site's feature cache"
+        # The round's classes may differ from the cache's (docs/method.md §1.1): classes this
+        # site does not hold get zero columns (daemon_stats.round_classes), never a refusal.
         if cfg.feature_dim != self.stats.d:
             return (
                 f"the round needs d = {cfg.feature_dim}, this site's cache has d = {self.stats.d}"
@@ -260,8 +259,16 @@ class ClientDaemon:
         self.store.remember(plan)
         mode = self.modes[plan.aggregation]
         class_names = list(cfg.class_names)
-        cols = [self.cache.meta.classes.index(c) for c in class_names]
-        stats = _reorder(self.stats, cols)
+        view = round_classes(
+            self.stats,
+            cache_classes=self.cache.meta.classes,
+            labelled=self.labelled,
+            round_classes=class_names,
+        )
+        if view.note:
+            log.warning("site=%s round %s: %s", self.site_id, round_id, view.note)
+            report["classes_note"] = view.note
+        stats = view.stats
         pseudo = None
         if any(r.kind == cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR for r in plan.releases):
             t0 = time.perf_counter()
@@ -273,7 +280,7 @@ class ClientDaemon:
             params = RefinementParams(
                 tau=ref.tau, alpha=ref.alpha, delta_pos=ref.delta_pos, delta_neg=ref.delta_neg
             )
-            missing: NDArray[np.bool_] = ~self.labelled[cols]
+            missing: NDArray[np.bool_] = ~view.labelled
             pseudo, _ = load_or_compute_pseudo(
                 self.cache, weights=parent.weights, missing=missing, params=params,
                 state_dir=self.state,
@@ -289,8 +296,8 @@ class ClientDaemon:
                 class_names=class_names,
                 stats=dp_statistics(
                     self.cache.features,
-                    self.cache.labels[:, cols],
-                    labelled=self.labelled[cols],
+                    view.labels(self.cache.labels),
+                    labelled=view.labelled,
                     clip_norm=plan.dp.clip_norm,
                 ),
                 encode=mode.encode,
@@ -380,7 +387,7 @@ class ClientDaemon:
         process is stopped); the exit code."""
         if self.stats is None:
             self.prepare()
-        with open_channel(self.config, insecure=self.insecure) as channel:
+        with connect(self.config, insecure=self.insecure) as channel:
             self.rpc = CoordinatorClient(
                 pb_grpc.CoordinatorStub(channel),
                 site_id=self.site_id,

@@ -6,9 +6,11 @@ CKKS decryptor alike.
 Enrolment (``GetEnrolChallenge`` then ``Enroll``; docs/protocol.md §3, M-74): the identity public
 key with a proof of possession over the server's fresh challenge and every declared field
 (signature, context "enrol", :func:`afl.proto.wire.enrol_proof_fields`, with the server identity
-key of the startup kit); the challenge and the reply must name this federation and this site, and
-the reply must carry the kit's server identity key. A retried enrolment asks for a new challenge
-(a nonce is valid once).
+key of the startup kit): backbone, d, weights digest, random-init stamp and row bounds when the
+site's policy allows. The challenge and the reply must name this federation and this site, and
+the reply must carry the kit's server identity key; a note in the reply (e.g. classes the
+federation does not use) is logged. A retried enrolment asks for a new challenge (a nonce is valid
+once).
 
 Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
 subscription open in a background thread (reconnecting with back-off) and wakes the waiting
@@ -40,6 +42,7 @@ from afl.client.daemon_transport import (
     upload_payload,
     with_retry,
 )
+from afl.core.row_bounds import RowBounds
 from afl.crypto import signatures, signed_blobs
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -196,6 +199,9 @@ class CoordinatorClient:
         backbone: str = "",
         feature_dim: int = 0,
         software_version: str = "",
+        row_bounds: RowBounds | None = None,
+        weights_sha256: str = "",
+        random_init: bool = False,
     ) -> pb.EnrollResponse:
         """Enroll this site (module docstring); :class:`DaemonError` if the reply does not match
         the startup kit."""
@@ -220,6 +226,10 @@ class CoordinatorClient:
                 software_version=software_version,
                 protocol_version=wire.PROTOCOL_VERSION,
                 challenge=challenge.nonce,
+                declared_rows=row_bounds.rows if row_bounds else 0,
+                declared_max_row_norm=row_bounds.max_row_norm if row_bounds else 0.0,
+                weights_sha256=weights_sha256,
+                random_init=random_init,
             )
             request.proof = signatures.sign_fields(
                 identity,
@@ -244,6 +254,8 @@ class CoordinatorClient:
             raise DaemonError(f"the server serves federation {response.federation_id!r}")
         if response.site_id and response.site_id != self.site_id:
             raise DaemonError(f"the server sees this site as {response.site_id!r}")
+        if response.message and response.message != "enrolled":
+            log.warning("site=%s enrolment: %s", self.site_id, response.message)
         return response
 
     def status(self, round_id: str = "") -> pb.StatusResponse:

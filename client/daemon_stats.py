@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +32,12 @@ from afl.core.featurecache import FeatureCache
 from afl.core.packing import pack_upper
 from afl.core.refinement import PseudoStats, RefinementParams, pseudo_label_projection
 from afl.core.stats import LocalStats, local_statistics
+from afl.core.suggest import unknown_names
 from afl.proto.v1 import common_pb2 as cpb
 
 __all__ = [
     "PayloadError",
+    "RoundClasses",
     "SlotPayload",
     "cache_fingerprint",
     "dump_json",
@@ -44,6 +46,7 @@ __all__ = [
     "load_or_compute_pseudo",
     "load_or_compute_stats",
     "release_values",
+    "round_classes",
     "slot_payloads",
 ]
 
@@ -249,12 +252,87 @@ def labelled_mask(
         return np.asarray(mask, dtype=bool), [names[i] for i in np.flatnonzero(mask)]
     unknown = [c for c in classes if c not in names]
     if unknown:
-        raise PayloadError(f"[data] classes {unknown} are not columns of the cache {names}")
+        raise PayloadError(
+            f"[data] classes {unknown_names(unknown, names)} are not columns of the cache "
+            f"{cache.root}: its classes are {names}"
+        )
     mask = np.isin(names, list(classes))
     partial = [names[i] for i in np.flatnonzero(mask) if (cache.labels[:, i] < 0).any()]
     if partial:
         raise PayloadError(f"[data] classes {partial} have unlabelled (-1) rows in the cache")
     return mask, [c for c in names if c in classes]
+
+
+@dataclass(frozen=True)
+class RoundClasses:
+    """This site's statistics in a round's class order (the round's classes may be any superset
+    or subset of the cache's): a class the cache does not hold, or the site does not label, has a
+    zero column and does not contribute (global scope: the site sends zeros for it; per-class:
+    the plan does not make it a member, docs/protocol.md §6)."""
+
+    stats: LocalStats
+    labelled: NDArray[np.bool_]  # over the round's classes
+    columns: tuple[int | None, ...]  # cache column of each round class (None: not in the cache)
+    note: str  # one line explaining a class-list mismatch ("" when the lists agree)
+
+    def labels(self, labels: NDArray[np.int8]) -> NDArray[np.int8]:
+        """The cache's (n, C_cache) labels as (n, C_round); -1 (not labelled) for absent classes."""
+        out = np.full((labels.shape[0], len(self.columns)), -1, dtype=np.int8)
+        for j, col in enumerate(self.columns):
+            if col is not None:
+                out[:, j] = labels[:, col]
+        return out
+
+
+def round_classes(
+    stats: LocalStats,
+    *,
+    cache_classes: Sequence[str],
+    labelled: NDArray[np.bool_],
+    round_classes: Sequence[str],
+) -> RoundClasses:
+    """:class:`RoundClasses` of ``stats`` (over ``cache_classes``) for ``round_classes``."""
+    index = {c: i for i, c in enumerate(cache_classes)}
+    columns = tuple(index.get(c) for c in round_classes)
+    c_round = len(round_classes)
+    b = np.zeros((stats.d, c_round), dtype=np.float64)
+    contributes = np.zeros(c_round, dtype=bool)
+    n_pos = np.zeros(c_round, dtype=np.int64)
+    n_neg = np.zeros(c_round, dtype=np.int64)
+    mine = np.zeros(c_round, dtype=bool)
+    for j, col in enumerate(columns):
+        if col is not None:
+            b[:, j] = stats.b[:, col]
+            contributes[j], n_pos[j], n_neg[j] = (
+                stats.contributes[col],
+                stats.n_pos[col],
+                stats.n_neg[col],
+            )
+            mine[j] = labelled[col]
+    view = replace(stats, b=b, contributes=contributes, n_pos=n_pos, n_neg=n_neg)
+    return RoundClasses(
+        view, mine, columns, _mismatch(cache_classes, labelled, round_classes, mine)
+    )
+
+
+def _mismatch(
+    cache_classes: Sequence[str],
+    labelled: NDArray[np.bool_],
+    round_classes: Sequence[str],
+    mine: NDArray[np.bool_],
+) -> str:
+    absent = [c for c, on in zip(round_classes, mine, strict=True) if not on]
+    unused = [
+        c for c, on in zip(cache_classes, labelled, strict=True) if on and c not in round_classes
+    ]
+    if not absent and not unused:
+        return ""
+    text = f"this site labels {int(mine.sum())} of the round's {len(round_classes)} classes"
+    if absent:
+        text += f"; it contributes nothing for {absent} (zeros, or no release, per the plan)"
+    if unused:
+        text += f"; labelled cache classes the round does not use: {unknown_names(unused, round_classes)}"
+    return text
 
 
 def dump_json(path: Path, document: Mapping[str, object]) -> None:

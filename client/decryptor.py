@@ -34,11 +34,11 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from afl.client.config import ClientConfig
+from afl.client.connectivity import connect
 from afl.client.daemon_rpc import CoordinatorClient
 from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
-    open_channel,
     retry_policy,
 )
 from afl.client.daemon_verify import VerificationError, verify_signed_plan
@@ -330,7 +330,7 @@ class DecryptorDaemon:
         """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0. The decryptor waits
         for the coordinator like the sites do: enrolment and every poll are retried while the
         server is unreachable, and a failed job is retried at the next poll."""
-        with open_channel(self.config, insecure=self.insecure) as channel:
+        with connect(self.config, insecure=self.insecure) as channel:
             self.rpc = CoordinatorClient(
                 pb_grpc.CoordinatorStub(channel),
                 site_id=self.config.site_id,

@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 from afl.client.daemon_stats import PayloadError, SlotPayload, encode_float64
 from afl.client.daemon_transport import DaemonError
 from afl.client.modes import RoundSession, UploadRecord, upload_record
+from afl.core.row_bounds import next_power_of_two
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_client import SecAggClient
 from afl.crypto.secagg_config import default_threshold
@@ -54,13 +55,11 @@ class MaskMode:
         if enc.dtype != cpb.DTYPE_UINT64_LE or enc.WhichOneof("scheme") != "fixed_point":
             raise PayloadError(f"release {release.name}: MASK mode needs uint64 fixed point")
         bound = enc.fixed_point.bound
+        if not np.all(np.isfinite(values)):
+            raise PayloadError(f"release {release.name}: statistics contain NaN or inf")
         worst = float(np.max(np.abs(values))) if values.size else 0.0
-        if not np.all(np.isfinite(values)) or worst > bound:
-            raise PayloadError(
-                f"release {release.name}: a value of magnitude {worst:.6g} exceeds the plan's "
-                f"declared bound {bound:.6g}; the operator must raise the bound (values are "
-                "never clipped)"
-            )
+        if worst > bound:
+            raise PayloadError(_bound_advice(release, bound=bound, worst=worst))
         return encode_float64(values)
 
     def exchange(
@@ -146,6 +145,24 @@ class MaskMode:
             )
         except CryptoError as exc:
             raise DaemonError(f"cannot mask this site's statistics: {exc}") from exc
+
+
+def _bound_advice(release: cpb.Release, *, bound: float, worst: float) -> str:
+    """The refusal (values are never clipped) with the server.toml value that would fit. It goes
+    to the coordinator in the site's report, so it names the magnitude only as the next power of
+    two (as much as a declared row bound says, docs/protocol.md §4.2), never the value itself."""
+    need = next_power_of_two(worst)
+    if release.kind == cpb.STATISTIC_KIND_GRAM:
+        fix = f"set [round] mask_gram_bound = {need:.6g} or more"
+    elif release.kind in (cpb.STATISTIC_KIND_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR):
+        fix = f"set [round] mask_vector_bound = {need:.6g} or more"
+    else:  # DP statistics: bounded through N (docs/protocol.md §7)
+        fix = "raise [round] mask_max_samples to at least this site's number of rows"
+    return (
+        f"release {release.name}: a value exceeds the plan's bound {bound:.6g} (it needs up to "
+        f"{need:.6g}); values are never clipped: in server.toml {fix}, or set the mask_* bounds "
+        "to 0 so that each site declares its own at enrolment"
+    )
 
 
 def _peer_identities(peers: Mapping[str, bytes], cohort: Sequence[str]) -> dict[str, Any]:

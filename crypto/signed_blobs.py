@@ -87,10 +87,15 @@ def enrol_fields(
     feature_dim: int,
     software_version: str,
     protocol_version: int,
+    declared_rows: int = 0,
+    declared_max_row_norm: float = 0.0,
+    weights_sha256: str = "",
+    random_init: bool = False,
 ) -> list[Field]:
     """Fields of the enrol proof of possession (context :data:`ENROL_CONTEXT`): every field the
     site declares, the server it enrols with and the server's fresh challenge, so a proof is
-    valid for one enrolment only and no declared field can be changed under it."""
+    valid for one enrolment only and no declared field can be changed under it (the declared row
+    norm is bound by its exact hexadecimal float text)."""
     return [
         federation_id,
         site_id,
@@ -103,6 +108,10 @@ def enrol_fields(
         feature_dim,
         software_version,
         protocol_version,
+        declared_rows,
+        float(declared_max_row_norm).hex(),
+        weights_sha256,
+        1 if random_init else 0,
     ]
 
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from afl.core.about import afl_version
 from afl.core.aggregation import AggregationError
 from afl.core.assignment import AssignmentError
 from afl.core.featurecache import FeatureCacheError
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="afl",
         description="Analytic federated learning with secure aggregation (see README.md).",
     )
+    parser.add_argument("--version", action="version", version=f"afl {afl_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, module in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -6,8 +6,9 @@
    (:func:`afl.core.assignment.missing_m_assignment`, seed 1037): each site's feature cache holds
    -1 for the classes it does not label;
 3. ``afl-server`` and one ``afl-client run`` per site as separate processes on loopback, over
-   mutual TLS, in the MASK aggregation mode by default (pairwise masking, docs/protocol.md §4.2; the
-   operator-declared bounds come from :func:`afl.lab.demo_federation.mask_round_settings`), or
+   mutual TLS, in the MASK aggregation mode by default (pairwise masking, docs/protocol.md §4.2;
+   no bounds are set by hand: every site declares its row count and largest row norm at
+   enrolment, rounded up to powers of two, and the server derives each release's bound), or
    ``--aggregation plaintext``, or ``--aggregation ckks`` (TenSEAL, docs/protocol.md §4.3: the
    loopback federation then includes a dedicated decryptor site);
 4. the published, signed model (every site verified the same one) evaluated on the test cache:
@@ -37,7 +38,6 @@ from afl.lab.dataset import default_dataset
 from afl.lab.demo_federation import (
     LoopbackRun,
     ckks_round_settings,
-    mask_round_settings,
     prepare_loopback,
     run_loopback,
 )
@@ -152,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
         data_s = time.perf_counter() - t0
         per_class = args.gram_scope == "per-class"
         settings: dict[str, Any] = {"gram_scope": args.gram_scope, "rounds": args.rounds}
-        if args.aggregation == "mask":  # masked encoding's declared bounds (docs/protocol.md §4.2)
-            settings.update(mask_round_settings(fed.site_features))
+        if args.aggregation == "mask":  # bounds from the sites' declarations (protocol.md §4.2)
+            settings["aggregation"] = "mask"
         if args.aggregation == "ckks":  # CKKS pre-scale's declared bound (docs/protocol.md §4.3)
             settings.update(ckks_round_settings(fed.site_features))
         policy = {}

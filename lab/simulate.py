@@ -265,8 +265,11 @@ def simulate(
     *,
     progress: bool = True,
     on_weights: Callable[[str, str, NDArray[np.float64]], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the grid; returns a JSON-ready dict (also holds the assignments and timings)."""
+    """Run the grid; returns a JSON-ready dict (also holds the assignments and timings).
+    ``progress`` shows a bar (a terminal); ``log`` gets one line per phase (logs, pipes)."""
+    say = log or (lambda _: None)
     timings: dict[str, float] = {}
     per_setting = len(config.gram_scopes) * len(config.rounds) + int(config.oracle)
     if config.dp is not None:
@@ -276,6 +279,7 @@ def simulate(
     bar = tqdm(total=total, disable=not progress, desc="simulate", unit="step", leave=False)
     all_active = np.ones(len(fed.classes), dtype=bool)
     full_stats = []
+    say(f"local statistics of {fed.num_sites} sites (d = {fed.d})")
     with _timed(timings, "local_statistics_s"):
         for k in range(fed.num_sites):
             full_stats.append(
@@ -284,7 +288,8 @@ def simulate(
             bar.update()
     results: dict[str, Any] = {"data": fed.describe(), "settings": {}, "centralised": None}
     clipped: list[ClippedSite] = []
-    for setting in config.settings:
+    for number, setting in enumerate(config.settings, start=1):
+        say(f"setting {number}/{len(config.settings)}: {setting.name}")
         bar.set_postfix_str(setting.name)
         stats = [s.restricted_to(setting.active[k]) for k, s in enumerate(full_stats)]
         rows: list[dict[str, Any]] = []
@@ -389,6 +394,7 @@ def simulate(
             "rows": rows,
         }
     if config.centralised:
+        say("centralised reference (pooled ridge)")
         with _timed(timings, "centralised_s"):
             pooled_labels = np.concatenate(fed.site_labels)
             pooled_targets = balanced_targets(pooled_labels, active=all_active).targets

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="save per-site caches, assignments and every solved W (.npy)",
     )
-    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress output (default: a bar on a terminal, else one line per phase on stderr)",
+    )
 
 
 def _settings(args: argparse.Namespace, fed: FederatedDataset) -> SimulationConfig:
@@ -232,9 +237,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def _say(message: str) -> None:
+    print(f"afl simulate: {message}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     progress = not args.quiet and sys.stderr.isatty()
+    log = None if args.quiet or progress else _say
+    if not args.quiet:
+        _say("loading the data (the embedded default builds surrogate features: a minute or two)")
+    start = time.perf_counter()
     fed = load_data(args)
+    if not args.quiet:
+        _say(
+            f"data ready in {time.perf_counter() - start:.0f} s: {fed.provenance}, {fed.num_sites} sites, d = {fed.d}"
+        )
     config = _settings(args, fed)
     save_dir = Path(args.save_dir) if args.save_dir else None
     saved: dict[str, str] = {}
@@ -247,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         np.save(path, weights)
         saved[f"{setting}/{method}"] = str(path)
 
-    results: dict[str, Any] = simulate(fed, config, progress=progress, on_weights=keep)
+    results: dict[str, Any] = simulate(fed, config, progress=progress, on_weights=keep, log=log)
     if save_dir is not None:
         save_dataset(fed, save_dir / "data")
         results["saved"] = {"data": str(save_dir / "data"), "weights": saved}

@@ -7,17 +7,20 @@ from :func:`round_template` that the coordinator completes (the class names and 
     classes = ["Atelectasis", "Effusion", ...]   # model column order
     feature_dim = 1024                           # d
     backbone = ""                                # feature extractor id ("" = not checked)
+    backbone_sha256 = ""                         # pinned weights digest ("" = not pinned)
+    allow_random_init = false                    # a test federation: accept RANDOM-INIT caches
     gamma = 1.0                                  # ridge γ, added once by the server
     gram_scope = "global"                        # or "per-class" (docs/protocol.md §6)
     aggregation = "plaintext"
     rounds = 1                                   # 2 = pseudo-label refinement (paper eq. 16-22)
     tau = 0.7; alpha = 0.5; delta_pos = 5; delta_neg = 50
-    min_participants = 3
+    min_participants = 3                         # default min(3, participants)
     participants = []                            # expected site ids ([] = every provisioned site)
     enrol_timeout_s = 600.0; upload_timeout_s = 600.0
     operator_override = false; override_reason = ""   # accept a per-class plan failing the audit
-    mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": declared bounds
-    mask_gram_bound = 0.0; mask_vector_bound = 0.0    # (or explicit ones); mask_threshold = 0
+    mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": operator bounds,
+    mask_gram_bound = 0.0; mask_vector_bound = 0.0    # 0 = from the sites' declared maxima
+    mask_threshold = 0                                # (docs/protocol.md §4.2)
 
 CKKS mode (docs/protocol.md §4.3): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
 (declared bounds on |entry| of one site's Gram and class vectors; they set the plan's
@@ -27,7 +30,8 @@ start). The decryptor-role site is never a participant.
 
 DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
 rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregation = "mask"
-it needs mask_max_samples (N bounds the masked statistics, :mod:`afl.server.dp_mask`).
+N bounds the masked statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest
+row count the participants declared.
 
 Runs: [round] is the settings of the run the server creates at its first start; later runs are
 submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
@@ -36,8 +40,10 @@ from this file). [admins] names = ["operator"] lists the admin certificates (URI
 payloads of a finished run that many days (0: deleted when the run ends; models, reports and the
 audit log are kept).
 
-Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
-max_upload_bytes. Relative paths are resolved against the file's folder.
+Optional: [server] metrics_port (Prometheus; 0/absent = off) and metrics_address (default
+127.0.0.1), [limits] max_chunk_bytes, max_upload_bytes. Relative paths are resolved against the
+file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
+never silently leaves a protection at its default).
 """
 
 from __future__ import annotations
@@ -46,13 +52,14 @@ import dataclasses
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from afl.core.aggregation import GRAM_SCOPES, GramScope
 from afl.core.refinement import RefinementParams
+from afl.core.suggest import did_you_mean
 from afl.crypto import pki
 from afl.server.dp_plan import DpSettings, dp_settings_from_table
 from afl.server.errors import ConfigError
@@ -74,6 +81,7 @@ __all__ = [
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
 AGGREGATIONS = ("plaintext", "mask", "ckks")
+_TABLES = ("server", "tls", "identity", "limits", "sites", "round", "ckks", "admins", "retention")
 ROLES = ("participant", "decryptor")
 
 
@@ -83,6 +91,8 @@ def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
         "classes": [],
         "feature_dim": 0,
         "backbone": "",
+        "backbone_sha256": "",
+        "allow_random_init": False,
         "gamma": 1.0,
         "gram_scope": "global",
         "aggregation": "plaintext",
@@ -122,15 +132,25 @@ class SiteEntry:
 
 @dataclass(frozen=True)
 class MaskSettings:
-    """MASK mode's declared bounds (docs/protocol.md §5): per-site |G_ij| <= gram_bound (default
+    """MASK mode's bounds (docs/protocol.md §4.2): per-site |G_ij| <= gram_bound (default
     max_samples · feature_norm², since |h_i·h_j| <= L² for ‖h‖ <= L), |b_j| <= vector_bound
     (default 2 · feature_norm: a balanced class vector is a difference of two means of rows), and
-    the Shamir threshold t (0 = a majority of the participants)."""
+    the Shamir threshold t (0 = a majority of the participants). A bound left at 0 comes from the
+    maxima the sites declared at enrolment (:mod:`afl.core.row_bounds`), per release."""
 
-    gram_bound: float
-    vector_bound: float
+    gram_bound: float = 0.0
+    vector_bound: float = 0.0
     threshold: int = 0
     max_samples: int = 0  # N, declared rows per site (DP + mask bounds, afl.server.dp_mask)
+
+    @property
+    def source(self) -> str:
+        """Where the bounds come from, for logs and `afl-server check`."""
+        if self.gram_bound and self.vector_bound:
+            return (
+                f"server.toml (Gram {self.gram_bound:.6g}, class vectors {self.vector_bound:.6g})"
+            )
+        return "the sites' declared row counts and row norms (at enrolment), per release"
 
 
 def _mask_settings(t: _Table) -> MaskSettings:
@@ -141,16 +161,11 @@ def _mask_settings(t: _Table) -> MaskSettings:
     threshold = t.get("mask_threshold", int, 0)
     if min(norm, samples, gram, vector, threshold) < 0 or not math.isfinite(norm + gram + vector):
         raise t.fail("mask_*", "mask bounds and threshold must be finite and >= 0")
-    gram = gram or samples * norm * norm
-    vector = vector or 2.0 * norm
-    if gram <= 0 or vector <= 0:
-        raise t.fail(
-            "mask_feature_norm",
-            "aggregation = 'mask' needs declared bounds: mask_feature_norm (L, the largest "
-            "feature-row norm) and mask_max_samples (N), or mask_gram_bound and mask_vector_bound",
-        )
     return MaskSettings(
-        gram_bound=gram, vector_bound=vector, threshold=threshold, max_samples=samples
+        gram_bound=gram or samples * norm * norm,
+        vector_bound=vector or 2.0 * norm,
+        threshold=threshold,
+        max_samples=samples,
     )
 
 
@@ -176,6 +191,8 @@ class RoundSettings:
     ckks_gram_bound: float = 1.0e6
     ckks_vector_bound: float = 1.0e3
     dp: DpSettings | None = None
+    backbone_sha256: str = ""
+    allow_random_init: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,6 +211,7 @@ class ServerConfig:
     sites: Mapping[str, SiteEntry]
     round: RoundSettings
     metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     ckks_public_context: Path | None = None
@@ -206,11 +224,21 @@ class _Table:
 
     def __init__(self, data: Mapping[str, Any], name: str, source: Path) -> None:
         self.data, self.name, self.source = data, name, source
+        self.seen: set[str] = set()
 
     def fail(self, key: str, problem: str) -> ConfigError:
         return ConfigError(f"{self.source}: [{self.name}] {key}: {problem}")
 
+    def refuse_unknown(self, known: Collection[str] = ()) -> None:
+        """Refuse keys never read and not ``known`` (call after reading): typos must not pass."""
+        valid = self.seen | set(known)
+        for key in sorted(set(self.data) - valid):
+            raise self.fail(
+                key, f"unknown key{did_you_mean(key, valid)}; see deploy/server.example.toml"
+            )
+
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        self.seen.add(key)
         if key not in self.data:
             if default is None:
                 raise self.fail(key, "missing")
@@ -278,6 +306,7 @@ def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
         if role not in ROLES:
             raise table.fail("role", f"must be one of {ROLES}, got {role!r}")
         sites[site_id] = SiteEntry(_hex_key(table, "identity_public_key"), role)
+        table.refuse_unknown()
     return sites
 
 
@@ -326,6 +355,8 @@ def settings_table(settings: RoundSettings) -> dict[str, Any]:
         "override_reason": settings.override_reason,
         "ckks_gram_bound": settings.ckks_gram_bound,
         "ckks_vector_bound": settings.ckks_vector_bound,
+        "backbone_sha256": settings.backbone_sha256,
+        "allow_random_init": settings.allow_random_init,
     }
     if settings.mask is not None:
         table.update(
@@ -393,7 +424,7 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
     unknown = sorted(set(participants) - set(sites))
     if unknown:
         raise t.fail("participants", f"not provisioned in [sites]: {', '.join(unknown)}")
-    min_participants = t.get("min_participants", int, 3)
+    min_participants = t.get("min_participants", int, min(3, len(participants)))
     if not 1 <= min_participants <= len(participants):
         raise t.fail(
             "min_participants",
@@ -407,13 +438,10 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             "DP with aggregation = 'ckks' is not implemented (the CKKS pre-scale and grid would "
             "have to keep the noise grid); use aggregation = 'mask' or 'plaintext' with DP",
         )
-    if dp is not None and mask is not None and mask.max_samples < 1:
-        raise t.fail(
-            "mask_max_samples",
-            "DP with aggregation = 'mask' needs mask_max_samples (N, the largest site's rows): "
-            "the masked DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
-        )
-    return RoundSettings(
+    digest = t.get("backbone_sha256", str, "").strip().lower()
+    if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
+        raise t.fail("backbone_sha256", f'must be 64 hex digits (or ""), got {digest!r}')
+    settings = RoundSettings(
         classes=classes,
         feature_dim=d,
         backbone=t.get("backbone", str, ""),
@@ -432,7 +460,11 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         ckks_gram_bound=t.number("ckks_gram_bound", 1.0e6),
         ckks_vector_bound=t.number("ckks_vector_bound", 1.0e3),
         dp=dp,
+        backbone_sha256=digest,
+        allow_random_init=t.get("allow_random_init", bool, False),
     )
+    t.refuse_unknown(known=[*round_template(), "dp"])
+    return settings
 
 
 def _retention_days(table: _Table) -> float:
@@ -465,21 +497,27 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
             raise table.fail(key, f"file {resolved} does not exist")
         return resolved
 
+    unknown_tables = sorted(set(doc) - set(_TABLES))
+    if unknown_tables:
+        name = unknown_tables[0]
+        raise ConfigError(f"{source}: unknown table [{name}]{did_you_mean(name, _TABLES)}")
     metrics_port = server.get("metrics_port", int, 0)
     if not 0 <= metrics_port <= 65535:
         raise server.fail("metrics_port", f"must be in 0..65535, got {metrics_port}")
+    metrics_address = server.get("metrics_address", str, "127.0.0.1")
     max_chunk = limits.get("max_chunk_bytes", int, DEFAULT_MAX_CHUNK_BYTES)
     max_upload = limits.get("max_upload_bytes", int, DEFAULT_MAX_UPLOAD_BYTES)
     if max_chunk < 1 or max_upload < max_chunk:
         raise limits.fail("max_upload_bytes", "need 1 <= max_chunk_bytes <= max_upload_bytes")
     ckks = _Table(doc.get("ckks", {}), "ckks", source)
     ckks_context = file(ckks, "public_context") if "public_context" in doc.get("ckks", {}) else None
-    admins = _Table(doc.get("admins", {}), "admins", source).strings("names", [])
+    admins_table = _Table(doc.get("admins", {}), "admins", source)
+    admins = admins_table.strings("names", [])
     retention = _Table(doc.get("retention", {}), "retention", source)
     federation_id = server.get("federation_id", str)
     if not federation_id.strip():
         raise server.fail("federation_id", "must not be empty")
-    return ServerConfig(
+    config = ServerConfig(
         path=source,
         federation_id=federation_id,
         listen=server.get("listen", str),
@@ -494,7 +532,11 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         admins=admins,
         payload_retention_days=_retention_days(retention),
         metrics_port=metrics_port,
+        metrics_address=metrics_address,
         max_chunk_bytes=max_chunk,
         max_upload_bytes=max_upload,
         ckks_public_context=ckks_context,
     )
+    for table in (server, tls, identity, limits, ckks, admins_table, retention):
+        table.refuse_unknown()
+    return config

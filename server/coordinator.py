@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from afl.core.row_bounds import RowBounds
+from afl.core.suggest import unknown_names
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
 from afl.crypto.signed_blobs import (
@@ -176,6 +178,16 @@ class Coordinator:
             raise WrongStageError(f"protocol version {request.protocol_version} is not spoken")
         if request.feature_dim < 0 or len(request.labelled_classes) > 10_000:
             raise InvalidRequestError("feature_dim and labelled_classes are out of range")
+        bounds = RowBounds(int(request.declared_rows), float(request.declared_max_row_norm))
+        if (request.declared_rows or request.declared_max_row_norm) and not bounds.valid:
+            raise InvalidRequestError(f"declared row bounds {bounds} are not valid")
+        # Classes outside server.toml's are kept (a later run may use them); the note names them
+        # (a misspelling shows up here). Whether the site's features fit a run (backbone, d,
+        # weights digest, random-init) is decided per run (afl.server.rounds).
+        unknown = unknown_names(sorted(set(request.labelled_classes)), self.config.round.classes)
+        note = (
+            f"enrolled; classes not in server.toml's [round] classes: {unknown}" if unknown else ""
+        )
         with self.lock:
             self.store.put_enrolment(
                 EnrolmentRow(
@@ -185,19 +197,22 @@ class Coordinator:
                     tuple(dict.fromkeys(request.labelled_classes)),
                     request.backbone,
                     request.feature_dim,
+                    row_bounds=bounds.powers_of_two() if bounds.valid else None,
+                    weights_sha256=request.weights_sha256,
+                    random_init=request.random_init,
                 ),
                 software_version=request.software_version,
             )
-            self.store.audit("enrolled", {"site_id": site_id})
+            self.store.audit("enrolled", {"site_id": site_id, **({"note": note} if note else {})})
             self.metrics.enrolments.inc()
-            log.info("site enrolled", extra={"site_id": site_id})
+            log.info("site enrolled", extra={"site_id": site_id, "note": note})
             self.machine.advance()
         return pb.EnrollResponse(
             site_id=site_id,
             federation_id=self.config.federation_id,
             server_identity_public_key=self.config.identity_public_key,
             protocol_version=wire.PROTOCOL_VERSION,
-            message="enrolled",
+            message=note or "enrolled",
         )
 
     # --- rounds ------------------------------------------------------------------------------
@@ -390,14 +405,26 @@ class Coordinator:
             view = self.machine.find(report.round_id or "-")
             self.machine.require_participant(view, site_id)
             self.store.put_report(view.round_id, site_id, report.SerializeToString())
+            outcome = pb.ClientOutcome.Name(report.outcome)
+            reason = report.reason[
+                :500
+            ]  # the site's own words (no statistics, docs/protocol.md §11)
             self.store.audit(
                 "client-report",
                 {
                     "round_id": view.round_id,
                     "site_id": site_id,
-                    "outcome": pb.ClientOutcome.Name(report.outcome),
+                    "outcome": outcome,
+                    "reason": reason,
                     "bytes_sent": report.bytes_sent,
                 },
+            )
+        if report.outcome != pb.CLIENT_OUTCOME_COMPLETED:
+            log.warning(
+                "site reported %s: %s",
+                outcome.removeprefix("CLIENT_OUTCOME_"),
+                reason or "(no reason given)",
+                extra={"site_id": site_id, "round_id": view.round_id, "reason": reason},
             )
 
     def events_after(

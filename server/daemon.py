@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from afl.core.about import afl_version
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.signatures import load_private_key_pem, public_key_to_raw
 from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
@@ -33,6 +34,7 @@ from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, StateError
 from afl.server.observability import ServerMetrics, configure_logging, start_metrics_http
+from afl.server.ports import port_in_use
 from afl.server.servicer import AdminServicer, CoordinatorServicer
 from afl.server.store import Store, backup_state
 
@@ -60,11 +62,24 @@ class CoordinatorServer:
         if public_key_to_raw(key) != config.identity_public_key:
             raise ConfigError("[identity] public_key does not match the identity key file")
         self.metrics = ServerMetrics()
-        self.store = Store(config.state_dir, federation_id=config.federation_id)
-        self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
+        # Both ports are bound before any state is touched: a port in use fails the start with
+        # one line and leaves the state folder as it was (no round is created).
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32),
+            options=[("grpc.so_reuseport", 0)],  # a second server on the same port must fail
+        )
+        self.port = self._bind(config.listen)
+        self._metrics_http: Any = None
+        try:
+            self._metrics_http = self._bind_metrics() if config.metrics_port else None
+            self.store = Store(config.state_dir, federation_id=config.federation_id)
+            self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
+        except BaseException:
+            self._close_metrics()
+            self._grpc.stop(None)
+            raise
         self._stopped = threading.Event()
         self._health = health.HealthServicer()
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
         servicer = CoordinatorServicer(
             self.coordinator, insecure=insecure, stopping=self._stopped.is_set
         )
@@ -73,23 +88,47 @@ class CoordinatorServer:
             AdminServicer(self.coordinator, insecure=insecure), self._grpc
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        self.port = self._bind(config.listen)
         self._ticker = threading.Thread(target=self._tick_loop, name="afl-ticker", daemon=True)
-        self._metrics_http: Any = None
 
     def _bind(self, listen: str) -> int:
-        if self.insecure:
-            port = int(self._grpc.add_insecure_port(listen))
-        else:
-            credentials = grpc.ssl_server_credentials(
-                [(self.config.key.read_bytes(), self.config.cert.read_bytes())],
-                root_certificates=self.config.ca_cert.read_bytes(),
-                require_client_auth=True,
-            )
-            port = int(self._grpc.add_secure_port(listen, credentials))
+        busy = port_in_use(listen)
+        if busy:
+            raise ConfigError(f"cannot listen on {listen}: {busy}")
+        try:
+            if self.insecure:
+                port = int(self._grpc.add_insecure_port(listen))
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.config.key.read_bytes(), self.config.cert.read_bytes())],
+                    root_certificates=self.config.ca_cert.read_bytes(),
+                    require_client_auth=True,
+                )
+                port = int(self._grpc.add_secure_port(listen, credentials))
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
         if port == 0:
             raise ConfigError(f"cannot listen on {listen}")
         return port
+
+    def _bind_metrics(self) -> Any:
+        where = f"{self.config.metrics_address}:{self.config.metrics_port}"
+        try:
+            return start_metrics_http(
+                self.metrics, port=self.config.metrics_port, host=self.config.metrics_address
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {where}: {exc.strerror or exc} (another afl-server or "
+                "service holds it? set [server] metrics_port, or --metrics-port 0 to turn it off)"
+            ) from exc
+
+    def _close_metrics(self) -> None:
+        http = self._metrics_http
+        http_server = http[0] if isinstance(http, tuple) else None
+        if http_server is not None:
+            http_server.shutdown()
+            http_server.server_close()
+        self._metrics_http = None
 
     def _tick_loop(self) -> None:
         while not self._stopped.wait(self._tick_s):
@@ -104,8 +143,6 @@ class CoordinatorServer:
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._ticker.start()
-        if self.config.metrics_port:
-            self._metrics_http = start_metrics_http(self.metrics, port=self.config.metrics_port)
         log.info(
             "afl-server started",
             extra={
@@ -125,10 +162,7 @@ class CoordinatorServer:
         self._grpc.stop(grace).wait()
         if self._ticker.is_alive():
             self._ticker.join(timeout=5)
-        if self._metrics_http is not None:
-            http_server = self._metrics_http[0] if isinstance(self._metrics_http, tuple) else None
-            if http_server is not None:
-                http_server.shutdown()
+        self._close_metrics()
         self.store.close()
         log.info("afl-server stopped")
 
@@ -137,57 +171,91 @@ class CoordinatorServer:
         self._stopped.wait()
 
 
+def _version() -> str:
+    return f"afl-server {afl_version()}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="afl-server",
         description=(
             "The afl coordinator: enrols the federation's sites, publishes signed release "
-            "plans, aggregates under the configured protection and publishes the signed model."
+            "plans, aggregates under the configured protection and publishes the signed model. "
+            "Before starting, `afl-server check --config server.toml` checks the kit, state "
+            "folder, ports and round settings; `afl-server status --config server.toml` shows "
+            "enrolment, the current round and the last error."
         ),
     )
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--config", required=True, help="server.toml from `afl provision`")
     parser.add_argument(
         "--insecure", action="store_true", help="DEVELOPMENT ONLY: no TLS, no client auth"
     )
     parser.add_argument("--listen", default=None, help="override [server] listen (host:port)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = off)")
+    parser.add_argument("--metrics-address", default=None, help="override [server] metrics_address")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return parser
 
 
-def _backup(argv: Sequence[str]) -> int:
-    """``afl-server backup --config server.toml --out DIR``: a consistent copy of the state."""
-    parser = argparse.ArgumentParser(
-        prog="afl-server backup",
-        description=(
-            "Copy the coordinator's state folder consistently (the server may be running): the "
-            "database by SQLite's online backup, the payloads it names, the CKKS context and a "
-            "matching anchor. Restore by replacing the state folder with the copy while the "
-            "server is stopped (docs/operations.md)."
-        ),
-    )
+def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"afl-server {name}", description=description)
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--config", required=True, help="server.toml")
-    parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
-    args = parser.parse_args(argv)
+    if name == "check":
+        parser.add_argument("--insecure", action="store_true", help="skip the TLS kit checks")
+    if name == "backup":
+        parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
+    return parser
+
+
+_TOOLS = {
+    "check": "Check server.toml, the TLS kit, the identity key, the state folder, the ports and "
+    "the round settings before starting; exit status 0 when no PROBLEM is found.",
+    "status": "The coordinator's state on one screen (enrolment, current round and stage, last "
+    "model, last error), read from the state folder; safe while the server runs.",
+    "backup": "Copy the coordinator's state folder consistently (the server may be running): the "
+    "database by SQLite's online backup, the payloads it names, the CKKS context and a matching "
+    "anchor. Restore by replacing the state folder with the copy while the server is stopped "
+    "(docs/operations.md).",
+}
+
+
+def _tool(name: str, argv: Sequence[str]) -> int:
+    from afl.crypto.kit_check import PROBLEM, report_lines
+    from afl.server.check import check_server
+    from afl.server.status_cmd import status_lines
+
+    args = _tool_parser(name, _TOOLS[name]).parse_args(argv)
     try:
         config = load_config(args.config)
-        anchor = backup_state(config.state_dir, Path(args.out))
+        if name == "status":
+            print("\n".join(status_lines(config)))
+            return 0
+        if name == "backup":
+            anchor = backup_state(config.state_dir, Path(args.out))
+            print(
+                f"backed up {config.state_dir} to {args.out}: {anchor['commits']} commits, "
+                f"{anchor['audit_count']} audit records, head {str(anchor['audit_head'])[:16]}"
+            )
+            return 0
     except (ConfigError, StateError) as exc:
-        print(f"afl-server backup: {exc}", file=sys.stderr)
+        print(f"afl-server {name}: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"backed up {config.state_dir} to {args.out}: {anchor['commits']} commits, "
-        f"{anchor['audit_count']} audit records, head {str(anchor['audit_head'])[:16]}"
-    )
-    return 0
+    findings = check_server(config, insecure=args.insecure)
+    print(f"afl-server check {config.path}")
+    print("\n".join(report_lines(findings)))
+    problems = sum(f.level == PROBLEM for f in findings)
+    print(f"{problems} problem(s) found" if problems else "ready to start")
+    return 1 if problems else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afl-server`` console script; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["backup"]:
-        return _backup(argv[1:])
-    args = _parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in _TOOLS:
+        return _tool(given[0], given[1:])
+    args = _parser().parse_args(given)
     configure_logging(getattr(logging, args.log_level))
     try:
         config = load_config(args.config)
@@ -195,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = replace(config, listen=args.listen)
         if args.metrics_port is not None:
             config = replace(config, metrics_port=args.metrics_port)
+        if args.metrics_address:
+            config = replace(config, metrics_address=args.metrics_address)
         if args.insecure:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
             log.warning(INSECURE_WARNING)

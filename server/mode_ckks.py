@@ -68,6 +68,7 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.modes import (
+    Declared,
     ModeEnvironment,
     PlainUploadStage,
     PlanOptions,
@@ -153,10 +154,12 @@ class CkksMode(PlainUploadStage):
             ckks=self.encoding(len(release.members), gram=release.packed),
         )
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_CKKS, encoding=self._release_encoding)
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         raise ValueError("DP with aggregation = 'ckks' is not supported")
 
     def context(self) -> PublishedContext:

@@ -44,7 +44,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
+from afl.core.row_bounds import release_bounds
 from afl.crypto.errors import (
+    CryptoError,
     DuplicateMessageError,
     ProtocolError,
     RoundAbortedError,
@@ -72,6 +74,7 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.modes import (
+    Declared,
     ModeEnvironment,
     PlanOptions,
     RoundAccess,
@@ -146,34 +149,70 @@ class MaskMode:
 
     # --- plan --------------------------------------------------------------------------------
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
         t = self.mask.threshold or default_threshold(len(participants))
         if not 2 <= t <= len(participants):
             raise ValueError(f"mask_threshold {t} must lie in 2..{len(participants)}")
+        bounds = dict(declared or {})
+        if not (self.mask.gram_bound and self.mask.vector_bound):
+            _require_declarations(participants, bounds, what="the mask bounds")
+
+        def encoding(release: PlannedRelease) -> cpb.Encoding:
+            return self.encoding(release, declared=bounds)
+
         return PlanOptions(
-            aggregation=cpb.AGGREGATION_MODE_MASK, encoding=self.encoding, mask_threshold=t
+            aggregation=cpb.AGGREGATION_MODE_MASK, encoding=encoding, mask_threshold=t
         )
 
-    def encoding(self, release: PlannedRelease) -> cpb.Encoding:
+    def bounds(self, release: PlannedRelease, *, declared: Declared) -> tuple[float, float]:
+        """(Gram bound, class-vector bound) of ``release``: the configured ones, else the largest
+        declared by its members (:func:`afl.core.row_bounds.release_bounds`)."""
+        gram, vector = self.mask.gram_bound, self.mask.vector_bound
+        if gram and vector:
+            return gram, vector
+        from_sites = release_bounds(declared[s] for s in release.members)
+        return gram or from_sites[0], vector or from_sites[1]
+
+    def encoding(
+        self, release: PlannedRelease, *, declared: Declared | None = None
+    ) -> cpb.Encoding:
         """uint64 fixed point with bound B and f = max{f : m·B·2^f < 2^63} (module docstring)."""
-        bound = self.mask.gram_bound if release.packed else self.mask.vector_bound
+        gram, vector = self.bounds(release, declared=declared or {})
+        bound = gram if release.packed else vector
         m = len(release.members)
         threshold = None if m >= 3 else m  # t_R below the minimum cohort only for tiny releases
-        spec = ReleaseSpec(
-            name=release.name, members=release.members, length=1, bound=bound, threshold=threshold
-        )
+        try:
+            spec = ReleaseSpec(
+                name=release.name,
+                members=release.members,
+                length=1,
+                bound=bound,
+                threshold=threshold,
+            )
+            frac_bits = spec.codec().frac_bits
+        except CryptoError as exc:
+            raise ValueError(f"release {release.name}: bound {bound:.6g}: {exc}") from exc
         packing = cpb.PACKING_UPPER_TRIANGLE if release.packed else cpb.PACKING_DENSE
         return cpb.Encoding(
             dtype=cpb.DTYPE_UINT64_LE,
             packing=packing,
             fixed_point=cpb.FixedPointEncoding(
-                bound=bound, frac_bits=spec.codec().frac_bits, min_survivors=spec.min_survivors
+                bound=bound, frac_bits=frac_bits, min_survivors=spec.min_survivors
             ),
         )
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
-        """Bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`)."""
-        dp_mask_encodings(plan, max_samples=self.mask.max_samples)
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
+        """Bounds, f and t_R of the noised statistics (:mod:`afl.server.dp_mask`); N is
+        ``mask_max_samples``, else the largest row count the participants declared."""
+        samples = self.mask.max_samples
+        if not samples:
+            bounds = dict(declared or {})
+            participants = tuple(plan.participants)
+            _require_declarations(participants, bounds, what="mask_max_samples (DP)")
+            samples = max(bounds[s].rows for s in participants)
+        dp_mask_encodings(plan, max_samples=samples)
 
     # --- the exchange ------------------------------------------------------------------------
 
@@ -402,6 +441,17 @@ def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMess
     if stage == pb.ROUND_STAGE_UNMASK:
         return wire.unmask_response_from_proto(site_id, pb.UnmaskResponse.FromString(raw))
     raise WrongStageError(f"stage {wire.stage_name(stage)} takes no message")
+
+
+def _require_declarations(participants: tuple[str, ...], declared: Declared, *, what: str) -> None:
+    """ValueError naming the participants that declared no row bounds when ``what`` needs them."""
+    missing = [s for s in participants if s not in declared]
+    if missing:
+        raise ValueError(
+            f"{what} come from the sites' declared row bounds, and {', '.join(missing)} declared "
+            "none at enrolment (its [policy] disclose_row_bounds = false, or an older afl-client); "
+            "set mask_feature_norm and mask_max_samples in server.toml [round] instead"
+        )
 
 
 class MaskRequests:

@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError, sum_members
 from afl.core.packing import unpack_upper
+from afl.core.row_bounds import RowBounds
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -50,6 +51,7 @@ from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
 __all__ = [
     "AggregationMode",
+    "Declared",
     "ModeEnvironment",
     "PlainUploadStage",
     "PlaintextMode",
@@ -64,6 +66,8 @@ __all__ = [
 ]
 
 FloatArray = NDArray[np.float64]
+#: Row bounds each site declared at enrolment (site id -> bounds; absent = not declared).
+Declared = Mapping[str, RowBounds]
 
 
 @dataclass(frozen=True)
@@ -147,11 +151,14 @@ class AggregationMode(Protocol):
     proto_mode: int
     exchange_stages: tuple[int, ...]
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
-        """Mode, encodings and threshold of the plan over ``participants`` (ValueError: none fits)."""
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
+        """Mode, encodings and threshold of the plan over ``participants`` (ValueError: none
+        fits); ``declared``: the row bounds each site declared at enrolment (None: unknown)."""
         ...
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Rewrite a DP plan's encodings for the noised statistics (ValueError: they do not fit)."""
         ...
 
@@ -279,10 +286,12 @@ class PlaintextMode(PlainUploadStage):
     def for_run(cls, env: ModeEnvironment) -> PlaintextMode:
         return cls(env.settings)
 
-    def plan_options(self, participants: tuple[str, ...]) -> PlanOptions:
+    def plan_options(
+        self, participants: tuple[str, ...], *, declared: Declared | None = None
+    ) -> PlanOptions:
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT)
 
-    def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
+    def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Float64 carries the noised statistics exactly (the sites check the grid range)."""
 
     def check_upload(

@@ -13,15 +13,29 @@ import logging
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Enum, start_http_server
 
-__all__ = ["JsonLogFormatter", "ServerMetrics", "configure_logging", "start_metrics_http"]
+from afl.proto.v1 import coordinator_pb2 as pb
 
+__all__ = [
+    "STAGE_NAMES",
+    "JsonLogFormatter",
+    "ServerMetrics",
+    "configure_logging",
+    "start_metrics_http",
+]
+
+#: RoundStage names without their prefix, as afl_round_stage reports them.
+STAGE_NAMES = [v.name.removeprefix("ROUND_STAGE_") for v in pb.RoundStage.DESCRIPTOR.values]
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
 class ServerMetrics:
     """Counters and gauges of one coordinator."""
+
+    def set_stage(self, stage: int) -> None:
+        """Report the current round's RoundStage by name."""
+        self.stage.state(pb.RoundStage.Name(stage).removeprefix("ROUND_STAGE_"))  # type: ignore[arg-type]
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -37,9 +51,14 @@ class ServerMetrics:
         self.rounds = Counter(
             "afl_rounds_total", "Rounds that ended", ["outcome"], registry=self.registry
         )
-        self.stage = Gauge(
-            "afl_round_stage", "RoundStage of the current round", registry=self.registry
+        # One series per stage name, 1 for the current round's stage: afl_round_stage{stage="UPLOAD"}.
+        self.stage = Enum(
+            "afl_round_stage",
+            "Stage of the current round",
+            states=STAGE_NAMES,
+            registry=self.registry,
         )
+        self.stage.state("UNSPECIFIED")
         self.rpc_errors = Counter(
             "afl_rpc_errors_total", "RPCs that failed", ["method", "code"], registry=self.registry
         )

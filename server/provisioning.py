@@ -193,7 +193,7 @@ def _client_toml(
             "server_public_key": server_public.hex(),
         },
         "peers": {site: key.hex() for site, key in peers.items()},
-        "data": {"cache_dir": "cache", "classes": []},
+        "data": {"cache": "cache", "classes": []},
     }
     if with_policy:
         document["policy"] = {"min_cohort": 3, "allow_exposure": False, "max_epsilon": math.inf}
@@ -642,6 +642,9 @@ def provision(
         site_keys[site_id], request = custody.new_site_request(site_id=site_id, role=role)
         requests.append(request)
     issued = issue_federation(ca, federation_id=fed_id, requests=requests, valid_days=valid_days)
+    # A round cannot need more participants than there are data sites (the decryptor holds none).
+    data_sites = sum(1 for s in site_ids if s != decryptor)
+    round_settings = {"min_participants": max(1, min(3, data_sites)), **(round_settings or {})}
 
     if not root.exists():
         _mkdir_private(root)

@@ -397,7 +397,7 @@ class RoundMachine:
 
     def _emit(self, round_id: str) -> None:
         view = self.find(round_id)
-        self.metrics.stage.set(view.stage)
+        self.metrics.set_stage(view.stage)
         event = pb.RoundEvent(
             sequence=len(self.events) + 1,
             time_unix_ms=self.now_ms(),
@@ -464,7 +464,9 @@ class RoundMachine:
         """Publish the signed plan of a round over ``participants`` (or abort with the reason)."""
         run = self.run_of(view)
         settings, mode = run.settings, run.mode
-        coverage = {s: e.labelled_classes for s, e in self.store.enrolments().items()}
+        enrolments = self.store.enrolments()
+        coverage = {s: e.labelled_classes for s, e in enrolments.items()}
+        declared = {s: e.row_bounds for s, e in enrolments.items() if e.row_bounds is not None}
         dp = settings.dp if view.row.number == 1 else None
         if dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
             releases = dp_releases(
@@ -516,7 +518,7 @@ class RoundMachine:
             )
             return
         try:
-            options = mode.plan_options(participants)
+            options = mode.plan_options(participants, declared=declared)
         except ValueError as exc:
             self._abort(view, f"the {mode.name} plan cannot be built: {exc}")
             return
@@ -535,7 +537,7 @@ class RoundMachine:
         if calibration is not None:
             apply_dp(plan, calibration)
             try:
-                mode.dp_encodings(plan)
+                mode.dp_encodings(plan, declared=declared)
             except ValueError as exc:
                 self._abort(view, f"DP encoding failed: {exc}")
                 return
@@ -580,8 +582,22 @@ class RoundMachine:
             self._solve(view, run)
 
     def _eligible(self, run: Run, enrolment: EnrolmentRow) -> str:
-        """Why an enrolled site cannot take part in ``run`` ("" if it can)."""
+        """Why an enrolled site cannot take part in ``run`` ("" if it can): its declared
+        backbone or d differ from the run's, its features come from a random-init backbone and
+        the run is no test ([round] allow_random_init), or they come from other weights than the
+        run pins ([round] backbone_sha256)."""
         s = run.settings
+        if enrolment.random_init and not s.allow_random_init:
+            return (
+                f"run {run.run_id} refuses features of a RANDOM-INIT backbone (test features); "
+                "re-extract with the federation's weights, or the run must set allow_random_init"
+            )
+        digest = enrolment.weights_sha256.lower()
+        if s.backbone_sha256 and digest != s.backbone_sha256 and not enrolment.random_init:
+            return (
+                f"run {run.run_id} pins weights sha256 {s.backbone_sha256} ([round] "
+                f"backbone_sha256), the site declared {digest or 'no digest'}"
+            )
         if s.backbone and enrolment.backbone and enrolment.backbone != s.backbone:
             return (
                 f"run {run.run_id} needs features from {s.backbone!r}, the site declared "

@@ -3,6 +3,7 @@
 
 Tables: ``meta`` (schema version, federation id, commit counter), ``enrolments``, ``runs`` (each
 run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, deadline),
+``site_declarations`` (what a site declared at enrolment beyond its identity, as JSON),
 ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
 protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
 consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import write_private_file
 from afl.server.errors import DiskFullError, StateError
@@ -73,6 +75,8 @@ CREATE TABLE IF NOT EXISTS runs (
     ordinal INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT UNIQUE NOT NULL, name TEXT NOT NULL,
     settings TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
     submitted_by TEXT NOT NULL, created_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS site_declarations (
+    site_id TEXT PRIMARY KEY, declared TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS rounds (
     ordinal INTEGER PRIMARY KEY AUTOINCREMENT, round_id TEXT UNIQUE NOT NULL,
     number INTEGER NOT NULL, parent_round_id TEXT NOT NULL, stage INTEGER NOT NULL,
@@ -125,6 +129,21 @@ class EnrolmentRow:
     labelled_classes: tuple[str, ...]
     backbone: str
     feature_dim: int
+    # Declared at enrolment (coordinator.proto EnrollRequest): power-of-two row bounds (None = not
+    # declared), the weights digest and the random-init stamp.
+    row_bounds: RowBounds | None = None
+    weights_sha256: str = ""
+    random_init: bool = False
+
+    def declarations(self) -> dict[str, object]:
+        """The declared fields as stored (JSON-ready)."""
+        bounds = self.row_bounds
+        return {
+            "rows": bounds.rows if bounds else 0,
+            "max_row_norm": bounds.max_row_norm if bounds else 0.0,
+            "weights_sha256": self.weights_sha256,
+            "random_init": self.random_init,
+        }
 
 
 @dataclass(frozen=True)
@@ -175,12 +194,20 @@ class MessageRow:
 class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing and unanchored)."""
 
-    def __init__(self, state_dir: Path, *, federation_id: str) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.state_dir, 0o700)
+    def __init__(self, state_dir: Path, *, federation_id: str, read_only: bool = False) -> None:
+        """``read_only`` (`afl-server status`): open an existing state without writing to it or
+        checking its anchor, even while the server runs; :class:`StateError` when there is none."""
+        self.state_dir, self.read_only = Path(state_dir), read_only
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
+        if read_only:
+            if not self.path.is_file():
+                raise StateError(f"{self.state_dir}: no server state yet (afl-server never ran)")
+            self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
+            self._check_meta(federation_id)
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.state_dir, 0o700)
         anchor = self._read_anchor()
         if anchor is not None and not self.path.exists():
             raise StateError(
@@ -332,6 +359,8 @@ class Store:
 
     def _check_meta(self, federation_id: str) -> None:
         rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
+        if not rows and self.read_only:
+            raise StateError(f"{self.state_dir}: the state database is empty")
         if not rows:
             with self._tx() as db:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -343,7 +372,7 @@ class Store:
                 f"not {federation_id!r}: use another state_dir"
             )
         version = rows.get("schema_version")
-        if version == "1":
+        if version == "1" and not self.read_only:
             self._migrate_from_v1()
         elif version != str(SCHEMA_VERSION):
             raise StateError(
@@ -382,16 +411,33 @@ class Store:
                     now_ms(),
                 ),
             )
+            db.execute(
+                "INSERT OR REPLACE INTO site_declarations VALUES (?, ?)",
+                (row.site_id, json.dumps(row.declarations(), sort_keys=True)),
+            )
 
     def enrolments(self) -> dict[str, EnrolmentRow]:
         rows = self._db.execute(
-            "SELECT site_id, identity_public_key, role, labelled_classes, backbone, feature_dim "
-            "FROM enrolments"
+            "SELECT e.site_id, identity_public_key, role, labelled_classes, backbone, "
+            "feature_dim, d.declared FROM enrolments e "
+            "LEFT JOIN site_declarations d ON d.site_id = e.site_id"
         ).fetchall()
-        return {
-            r[0]: EnrolmentRow(r[0], bytes(r[1]), r[2], tuple(json.loads(r[3])), r[4], int(r[5]))
-            for r in rows
-        }
+        out = {}
+        for r in rows:
+            declared = json.loads(r[6]) if r[6] else {}
+            bounds = RowBounds(int(declared.get("rows", 0)), float(declared.get("max_row_norm", 0)))
+            out[r[0]] = EnrolmentRow(
+                r[0],
+                bytes(r[1]),
+                r[2],
+                tuple(json.loads(r[3])),
+                r[4],
+                int(r[5]),
+                row_bounds=bounds if bounds.valid else None,
+                weights_sha256=str(declared.get("weights_sha256", "")),
+                random_init=bool(declared.get("random_init", False)),
+            )
+        return out
 
     # --- runs --------------------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = ["Dockerfile.server", "Dockerfile.client", "Dockerfile.client-cuda"]
 SITES = ["site-1", "site-2", "site-3"]
+#: The backbone id the examples name: the one `afl-client extract` stamps (afl.client.backbones).
+EXAMPLE_BACKBONE = "xrv-densenet121-all"
 PLACEHOLDER_KEYS = {
     "server": "5e" * 32,
     "site-1": "51" * 32,
@@ -286,8 +288,23 @@ def test_example_configs_load_with_the_real_loaders(
     config = load_config(server_path)
     assert config.round.feature_dim == 1024 and set(config.sites) == set(SITES)
     text = (DEPLOY / "server.example.toml").read_text()
-    for key in [*round_template(), "federation_id", "listen", "state_dir", "metrics_port"]:
+    for key in [
+        *round_template(),
+        "federation_id",
+        "listen",
+        "state_dir",
+        "metrics_port",
+        "metrics_address",
+    ]:
         assert re.search(rf"^{key} = ", text, re.M), f"server.example.toml lacks {key}"
+    # Both examples name the backbone id the extractor stamps into a cache (a server using the
+    # example must accept the sites' caches), and it is a registered backbone.
+    from afl.client.backbones import BACKBONES
+
+    client_text = (DEPLOY / "client.example.toml").read_text()
+    named = {m for t in (text, client_text) for m in re.findall(r'^backbone = "(.*)"$', t, re.M)}
+    assert named == {EXAMPLE_BACKBONE} and EXAMPLE_BACKBONE in BACKBONES
+    assert config.round.backbone == EXAMPLE_BACKBONE
     client_path = tmp_path / "client.toml"
     client_path.write_text(render("client.example.toml", federation, tmp_path))
     client = load_client_config(client_path)
@@ -395,7 +412,9 @@ def test_three_clients_from_their_unit_complete_a_round(
             feats = rng.normal(size=(n, d))
             write_cache(tmp_path / "data" / site, meta=meta, ids=ids, labels=labels, features=feats)
             text = render("client.example.toml", federation, tmp_path, site=site)
-            text = text.replace('backbone = "densenet121-res224-all"', 'backbone = "surrogate"')
+            replaced = text.replace(f'backbone = "{EXAMPLE_BACKBONE}"', 'backbone = "surrogate"')
+            assert replaced != text  # the example's backbone line is the one the test changes
+            text = replaced
             text = text.replace("linger_s = 5.0", "linger_s = 1.0")
             text = text.replace("afl.example.org:50051", f"localhost:{port}")
             config = tmp_path / f"{site}.toml"

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from afl.client.cli import build_parser, main
+from afl.client.cli import build_parser, default_workers, main
 from afl.core.featurecache import open_cache
-from tests.client.imagegen import make_site
+from tests.client.imagegen import make_site, write_png
 
 COMMON = ["--backbone", "resnet18", "--random-init", "--batch-size", "4", "--workers", "0"]
 
 
 def test_extract_shards_then_merge_equals_single(tmp_path, capsys):
     manifest = str(make_site(tmp_path, 10, size=32))
-    args = ["extract", "--manifest", manifest, *COMMON, "--no-progress", "--classes", "B,Z"]
+    args = ["extract", "--manifest", manifest, *COMMON, "--no-progress", "--classes", "B"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     assert "RANDOM-INIT" in capsys.readouterr().out
     for i in range(2):
@@ -24,8 +24,7 @@ def test_extract_shards_then_merge_equals_single(tmp_path, capsys):
         == 0
     )
     one, merged = open_cache(tmp_path / "one"), open_cache(tmp_path / "m")
-    assert one.meta.classes == ("B", "Z") and one.meta.d == 512
-    assert (one.labels[:, 1] == -1).all()  # class Z has no column: not labelled
+    assert one.meta.classes == ("B",) and one.meta.d == 512
     assert one.features.tobytes() == merged.features.tobytes() and one.ids == merged.ids
     np.testing.assert_array_equal(one.labels, merged.labels)
 
@@ -49,3 +48,84 @@ def test_usage_and_backbone_list(capsys):
     assert main(["backbones"]) == 0
     listing = capsys.readouterr().out
     assert "xrv-densenet121-mimic_ch" in listing and "efficientnet_b7" in listing
+
+
+def _broken(manifest, count):
+    """Overwrite the first ``count`` images of a make_site manifest with junk bytes."""
+    for line in manifest.read_text().splitlines()[1 : count + 1]:
+        (manifest.parent / line.split(",")[0]).write_bytes(b"not an image")
+
+
+def test_no_readable_image_is_an_error(tmp_path, capsys):
+    manifest = make_site(tmp_path, 3, size=32)
+    _broken(manifest, 3)
+    rc = main(
+        [
+            "extract",
+            "--manifest",
+            str(manifest),
+            *COMMON,
+            "--no-progress",
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "no image could be read: 3 unreadable" in err
+
+
+def test_many_unreadable_images_warn_loudly_over_the_threshold(tmp_path, capsys):
+    manifest = make_site(tmp_path, 10, size=32)
+    _broken(manifest, 3)
+    args = ["extract", "--manifest", str(manifest), *COMMON, "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: 3 of 10 images (30%) were UNREADABLE" in err and "unreadable.csv" in err
+    assert main([*args, "--out", str(tmp_path / "d"), "--warn-unreadable", "0.5"]) == 0
+    assert "UNREADABLE" not in capsys.readouterr().err
+
+
+def test_missing_files_are_found_before_any_work(tmp_path, capsys, monkeypatch):
+    def no_backbone(*args, **kwargs):
+        raise AssertionError("the backbone was loaded before the pre-flight check")
+
+    monkeypatch.setattr("afl.client.backbones.load_backbone", no_backbone)
+    (tmp_path / "m.csv").write_text("path,A\nmissing1.png,1\nmissing2.png,0\n")
+    rc = main(
+        ["extract", "--manifest", str(tmp_path / "m.csv"), *COMMON, "--out", str(tmp_path / "c")]
+    )
+    assert rc == 1 and "none of the 2 listed image files exists" in capsys.readouterr().err
+
+
+def test_a_partial_nih_folder_is_refused_unless_only_present(tmp_path, capsys, monkeypatch):
+    """--images on a partial download used to plan every listed image and run for hours."""
+    (tmp_path / "images").mkdir()
+    rows = ["Image Index,Finding Labels,Follow-up #,Patient ID,View Position"]
+    for i in range(5):
+        rows.append(f"{i:08d}_000.png,{'Effusion' if i % 2 else 'No Finding'},0,{i},PA")
+    for i in (0, 3):
+        write_png(tmp_path / "images" / f"{i:08d}_000.png", np.full((32, 32), 40 * i, np.uint8))
+    (tmp_path / "Data_Entry_2017_v2020.csv").write_text("\n".join(rows) + "\n")
+    args = ["extract", "--images", str(tmp_path), *COMMON, "--no-progress"]
+    with monkeypatch.context() as patch:  # the refusal comes before the backbone is loaded
+        patch.setattr("afl.client.backbones.load_backbone", lambda *a, **k: pytest.fail("loaded"))
+        assert main([*args, "--out", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "only 2 of the 5 images listed" in err and "--only-present" in err
+    assert main([*args, "--out", str(tmp_path / "c"), "--only-present"]) == 0
+    assert open_cache(tmp_path / "c").meta.n == 2
+
+
+def test_default_workers_never_exceed_the_cpus(monkeypatch):
+    argv = ["extract", "--manifest", "m", "--backbone", "b", "--random-init", "--out", "o"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert default_workers() == 2  # a 2-core machine: torch's DataLoader does not warn
+    assert build_parser().parse_args(argv).workers == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert default_workers() == 4 and build_parser().parse_args(argv).workers == 4
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("afl-client ")

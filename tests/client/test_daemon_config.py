@@ -42,7 +42,7 @@ def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
     assert cfg.site_id == "site-a"
     assert cfg.server_address == "localhost:50999"
     assert cfg.policy == LocalPolicy(min_cohort=3, allow_exposure=False, max_epsilon=math.inf)
-    assert cfg.data.cache == kit / "cache"  # provisioning's cache_dir alias
+    assert cfg.data.cache == kit / "cache"  # provisioning writes the documented key, cache
     assert cfg.data.classes == ()
     assert cfg.state_dir == kit / "state"
     assert set(cfg.peers) == {"site-a", "site-b"}
@@ -73,7 +73,7 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
         ({"policy": {"max_epsilon": -1.0}}, "max_epsilon: must be >= 0"),
         ({"data": {"classes": "A"}}, "classes: must be a list"),
         ({"data": {"classes": ["A", "A"]}}, "lists a class twice"),
-        ({"data": {"cache": "x"}}, "either cache or cache_dir"),
+        ({"data": {"cache_dir": "x"}}, "either cache or cache_dir"),
         ({"client": {"role": "boss"}}, "client.role: must be one of"),
         ({"client": {"site_id": None}}, "client.site_id: is required"),
         ({"identity": {"server_public_key": "abcd"}}, "32-byte Ed25519 key"),

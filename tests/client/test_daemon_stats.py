@@ -13,6 +13,7 @@ from afl.client.daemon_stats import (
     labelled_mask,
     load_or_compute_pseudo,
     load_or_compute_stats,
+    round_classes,
     slot_payloads,
 )
 from afl.client.daemon_verify import VerificationError, verify_model, verify_round_config
@@ -61,7 +62,7 @@ def test_labelled_mask_and_stats_cached_in_state(tmp_path: Path) -> None:
     assert mask.tolist() == [True, True, False] and names == ["A", "B"]
     with pytest.raises(PayloadError, match=r"\['C'\] have unlabelled"):
         labelled_mask(cache, ("A", "C"))
-    with pytest.raises(PayloadError, match=r"\['Z'\] are not columns"):
+    with pytest.raises(PayloadError, match=r"'Z' are not columns .* its classes are"):
         labelled_mask(cache, ("Z",))
     stats, cached = load_or_compute_stats(cache, active=mask, state_dir=tmp_path / "state")
     assert not cached
@@ -235,3 +236,56 @@ def test_model_verification() -> None:
     tampered.model = tampered.model[:-1] + bytes([tampered.model[-1] ^ 1])
     with pytest.raises(VerificationError, match="not signed"):
         verify_model(tampered, **kw)  # type: ignore[arg-type]
+
+
+def test_round_classes_may_differ_from_the_cache(tmp_path: Path) -> None:
+    """A site whose cache holds only some of the round's classes (and one the round does not use)
+    contributes zeros for the others and says so in one line; the oracle is the statistics
+    computed directly over the round's class list with the absent classes unlabelled."""
+    cache = _cache(tmp_path / "cache")  # columns A, B (labelled), C (-1)
+    labelled, _ = labelled_mask(cache, ())
+    stats, _ = load_or_compute_stats(cache, active=labelled, state_dir=tmp_path / "state")
+    round_names = ["Mass", "B", "A", "C"]  # Mass: not in the cache; C: not labelled here
+    view = round_classes(
+        stats, cache_classes=cache.meta.classes, labelled=labelled, round_classes=round_names
+    )
+    labels = view.labels(cache.labels)
+    np.testing.assert_array_equal(labels[:, 0], -1)
+    np.testing.assert_array_equal(labels[:, 1:3], cache.labels[:, [1, 0]])
+    direct = local_statistics(cache.features, labels, active=np.array([False, True, True, False]))
+    np.testing.assert_allclose(view.stats.b, direct.b, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(view.stats.contributes, [False, True, True, False])
+    np.testing.assert_array_equal(view.labelled, [False, True, True, False])
+    assert view.stats.gram is stats.gram
+    assert view.note == (
+        "this site labels 2 of the round's 4 classes; it contributes nothing for ['Mass', 'C'] "
+        "(zeros, or no release, per the plan)"
+    )
+    # A labelled cache class the round does not use is named, with a hint for a misspelling.
+    renamed = round_classes(
+        stats,
+        cache_classes=("Efusion", "B", "C"),
+        labelled=labelled,
+        round_classes=["Effusion", "B"],
+    )
+    assert (
+        "labelled cache classes the round does not use: 'Efusion' (did you mean 'Effusion'?)"
+        in renamed.note
+    )
+    same = round_classes(
+        stats, cache_classes=CLASSES, labelled=np.ones(3, bool), round_classes=list(CLASSES)
+    )
+    assert same.note == ""
+    # Payloads for a plan over the round's classes: the absent class's columns are zeros.
+    plan = cpb.ReleasePlan(
+        releases=[
+            _release(
+                "b[Mass]", cpb.STATISTIC_KIND_CLASS_VECTOR, ["Mass"], [D, 1], cpb.PACKING_DENSE
+            )
+        ]
+    )
+    (slot,) = slot_payloads(
+        plan, site_id="me", class_names=round_names, stats=view.stats, pseudo=None,
+        encode=PlaintextMode().encode,
+    )  # fmt: skip
+    assert np.frombuffer(slot.payload, "<f8").tolist() == [0.0] * D

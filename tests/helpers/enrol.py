@@ -26,9 +26,11 @@ def signed_enrol_request(
     backbone: str = "",
     software_version: str = "",
     protocol_version: int = wire.PROTOCOL_VERSION,
+    **declared: Any,
 ) -> pb.EnrollRequest:
     """The request a site sends for ``challenge`` (its federation and site id are the
-    challenge's), with its proof."""
+    challenge's), with its proof; ``declared``: further EnrollRequest fields (weights digest, row
+    bounds, random-init stamp), covered by the proof like the others."""
     request = pb.EnrollRequest(
         identity_public_key=signatures.public_key_to_raw(identity),
         role=role,  # type: ignore[arg-type]
@@ -38,6 +40,7 @@ def signed_enrol_request(
         software_version=software_version,
         protocol_version=protocol_version,
         challenge=challenge.nonce,
+        **declared,
     )
     fields = wire.enrol_proof_fields(
         request,

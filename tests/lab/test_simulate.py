@@ -150,3 +150,23 @@ def test_baselines_and_communication_rows():
     assert (
         rows["analytic 2-round (global)"]["communication"]["bytes_down_per_site"] == 2 * 8 * d * 4
     )
+
+
+def test_progress_lines_without_a_terminal_and_silence_with_quiet(tmp_path, capsys):
+    """Under a pipe or a log (no TTY) `afl simulate` says what it is doing; --quiet hides it."""
+    save_dataset(small_federation(), tmp_path / "c")
+    argv = ["simulate", "--features", str(tmp_path / "c"), "--setting", "missing-1"]
+    assert main([*argv, "--setting", "missing-3", "--no-oracle"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("afl simulate: loading the data")
+    assert any(line.startswith("afl simulate: data ready in") for line in err)
+    assert "afl simulate: setting 1/2: missing-1" in err
+    assert "afl simulate: setting 2/2: missing-3" in err
+    assert main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("afl ")

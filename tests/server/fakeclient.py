@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -100,8 +101,11 @@ class FakeSite:
     def close(self) -> None:
         self.channel.close()
 
-    def enroll(self, labelled: Sequence[str] = (), d: int = 0) -> coordinator_pb2.EnrollResponse:
-        """Enrol as the real site does (challenge, then a proof over every field)."""
+    def enroll(
+        self, labelled: Sequence[str] = (), d: int = 0, **declared: Any
+    ) -> coordinator_pb2.EnrollResponse:
+        """Enrol as the real site does (challenge, then a proof over every field);
+        ``declared``: further EnrollRequest fields (weights digest, row bounds...)."""
         challenge = self.challenge()
         request = signed_enrol_request(
             self.identity,
@@ -109,6 +113,7 @@ class FakeSite:
             server_public_key=self.server_public_key(),
             labelled_classes=labelled,
             feature_dim=d,
+            **declared,
         )
         response: coordinator_pb2.EnrollResponse = self.stub.Enroll(request, timeout=10)
         return response

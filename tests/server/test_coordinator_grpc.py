@@ -278,7 +278,9 @@ def test_plan_signature_and_health(
     assert sites["s1"].status().round.stage == coordinator_pb2.ROUND_STAGE_UPLOAD
     scraped = generate_latest(server.metrics.registry).decode()
     assert "afl_enrolments_total 4.0" in scraped
-    assert f"afl_round_stage {float(coordinator_pb2.ROUND_STAGE_UPLOAD)}" in scraped
+    # The stage by name: exactly the current one is 1 (docs/operations.md §6).
+    assert 'afl_round_stage{afl_round_stage="UPLOAD"} 1.0' in scraped
+    assert 'afl_round_stage{afl_round_stage="PLAN_REVIEW"} 0.0' in scraped
 
 
 def test_restart_resumes_without_re_uploading(

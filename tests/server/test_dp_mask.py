@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from afl.client.dp_payloads import dp_statistics, noisy_values
 from afl.core.packing import pack_upper
+from afl.core.row_bounds import RowBounds
 from afl.crypto.fixedpoint import FixedPointCodec
 from afl.proto.v1 import common_pb2 as cpb
 from afl.server import toml_text
 from afl.server.config import MaskSettings, load_config
 from afl.server.dp_mask import dp_mask_encodings
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
-from afl.server.errors import ConfigError
 from afl.server.mode_mask import MaskMode
 from afl.server.plan import build_plan
 from afl.server.provisioning import provision
@@ -32,7 +32,15 @@ CLASSES = ["a", "b"]
 D = 3
 
 
-def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.ReleasePlan:
+def _plan(
+    *,
+    n_max: int,
+    clip: float,
+    epsilon: float,
+    tolerated: int,
+    declared: dict[str, RowBounds] | None = None,
+) -> cpb.ReleasePlan:
+    """A DP MASK plan with N = ``n_max`` configured, or (``declared``) from the declarations."""
     releases = dp_releases(
         classes=CLASSES,
         participants=SITES,
@@ -42,9 +50,8 @@ def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.Rel
     )
     dp = DpSettings(epsilon=epsilon, delta=1e-6, clip_norm=clip, tolerated=tolerated)
     calibration = calibrate(releases, dp, participants=SITES, plaintext=False)
-    strategy = MaskMode(
-        MaskSettings(gram_bound=1.0, vector_bound=1.0, max_samples=n_max), identities={}
-    )
+    configured = MaskSettings(gram_bound=1.0, vector_bound=1.0, max_samples=n_max)
+    strategy = MaskMode(MaskSettings() if declared else configured, identities={})
     plan = build_plan(
         federation_id="f",
         round_id="r1",
@@ -52,10 +59,10 @@ def _plan(*, n_max: int, clip: float, epsilon: float, tolerated: int) -> cpb.Rel
         participants=SITES,
         gram_scope="global",
         releases=releases,
-        options=strategy.plan_options(tuple(SITES)),
+        options=strategy.plan_options(tuple(SITES), declared=declared),
     )
     apply_dp(plan, calibration)
-    strategy.dp_encodings(plan)
+    strategy.dp_encodings(plan, declared=declared)
     return plan
 
 
@@ -109,7 +116,7 @@ def test_dp_encodings_need_a_dp_plan() -> None:
         dp_mask_encodings(plan, max_samples=10)
 
 
-def test_dp_with_mask_needs_max_samples(tmp_path: Path) -> None:
+def test_dp_with_mask_takes_n_from_the_config_or_the_sites_declarations(tmp_path: Path) -> None:
     base: dict[str, toml_text.TomlValue] = {
         "classes": CLASSES,
         "feature_dim": D,
@@ -117,12 +124,21 @@ def test_dp_with_mask_needs_max_samples(tmp_path: Path) -> None:
     }
     fed = provision(tmp_path / "f", sites=SITES, round_settings=base)
     doc = tomllib.loads((fed.server_dir / "server.toml").read_text(encoding="utf-8"))
-    doc["round"].update(aggregation="mask", mask_gram_bound=9.0, mask_vector_bound=3.0)
+    doc["round"].update(aggregation="mask")
     doc["round"]["dp"] = {"epsilon": 2.0, "clip_norm": 1.0}
     path = fed.server_dir / "dpmask.toml"
     path.write_text(toml_text.dumps(doc), encoding="utf-8")
-    with pytest.raises(ConfigError, match="mask_max_samples"):
-        load_config(path)
+    config = load_config(path)  # no mask_* bounds: N comes from the sites' declarations
+    assert config.round.mask == MaskSettings()
+    rows = {s: 2 ** (i + 3) for i, s in enumerate(SITES)}  # 8 .. 128 rows
+    declared = {s: RowBounds(n, 1.0) for s, n in rows.items()}
+    plan = _plan(n_max=0, clip=1.0, epsilon=2.0, tolerated=0, declared=declared)
+    explicit = _plan(n_max=max(rows.values()), clip=1.0, epsilon=2.0, tolerated=0)
+    assert [r.encoding for r in plan.releases] == [r.encoding for r in explicit.releases]
+    with pytest.raises(ValueError, match="s5 declared none at enrolment"):
+        MaskMode(MaskSettings(), identities={}).dp_encodings(
+            plan, declared={s: declared[s] for s in SITES[:4]}
+        )
     doc["round"].update(mask_feature_norm=2.0, mask_max_samples=50)
     path.write_text(toml_text.dumps(doc), encoding="utf-8")
     config = load_config(path)

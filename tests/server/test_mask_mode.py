@@ -153,6 +153,7 @@ def test_wire_config_is_the_signed_plans() -> None:
 def test_site_refuses_values_beyond_the_declared_bound() -> None:
     plan = _plan(_mode(vector=1.0))
     b_release = next(r for r in plan.releases if r.kind == cpb.STATISTIC_KIND_CLASS_VECTOR)
-    with pytest.raises(PayloadError, match="exceeds the plan's declared bound"):
-        ClientMask().encode(b_release, np.full(6, 2.0))
+    # The refusal names the server.toml value that fits, as a power of two (never the value).
+    with pytest.raises(PayloadError, match=r"exceeds the plan's bound 1 .*mask_vector_bound = 4 "):
+        ClientMask().encode(b_release, np.full(6, 2.5))
     assert len(ClientMask().encode(b_release, np.full(6, 0.5))) == 48

@@ -130,6 +130,10 @@ def enrol_proof_fields(
         feature_dim=int(request.feature_dim),
         software_version=request.software_version,
         protocol_version=int(request.protocol_version),
+        declared_rows=int(request.declared_rows),
+        declared_max_row_norm=float(request.declared_max_row_norm),
+        weights_sha256=request.weights_sha256,
+        random_init=bool(request.random_init),
     )
 
 

@@ -318,6 +318,10 @@ class EnrollRequest(_message.Message):
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     CHALLENGE_FIELD_NUMBER: _builtins.int
+    DECLARED_ROWS_FIELD_NUMBER: _builtins.int
+    DECLARED_MAX_ROW_NORM_FIELD_NUMBER: _builtins.int
+    WEIGHTS_SHA256_FIELD_NUMBER: _builtins.int
+    RANDOM_INIT_FIELD_NUMBER: _builtins.int
     identity_public_key: _builtins.bytes
     """Site's Ed25519 identity public key, raw 32 bytes; must equal the key provisioned for the
     certificate's site id. [visible: all]
@@ -331,7 +335,7 @@ class EnrollRequest(_message.Message):
     role: Global___SiteRole.ValueType
     """Requested role; the server checks it against its configuration. [visible: all]"""
     backbone: _builtins.str
-    """Feature extractor id, e.g. "densenet121-res224-all", so mismatched features are refused.
+    """Feature extractor id, e.g. "xrv-densenet121-all", so mismatched features are refused.
     [visible: server]
     """
     feature_dim: _builtins.int
@@ -342,6 +346,22 @@ class EnrollRequest(_message.Message):
     """Wire protocol version spoken by the client (1). [visible: server]"""
     challenge: _builtins.bytes
     """The nonce of a GetEnrolChallenge reply to this site, used once. [visible: server]"""
+    declared_rows: _builtins.int
+    """Row bounds for masked aggregation (afl.core.row_bounds), sent when the site's policy
+    disclose_row_bounds allows: the number of feature rows N and the largest feature-row norm L,
+    each rounded UP to a power of two (0 = not declared). The coordinator derives each release's
+    fixed-point bound from its members' values (docs/protocol.md §4.2). [visible: server]
+    """
+    declared_max_row_norm: _builtins.float
+    weights_sha256: _builtins.str
+    """Hex SHA-256 of the backbone weights file the site's features were extracted with ("" for
+    surrogate or random-init features); the server may pin it ([round] backbone_sha256).
+    [visible: server]
+    """
+    random_init: _builtins.bool
+    """The site's features come from a randomly initialised backbone (tests only); refused unless
+    the server's [round] allow_random_init is true. [visible: server]
+    """
     @_builtins.property
     def labelled_classes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Classes the site labels (its coverage). Sent only when the site's policy allows disclosing
@@ -361,10 +381,14 @@ class EnrollRequest(_message.Message):
         software_version: _builtins.str = ...,
         protocol_version: _builtins.int = ...,
         challenge: _builtins.bytes = ...,
+        declared_rows: _builtins.int = ...,
+        declared_max_row_norm: _builtins.float = ...,
+        weights_sha256: _builtins.str = ...,
+        random_init: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "challenge", b"challenge", "feature_dim", b"feature_dim", "identity_public_key", b"identity_public_key", "labelled_classes", b"labelled_classes", "proof", b"proof", "protocol_version", b"protocol_version", "role", b"role", "software_version", b"software_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backbone", b"backbone", "challenge", b"challenge", "declared_max_row_norm", b"declared_max_row_norm", "declared_rows", b"declared_rows", "feature_dim", b"feature_dim", "identity_public_key", b"identity_public_key", "labelled_classes", b"labelled_classes", "proof", b"proof", "protocol_version", b"protocol_version", "random_init", b"random_init", "role", b"role", "software_version", b"software_version", "weights_sha256", b"weights_sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

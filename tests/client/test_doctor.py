@@ -1,0 +1,161 @@
+"""`afl-client doctor` and `afl-client status` (afl.client.doctor) against a real afl-server over
+mutual TLS: a ready site gets no PROBLEM and the values masked rounds use (N and the largest row
+norm, measured here with numpy, and their powers of two); a missing cache, a misspelt class, a
+partly labelled class, undeclared bounds and an unreachable server are each named."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from afl.client.cli import main as client_main
+from afl.client.config import ClientConfig, DataConfig, LocalPolicy, load_client_config
+from afl.client.doctor import doctor, status_lines
+from afl.core.featurecache import CacheMeta, write_cache
+from afl.crypto.kit_check import OK, PROBLEM, WARNING, Finding
+from afl.server import toml_text
+from afl.server.config import load_config
+from afl.server.daemon import CoordinatorServer
+from afl.server.provisioning import ProvisionedFederation
+from tests.helpers.federation import FederationSpec
+
+CLASSES = ("Atelectasis", "Effusion", "Mass")
+D = 6
+FEDERATION = FederationSpec(
+    sites=["s1", "s2", "s3"], round_settings={"classes": list(CLASSES), "feature_dim": D}
+)
+
+
+@pytest.fixture(scope="module")
+def server(
+    federation: ProvisionedFederation, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CoordinatorServer]:
+    config = load_config(federation.server_dir / "server.toml")
+    running = CoordinatorServer(
+        replace(config, listen="127.0.0.1:0", state_dir=tmp_path_factory.mktemp("state"))
+    )
+    running.start()
+    yield running
+    running.stop(None)
+
+
+@pytest.fixture
+def features() -> np.ndarray:
+    return np.random.default_rng(3).normal(size=(20, D)).astype(np.float32) * 7.0
+
+
+def _site(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+    *,
+    labels: np.ndarray | None = None,
+    classes: tuple[str, ...] = ("Atelectasis", "Mass"),
+) -> ClientConfig:
+    """Site s1 with a cache labelling ``classes`` (10 positives, 10 negatives each)."""
+    n = features.shape[0]
+    if labels is None:
+        labels = np.tile((np.arange(n) % 2)[:, None], (1, len(classes))).astype(np.int8)
+    meta = CacheMeta(n=n, d=D, classes=classes, source="test", extra={"backbone": "test"})
+    write_cache(
+        tmp_path / "cache",
+        meta=meta,
+        ids=[str(i) for i in range(n)],
+        labels=labels,
+        features=features,
+    )
+    config = load_client_config(federation.site_dirs["s1"] / "client.toml")
+    return replace(
+        config,
+        server_address=f"localhost:{server.port}",
+        state_dir=tmp_path / "state",
+        data=DataConfig(tmp_path / "cache"),
+    )
+
+
+def _messages(findings: list[Finding], level: str) -> list[str]:
+    return [f.message for f in findings if f.level == level]
+
+
+def test_a_ready_site_gets_its_values_and_no_problem(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+) -> None:
+    findings = doctor(_site(federation, server, tmp_path, features))
+    assert _messages(findings, PROBLEM) == []
+    ok = " | ".join(_messages(findings, OK))
+    assert "mutual TLS" in ok and "this site is NOT yet enrolled" in ok
+    assert "20 images x d = 6" in ok
+    assert "class Atelectasis: 10 positive, 10 negative" in ok and "class Mass: 10 positive" in ok
+    norm = float(np.linalg.norm(features.astype(np.float64), axis=1).max())
+    power = 2.0 ** math.ceil(math.log2(norm))
+    assert f"N = 20 rows, largest feature-row norm L = {norm:.6g}" in ok
+    assert f"declared at enrolment as N <= 32, L <= {power:g}" in ok
+    assert f"Gram bound {32 * power**2:g}" in ok and "nothing to set by hand" in ok
+
+
+def test_each_problem_is_named(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+) -> None:
+    config = _site(federation, server, tmp_path, features)
+    missing = doctor(replace(config, data=DataConfig(tmp_path / "nowhere")), connect=False)
+    assert any("run `afl-client extract --out" in m for m in _messages(missing, PROBLEM))
+    misspelt = doctor(replace(config, data=DataConfig(config.data.cache, ("Atelectasis", "Mas"))))
+    assert any("'Mas' (did you mean 'Mass'?)" in m for m in _messages(misspelt, PROBLEM))
+    labels = np.tile((np.arange(20) % 2)[:, None], (1, 2)).astype(np.int8)
+    labels[:5, 1] = -1  # Mass labelled in 15 rows only
+    partial = doctor(
+        _site(federation, server, tmp_path / "p", features, labels=labels), connect=False
+    )
+    assert any("['Mass'] are labelled in some rows only" in m for m in _messages(partial, WARNING))
+    private = replace(config, policy=LocalPolicy(disclose_row_bounds=False))
+    assert any(
+        "NOT declared" in m and "mask_max_samples >= 32" in m
+        for m in _messages(doctor(private), WARNING)
+    )
+    away = replace(config, server_address="localhost:1")
+    assert any("connection refused by localhost:1" in m for m in _messages(doctor(away), PROBLEM))
+
+
+def test_cli_exit_codes_and_status(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = _site(federation, server, tmp_path, features)
+    doc = tomllib.loads(config.path.read_text())
+    doc["client"].update(server=config.server_address, state_dir=str(config.state_dir))
+    doc["data"] = {"cache": str(config.data.cache), "classes": [], "clases": []}
+    path = tmp_path / "client.toml"
+    for name in ("ca.pem", "site.pem", "site.key", "identity.key"):
+        (tmp_path / name).write_bytes((config.path.parent / name).read_bytes())
+    path.write_text(toml_text.dumps(doc))
+    assert client_main(["doctor", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "unknown key [data] clases (did you mean 'classes'?)" in out and "ready:" in out
+    doc["client"]["server"] = "localhost:1"
+    path.write_text(toml_text.dumps(doc))
+    assert client_main(["doctor", "--config", str(path)]) == 1
+    assert "1 problem(s) found" in capsys.readouterr().out
+    assert client_main(["doctor", "--config", str(tmp_path / "none.toml")]) == 2
+    lines = status_lines(config)
+    assert "coordinator" in lines[1] and "NOT enrolled" in lines[1]
+    assert (
+        "last round: none taken part in yet" in lines and "last model: none received yet" in lines
+    )
+    assert client_main(["status", "--config", str(path)]) == 0
+    assert "UNREACHABLE: connection refused by localhost:1" in capsys.readouterr().out
