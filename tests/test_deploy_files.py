@@ -416,6 +416,9 @@ def test_three_clients_from_their_unit_complete_a_round(
             assert replaced != text  # the example's backbone line is the one the test changes
             text = replaced
             text = text.replace("linger_s = 5.0", "linger_s = 1.0")
+            served = text.replace("serve = true", "serve = false")  # exit after the round
+            assert served != text
+            text = served
             text = text.replace("afl.example.org:50051", f"localhost:{port}")
             config = tmp_path / f"{site}.toml"
             config.write_text(text)
@@ -429,7 +432,7 @@ def test_three_clients_from_their_unit_complete_a_round(
                 )
             )
         for site, client in zip(SITES, clients, strict=True):
-            _, err = client.communicate(timeout=90)
+            _, err = client.communicate(timeout=300)
             assert client.returncode == 0, f"{site}: {err[-2000:]}"
             reports = list((tmp_path / f"{site}-state" / "reports").glob("*.json"))
             assert reports, f"{site} wrote no report"

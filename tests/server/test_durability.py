@@ -147,7 +147,15 @@ def test_the_daemon_refuses_in_one_line_with_exit_2(federation: Any, tmp_path: P
     anchor["commits"] = int(anchor["commits"]) + 100  # the database is 100 commits behind
     (state / ANCHOR_NAME).write_text(json.dumps(anchor))
     out = subprocess.run(
-        [sys.executable, "-m", "afl.server.daemon", "--config", str(config)],
+        [
+            sys.executable,
+            "-m",
+            "afl.server.daemon",
+            "--config",
+            str(config),
+            "--listen",
+            "127.0.0.1:0",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
