@@ -2,7 +2,8 @@
 
 Tables: ``meta`` (schema version, federation id), ``enrolments``, ``rounds`` (stage, signed
 plan, deadline), ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file),
-``models`` (signed model bytes), ``reports`` (client reports) and ``audit_log`` (append-only,
+``models`` (signed model bytes; also kept as the file ``models/<round>.signed-model.pb``, written
+before its row), ``reports`` (client reports) and ``audit_log`` (append-only,
 hash-chained: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
 
 Payloads live under ``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600), written
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import write_private_file
+from afl.proto.v1.coordinator_pb2 import SignedModel
 from afl.server.errors import StateError
 
 __all__ = ["SCHEMA_VERSION", "EnrolmentRow", "RoundRow", "Store", "UploadRow", "now_ms"]
@@ -296,12 +298,23 @@ class Store:
 
     # --- models, reports, audit --------------------------------------------------------------
 
-    def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> None:
+    def model_path(self, round_id: str) -> Path:
+        """``<state_dir>/models/<round>.signed-model.pb``: the SignedModel, as sites receive it."""
+        return self.state_dir / "models" / f"{round_id}.signed-model.pb"
+
+    def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> str:
+        """Write the signed model file atomically, then commit its row; returns the SHA-256 (hex)
+        of the ``Model`` bytes, the digest every site records for its verified copy."""
+        path = self.model_path(round_id)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        signed = SignedModel(model=model, signature=signature)
+        write_private_file(path, signed.SerializeToString())
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?)",
                 (round_id, model, signature, now_ms()),
             )
+        return hashlib.sha256(model).hexdigest()
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""
