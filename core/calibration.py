@@ -55,6 +55,7 @@ __all__ = [
     "CalibrationError",
     "ClassCalibration",
     "Reliability",
+    "calibration_document",
     "fit_calibration",
     "fit_class",
     "histogram_reliability",
@@ -373,3 +374,32 @@ def histogram_reliability(
         weights=np.concatenate([pos, neg]),
         n_bins=n_bins,
     )
+
+
+def calibration_document(
+    calibration: Calibration, stats: EvaluationStats, *, n_bins: int = 10
+) -> dict[str, Any]:
+    """The calibration file's content: the fit (:meth:`Calibration.to_json`) and, per class,
+    the reliability and ECE of σ(z) and of the calibrated probabilities on the (summed)
+    histograms it was fitted from: in-sample, but computable from the sums alone."""
+    reps = stats.bins.representatives()
+    per_class: dict[str, Any] = {}
+    for c, fitted in enumerate(calibration.classes):
+        neg, pos = stats.histograms[c]
+        entry = {
+            "raw sigmoid": histogram_reliability(
+                expit(reps), negatives=neg, positives=pos, n_bins=n_bins
+            )
+        }
+        if fitted.fitted:
+            entry[calibration.method] = histogram_reliability(
+                fitted.probabilities(reps), negatives=neg, positives=pos, n_bins=n_bins
+            )
+        per_class[fitted.name] = {k: v.to_json() for k, v in entry.items()}
+    return {
+        **calibration.to_json(),
+        "reliability": {
+            "data": "the histograms the calibration was fitted from (in-sample)",
+            "per_class": per_class,
+        },
+    }

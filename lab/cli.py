@@ -47,7 +47,11 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
         export_cmd,
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
-    ("report", "a self-contained HTML report from `afl simulate` results JSON", report_cmd),
+    (
+        "report",
+        "a self-contained HTML report: `afl simulate` results, or an `afl export` folder",
+        report_cmd,
+    ),
     ("bench", "benchmark suites (JSON output; see docs/benchmarks.md)", bench_cmd),
     ("audit", "leakage audit of a coverage spec's release plan, for compliance review", audit_cmd),
 )

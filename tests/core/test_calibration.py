@@ -16,6 +16,7 @@ from afl.core.calibration import (
     Calibration,
     CalibrationError,
     ClassCalibration,
+    calibration_document,
     fit_calibration,
     fit_class,
     histogram_reliability,
@@ -137,6 +138,12 @@ def test_isotonic_matches_sklearn_on_the_binned_rows() -> None:
 def test_calibration_lowers_the_ece_of_tiny_scores_on_new_rows() -> None:
     _, pooled = _sites()
     calib = fit_calibration(pooled, model_sha256=MODEL)
+    doc = calibration_document(calib, pooled)
+    assert Calibration.from_json(doc) == calib  # the file's extra section is ignored on load
+    for name in CLASSES:
+        in_sample = doc["reliability"]["per_class"][name]
+        assert in_sample["platt"]["ece"] < in_sample["raw sigmoid"]["ece"]
+        assert sum(in_sample["platt"]["weight"]) == pooled.histograms[CLASSES.index(name)].sum()
     feats, labels, w = _data(7, 3000)
     z = feats @ w
     for c in range(2):
