@@ -55,11 +55,12 @@ from afl.lab.bench_common import emit_json
 from afl.lab.dataset import FederatedDataset, default_dataset
 from afl.lab.machine_info import describe_machine
 
-__all__ = ["add_arguments", "run", "run_calibration_bench"]
+__all__ = ["add_arguments", "masked_sum", "run", "run_calibration_bench"]
 
 
-def _masked_sum(parts: list[EvaluationStats], site_names: tuple[str, ...]) -> EvaluationStats:
-    """Σ of the sites' statistics through the masking protocol, in process."""
+def masked_sum(parts: list[EvaluationStats], site_names: tuple[str, ...]) -> EvaluationStats:
+    """Σ of the sites' statistics through the masking protocol, in process (the fixed-point
+    bound: the largest site's rows), decoded."""
     bound = float(max(int(p.n_pos.max() + p.n_neg.max()) for p in parts))
     releases = [
         ReleaseSpec("hist", site_names, parts[0].histograms.size, bound),
@@ -127,7 +128,7 @@ def _setting(fed: FederatedDataset, missing: int, *, seed: int, gamma: float) ->
         for k, (f, y) in enumerate(zip(fed.site_features, fed.site_labels, strict=True))
     ]
     plain = sum_statistics(parts)
-    masked = _masked_sum(parts, sites)
+    masked = masked_sum(parts, sites)
     pooled_labels = np.concatenate(
         [np.where(active[k], y, -1) for k, y in enumerate(fed.site_labels)]
     )  # each site's rows labelled for the classes it labels, as the sites computed them

@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     from afl.client.weights import WeightsError
     from afl.core.calibration import Calibration, CalibrationError
     from afl.server.errors import ConfigError as ServerConfigError
+    from afl.server.errors import StateError
 
     try:
         party = _Party(Path(args.config))
@@ -260,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         CalibrationError,
         ClientConfigError,
         ServerConfigError,
+        StateError,
     ) as exc:
         print(f"afl export: error: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from typing import Any
 
 from afl.lab.report_plots import macro_plot, per_class_plot, roc_figures
 
-__all__ = ["CSS", "ReportError", "html_table", "render_report", "write_report"]
+__all__ = ["ReportError", "html_page", "html_table", "render_report", "write_report"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;
@@ -287,6 +287,11 @@ def render_report(
         "<h2>Parameters</h2>",
         _params(results),
     ]
+    return html_page(title, body)
+
+
+def html_page(title: str, body: Sequence[str]) -> str:
+    """A self-contained page: the inline CSS and ``body`` (already escaped HTML parts)."""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from afl.core.calibration import Calibration, CalibrationError
-from afl.lab.report import CSS, ReportError, html_table
+from afl.lab.report import ReportError, html_page, html_table
 from afl.lab.report_plots import calibration_map_plot, evaluation_plot, reliability_plot
 
 __all__ = ["is_export_folder", "render_deployed_report", "write_deployed_report"]
@@ -177,12 +177,7 @@ def render_deployed_report(folder: Path, *, title: str | None = None) -> str:
     sums = folder / "SHA256SUMS"
     if sums.is_file():
         body.append(f"<pre>{escape(sums.read_text(encoding='utf-8'))}</pre>")
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n"
-        + "\n".join(body)
-        + "\n</body></html>\n"
-    )
+    return html_page(title, body)
 
 
 def write_deployed_report(folder: Path, out_path: Path, *, title: str | None = None) -> Path:

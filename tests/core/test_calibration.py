@@ -25,9 +25,7 @@ from afl.core.calibration import (
 from afl.core.evaluation import EvaluationStats, evaluation_statistics
 from afl.core.refinement import RefinementParams, pseudo_label_projection
 from afl.core.scorebins import DEFAULT_SCORE_BINS, symmetric_log_bins
-from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
-from afl.crypto.secagg_local import run_local_round
-from afl.crypto.signatures import generate_identity_key
+from afl.lab.bench_calibration import masked_sum
 
 CLASSES = ("A", "B")
 MODEL = "ab" * 32
@@ -66,33 +64,8 @@ def _sites(n_sites: int = 4) -> tuple[list[EvaluationStats], EvaluationStats]:
 
 def test_federated_fit_from_masked_sums_equals_the_pooled_fit() -> None:
     parts, pooled = _sites()
-    sites = [f"site-{k}" for k in range(len(parts))]
-    hist_len = parts[0].histograms.size
-    bound = float(max(p.n_pos.max() + p.n_neg.max() for p in parts))  # rows per site
-    config = RoundConfig.create(
-        round_id="calibration-round",
-        cohort=sites,
-        releases=[
-            ReleaseSpec("hist", tuple(sites), hist_len, bound),
-            ReleaseSpec("conf", tuple(sites), parts[0].confusion.size, bound),
-        ],
-    )
-    inputs = {
-        s: {
-            "hist": p.histograms.astype(np.float64).ravel(),
-            "conf": p.confusion.astype(np.float64).ravel(),
-        }
-        for s, p in zip(sites, parts, strict=True)
-    }
-    keys = {s: generate_identity_key() for s in sites}
-    sums = run_local_round(config=config, identity_keys=keys, inputs=inputs).result.sums
-    federated = EvaluationStats.from_sums(
-        classes=CLASSES,
-        bins=DEFAULT_SCORE_BINS,
-        threshold=0.5,
-        histograms=sums["hist"],
-        confusion=sums["conf"],
-    )
+    sites = tuple(f"site-{k}" for k in range(len(parts)))
+    federated = masked_sum(parts, sites)  # pairwise masking in process, decoded
     np.testing.assert_array_equal(federated.histograms, pooled.histograms)
     z = np.linspace(-1e-3, 1e-3, 101)[:, None].repeat(2, axis=1)
     for method in ("platt", "isotonic"):

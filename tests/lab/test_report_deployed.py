@@ -8,7 +8,6 @@ import argparse
 import base64
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.report import ReportError
 from afl.lab.report_cmd import add_arguments, run
 from afl.lab.report_deployed import render_deployed_report
+from tests.helpers.browser import CHROMIUM, SKIP_REASON, headless_flags
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -106,13 +106,7 @@ def test_report_command_dispatches_on_an_export_folder(folder: Path, tmp_path: P
     assert run(p.parse_args([str(bad)])) == 2
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="headless Chromium not installed (apt package: chromium); the test installs nothing",
-)
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path) -> None:
     assert CHROMIUM is not None
     probe = (
@@ -122,11 +116,8 @@ def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path
     )
     page = tmp_path / "page.html"
     page.write_text(render_deployed_report(folder).replace("</body>", probe + "</body>"))
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-background-networking", f"--user-data-dir={tmp_path / 'p'}",
-             "--virtual-time-budget=5000"]  # fmt: skip
     dom = subprocess.run(
-        [CHROMIUM, *flags, "--dump-dom", page.as_uri()],
+        [CHROMIUM, *headless_flags(tmp_path / "profile"), "--dump-dom", page.as_uri()],
         capture_output=True,
         text=True,
         timeout=120,
