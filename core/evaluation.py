@@ -44,13 +44,18 @@ from scipy.special import expit
 from afl.core.metrics import THRESHOLD, Metrics
 from afl.core.scorebins import ScoreBins
 
+#: ``format`` of :func:`federated_evaluation_document` (read by ``afl export`` and ``afl report``).
+FEDERATED_EVALUATION_FORMAT = "afl-federated-evaluation"
+
 __all__ = [
     "CONFUSION_FIELDS",
+    "FEDERATED_EVALUATION_FORMAT",
     "EvaluationError",
     "EvaluationStats",
     "confusion_bacc",
     "evaluation_quantities",
     "evaluation_statistics",
+    "federated_evaluation_document",
     "histogram_auc",
     "histogram_average_precision",
     "pooled_metrics",
@@ -258,3 +263,21 @@ def evaluation_quantities(classes: Sequence[str], *, model_sha256: str) -> list[
     for c in classes:
         out += [f"eval[{c}]@{model_sha256}", f"labels[{c}]"]
     return out
+
+
+def federated_evaluation_document(
+    stats: EvaluationStats, *, model_sha256: str, members: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The pooled metrics of summed statistics as a JSON document bound to the model, with the
+    per-class counts (what the coordinator reports; no site's own figures)."""
+    metrics = pooled_metrics(stats).to_json()
+    for c, name in enumerate(stats.classes):
+        metrics["per_class"][name].update(n_pos=int(stats.n_pos[c]), n_neg=int(stats.n_neg[c]))
+    return {
+        "format": FEDERATED_EVALUATION_FORMAT,
+        "model_sha256": model_sha256,
+        "members": list(members),
+        "score_bins": len(stats.bins.edges) + 1,
+        "decision_threshold": stats.threshold,
+        **metrics,
+    }

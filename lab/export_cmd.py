@@ -32,6 +32,7 @@ from typing import Any
 
 from afl.client.model_card import TrainingFacts
 from afl.client.published import ModelFileError, PublishedModel, load_published_model
+from afl.core.evaluation import FEDERATED_EVALUATION_FORMAT
 
 __all__ = ["add_arguments", "run"]
 
@@ -204,7 +205,7 @@ def _evaluation_metrics(paths: list[str], published: PublishedModel) -> dict[str
             raise ModelFileError(f"{path} evaluates another model than {published.path}")
         title = (
             "federated evaluation"
-            if body.get("format") == "afl-federated-evaluation"
+            if body.get("format") == FEDERATED_EVALUATION_FORMAT
             else f"local evaluation ({path.name})"
         )
         out[title] = {**body, "source": str(path)}

@@ -24,7 +24,13 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 from afl.client.backbones import load_backbone
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
+from afl.core.evaluation import (
+    evaluation_statistics,
+    federated_evaluation_document,
+    sum_statistics,
+)
 from afl.core.featurecache import open_cache
+from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.cli import main as lab_main
 from afl.lab.demo_federation import mask_round_settings, prepare_loopback, run_loopback
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -184,13 +190,31 @@ def test_site_evaluation_goes_into_its_report_and_the_card(demo, capsys) -> None
             average_precision_score(y, p[:, c]), abs=1e-12
         )
         assert row["auc"]["low"] <= row["auc"]["estimate"] <= row["auc"]["high"]
+    # a federated evaluation of the same model (the sites' summed statistics, in process here)
+    caches = [open_cache(loop.root / "data" / s) for s in loop.site_ids]
+    summed = sum_statistics(
+        [
+            evaluation_statistics(
+                c.features, c.labels, weights=w, classes=CLASSES, bins=DEFAULT_SCORE_BINS
+            )
+            for c in caches
+        ]
+    )
+    fed_doc = federated_evaluation_document(summed, model_sha256=local["model_sha256"])
+    fed_path = demo["root"] / "federated-evaluation.json"
+    fed_path.write_text(json.dumps(fed_doc))
     out = demo["root"] / "export-evaluated"
     args = ["export", "--model", str(demo["site_model"]), "--weights", str(demo["weights"])]
-    args += ["--config", config, "--backbone", "resnet18", "--no-onnx", "--out", str(out)]
-    assert lab_main(args) == 0
+    args += ["--config", config, "--backbone", "resnet18", "--no-onnx"]
+    assert lab_main([*args, "--evaluation", str(fed_path), "--out", str(out)]) == 0
     card = json.loads((out / "model_card.json").read_text())
     assert card["metrics"]["local evaluation (site-1)"]["per_class"] == local["per_class"]
+    assert card["metrics"]["federated evaluation"]["per_class"] == fed_doc["per_class"]
     assert "### local evaluation (site-1)" in (out / "model_card.md").read_text()
+    # an evaluation of another model is refused
+    fed_path.write_text(json.dumps({**fed_doc, "model_sha256": "00" * 32}))
+    assert lab_main([*args, "--evaluation", str(fed_path), "--out", str(out) + "-x"]) == 2
+    assert "evaluates another model" in capsys.readouterr().err
 
 
 def test_predict_on_a_folder_of_png_and_dicom(demo, site_export, tmp_path) -> None:

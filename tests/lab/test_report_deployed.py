@@ -16,7 +16,7 @@ import pytest
 
 from afl.client.model_card import TrainingFacts, model_card
 from afl.core.calibration import calibration_document, fit_calibration
-from afl.core.evaluation import evaluation_statistics, pooled_metrics
+from afl.core.evaluation import evaluation_statistics, federated_evaluation_document
 from afl.core.local_evaluation import bootstrap_evaluation
 from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.report import ReportError
@@ -45,11 +45,7 @@ def _export_folder(root: Path) -> Path:
     local = bootstrap_evaluation(
         probs, labels, classes=CLASSES, labelled=np.array([True, True]), n_boot=40
     )
-    federated = {
-        "format": "afl-federated-evaluation",
-        "model_sha256": MODEL,
-        **pooled_metrics(stats).to_json(),
-    }
+    federated = federated_evaluation_document(stats, model_sha256=MODEL)
     card = model_card(
         model={"federation_id": "fed", "round_id": "r1-x", "model_sha256": MODEL,
                "contributors": ["a", "b", "c"], "decision_threshold": 0.5},
