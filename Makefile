@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PINS)
-	$(BIN)/pip install -q -e '.[client,dp,lab,dev]' --config-settings editable_mode=strict
+	$(BIN)/pip install -q -e '.[client,dp,lab,export,dev]' --config-settings editable_mode=strict
 	touch $@
 
 # Strict editable installs link each file: re-link so new modules are importable and visible to mypy.

@@ -66,25 +66,47 @@ class Preprocessor:
 
     def __call__(self, img: NDArray[np.float32]) -> Any:
         arr = np.clip(np.asarray(img, dtype=np.float32), 0.0, 1.0)
-        if self.kind == "xrv":
-            arr = xrv.datasets.normalize(arr, 1.0)
-            h, w = arr.shape
-            side = min(h, w)
-            top, left = h // 2 - side // 2, w // 2 - side // 2
-            x = torch.from_numpy(np.ascontiguousarray(arr[top : top + side, left : left + side]))
-            x = torch.nn.functional.interpolate(
-                x[None, None],
-                size=(self.crop_size, self.crop_size),
-                mode="bilinear",
-                antialias=True,
-                align_corners=False,
-            )
-            return x[0].contiguous()
-        mode = TF.InterpolationMode(self.interpolation)
-        x = torch.from_numpy(np.ascontiguousarray(arr))[None]
-        x = TF.resize(x, [self.resize_size], interpolation=mode, antialias=True)
-        x = TF.center_crop(x, [self.crop_size, self.crop_size]).expand(3, -1, -1)
-        return TF.normalize(x.contiguous(), list(IMAGENET_MEAN), list(IMAGENET_STD))
+        x = torch.from_numpy(np.ascontiguousarray(arr))[None, None]
+        out = preprocess_batch(
+            x, self.kind == "xrv", self.crop_size, self.resize_size, self.interpolation
+        )
+        return out[0].contiguous()
+
+
+def preprocess_batch(x: torch.Tensor, xrv: bool, crop: int, resize: int, mode: str) -> torch.Tensor:
+    """The :class:`Preprocessor` on a (B, 1, H, W) float batch in [0, 1] (one H × W for the batch).
+
+    Written in TorchScript- and ``torch.export``-compatible torch so that the exported classifier
+    (:mod:`afl.client.export`) runs exactly this code. It reproduces, bit for bit (tested),
+    ``xrv.datasets.normalize(img, 1)`` + centre square crop + antialiased bilinear resize for
+    ``xrv``, and torchvision's ``resize`` (short side to ``resize``, the long side truncated),
+    ``center_crop`` (offsets rounded half to even) and ``normalize`` for ``imagenet``.
+    """
+    x = x.clamp(0.0, 1.0)
+    h = x.shape[2]
+    w = x.shape[3]
+    side = min(h, w)
+    if xrv:
+        x = (2.0 * x - 1.0) * 1024.0
+        x = x.narrow(2, h // 2 - side // 2, side).narrow(3, w // 2 - side // 2, side)
+        return torch.nn.functional.interpolate(
+            x, size=[crop, crop], mode="bilinear", antialias=True, align_corners=False
+        )
+    new_h = resize * h // side
+    new_w = resize * w // side
+    x = torch.nn.functional.interpolate(
+        x, size=[new_h, new_w], mode=mode, antialias=True, align_corners=False
+    )
+    # torchvision: int(round((size - crop) / 2.0)), i.e. halves rounded to the even integer
+    over_h = new_h - crop
+    over_w = new_w - crop
+    top = over_h // 2 + (over_h % 2) * ((over_h // 2) % 2)
+    left = over_w // 2 + (over_w % 2) * ((over_w // 2) % 2)
+    x = x.narrow(2, top, crop).narrow(3, left, crop).expand(-1, 3, -1, -1)
+    # IMAGENET_MEAN and IMAGENET_STD, spelled out: TorchScript cannot read module globals
+    mean = torch.tensor([0.485, 0.456, 0.406], dtype=x.dtype).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=x.dtype).view(1, 3, 1, 1)
+    return (x - mean) / std
 
 
 @dataclass(frozen=True)

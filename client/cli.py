@@ -33,8 +33,9 @@ Handler = Callable[[argparse.Namespace], int]
 _DESCRIPTION = (
     "The hospital side of afl: make the site's keys and import the operator's public bundle, "
     "extract features from chest X-rays, merge shard caches, list the backbones, check the "
-    "site's setup (doctor), run the site daemon that takes part in the federation's rounds, and "
-    "show its state (status)."
+    "site's setup (doctor), run the site daemon that takes part in the federation's rounds, "
+    "show its state (status), evaluate a published model on the site's own hold-out, and "
+    "predict with an exported model."
 )
 
 
@@ -378,6 +379,100 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_predict_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="an `afl export` folder (or its model.ts)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", help="folder of PNG/JPEG/DICOM files (searched recursively)")
+    src.add_argument("--manifest", help="CSV with a path column (other columns are ignored)")
+    p.add_argument(
+        "--calibration",
+        help="calibration JSON fitted for this model: adds calibrated probabilities (the "
+        "decisions stay the paper's σ(z) > 0.5)",
+    )
+    p.add_argument("--out", required=True, help="output file (.csv or .json)")
+    p.add_argument("--format", choices=("csv", "json"), help="default: from --out's suffix")
+    p.add_argument("--path-column", default="path", help="manifest: image path column")
+    p.add_argument("--id-column", help="manifest: image id column (default: the path)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    from afl.client.export import load_exported
+    from afl.client.predict import image_records, predict_images, summary, write_predictions
+    from afl.core.calibration import Calibration
+
+    model = load_exported(args.model)
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    records = image_records(
+        images=args.images,
+        manifest=args.manifest,
+        path_column=args.path_column,
+        id_column=args.id_column,
+    )
+    if not records:
+        print(
+            f"afl-client predict: error: no images in {args.images or args.manifest}",
+            file=sys.stderr,
+        )
+        return 1
+    run = predict_images(model, records, calibration=calibration, progress=not args.no_progress)
+    as_json = (args.format or ("json" if args.out.lower().endswith(".json") else "csv")) == "json"
+    written = write_predictions(run, args.out, fmt="json" if as_json else "csv")
+    print(summary(run))
+    print("written: " + ", ".join(str(p) for p in written))
+    return 0 if run.rows else 1
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="the site's client.toml")
+    p.add_argument(
+        "--model", help="signed model file (default: the newest one in state_dir/models)"
+    )
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--cache", help="feature cache of the labelled hold-out")
+    data.add_argument("--manifest", help="CSV of hold-out images with one column per class")
+    p.add_argument("--weights", help="--manifest: the backbone's local weights file")
+    p.add_argument("--sha256", help="--manifest: pin the weights file's SHA-256")
+    p.add_argument("--backbone", help="--manifest: backbone (default: the model's)")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (1000)")
+    p.add_argument("--confidence", type=float, default=0.95, help="interval level (0.95)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    from afl.client.config import load_client_config
+    from afl.client.evaluate import evaluate_model, write_local_evaluation
+
+    config = load_client_config(args.config)
+    run = evaluate_model(
+        config,
+        model_path=args.model,
+        cache=args.cache,
+        manifest=args.manifest,
+        backbone=args.backbone,
+        weights=args.weights,
+        sha256=args.sha256,
+        n_boot=args.bootstrap,
+        confidence=args.confidence,
+        seed=args.seed,
+    )
+    if run.in_sample:
+        print(
+            "WARNING: no --cache/--manifest: evaluated on the training cache (in-sample, "
+            "optimistic)",
+            file=sys.stderr,
+        )
+    pct = round(100 * run.result.confidence)
+    print(f"model {run.model.model_sha256[:16]}… on {run.data}: {run.result.n_rows} rows")
+    print(f"  {'class':<18} {'n+':>6} {'n-':>6}  BACC [{pct}% CI]      AUC [{pct}% CI]       AP")
+    for ev in run.result.classes:
+        cells = [f"{i.estimate:.3f} [{i.low:.3f}, {i.high:.3f}]" for i in (ev.bacc, ev.auc, ev.ap)]
+        print(f"  {ev.name:<18} {ev.n_pos:>6} {ev.n_neg:>6}  " + "  ".join(cells))
+    path = write_local_evaluation(config.state_dir, run)
+    print(f"written into the site's report {path} (local_evaluation)")
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
     (
         "init",
@@ -407,9 +502,21 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
         add_status_arguments,
         run_status,
     ),
+    (
+        "predict",
+        "per-class probabilities and decisions for images, from an `afl export` model",
+        add_predict_arguments,
+        run_predict,
+    ),
+    (
+        "evaluate",
+        "BACC/AUC/AP with bootstrap intervals of a verified model on this site's hold-out",
+        add_evaluate_arguments,
+        run_evaluate,
+    ),
 ]
 # Subcommands that never import torch (they handle their own errors).
-_LIGHT = ("run", "init", "doctor", "status")
+_LIGHT = ("run", "init", "doctor", "status")  # "evaluate" and "predict" import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -429,14 +536,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.handler(args)
         return code
     from afl.client.backbones import BackboneError
+    from afl.client.config import ConfigError
     from afl.client.extract import ExtractError
+    from afl.client.published import ModelFileError
     from afl.client.weights import WeightsError
+    from afl.core.calibration import CalibrationError
     from afl.core.featurecache import FeatureCacheError
 
     known = (BackboneError, ExtractError, FeatureCacheError, ShardError, SiteDataError)
+    more = (CalibrationError, ConfigError, ModelFileError, FileNotFoundError)
     try:
         code = args.handler(args)
-    except (*known, UnreadableImageError, WeightsError) as exc:
+    except (*known, *more, UnreadableImageError, WeightsError) as exc:
         print(f"afl-client {args.command}: error: {exc}", file=sys.stderr)
         return 1
     return code

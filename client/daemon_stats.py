@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +42,7 @@ __all__ = [
     "cache_fingerprint",
     "dump_json",
     "encode_float64",
+    "encode_slots",
     "labelled_mask",
     "load_or_compute_pseudo",
     "load_or_compute_stats",
@@ -216,11 +217,25 @@ def slot_payloads(
 ) -> list[SlotPayload]:
     """One payload per upload slot the site feeds, encoded by the round's mode (``encode``);
     releases sharing a slot must agree on its payload."""
+    return encode_slots(
+        (
+            (r, release_values(r, class_names=class_names, stats=stats, pseudo=pseudo))
+            for r in plan.releases
+            if site_id in r.member_site_ids
+        ),
+        encode=encode,
+    )
+
+
+def encode_slots(
+    items: Iterable[tuple[cpb.Release, NDArray[np.float64]]],
+    *,
+    encode: Callable[[cpb.Release, NDArray[np.float64]], bytes],
+) -> list[SlotPayload]:
+    """Encode each (release, values) and group them by upload slot; releases sharing a slot
+    must agree on its payload."""
     slots: dict[str, tuple[list[str], bytes]] = {}
-    for release in plan.releases:
-        if site_id not in release.member_site_ids:
-            continue
-        values = release_values(release, class_names=class_names, stats=stats, pseudo=pseudo)
+    for release, values in items:
         data = encode(release, values)
         slot = release.upload_name or release.name
         if slot in slots:

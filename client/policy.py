@@ -19,7 +19,9 @@ DP covers small cohorts and exposure (docs/protocol.md §7): when the plan has D
 the site's patients are (ε, δ)-DP whatever the server combines); the audit is still reported.
 
 Each class column of a class-vector release is its own quantity (``b[c]``, ``b_pseudo[c]``);
-Gram releases share the quantity ``gram``.
+Gram releases share the quantity ``gram``. An evaluation release (score histograms, confusion
+counts) sums two quantities per class, ``eval[c]@<model>`` and ``labels[c]``
+(:func:`afl.core.evaluation.evaluation_quantities`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from typing import Any
 from afl.client.config import LocalPolicy
 from afl.client.dp_payloads import site_epsilon
 from afl.core import leakage
+from afl.core.evaluation import evaluation_quantities
 from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.wire import EVALUATION_KINDS
 
 __all__ = ["PolicyDecision", "audit_view", "check_plan", "release_quantities"]
 
@@ -57,6 +61,9 @@ def release_quantities(release: cpb.Release) -> list[str]:
     kind = release.kind
     if kind == cpb.STATISTIC_KIND_GRAM:
         return ["gram"]
+    if kind in EVALUATION_KINDS:  # per class: this model's statistics, and the label counts
+        model = release.evaluation.model_sha256.hex()
+        return evaluation_quantities(list(release.class_names), model_sha256=model)
     prefix = {
         cpb.STATISTIC_KIND_CLASS_VECTOR: "b",
         cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR: "b_pseudo",

@@ -96,12 +96,19 @@ def evaluate(
     undefined = []
     for c in range(num_classes):
         y = labels[:, c] == 1
-        p = probabilities[:, c]
         if y.all() or not y.any():
             undefined.append(classes[c])
             continue
-        pred = p > threshold
-        bacc[c] = 0.5 * (pred[y].mean() + (~pred[~y]).mean())
-        auc[c] = roc_auc_score(y, p)
-        ap[c] = average_precision_score(y, p)
+        bacc[c], auc[c], ap[c] = class_metrics(y, probabilities[:, c], threshold=threshold)
     return Metrics(tuple(classes), bacc, auc, ap, tuple(undefined))
+
+
+def class_metrics(
+    positive: NDArray[np.bool_], probabilities: NDArray[np.float64], *, threshold: float = THRESHOLD
+) -> tuple[float, float, float]:
+    """(BACC at ``p > threshold``, ROC AUC, AP) of one class; needs both labels present."""
+    pred = probabilities > threshold
+    bacc = 0.5 * (pred[positive].mean() + (~pred[~positive]).mean())
+    auc = roc_auc_score(positive, probabilities)
+    ap = average_precision_score(positive, probabilities)
+    return float(bacc), float(auc), float(ap)

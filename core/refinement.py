@@ -6,6 +6,10 @@ as pseudo-positives (``p > τ``) or pseudo-negatives (``p < 1-τ``) with balance
 ``N_pp ≥ δ+`` and ``N_pn ≥ δ-`` (eq. 18). Streaming as in round 1: sums and counts, normalised
 at the end.
 
+Optional deviation from the paper (docs/method.md §3.3): with a ``calibration``
+(:class:`afl.core.calibration.Calibration` of the round-1 model) the τ filter reads the calibrated
+probability of each class instead of σ(h · w_c); everything else is unchanged.
+
 The server solves with the GLOBAL Gram (eq. 20) ``A = Σ_{all k} G_k + γI`` and
 ``b_c = Σ_{S_c} b_{k,c} + α Σ_{P_c} b_pseudo_{k,c}`` (eq. 21), ``w_c = A⁻¹ b_c`` (eq. 22).
 """
@@ -20,6 +24,7 @@ from scipy.linalg import cho_solve
 from scipy.special import expit
 
 from afl.core.aggregation import AggregationError, factor_regularised
+from afl.core.calibration import Calibration
 from afl.core.labels import LabelError
 
 
@@ -57,9 +62,11 @@ def pseudo_label_projection(
     weights: NDArray[np.float64],
     missing: NDArray[np.bool_],
     params: RefinementParams,
+    calibration: Calibration | None = None,
     batch_size: int = 4096,
 ) -> PseudoStats:
-    """Eq. 16-19 for one client, streamed over row blocks of a (memory-mapped) feature matrix."""
+    """Eq. 16-19 for one client, streamed over row blocks of a (memory-mapped) feature matrix;
+    with ``calibration`` the filter reads calibrated probabilities (module docstring)."""
     d, num_classes = weights.shape
     missing = np.asarray(missing, dtype=bool)
     if features.ndim != 2 or features.shape[1] != d:
@@ -73,7 +80,11 @@ def pseudo_label_projection(
     n_pn = np.zeros(cols.size, dtype=np.int64)
     for start in range(0, features.shape[0], batch_size):
         h = np.asarray(features[start : start + batch_size], dtype=np.float64)
-        prob = expit(h @ weights[:, cols])
+        scores = h @ weights[:, cols]
+        if calibration is None:
+            prob = expit(scores)
+        else:
+            prob = np.nan_to_num(calibration.probabilities(scores, columns=cols.tolist()), nan=0.5)
         pp = (prob > params.tau).astype(np.float64)
         pn = (prob < 1.0 - params.tau).astype(np.float64)
         pos_sum += h.T @ pp

@@ -19,6 +19,7 @@ from afl.lab import (
     bench_cmd,
     ca_cmd,
     demo,
+    export_cmd,
     provision_cmd,
     report_cmd,
     simulate_cmd,
@@ -55,8 +56,17 @@ COMMANDS: tuple[tuple[str, str, ModuleType], ...] = (
         "the runs of a federation: submit, ls, status, abort, logs, download-model",
         admin_cmd,
     ),
+    (
+        "export",
+        "a published model as TorchScript + ONNX + model card (site or coordinator)",
+        export_cmd,
+    ),
     ("verify-log", "check the hash chain of afl-server's audit log", verify_log_cmd),
-    ("report", "a self-contained HTML report from `afl simulate` results JSON", report_cmd),
+    (
+        "report",
+        "a self-contained HTML report: `afl simulate` results, or an `afl export` folder",
+        report_cmd,
+    ),
     ("bench", "benchmark suites (JSON output; see docs/benchmarks.md)", bench_cmd),
     ("audit", "leakage audit of a coverage spec's release plan, for compliance review", audit_cmd),
 )

@@ -18,7 +18,7 @@ from typing import Any
 
 from afl.lab.report_plots import macro_plot, per_class_plot, roc_figures
 
-__all__ = ["ReportError", "render_report", "write_report"]
+__all__ = ["ReportError", "html_page", "html_table", "render_report", "write_report"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;
@@ -48,7 +48,7 @@ def _cell(value: Any, *, percent: bool) -> str:
     return f"{100 * value:.2f}" if percent else f"{value:.4f}"
 
 
-def _table(head: Sequence[str], rows: Iterable[Sequence[str]], *, cls: str = "") -> str:
+def html_table(head: Sequence[str], rows: Iterable[Sequence[str]], *, cls: str = "") -> str:
     """An HTML table; cells are given already escaped, the first column is left-aligned."""
     out = [f'<table class="{cls}">' if cls else "<table>", "<tr>"]
     out += [f'<th class="name">{h}</th>' if i == 0 else f"<th>{h}</th>" for i, h in enumerate(head)]
@@ -155,7 +155,7 @@ def _provenance(data: dict[str, Any]) -> str:
         else:
             text = str(value)
         rows.append((escape(str(key)), escape(text)))
-    return banner + _table(["field", "value"], rows, cls="kv")
+    return banner + html_table(["field", "value"], rows, cls="kv")
 
 
 def _assignments(results: dict[str, Any]) -> str:
@@ -169,7 +169,7 @@ def _assignments(results: dict[str, Any]) -> str:
             + ['<span class="on">✓</span>' if c in labelled else "·" for c in classes]
             for site, labelled in body["assignment"].items()
         ]
-        parts.append(_table(head, rows, cls="assignment"))
+        parts.append(html_table(head, rows, cls="assignment"))
         for site, reasons in body.get("skipped", {}).items():
             parts.append(
                 f'<p class="note">{escape(site)} skipped: {escape("; ".join(reasons))}</p>'
@@ -215,7 +215,7 @@ def _communication(results: dict[str, Any]) -> str:
         '<p class="note">Bytes per site (the busiest site for analytic methods), computed for the '
         "in-process simulation (float64 payloads); on-the-wire figures come from the daemons.</p>"
     )
-    return note + _table(["method", "rounds", *(escape(s) for s in settings)], rows)
+    return note + html_table(["method", "rounds", *(escape(s) for s in settings)], rows)
 
 
 def _timings(results: dict[str, Any]) -> str:
@@ -226,7 +226,7 @@ def _timings(results: dict[str, Any]) -> str:
         for k, v in results.get("timings", {}).items()
         if isinstance(v, int | float)
     ]
-    parts = [_table(["phase", "seconds"], total)] if total else []
+    parts = [html_table(["phase", "seconds"], total)] if total else []
     rows = []
     for method in _methods(results):
         secs = [cells.get((method, s), {}).get("solve_s") for s in settings]
@@ -236,14 +236,14 @@ def _timings(results: dict[str, Any]) -> str:
             )
     if rows:
         parts.append('<p class="note">Seconds to solve (or train) each method:</p>')
-        parts.append(_table(["method", *(escape(s) for s in settings)], rows))
+        parts.append(html_table(["method", *(escape(s) for s in settings)], rows))
     return "\n".join(parts) or '<p class="note">No timings recorded.</p>'
 
 
 def _params(results: dict[str, Any]) -> str:
     params = results.get("params") or {}
     rows = [(escape(str(k)), escape(json.dumps(v, ensure_ascii=False))) for k, v in params.items()]
-    return _table(["parameter", "value"], rows, cls="kv") if rows else ""
+    return html_table(["parameter", "value"], rows, cls="kv") if rows else ""
 
 
 def _img(uri: str, alt: str) -> str:
@@ -287,6 +287,11 @@ def render_report(
         "<h2>Parameters</h2>",
         _params(results),
     ]
+    return html_page(title, body)
+
+
+def html_page(title: str, body: Sequence[str]) -> str:
+    """A self-contained page: the inline CSS and ``body`` (already escaped HTML parts)."""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{escape(title)}</title><style>{CSS}</style></head>\n<body>\n"

@@ -1,4 +1,6 @@
-"""Command-line front end of `afl report RESULTS.json [--out report.html]`."""
+"""Command-line front end of `afl report RESULTS.json|EXPORT_DIR [--out report.html]`: the
+simulation report of an `afl simulate` results JSON (:mod:`afl.lab.report`), or the deployed-round
+view of an `afl export` folder (:mod:`afl.lab.report_deployed`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import sys
 from pathlib import Path
 
 from afl.lab.report import ReportError, write_report
+from afl.lab.report_deployed import is_export_folder, write_deployed_report
 
 __all__ = ["add_arguments", "run"]
 
@@ -14,18 +17,36 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `afl report`."""
     p.add_argument(
-        "results", metavar="RESULTS.json", help="`afl simulate --out` or --save-dir JSON"
+        "results",
+        metavar="RESULTS.json|EXPORT_DIR",
+        help="`afl simulate --out` or --save-dir JSON, or an `afl export` folder (the "
+        "deployed-round view: model card, evaluation, calibration)",
     )
-    p.add_argument("--out", metavar="FILE", help="HTML file to write (default: RESULTS.html)")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="HTML file to write (default: RESULTS.html, or EXPORT_DIR.report.html beside the "
+        "export folder, which stays as `afl export` wrote and checksummed it)",
+    )
     p.add_argument("--title", help="report title")
 
 
 def run(args: argparse.Namespace) -> int:
     """Render the report; exit status 2 with one line when the input is not a results JSON."""
     results = Path(args.results)
-    out = Path(args.out) if args.out else results.with_suffix(".html")
+    deployed = is_export_folder(results)
+    if args.out:
+        out = Path(args.out)
+    elif deployed:
+        folder = results if results.is_dir() else results.parent
+        out = folder.with_name(folder.name + ".report.html")
+    else:
+        out = results.with_suffix(".html")
     try:
-        path = write_report(results, out, title=args.title)
+        if deployed:
+            path = write_deployed_report(results, out, title=args.title)
+        else:
+            path = write_report(results, out, title=args.title)
     except ReportError as exc:
         print(f"afl report: error: {exc}", file=sys.stderr)
         return 2

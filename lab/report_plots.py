@@ -24,7 +24,16 @@ from sklearn.metrics import roc_curve
 from afl.core.featurecache import FeatureCacheError, open_cache
 from afl.core.metrics import predict_proba
 
-__all__ = ["RocFigures", "data_uri", "macro_plot", "per_class_plot", "roc_figures"]
+__all__ = [
+    "RocFigures",
+    "calibration_map_plot",
+    "data_uri",
+    "evaluation_plot",
+    "macro_plot",
+    "per_class_plot",
+    "reliability_plot",
+    "roc_figures",
+]
 
 METRICS = (("bacc", "BACC"), ("auc", "AUC"))
 
@@ -190,3 +199,91 @@ def roc_figures(results: dict[str, Any], *, base_dir: Path | None = None) -> Roc
     if missing:
         note += f" {len(missing)} saved weight files were not found (e.g. {missing[0]})."
     return RocFigures(figures, note)
+
+
+def _grid(n: int, *, width: float = 3.0, height: float = 2.8) -> tuple[Figure, Any, int]:
+    cols = min(4, max(n, 1))
+    rows = math.ceil(max(n, 1) / cols)
+    fig = Figure(figsize=(width * cols, height * rows + 0.6))
+    return fig, fig.subplots(rows, cols, squeeze=False), cols
+
+
+def reliability_plot(per_class: dict[str, dict[str, Any]], *, title: str) -> str:
+    """Reliability diagrams, one panel per class: observed frequency of positives against the
+    mean predicted probability per probability bin, one line per source (σ(z), calibrated)."""
+    classes = list(per_class)
+    fig, axes, cols = _grid(len(classes))
+    for i, name in enumerate(classes):
+        ax = axes[i // cols][i % cols]
+        for j, (source, rel) in enumerate(per_class[name].items()):
+            xs = [_value(v) for v in rel["mean_predicted"]]
+            ys = [_value(v) for v in rel["observed"]]
+            ece = _value(rel.get("ece"))
+            ax.plot(
+                xs, ys, marker="o", markersize=3, color=f"C{j}", label=f"{source} (ECE {ece:.3f})"
+            )
+        ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("mean predicted probability", fontsize=6)
+        ax.set_ylabel("observed frequency", fontsize=6)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=6, loc="upper left")
+    for i in range(len(classes), axes.size):
+        axes[i // cols][i % cols].axis("off")
+    fig.suptitle(title, fontsize=8, wrap=True)
+    fig.tight_layout()
+    return data_uri(fig, dpi=80)
+
+
+def calibration_map_plot(calibration: Any, *, span: float) -> str:
+    """The fitted maps z -> calibrated probability, with σ(z) for reference, over |z| <= span."""
+    z = np.linspace(-span, span, 401)
+    classes = list(calibration.class_names)
+    fig, axes, cols = _grid(len(classes))
+    for i, name in enumerate(classes):
+        ax = axes[i // cols][i % cols]
+        ax.plot(z, 1 / (1 + np.exp(-z)), color="grey", linestyle=":", label="σ(z)")
+        ax.plot(z, calibration.classes[i].probabilities(z), color="C1", label=calibration.method)
+        ax.set_ylim(0, 1)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("score z = h · w_c", fontsize=6)
+        ax.set_ylabel("probability", fontsize=6)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=6)
+    for i in range(len(classes), axes.size):
+        axes[i // cols][i % cols].axis("off")
+    fig.suptitle("Calibration maps", fontsize=8)
+    fig.tight_layout()
+    return data_uri(fig, dpi=80)
+
+
+def evaluation_plot(per_class: dict[str, dict[str, Any]], *, title: str) -> str:
+    """BACC, AUC and AP per class as bars, with the bootstrap interval when one is given."""
+    classes = list(per_class)
+    x = np.arange(len(classes))
+    fig = Figure(figsize=(11, 3.6))
+    axes = fig.subplots(1, 3)
+    for ax, key in zip(axes, ("bacc", "auc", "ap"), strict=True):
+        est, low, high = [], [], []
+        for name in classes:
+            v = per_class[name].get(key)
+            if isinstance(v, dict):
+                e = _value(v.get("estimate"))
+                est.append(e)
+                low.append(e - _value(v.get("low")))
+                high.append(_value(v.get("high")) - e)
+            else:
+                est.append(_value(v))
+                low.append(0.0)
+                high.append(0.0)
+        err = np.nan_to_num(np.array([low, high]), nan=0.0)
+        ax.bar(x, est, yerr=err, capsize=3, color="C0")
+        ax.set_xticks(x, classes, rotation=30, ha="right", fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.set_title(key.upper(), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return data_uri(fig, dpi=80)

@@ -1,4 +1,4 @@
-"""Prometheus metrics and structured (JSON lines) logs of afl-server (docs/operations.md §6).
+"""Prometheus metrics and structured (JSON lines) logs of afl-server (docs/operations.md §7).
 
 Metrics live in their own :class:`prometheus_client.CollectorRegistry` per server, so several
 servers in one process (tests) never collide; :func:`start_metrics_http` serves it. Log records

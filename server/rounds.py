@@ -407,7 +407,13 @@ class RoundMachine:
         self.lock.notify_all()
 
     def _set_stage(
-        self, view: RoundView, stage: int, *, reason: str = "", deadline_ms: int | None = None
+        self,
+        view: RoundView,
+        stage: int,
+        *,
+        reason: str = "",
+        deadline_ms: int | None = None,
+        detail: Mapping[str, object] | None = None,
     ) -> None:
         self.store.update_round(
             view.round_id,
@@ -416,7 +422,13 @@ class RoundMachine:
             abort_reason=reason,
         )
         self.store.audit(
-            "stage", {"round_id": view.round_id, "stage": stage_name(stage), "reason": reason}
+            "stage",
+            {
+                "round_id": view.round_id,
+                "stage": stage_name(stage),
+                "reason": reason,
+                **(detail or {}),
+            },
         )
         log.info(
             "round stage",
@@ -685,8 +697,8 @@ class RoundMachine:
             contributors=run.mode.contributors(view),
             plan_bytes=view.row.plan,
         )
-        self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)
-        self._set_stage(view, Stage.PUBLISHED)
+        digest = self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)
+        self._set_stage(view, Stage.PUBLISHED, detail={"model_sha256": digest})
         self.metrics.rounds.labels(outcome="published").inc()
         if view.row.number < settings.rounds:
             following = self._new_round(

@@ -7,7 +7,8 @@ run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, 
 ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
 protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
 consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
-model bytes), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
+model bytes; also kept as the file ``models/<round>.signed-model.pb``, written before its row),
+``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
 ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
 
 Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
@@ -44,6 +45,7 @@ from pathlib import Path
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import write_private_file
+from afl.proto.v1.coordinator_pb2 import SignedModel
 from afl.server.errors import DiskFullError, StateError
 
 __all__ = [
@@ -688,12 +690,23 @@ class Store:
 
     # --- models, reports, audit --------------------------------------------------------------
 
-    def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> None:
+    def model_path(self, round_id: str) -> Path:
+        """``<state_dir>/models/<round>.signed-model.pb``: the SignedModel, as sites receive it."""
+        return self.state_dir / "models" / f"{round_id}.signed-model.pb"
+
+    def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> str:
+        """Write the signed model file atomically, then commit its row; returns the SHA-256 (hex)
+        of the ``Model`` bytes, the digest every site records for its verified copy."""
+        path = self.model_path(round_id)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        signed = SignedModel(model=model, signature=signature)
+        write_private_file(path, signed.SerializeToString())
         with self._tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?)",
                 (round_id, model, signature, now_ms()),
             )
+        return hashlib.sha256(model).hexdigest()
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""
@@ -771,7 +784,8 @@ def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:
     """A consistent copy of a (possibly running) server's state folder in ``destination``: an
     online SQLite backup of the database, the payload files its rows name, the CKKS context, and
     an anchor computed from the COPY (so the copy is self-consistent even if the server committed
-    meanwhile). Returns that anchor. :class:`StateError` names what went wrong."""
+    meanwhile), and the signed model files. Returns that anchor. :class:`StateError` names what
+    went wrong."""
     source = Path(state_dir)
     destination = Path(destination)
     if not (source / DB_NAME).is_file():
@@ -815,12 +829,13 @@ def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:
         target.close()
     finally:
         os.umask(previous)
-    ckks_dir = source / "ckks"
-    if ckks_dir.is_dir():
-        for path in ckks_dir.iterdir():
-            if path.is_file():
-                (destination / "ckks").mkdir(exist_ok=True, mode=0o700)
-                write_private_file(destination / "ckks" / path.name, path.read_bytes())
+    for sub in ("ckks", "models"):  # the CKKS context; the signed model files
+        folder = source / sub
+        if folder.is_dir():
+            for path in folder.iterdir():
+                if path.is_file() and not path.name.endswith(".tmp"):
+                    (destination / sub).mkdir(exist_ok=True, mode=0o700)
+                    write_private_file(destination / sub / path.name, path.read_bytes())
     anchor = {
         "federation_id": fed[0] if fed else "",
         "commits": int(commits[0]) if commits else 0,

@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 # Shared helper modules that assert: pytest explains their failing asserts as it does in tests.
 pytest.register_assert_rewrite(
-    "tests.client.imagegen", "tests.crypto.secagg_helpers", "tests.e2e.dp_scenario"
+    "tests.client.imagegen",
+    "tests.crypto.secagg_helpers",
+    "tests.e2e.dp_scenario",
+    "tests.helpers.pipeline",
 )
 
 

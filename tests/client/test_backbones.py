@@ -83,6 +83,45 @@ def test_xrv_preprocess_scale_and_crop():
     np.testing.assert_allclose(flat.numpy(), 0.0, atol=1e-3)
 
 
+def _library_preprocess(pre: Preprocessor, img: np.ndarray) -> torch.Tensor:
+    """The oracle: torchxrayvision's normalize and torchvision's resize / crop / normalize."""
+    import torchvision.transforms.v2.functional as TF
+    import torchxrayvision as xrv
+
+    if pre.kind == "xrv":
+        arr = xrv.datasets.normalize(img, 1.0)
+        h, w = arr.shape
+        side = min(h, w)
+        top, left = h // 2 - side // 2, w // 2 - side // 2
+        x = torch.from_numpy(np.ascontiguousarray(arr[top : top + side, left : left + side]))
+        x = torch.nn.functional.interpolate(
+            x[None, None], size=(pre.crop_size,) * 2, mode="bilinear", antialias=True
+        )
+        return x[0]
+    x = torch.from_numpy(img)[None]
+    mode = TF.InterpolationMode(pre.interpolation)
+    x = TF.resize(x, [pre.resize_size], interpolation=mode, antialias=True)
+    x = TF.center_crop(x, [pre.crop_size] * 2).expand(3, -1, -1)
+    return TF.normalize(x.contiguous(), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+@pytest.mark.parametrize(
+    "pre",
+    [
+        Preprocessor("xrv", 224, 224),
+        Preprocessor("imagenet", 224, 256),
+        Preprocessor("imagenet", 224, 256, "bicubic"),
+    ],
+)
+def test_preprocess_equals_the_libraries_bit_for_bit(pre):
+    """The torch implementation shared with the exported classifier reproduces torchxrayvision's
+    and torchvision's preprocessing exactly, for odd and even sizes and both orientations."""
+    rng = np.random.default_rng(0)
+    for h, w in [(300, 260), (256, 256), (257, 300), (1024, 1000), (225, 999), (259, 256)]:
+        img = rng.random((h, w), dtype=np.float32)
+        assert torch.equal(pre(img), _library_preprocess(pre, img)), (h, w)
+
+
 def test_features_are_deterministic_and_seeded():
     a = _features(load_backbone("resnet18", random_init=True, seed=3), _images(3))
     b = _features(load_backbone("resnet18", random_init=True, seed=3), _images(3))

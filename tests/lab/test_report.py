@@ -12,7 +12,6 @@ import argparse
 import base64
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from afl.lab.dataset import save_dataset
 from afl.lab.report import ReportError, render_report, write_report
 from afl.lab.report_cmd import add_arguments, run
 from afl.lab.simulate import SimulationConfig, missing_settings, simulate
+from tests.helpers.browser import CHROMIUM, SKIP_REASON, headless_flags
 from tests.lab.synthetic import small_federation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -140,8 +140,6 @@ def test_cli_writes_html_and_rejects_other_json(
         write_report(bad, tmp_path / "x.html")
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
 # Appended to a copy of the report (the report itself has no script): writes what the browser
 # actually rendered into the DOM, which --dump-dom prints.
 PROBE = """<pre id="probe"></pre><script>
@@ -154,10 +152,7 @@ document.getElementById('probe').textContent = JSON.stringify({
 </script>"""
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="headless Chromium not installed (apt package: chromium); the test installs nothing",
-)
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 def test_report_renders_in_headless_chromium(
     saved_run: tuple[Path, dict[str, Any]], saved_html: str, tmp_path: Path
 ) -> None:
@@ -166,18 +161,7 @@ def test_report_renders_in_headless_chromium(
     page = tmp_path / "page.html"
     html = saved_html
     page.write_text(html.replace("</body>", PROBE + "</body>"), encoding="utf-8")
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--virtual-time-budget=5000",
-    ]
+    flags = headless_flags(tmp_path / "profile")
     dom = subprocess.run(
         [CHROMIUM, *flags, "--dump-dom", page.as_uri()],
         capture_output=True,

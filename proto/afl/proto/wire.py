@@ -8,6 +8,9 @@ the coordinator, the sites and the decryptor alike (docs/architecture.md §5).
   itself, so the site signs and the server verifies the same tuple (docs/protocol.md §3).
 * :func:`release_length`: number of wire elements of one site's contribution to a release
   (d(d+1)/2 for a Gram travelling as a packed upper triangle, prod(shape) otherwise).
+* The evaluation releases (SCORE_HISTOGRAM, CONFUSION_COUNTS): :func:`evaluation_spec` writes and
+  :func:`read_evaluation` checks a release's ``EvaluationSpec`` (model digest, score bins,
+  threshold), :func:`evaluation_shape` gives its logical shape.
 * Chunk framing of ``Upload`` and ``Download`` streams, both directions (:func:`iter_chunks`,
   :class:`ChunkAssembler`): every chunk repeats the header (round, release, kind, total chunks,
   total bytes), indices run 0..total-1 in order, and the last chunk carries the SHA-256 of the
@@ -33,6 +36,7 @@ from typing import Literal
 import numpy as np
 
 from afl.core.packing import packed_length
+from afl.core.scorebins import ScoreBins, ScoreBinsError
 from afl.crypto.canonical import Field
 from afl.crypto.errors import ShamirError
 from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
@@ -56,10 +60,12 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
+    "EVALUATION_KINDS",
     "MAX_CHUNK_BYTES",
     "PROTOCOL_VERSION",
     "AssembledPayload",
     "ChunkAssembler",
+    "EvaluationRelease",
     "WireError",
     "WireLimitError",
     "advert_from_proto",
@@ -69,8 +75,11 @@ __all__ = [
     "directory_from_proto",
     "directory_to_proto",
     "enrol_proof_fields",
+    "evaluation_shape",
+    "evaluation_spec",
     "iter_chunks",
     "masked_upload",
+    "read_evaluation",
     "release_length",
     "round_config_from_plan",
     "routed_from_proto",
@@ -148,6 +157,65 @@ def release_length(
     if packed:
         return packed_length(int(shape[0]))
     return int(np.prod([int(n) for n in shape], dtype=np.int64))
+
+
+# --- evaluation releases ----------------------------------------------------------------------
+
+#: Statistic kinds that evaluate a published model (they carry ``Release.evaluation``).
+EVALUATION_KINDS = (cpb.STATISTIC_KIND_SCORE_HISTOGRAM, cpb.STATISTIC_KIND_CONFUSION_COUNTS)
+
+
+@dataclass(frozen=True)
+class EvaluationRelease:
+    """The checked ``EvaluationSpec`` of an evaluation release."""
+
+    kind: int
+    classes: tuple[str, ...]
+    model_sha256: str  # hex
+    bins: ScoreBins
+    threshold: float
+
+
+def evaluation_shape(kind: int, *, classes: int, bins: ScoreBins) -> list[int]:
+    """Logical shape: [C_r, 2, bins] for a histogram, [C_r, 4] for confusion counts."""
+    if kind == cpb.STATISTIC_KIND_SCORE_HISTOGRAM:
+        return [classes, 2, bins.num_bins]
+    if kind == cpb.STATISTIC_KIND_CONFUSION_COUNTS:
+        return [classes, 4]
+    raise WireError(f"statistic kind {kind} is not an evaluation kind")
+
+
+def evaluation_spec(
+    *, model_sha256: bytes, bins: ScoreBins, threshold: float = 0.5
+) -> cpb.EvaluationSpec:
+    """The ``Release.evaluation`` of an evaluation release."""
+    return cpb.EvaluationSpec(
+        model_sha256=model_sha256, score_bin_edges=list(bins.edges), decision_threshold=threshold
+    )
+
+
+def read_evaluation(release: cpb.Release) -> EvaluationRelease:
+    """Check an evaluation release's spec and shape; :class:`WireError` names what is wrong."""
+    if release.kind not in EVALUATION_KINDS:
+        raise WireError(f"release {release.name!r} is not an evaluation release")
+    spec = release.evaluation
+    if len(spec.model_sha256) != 32:
+        raise WireError(f"release {release.name!r}: model_sha256 must be 32 bytes")
+    try:
+        bins = ScoreBins.from_edges(list(spec.score_bin_edges))
+    except ScoreBinsError as exc:
+        raise WireError(f"release {release.name!r}: {exc}") from exc
+    if not 0.0 < spec.decision_threshold < 1.0:
+        raise WireError(f"release {release.name!r}: decision threshold must lie in (0, 1)")
+    classes = tuple(release.class_names)
+    if not classes or len(set(classes)) != len(classes):
+        raise WireError(f"release {release.name!r}: needs distinct class names")
+    want = evaluation_shape(release.kind, classes=len(classes), bins=bins)
+    if [int(n) for n in release.shape] != want:
+        raise WireError(f"release {release.name!r}: shape {list(release.shape)}, want {want}")
+    return EvaluationRelease(
+        release.kind, classes, spec.model_sha256.hex(), bins, float(spec.decision_threshold)
+    )
 
 
 # --- chunk framing --------------------------------------------------------------------------

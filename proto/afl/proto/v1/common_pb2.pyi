@@ -167,6 +167,16 @@ class _StatisticKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Statist
     """DP mode additive statistics: counts n+_c and N (docs/protocol.md §7)."""
     STATISTIC_KIND_FEATURE_SUM: _StatisticKind.ValueType  # 6
     """DP mode additive statistics: feature total T = Σ h (docs/protocol.md §7)."""
+    STATISTIC_KIND_SCORE_HISTOGRAM: _StatisticKind.ValueType  # 7
+    """Evaluation and calibration of a published model: per-class counts of the negatives and
+    positives whose score z = h · w_c falls in each of the plan's score bins, shape
+    [C_r, 2, bins], float64 integers (docs/method.md §3.1-3.3). Needs `Release.evaluation`.
+    """
+    STATISTIC_KIND_CONFUSION_COUNTS: _StatisticKind.ValueType  # 8
+    """Evaluation of a published model: per-class (TP, FN, FP, TN) at sigmoid(z) > the plan's
+    decision threshold, shape [C_r, 4], float64 integers (docs/method.md §3.2). Needs
+    `Release.evaluation`.
+    """
 
 class StatisticKind(_StatisticKind, metaclass=_StatisticKindEnumTypeWrapper):
     """What statistic a release holds (docs/method.md §1, docs/protocol.md §7)."""
@@ -184,6 +194,16 @@ STATISTIC_KIND_COUNT: StatisticKind.ValueType  # 5
 """DP mode additive statistics: counts n+_c and N (docs/protocol.md §7)."""
 STATISTIC_KIND_FEATURE_SUM: StatisticKind.ValueType  # 6
 """DP mode additive statistics: feature total T = Σ h (docs/protocol.md §7)."""
+STATISTIC_KIND_SCORE_HISTOGRAM: StatisticKind.ValueType  # 7
+"""Evaluation and calibration of a published model: per-class counts of the negatives and
+positives whose score z = h · w_c falls in each of the plan's score bins, shape
+[C_r, 2, bins], float64 integers (docs/method.md §3.1-3.3). Needs `Release.evaluation`.
+"""
+STATISTIC_KIND_CONFUSION_COUNTS: StatisticKind.ValueType  # 8
+"""Evaluation of a published model: per-class (TP, FN, FP, TN) at sigmoid(z) > the plan's
+decision threshold, shape [C_r, 4], float64 integers (docs/method.md §3.2). Needs
+`Release.evaluation`.
+"""
 Global___StatisticKind: _TypeAlias = StatisticKind  # noqa: Y015
 
 class _NoiseMechanism:
@@ -488,6 +508,44 @@ class SiteBudget(_message.Message):
 Global___SiteBudget: _TypeAlias = SiteBudget  # noqa: Y015
 
 @_typing.final
+class EvaluationSpec(_message.Message):
+    """What an evaluation release measures (SCORE_HISTOGRAM, CONFUSION_COUNTS; docs/method.md §3)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_SHA256_FIELD_NUMBER: _builtins.int
+    SCORE_BIN_EDGES_FIELD_NUMBER: _builtins.int
+    DECISION_THRESHOLD_FIELD_NUMBER: _builtins.int
+    model_sha256: _builtins.bytes
+    """SHA-256 of the signed Model bytes (SignedModel.model) being evaluated; a site computes the
+    statistics only for a model it verified with this digest. [visible: all]
+    """
+    decision_threshold: _builtins.float
+    """Decision threshold on sigmoid(z) for the confusion counts (the paper's 0.5).
+    [visible: all]
+    """
+    @_builtins.property
+    def score_bin_edges(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Strictly increasing, finite score-bin edges e_0 < ... < e_{m-1}; bin j is (e_{j-1}, e_j]
+        with e_{-1} = -inf and e_m = +inf (m + 1 bins; afl.core.scorebins). [visible: all]
+        """
+
+    def __init__(
+        self,
+        *,
+        model_sha256: _builtins.bytes = ...,
+        score_bin_edges: _abc.Iterable[_builtins.float] | None = ...,
+        decision_threshold: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision_threshold", b"decision_threshold", "model_sha256", b"model_sha256", "score_bin_edges", b"score_bin_edges"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluationSpec: _TypeAlias = EvaluationSpec  # noqa: Y015
+
+@_typing.final
 class Release(_message.Message):
     """One aggregate the server (or the CKKS decryptor) will learn (docs/protocol.md §6)."""
 
@@ -501,6 +559,7 @@ class Release(_message.Message):
     ENCODING_FIELD_NUMBER: _builtins.int
     NOISE_FIELD_NUMBER: _builtins.int
     UPLOAD_NAME_FIELD_NUMBER: _builtins.int
+    EVALUATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Unique name within the round, e.g. "gram[all]", "b[Effusion]", "b_pseudo[Effusion]". Used in
     upload chunks, HKDF info strings and audit logs. [visible: all]
@@ -532,6 +591,10 @@ class Release(_message.Message):
     def noise(self) -> Global___DpNoise:
         """DP noise carried by the released sum. [visible: all]"""
 
+    @_builtins.property
+    def evaluation(self) -> Global___EvaluationSpec:
+        """SCORE_HISTOGRAM and CONFUSION_COUNTS only: the model, bins and threshold. [visible: all]"""
+
     def __init__(
         self,
         *,
@@ -543,10 +606,11 @@ class Release(_message.Message):
         encoding: Global___Encoding | None = ...,
         noise: Global___DpNoise | None = ...,
         upload_name: _builtins.str = ...,
+        evaluation: Global___EvaluationSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "noise", b"noise"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "evaluation", b"evaluation", "noise", b"noise"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["class_names", b"class_names", "encoding", b"encoding", "kind", b"kind", "member_site_ids", b"member_site_ids", "name", b"name", "noise", b"noise", "shape", b"shape", "upload_name", b"upload_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["class_names", b"class_names", "encoding", b"encoding", "evaluation", b"evaluation", "kind", b"kind", "member_site_ids", b"member_site_ids", "name", b"name", "noise", b"noise", "shape", b"shape", "upload_name", b"upload_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
