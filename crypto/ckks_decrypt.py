@@ -11,10 +11,14 @@ CKKS noise. The result differs from the exact float64 sum by at most
 ``error_bound = g/2 + noise_bound_slots(K)/s``.
 
 ``Decryptor`` keeps the round's state: the signed plan's releases (passed in as data; the CALLER
-verifies the plan's signature), the members' tags (received over the encrypted channel), and the
-releases already decrypted. A release is decrypted at most once: it is marked used as soon as the
-secret key has been applied, even if the tag check then refuses it (no second attempt for a
-server that failed one). Requests with a wrong release name, member list or malformed
+verifies the plan's signature), the members' tags (received over the encrypted channel; the
+CALLER verifies each sender's signature, :func:`afl.crypto.ckks_wire.open_tags`), and the
+releases already decrypted. A release is decrypted at most once: it is marked used before the
+secret key is applied, even if the tag check then refuses it (no second attempt for a server
+that failed one). The caller makes that record durable: ``decrypted`` restores the releases an
+earlier process already used, and ``on_decrypt(name)`` runs after the release is marked and
+BEFORE the secret key is applied (it persists the record; if it raises, nothing is decrypted).
+Requests with a wrong release name, member list, a member without a tag, or malformed
 ciphertexts are refused before the secret key is used and do not consume the release.
 
 Not covered: the tag check is no proof against every homomorphic manipulation, and TenSEAL has no
@@ -25,7 +29,7 @@ threshold decryption; the mode assumes the decryptor and the server do not collu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +139,14 @@ class CkksRelease:
 class Decryptor:
     """The decryptor site's state for one round: plan, tags, releases already decrypted."""
 
-    def __init__(self, ctx_private: Any, releases: Iterable[CkksRelease]) -> None:
+    def __init__(
+        self,
+        ctx_private: Any,
+        releases: Iterable[CkksRelease],
+        *,
+        decrypted: Iterable[str] = (),
+        on_decrypt: Callable[[str], None] | None = None,
+    ) -> None:
         ensure_private(ctx_private)
         self._ctx = ctx_private
         self._plan: dict[str, CkksRelease] = {}
@@ -144,7 +155,8 @@ class Decryptor:
                 raise CkksConfigError(f"release {release.name!r} appears twice in the plan")
             self._plan[release.name] = release
         self._tags: dict[tuple[str, str], float] = {}
-        self._used: set[str] = set()
+        self._used: set[str] = set(decrypted)
+        self._on_decrypt = on_decrypt
 
     @property
     def decrypted(self) -> frozenset[str]:
@@ -181,10 +193,14 @@ class Decryptor:
             raise CkksAlreadyDecryptedError(f"release {release_name!r} was already decrypted")
         missing = [m for m in release.members if (m, release.upload_name) not in self._tags]
         if missing:
-            raise CkksTagMismatchError(f"release {release_name!r}: no tag from {missing}")
+            raise CkksTagMismatchError(
+                f"release {release_name!r}: no valid tag from {missing}; refusing to release it"
+            )
         vectors = _as_vectors(self._ctx, summed, release.length)
         expected = math.fsum(self._tags[(m, release.upload_name)] for m in release.members)
         self._used.add(release_name)
+        if self._on_decrypt is not None:
+            self._on_decrypt(release_name)
         return decrypt_release(
             self._ctx,
             vectors,

@@ -149,12 +149,14 @@ def prepare_loopback(
     source: str = "surrogate",
     surrogate: bool = True,
     decryptor: bool = False,
+    allow_plaintext: bool = False,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
     ``active[k, c]``: site k labels class c (its other labels become -1). ``round_settings``
     overrides server.toml's [round] (classes and feature_dim are filled in); ``policy`` maps a
-    site id to [policy] overrides for its client.toml.
+    site id to [policy] overrides for its client.toml. The kits refuse ``plaintext`` plans
+    unless ``allow_plaintext`` opts every site in (:func:`afl.server.provisioning.provision`).
     """
     out = Path(root)
     k = len(site_features)
@@ -178,6 +180,7 @@ def prepare_loopback(
         port=free_port(),
         round_settings=settings,
         decryptor=extra[0] if extra else None,
+        allow_plaintext=allow_plaintext,
     )
     decryptor_config = None
     if decryptor:
@@ -236,6 +239,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
 
 #: How :func:`run_loopback` starts a site daemon (followed by ``run --config ...``).
 CLIENT_COMMAND = (sys.executable, "-m", "afl.client.cli")
+#: How :func:`run_loopback` starts the coordinator (followed by ``--config ...``).
+SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
 
 
 def run_loopback(
@@ -246,17 +251,20 @@ def run_loopback(
     server_args: Sequence[str] = (),
     log_level: str = "WARNING",
     client_commands: Mapping[str, Sequence[str]] | None = None,
+    server_command: Sequence[str] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
     program that runs the client (``python -m afl.client.cli``) by another argv prefix that takes
-    the same arguments (the drop-out tests start a client that vanishes mid-round)."""
+    the same arguments (the drop-out tests start a client that vanishes mid-round);
+    ``server_command`` likewise replaces ``python -m afl.server.daemon`` (the adversarial tests
+    start a coordinator patched at run time)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs: dict[str, Path] = {"server": logs_dir / "server.log"}
     start = time.perf_counter()
-    server_cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(fed.server_config)]
+    server_cmd = [*(server_command or SERVER_COMMAND), "--config", str(fed.server_config)]
     server_cmd += ["--log-level", log_level, *server_args]
     handles = [open(logs["server"], "wb")]  # noqa: SIM115 (closed below)
     server = subprocess.Popen(server_cmd, stdout=handles[0], stderr=subprocess.STDOUT, env=env)

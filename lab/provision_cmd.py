@@ -1,7 +1,8 @@
 """`afl provision`: command-line front end of :func:`afl.server.provisioning.provision`.
 
 afl provision --out DIR --site hospital-a --site hospital-b [--server-host HOST ...]
-              [--port 50051] [--federation-id ID] [--decryptor SITE] [--force]
+              [--port 50051] [--federation-id ID] [--decryptor SITE] [--allow-plaintext]
+              [--force]
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decryptor", default=None, metavar="SITE_ID", help="site holding the CKKS secret key"
     )
     parser.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="DEVELOPMENT: let the kits' [policy] accept aggregation = 'plaintext' (by default "
+        "a site refuses any plan that shows the coordinator its statistics in the clear)",
+    )
+    parser.add_argument(
         "--valid-days", type=int, default=825, help="validity of server and site certificates"
     )
     parser.add_argument(
@@ -59,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             federation_id=args.federation_id,
             decryptor=args.decryptor,
+            allow_plaintext=args.allow_plaintext,
             valid_days=args.valid_days,
             force=args.force,
         )

@@ -30,7 +30,10 @@ rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregati
 it needs mask_max_samples (N bounds the masked statistics, :mod:`afl.server.dp_mask`).
 
 Optional: [server] metrics_port (Prometheus; 0/absent = off), [limits] max_chunk_bytes,
-max_upload_bytes. Relative paths are resolved against the file's folder.
+max_upload_bytes, and the per-site stream limits of :class:`afl.server.limits.StreamLimits`
+(watch_streams_per_site = 2, uploads_per_site = 2, downloads_per_site = 2,
+upload_idle_timeout_s = 60, worker_threads = 0: sized from the sites). Relative paths are
+resolved against the file's folder.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,7 @@ from afl.core.refinement import RefinementParams
 from afl.crypto import pki
 from afl.server.dp_plan import DpSettings, dp_settings_from_table
 from afl.server.errors import ConfigError
+from afl.server.limits import StreamLimits
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -186,6 +190,7 @@ class ServerConfig:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     ckks_public_context: Path | None = None
+    limits: StreamLimits = field(default_factory=StreamLimits)
 
 
 class _Table:
@@ -235,6 +240,26 @@ def _table(doc: Mapping[str, Any], name: str, source: Path) -> _Table:
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: missing table [{name}]")
     return _Table(value, name, source)
+
+
+def _stream_limits(limits: _Table) -> StreamLimits:
+    """The per-site stream limits of [limits] (:class:`afl.server.limits.StreamLimits`)."""
+    default = StreamLimits()
+    counts = {}
+    for key in ("watch_streams_per_site", "uploads_per_site", "downloads_per_site"):
+        counts[key] = limits.get(key, int, getattr(default, key))
+        if counts[key] < 1:
+            raise limits.fail(key, f"must be >= 1, got {counts[key]}")
+    workers = limits.get("worker_threads", int, default.worker_threads)
+    if workers < 0:
+        raise limits.fail(
+            "worker_threads", f"must be >= 0 (0 = sized from the sites), got {workers}"
+        )
+    return StreamLimits(
+        **counts,
+        upload_idle_timeout_s=limits.number("upload_idle_timeout_s", default.upload_idle_timeout_s),
+        worker_threads=workers,
+    )
 
 
 def _hex_key(table: _Table, key: str) -> bytes:
@@ -415,4 +440,5 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         max_chunk_bytes=max_chunk,
         max_upload_bytes=max_upload,
         ckks_public_context=ckks_context,
+        limits=_stream_limits(limits),
     )

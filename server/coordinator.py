@@ -45,6 +45,7 @@ from afl.server.mode_registry import mode_for
 from afl.server.modes import AggregationMode
 from afl.server.observability import ServerMetrics
 from afl.server.plan import RoundView
+from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.store import EnrolmentRow, Store
 
@@ -150,6 +151,13 @@ class Coordinator:
         unknown = sorted(set(request.labelled_classes) - set(settings.classes))
         if unknown:
             raise InvalidRequestError(f"labelled_classes names unknown classes: {unknown}")
+        per_class = settings.gram_scope == "per-class" and entry.role == "participant"
+        if per_class and not request.labelled_classes:
+            raise InvalidRequestError(
+                "this federation's gram_scope is 'per-class': the coordinator needs the classes "
+                "each site labels, and this site disclosed none; set [policy] disclose_coverage "
+                "= true in its client.toml (docs/protocol.md §6)"
+            )
         with self.lock:
             self.store.put_enrolment(
                 EnrolmentRow(
@@ -350,14 +358,17 @@ class Coordinator:
         return pb.SignedModel(model=found[1], signature=found[2])
 
     def report(self, site_id: str, report: pb.ClientReport) -> None:
+        """Store a site's report once it is checked (:mod:`afl.server.reports`)."""
         self.require_enrolled(site_id)
+        check_report(report, site_id=site_id)
         with self.lock:
             view = self.machine.find(report.round_id or "-")
             self.machine.require_participant(view, site_id)
-            self.store.put_report(view.round_id, site_id, report.SerializeToString())
-            self.store.audit(
-                "client-report",
-                {
+            self.store.put_report(
+                view.round_id,
+                site_id,
+                report.SerializeToString(),
+                audit={
                     "round_id": view.round_id,
                     "site_id": site_id,
                     "outcome": pb.ClientOutcome.Name(report.outcome),

@@ -31,6 +31,7 @@ from afl.proto.v1 import coordinator_pb2_grpc
 from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, StateError
+from afl.server.limits import worker_threads
 from afl.server.observability import ServerMetrics, configure_logging, start_metrics_http
 from afl.server.servicer import CoordinatorServicer
 from afl.server.store import Store
@@ -63,7 +64,8 @@ class CoordinatorServer:
         self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
         self._stopped = threading.Event()
         self._health = health.HealthServicer()
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        workers = worker_threads(config.limits, sites=len(config.sites))
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
         servicer = CoordinatorServicer(
             self.coordinator, insecure=insecure, stopping=self._stopped.is_set
         )

@@ -44,13 +44,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
-from afl.crypto import ckks
+from afl.crypto import ckks, pki
 from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_wire import (
     CKKS_CONTEXT_CONTEXT,
     DECRYPTION_CONTEXT,
+    SealedTags,
+    TagBinding,
     context_fields,
     decryption_fields,
+    verify_sealed_tags,
 )
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
@@ -205,9 +208,11 @@ class CkksMode(PlainUploadStage):
                 raise ConflictError("a different CKKS context is already published")
             return
         if self._dir is not None:
-            self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (self._dir / "context.bin").write_bytes(published.data)
-            (self._dir / "announcement.bin").write_bytes(published.announcement.SerializeToString())
+            folder = pki.make_private_dir(self._dir)
+            pki.write_private_file(folder / "context.bin", published.data)
+            pki.write_private_file(
+                folder / "announcement.bin", published.announcement.SerializeToString()
+            )
         self.published = published
 
     def context(self) -> PublishedContext:
@@ -392,10 +397,40 @@ class CkksRequests:
     # --- tags ----------------------------------------------------------------------------------
 
     def send_tags(self, site_id: str, request: pb.SendAggregateTagsRequest) -> None:
+        """Keep a site's sealed tags for the decryptor, once the site's signature checks
+        (the decryptor checks it again: it trusts no tag the server hands it)."""
         decryptor = self.decryptor_id()
         if request.sealed.recipient_site_id != decryptor:
             raise InvalidRequestError(f"aggregate tags must be sealed to {decryptor!r}")
         with participant_round(self.access, site_id, request.round_id) as view:
+            if view.row.plan is None:
+                raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
+            plan = cpb.ReleasePlan.FromString(view.row.plan)
+            binding = TagBinding(
+                federation_id=self.access.config.federation_id,
+                round_id=view.round_id,
+                round_salt=bytes(plan.round_salt),
+                plan_sha256=hashlib.sha256(view.row.plan).digest(),
+                sender=site_id,
+                recipient=decryptor,
+                recipient_key=bytes(self.mode.context().announcement.cipher_public_key),
+            )
+            envelope = request.sealed
+            try:
+                verify_sealed_tags(
+                    SealedTags(
+                        bytes(envelope.sender_public_key),
+                        bytes(envelope.ciphertext),
+                        bytes(envelope.signature),
+                    ),
+                    binding=binding,
+                    sender_identity=self._identity(site_id),
+                )
+            except CryptoError as exc:
+                raise InvalidRequestError(
+                    "aggregate tags are not signed by this site for this round, plan and "
+                    "decryptor key"
+                ) from exc
             sealed = pb.SealedMessage()
             sealed.CopyFrom(request.sealed)
             sealed.sender_site_id = site_id

@@ -126,6 +126,7 @@ def _client_toml(
     site_public: bytes,
     server_public: bytes,
     peers: Mapping[str, bytes],
+    policy: Mapping[str, toml_text.TomlValue],
 ) -> str:
     document: dict[str, toml_text.TomlValue] = {
         "client": {
@@ -143,7 +144,12 @@ def _client_toml(
         },
         "peers": {site: key.hex() for site, key in peers.items()},
         "data": {"cache_dir": "cache", "classes": []},
-        "policy": {"min_cohort": 3, "allow_exposure": False, "max_epsilon": float("inf")},
+        "policy": {
+            "min_cohort": 3,
+            "allow_exposure": False,
+            "max_epsilon": float("inf"),
+            **policy,
+        },
     }
     header = (
         f"afl-client configuration for site {site_id!r}, written by `afl provision` (docs/operations.md).\n"
@@ -151,6 +157,23 @@ def _client_toml(
         "Site IT: set [data] (feature cache, the classes this site labels) and review [policy]."
     )
     return toml_text.dumps(document, header=header)
+
+
+def _site_policy(
+    *, decryptor: str | None, allow_plaintext: bool, gram_scope: object
+) -> dict[str, toml_text.TomlValue]:
+    """The [policy] keys a kit pins (docs/protocol.md §2): the protections the site accepts
+    (plaintext only with ``allow_plaintext``), the CKKS decryptor, and coverage disclosure,
+    which only a per-class federation needs."""
+    policy: dict[str, toml_text.TomlValue] = {
+        "allowed_aggregation": ["plaintext", "mask", "ckks"]
+        if allow_plaintext
+        else ["mask", "ckks"],
+        "disclose_coverage": gram_scope == "per-class",
+    }
+    if decryptor is not None:
+        policy["ckks_decryptor"] = decryptor
+    return policy
 
 
 def provision(
@@ -164,6 +187,7 @@ def provision(
     valid_days: int = 825,
     force: bool = False,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    allow_plaintext: bool = False,
 ) -> ProvisionedFederation:
     """Create a federation under ``out_dir`` (layout in the module docstring).
 
@@ -172,6 +196,9 @@ def provision(
     ``decryptor`` names the site that gets ``role = "decryptor"`` (CKKS mode, docs/protocol.md §4.3).
     ``round_settings`` overrides keys of server.toml's [round] table
     (:func:`afl.server.config.round_template`: classes, feature_dim, gram_scope, ...).
+    Every kit's [policy] allows ``mask`` and ``ckks`` only, plus ``plaintext`` with
+    ``allow_plaintext`` (development; the sites opt in to sending statistics in the clear), pins
+    ``decryptor`` as its CKKS decryptor, and discloses coverage only in a per-class federation.
 
     Raises:
         ProvisioningError: bad arguments, or ``out_dir`` already holds a federation (ca.pem,
@@ -231,6 +258,11 @@ def provision(
     )
     _write_public(server_dir / "server.toml", server_text.encode())
 
+    site_policy = _site_policy(
+        decryptor=decryptor,
+        allow_plaintext=allow_plaintext,
+        gram_scope=round_template(round_settings)["gram_scope"],
+    )
     site_dirs: dict[str, Path] = {}
     for site_id in site_ids:
         _mkdir_private(root / "sites")
@@ -249,6 +281,7 @@ def provision(
             site_public=peers[site_id],
             server_public=server_public,
             peers=peers,
+            policy=site_policy,
         )
         _write_public(kit / "client.toml", client_text.encode())
         site_dirs[site_id] = kit

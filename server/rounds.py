@@ -50,7 +50,13 @@ from afl.server.plan import (
     round2_releases,
     sign_plan,
 )
-from afl.server.solve import build_signed_model, solve_round_one, solve_round_two
+from afl.server.solve import (
+    SOLVE_ERRORS,
+    build_signed_model,
+    require_finite,
+    solve_round_one,
+    solve_round_two,
+)
 from afl.server.store import RoundRow, Store, UploadRow
 
 __all__ = ["RoundMachine", "RoundView", "Stage"]
@@ -386,6 +392,7 @@ class RoundMachine:
             sums = self.sums(view)
             if sums is None:
                 return  # e.g. CKKS: the decryptor has not answered every job yet
+            require_finite(sums, what="the sum of release")
             if view.row.number == 1 and settings.dp is not None:
                 weights = solve_dp_round(
                     view.releases, sums, classes=settings.classes, gamma=settings.gamma
@@ -413,7 +420,9 @@ class RoundMachine:
                     gamma=settings.gamma,
                     alpha=settings.refinement.alpha,
                 )
-        except AggregationError as exc:
+            require_finite({"W": weights}, what="the solved model")
+        except SOLVE_ERRORS as exc:  # no value crashes the coordinator (docs/protocol.md §9)
+            log.error("solve failed", extra={"round_id": view.round_id, "reason": str(exc)})
             self._abort(view, f"solve failed: {exc}")
             return
         assert view.row.plan is not None

@@ -5,7 +5,9 @@ plan, deadline), ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, 
 ``models`` (signed model bytes), ``reports`` (client reports) and ``audit_log`` (append-only,
 hash-chained: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
 
-Payloads live under ``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600), written
+The state folder and every folder under it are mode 0700; ``server.sqlite3`` (and so its
+``-wal`` and ``-shm``, which SQLite creates with the database's mode) and every file are 0600.
+Payloads live under ``<state_dir>/payloads/<round>/<site>/<sha256>.bin``, written
 atomically BEFORE their row is committed, so a row always names a complete file. Every write is
 one transaction; a killed server restarts from exactly the committed state.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afl.crypto.canonical import canonical_encode
-from afl.crypto.pki import write_private_file
+from afl.crypto.pki import make_private_dir, write_private_file
 from afl.server.errors import StateError
 
 __all__ = ["SCHEMA_VERSION", "EnrolmentRow", "RoundRow", "Store", "UploadRow", "now_ms"]
@@ -102,11 +105,14 @@ class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing)."""
 
     def __init__(self, state_dir: Path, *, federation_id: str) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = sqlite3.connect(
-            self.state_dir / "server.sqlite3", check_same_thread=False, isolation_level=None
-        )
+        self.state_dir = make_private_dir(state_dir)
+        path = self.state_dir / "server.sqlite3"
+        # SQLite creates -wal and -shm with the database file's mode: create it 0600 first.
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        for name in (path.name, f"{path.name}-wal", f"{path.name}-shm"):
+            if (self.state_dir / name).is_file():
+                os.chmod(self.state_dir / name, 0o600)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -266,8 +272,7 @@ class Store:
         self, round_id: str, site_id: str, release_name: str, *, data: bytes, sha256: bytes
     ) -> UploadRow:
         """Write the payload file, then commit its row (the caller checked for duplicates)."""
-        folder = self.state_dir / "payloads" / round_id / site_id
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = make_private_dir(self.state_dir / "payloads" / round_id / site_id)
         path = write_private_file(folder / f"{sha256.hex()}.bin", data)
         with self._tx() as db:
             db.execute(
@@ -312,11 +317,26 @@ class Store:
             row = self._db.execute(f"{select} ORDER BY created_ms DESC, rowid DESC").fetchone()
         return None if row is None else (row[0], bytes(row[1]), bytes(row[2]))
 
-    def put_report(self, round_id: str, site_id: str, report: bytes) -> None:
+    def put_report(
+        self, round_id: str, site_id: str, report: bytes, *, audit: dict[str, object]
+    ) -> None:
+        """Store a site's report of a round and append its "client-report" audit record
+        (``audit`` plus the report's SHA-256, and the digest of the report it replaces) in ONE
+        transaction; the same report again changes nothing."""
+        digest = hashlib.sha256(report).hexdigest()
         with self._tx() as db:
+            row = db.execute(
+                "SELECT report FROM reports WHERE round_id = ? AND site_id = ?", (round_id, site_id)
+            ).fetchone()
+            if row is not None and bytes(row[0]) == report:
+                return
+            detail = {**audit, "sha256": digest}
+            if row is not None:
+                detail["replaces"] = hashlib.sha256(bytes(row[0])).hexdigest()
             db.execute(
                 "INSERT OR REPLACE INTO reports VALUES (?, ?, ?)", (round_id, site_id, report)
             )
+            self._append_audit(db, "client-report", detail)
 
     def reports(self, round_id: str) -> dict[str, bytes]:
         rows = self._db.execute(
@@ -327,16 +347,21 @@ class Store:
     def audit(self, event: str, detail: dict[str, object]) -> None:
         """Append to the hash-chained audit log (never statistics or key material)."""
         with self._tx() as db:
-            last = db.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
-            prev = bytes(last[0]) if last else b"\x00" * 32
-            stamp = now_ms()
-            text = json.dumps(detail, sort_keys=True)
-            digest = hashlib.sha256(prev + canonical_encode([stamp, event, text])).digest()
-            db.execute(
-                "INSERT INTO audit_log (time_ms, event, detail, prev_hash, hash) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (stamp, event, text, prev, digest),
-            )
+            self._append_audit(db, event, detail)
+
+    @staticmethod
+    def _append_audit(db: sqlite3.Connection, event: str, detail: dict[str, object]) -> None:
+        """One audit record, inside the caller's transaction."""
+        last = db.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
+        prev = bytes(last[0]) if last else b"\x00" * 32
+        stamp = now_ms()
+        text = json.dumps(detail, sort_keys=True)
+        digest = hashlib.sha256(prev + canonical_encode([stamp, event, text])).digest()
+        db.execute(
+            "INSERT INTO audit_log (time_ms, event, detail, prev_hash, hash) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (stamp, event, text, prev, digest),
+        )
 
     def audit_entries(self) -> list[tuple[int, str, dict[str, object], bytes, bytes]]:
         """(time, event, detail, prev hash, hash) in order."""

@@ -105,6 +105,33 @@ def test_each_release_is_decrypted_at_most_once(fed: Federation) -> None:
         fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
 
 
+def test_used_releases_are_restored_and_recorded_before_the_key_is_applied(
+    private_ctx: ts.Context, fed: Federation
+) -> None:
+    # A restarted decryptor is given the releases an earlier process used: refused again.
+    restarted = Decryptor(private_ctx, PLAN, decrypted={"gram/abc"})
+    for site, tag in fed.tags.items():
+        restarted.register_tags(site=site, tags={"gram": tag})
+    with pytest.raises(CkksAlreadyDecryptedError):
+        restarted.decrypt("gram/abc", fed.server_sum(SITES[:3]), members=SITES[:3])
+    # on_decrypt runs once the release is marked, before decryption; if it fails, nothing is
+    # decrypted and the release stays used.
+    recorded: list[str] = []
+
+    def refuse(name: str) -> None:
+        recorded.append(name)
+        raise OSError("disk full")
+
+    failing = Decryptor(private_ctx, PLAN, on_decrypt=refuse)
+    for site, tag in fed.tags.items():
+        failing.register_tags(site=site, tags={"gram": tag})
+    with pytest.raises(OSError):
+        failing.decrypt("gram/ab", fed.server_sum(SITES[:2]), members=SITES[:2])
+    assert recorded == ["gram/ab"] and failing.decrypted == {"gram/ab"}
+    with pytest.raises(CkksAlreadyDecryptedError):
+        failing.decrypt("gram/ab", fed.server_sum(SITES[:2]), members=SITES[:2])
+
+
 def test_release_not_in_plan_is_refused(fed: Federation) -> None:
     with pytest.raises(CkksNotInPlanError, match="not in the signed plan"):
         fed.decryptor.decrypt("gram/a", fed.uploads["site-a"], members=("site-a",))
@@ -151,7 +178,7 @@ def test_malformed_ciphertexts_do_not_consume_the_release(fed: Federation) -> No
 def test_missing_tag_is_refused(private_ctx: ts.Context, fed: Federation) -> None:
     decryptor = Decryptor(private_ctx, PLAN)
     decryptor.register_tags(site="site-a", tags={"gram": fed.tags["site-a"]})
-    with pytest.raises(CkksTagMismatchError, match="no tag"):
+    with pytest.raises(CkksTagMismatchError, match="no valid tag"):
         decryptor.decrypt("gram/ab", fed.server_sum(SITES[:2]), members=SITES[:2])
     assert decryptor.decrypted == frozenset()
 
