@@ -57,8 +57,6 @@ from afl.crypto.ckks_decrypt import CkksRelease, Decryptor
 from afl.crypto.ckks_wire import (
     CKKS_CONTEXT_CONTEXT,
     DECRYPTION_CONTEXT,
-    SealedTags,
-    TagBinding,
     context_fields,
     decryption_fields,
     open_tags,
@@ -208,19 +206,15 @@ class RoundDecryptor:
             return
         if sender not in self.peers:
             raise CkksMalformedError(f"no identity key for {sender!r} in this decryptor's kit")
-        binding = TagBinding(
-            federation_id=self.plan.federation_id,
-            round_id=self.plan.round_id,
-            round_salt=bytes(self.plan.round_salt),
+        binding = wire.tag_binding(
+            self.plan,
             plan_sha256=self.plan_sha256,
             sender=sender,
-            recipient=self.site_id,
-            recipient_key=self.keys.cipher_public_key,
+            decryptor=self.site_id,
+            decryptor_key=self.keys.cipher_public_key,
         )
         plaintext = open_tags(
-            SealedTags(
-                bytes(sealed.sender_public_key), bytes(sealed.ciphertext), bytes(sealed.signature)
-            ),
+            wire.sealed_tags_from_proto(sealed),
             binding=binding,
             sender_identity=signatures.load_public_key_raw(self.peers[sender]),
             recipient_private_key=self.keys.agreement,

@@ -40,13 +40,14 @@ from afl.client.daemon_transport import DaemonError, RemoteCallError
 from afl.client.modes import RoundSession, UploadRecord, skipped_record, upload_record
 from afl.crypto import ckks
 from afl.crypto import ckks_params as cp
-from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, TagBinding, context_fields, seal_tags
+from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CkksMode", "fetch_public_context", "tag_binding"]
+__all__ = ["CkksMode", "fetch_public_context"]
 
 
 def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
@@ -108,29 +109,6 @@ def fetch_public_context(
         raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
 
 
-def tag_binding(
-    plan: cpb.ReleasePlan,
-    *,
-    plan_sha256: bytes,
-    sender: str,
-    announcement: pb.CkksContextAnnouncement,
-) -> TagBinding:
-    """What ``sender``'s tags of ``plan`` are bound to (:class:`afl.crypto.ckks_wire.TagBinding`):
-    the plan's federation, round and salt, the digest of the signed plan bytes, the decryptor
-    named by the announcement and its X25519 key."""
-    if len(plan_sha256) != 32:
-        raise DaemonError("the round's plan digest is missing: cannot bind the CKKS tags")
-    return TagBinding(
-        federation_id=plan.federation_id,
-        round_id=plan.round_id,
-        round_salt=bytes(plan.round_salt),
-        plan_sha256=plan_sha256,
-        sender=sender,
-        recipient=announcement.decryptor_site_id,
-        recipient_key=bytes(announcement.cipher_public_key),
-    )
-
-
 def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
     """(prescale, K) of an upload slot: K is the largest member count of its releases."""
     releases = [r for r in plan.releases if (r.upload_name or r.name) == slot]
@@ -180,26 +158,24 @@ class CkksMode:
                 site_id=session.site_id,
                 tags=[pb.TagValue(upload_name=s, value=v) for s, v in tags.items()],
             )
-            sealed = seal_tags(
-                message.SerializeToString(),
-                binding=tag_binding(
+            try:
+                binding = wire.tag_binding(
                     plan,
                     plan_sha256=session.plan_sha256,
                     sender=session.site_id,
-                    announcement=ann,
-                ),
-                identity_key=session.identity_key,
+                    decryptor=ann.decryptor_site_id,
+                    decryptor_key=ann.cipher_public_key,
+                )
+            except wire.WireError as exc:
+                raise DaemonError(f"cannot bind the CKKS tags: {exc}") from exc
+            sealed = seal_tags(
+                message.SerializeToString(), binding=binding, identity_key=session.identity_key
             )
             session.rpc.call(
                 "SendAggregateTags",
                 pb.SendAggregateTagsRequest(
                     round_id=session.round_id,
-                    sealed=pb.SealedMessage(
-                        recipient_site_id=ann.decryptor_site_id,
-                        sender_public_key=sealed.ephemeral_public_key,
-                        ciphertext=sealed.blob,
-                        signature=sealed.signature,
-                    ),
+                    sealed=wire.sealed_tags_to_proto(sealed, decryptor=ann.decryptor_site_id),
                 ),
             )
         records = []

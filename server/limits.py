@@ -113,11 +113,6 @@ class SiteStreams:
             else:
                 self._open[(site, kind)] = held - 1
 
-    def held(self, site: str, kind: str) -> int:
-        """How many ``kind`` streams ``site`` holds now."""
-        with self._lock:
-            return self._open.get((site, kind), 0)
-
     @contextmanager
     def hold(self, site: str, kind: str) -> Iterator[None]:
         """One slot for the duration of the ``with`` block."""

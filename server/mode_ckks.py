@@ -49,8 +49,6 @@ from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_wire import (
     CKKS_CONTEXT_CONTEXT,
     DECRYPTION_CONTEXT,
-    SealedTags,
-    TagBinding,
     context_fields,
     decryption_fields,
     verify_sealed_tags,
@@ -405,24 +403,16 @@ class CkksRequests:
         with participant_round(self.access, site_id, request.round_id) as view:
             if view.row.plan is None:
                 raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
-            plan = cpb.ReleasePlan.FromString(view.row.plan)
-            binding = TagBinding(
-                federation_id=self.access.config.federation_id,
-                round_id=view.round_id,
-                round_salt=bytes(plan.round_salt),
+            binding = wire.tag_binding(
+                cpb.ReleasePlan.FromString(view.row.plan),
                 plan_sha256=hashlib.sha256(view.row.plan).digest(),
                 sender=site_id,
-                recipient=decryptor,
-                recipient_key=bytes(self.mode.context().announcement.cipher_public_key),
+                decryptor=decryptor,
+                decryptor_key=self.mode.context().announcement.cipher_public_key,
             )
-            envelope = request.sealed
             try:
                 verify_sealed_tags(
-                    SealedTags(
-                        bytes(envelope.sender_public_key),
-                        bytes(envelope.ciphertext),
-                        bytes(envelope.signature),
-                    ),
+                    wire.sealed_tags_from_proto(request.sealed),
                     binding=binding,
                     sender_identity=self._identity(site_id),
                 )

@@ -3,8 +3,9 @@
 A report is untrusted input: :func:`check_report` refuses (:class:`InvalidRequestError`, gRPC
 INVALID_ARGUMENT, the message names the field) an outcome that is not one of the four
 ``ClientOutcome`` values, text beyond its length limit, too many warnings or timings, a timing or
-budget that is negative or NaN (a timing or δ also when infinite), and a budget for another site. Only then does the
-coordinator store it and append the audit record, in one transaction
+budget value that is negative or NaN (a timing or δ also when infinite; ε = ∞ means no DP), and
+a budget for another site. Only then does the coordinator store it and append the audit record,
+in one transaction
 (:meth:`afl.server.store.Store.put_report`). A site may report a round again (a restarted site
 reports the round it finished); the new report replaces the stored one and its audit record
 names the digest of the report it replaces, so the table and the log never disagree.
