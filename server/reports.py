@@ -42,24 +42,22 @@ def _non_negative(value: float, what: str, *, infinite: bool = False) -> None:
         raise InvalidRequestError(f"report: {what} must be {kind} >= 0")
 
 
+def _at_most(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise InvalidRequestError(f"report: {what} exceeds {limit}")
+
+
 def check_report(report: pb.ClientReport, *, site_id: str) -> None:
     """Refuse a malformed report of ``site_id`` (module docstring); return None if it is sound."""
     if report.outcome not in _OUTCOMES:
         raise InvalidRequestError(
             f"report: outcome {int(report.outcome)} is not a ClientOutcome this server knows"
         )
-    if len(report.reason) > MAX_REASON_CHARS:
-        raise InvalidRequestError(f"report: reason is longer than {MAX_REASON_CHARS} characters")
-    if len(report.warnings) > MAX_WARNINGS:
-        raise InvalidRequestError(f"report: more than {MAX_WARNINGS} warnings")
-    if any(len(w) > MAX_WARNING_CHARS for w in report.warnings):
-        raise InvalidRequestError(
-            f"report: a warning is longer than {MAX_WARNING_CHARS} characters"
-        )
-    if len(report.software_version) > MAX_NAME_CHARS:
-        raise InvalidRequestError(f"report: software_version is longer than {MAX_NAME_CHARS}")
-    if len(report.timings_s) > MAX_TIMINGS:
-        raise InvalidRequestError(f"report: more than {MAX_TIMINGS} timings")
+    _at_most(len(report.reason), MAX_REASON_CHARS, "the reason's length")
+    _at_most(len(report.warnings), MAX_WARNINGS, "the number of warnings")
+    _at_most(max(map(len, report.warnings), default=0), MAX_WARNING_CHARS, "a warning's length")
+    _at_most(len(report.software_version), MAX_NAME_CHARS, "software_version's length")
+    _at_most(len(report.timings_s), MAX_TIMINGS, "the number of timings")
     for phase, seconds in report.timings_s.items():
         if not phase or len(phase) > MAX_NAME_CHARS:
             raise InvalidRequestError("report: a timing has an empty or overlong phase name")

@@ -41,7 +41,7 @@ from afl.server.rounds import Stage
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
 from tests.helpers.numeric import relative_error
-from tests.server.fakeclient import FakeSite, chunks, make_stats, payload
+from tests.server.fakeclient import FakeSite, chunks, enrol_and_accept, make_stats, payload
 
 SITES = ["s1", "s2", "s3"]
 CLASSES = ["a", "b"]
@@ -98,14 +98,7 @@ def _key(federation: ProvisionedFederation) -> bytes:
 def _open_round(
     sites: dict[str, FakeSite], key: bytes
 ) -> tuple[coordinator_pb2.RoundConfig, common_pb2.ReleasePlan]:
-    for site in sites.values():
-        site.enroll(CLASSES, D)
-    first = next(iter(sites.values()))
-    config = first.config()
-    plan = first.verified_plan(config, key)
-    for site in sites.values():
-        site.decide(site.config(), accept=True)
-    return config, plan
+    return enrol_and_accept(sites, key, coverage=dict.fromkeys(sites, CLASSES), d=D)
 
 
 def _code(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
