@@ -15,9 +15,16 @@ Sections (paths are relative to the file's own folder)::
     [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
                classes   classes this site labels; [] = every cache column without -1 labels
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
-    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true),
+    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
                disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
-               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2)
+               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),
+               allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds)
+
+``[policy]`` is what the site requires whatever the coordinator chooses (docs/protocol.md §2):
+``allowed_aggregation`` lists the protections the site accepts (a hand-written client.toml
+without the key gets ``["mask", "ckks"]``: a site uploads plaintext statistics only when it opts
+in with "plaintext"), and ``ckks_decryptor`` pins the site id (key: its [peers] entry) of the
+only decryptor the site seals tags to and encrypts for (``afl provision`` writes both).
 
 Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
 are checked strictly for type and range).
@@ -38,6 +45,8 @@ from afl.crypto import signatures
 from afl.crypto.errors import KeyFormatError
 
 __all__ = [
+    "AGGREGATION_NAMES",
+    "PROTECTED_AGGREGATION",
     "ClientConfig",
     "ConfigError",
     "DataConfig",
@@ -73,9 +82,14 @@ _KNOWN: dict[str, set[str]] = {
         "max_epsilon",
         "disclose_coverage",
         "disclose_row_bounds",
+        "allowed_aggregation",
+        "ckks_decryptor",
     },
 }
 _ROLES = ("participant", "decryptor")
+#: Aggregation modes a site's policy can allow (docs/protocol.md §4), and the default.
+AGGREGATION_NAMES = ("plaintext", "mask", "ckks")
+PROTECTED_AGGREGATION = ("mask", "ckks")
 
 
 class ConfigError(ValueError):
@@ -89,8 +103,10 @@ class LocalPolicy:
     min_cohort: int = 3
     allow_exposure: bool = False
     max_epsilon: float = math.inf
-    disclose_coverage: bool = True
+    disclose_coverage: bool = False
     disclose_row_bounds: bool = True
+    allowed_aggregation: tuple[str, ...] = PROTECTED_AGGREGATION
+    ckks_decryptor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -218,14 +234,36 @@ class _Reader:
         return raw
 
 
-def _policy(r: _Reader) -> LocalPolicy:
+def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
     sec = r.section("policy", required=False)
+    modes = sec.get("allowed_aggregation", list(PROTECTED_AGGREGATION))
+    if (
+        not isinstance(modes, list)
+        or not modes
+        or not all(m in AGGREGATION_NAMES for m in modes)
+        or len(set(modes)) != len(modes)
+    ):
+        raise r.error(
+            "policy.allowed_aggregation",
+            f"must be a non-empty list of distinct modes from {list(AGGREGATION_NAMES)}, "
+            f"got {modes!r}",
+        )
+    decryptor = None
+    if "ckks_decryptor" in sec:
+        decryptor = r.string(sec, "policy", "ckks_decryptor")
+        if decryptor not in peers:
+            raise r.error(
+                "policy.ckks_decryptor",
+                f"{decryptor!r} has no identity key in [peers]; the pinned decryptor must be one",
+            )
     return LocalPolicy(
         min_cohort=r.integer(sec, "policy", "min_cohort", 3, minimum=1),
         allow_exposure=r.boolean(sec, "policy", "allow_exposure", False),
         max_epsilon=r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0),
-        disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", True),
+        disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", False),
         disclose_row_bounds=r.boolean(sec, "policy", "disclose_row_bounds", True),
+        allowed_aggregation=tuple(modes),
+        ckks_decryptor=decryptor,
     )
 
 
@@ -312,7 +350,7 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         peers=peers,
         # The CKKS decryptor holds no data (docs/protocol.md §1): [data] is optional for it.
         data=_data(r) if role == "participant" or "data" in doc else DataConfig(r.path.parent),
-        policy=_policy(r),
+        policy=_policy(r, peers),
         timing=_timing(r, client),
         serve=r.boolean(client, "client", "serve", False),
     )

@@ -322,6 +322,9 @@ class ClientDaemon:
             plan=plan,
             identity_key=self.identity,
             peer_keys=self.config.peers,
+            ckks_decryptor=self.config.policy.ckks_decryptor,
+            survivor_floors=decision.survivor_floors,
+            plan_sha256=plan_sha,
         )
         records = mode.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)

@@ -33,6 +33,7 @@ from afl.core.packing import pack_upper
 from afl.core.refinement import PseudoStats, RefinementParams, pseudo_label_projection
 from afl.core.stats import LocalStats, local_statistics
 from afl.core.suggest import unknown_names
+from afl.crypto.pki import make_private_dir, write_private_file
 from afl.proto.v1 import common_pb2 as cpb
 
 __all__ = [
@@ -79,9 +80,11 @@ def cache_fingerprint(cache: FeatureCache, *, active: NDArray[np.bool_], extra: 
 
 
 def _atomic_save(path: Path, arrays: Mapping[str, NDArray[np.generic]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """The site's statistics (as sensitive as its features): folders 0700, file 0600, atomic."""
+    make_private_dir(path.parent)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)  # type: ignore[arg-type]
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
+        np.savez(handle, **arrays)  # type: ignore[arg-type]
     os.replace(tmp, path)
 
 
@@ -351,8 +354,7 @@ def _mismatch(
 
 
 def dump_json(path: Path, document: Mapping[str, object]) -> None:
-    """Write JSON atomically (reports, history)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(document, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    """Write JSON atomically (reports, history), mode 0600 in a 0700 folder."""
+    make_private_dir(path.parent)
+    text = json.dumps(document, indent=2, sort_keys=True)
+    write_private_file(path, text.encode("utf-8"))

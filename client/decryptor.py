@@ -13,13 +13,22 @@ the PUBLIC context (no secret, Galois or relinearization keys) and publish a sig
 
 Loop: ``GetDecryptionJobs`` for the current round. For each round, :class:`RoundDecryptor`
 verifies the server's signature on the release plan (key from the kit), refuses plans not in CKKS
-mode, opens the sealed tags (each must come from a member and name itself as sender) and builds
-an :class:`afl.crypto.ckks_decrypt.Decryptor`: a release is decrypted only if it is in the signed
-plan with exactly the plan's members, at most once, and only if every tag slot equals the sum of
-the members' secret tags (a single site's ciphertext forwarded as a "sum" is refused). Decoded
-values are divided by the pre-scale and rounded to the plan's grid (Li–Micciancio). The result
-(float64, packed like the upload) goes back through ``Upload`` (DECRYPTED_AGGREGATE) and the
-signed outcome through ``ReportDecryption``; refusals are reported too.
+mode, opens the sealed tags and builds an :class:`afl.crypto.ckks_decrypt.Decryptor`. A site's
+tags count only if that site signed them with its identity key from this decryptor's kit
+([peers]) for this federation, round, plan digest and this decryptor's tag key
+(:func:`afl.crypto.ckks_wire.open_tags`): tags the server sealed itself "from" a site are
+ignored. A release is decrypted only if it is in the signed plan with exactly the plan's
+members, each of which sent valid tags, at most once, and only if every tag slot equals the sum
+of the members' secret tags (a single site's ciphertext forwarded as a "sum" is refused).
+Decoded values are divided by the pre-scale and rounded to the plan's grid (Li–Micciancio). The
+result (float64, packed like the upload) goes back through ``Upload`` (DECRYPTED_AGGREGATE) and
+the signed outcome through ``ReportDecryption``; refusals are reported too.
+
+Decrypt-once survives a restart: before the secret key touches a release, (round, release, SHA-256
+of the aggregate) is recorded in ``state_dir/ckks/decrypted.json`` (written atomically, mode
+0600; :class:`DecryptionLedger`). A restarted decryptor decrypts a listed release again only for
+the same aggregate bytes (a retry after a lost reply or a coordinator restart: deterministic, so
+nothing new is revealed) and refuses any other aggregate under that name.
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +74,13 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["DecryptorDaemon", "DecryptorKeys", "RoundDecryptor", "load_or_create_keys"]
+__all__ = [
+    "DecryptionLedger",
+    "DecryptorDaemon",
+    "DecryptorKeys",
+    "RoundDecryptor",
+    "load_or_create_keys",
+]
 
 log = logging.getLogger("afl.client.decryptor")
 _STATUS = {
@@ -86,8 +103,7 @@ class DecryptorKeys:
 
 def load_or_create_keys(state_dir: Path) -> DecryptorKeys:
     """Keys from ``state_dir/ckks`` (created once with a CSPRNG, files mode 0600)."""
-    folder = state_dir / "ckks"
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder = pki.make_private_dir(state_dir / "ckks")
     ctx_path, x_path = folder / "private_context.bin", folder / "tags_x25519.key"
     if ctx_path.is_file() and x_path.is_file():
         ctx = ckks.load_private_context(ctx_path.read_bytes())
@@ -98,6 +114,45 @@ def load_or_create_keys(state_dir: Path) -> DecryptorKeys:
     pki.write_private_file(ctx_path, ckks.private_context_bytes(ctx))
     pki.write_private_file(x_path, kdf.private_key_bytes(agreement))
     return DecryptorKeys(ctx, agreement)
+
+
+class DecryptionLedger:
+    """The aggregate each release was bound to before this decryptor applied its secret key,
+    per round, on disk (``<folder>/decrypted.json``: round → release → SHA-256 hex, rewritten
+    atomically with mode 0600 at every record)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "decrypted.json"
+        self._rounds: dict[str, dict[str, str]] = {}
+        if self.path.is_file():
+            try:
+                loaded = json.loads(self.path.read_text(encoding="utf-8"))
+                self._rounds = {
+                    str(r): {str(n): str(d) for n, d in bound.items()}
+                    for r, bound in loaded.items()
+                }
+            except (OSError, ValueError, AttributeError) as exc:
+                raise DaemonError(
+                    f"{self.path}: unreadable decrypt-once record ({exc}); refusing to start "
+                    "(it must never be lost: restore it from backup)"
+                ) from exc
+
+    def used(self, round_id: str) -> dict[str, bytes]:
+        """Release → aggregate digest of ``round_id``'s releases already decrypted (or
+        attempted)."""
+        return {n: bytes.fromhex(d) for n, d in self._rounds.get(round_id, {}).items()}
+
+    def record(self, round_id: str, release: str, digest: bytes) -> None:
+        """Bind (round, release) to ``digest``, durably, before the secret key is applied."""
+        self._rounds.setdefault(round_id, {})[release] = digest.hex()
+        text = json.dumps(self._rounds, indent=1, sort_keys=True)
+        try:
+            pki.write_private_file(self.path, text.encode("utf-8"))
+        except OSError as exc:
+            raise DaemonError(
+                f"{self.path}: cannot record the decryption of {release!r} ({exc}); refusing "
+                "to decrypt it"
+            ) from exc
 
 
 class RoundDecryptor:
@@ -111,9 +166,11 @@ class RoundDecryptor:
         site_id: str,
         server_key: bytes,
         federation_id: str,
+        peers: Mapping[str, bytes],
+        ledger: DecryptionLedger | None = None,
     ) -> None:
         try:
-            plan, _ = verify_signed_plan(
+            plan, plan_sha = verify_signed_plan(
                 signed_plan,
                 server_key=signatures.load_public_key_raw(server_key),
                 federation_id=federation_id,
@@ -124,7 +181,9 @@ class RoundDecryptor:
         if plan.aggregation != cpb.AGGREGATION_MODE_CKKS:
             raise DaemonError("the release plan is not a CKKS plan of this federation")
         self.plan, self.keys, self.site_id = plan, keys, site_id
+        self.plan_sha256, self.peers = plan_sha, dict(peers)
         self.releases = {r.name: r for r in plan.releases}
+        round_id = plan.round_id
         self.decryptor = Decryptor(
             keys.ctx,
             [
@@ -138,22 +197,33 @@ class RoundDecryptor:
                 )
                 for r in plan.releases
             ],
+            decrypted=None if ledger is None else ledger.used(round_id),
+            on_decrypt=None
+            if ledger is None
+            else lambda name, digest: ledger.record(round_id, name, digest),
         )
         self.senders: set[str] = set()
 
     def add_tags(self, sealed: pb.SealedMessage) -> None:
-        """Open one site's sealed AggregateTags and register them (each sender once)."""
+        """Open one site's sealed AggregateTags and register them (each sender once); a
+        ``CryptoError`` when the site's signature (key from the kit) or the blob does not check."""
         sender = sealed.sender_site_id
         if sender in self.senders or sender not in self.plan.participants:
             return
-        plaintext = open_tags(
-            sealed.ciphertext,
-            sender_public_key=sealed.sender_public_key,
-            recipient_private_key=self.keys.agreement,
-            round_salt=self.plan.round_salt,
-            round_id=self.plan.round_id,
+        if sender not in self.peers:
+            raise CkksMalformedError(f"no identity key for {sender!r} in this decryptor's kit")
+        binding = wire.tag_binding(
+            self.plan,
+            plan_sha256=self.plan_sha256,
             sender=sender,
-            recipient=self.site_id,
+            decryptor=self.site_id,
+            decryptor_key=self.keys.cipher_public_key,
+        )
+        plaintext = open_tags(
+            wire.sealed_tags_from_proto(sealed),
+            binding=binding,
+            sender_identity=signatures.load_public_key_raw(self.peers[sender]),
+            recipient_private_key=self.keys.agreement,
         )
         message = pb.AggregateTags.FromString(plaintext)
         if message.site_id != sender or message.round_id != self.plan.round_id:
@@ -198,6 +268,7 @@ class DecryptorDaemon:
             ((INSECURE_SITE_HEADER, config.site_id),) if insecure else ()
         )
         self.keys = load_or_create_keys(config.state_dir)
+        self.ledger = DecryptionLedger(config.state_dir / "ckks")
         self.rounds: dict[str, RoundDecryptor] = {}
         self.rpc: CoordinatorClient | None = None
 
@@ -250,6 +321,8 @@ class DecryptorDaemon:
                 site_id=self.config.site_id,
                 server_key=self.config.server_public_key,
                 federation_id=self.config.federation_id,
+                peers=self.config.peers,
+                ledger=self.ledger,
             )
             self.rounds[jobs.round_id] = work
         return work
@@ -302,7 +375,9 @@ class DecryptorDaemon:
     def _record(self, **fields: Any) -> None:
         """Append one job's timing to ``state_dir/ckks/decryptions.jsonl`` (no values)."""
         fields["status"] = pb.DecryptionStatus.Name(fields["status"])
-        with (self.config.state_dir / "ckks" / "decryptions.jsonl").open("a") as handle:
+        path = self.config.state_dir / "ckks" / "decryptions.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(fields) + "\n")
 
     def outcome(

@@ -3,14 +3,17 @@
 
 Between the accepted plan and the model, a site
 
-1. fetches the decryptor's announcement (``GetCkksContext``) and checks its signature (context
-   "ckks-context", :mod:`afl.crypto.ckks_wire`) with the decryptor's identity key from the
-   startup kit's [peers]; the decryptor must not be this site;
+1. fetches the decryptor's announcement (``GetCkksContext``): it must name the decryptor pinned
+   in the site's policy (``[policy] ckks_decryptor``, never this site) and carry that site's
+   signature (context "ckks-context", :mod:`afl.crypto.ckks_wire`), checked with its identity
+   key from the startup kit's [peers];
 2. downloads the public context (``Download``), checks its SHA-256 against the signed
    announcement and loads it with :func:`afl.crypto.ckks.load_public_context` (which refuses a
    context holding a secret key, or parameters other than the vetted ones);
 3. draws one secret tag r per upload slot (:func:`afl.crypto.ckks.new_tag`) and sends them sealed
-   to the decryptor's X25519 key (``SendAggregateTags``; the server cannot read them);
+   to the decryptor's X25519 key and signed with the site's identity key over (federation,
+   round, plan digest, sender, decryptor, its key) (``SendAggregateTags``,
+   :func:`afl.crypto.ckks_wire.seal_tags`; the server can neither read nor forge them);
 4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
    the tag in slot 0 of every ciphertext (:func:`afl.crypto.ckks.encrypt_block`) and streams the
    packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
@@ -40,6 +43,7 @@ from afl.crypto import ckks_params as cp
 from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -70,6 +74,13 @@ def fetch_public_context(
     """Steps 1-2 of the module docstring: the verified public context and its announcement."""
     ann = _poll_context(session, session.rpc.timing.upload_timeout_s)
     decryptor = ann.decryptor_site_id
+    if session.ckks_decryptor is None:
+        raise DaemonError("no CKKS decryptor is pinned in this site's [policy] ckks_decryptor")
+    if decryptor != session.ckks_decryptor:
+        raise DaemonError(
+            f"the CKKS context comes from {decryptor!r}, not from the decryptor pinned in this "
+            f"site's policy ({session.ckks_decryptor!r})"
+        )
     if decryptor == session.site_id or decryptor not in peers:
         raise DaemonError(f"the CKKS decryptor {decryptor!r} is not a peer in this site's kit")
     if ann.round_id not in ("", session.round_id):
@@ -147,23 +158,24 @@ class CkksMode:
                 site_id=session.site_id,
                 tags=[pb.TagValue(upload_name=s, value=v) for s, v in tags.items()],
             )
-            ephemeral, blob = seal_tags(
-                message.SerializeToString(),
-                recipient_public_key=ann.cipher_public_key,
-                round_salt=plan.round_salt,
-                round_id=session.round_id,
-                sender=session.site_id,
-                recipient=ann.decryptor_site_id,
+            try:
+                binding = wire.tag_binding(
+                    plan,
+                    plan_sha256=session.plan_sha256,
+                    sender=session.site_id,
+                    decryptor=ann.decryptor_site_id,
+                    decryptor_key=ann.cipher_public_key,
+                )
+            except wire.WireError as exc:
+                raise DaemonError(f"cannot bind the CKKS tags: {exc}") from exc
+            sealed = seal_tags(
+                message.SerializeToString(), binding=binding, identity_key=session.identity_key
             )
             session.rpc.call(
                 "SendAggregateTags",
                 pb.SendAggregateTagsRequest(
                     round_id=session.round_id,
-                    sealed=pb.SealedMessage(
-                        recipient_site_id=ann.decryptor_site_id,
-                        sender_public_key=ephemeral,
-                        ciphertext=blob,
-                    ),
+                    sealed=wire.sealed_tags_to_proto(sealed, decryptor=ann.decryptor_site_id),
                 ),
             )
         records = []

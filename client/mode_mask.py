@@ -13,7 +13,8 @@ config digest bound into every signature, is derived from the plan alone by
 peers' adverts and consistency signatures are verified with the identity keys of the startup
 kit ([peers]), never keys the server sends; the client refuses an unmask request that asks for
 both shares of one peer, names non-survivors, lacks t signatures, or requests a release below its
-t_R. Values outside a release's declared bound are an error (never clipped). Only masked uint64
+t_R or the site's own floor (``RoundSession.survivor_floors``: min cohort whatever the plan
+says). Values outside a release's declared bound are an error (never clipped). Only masked uint64
 vectors leave the site.
 """
 
@@ -29,10 +30,10 @@ from numpy.typing import NDArray
 from afl.client.daemon_stats import PayloadError, SlotPayload, encode_float64
 from afl.client.daemon_transport import DaemonError
 from afl.client.modes import RoundSession, UploadRecord, upload_record
+from afl.client.policy import mask_threshold_problem
 from afl.core.row_bounds import next_power_of_two
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_client import SecAggClient
-from afl.crypto.secagg_config import default_threshold
 from afl.crypto.secagg_messages import ConsistencyRequest
 from afl.crypto.signatures import load_public_key_raw
 from afl.proto import wire
@@ -120,15 +121,10 @@ class MaskMode:
 
     @staticmethod
     def _client(session: RoundSession, payloads: Sequence[SlotPayload]) -> SecAggClient:
-        try:
-            config = wire.round_config_from_plan(session.plan)
-        except CryptoError as exc:
-            raise DaemonError(f"the MASK plan is not valid: {exc}") from exc
-        if config.t < default_threshold(len(config.cohort)):
-            raise DaemonError(
-                f"the plan's threshold t={config.t} is below a majority of the "
-                f"{len(config.cohort)} participants"
-            )
+        problem = mask_threshold_problem(session.plan, floors=dict(session.survivor_floors))
+        if problem:  # checked with the plan already (policy.check_plan); again before any key
+            raise DaemonError(problem)
+        config = wire.round_config_from_plan(session.plan)
         identities = _peer_identities(session.peer_keys, config.cohort)
         inputs = {
             name: np.frombuffer(item.payload, dtype="<f8").astype(np.float64)
@@ -142,6 +138,7 @@ class MaskMode:
                 config=config,
                 identities=identities,
                 inputs=inputs,
+                survivor_floors=session.survivor_floors,
             )
         except CryptoError as exc:
             raise DaemonError(f"cannot mask this site's statistics: {exc}") from exc

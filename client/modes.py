@@ -57,6 +57,12 @@ class RoundSession:
     plan: cpb.ReleasePlan
     identity_key: Ed25519PrivateKey
     peer_keys: Mapping[str, bytes] = field(default_factory=dict)
+    #: The site's [policy] as the modes need it: the pinned CKKS decryptor, and the fewest
+    #: surviving members per MASK release (:func:`afl.client.policy.survivor_floors`).
+    ckks_decryptor: str | None = None
+    survivor_floors: Mapping[str, int] = field(default_factory=dict)
+    #: SHA-256 of the signed plan's exact bytes (what signed tags and decisions bind).
+    plan_sha256: bytes = b""
 
 
 @dataclass(frozen=True)

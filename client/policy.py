@@ -3,7 +3,14 @@
 Before anything is uploaded the site reads the exact list of aggregates the server will learn
 and refuses when
 
-* it is not a participant, or the plan's aggregation mode is one this client cannot run;
+* it is not a participant, or the plan's aggregation mode is one this client cannot run, or one
+  its policy does not allow (``allowed_aggregation``: a downgrade to ``plaintext`` is refused
+  unless the site opted in), or a ``ckks`` plan while no decryptor is pinned (``ckks_decryptor``);
+* (``mask``) the plan's round threshold t is below a majority of the participants, or a release
+  the site is a member of would be unmasked with fewer surviving members than the site accepts:
+  ``min_cohort``, or, when DP covers the site, the m − t members its noise was sized for
+  (:func:`survivor_floors`; the same floors are enforced again when shares are revealed,
+  :class:`afl.crypto.secagg_client.SecAggClient`);
 * a release it is a member of has fewer than ``min_cohort`` members;
 * (unless ``allow_exposure``) the plan, together with every release the site already took part
   in (``history``: statistics of the same data combine across rounds), lets the server determine
@@ -35,10 +42,20 @@ from afl.client.config import LocalPolicy
 from afl.client.dp_payloads import site_epsilon
 from afl.core import leakage
 from afl.core.evaluation import evaluation_quantities
+from afl.crypto.errors import CryptoError
+from afl.crypto.secagg_config import default_threshold
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.wire import EVALUATION_KINDS
 
-__all__ = ["PolicyDecision", "audit_view", "check_plan", "release_quantities"]
+__all__ = [
+    "PolicyDecision",
+    "audit_view",
+    "check_plan",
+    "mask_threshold_problem",
+    "release_quantities",
+    "survivor_floors",
+]
 
 _MODE_NAMES = {
     cpb.AGGREGATION_MODE_PLAINTEXT: "plaintext",
@@ -54,6 +71,8 @@ class PolicyDecision:
     accept: bool
     reason: str = ""
     audit: dict[str, Any] = field(default_factory=dict)
+    #: MASK: the fewest surviving members per release of this site (:func:`survivor_floors`).
+    survivor_floors: dict[str, int] = field(default_factory=dict)
 
 
 def release_quantities(release: cpb.Release) -> list[str]:
@@ -95,6 +114,43 @@ def _site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
     return max([*spent, site_epsilon(plan, site_id)])
 
 
+def survivor_floors(
+    plan: cpb.ReleasePlan, *, site_id: str, policy: LocalPolicy, covered: bool
+) -> dict[str, int]:
+    """Per release ``site_id`` is a member of: the fewest surviving members with which it lets
+    the release be unmasked: ``min_cohort``, or, when DP covers the site (``covered``), the
+    m − t members the release's noise is sized for (docs/protocol.md §7)."""
+    floors = {}
+    for r in plan.releases:
+        if site_id in r.member_site_ids:
+            m = len(r.member_site_ids)
+            dp_floor = max(1, m - int(r.noise.assumed_colluders))
+            floors[r.name] = dp_floor if covered else policy.min_cohort
+    return floors
+
+
+def mask_threshold_problem(plan: cpb.ReleasePlan, *, floors: dict[str, int]) -> str:
+    """Why a MASK plan's thresholds are unacceptable ("" when they are fine): the round
+    threshold t must be a majority of the participants (no split view of the survivors), and
+    each release's t_R at least its floor (``floors``, :func:`survivor_floors`)."""
+    try:
+        config = wire.round_config_from_plan(plan)
+    except CryptoError as exc:
+        return f"the MASK plan is not valid: {exc}"
+    n = len(config.cohort)
+    if config.t < default_threshold(n):
+        return f"the plan's threshold t={config.t} is below a majority of the {n} participants"
+    for release in config.releases:
+        floor = floors.get(release.name, 0)
+        if release.min_survivors < floor:
+            return (
+                f"release {release.name} would be unmasked with {release.min_survivors} surviving "
+                f"member(s), fewer than this site accepts ({floor}: min cohort, or the DP noise's "
+                "members)"
+            )
+    return ""
+
+
 def _refuse(reason: str, audit: dict[str, Any] | None = None) -> PolicyDecision:
     return PolicyDecision(False, reason, audit or {})
 
@@ -115,9 +171,16 @@ def check_plan(
     participants = list(plan.participants)
     if site_id not in participants:
         return _refuse(f"site {site_id} is not a participant of round {plan.round_id}")
+    mode = _MODE_NAMES.get(plan.aggregation, str(plan.aggregation))
     if plan.aggregation not in supported_modes:
-        mode = _MODE_NAMES.get(plan.aggregation, str(plan.aggregation))
         return _refuse(f"aggregation mode {mode!r} is not supported by this client")
+    if mode not in policy.allowed_aggregation:
+        return _refuse(
+            f"aggregation mode {mode!r} is not allowed by this site's policy "
+            f"(allowed_aggregation = {list(policy.allowed_aggregation)})"
+        )
+    if plan.aggregation == cpb.AGGREGATION_MODE_CKKS and policy.ckks_decryptor is None:
+        return _refuse("a CKKS plan, but no decryptor is pinned in [policy] ckks_decryptor")
     releases = list(plan.releases)
     names = [r.name for r in releases]
     if len(set(names)) != len(names):
@@ -136,6 +199,11 @@ def check_plan(
                 f"release {r.name} has {len(r.member_site_ids)} member(s) < min cohort "
                 f"{policy.min_cohort}"
             )
+    floors = survivor_floors(plan, site_id=site_id, policy=policy, covered=covered)
+    if plan.aggregation == cpb.AGGREGATION_MODE_MASK:
+        problem = mask_threshold_problem(plan, floors=floors)
+        if problem:
+            return _refuse(problem)
     if epsilon > policy.max_epsilon:
         what = f"ε = {epsilon:g}" if plan.dp.enabled else "no differential privacy (ε = ∞)"
         return _refuse(
@@ -154,7 +222,7 @@ def check_plan(
     if plan.dp.enabled:
         audit["epsilon"], audit["covered_by_dp"] = epsilon, covered
     if policy.allow_exposure or covered:
-        return PolicyDecision(True, "", audit)
+        return PolicyDecision(True, "", audit, floors)
     for exposure in report.exposed_sites:
         if site_id in exposure.sites:
             cert = " ".join(f"{'+' if c > 0 else '-'}{abs(c)}*{n}" for n, c in exposure.certificate)
@@ -171,4 +239,4 @@ def check_plan(
                 f"smaller than min cohort {policy.min_cohort}; policy allow_exposure = false",
                 audit,
             )
-    return PolicyDecision(True, "", audit)
+    return PolicyDecision(True, "", audit, floors)

@@ -86,8 +86,9 @@ def sum_members(arrays: Sequence[NDArray[np.float64]], members: Cover) -> NDArra
         raise AggregationError("cannot sum over an empty set of clients")
     ordered = sorted(members)
     total = np.array(arrays[ordered[0]], dtype=np.float64, copy=True)
-    for k in ordered[1:]:
-        total += arrays[k]
+    with np.errstate(over="ignore"):  # an overflow gives ±inf, which the solve refuses
+        for k in ordered[1:]:
+            total += arrays[k]
     return total
 
 
@@ -106,6 +107,8 @@ def factor_regularised(
 ) -> tuple[NDArray[np.float64], bool]:
     """Cholesky factor of Σ G + γI (float64; never an explicit inverse)."""
     a = gram_sum + gamma * np.eye(gram_sum.shape[0])
+    if not np.all(np.isfinite(a)):
+        raise AggregationError("Σ G + γI has NaN or infinite entries (overflow?); cannot solve")
     try:
         return cho_factor(a, lower=False, check_finite=True)  # type: ignore[no-any-return]
     except LinAlgError as exc:
@@ -124,7 +127,8 @@ def solve_from_sums(
     """Eq. 15 (and its global variant): W (d, C) from the released sums.
 
     One Cholesky factorisation per distinct Gram release; all classes that use it are solved as
-    right-hand sides of the same factor.
+    right-hand sides of the same factor. Non-finite sums (an overflowed sum) or a non-finite W
+    raise :class:`AggregationError`, never a bare scipy ValueError.
     """
     if gamma <= 0:
         raise AggregationError(f"γ must be positive, got {gamma}")
@@ -133,6 +137,8 @@ def solve_from_sums(
         raise AggregationError(
             f"b_sums has {num_classes} classes, plan has {len(plan.class_cover)}"
         )
+    if not np.all(np.isfinite(b_sums)):
+        raise AggregationError("the class vector sums hold NaN or infinite values; cannot solve")
     weights = np.zeros((d, num_classes), dtype=np.float64)
     for cover in plan.gram_releases:
         if cover not in gram_sums:
@@ -145,6 +151,8 @@ def solve_from_sums(
         classes = [c for c, g in enumerate(plan.gram_cover) if g == cover]
         factor = factor_regularised(gram, gamma)
         weights[:, classes] = cho_solve(factor, b_sums[:, classes], check_finite=True)
+    if not np.all(np.isfinite(weights)):
+        raise AggregationError("the solve overflowed (W is not finite)")
     return weights
 
 

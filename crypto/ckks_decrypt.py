@@ -11,10 +11,19 @@ CKKS noise. The result differs from the exact float64 sum by at most
 ``error_bound = g/2 + noise_bound_slots(K)/s``.
 
 ``Decryptor`` keeps the round's state: the signed plan's releases (passed in as data; the CALLER
-verifies the plan's signature), the members' tags (received over the encrypted channel), and the
-releases already decrypted. A release is decrypted at most once: it is marked used as soon as the
-secret key has been applied, even if the tag check then refuses it (no second attempt for a
-server that failed one). Requests with a wrong release name, member list or malformed
+verifies the plan's signature), the members' tags (received over the encrypted channel; the
+CALLER verifies each sender's signature, :func:`afl.crypto.ckks_wire.open_tags`), and the
+releases already decrypted. A release is decrypted for at most ONE aggregate: it is bound to the
+SHA-256 of the packed ciphertexts (:func:`afl.crypto.ckks.pack_ciphertexts`) before the secret
+key is applied, even if the tag check then refuses it (no second attempt for a server that
+failed one). The same ciphertexts again are decrypted again: CKKS decryption is deterministic,
+so a retry (a lost reply, a restarted coordinator) returns exactly what was already returned and
+reveals nothing new, while any other aggregate under that name (a second member combination to
+difference against the first) is refused. The caller makes the binding durable: ``decrypted``
+restores the (release → digest) bindings of an earlier process, and ``on_decrypt(name, digest)``
+runs after the release is bound and BEFORE the secret key is applied (it persists the record; if
+it raises, nothing is decrypted).
+Requests with a wrong release name, member list, a member without a tag, or malformed
 ciphertexts are refused before the secret key is used and do not consume the release.
 
 Not covered: the tag check is no proof against every homomorphic manipulation, and TenSEAL has no
@@ -24,8 +33,9 @@ threshold decryption; the mode assumes the decryptor and the server do not collu
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +43,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.crypto import ckks_params as cp
-from afl.crypto.ckks import check_ciphertexts, deserialize_ciphertexts, ensure_private
+from afl.crypto.ckks import (
+    check_ciphertexts,
+    deserialize_ciphertexts,
+    ensure_private,
+    pack_ciphertexts,
+)
 from afl.crypto.errors import (
     CkksAlreadyDecryptedError,
     CkksConfigError,
@@ -51,6 +66,12 @@ def _as_vectors(ctx_private: Any, summed: Sequence[Any], length: int) -> list[An
     vectors = list(summed)
     check_ciphertexts(vectors, length=length)
     return vectors
+
+
+def _digest(summed: Sequence[Any]) -> bytes:
+    """SHA-256 of the packed ciphertexts (serialized first when given as vectors)."""
+    blobs = [item if isinstance(item, bytes) else item.serialize() for item in summed]
+    return hashlib.sha256(pack_ciphertexts(blobs)).digest()
 
 
 def _check_grid(*, grid: float, prescale: float, num_summands: int) -> float:
@@ -135,7 +156,14 @@ class CkksRelease:
 class Decryptor:
     """The decryptor site's state for one round: plan, tags, releases already decrypted."""
 
-    def __init__(self, ctx_private: Any, releases: Iterable[CkksRelease]) -> None:
+    def __init__(
+        self,
+        ctx_private: Any,
+        releases: Iterable[CkksRelease],
+        *,
+        decrypted: Mapping[str, bytes] | None = None,
+        on_decrypt: Callable[[str, bytes], None] | None = None,
+    ) -> None:
         ensure_private(ctx_private)
         self._ctx = ctx_private
         self._plan: dict[str, CkksRelease] = {}
@@ -144,11 +172,13 @@ class Decryptor:
                 raise CkksConfigError(f"release {release.name!r} appears twice in the plan")
             self._plan[release.name] = release
         self._tags: dict[tuple[str, str], float] = {}
-        self._used: set[str] = set()
+        self._used: dict[str, bytes] = dict(decrypted or {})
+        self._recorded: set[str] = set(self._used)  # bindings ``on_decrypt`` made durable
+        self._on_decrypt = on_decrypt
 
     @property
     def decrypted(self) -> frozenset[str]:
-        """Releases whose decryption was attempted with the secret key (never decrypted again)."""
+        """Releases whose decryption was attempted with the secret key (bound to one aggregate)."""
         return frozenset(self._used)
 
     def register_tags(self, *, site: str, tags: Mapping[str, float]) -> None:
@@ -171,20 +201,30 @@ class Decryptor:
     def decrypt(
         self, release_name: str, summed: Sequence[Any], *, members: Sequence[str]
     ) -> NDArray[np.float64]:
-        """Decrypt a planned release once (``DecryptionJob``); see the module docstring."""
+        """Decrypt a planned release, for one aggregate only (``DecryptionJob``); see the module
+        docstring."""
         release = self._plan.get(release_name)
         if release is None:
             raise CkksNotInPlanError(f"release {release_name!r} is not in the signed plan")
         if tuple(sorted(members)) != release.members or len(set(members)) != len(members):
             raise CkksNotInPlanError(f"release {release_name!r}: members differ from the plan")
-        if release_name in self._used:
-            raise CkksAlreadyDecryptedError(f"release {release_name!r} was already decrypted")
         missing = [m for m in release.members if (m, release.upload_name) not in self._tags]
         if missing:
-            raise CkksTagMismatchError(f"release {release_name!r}: no tag from {missing}")
+            raise CkksTagMismatchError(
+                f"release {release_name!r}: no valid tag from {missing}; refusing to release it"
+            )
         vectors = _as_vectors(self._ctx, summed, release.length)
+        digest = _digest(summed)
+        bound = self._used.get(release_name)
+        if bound is not None and bound != digest:
+            raise CkksAlreadyDecryptedError(
+                f"release {release_name!r} was already decrypted for another aggregate"
+            )
         expected = math.fsum(self._tags[(m, release.upload_name)] for m in release.members)
-        self._used.add(release_name)
+        self._used[release_name] = digest
+        if self._on_decrypt is not None and release_name not in self._recorded:
+            self._on_decrypt(release_name, digest)
+        self._recorded.add(release_name)
         return decrypt_release(
             self._ctx,
             vectors,

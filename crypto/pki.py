@@ -63,6 +63,7 @@ __all__ = [
     "load_certificate_pem",
     "load_csr_pem",
     "load_tls_private_key_pem",
+    "make_private_dir",
     "server_csr",
     "server_san",
     "site_csr",
@@ -553,4 +554,21 @@ def write_private_file(path: str | os.PathLike[str], data: bytes, *, mode: int =
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return target
+
+
+def make_private_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` and every missing parent with mode 0700 (``Path.mkdir(parents=True)``
+    gives the parents the umask's default instead); an existing ``path`` owned by this user is
+    tightened to 0700. Returns the path."""
+    target = Path(path)
+    missing = []
+    probe = target
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
+    if target.stat().st_uid == os.getuid():
+        os.chmod(target, 0o700)
     return target

@@ -17,8 +17,10 @@ HKDF key of the c-key agreement.
 Unmask safety rules (the client refuses with :class:`UnmaskRefusedError` and aborts):
 the request's survivors must equal the U3 the client signed and carry ≥ t valid signatures on
 it; no site may be both a survivor and dropped; dropped sites must be in U2 \\ U3; self-mask
-shares only for releases with ≥ t_R surviving members; and the client never reveals both a
-self-mask share and the mask-key share of the same peer, across its whole lifetime.
+shares only for releases with ≥ t_R surviving members, and, for a release this client is a
+member of, with at least its own floor (``survivor_floors``: the site's policy, whatever t_R the
+plan says); and the client never reveals both a self-mask share and the mask-key share of the
+same peer, across its whole lifetime.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class ClientStage(enum.Enum):
 class SecAggClient:
     """One site's side of one round. ``inputs`` maps each release the site is a member of to its
     flat float64 vector (|x| <= the release bound); ``identities`` maps site id → Ed25519 public
-    identity key (from provisioning), used to verify peers' adverts and consistency signatures."""
+    identity key (from provisioning), used to verify peers' adverts and consistency signatures;
+    ``survivor_floors`` maps a release to the fewest surviving members with which this client
+    reveals self-mask shares of it (the site's own policy; the plan's t_R applies too)."""
 
     def __init__(
         self,
@@ -103,6 +107,7 @@ class SecAggClient:
         config: RoundConfig,
         identities: Mapping[str, Ed25519PublicKey],
         inputs: Mapping[str, ArrayLike],
+        survivor_floors: Mapping[str, int] | None = None,
     ) -> None:
         if site_id not in config.cohort:
             raise ProtocolError(f"site {site_id!r} is not in the round's cohort")
@@ -110,6 +115,7 @@ class SecAggClient:
         self.config = config
         self._identity = identity_key
         self._identities = dict(identities)
+        self._floors = dict(survivor_floors or {})
         self._releases = config.releases_of(site_id)
         expected = {r.name for r in self._releases}
         if set(inputs) != expected:
@@ -352,10 +358,10 @@ class SecAggClient:
         for name in names:
             release = self.config.release(name)
             alive = len(set(release.members) & survivors)
-            if alive < release.min_survivors:
+            need = max(release.min_survivors, self._floors.get(name, 0))
+            if alive < need:
                 raise self._refuse(
-                    f"release {name!r} has {alive} survivors, fewer than its minimum "
-                    f"{release.min_survivors}"
+                    f"release {name!r} has {alive} survivors, fewer than its minimum {need}"
                 )
         out: list[RevealedShare] = []
         for owner in sorted(dropped):

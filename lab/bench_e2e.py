@@ -97,6 +97,7 @@ def run_e2e_bench(
                 test_labels=labels[0][:10],
                 round_settings=settings,
                 decryptor=mode == "ckks",
+                allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
             )
             out[mode] = _figures(run_loopback(loop, timeout_s=timeout_s), loop)
     w_plain = out["plaintext"].pop("weights")

@@ -174,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             policy=policy,
             source=fed.provenance,
             decryptor=args.aggregation == "ckks",  # a dedicated decryptor site (no data)
+            # The sites' policy refuses plaintext unless they opt in (docs/protocol.md §2).
+            allow_plaintext=args.aggregation == "plaintext",
         )
         _say(args, f"afl demo: provisioned {args.sites} sites under {root}; starting daemons ...")
         result = run_loopback(loop, timeout_s=args.timeout)

@@ -35,12 +35,14 @@ from numpy.typing import NDArray
 from afl.client.kit import import_bundle, init_site_kit
 from afl.core.featurecache import CacheMeta, write_cache
 from afl.server import toml_text
+from afl.server.config import round_template
 from afl.server.provisioning import (
     ProvisionedFederation,
     init_ca,
     init_server_kit,
     provision,
     sign_requests,
+    site_policy,
 )
 
 __all__ = [
@@ -158,13 +160,15 @@ def provision_distributed(
     port: int,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
     decryptor: str | None = None,
+    allow_plaintext: bool = False,
 ) -> ProvisionedFederation:
     """The production path of docs/operations.md §2, each party in its own folder under ``root``:
     ``operator/ca`` (``afl ca init``, CA key encrypted with a random passphrase), ``operator/inbox``
     (the request files the operator received, all it signs from), ``server``
     (``afl ca server-init``, then the signed ``operator/signed/server`` copied in), ``sites/<id>``
     (``afl-client init``, then ``afl-client init --import`` of ``operator/signed/sites/<id>``
-    against the roster fingerprint). Returns the layout as a :class:`ProvisionedFederation`."""
+    against the roster fingerprint, then site IT adds its own [policy]: the protections it accepts
+    and the decryptor it pins, as :func:`provision` writes them). Returns the layout as a :class:`ProvisionedFederation`."""
     base = Path(root)
     passphrase = secrets.token_hex(16).encode()
     ca_dir, federation_id = init_ca(base / "operator" / "ca", passphrase=passphrase)
@@ -186,8 +190,17 @@ def provision_distributed(
     )
     for path in signed.server_dir.iterdir():  # the operator installs the coordinator's kit
         shutil.copyfile(path, server_kit / path.name)
+    policy = site_policy(
+        decryptor=decryptor,
+        allow_plaintext=allow_plaintext,
+        gram_scope=round_template(round_settings)["gram_scope"],
+    )
     for site, kit in site_dirs.items():  # each site checks and installs its bundle
         import_bundle(kit, signed.site_dirs[site], roster_fingerprint=signed.roster.fingerprint)
+        config = kit / "client.toml"
+        doc = tomllib.loads(config.read_text(encoding="utf-8"))
+        doc["policy"] = {**doc.get("policy", {}), **policy}
+        config.write_text(toml_text.dumps(doc), encoding="utf-8")
     return ProvisionedFederation(
         root=base,
         federation_id=federation_id,
@@ -215,6 +228,7 @@ def prepare_loopback(
     server_tables: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
     client_settings: Mapping[str, toml_text.TomlValue] | None = None,
     production: bool = False,
+    allow_plaintext: bool = False,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
@@ -223,7 +237,8 @@ def prepare_loopback(
     adds or updates other tables of server.toml (e.g. [retention]); ``client_settings`` updates
     [client] of every kit (e.g. ``serve = true``); ``policy`` maps a site id to [policy] overrides
     for its client.toml. ``production``: kits from :func:`provision_distributed` instead of the
-    all-in-one :func:`provision`.
+    all-in-one :func:`provision`. The kits refuse ``plaintext`` plans
+    unless ``allow_plaintext`` opts every site in (:func:`afl.server.provisioning.provision`).
     """
     out = Path(root)
     k = len(site_features)
@@ -248,6 +263,7 @@ def prepare_loopback(
         port=free_port(),
         round_settings=settings,
         decryptor=extra[0] if extra else None,
+        allow_plaintext=allow_plaintext,
     )
     if server_tables:
         server_toml = fed.server_dir / "server.toml"
@@ -312,6 +328,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
 
 #: How :func:`run_loopback` starts a site daemon (followed by ``run --config ...``).
 CLIENT_COMMAND = (sys.executable, "-m", "afl.client.cli")
+#: How :func:`run_loopback` starts the coordinator (followed by ``--config ...``).
+SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
 
 
 def run_loopback(
@@ -322,17 +340,20 @@ def run_loopback(
     server_args: Sequence[str] = (),
     log_level: str = "WARNING",
     client_commands: Mapping[str, Sequence[str]] | None = None,
+    server_command: Sequence[str] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
     program that runs the client (``python -m afl.client.cli``) by another argv prefix that takes
-    the same arguments (the drop-out tests start a client that vanishes mid-round)."""
+    the same arguments (the drop-out tests start a client that vanishes mid-round);
+    ``server_command`` likewise replaces ``python -m afl.server.daemon`` (the adversarial tests
+    start a coordinator patched at run time)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs: dict[str, Path] = {"server": logs_dir / "server.log"}
     start = time.perf_counter()
-    server_cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(fed.server_config)]
+    server_cmd = [*(server_command or SERVER_COMMAND), "--config", str(fed.server_config)]
     server_cmd += ["--log-level", log_level, *server_args]
     handles = [open(logs["server"], "wb")]  # noqa: SIM115 (closed below)
     server = subprocess.Popen(server_cmd, stdout=handles[0], stderr=subprocess.STDOUT, env=env)

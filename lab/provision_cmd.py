@@ -1,7 +1,8 @@
 """`afl provision`: command-line front end of :func:`afl.server.provisioning.provision`.
 
 afl provision --out DIR --site hospital-a --site hospital-b [--server-host HOST ...]
-              [--port 50051] [--federation-id ID] [--decryptor SITE] [--force]
+              [--port 50051] [--federation-id ID] [--decryptor SITE] [--allow-plaintext]
+              [--force]
 
 DEMO AND TESTS ONLY: it generates every site's private keys in one place, so whoever runs it
 holds them all (docs/protocol.md M-70). Production: `afl ca` (:mod:`afl.lab.ca_cmd`) and
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decryptor", default=None, metavar="SITE_ID", help="site holding the CKKS secret key"
     )
     parser.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="DEVELOPMENT: let the kits' [policy] accept aggregation = 'plaintext' (by default "
+        "a site refuses any plan that shows the coordinator its statistics in the clear)",
+    )
+    parser.add_argument(
         "--valid-days", type=int, default=825, help="validity of server and site certificates"
     )
     parser.add_argument(
@@ -69,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             federation_id=args.federation_id,
             decryptor=args.decryptor,
+            allow_plaintext=args.allow_plaintext,
             valid_days=args.valid_days,
             force=args.force,
         )

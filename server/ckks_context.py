@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afl.crypto import ckks
+from afl.crypto import ckks, pki
 from afl.crypto.errors import CryptoError
-from afl.crypto.pki import write_private_file
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import ServerConfig
 from afl.server.errors import ConfigError, ConflictError, InvalidRequestError, WrongStageError
@@ -80,10 +79,10 @@ class CkksContexts:
                 raise ConflictError("a different CKKS context is already published")
             return
         if self._dir is not None:
-            self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_private_file(self._dir / "context.bin", published.data)
-            write_private_file(
-                self._dir / "announcement.bin", published.announcement.SerializeToString()
+            folder = pki.make_private_dir(self._dir)
+            pki.write_private_file(folder / "context.bin", published.data)
+            pki.write_private_file(
+                folder / "announcement.bin", published.announcement.SerializeToString()
             )
         self.published = published
 

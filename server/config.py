@@ -41,8 +41,10 @@ payloads of a finished run that many days (0: deleted when the run ends; models,
 audit log are kept).
 
 Optional: [server] metrics_port (Prometheus; 0/absent = off) and metrics_address (default
-127.0.0.1), [limits] max_chunk_bytes, max_upload_bytes. Relative paths are resolved against the
-file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
+127.0.0.1), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
+:class:`afl.server.limits.StreamLimits` (watch_streams_per_site = 2, uploads_per_site = 2,
+downloads_per_site = 2, upload_idle_timeout_s = 60, worker_threads = 0: sized from the sites).
+Relative paths are resolved against the file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
 never silently leaves a protection at its default).
 """
 
@@ -53,7 +55,7 @@ import math
 import os
 import tomllib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ from afl.core.suggest import did_you_mean
 from afl.crypto import pki
 from afl.server.dp_plan import DpSettings, dp_settings_from_table
 from afl.server.errors import ConfigError
+from afl.server.limits import StreamLimits
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -217,6 +220,7 @@ class ServerConfig:
     ckks_public_context: Path | None = None
     admins: tuple[str, ...] = ()
     payload_retention_days: float = 0.0
+    limits: StreamLimits = field(default_factory=StreamLimits)
 
 
 class _Table:
@@ -276,6 +280,26 @@ def _table(doc: Mapping[str, Any], name: str, source: Path) -> _Table:
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: missing table [{name}]")
     return _Table(value, name, source)
+
+
+def _stream_limits(limits: _Table) -> StreamLimits:
+    """The per-site stream limits of [limits] (:class:`afl.server.limits.StreamLimits`)."""
+    default = StreamLimits()
+    counts = {}
+    for key in ("watch_streams_per_site", "uploads_per_site", "downloads_per_site"):
+        counts[key] = limits.get(key, int, getattr(default, key))
+        if counts[key] < 1:
+            raise limits.fail(key, f"must be >= 1, got {counts[key]}")
+    workers = limits.get("worker_threads", int, default.worker_threads)
+    if workers < 0:
+        raise limits.fail(
+            "worker_threads", f"must be >= 0 (0 = sized from the sites), got {workers}"
+        )
+    return StreamLimits(
+        **counts,
+        upload_idle_timeout_s=limits.number("upload_idle_timeout_s", default.upload_idle_timeout_s),
+        worker_threads=workers,
+    )
 
 
 def _hex_key(table: _Table, key: str) -> bytes:
@@ -536,6 +560,7 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         max_chunk_bytes=max_chunk,
         max_upload_bytes=max_upload,
         ckks_public_context=ckks_context,
+        limits=_stream_limits(limits),
     )
     for table in (server, tls, identity, limits, ckks, admins_table, retention):
         table.refuse_unknown()

@@ -51,6 +51,7 @@ from afl.server.errors import (
 from afl.server.modes import AggregationMode, RoundContext
 from afl.server.observability import ServerMetrics
 from afl.server.plan import RoundView
+from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.store import EnrolmentRow, Store
 
@@ -400,18 +401,19 @@ class Coordinator:
         return pb.SignedModel(model=found[1], signature=found[2])
 
     def report(self, site_id: str, report: pb.ClientReport) -> None:
+        """Store a site's report once it is checked (:mod:`afl.server.reports`)."""
         self.require_enrolled(site_id)
+        check_report(report, site_id=site_id)
         with self.lock:
             view = self.machine.find(report.round_id or "-")
             self.machine.require_participant(view, site_id)
-            self.store.put_report(view.round_id, site_id, report.SerializeToString())
             outcome = pb.ClientOutcome.Name(report.outcome)
-            reason = report.reason[
-                :500
-            ]  # the site's own words (no statistics, docs/protocol.md §11)
-            self.store.audit(
-                "client-report",
-                {
+            reason = report.reason[:500]  # the site's own words (no statistics, protocol.md §11)
+            self.store.put_report(
+                view.round_id,
+                site_id,
+                report.SerializeToString(),
+                audit={
                     "round_id": view.round_id,
                     "site_id": site_id,
                     "outcome": outcome,

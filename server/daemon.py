@@ -33,6 +33,7 @@ from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
 from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, StateError
+from afl.server.limits import worker_threads
 from afl.server.observability import ServerMetrics, configure_logging, start_metrics_http
 from afl.server.ports import port_in_use
 from afl.server.servicer import AdminServicer, CoordinatorServicer
@@ -65,7 +66,9 @@ class CoordinatorServer:
         # Both ports are bound before any state is touched: a port in use fails the start with
         # one line and leaves the state folder as it was (no round is created).
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=32),
+            futures.ThreadPoolExecutor(
+                max_workers=worker_threads(config.limits, sites=len(config.sites))
+            ),
             options=[("grpc.so_reuseport", 0)],  # a second server on the same port must fail
         )
         self.port = self._bind(config.listen)

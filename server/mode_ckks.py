@@ -53,6 +53,7 @@ from afl.crypto.ckks_wire import (
     DECRYPTION_CONTEXT,
     context_fields,
     decryption_fields,
+    verify_sealed_tags,
 )
 from afl.crypto.errors import CryptoError
 from afl.crypto.signatures import load_public_key_raw, verify_fields
@@ -435,10 +436,32 @@ class CkksRequests:
     # --- tags ----------------------------------------------------------------------------------
 
     def send_tags(self, site_id: str, request: pb.SendAggregateTagsRequest) -> None:
+        """Keep a site's sealed tags for the decryptor, once the site's signature checks
+        (the decryptor checks it again: it trusts no tag the server hands it)."""
         decryptor = self.decryptor_id()
         if request.sealed.recipient_site_id != decryptor:
             raise InvalidRequestError(f"aggregate tags must be sealed to {decryptor!r}")
         with participant_round(self.access, site_id, request.round_id) as view:
+            if view.row.plan is None:
+                raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
+            binding = wire.tag_binding(
+                cpb.ReleasePlan.FromString(view.row.plan),
+                plan_sha256=hashlib.sha256(view.row.plan).digest(),
+                sender=site_id,
+                decryptor=decryptor,
+                decryptor_key=self.contexts.context().announcement.cipher_public_key,
+            )
+            try:
+                verify_sealed_tags(
+                    wire.sealed_tags_from_proto(request.sealed),
+                    binding=binding,
+                    sender_identity=self._identity(site_id),
+                )
+            except CryptoError as exc:
+                raise InvalidRequestError(
+                    "aggregate tags are not signed by this site for this round, plan and "
+                    "decryptor key"
+                ) from exc
             sealed = pb.SealedMessage()
             sealed.CopyFrom(request.sealed)
             sealed.sender_site_id = site_id

@@ -173,10 +173,10 @@ def _client_toml(
     site_public: bytes,
     server_public: bytes,
     peers: Mapping[str, bytes],
-    with_policy: bool,
+    policy: Mapping[str, toml_text.TomlValue] | None,
 ) -> str:
-    """client.toml of a site. ``with_policy``: the all-in-one kits carry a [policy] table; the
-    production template does not (the site's own software defaults apply until its IT adds one;
+    """client.toml of a site. ``policy``: the all-in-one kits carry a [policy] table (the defaults
+    plus these keys); the production template (None) does not (the site's own software defaults apply until its IT adds one;
     ``afl-client init --import`` refuses a template with a [policy])."""
     document: dict[str, toml_text.TomlValue] = {
         "client": {
@@ -195,8 +195,13 @@ def _client_toml(
         "peers": {site: key.hex() for site, key in peers.items()},
         "data": {"cache": "cache", "classes": []},
     }
-    if with_policy:
-        document["policy"] = {"min_cohort": 3, "allow_exposure": False, "max_epsilon": math.inf}
+    if policy is not None:
+        document["policy"] = {
+            "min_cohort": 3,
+            "allow_exposure": False,
+            "max_epsilon": math.inf,
+            **policy,
+        }
     header = (
         f"afl-client configuration for site {site_id!r}, written by afl provisioning (docs/operations.md).\n"
         "Paths are relative to this file's folder. site.key and identity.key are secrets.\n"
@@ -343,7 +348,11 @@ def write_admin_kit(
 
 
 def _write_site_files(
-    folder: Path, issued: IssuedFederation, site_id: str, *, with_policy: bool
+    folder: Path,
+    issued: IssuedFederation,
+    site_id: str,
+    *,
+    policy: Mapping[str, toml_text.TomlValue] | None,
 ) -> None:
     roster = issued.roster
     entry = roster.sites[site_id]
@@ -359,7 +368,7 @@ def _write_site_files(
         site_public=entry.identity_public_key,
         server_public=roster.server_identity_public_key,
         peers=roster.identity_keys(),
-        with_policy=with_policy,
+        policy=policy,
     )
     _write_public(folder / "client.toml", text.encode())
 
@@ -573,7 +582,7 @@ def sign_requests(
     for site_id in issued.roster.sites:
         site_dirs[site_id] = root / "sites" / site_id
         _mkdir_private(root / "sites")
-        _write_site_files(site_dirs[site_id], issued, site_id, with_policy=False)
+        _write_site_files(site_dirs[site_id], issued, site_id, policy=None)
     return SignedFederation(
         root=root,
         roster=issued.roster,
@@ -584,6 +593,23 @@ def sign_requests(
 
 
 # --- demo and tests: everything in one place -----------------------------------------------------
+
+
+def site_policy(
+    *, decryptor: str | None, allow_plaintext: bool, gram_scope: object
+) -> dict[str, toml_text.TomlValue]:
+    """The [policy] keys a kit pins (docs/protocol.md §2): the protections the site accepts
+    (plaintext only with ``allow_plaintext``), the CKKS decryptor, and coverage disclosure,
+    which only a per-class federation needs."""
+    policy: dict[str, toml_text.TomlValue] = {
+        "allowed_aggregation": ["plaintext", "mask", "ckks"]
+        if allow_plaintext
+        else ["mask", "ckks"],
+        "disclose_coverage": gram_scope == "per-class",
+    }
+    if decryptor is not None:
+        policy["ckks_decryptor"] = decryptor
+    return policy
 
 
 def provision(
@@ -598,6 +624,7 @@ def provision(
     force: bool = False,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
     admins: Sequence[str] = ("operator",),
+    allow_plaintext: bool = False,
 ) -> ProvisionedFederation:
     """DEMO AND TESTS ONLY: create a whole federation under ``out_dir`` (layout in the module
     docstring), generating every site's private keys here (M-70: production uses
@@ -610,6 +637,9 @@ def provision(
     ``round_settings`` overrides keys of server.toml's [round] table
     (:func:`afl.server.config.round_template`: classes, feature_dim, gram_scope, ...).
     ``admins`` get an admin kit each under ``admins/<name>/`` (:func:`write_admin_kit`).
+    Every kit's [policy] allows ``mask`` and ``ckks`` only, plus ``plaintext`` with
+    ``allow_plaintext`` (development; the sites opt in to sending statistics in the clear), pins
+    ``decryptor`` as its CKKS decryptor, and discloses coverage only in a per-class federation.
 
     Raises:
         ProvisioningError: bad arguments, or ``out_dir`` already holds a federation (ca.pem,
@@ -656,11 +686,16 @@ def provision(
     _write_private_keys(server_dir, server_keys, tls_name="server.key")
     for name in admins:
         write_admin_kit(root / "admins" / name, ca=ca, name=name, roster=issued.roster)
+    kit_policy = site_policy(
+        decryptor=decryptor,
+        allow_plaintext=allow_plaintext,
+        gram_scope=round_template(round_settings)["gram_scope"],
+    )
     site_dirs: dict[str, Path] = {}
     for site_id in site_ids:
         _mkdir_private(root / "sites")
         kit = root / "sites" / site_id
-        _write_site_files(kit, issued, site_id, with_policy=True)
+        _write_site_files(kit, issued, site_id, policy=kit_policy)
         _write_private_keys(kit, site_keys[site_id], tls_name="site.key")
         site_dirs[site_id] = kit
     _write_public(root / "federation.toml", _manifest(issued))

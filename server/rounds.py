@@ -58,7 +58,7 @@ from afl.server.config import (
 )
 from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
 from afl.server.dp_solve import solve_dp_round
-from afl.server.errors import NotPermittedError, StateError, WrongStageError
+from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.mode_registry import mode_for
 from afl.server.modes import AggregationMode, ModeEnvironment, Transition
 from afl.server.observability import ServerMetrics
@@ -71,7 +71,13 @@ from afl.server.plan import (
     round2_releases,
     sign_plan,
 )
-from afl.server.solve import build_signed_model, solve_round_one, solve_round_two
+from afl.server.solve import (
+    SOLVE_ERRORS,
+    build_signed_model,
+    require_finite,
+    solve_round_one,
+    solve_round_two,
+)
 from afl.server.store import EnrolmentRow, MessageRow, RoundRow, RunRow, Store, UploadRow
 
 __all__ = ["RoundMachine", "RoundView", "Run", "Stage"]
@@ -596,9 +602,16 @@ class RoundMachine:
     def _eligible(self, run: Run, enrolment: EnrolmentRow) -> str:
         """Why an enrolled site cannot take part in ``run`` ("" if it can): its declared
         backbone or d differ from the run's, its features come from a random-init backbone and
-        the run is no test ([round] allow_random_init), or they come from other weights than the
-        run pins ([round] backbone_sha256)."""
+        the run is no test ([round] allow_random_init), they come from other weights than the
+        run pins ([round] backbone_sha256), or the run plans per class and the site did not
+        disclose the classes it labels."""
         s = run.settings
+        if s.gram_scope == "per-class" and not enrolment.labelled_classes:
+            return (
+                f"run {run.run_id} plans per class (gram_scope = 'per-class') and needs the "
+                "classes each site labels; this site disclosed none: set [policy] "
+                "disclose_coverage = true in its client.toml (docs/protocol.md §6)"
+            )
         if enrolment.random_init and not s.allow_random_init:
             return (
                 f"run {run.run_id} refuses features of a RANDOM-INIT backbone (test features); "
@@ -680,8 +693,11 @@ class RoundMachine:
             sums = self.sums(view)
             if sums is None:
                 return  # e.g. CKKS: the decryptor has not answered every job yet
+            require_finite(sums, what="the sum of release")
             weights = self._weights(view, settings, sums)
-        except (AggregationError, StateError) as exc:
+            require_finite({"W": weights}, what="the solved model")
+        except SOLVE_ERRORS as exc:  # no value crashes the coordinator (docs/protocol.md §9)
+            log.error("solve failed", extra={"round_id": view.round_id, "reason": str(exc)})
             self._abort(view, f"solve failed: {exc}")
             return
         assert view.row.plan is not None

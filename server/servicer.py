@@ -12,6 +12,11 @@ certificate; :func:`afl.crypto.pki.site_id_from_pem`), never from a message fiel
 naming a round of another mode is FAILED_PRECONDITION. The Admin service (:class:`AdminServicer`,
 :mod:`afl.server.admin`) takes the caller's admin name from an ``afl-admin:<name>`` certificate
 (``x-afl-admin`` header with ``--insecure``); site certificates never open it.
+
+Long-lived streams (``WatchRounds``, ``Upload``, ``Download``) each hold one of the caller's
+per-site slots (:class:`afl.server.limits.SiteStreams`; the excess is RESOURCE_EXHAUSTED), and an
+upload whose next chunk does not come within ``[limits] upload_idle_timeout_s`` is closed with
+DEADLINE_EXCEEDED (:func:`afl.server.limits.idle_limited`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
+from afl.server.limits import IdleStreamError, LimitExceededError, SiteStreams, idle_limited
 from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksRequests
 from afl.server.mode_mask import MaskRequests
 
@@ -59,6 +65,8 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (WrongStageError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (IdleStreamError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (wire.WireLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (wire.WireError, grpc.StatusCode.INVALID_ARGUMENT),
     (CryptoError, grpc.StatusCode.PERMISSION_DENIED),
@@ -134,6 +142,7 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
         self._insecure = insecure
         self._watch_poll_s = watch_poll_s
         self._stopping = stopping
+        self.streams = SiteStreams(coordinator.config.limits)
         self._mask = MaskRequests(coordinator)
         self._ckks = CkksRequests(coordinator, coordinator.machine.ckks_contexts)
 
@@ -141,6 +150,12 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
         return _peer_identity(
             context, insecure=self._insecure, header=INSECURE_SITE_HEADER, parse=site_id_from_pem
         )
+
+    def _stream_slot(self, site: str, kind: str, context: grpc.ServicerContext) -> None:
+        """Hold one of ``site``'s ``kind`` slots until the call terminates."""
+        self.streams.acquire(site, kind)
+        if not context.add_callback(lambda: self.streams.release(site, kind)):
+            self.streams.release(site, kind)  # the call has already ended
 
     @staticmethod
     def _ack(message: str, action: Callable[[], object]) -> common_pb2.Ack:
@@ -165,9 +180,12 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
     def WatchRounds(
         self, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RoundEvent]:
-        site = self._call(
-            "WatchRounds", context, lambda s: self.coordinator.require_enrolled(s).site_id
-        )
+        def body(s: str) -> str:
+            site = self.coordinator.require_enrolled(s).site_id
+            self._stream_slot(site, "watch", context)
+            return site
+
+        site = self._call("WatchRounds", context, body)
         earlier = self.coordinator.rounds_up_to(request.after_round_id)
         sequence = 0
         while context.is_active() and not self._stopping():
@@ -197,23 +215,31 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
         def body(site: str) -> pb.UploadReceipt:
             self.coordinator.require_enrolled(site)  # refuse strangers before reading a payload
-            upload = wire.assemble(
-                request_iterator,
-                max_chunk_bytes=config.max_chunk_bytes,
-                max_bytes=config.max_upload_bytes,
-            )
-            if upload.kind in CKKS_DECRYPTOR_KINDS:
-                return self._ckks.accept_decryptor_upload(site, upload)
-            return self.coordinator.upload(site, upload)
+            with self.streams.hold(site, "upload"):
+                chunks = idle_limited(
+                    request_iterator,
+                    idle_s=config.limits.upload_idle_timeout_s,
+                    what=f"upload from {site}",
+                )
+                upload = wire.assemble(
+                    chunks,
+                    max_chunk_bytes=config.max_chunk_bytes,
+                    max_bytes=config.max_upload_bytes,
+                )
+                if upload.kind in CKKS_DECRYPTOR_KINDS:
+                    return self._ckks.accept_decryptor_upload(site, upload)
+                return self.coordinator.upload(site, upload)
 
         return self._call("Upload", context, body)
 
     def Download(
         self, request: pb.DownloadRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.UploadChunk]:
-        round_id, name, data = self._call(
-            "Download", context, lambda s: self._ckks.download(s, request)
-        )
+        def body(site: str) -> tuple[str, str, bytes]:
+            self._stream_slot(site, "download", context)
+            return self._ckks.download(site, request)
+
+        round_id, name, data = self._call("Download", context, body)
         yield from wire.iter_chunks(data, round_id=round_id, release_name=name, kind=request.kind)
 
     def GetModel(self, request: pb.ModelRequest, context: grpc.ServicerContext) -> Any:

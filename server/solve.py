@@ -8,6 +8,13 @@ b_c and the round-2 pseudo-label sums (eq. 20-22). Classes without a b release k
 The model is a ``Model`` message (W as dense little-endian float64 [d, C], class names, round id,
 contributors, plan digest) serialized once and signed by the server identity key over those
 exact bytes (context "model"; :mod:`afl.crypto.signed_blobs`).
+
+No value crashes the coordinator: :func:`require_finite` checks every released sum before the
+solve (two finite uploads can overflow to ±inf when summed) and W after it, and
+:data:`SOLVE_ERRORS` is every failure a solve can raise from its data (shapes, non-finite values,
+an indefinite Σ G + γI: :class:`~afl.core.aggregation.AggregationError`, scipy's ValueError and
+LinAlgError, arithmetic errors, a stored payload that no longer matches its digest). The round
+machine aborts the round with the reason instead (docs/protocol.md §9).
 """
 
 from __future__ import annotations
@@ -19,13 +26,38 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
-from afl.core.aggregation import AggregationPlan, Cover, GramScope, solve_from_sums
+from afl.core.aggregation import (
+    AggregationError,
+    AggregationPlan,
+    Cover,
+    GramScope,
+    solve_from_sums,
+)
 from afl.core.refinement import solve_round2
 from afl.crypto.signed_blobs import MODEL_CONTEXT, blob_sha256, sign_blob
 from afl.proto.v1 import common_pb2, coordinator_pb2
+from afl.server.errors import StateError
 from afl.server.plan import GLOBAL_GRAM, PlannedRelease
 
-__all__ = ["b_matrix", "build_signed_model", "solve_round_one", "solve_round_two"]
+__all__ = [
+    "SOLVE_ERRORS",
+    "b_matrix",
+    "build_signed_model",
+    "require_finite",
+    "solve_round_one",
+    "solve_round_two",
+]
+
+#: What a solve may raise from its data (module docstring); ValueError covers AggregationError,
+#: scipy's and numpy's LinAlgError and the decoders' InvalidRequestError.
+SOLVE_ERRORS: tuple[type[Exception], ...] = (ValueError, ArithmeticError, StateError)
+
+
+def require_finite(arrays: Mapping[str, NDArray[np.float64]], *, what: str) -> None:
+    """:class:`AggregationError` naming the first of ``arrays`` holding NaN or ±inf."""
+    for name, array in arrays.items():
+        if not np.all(np.isfinite(array)):
+            raise AggregationError(f"{what} {name!r} is not finite (overflow or NaN)")
 
 
 def b_matrix(

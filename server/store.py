@@ -25,6 +25,8 @@ counter, the audit log's length and its head hash are written (atomically, fsync
 holds fewer commits than the anchor (a deleted or truncated WAL, an old copy), has an audit chain
 that does not pass through the anchored head, is malformed, or names a payload file that is
 missing or has the wrong size. It never silently starts fresh.
+The state folder and every folder under it are mode 0700; the database (and so its
+``-wal`` and ``-shm``) and every file are 0600.
 
 Not thread-safe by itself: the coordinator serialises calls with its own lock.
 """
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
-from afl.crypto.pki import write_private_file
+from afl.crypto.pki import make_private_dir, write_private_file
 from afl.proto.v1.coordinator_pb2 import SignedModel
 from afl.server.errors import DiskFullError, StateError
 
@@ -208,8 +210,7 @@ class Store:
             self._db = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
             self._check_meta(federation_id)
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.state_dir, 0o700)
+        make_private_dir(self.state_dir)
         anchor = self._read_anchor()
         if anchor is not None and not self.path.exists():
             raise StateError(
@@ -218,6 +219,9 @@ class Store:
                 "the state folder from a backup (docs/operations.md), or move the folder away to "
                 "start a new federation"
             )
+        for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm"):  # tighten older states
+            if (self.state_dir / name).is_file():
+                os.chmod(self.state_dir / name, 0o600)
         previous = os.umask(0o077)  # the database, its WAL and shm are created 0600
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -590,7 +594,7 @@ class Store:
         :class:`DiskFullError` when the disk is full (nothing is committed)."""
         folder = self.state_dir / "payloads" / round_id / site_id
         try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dir(folder)
             path = write_private_file(folder / f"{sha256.hex()}.bin", data)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -717,11 +721,26 @@ class Store:
             row = self._db.execute(f"{select} ORDER BY created_ms DESC, rowid DESC").fetchone()
         return None if row is None else (row[0], bytes(row[1]), bytes(row[2]))
 
-    def put_report(self, round_id: str, site_id: str, report: bytes) -> None:
+    def put_report(
+        self, round_id: str, site_id: str, report: bytes, *, audit: dict[str, object]
+    ) -> None:
+        """Store a site's report of a round and append its "client-report" audit record
+        (``audit`` plus the report's SHA-256, and the digest of the report it replaces) in ONE
+        transaction; the same report again changes nothing."""
+        digest = hashlib.sha256(report).hexdigest()
         with self._tx() as db:
+            row = db.execute(
+                "SELECT report FROM reports WHERE round_id = ? AND site_id = ?", (round_id, site_id)
+            ).fetchone()
+            if row is not None and bytes(row[0]) == report:
+                return
+            detail = {**audit, "sha256": digest}
+            if row is not None:
+                detail["replaces"] = hashlib.sha256(bytes(row[0])).hexdigest()
             db.execute(
                 "INSERT OR REPLACE INTO reports VALUES (?, ?, ?)", (round_id, site_id, report)
             )
+            self._append_audit(db, "client-report", detail)
 
     def reports(self, round_id: str) -> dict[str, bytes]:
         rows = self._db.execute(
@@ -732,16 +751,21 @@ class Store:
     def audit(self, event: str, detail: Mapping[str, object]) -> None:
         """Append to the hash-chained audit log (never statistics or key material)."""
         with self._tx() as db:
-            last = db.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
-            prev = bytes(last[0]) if last else GENESIS
-            stamp = now_ms()
-            text = json.dumps(detail, sort_keys=True)
-            digest = audit_hash(prev, time_ms=stamp, event=event, detail=text)
-            db.execute(
-                "INSERT INTO audit_log (time_ms, event, detail, prev_hash, hash) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (stamp, event, text, prev, digest),
-            )
+            self._append_audit(db, event, dict(detail))
+
+    @staticmethod
+    def _append_audit(db: sqlite3.Connection, event: str, detail: dict[str, object]) -> None:
+        """One audit record, inside the caller's transaction."""
+        last = db.execute("SELECT hash FROM audit_log ORDER BY seq DESC LIMIT 1").fetchone()
+        prev = bytes(last[0]) if last else GENESIS
+        stamp = now_ms()
+        text = json.dumps(detail, sort_keys=True)
+        digest = audit_hash(prev, time_ms=stamp, event=event, detail=text)
+        db.execute(
+            "INSERT INTO audit_log (time_ms, event, detail, prev_hash, hash) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (stamp, event, text, prev, digest),
+        )
 
     def audit_records(
         self, *, after_seq: int = 0, limit: int | None = None

@@ -308,7 +308,8 @@ def test_example_configs_load_with_the_real_loaders(
     client_path = tmp_path / "client.toml"
     client_path.write_text(render("client.example.toml", federation, tmp_path))
     client = load_client_config(client_path)
-    assert client.warnings == () and client.site_id == "site-1" and len(client.peers) == 3
+    assert client.warnings == () and client.site_id == "site-1" and len(client.peers) == 4
+    assert client.policy.allowed_aggregation == ("mask", "ckks")
     from afl.client.config import _KNOWN
 
     text = (DEPLOY / "client.example.toml").read_text()
@@ -420,6 +421,11 @@ def test_three_clients_from_their_unit_complete_a_round(
             assert served != text
             text = served
             text = text.replace("afl.example.org:50051", f"localhost:{port}")
+            # The example server runs plaintext: each site opts in explicitly.
+            text = text.replace(
+                'allowed_aggregation = ["mask", "ckks"]',
+                'allowed_aggregation = ["plaintext", "mask", "ckks"]',
+            )
             config = tmp_path / f"{site}.toml"
             config.write_text(text)
             clients.append(

@@ -1,9 +1,12 @@
 """The CKKS decryptor site's job handling (docs/protocol.md §4.3): it decrypts only planned
-releases, each once, and only sums whose tag slots equal the members' sealed secret tags. A
-server that forwards a single site's ciphertext as a "sum" (a forged decryption job) is refused."""
+releases, each once (also across a restart), and only sums whose tag slots equal the members'
+secret tags, counting only tags each member signed. A server that forwards a single site's
+ciphertext as a "sum" (a forged decryption job), with or without tags it sealed itself "from"
+the other members, is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from typing import Any
@@ -12,10 +15,17 @@ import numpy as np
 import pytest
 
 from afl.client.daemon_transport import DaemonError
-from afl.client.decryptor import DecryptorKeys, RoundDecryptor, load_or_create_keys
-from afl.crypto import ckks, kdf, signatures
+from afl.client.decryptor import (
+    DecryptionLedger,
+    DecryptorKeys,
+    RoundDecryptor,
+    load_or_create_keys,
+)
+from afl.crypto import aead, ckks, kdf, signatures
 from afl.crypto import ckks_params as cp
-from afl.crypto.ckks_wire import seal_tags
+from afl.crypto.canonical import DOMAIN_TAG
+from afl.crypto.ckks_wire import PURPOSE_CKKS_TAGS, TagBinding, seal_tags
+from afl.crypto.errors import CryptoError
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.mode_ckks import CkksMode
@@ -24,6 +34,8 @@ from afl.server.plan import build_plan, round1_releases, sign_plan
 SITES = ("site-1", "site-2", "site-3")
 D = 6
 BOUND = 50.0
+IDENTITIES = {s: signatures.generate_identity_key() for s in SITES}
+PEERS = {s: signatures.public_key_to_raw(k) for s, k in IDENTITIES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +69,7 @@ class Federation:
         self.values: dict[tuple[str, str], Any] = {}
         self.uploads: dict[tuple[str, str], list[Any]] = {}
         self.sealed = []
+        self.tags: dict[str, dict[str, float]] = {}
         for site in SITES:
             tags = {r.name: ckks.new_tag(num_summands=len(SITES)) for r in self.plan.releases}
             for r in self.plan.releases:
@@ -67,26 +80,43 @@ class Federation:
                     self.public, x, prescale=r.encoding.ckks.prescale,
                     num_summands=len(SITES), tag=tags[r.name],
                 )  # fmt: skip
+            self.tags[site] = tags
             message = pb.AggregateTags(
                 round_id=self.plan.round_id, site_id=site,
                 tags=[pb.TagValue(upload_name=n, value=v) for n, v in tags.items()],
             )  # fmt: skip
-            eph, blob = seal_tags(
-                message.SerializeToString(), recipient_public_key=keys.cipher_public_key,
-                round_salt=self.plan.round_salt, round_id=self.plan.round_id, sender=site,
-                recipient="decryptor",
+            sealed = seal_tags(
+                message.SerializeToString(), binding=self.binding(keys, site),
+                identity_key=IDENTITIES[site],
             )  # fmt: skip
             self.sealed.append(
-                pb.SealedMessage(sender_site_id=site, sender_public_key=eph, ciphertext=blob)
-            )
+                pb.SealedMessage(
+                    sender_site_id=site, sender_public_key=sealed.ephemeral_public_key,
+                    ciphertext=sealed.blob, signature=sealed.signature,
+                )
+            )  # fmt: skip
 
-    def decryptor(self, keys: DecryptorKeys) -> RoundDecryptor:
+    def binding(self, keys: DecryptorKeys, site: str) -> TagBinding:
+        return TagBinding(
+            federation_id="fed", round_id=self.plan.round_id, round_salt=self.plan.round_salt,
+            plan_sha256=hashlib.sha256(self.signed.plan).digest(), sender=site,
+            recipient="decryptor", recipient_key=keys.cipher_public_key,
+        )  # fmt: skip
+
+    def decryptor(
+        self,
+        keys: DecryptorKeys,
+        sealed: list[pb.SealedMessage] | None = None,
+        ledger: DecryptionLedger | None = None,
+    ) -> RoundDecryptor:
         work = RoundDecryptor(
             keys, self.signed, site_id="decryptor",
             server_key=signatures.public_key_to_raw(self.server_key), federation_id="fed",
+            peers=PEERS, ledger=ledger,
         )  # fmt: skip
-        for sealed in self.sealed:
-            work.add_tags(sealed)
+        for message in self.sealed if sealed is None else sealed:
+            with contextlib.suppress(CryptoError):  # the daemon logs and ignores the envelope
+                work.add_tags(message)
         return work
 
     def aggregate(self, release: str, members: tuple[str, ...] = SITES) -> bytes:
@@ -118,8 +148,12 @@ def test_honest_job_is_decrypted_to_the_grid_within_the_error_bound(keys: Decryp
     bound = cp.error_bound(prescale=enc.prescale, num_summands=3, grid=enc.grid_step)
     assert np.max(np.abs(values - exact)) <= bound
     assert np.all(np.round(values / enc.grid_step) * enc.grid_step == values)  # on the grid
-    again, _, _ = work.decrypt(_job("b[A]", data), data)
-    assert again == pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED
+    # The same aggregate again (a retry): the same bytes; another aggregate: refused.
+    assert work.decrypt(_job("b[A]", data), data) == (status, reason, result)
+    pair = fed.aggregate("b[A]", members=SITES[:2])
+    assert (
+        work.decrypt(_job("b[A]", pair), pair)[0] == pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED
+    )
 
 
 def test_forged_job_with_one_sites_ciphertext_is_refused(keys: DecryptorKeys) -> None:
@@ -134,6 +168,132 @@ def test_forged_job_with_one_sites_ciphertext_is_refused(keys: DecryptorKeys) ->
     assert work.decrypt(_job("gram[all]", honest), honest)[0] == (
         pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED
     )
+
+
+def _forged_envelope(keys: DecryptorKeys, fed: Federation, site: str, value: float) -> Any:
+    """Tags "from" ``site`` sealed by the coordinator itself (it knows the decryptor's public
+    tag key and the plan), signed with its own key: what a malicious coordinator can make."""
+    message = pb.AggregateTags(
+        round_id=fed.plan.round_id,
+        site_id=site,
+        tags=[pb.TagValue(upload_name=r.name, value=value) for r in fed.plan.releases],
+    )
+    binding = fed.binding(keys, site)
+    sealed = seal_tags(message.SerializeToString(), binding=binding, identity_key=fed.server_key)
+    return pb.SealedMessage(
+        sender_site_id=site,
+        sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob,
+        signature=sealed.signature,
+    )
+
+
+def _unsigned_envelope(keys: DecryptorKeys, fed: Federation, site: str, value: float) -> Any:
+    """The same, sealed the way tags travelled before they were signed (no signature)."""
+    message = pb.AggregateTags(
+        round_id=fed.plan.round_id,
+        site_id=site,
+        tags=[pb.TagValue(upload_name=r.name, value=value) for r in fed.plan.releases],
+    )
+    ephemeral = kdf.generate_agreement_key()
+    key = kdf.derive_key(
+        shared_secret=kdf.agree(ephemeral, keys.cipher_public_key),
+        round_salt=fed.plan.round_salt,
+        purpose=PURPOSE_CKKS_TAGS,
+        round_id=fed.plan.round_id,
+        release="",
+        binding=(site, "decryptor"),
+    )
+    blob = aead.seal(
+        key,
+        message.SerializeToString(),
+        associated=(DOMAIN_TAG, PURPOSE_CKKS_TAGS, site, "decryptor", fed.plan.round_id),
+    )
+    return pb.SealedMessage(
+        sender_site_id=site, sender_public_key=kdf.public_key_bytes(ephemeral), ciphertext=blob
+    )
+
+
+@pytest.mark.parametrize("forge", [_forged_envelope, _unsigned_envelope])
+def test_tags_sealed_by_the_coordinator_for_other_members_are_refused(
+    keys: DecryptorKeys, forge: Any
+) -> None:
+    # The attack: c_1 alone as the sum of {1, 2, 3}, and tags +1000 / -1000 "from" sites 2 and
+    # 3 sealed by the coordinator, so that the tag sum is r_1 (the tag slot of c_1).
+    fed = Federation(keys)
+    forged = [
+        fed.sealed[0],
+        forge(keys, fed, "site-2", 1000.0),
+        forge(keys, fed, "site-3", -1000.0),
+    ]
+    work = fed.decryptor(keys, sealed=forged)
+    assert work.senders == {"site-1"}  # the forged envelopes did not open
+    single = fed.aggregate("gram[all]", members=("site-1",))
+    status, reason, result = work.decrypt(_job("gram[all]", single), single)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_TAG_MISMATCH and result == b""
+    assert "no valid tag from ['site-2', 'site-3']" in reason
+    # Refused before the secret key was applied: the honest sum with honest tags still decrypts.
+    honest = fed.aggregate("gram[all]")
+    for sealed in fed.sealed[1:]:
+        work.add_tags(sealed)
+    assert work.decrypt(_job("gram[all]", honest), honest)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+
+
+def test_tags_bound_to_another_round_plan_or_decryptor_key_do_not_open(
+    keys: DecryptorKeys,
+) -> None:
+    fed = Federation(keys)
+    message = pb.AggregateTags(round_id=fed.plan.round_id, site_id="site-2")
+    honest = fed.binding(keys, "site-2")
+    for change in (
+        {"plan_sha256": b"\x01" * 32},
+        {"federation_id": "other"},
+        {"recipient_key": kdf.public_key_bytes(kdf.generate_agreement_key())},
+    ):
+        other = dataclasses.replace(honest, **change)
+        sealed = seal_tags(
+            message.SerializeToString(), binding=other, identity_key=IDENTITIES["site-2"]
+        )
+        envelope = pb.SealedMessage(
+            sender_site_id="site-2",
+            sender_public_key=sealed.ephemeral_public_key,
+            ciphertext=sealed.blob,
+            signature=sealed.signature,
+        )
+        work = fed.decryptor(keys, sealed=[envelope])
+        assert work.senders == set(), change
+
+
+def test_decrypt_once_survives_a_restart(keys: DecryptorKeys, tmp_path: Any) -> None:
+    fed = Federation(keys)
+    data = fed.aggregate("b[A]")
+    first = fed.decryptor(keys, ledger=DecryptionLedger(tmp_path))
+    assert first.decrypt(_job("b[A]", data), data)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+    record = tmp_path / "decrypted.json"
+    assert record.stat().st_mode & 0o777 == 0o600
+    # A new process (new ledger from the same folder, new round state) decrypts the same
+    # aggregate again (a retry reveals nothing new) and refuses any other under that name.
+    restarted = fed.decryptor(keys, ledger=DecryptionLedger(tmp_path))
+    assert restarted.decrypt(_job("b[A]", data), data)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+    other = fed.aggregate("b[A]", members=("site-1", "site-2"))
+    status, reason, result = restarted.decrypt(_job("b[A]", other), other)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED and result == b""
+    assert "already decrypted" in reason
+    # Other releases of the round are untouched.
+    gram = fed.aggregate("gram[all]")
+    assert restarted.decrypt(_job("gram[all]", gram), gram)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+
+
+def test_the_record_is_written_before_the_secret_key_is_applied(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    fed = Federation(keys)
+    data = fed.aggregate("b[A]")
+    ledger = DecryptionLedger(tmp_path)
+    (tmp_path / "decrypted.json").mkdir()  # the record cannot be written: no decryption
+    work = fed.decryptor(keys, ledger=ledger)
+    with pytest.raises(DaemonError, match="cannot record the decryption"):
+        work.decrypt(_job("b[A]", data), data)
 
 
 def test_jobs_outside_the_plan_are_refused_before_decrypting(keys: DecryptorKeys) -> None:
@@ -157,12 +317,16 @@ def test_plan_must_be_signed_by_the_kits_server_and_in_ckks_mode(keys: Decryptor
     fed = Federation(keys)
     other = signatures.public_key_to_raw(signatures.generate_identity_key())
     with pytest.raises(DaemonError, match="not signed by this federation's server"):
-        RoundDecryptor(keys, fed.signed, site_id="decryptor", server_key=other, federation_id="fed")
+        RoundDecryptor(
+            keys, fed.signed, site_id="decryptor", server_key=other, federation_id="fed",
+            peers=PEERS,
+        )  # fmt: skip
     plaintext = _signed_plan(fed.server_key, mode=cpb.AGGREGATION_MODE_PLAINTEXT)
     with pytest.raises(DaemonError, match="not a CKKS plan"):
         RoundDecryptor(
             keys, plaintext, site_id="decryptor",
             server_key=signatures.public_key_to_raw(fed.server_key), federation_id="fed",
+            peers=PEERS,
         )  # fmt: skip
 
 

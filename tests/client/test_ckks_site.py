@@ -1,9 +1,11 @@
 """A data site in CKKS mode (docs/protocol.md §4.3): it encrypts only under a public context whose
-announcement the decryptor signed (key from the kit) and whose bytes match the signed digest,
-never under a context holding a secret key; its tags are sealed to the decryptor alone."""
+announcement the decryptor pinned in its policy signed (key from the kit) and whose bytes match
+the signed digest, never under a context holding a secret key; its tags are sealed to the
+decryptor alone and signed by the site."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +18,14 @@ from afl.client.daemon_transport import DaemonError, RetryPolicy
 from afl.client.mode_ckks import fetch_public_context
 from afl.client.modes import RoundSession
 from afl.crypto import ckks, kdf, signatures
-from afl.crypto.ckks_wire import CKKS_CONTEXT_CONTEXT, context_fields, open_tags, seal_tags
-from afl.crypto.errors import DecryptionError
+from afl.crypto.ckks_wire import (
+    CKKS_CONTEXT_CONTEXT,
+    TagBinding,
+    context_fields,
+    open_tags,
+    seal_tags,
+)
+from afl.crypto.errors import KeyAgreementError, SignatureError
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -55,7 +63,7 @@ def _announce(data: bytes, *, signer: Any = DECRYPTOR_KEY, site: str = "dec") ->
     )
 
 
-def _session(stub: Any) -> RoundSession:
+def _session(stub: Any, *, pinned: str | None = "dec") -> RoundSession:
     rpc = CoordinatorClient(
         stub,
         site_id="site-1",
@@ -68,6 +76,7 @@ def _session(stub: Any) -> RoundSession:
         site_id="site-1",
         plan=cpb.ReleasePlan(),
         identity_key=signatures.generate_identity_key(),
+        ckks_decryptor=pinned,
     )
 
 
@@ -83,7 +92,7 @@ def test_forged_or_swapped_contexts_are_refused(private_ctx: Any) -> None:
     cases = {
         "not signed by the decryptor": FakeStub(_announce(data, signer=impostor), data),
         "differs from the signed": FakeStub(_announce(data), data + b"\x00"),
-        "not a peer": FakeStub(_announce(data, site="server-friend"), data),
+        "not from the decryptor pinned": FakeStub(_announce(data, site="server-friend"), data),
     }
     for message, stub in cases.items():
         with pytest.raises(DaemonError, match=message):
@@ -92,28 +101,46 @@ def test_forged_or_swapped_contexts_are_refused(private_ctx: Any) -> None:
     with pytest.raises(DaemonError, match="unacceptable CKKS context"):
         fetch_public_context(_session(FakeStub(_announce(secret), secret)), PEERS)
     with pytest.raises(DaemonError, match="not a peer"):  # a site is never its own decryptor
-        fetch_public_context(_session(FakeStub(_announce(data, site="site-1"), data)), PEERS)
+        stub = FakeStub(_announce(data, site="site-1"), data)
+        fetch_public_context(_session(stub, pinned="site-1"), PEERS)
+
+
+def test_only_the_pinned_decryptor_is_accepted(private_ctx: Any) -> None:
+    # "site-1" is a peer whose key signs a valid announcement: still not the pinned decryptor.
+    data = ckks.public_context_bytes(private_ctx)
+    other = signatures.generate_identity_key()
+    peers = {**PEERS, "site-2": signatures.public_key_to_raw(other)}
+    stub = FakeStub(_announce(data, signer=other, site="site-2"), data)
+    with pytest.raises(DaemonError, match="not from the decryptor pinned"):
+        fetch_public_context(_session(stub), peers)
+    with pytest.raises(DaemonError, match="no CKKS decryptor is pinned"):
+        fetch_public_context(_session(FakeStub(_announce(data), data), pinned=None), PEERS)
 
 
 def test_sealed_tags_open_only_for_the_decryptor_and_binding() -> None:
     recipient = kdf.generate_agreement_key()
-    salt = b"\x05" * 32
-    eph, blob = seal_tags(
-        b"tags", recipient_public_key=kdf.public_key_bytes(recipient), round_salt=salt,
-        round_id="r1", sender="site-1", recipient="dec",
+    site_key = signatures.generate_identity_key()
+    binding = TagBinding(
+        federation_id="fed", round_id="r1", round_salt=b"\x05" * 32, plan_sha256=b"\x06" * 32,
+        sender="site-1", recipient="dec", recipient_key=kdf.public_key_bytes(recipient),
     )  # fmt: skip
-    binding: dict[str, Any] = {
-        "round_salt": salt, "round_id": "r1", "sender": "site-1", "recipient": "dec",
-    }  # fmt: skip
-    assert open_tags(blob, sender_public_key=eph, recipient_private_key=recipient, **binding) == (
-        b"tags"
+    sealed = seal_tags(b"tags", binding=binding, identity_key=site_key)
+    sender = site_key.public_key()
+    opened = open_tags(
+        sealed, binding=binding, sender_identity=sender, recipient_private_key=recipient
     )
-    for key, value in (("sender", "site-2"), ("round_id", "r2"), ("recipient", "other")):
-        with pytest.raises(DecryptionError):
+    assert opened == b"tags"
+    changes: list[dict[str, Any]] = [{"sender": "site-2"}, {"round_id": "r2"}, {"recipient": "x"}]
+    for change in changes:
+        with pytest.raises(SignatureError):
             open_tags(
-                blob, sender_public_key=eph, recipient_private_key=recipient,
-                **{**binding, key: value},
+                sealed, binding=dataclasses.replace(binding, **change),
+                sender_identity=sender, recipient_private_key=recipient,
             )  # fmt: skip
-    with pytest.raises(DecryptionError):
-        open_tags(blob, sender_public_key=eph, recipient_private_key=kdf.generate_agreement_key(),
-                  **binding)  # fmt: skip
+    with pytest.raises(KeyAgreementError):  # not this decryptor's key
+        open_tags(sealed, binding=binding, sender_identity=sender,
+                  recipient_private_key=kdf.generate_agreement_key())  # fmt: skip
+    with pytest.raises(SignatureError):  # another site's key does not vouch for site-1
+        open_tags(sealed, binding=binding,
+                  sender_identity=signatures.generate_identity_key().public_key(),
+                  recipient_private_key=recipient)  # fmt: skip

@@ -80,6 +80,10 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
         ({"identity": {"public_key": "zz"}}, "Ed25519 key in hex"),
         ({"tls": {"cert": "missing.pem"}}, "does not exist"),
         ({"client": {"poll_interval_s": 0.0}}, "poll_interval_s: must be >="),
+        ({"policy": {"allowed_aggregation": []}}, "allowed_aggregation: must be a non-empty"),
+        ({"policy": {"allowed_aggregation": ["clear"]}}, "allowed_aggregation: must be"),
+        ({"policy": {"allowed_aggregation": "mask"}}, "allowed_aggregation: must be"),
+        ({"policy": {"ckks_decryptor": "nobody"}}, "ckks_decryptor: 'nobody' has no identity"),
     ],
 )
 def test_invalid_values_name_the_key(
@@ -87,6 +91,27 @@ def test_invalid_values_name_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_client_config(_rewrite(kit, tmp_path, **sections))
+
+
+def test_a_hand_written_policy_requires_protection(kit: Path, tmp_path: Path) -> None:
+    """Without the keys a site allows mask and ckks only, pins no decryptor and keeps its
+    coverage to itself; plaintext needs an explicit opt-in."""
+    bare = _rewrite(
+        kit,
+        tmp_path,
+        policy={"allowed_aggregation": None, "disclose_coverage": None, "ckks_decryptor": None},
+    )
+    policy = load_client_config(bare).policy
+    assert policy.allowed_aggregation == ("mask", "ckks")
+    assert policy.ckks_decryptor is None and policy.disclose_coverage is False
+    opted = _rewrite(
+        kit,
+        tmp_path,
+        policy={"allowed_aggregation": ["plaintext", "mask"], "ckks_decryptor": "site-b"},
+    )
+    policy = load_client_config(opted).policy
+    assert policy.allowed_aggregation == ("plaintext", "mask")
+    assert policy.ckks_decryptor == "site-b"
 
 
 def test_identity_key_must_match_public_key(kit: Path, tmp_path: Path) -> None:

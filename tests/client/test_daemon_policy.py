@@ -1,18 +1,31 @@
-"""A site's local policy check of a release plan (afl.client.policy, docs/protocol.md §6)."""
+"""A site's local policy check of a release plan (afl.client.policy, docs/protocol.md §2, §6):
+min cohort, exposure, ε, and what the policy pins whatever the coordinator configures (the
+aggregation modes it allows, the CKKS decryptor, the MASK survivor thresholds)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afl.client.config import LocalPolicy
 from afl.client.policy import audit_view, check_plan
 from afl.core import leakage
+from afl.crypto.signatures import public_key_to_raw
 from afl.proto.v1 import common_pb2 as cpb
+from afl.server.config import MaskSettings
+from afl.server.mode_mask import MaskMode
+from afl.server.plan import build_plan, round1_releases
 
 SITES = ["s1", "s2", "s3", "s4"]
+
+
+def _policy(**kw: object) -> LocalPolicy:
+    """The site's policy; the plaintext plans of these tests need the site's opt-in."""
+    return LocalPolicy(**{"allowed_aggregation": ("plaintext", "mask", "ckks"), **kw})  # type: ignore[arg-type]
 
 
 def _gram(name: str, members: list[str]) -> cpb.Release:
@@ -56,37 +69,37 @@ EXPOSING = _plan(
 
 def test_global_plan_is_accepted_by_everyone() -> None:
     for site in SITES:
-        decision = check_plan(GLOBAL, site_id=site, policy=LocalPolicy())
+        decision = check_plan(GLOBAL, site_id=site, policy=_policy())
         assert decision.accept, decision.reason
         assert decision.audit["passed"] is True
 
 
 def test_exposed_site_refuses_with_certificate_others_accept() -> None:
-    decision = check_plan(EXPOSING, site_id="s4", policy=LocalPolicy())
+    decision = check_plan(EXPOSING, site_id="s4", policy=_policy())
     assert not decision.accept
     assert "expose this site's gram by differencing" in decision.reason
     assert "+1*gram[all]" in decision.reason and "-1*gram{s1,s2,s3}" in decision.reason
     for site in ("s1", "s2", "s3"):
-        assert check_plan(EXPOSING, site_id=site, policy=LocalPolicy()).accept
-    assert check_plan(EXPOSING, site_id="s4", policy=LocalPolicy(allow_exposure=True)).accept
+        assert check_plan(EXPOSING, site_id=site, policy=_policy()).accept
+    assert check_plan(EXPOSING, site_id="s4", policy=_policy(allow_exposure=True)).accept
 
 
 def test_small_release_refused_even_with_allow_exposure() -> None:
     plan = _plan([_gram("gram[all]", SITES), _b("A", ["s1", "s2"])])
     for allow in (False, True):
-        decision = check_plan(plan, site_id="s1", policy=LocalPolicy(allow_exposure=allow))
+        decision = check_plan(plan, site_id="s1", policy=_policy(allow_exposure=allow))
         assert not decision.accept
         assert decision.reason == "release b[A] has 2 member(s) < min cohort 3"
-    assert check_plan(plan, site_id="s3", policy=LocalPolicy(allow_exposure=True)).accept
-    assert check_plan(plan, site_id="s1", policy=LocalPolicy(min_cohort=2)).accept
+    assert check_plan(plan, site_id="s3", policy=_policy(allow_exposure=True)).accept
+    assert check_plan(plan, site_id="s1", policy=_policy(min_cohort=2)).accept
 
 
 def test_small_group_determined_is_refused() -> None:
     # gram[all] - gram{s1,s2,s3} ... no: gram[all] - gram{s3,s4} = G_s1 + G_s2, a group of 2.
     plan = _plan([_gram("gram[all]", SITES), _gram("gram{s3,s4}", ["s3", "s4"])])
-    decision = check_plan(plan, site_id="s1", policy=LocalPolicy(min_cohort=2))
+    decision = check_plan(plan, site_id="s1", policy=_policy(min_cohort=2))
     assert decision.accept  # min cohort 2: groups of 2 are allowed
-    decision = check_plan(plan, site_id="s1", policy=LocalPolicy(min_cohort=3))
+    decision = check_plan(plan, site_id="s1", policy=_policy(min_cohort=3))
     assert not decision.accept
     assert "determine the gram sum of {s1,s2}" in decision.reason
 
@@ -94,19 +107,19 @@ def test_small_group_determined_is_refused() -> None:
 def test_history_combines_across_rounds() -> None:
     round1 = _plan([_gram("gram{s1,s2,s3}", ["s1", "s2", "s3"]), _b("A", ["s1", "s2", "s3"])])
     round2 = _plan([_gram("gram[all]", SITES)], round_id="r2")
-    assert check_plan(round2, site_id="s4", policy=LocalPolicy()).accept
+    assert check_plan(round2, site_id="s4", policy=_policy()).accept
     history = audit_view(list(round1.releases), tag="r1/")
-    decision = check_plan(round2, site_id="s4", policy=LocalPolicy(), history=history)
+    decision = check_plan(round2, site_id="s4", policy=_policy(), history=history)
     assert not decision.accept and "r1/gram{s1,s2,s3}" in decision.reason
 
 
 def test_mode_participation_and_epsilon() -> None:
     masked = _plan(list(GLOBAL.releases), aggregation=cpb.AGGREGATION_MODE_MASK)
-    decision = check_plan(masked, site_id="s1", policy=LocalPolicy())
+    decision = check_plan(masked, site_id="s1", policy=_policy())
     assert not decision.accept and "'mask' is not supported" in decision.reason
-    decision = check_plan(GLOBAL, site_id="s9", policy=LocalPolicy())
+    decision = check_plan(GLOBAL, site_id="s9", policy=_policy())
     assert not decision.accept and "not a participant" in decision.reason
-    decision = check_plan(GLOBAL, site_id="s1", policy=LocalPolicy(max_epsilon=4.0))
+    decision = check_plan(GLOBAL, site_id="s1", policy=_policy(max_epsilon=4.0))
     assert not decision.accept and "no differential privacy" in decision.reason
     noised = [cpb.Release() for _ in GLOBAL.releases]
     for copy, r in zip(noised, GLOBAL.releases, strict=True):
@@ -119,21 +132,21 @@ def test_mode_participation_and_epsilon() -> None:
         dp=cpb.DpParams(enabled=True, epsilon=3.0, delta=1e-5, clip_norm=1.0),
         budgets=[cpb.SiteBudget(site_id="s1", epsilon=3.0, delta=1e-5)],
     )
-    assert check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=4.0)).accept
-    decision = check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=2.0))
+    assert check_plan(dp, site_id="s1", policy=_policy(max_epsilon=4.0)).accept
+    decision = check_plan(dp, site_id="s1", policy=_policy(max_epsilon=2.0))
     assert not decision.accept and "ε = 3 > policy max_epsilon 2" in decision.reason
-    assert check_plan(dp, site_id="s1", policy=LocalPolicy(max_epsilon=math.inf)).accept
+    assert check_plan(dp, site_id="s1", policy=_policy(max_epsilon=math.inf)).accept
     # A DP plan whose releases carry no noise is not DP, whatever budget the server states.
     bare = _plan(list(GLOBAL.releases), dp=dp.dp, budgets=list(dp.budgets))
-    decision = check_plan(bare, site_id="s1", policy=LocalPolicy(max_epsilon=4.0))
+    decision = check_plan(bare, site_id="s1", policy=_policy(max_epsilon=4.0))
     assert not decision.accept and "ε = inf" in decision.reason
 
 
 def test_malformed_plans_are_refused() -> None:
     dup = _plan([_gram("gram[all]", SITES), _gram("gram[all]", SITES)])
-    assert "names a release twice" in check_plan(dup, site_id="s1", policy=LocalPolicy()).reason
+    assert "names a release twice" in check_plan(dup, site_id="s1", policy=_policy()).reason
     stranger = _plan([_gram("gram[all]", [*SITES, "s9"])])
-    reason = check_plan(stranger, site_id="s1", policy=LocalPolicy()).reason
+    reason = check_plan(stranger, site_id="s1", policy=_policy()).reason
     assert "non-participants ['s9']" in reason
 
 
@@ -146,7 +159,7 @@ def test_acceptance_agrees_with_independent_audit(covers: list[set[str]], site: 
     """Oracle: a site accepts iff none of its releases is small and the leakage audit neither
     exposes it nor determines a small group containing it."""
     releases = [_gram(f"g{i}", sorted(c)) for i, c in enumerate(covers)]
-    decision = check_plan(_plan(releases), site_id=site, policy=LocalPolicy())
+    decision = check_plan(_plan(releases), site_id=site, policy=_policy())
     report = leakage.audit_releases(
         [leakage.Release(f"g{i}", frozenset(c), "gram") for i, c in enumerate(covers)], SITES
     )
@@ -154,3 +167,98 @@ def test_acceptance_agrees_with_independent_audit(covers: list[set[str]], site: 
     exposed = site in report.exposed_site_ids()
     grouped = any(site in g.sites for g in report.small_groups)
     assert decision.accept == (not small and not exposed and not grouped)
+
+
+# --- what a site's policy pins whatever the coordinator configures (docs/protocol.md §2) --------
+
+
+def _mask_plan(*, t: int = 0, t_r: dict[str, int] | None = None, sites: list[str] = SITES) -> Any:
+    """A MASK plan as the server builds it, with the coordinator's choice of t and t_R."""
+    mode = MaskMode(
+        MaskSettings(gram_bound=1.0e4, vector_bound=10.0),
+        identities={s: public_key_to_raw(Ed25519PrivateKey.generate()) for s in sites},
+    )
+    releases = round1_releases(
+        classes=("A",), participants=tuple(sites), coverage={}, gram_scope="global", d=4,
+        need_global_gram=False,
+    )  # fmt: skip
+    plan = build_plan(
+        federation_id="fed", round_id="r1-m", round_number=1, participants=tuple(sites),
+        gram_scope="global", releases=releases, options=mode.plan_options(tuple(sites)),
+    )  # fmt: skip
+    if t:
+        plan.mask_threshold = t
+    for release in plan.releases:
+        if release.name in (t_r or {}):
+            release.encoding.fixed_point.min_survivors = (t_r or {})[release.name]
+    return plan
+
+
+MASK_POLICY = {"supported_modes": (cpb.AGGREGATION_MODE_MASK,)}
+
+
+def test_downgrade_to_plaintext_is_refused_unless_the_site_opted_in() -> None:
+    default = check_plan(GLOBAL, site_id="s1", policy=LocalPolicy())
+    assert not default.accept
+    assert default.reason == (
+        "aggregation mode 'plaintext' is not allowed by this site's policy "
+        "(allowed_aggregation = ['mask', 'ckks'])"
+    )
+    masked_only = LocalPolicy(allowed_aggregation=("mask",))
+    ckks = _plan(list(GLOBAL.releases), aggregation=cpb.AGGREGATION_MODE_CKKS)
+    everything = (cpb.AGGREGATION_MODE_PLAINTEXT, cpb.AGGREGATION_MODE_CKKS)
+    decision = check_plan(ckks, site_id="s1", policy=masked_only, supported_modes=everything)
+    assert not decision.accept and "'ckks' is not allowed" in decision.reason
+    opted_in = LocalPolicy(allowed_aggregation=("plaintext", "mask", "ckks"))
+    assert check_plan(GLOBAL, site_id="s1", policy=opted_in).accept
+
+
+def test_ckks_plan_needs_the_pinned_decryptor() -> None:
+    ckks = _plan(list(GLOBAL.releases), aggregation=cpb.AGGREGATION_MODE_CKKS)
+    modes = (cpb.AGGREGATION_MODE_CKKS,)
+    decision = check_plan(ckks, site_id="s1", policy=LocalPolicy(), supported_modes=modes)
+    assert not decision.accept and "no decryptor is pinned" in decision.reason
+    pinned = LocalPolicy(ckks_decryptor="dec")
+    assert check_plan(ckks, site_id="s1", policy=pinned, supported_modes=modes).accept
+
+
+def test_lowered_survivor_threshold_is_refused() -> None:
+    honest = _mask_plan()
+    decision = check_plan(honest, site_id="s1", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert decision.accept, decision.reason
+    assert decision.survivor_floors == {"gram[all]": 3, "b[A]": 3}
+    # The attack: t_R = 1 for a 4-member release (the coordinator then drops the others).
+    lowered = _mask_plan(t_r={"b[A]": 1})
+    decision = check_plan(lowered, site_id="s1", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept
+    assert decision.reason == (
+        "release b[A] would be unmasked with 1 surviving member(s), fewer than this site accepts "
+        "(3: min cohort, or the DP noise's members)"
+    )
+    # The site's own min cohort, not the server's default, sets the floor.
+    strict = LocalPolicy(min_cohort=4)
+    decision = check_plan(honest, site_id="s1", policy=strict, **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "fewer than this site accepts (4" in decision.reason
+    # A round threshold below a majority (split views of the survivors) is refused too.
+    decision = check_plan(_mask_plan(t=2), site_id="s1", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "below a majority of the 4 participants" in decision.reason
+
+
+@settings(max_examples=30, deadline=None)
+@given(t_r=st.integers(1, 5), min_cohort=st.integers(1, 5), site=st.sampled_from(SITES))
+def test_survivor_threshold_acceptance_matches_the_rule(
+    t_r: int, min_cohort: int, site: str
+) -> None:
+    """Oracle: the site accepts iff every t_R of its releases is >= its min cohort and <= the
+    release's 4 members (t_R > m is an invalid plan), and its min cohort allows 4 members."""
+    plan = _mask_plan(t_r={"gram[all]": t_r})
+    policy = LocalPolicy(min_cohort=min_cohort)
+    decision = check_plan(plan, site_id=site, policy=policy, **MASK_POLICY)  # type: ignore[arg-type]
+    b_floor = max(default_floor(4), 3)  # the server's default t_R of b[A]
+    expected = min_cohort <= 4 and min_cohort <= t_r <= 4 and min_cohort <= b_floor
+    assert decision.accept == expected, decision.reason
+
+
+def default_floor(m: int) -> int:
+    """The default release threshold of docs/protocol.md §4.2: a majority of the members."""
+    return m // 2 + 1

@@ -77,6 +77,9 @@ def test_labelled_mask_and_stats_cached_in_state(tmp_path: Path) -> None:
     only_a = np.array([True, False, False])
     _, cached = load_or_compute_stats(cache, active=only_a, state_dir=tmp_path / "state")
     assert not cached
+    # The site's own statistics are kept private: folders 0700, files 0600.
+    for path in [tmp_path / "state", *(tmp_path / "state").rglob("*")]:
+        assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
 
 
 def test_pseudo_stats_cached_and_exact(tmp_path: Path) -> None:

@@ -169,7 +169,7 @@ def test_policy_refuses_an_evaluation_plan_that_exposes_the_site() -> None:
     # the confusion counts over s2..s4 differenced against the histograms over everyone
     # determine s1's statistics (one quantity per class and model, docs/protocol.md §6)
     exposing = _plan([_release(HIST, SITES), _release(CONF, SITES[1:])])
-    policy = LocalPolicy()
+    policy = LocalPolicy(allowed_aggregation=("plaintext", "mask", "ckks"))  # a plaintext plan
     refused = check_plan(exposing, site_id="s1", policy=policy)
     assert not refused.accept
     assert f"eval[A]@{MODEL.hex()}" in refused.reason or "labels[A]" in refused.reason

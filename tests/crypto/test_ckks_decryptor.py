@@ -7,6 +7,7 @@ ckks_params docstring), against the float64 sum of the members' vectors.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -98,11 +99,62 @@ def test_planned_releases_decrypt_to_the_plaintext_sums(fed: Federation) -> None
     assert fed.decryptor.decrypted == {"gram/abc", "gram/ab"}
 
 
-def test_each_release_is_decrypted_at_most_once(fed: Federation) -> None:
+def test_each_release_is_decrypted_for_one_aggregate_only(fed: Federation) -> None:
     summed = fed.server_sum(SITES[:3])
-    fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+    first = fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+    # The same aggregate again (a lost reply, a restarted coordinator): the same values.
+    again = fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+    assert np.array_equal(first, again)
+    # Another aggregate under that name (a second combination to difference against the first):
+    # refused before the key is applied.
+    other = fed.server_sum(SITES[:2])
+    with pytest.raises(CkksAlreadyDecryptedError, match="another aggregate"):
+        fed.decryptor.decrypt("gram/abc", other, members=SITES[:3])
+
+
+def test_bindings_are_restored_and_recorded_before_the_key_is_applied(
+    private_ctx: ts.Context, fed: Federation
+) -> None:
+    summed = fed.server_sum(SITES[:3])
+    digest = hashlib.sha256(ckks.pack_ciphertexts(summed)).digest()
+    # A restarted decryptor is given the bindings an earlier process made: another aggregate is
+    # refused, the bound one decrypts again.
+    restarted = Decryptor(private_ctx, PLAN, decrypted={"gram/abc": hashlib.sha256(b"x").digest()})
+    for site, tag in fed.tags.items():
+        restarted.register_tags(site=site, tags={"gram": tag})
     with pytest.raises(CkksAlreadyDecryptedError):
-        fed.decryptor.decrypt("gram/abc", summed, members=SITES[:3])
+        restarted.decrypt("gram/abc", summed, members=SITES[:3])
+    recorded: list[tuple[str, bytes]] = []
+    resumed = Decryptor(
+        private_ctx,
+        PLAN,
+        decrypted={"gram/abc": digest},
+        on_decrypt=lambda name, d: recorded.append((name, d)),
+    )
+    for site, tag in fed.tags.items():
+        resumed.register_tags(site=site, tags={"gram": tag})
+    out = resumed.decrypt("gram/abc", summed, members=SITES[:3])
+    assert np.max(np.abs(out - fed.exact(SITES[:3]))) < 1e-3
+    assert recorded == []  # already durable
+    # on_decrypt runs once the release is bound, before decryption; if it fails, nothing is
+    # decrypted, a retry of the same aggregate tries to record again, and another aggregate is
+    # refused.
+    attempts: list[str] = []
+
+    def refuse(name: str, bound: bytes) -> None:
+        attempts.append(name)
+        raise OSError("disk full")
+
+    failing = Decryptor(private_ctx, PLAN, on_decrypt=refuse)
+    for site, tag in fed.tags.items():
+        failing.register_tags(site=site, tags={"gram": tag})
+    pair = fed.server_sum(SITES[:2])
+    for _ in range(2):
+        with pytest.raises(OSError):
+            failing.decrypt("gram/ab", pair, members=SITES[:2])
+    assert attempts == ["gram/ab", "gram/ab"] and failing.decrypted == {"gram/ab"}
+    with pytest.raises(CkksAlreadyDecryptedError):
+        failing.decrypt("gram/ab", summed, members=SITES[:2])
 
 
 def test_release_not_in_plan_is_refused(fed: Federation) -> None:
@@ -151,7 +203,7 @@ def test_malformed_ciphertexts_do_not_consume_the_release(fed: Federation) -> No
 def test_missing_tag_is_refused(private_ctx: ts.Context, fed: Federation) -> None:
     decryptor = Decryptor(private_ctx, PLAN)
     decryptor.register_tags(site="site-a", tags={"gram": fed.tags["site-a"]})
-    with pytest.raises(CkksTagMismatchError, match="no tag"):
+    with pytest.raises(CkksTagMismatchError, match="no valid tag"):
         decryptor.decrypt("gram/ab", fed.server_sum(SITES[:2]), members=SITES[:2])
     assert decryptor.decrypted == frozenset()
 

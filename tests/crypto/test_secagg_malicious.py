@@ -11,6 +11,7 @@ import pytest
 
 from afl.crypto.errors import ProtocolError, RoundAbortedError, StageError, UnmaskRefusedError
 from afl.crypto.secagg_client import ClientStage, SecAggClient
+from afl.crypto.secagg_config import ReleaseSpec
 from afl.crypto.secagg_messages import (
     ConsistencyRequest,
     EncryptedShare,
@@ -34,10 +35,20 @@ class AtUnmask:
 
 
 def _run_to_consistency(
-    fed: Federation, *, silent: tuple[str, ...] = ()
+    fed: Federation,
+    *,
+    silent: tuple[str, ...] = (),
+    floors: dict[str, dict[str, int]] | None = None,
 ) -> tuple[SecAggServer, dict[str, SecAggClient], ConsistencyRequest]:
-    """Run honestly to the survivor list U3; ``silent`` sites vanish after ShareKeys (U2 \\ U3)."""
+    """Run honestly to the survivor list U3; ``silent`` sites vanish after ShareKeys (U2 \\ U3);
+    ``floors`` gives sites their policy's survivor floors."""
     server, clients = honest_round(fed)
+    identities = {s: k.public_key() for s, k in fed.keys.items()}
+    for site, floor in (floors or {}).items():
+        clients[site] = SecAggClient(
+            site_id=site, identity_key=fed.keys[site], config=fed.config,
+            identities=identities, inputs=fed.inputs[site], survivor_floors=floor,
+        )  # fmt: skip
     for s, c in clients.items():
         server.receive(c.advertise_keys(), sender=s)
     directory = server.close_advertise()
@@ -50,8 +61,13 @@ def _run_to_consistency(
     return server, clients, server.close_masked_input()
 
 
-def _run_to_unmask_fed(fed: Federation, *, silent: tuple[str, ...] = ()) -> AtUnmask:
-    server, clients, u3 = _run_to_consistency(fed, silent=silent)
+def _run_to_unmask_fed(
+    fed: Federation,
+    *,
+    silent: tuple[str, ...] = (),
+    floors: dict[str, dict[str, int]] | None = None,
+) -> AtUnmask:
+    server, clients, u3 = _run_to_consistency(fed, silent=silent, floors=floors)
     for s in u3.survivors:
         server.receive(clients[s].consistency_check(u3), sender=s)
     return AtUnmask(fed, server, clients, server.close_consistency())
@@ -128,6 +144,26 @@ def test_self_masks_of_a_release_below_its_minimum_are_refused() -> None:
     evil = replace(run.request, releases=("gram", "b/rare"))
     with pytest.raises(UnmaskRefusedError, match="b/rare"):
         run.clients["site-01"].unmask(evil)
+
+
+def test_a_member_refuses_a_lowered_release_threshold_whatever_the_plan_says() -> None:
+    # The coordinator signed t_R = 1 for a 3-member release and dropped two of its members: the
+    # state machine alone would reveal (1 >= t_R); a member whose policy floor is 3 refuses.
+    ids = [f"site-{i:02d}" for i in range(6)]
+    fed = make_federation(n=6, releases=[("gram", ids, 6, 1e4), ("b/rare", ids[:3], 3, 1.0)])
+    lowered = ReleaseSpec("b/rare", tuple(ids[:3]), 3, 1.0, threshold=1)
+    fed.config = replace(fed.config, releases=(fed.config.releases[0], lowered))
+    guarded = {"site-00": {"b/rare": 3, "gram": 3}}
+    run = _run_to_unmask_fed(fed, silent=("site-01", "site-02"), floors=guarded)
+    assert set(run.request.releases) == {"b/rare", "gram"}  # what the coordinator asks for
+    with pytest.raises(
+        UnmaskRefusedError, match="'b/rare' has 1 survivors, fewer than its minimum 3"
+    ):
+        run.clients["site-00"].unmask(run.request)
+    # A client without the floor (only the plan's t_R) reveals the lone member's seed share.
+    unguarded = _run_to_unmask_fed(fed, silent=("site-01", "site-02"))
+    shares = unguarded.clients["site-00"].unmask(unguarded.request).shares
+    assert any(r.release == "b/rare" and r.owner == "site-00" for r in shares)
 
 
 def test_honest_request_reveals_one_kind_per_peer() -> None:

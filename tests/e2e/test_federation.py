@@ -43,6 +43,7 @@ def _federation(
         active=active,
         test_features=feats[0][:50],
         test_labels=labels[0][:50],
+        allow_plaintext=True,  # a plaintext federation: every site opts in
         **kw,  # type: ignore[arg-type]
     )
     return loop, run_loopback(loop, timeout_s=120)
@@ -138,7 +139,7 @@ def test_restarted_client_resumes_from_its_state(tmp_path: Path) -> None:
     feats, labels = DATA.draw(3)
     loop = prepare_loopback(
         tmp_path, classes=CLASSES, site_features=feats, site_labels=labels, active=active,
-        test_features=feats[0][:20], test_labels=labels[0][:20],
+        test_features=feats[0][:20], test_labels=labels[0][:20], allow_plaintext=True,
     )  # fmt: skip
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
     cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(loop.server_config)]

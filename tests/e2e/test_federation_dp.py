@@ -37,6 +37,7 @@ def test_dp_round_completes_and_a_site_over_budget_refuses(tmp_path: Path) -> No
         test_features=feats[0][:30],
         test_labels=labels[0][:30],
         policy={"site-4": {"max_epsilon": 1e5}},
+        allow_plaintext=True,  # plaintext DP: the sites opt in
     )
     add_dp_table(loop.server_config, {"epsilon": EPSILON, "delta": 1e-6, "clip_norm": CLIP})
     run = run_loopback(loop, timeout_s=180)

@@ -55,6 +55,7 @@ def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, Loopback
         test_features=feats[0][:30],
         test_labels=labels[0][:30],
         round_settings=settings,
+        allow_plaintext=not mask,  # the plaintext baseline: the sites opt in
     )
     table = {"epsilon": EPSILON, "delta": 1e-6, "clip_norm": CLIP, "tolerated": TOLERATED}
     add_dp_table(loop.server_config, table)

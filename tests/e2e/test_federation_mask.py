@@ -54,6 +54,7 @@ def _run(
         test_labels=labels[0][:20],
         round_settings=settings,
         server_tables={"retention": {"payload_days": 30}},  # inspected after the run
+        allow_plaintext=not mask,  # the plaintext baseline: the sites opt in
     )
     commands = {site: vanishing_client.command(stage) for site, stage in (vanish or {}).items()}
     return loop, run_loopback(loop, timeout_s=120, client_commands=commands)

@@ -8,7 +8,7 @@ chunk) from :class:`afl.core.stats.LocalStats` by hand.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,3 +200,21 @@ class FakeSite:
         model = coordinator_pb2.Model.FromString(signed.model)
         weights = np.frombuffer(model.weights.data, dtype="<f8").reshape(tuple(model.weights.shape))
         return model, weights.astype(np.float64)
+
+
+def enrol_and_accept(
+    sites: Mapping[str, FakeSite],
+    server_key: bytes,
+    *,
+    coverage: Mapping[str, Sequence[str]],
+    d: int,
+) -> tuple[coordinator_pb2.RoundConfig, common_pb2.ReleasePlan]:
+    """Enrol every site with its coverage, read and verify the plan, and accept it everywhere."""
+    for s, site in sites.items():
+        assert site.enroll(coverage[s], d).site_id == s
+    first = next(iter(sites.values()))
+    config = first.config()
+    plan = first.verified_plan(config, server_key)
+    for site in sites.values():
+        site.decide(site.config(), accept=True)
+    return config, plan

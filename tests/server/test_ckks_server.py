@@ -5,6 +5,7 @@ that respect the slot budget and hide the CKKS noise."""
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,12 @@ def test_publish_refuses_a_private_context_and_keeps_the_first(
     data = ckks.public_context_bytes(private_ctx)
     contexts.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
     assert CkksContexts(state_dir=tmp_path).published is not None  # survives a restart
+    folder = tmp_path / "ckks"  # kept private like the rest of the state
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {
+        "context.bin": 0o600,
+        "announcement.bin": 0o600,
+    }
 
 
 @settings(max_examples=40, deadline=None)

@@ -27,6 +27,7 @@ from afl.server.daemon import CoordinatorServer
 from afl.server.provisioning import ProvisionedFederation, provision
 from tests.helpers.federation import FederationSpec
 from tests.helpers.numeric import relative_error
+from tests.server import fakeclient
 from tests.server.fakeclient import FakeSite, chunks, payload
 
 SITES = ["s1", "s2", "s3", "s4"]
@@ -121,14 +122,7 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 
 def enrol_and_accept(sites: dict[str, FakeSite], key: bytes) -> tuple[Any, Any]:
-    for s, site in sites.items():
-        assert site.enroll(COVERAGE[s], D).site_id == s
-    first = next(iter(sites.values()))
-    config = first.config()
-    plan = first.verified_plan(config, key)
-    for site in sites.values():
-        site.decide(site.config(), accept=True)
-    return config, plan
+    return fakeclient.enrol_and_accept(sites, key, coverage=COVERAGE, d=D)
 
 
 @pytest.mark.parametrize("scope", ["global", "per-class"])

@@ -39,6 +39,8 @@ from afl.server.store import Store
 from tests.helpers.enrol import enrol_in_process
 from tests.helpers.federation import FederationSpec
 
+ALL = ("plaintext", "mask", "ckks")  # the sites here opt in to plaintext
+
 K = 8
 SITES = [f"s{i + 1}" for i in range(K)]
 CLASSES = [f"c{j}" for j in range(K)]
@@ -215,19 +217,34 @@ def test_missing_7_per_class_is_refused_unless_dp_covers_it(
     config = allowed.round_config("s1")
     assert config.dp.enabled and config.dp.epsilon == 4.0
 
-    # The sites' own policy (min cohort 3): DP within budget is accepted, beyond it refused.
-    ok = check_plan(plan, site_id="s1", policy=LocalPolicy(min_cohort=3, max_epsilon=4.5))
+    # The sites' own policy (min cohort 3, plaintext allowed): DP within budget is accepted,
+    # beyond it refused.
+    ok = check_plan(
+        plan,
+        site_id="s1",
+        policy=LocalPolicy(min_cohort=3, max_epsilon=4.5, allowed_aggregation=ALL),
+    )
     assert ok.accept and ok.audit["covered_by_dp"] is True
-    tight = check_plan(plan, site_id="s1", policy=LocalPolicy(min_cohort=3, max_epsilon=2.0))
+    tight = check_plan(
+        plan,
+        site_id="s1",
+        policy=LocalPolicy(min_cohort=3, max_epsilon=2.0, allowed_aggregation=ALL),
+    )
     assert not tight.accept and "min cohort 3" in tight.reason  # DP does not cover it
     global_dp = _coordinator(federation, tmp_path / "c", gram_scope="global", dp=dp)
     gplan = common_pb2.ReleasePlan.FromString(global_dp.machine.current().row.plan or b"")
-    tight = check_plan(gplan, site_id="s1", policy=LocalPolicy(min_cohort=3, max_epsilon=2.0))
+    tight = check_plan(
+        gplan,
+        site_id="s1",
+        policy=LocalPolicy(min_cohort=3, max_epsilon=2.0, allowed_aggregation=ALL),
+    )
     assert not tight.accept and "> policy max_epsilon 2" in tight.reason
     plain = common_pb2.ReleasePlan()
     plain.CopyFrom(plan)
     plain.dp.enabled = False
-    refusal = check_plan(plain, site_id="s1", policy=LocalPolicy(min_cohort=3))
+    refusal = check_plan(
+        plain, site_id="s1", policy=LocalPolicy(min_cohort=3, allowed_aggregation=ALL)
+    )
     assert not refusal.accept and "min cohort 3" in refusal.reason
 
 

@@ -110,6 +110,25 @@ def test_configs_agree_on_identity_keys(federation: ProvisionedFederation) -> No
     ) == len(SITES)
 
 
+def test_kits_pin_the_protections_and_the_decryptor(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    for kit in federation.site_dirs.values():
+        policy = _load(kit / "client.toml")["policy"]
+        assert policy["allowed_aggregation"] == ["mask", "ckks"]  # no plaintext by default
+        assert policy["ckks_decryptor"] == "hospital-b"
+        assert policy["disclose_coverage"] is False  # global scope: coverage stays local
+    dev = provision(
+        tmp_path / "dev",
+        sites=["a1", "a2"],
+        allow_plaintext=True,
+        round_settings={"gram_scope": "per-class"},
+    )
+    policy = _load(dev.site_dirs["a1"] / "client.toml")["policy"]
+    assert policy["allowed_aggregation"] == ["plaintext", "mask", "ckks"]
+    assert policy["disclose_coverage"] is True and "ckks_decryptor" not in policy
+
+
 def test_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     out = tmp_path / "fed"
     first = provision(out, sites=["a1"])

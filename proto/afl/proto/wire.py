@@ -20,6 +20,9 @@ the coordinator, the sites and the decryptor alike (docs/architecture.md §5).
   A message's sender is always the authenticated caller passed in by the receiver, never a field
   of the request. :func:`round_config_from_plan` derives the protocol config from the SIGNED
   release plan alone, so the config digest bound into every signature is the same everywhere.
+* The CKKS aggregate tags' envelope: :func:`tag_binding` (what a site's signed tags are bound
+  to, built the same way by the site, the coordinator and the decryptor) and
+  :func:`sealed_tags_to_proto` / :func:`sealed_tags_from_proto`.
 
 Errors are :class:`WireError` (malformed input) and :class:`WireLimitError` (over a size limit);
 the server maps them to INVALID_ARGUMENT and RESOURCE_EXHAUSTED, the sites to a DaemonError.
@@ -38,6 +41,7 @@ import numpy as np
 from afl.core.packing import packed_length
 from afl.core.scorebins import ScoreBins, ScoreBinsError
 from afl.crypto.canonical import Field
+from afl.crypto.ckks_wire import SealedTags, TagBinding
 from afl.crypto.errors import ShamirError
 from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg_messages import (
@@ -84,9 +88,12 @@ __all__ = [
     "round_config_from_plan",
     "routed_from_proto",
     "routed_to_proto",
+    "sealed_tags_from_proto",
+    "sealed_tags_to_proto",
     "share_keys_from_proto",
     "share_keys_to_proto",
     "stage_name",
+    "tag_binding",
     "unmask_request_from_proto",
     "unmask_request_to_proto",
     "unmask_response_from_proto",
@@ -546,3 +553,45 @@ def unmask_response_from_proto(sender: str, request: pb.UnmaskResponse) -> Unmas
         release = item.release_name if kind == KIND_SELF_MASK else ""
         shares.append(RevealedShare(item.owner_site_id, kind, release, share))
     return UnmaskResponse(request.round_id, sender, tuple(shares))
+
+
+# --- CKKS mode --------------------------------------------------------------------------------
+
+
+def tag_binding(
+    plan: cpb.ReleasePlan,
+    *,
+    plan_sha256: bytes,
+    sender: str,
+    decryptor: str,
+    decryptor_key: bytes,
+) -> TagBinding:
+    """What ``sender``'s aggregate tags in the round of ``plan`` are bound to: the plan's
+    federation, round and salt, ``plan_sha256`` (SHA-256 of the signed plan bytes), the decryptor
+    and its X25519 tag key (:class:`afl.crypto.ckks_wire.TagBinding`)."""
+    if len(plan_sha256) != 32:
+        raise WireError("the plan digest must be 32 bytes to bind CKKS tags")
+    return TagBinding(
+        federation_id=plan.federation_id,
+        round_id=plan.round_id,
+        round_salt=bytes(plan.round_salt),
+        plan_sha256=bytes(plan_sha256),
+        sender=sender,
+        recipient=decryptor,
+        recipient_key=bytes(decryptor_key),
+    )
+
+
+def sealed_tags_to_proto(sealed: SealedTags, *, decryptor: str) -> pb.SealedMessage:
+    return pb.SealedMessage(
+        recipient_site_id=decryptor,
+        sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob,
+        signature=sealed.signature,
+    )
+
+
+def sealed_tags_from_proto(message: pb.SealedMessage) -> SealedTags:
+    return SealedTags(
+        bytes(message.sender_public_key), bytes(message.ciphertext), bytes(message.signature)
+    )

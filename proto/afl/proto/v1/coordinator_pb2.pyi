@@ -9,7 +9,9 @@ Transport: gRPC over mutual TLS. The caller's site id is taken from its client c
 gRPC status codes: INVALID_ARGUMENT (bad shape, NaN/inf, malformed chunk), PERMISSION_DENIED
 (unknown or unenrolled certificate, not a participant, wrong role), FAILED_PRECONDITION (wrong
 stage or round), ALREADY_EXISTS (replayed upload with a different digest), RESOURCE_EXHAUSTED
-(oversize). Status messages never contain statistics or key material.
+(oversize, or more concurrent streams than the site's [limits]), DEADLINE_EXCEEDED (an upload
+whose next chunk did not come in time). Status messages never contain statistics or key
+material.
 
 Visibility tags ([visible: ...]) are defined in common.proto.
 
@@ -988,6 +990,7 @@ class SealedMessage(_message.Message):
     RECIPIENT_SITE_ID_FIELD_NUMBER: _builtins.int
     SENDER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     CIPHERTEXT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     sender_site_id: _builtins.str
     """Sender site id; set by the server from the sender's certificate (ignored on upload).
     [visible: server, recipient]
@@ -1002,6 +1005,13 @@ class SealedMessage(_message.Message):
     """nonce (12 bytes) || AES-256-GCM ciphertext || tag (16 bytes).
     [visible: server (opaque), recipient (plaintext)]
     """
+    signature: _builtins.bytes
+    """The sender's identity signature binding the envelope to the sender, where the key
+    agreement alone does not (the ephemeral sender key of CKKS tags): context "ckks-tags",
+    fields (federation_id, round_id, plan SHA-256, sender, recipient, the recipient's X25519
+    key, sender_public_key, SHA-256 of ciphertext) (afl.crypto.ckks_wire). Empty in ShareKeys
+    (the advertised keys are signed). [visible: server, recipient]
+    """
     def __init__(
         self,
         *,
@@ -1009,10 +1019,11 @@ class SealedMessage(_message.Message):
         recipient_site_id: _builtins.str = ...,
         sender_public_key: _builtins.bytes = ...,
         ciphertext: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext", b"ciphertext", "recipient_site_id", b"recipient_site_id", "sender_public_key", b"sender_public_key", "sender_site_id", b"sender_site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ciphertext", b"ciphertext", "recipient_site_id", b"recipient_site_id", "sender_public_key", b"sender_public_key", "sender_site_id", b"sender_site_id", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

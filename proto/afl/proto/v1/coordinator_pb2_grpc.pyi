@@ -9,7 +9,9 @@ Transport: gRPC over mutual TLS. The caller's site id is taken from its client c
 gRPC status codes: INVALID_ARGUMENT (bad shape, NaN/inf, malformed chunk), PERMISSION_DENIED
 (unknown or unenrolled certificate, not a participant, wrong role), FAILED_PRECONDITION (wrong
 stage or round), ALREADY_EXISTS (replayed upload with a different digest), RESOURCE_EXHAUSTED
-(oversize). Status messages never contain statistics or key material.
+(oversize, or more concurrent streams than the site's [limits]), DEADLINE_EXCEEDED (an upload
+whose next chunk did not come in time). Status messages never contain statistics or key
+material.
 
 Visibility tags ([visible: ...]) are defined in common.proto.
 

@@ -1,0 +1,185 @@
+"""A coordinator that attacks its own sites: the real ``afl-server`` with parts of
+:mod:`afl.server` patched at run time (the malicious coordinator of docs/protocol.md §2).
+
+Usage: ``python malicious_server.py ATTACK LOOT <afl-server arguments>``. LOOT is a JSON file
+where the coordinator writes every release it managed to decrypt or unmask ({release: values}):
+what the attacker learned. The attacks (the victim is site-1; site-2 and site-3 are the other
+members of the targeted release):
+
+* ``forward-single`` (ckks): the "sum" of ``gram[all]`` handed to the decryptor is site-1's
+  ciphertext alone.
+* ``forged-tags`` (ckks): the same, and the coordinator replaces site-2's and site-3's sealed
+  aggregate tags by tags it sealed itself to the decryptor (+1000 and -1000, so the tag sum is
+  site-1's tag, the tag slot of its ciphertext), exactly as the tags travelled before sites
+  signed them.
+* ``lower-threshold`` (mask): the signed plan gives ``b[A]`` (members site-1..3) the survivor
+  threshold t_R = 1, and the coordinator ignores the masked inputs of site-2 and site-3, so the
+  unmasked "sum" of ``b[A]`` is site-1's own class vector.
+
+The faults are injected here, around the real daemon, so no product code path knows them; the
+sites and the decryptor run unmodified.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from afl.crypto import aead, kdf
+from afl.crypto.canonical import DOMAIN_TAG
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server import daemon
+from afl.server.errors import InvalidRequestError
+from afl.server.mode_ckks import CkksMode, CkksRequests
+from afl.server.mode_mask import MaskMode
+
+VICTIM = "site-1"
+OTHERS = ("site-2", "site-3")
+CKKS_TARGET = "gram[all]"
+MASK_TARGET = "b[A]"
+ATTACKS = ("forward-single", "forged-tags", "lower-threshold")
+
+
+def command(attack: str, loot: Path) -> tuple[str, ...]:
+    """The argv prefix that starts this coordinator (for ``run_loopback(server_command=...)``)."""
+    if attack not in ATTACKS:
+        raise ValueError(f"unknown attack {attack!r}")
+    return (sys.executable, str(Path(__file__).resolve()), attack, str(loot))
+
+
+def _keep(loot: Path, name: str, values: Any) -> None:
+    found = json.loads(loot.read_text()) if loot.exists() else {}
+    found[name] = [float(v) for v in np.ravel(np.asarray(values, dtype=np.float64))]
+    loot.write_text(json.dumps(found))
+
+
+def _record_decryptions(loot: Path) -> None:
+    original = CkksMode.accept_result
+
+    def accept_result(
+        self: CkksMode, view: Any, ctx: Any, release: Any, outcome: pb.DecryptionOutcome
+    ) -> None:
+        data = self.round_state(view, ctx).staged_results.get(release.name, b"")
+        original(self, view, ctx, release, outcome)
+        if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED:
+            _keep(loot, release.name, np.frombuffer(data, dtype="<f8"))
+
+    CkksMode.accept_result = accept_result  # type: ignore[method-assign]
+
+
+def _forward_single() -> None:
+    original = CkksMode.aggregate
+
+    def aggregate(self: CkksMode, view: Any, ctx: Any, release: Any) -> bytes:
+        if release.name != CKKS_TARGET:
+            return original(self, view, ctx, release)
+        state = self.round_state(view, ctx)
+        victim = ctx.uploads(view.round_id)[(VICTIM, release.name)]
+        state.aggregates[release.name] = ctx.read_payload(victim)  # c_1 alone, as "the sum"
+        return state.aggregates[release.name]
+
+    CkksMode.aggregate = aggregate  # type: ignore[method-assign]
+
+
+def _sealed_by_the_coordinator(
+    sender: str, plan: cpb.ReleasePlan, announcement: pb.CkksContextAnnouncement, value: float
+) -> pb.SealedMessage:
+    """AggregateTags "from" ``sender`` with every slot's tag = ``value``, sealed to the decryptor
+    with an ephemeral key (all the coordinator needs is the decryptor's public tag key)."""
+    message = pb.AggregateTags(
+        round_id=plan.round_id,
+        site_id=sender,
+        tags=[
+            pb.TagValue(upload_name=r.upload_name or r.name, value=value)
+            for r in plan.releases
+            if sender in r.member_site_ids
+        ],
+    )
+    decryptor = announcement.decryptor_site_id
+    ephemeral = kdf.generate_agreement_key()
+    key = kdf.derive_key(
+        shared_secret=kdf.agree(ephemeral, bytes(announcement.cipher_public_key)),
+        round_salt=bytes(plan.round_salt),
+        purpose="ckks-tags",
+        round_id=plan.round_id,
+        release="",
+        binding=(sender, decryptor),
+    )
+    blob = aead.seal(
+        key,
+        message.SerializeToString(),
+        associated=(DOMAIN_TAG, "ckks-tags", sender, decryptor, plan.round_id),
+    )
+    return pb.SealedMessage(
+        sender_site_id=sender,
+        recipient_site_id=decryptor,
+        sender_public_key=kdf.public_key_bytes(ephemeral),
+        ciphertext=blob,
+    )
+
+
+def _forge_tags() -> None:
+    original = CkksRequests.get_tags
+
+    def get_tags(self: CkksRequests, site_id: str, request: cpb.RoundRef) -> pb.SealedMessages:
+        honest = original(self, site_id, request)
+        with self.access.lock:
+            view = self.access.find(honest.round_id)
+            plan = cpb.ReleasePlan.FromString(view.row.plan or b"")
+            announcement = self.contexts.context().announcement
+        forged = {
+            OTHERS[0]: _sealed_by_the_coordinator(OTHERS[0], plan, announcement, 1000.0),
+            OTHERS[1]: _sealed_by_the_coordinator(OTHERS[1], plan, announcement, -1000.0),
+        }
+        messages = [forged.get(m.sender_site_id, m) for m in honest.messages]
+        return pb.SealedMessages(round_id=honest.round_id, messages=messages)
+
+    CkksRequests.get_tags = get_tags  # type: ignore[method-assign]
+
+
+def _lower_threshold(loot: Path) -> None:
+    encoding, check_upload, drive = MaskMode.encoding, MaskMode.check_upload, MaskMode.drive
+
+    def lowered(self: MaskMode, release: Any, **kw: Any) -> cpb.Encoding:
+        out = encoding(self, release, **kw)
+        if release.name == MASK_TARGET:
+            out.fixed_point.min_survivors = 1
+        return out
+
+    def ignoring(self: MaskMode, view: Any, ctx: Any, *, site_id: str, **kw: Any) -> None:
+        if site_id in OTHERS:
+            raise InvalidRequestError("masked input refused")  # the coordinator drops them
+        check_upload(self, view, ctx, site_id=site_id, **kw)
+
+    def keeping(self: MaskMode, view: Any, ctx: Any) -> Any:
+        state = self.rounds.get(view.round_id)
+        transition = drive(self, view, ctx)
+        result = None if state is None else state.server.result
+        for name, values in ({} if result is None else result.sums).items():
+            _keep(loot, name, values)
+        return transition
+
+    MaskMode.encoding = lowered  # type: ignore[method-assign]
+    MaskMode.check_upload = ignoring  # type: ignore[method-assign]
+    MaskMode.drive = keeping  # type: ignore[method-assign]
+
+
+def main() -> int:
+    attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    if attack in ("forward-single", "forged-tags"):
+        _record_decryptions(loot)
+        _forward_single()
+    if attack == "forged-tags":
+        _forge_tags()
+    if attack == "lower-threshold":
+        _lower_threshold(loot)
+    return daemon.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

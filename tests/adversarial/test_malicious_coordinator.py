@@ -1,0 +1,181 @@
+"""A malicious coordinator against honest sites and an honest decryptor (docs/protocol.md §2):
+each attack runs through the real daemons over loopback mutual TLS, with the coordinator patched at
+run time (tests/adversarial/malicious_server.py) or misconfigured, and the sites and decryptor
+unmodified. Each test asserts that the honest parties refuse (exit codes, report reasons,
+the decryptor's outcomes) and that nothing single-site is released: the decryptor decrypts no
+forged sum, the coordinator's loot holds no release of one site, and no model is published.
+
+1. ``forward-single``: a site's ciphertext presented as the sum of three (the tag check refuses).
+2. ``forged-tags``: the same with tags the coordinator sealed "from" the other members (the
+   decryptor counts only tags the members signed).
+3. ``lower-threshold``: survivor threshold t_R = 1 in the signed plan, two members' masked inputs
+   dropped (each member's policy refuses t_R below its min cohort before sending anything).
+4. downgrade: the coordinator of a MASK federation switches to ``plaintext`` (each site's policy
+   allows mask and ckks only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from afl.lab.demo_federation import (
+    LoopbackFederation,
+    LoopbackRun,
+    ckks_round_settings,
+    mask_round_settings,
+    prepare_loopback,
+    run_loopback,
+)
+from afl.server.store import Store
+from tests.adversarial import malicious_server
+from tests.e2e.loopback import SiteData
+
+D = 8
+CLASSES = ("A", "B", "C")
+DATA = SiteData(d=D, classes=len(CLASSES), rows=60, rows_step=10, positive_rate=0.4, seed=5)
+EXIT_REFUSED, EXIT_ABORTED = 3, 4
+
+
+def _prepare(root: Path, k: int, settings: dict[str, Any], **kw: Any) -> LoopbackFederation:
+    feats, labels = DATA.draw(k)
+    active = kw.pop("active", np.ones((k, len(CLASSES)), dtype=bool))
+    return prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=active,
+        test_features=feats[0][:10],
+        test_labels=labels[0][:10],
+        round_settings={"upload_timeout_s": 20.0, "min_participants": 3, **settings},
+        **kw,
+    )
+
+
+def _store(loop: LoopbackFederation) -> Store:
+    return Store(loop.server_config.parent / "state", federation_id=loop.provisioned.federation_id)
+
+
+def _loot(path: Path) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = json.loads(path.read_text()) if path.exists() else {}
+    return found
+
+
+def _no_model_and_no_uploads_kept(loop: LoopbackFederation, *, uploads: bool) -> None:
+    store = _store(loop)
+    try:
+        assert store.model() is None
+        stored = [row for r in store.rounds() for row in store.uploads(r.round_id).values()]
+        assert bool(stored) == uploads
+    finally:
+        store.close()
+
+
+def _decryptor_outcomes(loop: LoopbackFederation) -> dict[str, str]:
+    assert loop.decryptor_config is not None
+    record = loop.decryptor_config.parent / "state" / "ckks" / "decryptions.jsonl"
+    lines = record.read_text().splitlines() if record.exists() else []
+    return {json.loads(line)["release"]: json.loads(line)["status"] for line in lines}
+
+
+def _ckks_attack(tmp_path: Path, attack: str) -> tuple[LoopbackFederation, LoopbackRun, Path]:
+    feats, _ = DATA.draw(3)
+    loop = _prepare(tmp_path, 3, ckks_round_settings(feats), decryptor=True)
+    loot = tmp_path / "loot.json"
+    command = malicious_server.command(attack, loot)
+    return loop, run_loopback(loop, timeout_s=240, server_command=command), loot
+
+
+def _assert_ckks_attack_refused(loop: LoopbackFederation, run: LoopbackRun, loot: Path) -> None:
+    assert run.client_rcs == dict.fromkeys(loop.site_ids, EXIT_ABORTED), run.logs
+    outcomes = _decryptor_outcomes(loop)
+    assert outcomes[malicious_server.CKKS_TARGET] == "DECRYPTION_STATUS_REFUSED_TAG_MISMATCH"
+    assert malicious_server.CKKS_TARGET not in _loot(loot)  # nothing single-site decrypted
+    for site in loop.site_ids:
+        report = run.final_report(site)
+        assert report["outcome"] == "ABORTED" and "model" not in report
+        assert "the decryptor refused release" in report["reason"]
+    _no_model_and_no_uploads_kept(loop, uploads=True)
+
+
+def test_forwarded_single_ciphertext_is_refused_by_the_decryptor(tmp_path: Path) -> None:
+    loop, run, loot = _ckks_attack(tmp_path, "forward-single")
+    _assert_ckks_attack_refused(loop, run, loot)
+    # What the coordinator did get decrypted are honest sums over all three sites (the round
+    # aborts at the refusal, so jobs after it in the list may never be served).
+    assert set(_loot(loot)) <= {"b[A]", "b[B]", "b[C]"}
+
+
+def test_tags_forged_by_the_coordinator_are_refused(tmp_path: Path) -> None:
+    loop, run, loot = _ckks_attack(tmp_path, "forged-tags")
+    _assert_ckks_attack_refused(loop, run, loot)
+    # Without site-2's and site-3's own tags no release of theirs is decrypted at all.
+    assert _loot(loot) == {}
+    assert set(_decryptor_outcomes(loop).values()) == {"DECRYPTION_STATUS_REFUSED_TAG_MISMATCH"}
+    log = run.logs["decryptor"].read_text()
+    assert re.search(r"tags from site-2 refused: .*signature", log), log[-2000:]
+
+
+def _shorten_wait(loop: LoopbackFederation, seconds: float) -> None:
+    """Sites that never see a round (it was refused and aborted before their next poll, and no
+    replacement comes) give up after ``seconds`` instead of waiting for another round."""
+    for path in loop.client_configs.values():
+        text = path.read_text()
+        path.write_text(re.sub(r"^max_wait_s = .*$", f"max_wait_s = {seconds}", text, flags=re.M))
+
+
+def test_lowered_survivor_threshold_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    # Per-class scope: b[A] is summed over the labellers of A (site-1..3), b[B], b[C] over 3..5.
+    active = np.array([[1, 0, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1], [0, 1, 1]], dtype=bool)
+    feats, _ = DATA.draw(5)
+    settings = {"gram_scope": "per-class", **mask_round_settings(feats)}
+    loop = _prepare(tmp_path, 5, settings, active=active)
+    _shorten_wait(loop, 20.0)
+    loot = tmp_path / "loot.json"
+    command = malicious_server.command("lower-threshold", loot)
+    run = run_loopback(loop, timeout_s=240, server_command=command)
+    refusal = (
+        "release b[A] would be unmasked with 1 surviving member(s), fewer than this site "
+        "accepts (3: min cohort, or the DP noise's members)"
+    )
+    # The first refusal aborts the round; the coordinator re-plans with the others (again with
+    # t_R = 1, or with releases below the min cohort), so each site ends refusing (3), aborted
+    # while it decided (4), or without having seen a round (1). None of them sent anything.
+    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED, 1}, run.logs
+    reasons = [
+        r["reason"]
+        for site in loop.site_ids
+        for r in run.reports[site].values()
+        if r["outcome"] == "REFUSED_PLAN"
+    ]
+    assert refusal in reasons, run.logs  # the members of b[A] refuse the lowered threshold
+    assert all(r == refusal or "< min cohort 3" in r for r in reasons), reasons
+    for site in loop.site_ids:
+        for report in run.reports[site].values():
+            assert report["bytes_sent"] == 0 and "model" not in report
+    assert _loot(loot) == {}
+    _no_model_and_no_uploads_kept(loop, uploads=False)
+
+
+def test_downgrade_to_plaintext_is_refused_by_every_site(tmp_path: Path) -> None:
+    feats, _ = DATA.draw(3)
+    # A MASK federation's kits. min_participants = 1: after each refusal the coordinator
+    # re-plans (still plaintext) with the sites left, so every site gets to decide.
+    loop = _prepare(tmp_path, 3, {**mask_round_settings(feats), "min_participants": 1})
+    text = loop.server_config.read_text()
+    loop.server_config.write_text(text.replace('aggregation = "mask"', 'aggregation = "plaintext"'))
+    run = run_loopback(loop, timeout_s=240)
+    assert run.client_rcs == dict.fromkeys(loop.site_ids, EXIT_REFUSED), run.logs
+    for site in loop.site_ids:
+        report = run.final_report(site)
+        assert report["outcome"] == "REFUSED_PLAN" and report["bytes_sent"] == 0
+        assert report["reason"] == (
+            "aggregation mode 'plaintext' is not allowed by this site's policy "
+            "(allowed_aggregation = ['mask', 'ckks'])"
+        )
+    _no_model_and_no_uploads_kept(loop, uploads=False)
