@@ -55,6 +55,11 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--views", help="NIH only: comma-separated View Position filter, e.g. PA")
     p.add_argument("--path-column", default="path", help="manifest: image path column")
     p.add_argument("--id-column", help="manifest: image id column (default: the path)")
+    p.add_argument(
+        "--patient-column",
+        default="patient",
+        help="manifest: patient id column, the DP privacy unit (default: patient, when present)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -73,6 +78,7 @@ def run_extract(args: argparse.Namespace) -> int:
             classes=classes,
             path_column=args.path_column,
             id_column=args.id_column,
+            patient_column=args.patient_column,
         )
     backbone = load_backbone(
         args.backbone, weights=args.weights, sha256=args.sha256, random_init=args.random_init
@@ -167,6 +173,59 @@ def run_daemon(args: argparse.Namespace) -> int:
         return 1
 
 
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="client.toml of the site")
+    p.add_argument("--json", action="store_true", help="print the ledger and totals as JSON")
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """The site's lifetime DP ledger (docs/operations.md): every release it took part in, and
+    the composition against its policy's lifetime budget."""
+    import json
+    import math
+
+    from afl.client.config import ConfigError, load_client_config
+    from afl.client.dp_ledger import DpLedger, LedgerError
+
+    try:
+        config = load_client_config(args.config)
+        ledger = DpLedger(config.state_dir / "dp-ledger")
+        entries = ledger.entries()
+        policy = config.policy
+        spent = ledger.spent(unit=policy.privacy_unit)
+    except (ConfigError, LedgerError) as exc:
+        print(f"afl-client budget: error: {exc}", file=sys.stderr)
+        return 1
+    lifetime = spent.epsilon(policy.lifetime_delta)
+    if args.json:
+        doc = {
+            "site_id": config.site_id,
+            "unit": policy.privacy_unit,
+            "entries": [e.to_json() for e in entries],
+            "mu": "inf" if math.isinf(spent.mu) else spent.mu,
+            "epsilon": "inf" if math.isinf(lifetime) else lifetime,
+            "delta": policy.lifetime_delta,
+            "lifetime_epsilon": str(policy.lifetime_epsilon),
+            "head_sha256": ledger.head(),
+        }
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    print(f"DP ledger of site {config.site_id} ({ledger.root}), {policy.privacy_unit}-level:")
+    for e in entries:
+        dp = (
+            f"ε = {e.epsilon:.4g} at δ = {e.delta:g} ({e.unit}-level)"
+            if e.mu < math.inf
+            else "no DP (ε = ∞)"
+        )
+        print(f"  {e.seq:4d}  round {e.round_number} {e.round_id}  {e.aggregation:26s} {dp}")
+    print(
+        f"lifetime: ε = {lifetime:.4g} at δ = {policy.lifetime_delta:g} over {spent.entries} "
+        f"release(s) (μ = {spent.mu:.4g}); policy lifetime_epsilon = {policy.lifetime_epsilon:g}"
+    )
+    print(f"head: {ledger.head()} (keep it off the site to detect a cut or edited last entry)")
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
     (
         "extract",
@@ -177,6 +236,12 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
     ("merge", "merge shard caches into one cache", add_merge_arguments, run_merge),
     ("backbones", "list backbones and their expected weight files", lambda p: None, run_backbones),
     ("run", "the site daemon: join the federation's rounds (mTLS)", add_run_arguments, run_daemon),
+    (
+        "budget",
+        "the site's lifetime DP ledger and what is left of its budget",
+        add_budget_arguments,
+        run_budget,
+    ),
 ]
 
 
@@ -192,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "run":  # the daemon handles its errors; no torch import on its path
+    if args.command in ("run", "budget"):  # they handle their errors; no torch import on the path
         code: int = args.handler(args)
         return code
     from afl.client.backbones import BackboneError

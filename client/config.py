@@ -12,7 +12,8 @@ Sections (paths are relative to the file's own folder)::
     [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
                classes   classes this site labels; [] = every cache column without -1 labels
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
-    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true)
+    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (true),
+               lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient")
 
 Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
 are checked strictly for type and range).
@@ -59,7 +60,15 @@ _KNOWN: dict[str, set[str]] = {
     "tls": {"ca_cert", "cert", "key"},
     "identity": {"key", "public_key", "server_public_key"},
     "data": {"cache", "cache_dir", "classes", "backbone"},
-    "policy": {"min_cohort", "allow_exposure", "max_epsilon", "disclose_coverage"},
+    "policy": {
+        "min_cohort",
+        "allow_exposure",
+        "max_epsilon",
+        "disclose_coverage",
+        "lifetime_epsilon",
+        "lifetime_delta",
+        "privacy_unit",
+    },
 }
 _ROLES = ("participant", "decryptor")
 
@@ -70,12 +79,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LocalPolicy:
-    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`."""
+    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`.
+
+    DP (docs/protocol.md §7): ``max_epsilon`` bounds one run (both rounds), ``lifetime_epsilon``
+    at ``lifetime_delta`` everything in the site's ledger (:mod:`afl.client.dp_ledger`);
+    ``privacy_unit`` "patient" refuses image-level DP plans. inf = no limit (then plans without
+    DP are accepted too)."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
     max_epsilon: float = math.inf
     disclose_coverage: bool = True
+    lifetime_epsilon: float = math.inf
+    lifetime_delta: float = 1e-5
+    privacy_unit: str = "patient"
 
 
 @dataclass(frozen=True)
@@ -206,7 +223,24 @@ def _policy(r: _Reader) -> LocalPolicy:
         allow_exposure=r.boolean(sec, "policy", "allow_exposure", False),
         max_epsilon=r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0),
         disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", True),
+        lifetime_epsilon=r.number(sec, "policy", "lifetime_epsilon", math.inf, minimum=0.0),
+        lifetime_delta=_lifetime_delta(r, sec),
+        privacy_unit=_privacy_unit(r, sec),
     )
+
+
+def _lifetime_delta(r: _Reader, sec: Mapping[str, Any]) -> float:
+    value = r.number(sec, "policy", "lifetime_delta", 1e-5, minimum=0.0)
+    if not 0 < value < 1:
+        raise r.error("policy.lifetime_delta", f"must lie in (0, 1), got {value}")
+    return value
+
+
+def _privacy_unit(r: _Reader, sec: Mapping[str, Any]) -> str:
+    value = r.string(sec, "policy", "privacy_unit", "patient")
+    if value not in ("patient", "image"):
+        raise r.error("policy.privacy_unit", f"must be 'patient' or 'image', got {value!r}")
+    return value
 
 
 def _data(r: _Reader) -> DataConfig:

@@ -49,9 +49,13 @@ class UnreadableImageError(Exception):
 
 @dataclass(frozen=True)
 class ImageRecord:
+    """One image: ``patient`` is its patient id ("" when the source has none), the DP privacy
+    unit (docs/protocol.md §7)."""
+
     id: str
     path: Path
     labels: tuple[int, ...]
+    patient: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,12 @@ class SiteSource:
     records: tuple[ImageRecord, ...]
     classes: tuple[str, ...]
     description: str
+
+    @property
+    def patients(self) -> tuple[str, ...] | None:
+        """Every record's patient id, or None when the source names no patients."""
+        ids = tuple(r.patient for r in self.records)
+        return ids if ids and all(ids) else None
 
     @property
     def labels(self) -> NDArray[np.int8]:
@@ -120,7 +130,8 @@ def nih_source(
             name = row["Image Index"]
             findings = set(row["Finding Labels"].split("|"))
             labels = tuple(int(c in findings) for c in classes)
-            records.append(ImageRecord(name, images.get(name, base / "images" / name), labels))
+            path = images.get(name, base / "images" / name)
+            records.append(ImageRecord(name, path, labels, (row.get("Patient ID") or "").strip()))
     return SiteSource(tuple(records), tuple(classes), f"nih:{base}")
 
 
@@ -141,11 +152,14 @@ def manifest_source(
     classes: Sequence[str] | None = None,
     path_column: str = "path",
     id_column: str | None = None,
+    patient_column: str = "patient",
 ) -> SiteSource:
     """A hospital's own list: CSV with a path column and one column per class.
 
     Paths are relative to the CSV's folder unless absolute. ``classes`` defaults to every other
-    column; a requested class without a column, or an empty cell, is not labelled (-1).
+    column; a requested class without a column, or an empty cell, is not labelled (-1). A
+    ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
+    (the DP privacy unit; an empty cell is an error).
     """
     table = Path(manifest)
     with open(table, newline="", encoding="utf-8-sig") as fh:
@@ -155,10 +169,11 @@ def manifest_source(
             raise SiteDataError(f"{table}: no {path_column!r} column (columns: {header})")
         if id_column is not None and id_column not in header:
             raise SiteDataError(f"{table}: no {id_column!r} column (columns: {header})")
+        has_patient = patient_column in header
         names = (
             tuple(classes)
             if classes is not None
-            else tuple(c for c in header if c not in (path_column, id_column))
+            else tuple(c for c in header if c not in (path_column, id_column, patient_column))
         )
         records = []
         for lineno, row in enumerate(reader, start=2):
@@ -171,7 +186,10 @@ def manifest_source(
                 for c in names
             )
             rid = (row.get(id_column) or "").strip() if id_column else rel
-            records.append(ImageRecord(rid, path, labels))
+            patient = (row.get(patient_column) or "").strip() if has_patient else ""
+            if has_patient and not patient:
+                raise SiteDataError(f"{table}:{lineno}: empty {patient_column!r}")
+            records.append(ImageRecord(rid, path, labels, patient))
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         raise SiteDataError(f"{table}: duplicate image ids")

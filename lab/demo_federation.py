@@ -122,7 +122,14 @@ def ckks_round_settings(
     }
 
 
-def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **meta: Any) -> None:
+def _cache(
+    root: Path,
+    name: str,
+    feats: NDArray[Any],
+    labels: NDArray[Any],
+    patients: Sequence[str] | None = None,
+    **meta: Any,
+) -> None:
     cache_meta = CacheMeta(
         n=int(feats.shape[0]),
         d=int(feats.shape[1]),
@@ -132,7 +139,9 @@ def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **m
         extra={"site": name, **meta},
     )
     ids = [f"{name}-{i}" for i in range(feats.shape[0])]
-    write_cache(root / name, meta=cache_meta, ids=ids, labels=labels, features=feats)
+    write_cache(
+        root / name, meta=cache_meta, ids=ids, labels=labels, features=feats, patients=patients
+    )
 
 
 def prepare_loopback(
@@ -149,12 +158,14 @@ def prepare_loopback(
     source: str = "surrogate",
     surrogate: bool = True,
     decryptor: bool = False,
+    site_patients: Sequence[Sequence[str]] | None = None,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
     ``active[k, c]``: site k labels class c (its other labels become -1). ``round_settings``
     overrides server.toml's [round] (classes and feature_dim are filled in); ``policy`` maps a
-    site id to [policy] overrides for its client.toml.
+    site id to [policy] overrides for its client.toml; ``site_patients`` gives each site's
+    per-row patient ids (the DP privacy unit; default: none in the caches).
     """
     out = Path(root)
     k = len(site_features)
@@ -190,7 +201,8 @@ def prepare_loopback(
     configs = {}
     for i, site in enumerate(site_ids):
         labels = np.where(active[i], np.asarray(site_labels[i]), -1).astype(np.int8)
-        _cache(data, site, site_features[i], labels, **meta)
+        patients = None if site_patients is None else site_patients[i]
+        _cache(data, site, site_features[i], labels, patients, **meta)
         path = fed.site_dirs[site] / "client.toml"
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
         doc["data"] = {
@@ -201,7 +213,7 @@ def prepare_loopback(
         doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING}
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
         configs[site] = path
-    _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), **meta)
+    _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), None, **meta)
     return LoopbackFederation(
         root=out,
         provisioned=fed,
@@ -236,6 +248,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
 
 #: How :func:`run_loopback` starts a site daemon (followed by ``run --config ...``).
 CLIENT_COMMAND = (sys.executable, "-m", "afl.client.cli")
+#: How :func:`run_loopback` starts the coordinator (followed by ``--config ...``).
+SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
 
 
 def run_loopback(
@@ -246,17 +260,20 @@ def run_loopback(
     server_args: Sequence[str] = (),
     log_level: str = "WARNING",
     client_commands: Mapping[str, Sequence[str]] | None = None,
+    server_command: Sequence[str] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
     program that runs the client (``python -m afl.client.cli``) by another argv prefix that takes
-    the same arguments (the drop-out tests start a client that vanishes mid-round)."""
+    the same arguments (the drop-out tests start a client that vanishes mid-round);
+    ``server_command`` likewise replaces ``python -m afl.server.daemon`` (the adversarial tests
+    start a patched coordinator)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs: dict[str, Path] = {"server": logs_dir / "server.log"}
     start = time.perf_counter()
-    server_cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(fed.server_config)]
+    server_cmd = [*(server_command or SERVER_COMMAND), "--config", str(fed.server_config)]
     server_cmd += ["--log-level", log_level, *server_args]
     handles = [open(logs["server"], "wb")]  # noqa: SIM115 (closed below)
     server = subprocess.Popen(server_cmd, stdout=handles[0], stderr=subprocess.STDOUT, env=env)

@@ -15,7 +15,8 @@ SOLVING is held until every release has an outcome from the decryptor.
 Plan encoding: every release's upload is ``DTYPE_CKKS_VECTORS`` with a ``CkksEncoding`` whose
 pre-scale is ``choose_prescale(bound=B, num_summands=K)`` (K = members, B = ``[round]
 ckks_gram_bound`` or ``ckks_vector_bound``: the declared bound on |entry| of one site's Gram or
-class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`).
+class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`). In DP
+mode the pre-scale and grid keep the sites' noise grid exactly (:mod:`afl.server.dp_ckks`).
 
 Flow of the RPCs (:class:`CkksRequests`): the decryptor uploads its public context (``Upload``
 kind CKKS_PUBLIC_CONTEXT) and signs an announcement (``PublishCkksContext``; verified with the
@@ -58,6 +59,7 @@ from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import ServerConfig
+from afl.server.dp_ckks import dp_ckks_encodings
 from afl.server.errors import (
     ConfigError,
     ConflictError,
@@ -144,8 +146,10 @@ class CkksMode(PlainUploadStage):
         vector_bound: float = DEFAULT_VECTOR_BOUND,
         state_dir: Path | None = None,
         configured_context: Path | None = None,
+        dp_max_samples: int = 0,
     ) -> None:
         self.gram_bound, self.vector_bound = float(gram_bound), float(vector_bound)
+        self.dp_max_samples = dp_max_samples
         self._dir = None if state_dir is None else Path(state_dir) / "ckks"
         self._rounds: dict[str, CkksRound] = {}
         self._sum_lock = threading.Lock()
@@ -168,6 +172,7 @@ class CkksMode(PlainUploadStage):
             vector_bound=config.round.ckks_vector_bound,
             state_dir=config.state_dir,
             configured_context=config.ckks_public_context,
+            dp_max_samples=config.round.dp.max_samples if config.round.dp is not None else 0,
         )
 
     # --- plan --------------------------------------------------------------------------------
@@ -191,7 +196,8 @@ class CkksMode(PlainUploadStage):
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_CKKS, encoding=self._release_encoding)
 
     def dp_encodings(self, plan: cpb.ReleasePlan) -> None:
-        raise ValueError("DP with aggregation = 'ckks' is not supported")
+        """Pre-scales and grids that keep the sites' noise grid (:mod:`afl.server.dp_ckks`)."""
+        dp_ckks_encodings(plan, max_samples=self.dp_max_samples)
 
     # --- context -----------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from afl.server.store import Store
 from tests.e2e.dp_scenario import (
     CLASSES,
     CLIP,
-    EPSILON,
+    DP_TABLE,
     add_dp_table,
     checked_dp_report,
     dp_budgets,
@@ -42,7 +42,7 @@ TOLERATED = 1
 
 
 def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, LoopbackRun]:
-    feats, labels = site_data(len(SITES))
+    feats, labels, patients = site_data(len(SITES))
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 20.0}
     if mask:
         settings.update(mask_round_settings(feats))
@@ -55,9 +55,9 @@ def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, Loopback
         test_features=feats[0][:30],
         test_labels=labels[0][:30],
         round_settings=settings,
+        site_patients=patients,
     )
-    table = {"epsilon": EPSILON, "delta": 1e-6, "clip_norm": CLIP, "tolerated": TOLERATED}
-    add_dp_table(loop.server_config, table)
+    add_dp_table(loop.server_config, {**DP_TABLE, "tolerated": TOLERATED})
     return loop, run_loopback(loop, timeout_s=180)
 
 
@@ -97,7 +97,7 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
 
     sigmas: dict[str, float] = {}
     for site in SITES:
-        dp = checked_dp_report(run.final_report(site), budgets, site)
+        dp = checked_dp_report(run.final_report(site), budgets, site, plan)
         assert set(dp["releases"]) == {"gram[all]", "s_pos", "t_sum", "counts"}
         for r in dp["releases"].values():
             assert r["assumed_colluders"] == t
