@@ -8,7 +8,9 @@ federation (default: the embedded surrogate) for each Missing-m setting, both Gr
 :data:`afl.lab.simulate_dp.MECHANISMS` (``default``: the daemons' measured budget split, joint
 calibration, label clipping k = 1, ridge at the noise level; ``previous``: equal split,
 per-release calibration, no label clipping, eigenvalue floor; the others undo one choice of
-``default``), ``patient`` (the first M images of each patient per site) or ``image``.
+``default``), ``patient`` (the first M images of each patient per site) or ``image``, and
+optionally D′: the features projected on a fixed random D′-dimensional subspace (public seed,
+:func:`afl.lab.simulate_dp.projection_matrix`) with the clip norm scaled by √(D′/d).
 """
 
 from __future__ import annotations
@@ -37,15 +39,19 @@ DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, math.inf)
 DEFAULT_VARIANTS = ("default:patient:1", "previous:patient:1", "previous:image:1")
 
 
-def parse_variant(text: str) -> tuple[str, str, int]:
-    """``MECHANISM:UNIT:M`` -> (mechanism, unit, m); ValueError names what is wrong."""
+def parse_variant(text: str) -> tuple[str, str, int, int]:
+    """``MECHANISM:UNIT:M[:D]`` -> (mechanism, unit, m, projection d′ or 0); ValueError names
+    what is wrong."""
     parts = text.split(":")
-    shape = f"variant must be {'|'.join(MECHANISMS)}:patient|image:M, got {text!r}"
-    if len(parts) != 3 or parts[0] not in MECHANISMS:
+    shape = f"variant must be {'|'.join(MECHANISMS)}:patient|image:M[:D'], got {text!r}"
+    if len(parts) not in (3, 4) or parts[0] not in MECHANISMS:
         raise ValueError(shape)
-    if parts[1] not in ("patient", "image") or not parts[2].isdigit() or int(parts[2]) < 1:
+    numbers = parts[2:]
+    if parts[1] not in ("patient", "image") or not all(
+        p.isdigit() and int(p) >= 1 for p in numbers
+    ):
         raise ValueError(shape)
-    return parts[0], parts[1], int(parts[2])
+    return parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) == 4 else 0
 
 
 def run_privacy_bench(
@@ -67,7 +73,9 @@ def run_privacy_bench(
     timings: dict[str, dict[str, float]] = {}
     kept: dict[str, float] = {}
     for variant in variants:
-        mechanism, unit, m = parse_variant(variant)
+        mechanism, unit, m, projection = parse_variant(variant)
+        # A random projection to d′ shrinks a row's norm by about √(d′/d): the clip follows.
+        clip = clip_norm * math.sqrt(projection / fed.d) if projection else clip_norm
         config = SimulationConfig(
             settings=settings,
             rounds=(1,),
@@ -76,10 +84,11 @@ def run_privacy_bench(
             dp=DPConfig(
                 epsilons=epsilons,
                 delta=delta,
-                clip_norm=clip_norm,
+                clip_norm=clip,
                 unit=unit,  # type: ignore[arg-type]
                 rows_per_individual=m,
                 mechanism=mechanism,  # type: ignore[arg-type]
+                projection=projection,
             ),
         )
         results = simulate(fed, config, progress=progress)

@@ -14,7 +14,10 @@ same calibration, both taken from the rulebook :mod:`afl.core.dp_accounting`:
   measured split, joint calibration, label clipping at k = 1 and ridge at the noise level;
   ``previous``, equal split, per-release calibration, no label clipping, eigenvalue floor only;
   ``no-label-clip``, ``equal-split`` and ``floor``: ``default`` with one choice undone), as the
-  ``mask`` daemons calibrate it with t = 0, including their noise-grid rounding allowance.
+  ``mask`` daemons calibrate it with t = 0, including their noise-grid rounding allowance;
+* optionally (``projection`` d′, measured in docs/benchmarks.md §2, not in the daemons) the
+  features projected on a fixed random d′-dimensional subspace (:func:`projection_matrix`, a
+  public seed) before the unit's rows are clipped; W is mapped back to the original features.
 
 Noise is added once per release with the total σ_r (equal in distribution to the shares
 N(0, σ_r²/n_r) of n_r honest members under secure aggregation, t = 0), as continuous Gaussian
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -82,6 +85,7 @@ class DPConfig:
     mechanism: MechanismName = "default"
     seed: int = 0
     pd_method: PDMethod | None = None  # None: the mechanism's (floor for previous and floor)
+    projection: int = 0  # d' > 0: project the features on a fixed random d'-dim subspace
 
     def __post_init__(self) -> None:
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
@@ -90,6 +94,8 @@ class DPConfig:
             raise ValueError(f"δ must lie in (0, 1), got {self.delta}")
         if self.rows_per_individual < 1 or (self.unit == "image" and self.rows_per_individual > 1):
             raise ValueError("rows_per_individual must be >= 1, and 1 for unit 'image'")
+        if self.projection < 0:
+            raise ValueError(f"projection must be >= 0, got {self.projection}")
 
     @property
     def rulebook(self) -> Mechanism:
@@ -121,6 +127,22 @@ class ClippedSite:
     labels: NDArray[np.int8]
     clipped_fraction: float
     kept_fraction: float = 1.0
+    input_dim: int = 0  # d before a fixed projection (0: not projected)
+
+
+#: Seed of the fixed projection: public, chosen before any data is seen.
+PROJECTION_SEED = 20240601
+
+
+def projection_matrix(d: int, d_out: int) -> NDArray[np.float64]:
+    """Q (d, d_out) with orthonormal columns, from :data:`PROJECTION_SEED` only (data
+    independent, so announcing it costs no privacy): features h ↦ Qᵀh, and a W′ solved on the
+    projected features is W = Q·W′ on the original ones."""
+    if not 1 <= d_out <= d:
+        raise ValueError(f"projection dimension must lie in 1..{d}, got {d_out}")
+    q, _ = np.linalg.qr(np.random.default_rng(PROJECTION_SEED).standard_normal((d, d_out)))
+    out: NDArray[np.float64] = q
+    return out
 
 
 def clip_site(
@@ -156,9 +178,11 @@ def clip_sites(
             "patient-level DP rows need the sites' patient ids (the embedded default has them; "
             "feature caches need a patients.txt); or use unit 'image'"
         )
-    return [
+    d_in = int(site_features[0].shape[1])
+    q = projection_matrix(d_in, config.projection) if config.projection else None
+    sites = [
         clip_site(
-            h,
+            h if q is None else np.asarray(h, dtype=np.float64) @ q,
             y,
             clip_norm=config.clip_norm,
             patients=None if config.unit == "image" or site_patients is None else site_patients[k],
@@ -166,6 +190,7 @@ def clip_sites(
         )
         for k, (h, y) in enumerate(zip(site_features, site_labels, strict=True))
     ]
+    return [replace(s, input_dim=d_in) for s in sites] if q is not None else sites
 
 
 def positive_definite(
@@ -246,7 +271,8 @@ def dp_solve(
     gamma: float,
     config: DPConfig,
 ) -> tuple[NDArray[np.float64], dict[str, float]]:
-    """W under DP for one assignment; returns W and the accounting actually achieved."""
+    """W under DP for one assignment; returns W (mapped back to the original features when
+    ``config.projection``) and the accounting actually achieved."""
     num_sites, num_classes = active.shape
     d = sites[0].gram.shape[0]
     groups = dp_release_groups(active, scope=scope)
@@ -283,6 +309,8 @@ def dp_solve(
         for j, c in enumerate(cols):
             if covered[c]:
                 weights[:, c] = w[:, j]
+    if sites[0].input_dim:
+        weights = projection_matrix(sites[0].input_dim, d) @ weights
     per_site = {s: sum(1 for r in releases if s in r.members) for s in site_index}
     groups_per_site = {s: sum(1 for g in groups if s in g.members) for s in site_index}
     return weights, {

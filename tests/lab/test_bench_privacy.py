@@ -44,8 +44,15 @@ def test_privacy_bench_curves_and_plot(tmp_path):
 
 
 def test_variants_are_parsed_and_patient_level_needs_patient_ids():
-    assert parse_variant("previous:patient:2") == ("previous", "patient", 2)
-    for bad in ("default:patient", "other:image:1", "default:row:1", "default:image:0"):
+    assert parse_variant("previous:patient:2") == ("previous", "patient", 2, 0)
+    assert parse_variant("default:image:1:64") == ("default", "image", 1, 64)
+    for bad in (
+        "default:patient",
+        "other:image:1",
+        "default:row:1",
+        "default:image:0",
+        "a:b:1:2:3",
+    ):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad)
     with pytest.raises(ValueError, match="patient ids"):

@@ -20,6 +20,7 @@ from afl.lab.simulate_dp import (
     clip_site,
     clip_sites,
     dp_solve,
+    projection_matrix,
     site_names,
 )
 from afl.proto.v1 import common_pb2 as cpb
@@ -218,3 +219,22 @@ def clip_rows_oracle(h: NDArray[np.floating], clip: float) -> NDArray[np.float64
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     out: NDArray[np.float64] = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300))
     return out
+
+
+def test_a_fixed_projection_solves_in_d_prime_and_maps_w_back() -> None:
+    fed = small_federation(4, sites=3, d=8)
+    active = np.ones((3, len(fed.classes)), dtype=bool)
+    config = DPConfig(epsilons=(math.inf,), clip_norm=50.0, unit="image", projection=3)
+    q = projection_matrix(8, 3)
+    np.testing.assert_allclose(q.T @ q, np.eye(3), atol=1e-12)  # orthonormal columns
+    np.testing.assert_array_equal(q, projection_matrix(8, 3))  # fixed: a public seed
+    sites = clip_sites(fed.site_features, fed.site_labels, None, config)
+    assert sites[0].features.shape[1] == 3 and sites[0].input_dim == 8
+    w, _ = dp_solve(sites, active, scope="global", epsilon=math.inf, gamma=1.0, config=config)
+    # Oracle: the solve on the projected rows (numpy), mapped back with Q.
+    h = np.vstack([np.asarray(f, dtype=np.float64) @ q for f in fed.site_features])
+    y = np.vstack(fed.site_labels).astype(np.float64)
+    weight = 1.0 / np.sqrt(np.maximum(y.sum(axis=1, keepdims=True), 1.0))
+    s_pos, n_pos = h.T @ (y * weight), (y * weight).sum(axis=0)
+    b = s_pos / n_pos - (h.sum(axis=0)[:, None] - s_pos) / (len(h) - n_pos)
+    np.testing.assert_allclose(w, q @ np.linalg.solve(h.T @ h + np.eye(3), b), rtol=1e-9)
