@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.special import expit
 
 from afl.client.daemon_stats import PayloadError, SlotPayload
 from afl.core.dp_accounting import (
@@ -60,6 +59,7 @@ from afl.core.dp_stats import (
 )
 from afl.core.featurecache import FeatureCache
 from afl.core.packing import pack_upper
+from afl.core.refinement import pseudo_labels
 from afl.crypto import ckks_params as cp
 from afl.crypto.dgauss import discrete_gaussian
 from afl.proto.v1 import common_pb2 as cpb
@@ -166,9 +166,8 @@ def pseudo_statistics(
         h = clip_rows(
             np.asarray(features[start : start + batch_size], dtype=np.float64), clip_norm=clip_norm
         )
-        prob = expit(h @ weights[:, cols])
-        pos = (prob > tau).astype(np.float64)
-        labelled = pos + (prob < 1.0 - tau)
+        pos, neg = pseudo_labels(h, weights[:, cols], tau=tau)
+        labelled = pos + neg
         y = np.zeros((h.shape[0], c))
         y[:, cols] = pos * label_weights(pos, max_positive_labels=max_positive_labels)[:, None]
         lab = np.zeros((h.shape[0], c))

@@ -51,6 +51,15 @@ class PseudoStats:
     n_pseudo_neg: NDArray[np.int64]
 
 
+def pseudo_labels(
+    h: NDArray[np.float64], weights: NDArray[np.float64], *, tau: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Eq. 16-17 on rows ``h`` (n, d) for the columns of ``weights`` (d, m): p = σ(h·w), the
+    pseudo-positive indicator [p > τ] and pseudo-negative indicator [p < 1 - τ], as float64."""
+    prob = expit(h @ weights)
+    return (prob > tau).astype(np.float64), (prob < 1.0 - tau).astype(np.float64)
+
+
 def pseudo_label_projection(
     features: NDArray[np.floating],
     *,
@@ -73,9 +82,7 @@ def pseudo_label_projection(
     n_pn = np.zeros(cols.size, dtype=np.int64)
     for start in range(0, features.shape[0], batch_size):
         h = np.asarray(features[start : start + batch_size], dtype=np.float64)
-        prob = expit(h @ weights[:, cols])
-        pp = (prob > params.tau).astype(np.float64)
-        pn = (prob < 1.0 - params.tau).astype(np.float64)
+        pp, pn = pseudo_labels(h, weights[:, cols], tau=params.tau)
         pos_sum += h.T @ pp
         neg_sum += h.T @ pn
         n_pp += pp.sum(axis=0).astype(np.int64)

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from afl.core.dp_accounting import GaussianRelease, epsilon_for_releases
 from afl.core.featurecache import open_cache
+from afl.lab.demo_federation import LoopbackFederation, prepare_loopback
 from afl.proto.v1 import common_pb2 as cpb
 from afl.server import toml_text
 from afl.server.config import load_config
@@ -55,6 +56,37 @@ def site_data(
         labels.append(y)
         patients.append([f"site{site}-patient{i // 3}" for i in range(n)])
     return feats, labels, patients
+
+
+def dp_federation(
+    root: Path,
+    sites: int,
+    *,
+    dp: Mapping[str, toml_text.TomlValue] | None = None,
+    round_settings: Mapping[str, toml_text.TomlValue] | None = None,
+    active: NDArray[np.bool_] | None = None,
+    policy: Mapping[str, Mapping[str, toml_text.TomlValue]] | None = None,
+    decryptor: bool = False,
+) -> LoopbackFederation:
+    """A loopback federation of ``sites`` sites holding :func:`site_data` (with patient ids;
+    every site labels every class unless ``active`` says otherwise), the test set the first 30
+    rows of site 1, and the [round.dp] table :data:`DP_TABLE` updated with ``dp``."""
+    feats, labels, patients = site_data(sites)
+    loop = prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=np.ones((sites, len(CLASSES)), dtype=bool) if active is None else active,
+        test_features=feats[0][:30],
+        test_labels=labels[0][:30],
+        round_settings=round_settings,
+        policy=policy,
+        decryptor=decryptor,
+        site_patients=patients,
+    )
+    add_dp_table(loop.server_config, {**DP_TABLE, **(dp or {})})
+    return loop
 
 
 def add_dp_table(server_config: Path, table: Mapping[str, toml_text.TomlValue]) -> None:

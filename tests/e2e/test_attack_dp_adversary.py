@@ -13,18 +13,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
-
-from afl.lab.demo_federation import prepare_loopback, run_loopback
+from afl.lab.demo_federation import run_loopback
 from tests.e2e import t0_coordinator
 from tests.e2e.dp_scenario import (
-    CLASSES,
     DELTA,
-    DP_TABLE,
-    add_dp_table,
+    dp_federation,
     server_store,
     signed_plans,
-    site_data,
 )
 from tests.helpers import dp_oracle
 
@@ -32,19 +27,8 @@ SITES = ["site-1", "site-2", "site-3", "site-4"]
 
 
 def test_sites_refuse_plaintext_noise_sized_for_the_sum(tmp_path: Path) -> None:
-    feats, labels, patients = site_data(len(SITES))
-    loop = prepare_loopback(
-        tmp_path,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((len(SITES), len(CLASSES)), dtype=bool),
-        test_features=feats[0][:30],
-        test_labels=labels[0][:30],
-        policy={site: {"max_epsilon": 5.0} for site in SITES},
-        site_patients=patients,
-    )
-    add_dp_table(loop.server_config, {**DP_TABLE, "epsilon": 4.0})
+    policy = {site: {"max_epsilon": 5.0} for site in SITES}
+    loop = dp_federation(tmp_path, len(SITES), dp={"epsilon": 4.0}, policy=policy)
     run = run_loopback(loop, timeout_s=180, server_command=t0_coordinator.command())
 
     plans = signed_plans(loop.server_config)  # a refusal aborts; the others get a new plan

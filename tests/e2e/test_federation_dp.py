@@ -15,35 +15,19 @@ from pathlib import Path
 import numpy as np
 
 from afl.client.dp_ledger import DpLedger
-from afl.lab.demo_federation import prepare_loopback, run_loopback
+from afl.lab.demo_federation import run_loopback
 from tests.e2e.dp_scenario import (
-    CLASSES,
-    DP_TABLE,
-    add_dp_table,
     checked_dp_report,
     dp_budgets,
+    dp_federation,
     pooled_solve,
     signed_plans,
-    site_data,
     w_error_bound,
 )
 
 
 def test_dp_round_completes_and_a_site_over_budget_refuses(tmp_path: Path) -> None:
-    feats, labels, patients = site_data(4)
-    active = np.ones((4, len(CLASSES)), dtype=bool)
-    loop = prepare_loopback(
-        tmp_path,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=active,
-        test_features=feats[0][:30],
-        test_labels=labels[0][:30],
-        policy={"site-4": {"max_epsilon": 1e5}},
-        site_patients=patients,
-    )
-    add_dp_table(loop.server_config, DP_TABLE)
+    loop = dp_federation(tmp_path, 4, policy={"site-4": {"max_epsilon": 1e5}})
     run = run_loopback(loop, timeout_s=180)
 
     assert run.client_rcs["site-4"] == 3, run.logs

@@ -12,13 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from afl.crypto import ckks_params as cp
-from afl.lab.demo_federation import ckks_round_settings, prepare_loopback, run_loopback
+from afl.lab.demo_federation import ckks_round_settings, run_loopback
 from tests.e2e.dp_scenario import (
-    CLASSES,
-    DP_TABLE,
-    add_dp_table,
     checked_dp_report,
     dp_budgets,
+    dp_federation,
     pooled_solve,
     signed_plans,
     site_data,
@@ -29,21 +27,15 @@ SITES = ["site-1", "site-2", "site-3"]
 
 
 def test_dp_ckks_round_recovers_the_noisy_sums_exactly(tmp_path: Path) -> None:
-    feats, labels, patients = site_data(len(SITES))
+    feats = site_data(len(SITES))[0]
     max_samples = int(max(len(f) for f in feats) * 1.05)
-    loop = prepare_loopback(
+    loop = dp_federation(
         tmp_path,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((len(SITES), len(CLASSES)), dtype=bool),
-        test_features=feats[0][:30],
-        test_labels=labels[0][:30],
+        len(SITES),
+        dp={"max_samples": max_samples, "tolerated": 1},
         round_settings={**ckks_round_settings(feats), "gram_scope": "global"},
         decryptor=True,
-        site_patients=patients,
     )
-    add_dp_table(loop.server_config, {**DP_TABLE, "max_samples": max_samples, "tolerated": 1})
     run = run_loopback(loop, timeout_s=300)
     assert all(run.client_rcs[s] == 0 for s in SITES), run.logs
 

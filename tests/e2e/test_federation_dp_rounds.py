@@ -28,23 +28,21 @@ from afl.client import cli
 from afl.client.dp_ledger import DpLedger
 from afl.core.dp_accounting import compose_mu, epsilon_from_mu
 from afl.core.featurecache import open_cache
-from afl.lab.demo_federation import prepare_loopback, run_loopback
+from afl.lab.demo_federation import run_loopback
 from afl.server import toml_text
 from tests.e2e.dp_scenario import (
     CLASSES,
     CLIP,
     DELTA,
-    DP_TABLE,
     EPSILON,
     D,
-    add_dp_table,
     balanced,
     checked_dp_report,
     dp_budgets,
+    dp_federation,
     kept_rows,
     pooled_stats,
     signed_plans,
-    site_data,
 )
 from tests.helpers import dp_oracle
 
@@ -84,25 +82,13 @@ def _targets_error(st: dict[str, NDArray[np.float64]], sig: dict[str, float], k:
 def test_two_round_dp_run_composes_and_a_restarted_site_keeps_its_ledger(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    feats, labels, patients = site_data(len(SITES))
     active = np.ones((len(SITES), len(CLASSES)), dtype=bool)
     active[0, 1] = False  # site-1 does not label B
     settings: dict[str, toml_text.TomlValue] = {
         "rounds": 2, "tau": TAU, "alpha": ALPHA, "delta_pos": 5, "delta_neg": 5,
         "gram_scope": "global",
     }  # fmt: skip
-    loop = prepare_loopback(
-        tmp_path,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=active,
-        test_features=feats[0][:30],
-        test_labels=labels[0][:30],
-        round_settings=settings,
-        site_patients=patients,
-    )
-    add_dp_table(loop.server_config, DP_TABLE)
+    loop = dp_federation(tmp_path, len(SITES), round_settings=settings, active=active)
     run = run_loopback(loop, timeout_s=300)
     assert all(run.client_rcs[s] == 0 for s in SITES), run.logs
 
