@@ -247,10 +247,10 @@ def statistic_sensitivity(
     positive in p classes enters the positive sums and counts with weight min(1, √(k/p)). One row
     h, labelled (and positive) in all C_r classes of the release, changes
 
-        gram     G = Σ h hᵀ (d x d)              by ‖h hᵀ‖_F = ‖h‖² ≤ L²    →  Δ = m·L²
-        s_pos    S+ (d x C_r), w·h per column    by √min(k, C_r)·L           →  Δ = m·√min(k, C_r)·L
-        t_sum    T  (d x C_r), h per column       by √C_r·L                   →  Δ = m·√C_r·L
-        counts   n+ (w each) and N (1 each)       by √(min(k, C_r) + C_r)     →  Δ = m·√(min(k,C_r)+C_r)
+        gram     G = Σ h hᵀ (d x d)            by ‖h hᵀ‖_F = ‖h‖² ≤ L²   →  Δ = m·L²
+        s_pos    S+ (d x C_r), w·h per column  by √min(k, C_r)·L          →  Δ = m·√min(k, C_r)·L
+        t_sum    T  (d x C_r), h per column    by √C_r·L                  →  Δ = m·√C_r·L
+        counts   n+ (w each) and N (1 each)    by √(min(k, C_r) + C_r)    →  Δ = m·√(min(k,C_r)+C_r)
 
     (k = C_r gives √C_r·L and √(2C_r)). The pseudo kinds of round 2 are the same statistics of the
     pseudo-labelled rows. ``n_classes`` is C_r (ignored for ``gram``).

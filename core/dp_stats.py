@@ -10,9 +10,9 @@ float version. The sensitivities, noise split and calibration are the rulebook's
    sum ``S+_c = Σ_{y=1} ω h``, positive count ``n+_c = Σ_{y=1} ω``, label total ``T_c = Σ h`` and
    label count ``N_c``. ω = 1, or with label clipping at k positives ω_i = min(1, √(k/p_i))
    (:func:`label_weights`, p_i the row's positive labels), so one row moves the positive sums by
-   at most √k·L. A site that labels every class has ``T_c = T = Σ h`` and ``N_c = N`` for all c; keeping
-   them per class lets sites that do not label c send zeros (global gram_scope, docs/protocol.md
-   §6).
+   at most √k·L. A site that labels every class has ``T_c = T = Σ h`` and ``N_c = N`` for all
+   c; keeping them per class lets sites that do not label c send zeros (global gram_scope,
+   docs/protocol.md §6).
 3. Gaussian noise, one σ per statistic (:class:`NoiseScales`; released as ``gram``, ``s_pos``,
    ``t_sum`` and ``counts`` = (n+, N) with the sensitivities of
    :func:`afl.core.dp_accounting.statistic_sensitivity`).

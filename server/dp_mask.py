@@ -9,8 +9,8 @@ site's values satisfy, with probability ≥ 1 - 10^-15 per coordinate (|Z| ≤ 8
     |G_ij| ≤ N·L² + 8σ_s + 2^-f_n,  |S+|, |T| ≤ N·L + 8σ_s + 2^-f_n,  |n+|, |N| ≤ N + 8σ_s + 2^-f_n
 
 (2^-f_n: rounding to the noise grid; the same for the pseudo-label statistics of round 2; the
-CKKS encodings of a DP plan use the same bounds, :mod:`afl.server.dp_ckks`). A value beyond its bound is refused by the site (never
-clipped), so the round fails rather than leaks. Every value lies on the grid 2^-(f_n+1) (the
+CKKS encodings of a DP plan use the same bounds, :mod:`afl.server.dp_ckks`). A value beyond its
+bound is refused by the site (never clipped), so the round fails rather than leaks. Every value lies on the grid 2^-(f_n+1) (the
 Gram is symmetrised as (2G + Z + Zᵀ)/2^(f_n+1)), so the encoding is exact iff its fractional
 bits f ≥ f_n + 1; f is the most bits with m_r·B_r·2^f < 2^63 and a plan where that is below
 f_n + 1 is refused with :class:`ValueError`.
