@@ -107,6 +107,11 @@ def add_extract_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--path-column", default="path", help="manifest: image path column")
     p.add_argument("--id-column", help="manifest: image id column (default: the path)")
+    p.add_argument(
+        "--patient-column",
+        default="patient",
+        help="manifest: patient id column, the DP privacy unit (default: patient, when present)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -162,6 +167,7 @@ def run_extract(args: argparse.Namespace) -> int:
             path_column=args.path_column,
             id_column=args.id_column,
             uncertain_as=args.uncertain_as,
+            patient_column=args.patient_column,
         )
     source = _preflight(source, args)
     backbone = load_backbone(
@@ -473,6 +479,59 @@ def run_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="client.toml of the site")
+    p.add_argument("--json", action="store_true", help="print the ledger and totals as JSON")
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """The site's lifetime DP ledger (docs/operations.md): every release it took part in, and
+    the composition against its policy's lifetime budget."""
+    import json
+    import math
+
+    from afl.client.config import ConfigError, load_client_config
+    from afl.client.dp_ledger import DpLedger, LedgerError
+
+    try:
+        config = load_client_config(args.config)
+        ledger = DpLedger(config.state_dir / "dp-ledger")
+        entries = ledger.entries()
+        policy = config.policy
+        spent = ledger.spent(unit=policy.privacy_unit)
+    except (ConfigError, LedgerError) as exc:
+        print(f"afl-client budget: error: {exc}", file=sys.stderr)
+        return 1
+    lifetime = spent.epsilon(policy.lifetime_delta)
+    if args.json:
+        doc = {
+            "site_id": config.site_id,
+            "unit": policy.privacy_unit,
+            "entries": [e.to_json() for e in entries],
+            "mu": "inf" if math.isinf(spent.mu) else spent.mu,
+            "epsilon": "inf" if math.isinf(lifetime) else lifetime,
+            "delta": policy.lifetime_delta,
+            "lifetime_epsilon": str(policy.lifetime_epsilon),
+            "head_sha256": ledger.head(),
+        }
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    print(f"DP ledger of site {config.site_id} ({ledger.root}), {policy.privacy_unit}-level:")
+    for e in entries:
+        dp = (
+            f"ε = {e.epsilon:.4g} at δ = {e.delta:g} ({e.unit}-level)"
+            if e.mu < math.inf
+            else "no DP (ε = ∞)"
+        )
+        print(f"  {e.seq:4d}  round {e.round_number} {e.round_id}  {e.aggregation:26s} {dp}")
+    print(
+        f"lifetime: ε = {lifetime:.4g} at δ = {policy.lifetime_delta:g} over {spent.entries} "
+        f"release(s) (μ = {spent.mu:.4g}); policy lifetime_epsilon = {policy.lifetime_epsilon:g}"
+    )
+    print(f"head: {ledger.head()} (keep it off the site to detect a cut or edited last entry)")
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
     (
         "init",
@@ -514,9 +573,15 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
         add_evaluate_arguments,
         run_evaluate,
     ),
+    (
+        "budget",
+        "the site's lifetime DP ledger and what is left of its budget",
+        add_budget_arguments,
+        run_budget,
+    ),
 ]
 # Subcommands that never import torch (they handle their own errors).
-_LIGHT = ("run", "init", "doctor", "status")  # "evaluate" and "predict" import torch
+_LIGHT = ("run", "init", "doctor", "status", "budget")  # "evaluate" and "predict" import torch
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,8 @@ Sections (paths are relative to the file's own folder)::
     [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
                disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
                power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),
-               allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds)
+               allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds),
+               lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient")
 
 ``[policy]`` is what the site requires whatever the coordinator chooses (docs/protocol.md §2):
 ``allowed_aggregation`` lists the protections the site accepts (a hand-written client.toml
@@ -84,6 +85,9 @@ _KNOWN: dict[str, set[str]] = {
         "disclose_row_bounds",
         "allowed_aggregation",
         "ckks_decryptor",
+        "lifetime_epsilon",
+        "lifetime_delta",
+        "privacy_unit",
     },
 }
 _ROLES = ("participant", "decryptor")
@@ -98,7 +102,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LocalPolicy:
-    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`."""
+    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`.
+
+    DP (docs/protocol.md §7): ``max_epsilon`` bounds one run (both rounds), ``lifetime_epsilon``
+    at ``lifetime_delta`` everything in the site's ledger (:mod:`afl.client.dp_ledger`);
+    ``privacy_unit`` "patient" refuses image-level DP plans. inf = no limit (then plans without
+    DP are accepted too)."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -107,6 +116,9 @@ class LocalPolicy:
     disclose_row_bounds: bool = True
     allowed_aggregation: tuple[str, ...] = PROTECTED_AGGREGATION
     ckks_decryptor: str | None = None
+    lifetime_epsilon: float = math.inf
+    lifetime_delta: float = 1e-5
+    privacy_unit: str = "patient"
 
 
 @dataclass(frozen=True)
@@ -264,7 +276,24 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         disclose_row_bounds=r.boolean(sec, "policy", "disclose_row_bounds", True),
         allowed_aggregation=tuple(modes),
         ckks_decryptor=decryptor,
+        lifetime_epsilon=r.number(sec, "policy", "lifetime_epsilon", math.inf, minimum=0.0),
+        lifetime_delta=_lifetime_delta(r, sec),
+        privacy_unit=_privacy_unit(r, sec),
     )
+
+
+def _lifetime_delta(r: _Reader, sec: Mapping[str, Any]) -> float:
+    value = r.number(sec, "policy", "lifetime_delta", 1e-5, minimum=0.0)
+    if not 0 < value < 1:
+        raise r.error("policy.lifetime_delta", f"must lie in (0, 1), got {value}")
+    return value
+
+
+def _privacy_unit(r: _Reader, sec: Mapping[str, Any]) -> str:
+    value = r.string(sec, "policy", "privacy_unit", "patient")
+    if value not in ("patient", "image"):
+        raise r.error("policy.privacy_unit", f"must be 'patient' or 'image', got {value!r}")
+    return value
 
 
 def _data(r: _Reader) -> DataConfig:

@@ -51,7 +51,9 @@ from afl.client.daemon_verify import (
     verify_model,
     verify_round_config,
 )
-from afl.client.dp_payloads import dp_report, dp_slot_payloads, dp_statistics
+from afl.client.dp_ledger import DpLedger, LedgerError
+from afl.client.dp_payloads import dp_round_payloads
+from afl.client.dp_policy import DpAssessment, DpContext, assess_plan, dp_report
 from afl.client.mode_registry import MODES
 from afl.client.modes import AggregationMode, RoundSession
 from afl.client.policy import PolicyDecision, check_plan
@@ -74,6 +76,7 @@ _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_FAILED: EXIT_FAILED,
 }
 log = logging.getLogger("afl.client")
+_ROUND_TWO = (cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM)
 
 
 def _version() -> str:
@@ -108,6 +111,7 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
+        self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
         self.stats_from_state = False
@@ -212,14 +216,55 @@ class ClientDaemon:
         problem = self._round_problems(cfg)
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
+        try:
+            context = self._dp_context(cfg)
+        except LedgerError as exc:
+            return PolicyDecision(False, str(exc)), plan, plan_sha
         decision = check_plan(
             plan,
             site_id=self.site_id,
             policy=self.config.policy,
             supported_modes=tuple(self.modes),
             history=self.store.history(exclude_round=cfg.round_id),
+            dp_context=context,
         )
         return decision, plan, plan_sha
+
+    def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
+        """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
+        assert self.cache is not None
+        unit = self.config.policy.privacy_unit
+        first = self.ledger.entry_for(cfg.parent_round_id) if cfg.parent_round_id else None
+        return DpContext(
+            has_patient_ids=self.cache.patients is not None,
+            ledger=self.ledger.spent(unit=unit, exclude_round=cfg.round_id),
+            run_mu=first.mu_for(unit) if first is not None else 0.0,
+        )
+
+    def _record(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> DpAssessment:
+        """Write the plan's ledger entry (before any upload leaves); the assessment it holds."""
+        dp = assess_plan(
+            plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
+        )
+        self.ledger.record(
+            federation_id=self.config.federation_id,
+            round_id=cfg.round_id,
+            round_number=int(cfg.round_number),
+            run_id=cfg.run_id or cfg.parent_round_id or cfg.round_id,
+            plan_sha256=plan_sha.hex(),
+            aggregation=cpb.AggregationMode.Name(plan.aggregation),
+            unit="patient" if plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT else "image",
+            images_per_patient=int(plan.dp.images_per_patient or 1),
+            delta=float(plan.dp.delta),
+            mu=dp.mu,
+            epsilon=dp.epsilon,
+            releases=tuple(
+                {"name": r.name, "sensitivity": r.noise.sensitivity, "sigma": r.noise.sigma}
+                for r in plan.releases
+                if self.site_id in r.member_site_ids
+            ),
+        )
+        return dp
 
     def _respond(self, round_id: str, decision: PolicyDecision, plan_sha: bytes) -> None:
         signature = signatures.sign_fields(
@@ -269,8 +314,8 @@ class ClientDaemon:
             log.warning("site=%s round %s: %s", self.site_id, round_id, view.note)
             report["classes_note"] = view.note
         stats = view.stats
-        pseudo = None
-        if any(r.kind == cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR for r in plan.releases):
+        pseudo, parent_weights = None, None
+        if any(r.kind in _ROUND_TWO for r in plan.releases):
             t0 = time.perf_counter()
             parent, nbytes = self._model(
                 cfg.parent_round_id, class_names=class_names, plan_sha256=None
@@ -281,26 +326,24 @@ class ClientDaemon:
                 tau=ref.tau, alpha=ref.alpha, delta_pos=ref.delta_pos, delta_neg=ref.delta_neg
             )
             missing: NDArray[np.bool_] = ~view.labelled
-            pseudo, _ = load_or_compute_pseudo(
-                self.cache, weights=parent.weights, missing=missing, params=params,
-                state_dir=self.state,
-            )  # fmt: skip
+            parent_weights = parent.weights
+            if not plan.dp.enabled:
+                pseudo, _ = load_or_compute_pseudo(
+                    self.cache, weights=parent.weights, missing=missing, params=params,
+                    state_dir=self.state,
+                )  # fmt: skip
             timings["pseudo_labels"] = time.perf_counter() - t0
-        if (
-            plan.dp.enabled
-        ):  # DP mode (docs/protocol.md §7): clipped additive statistics + noise share
-            report["dp"] = dp_report(plan, self.site_id)
-            payloads = dp_slot_payloads(
+        if plan.dp.enabled:  # DP (docs/protocol.md §7): the unit's rows, clipped, noise share
+            payloads = dp_round_payloads(
                 plan,
                 site_id=self.site_id,
+                cache=self.cache,
                 class_names=class_names,
-                stats=dp_statistics(
-                    self.cache.features,
-                    view.labels(self.cache.labels),
-                    labelled=view.labelled,
-                    clip_norm=plan.dp.clip_norm,
-                ),
+                labels=view.labels(self.cache.labels),
+                labelled=view.labelled,
                 encode=mode.encode,
+                parent_weights=parent_weights,
+                tau=cfg.refinement.tau,
             )
         else:
             payloads = slot_payloads(
@@ -314,6 +357,9 @@ class ClientDaemon:
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
+        dp = self._record(cfg, plan, plan_sha)  # the ledger, before any upload leaves
+        if plan.dp.enabled:
+            report["dp"] = dp_report(plan, self.site_id, dp)
         t0 = time.perf_counter()
         session = RoundSession(
             rpc=self.rpc,

@@ -134,7 +134,10 @@ def _compact(staging: Path, out: Path, rows: list[int], failed: list[Unreadable]
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     ids = [part.ids[p] for p in keep]
-    writer = FeatureCacheWriter.create_or_resume(tmp, meta=meta, ids=ids, labels=part.labels[keep])
+    patients = None if part.patients is None else [part.patients[p] for p in keep]
+    writer = FeatureCacheWriter.create_or_resume(
+        tmp, meta=meta, ids=ids, labels=part.labels[keep], patients=patients
+    )
     for start in range(0, len(keep), 8192):
         writer.write_rows(start, np.asarray(part.features[keep[start : start + 8192]]))
     write_unreadable(tmp, failed)
@@ -191,8 +194,9 @@ def extract_features(
     _check_resumable(staging, meta)
     recs = [source.records[r] for r in rows]
     labels = source.labels[rows] if rows else np.zeros((0, len(source.classes)), np.int8)
+    patients = [r.patient for r in recs] if source.patients is not None else None
     writer = FeatureCacheWriter.create_or_resume(
-        staging, meta=meta, ids=[r.id for r in recs], labels=labels
+        staging, meta=meta, ids=[r.id for r in recs], labels=labels, patients=patients
     )
     failed = _read_failed(staging, writer.rows_done)
     start, pos = 0, 0

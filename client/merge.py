@@ -102,13 +102,18 @@ def merge_shards(
         extra=extra,
     )
     ids = [caches[s].ids[p] for _, s, p in order]
+    patients = None
+    if all(c.patients is not None for c in caches):
+        patients = [(caches[s].patients or ())[p] for _, s, p in order]
     labels = np.stack([caches[s].labels[p] for _, s, p in order]) if order else None
     if labels is None:
         labels = np.zeros((0, len(first.classes)), dtype=np.int8)
     target = Path(out)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    writer = FeatureCacheWriter.create_or_resume(tmp, meta=meta, ids=ids, labels=labels)
+    writer = FeatureCacheWriter.create_or_resume(
+        tmp, meta=meta, ids=ids, labels=labels, patients=patients
+    )
     shard_of = np.array([s for _, s, _ in order], dtype=np.int64)
     pos_of = np.array([p for _, _, p in order], dtype=np.int64)
     for start in range(0, len(order), 8192):

@@ -17,9 +17,10 @@ and refuses when
   the site's own contribution by differencing, or the sum of a group smaller than
   ``min_cohort`` that contains the site: the row-space test of :func:`afl.core.leakage.audit_releases`
   (e_k ∈ rowspace(A), docs/protocol.md §6);
-* the plan's DP cost for the site exceeds ``max_epsilon`` (no DP counts as ε = ∞). The cost is
-  the larger of the server's stated budget and the site's own recomputation from the releases'
-  noise (σ, sensitivity at the declared clip norm).
+* the plan's DP cost for the site, over its run, exceeds ``max_epsilon``, or over its lifetime
+  ledger ``lifetime_epsilon`` (no DP counts as ε = ∞), or the plan's DP cannot be honoured
+  (:func:`afl.client.dp_policy.assess_plan`: the site's own accounting from the share it adds,
+  under the adversary that sees its upload, never below the server's stated budget).
 
 DP covers small cohorts and exposure (docs/protocol.md §7): when the plan has DP and the site's ε is within
 ``max_epsilon``, the min-cohort and differencing rules are waived (every release is noised and
@@ -33,13 +34,12 @@ counts) sums two quantities per class, ``eval[c]@<model>`` and ``labels[c]``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from afl.client.config import LocalPolicy
-from afl.client.dp_payloads import site_epsilon
+from afl.client.dp_policy import DpContext, assess_plan
 from afl.core import leakage
 from afl.core.evaluation import evaluation_quantities
 from afl.crypto.errors import CryptoError
@@ -89,6 +89,9 @@ def release_quantities(release: cpb.Release) -> list[str]:
         cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
         cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
         cpb.STATISTIC_KIND_COUNT: "counts",
+        cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM: "pseudo_s_pos",
+        cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM: "pseudo_t_sum",
+        cpb.STATISTIC_KIND_PSEUDO_COUNT: "pseudo_counts",
     }.get(kind)
     if prefix is not None:
         return [f"{prefix}[{c}]" for c in release.class_names] or [prefix]
@@ -103,15 +106,6 @@ def audit_view(releases: Sequence[cpb.Release], *, tag: str = "") -> list[leakag
             name = f"{tag}{r.name}" + (f"#{q}" if q not in ("gram", r.name) else "")
             out.append(leakage.Release(name, frozenset(r.member_site_ids), q))
     return out
-
-
-def _site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
-    """The larger of the server's stated ε for the site and the site's own recomputation from
-    the plan's noise (:func:`afl.client.dp_payloads.site_epsilon`); inf without DP."""
-    if not plan.dp.enabled:
-        return math.inf
-    spent = [b.epsilon for b in plan.budgets if b.site_id == site_id]
-    return max([*spent, site_epsilon(plan, site_id)])
 
 
 def survivor_floors(
@@ -162,11 +156,13 @@ def check_plan(
     policy: LocalPolicy,
     supported_modes: Collection[int] = (cpb.AGGREGATION_MODE_PLAINTEXT,),
     history: Sequence[leakage.Release] = (),
+    dp_context: DpContext | None = None,
 ) -> PolicyDecision:
     """Accept or refuse ``plan`` for ``site_id`` under ``policy`` (rules in the module docstring).
 
     ``history`` holds releases of earlier rounds the site took part in (their names must not
-    collide with this plan's; :func:`audit_view` with a round ``tag`` does that).
+    collide with this plan's; :func:`audit_view` with a round ``tag`` does that); ``dp_context``
+    what the DP check needs besides the plan (patient ids, ledger, the run's earlier rounds).
     """
     participants = list(plan.participants)
     if site_id not in participants:
@@ -185,10 +181,10 @@ def check_plan(
     names = [r.name for r in releases]
     if len(set(names)) != len(names):
         return _refuse("the plan names a release twice")
-    epsilon = _site_epsilon(plan, site_id)
+    dp = assess_plan(plan, site_id=site_id, policy=policy, context=dp_context or DpContext())
     # DP covers small cohorts and exposure by differencing when every release the site is in
-    # is noised and the site's ε is within its budget (docs/protocol.md §6, §7).
-    covered = plan.dp.enabled and epsilon <= policy.max_epsilon
+    # is noised and the site's ε is within its budgets (docs/protocol.md §6, §7).
+    covered = plan.dp.enabled and not dp.refusal
     for r in releases:
         unknown = set(r.member_site_ids) - set(participants)
         if unknown:
@@ -204,11 +200,9 @@ def check_plan(
         problem = mask_threshold_problem(plan, floors=floors)
         if problem:
             return _refuse(problem)
-    if epsilon > policy.max_epsilon:
-        what = f"ε = {epsilon:g}" if plan.dp.enabled else "no differential privacy (ε = ∞)"
+    if dp.refusal:
         return _refuse(
-            f"the plan gives this site {what} > policy max_epsilon {policy.max_epsilon:g}",
-            {"epsilon": epsilon, "covered_by_dp": False} if plan.dp.enabled else None,
+            dp.refusal, {**dp.to_audit(), "covered_by_dp": False} if plan.dp.enabled else None
         )
     current = audit_view(releases)
     universe = sorted({*participants, *(s for r in history for s in r.members)}, key=str)
@@ -220,7 +214,7 @@ def check_plan(
         return _refuse(f"malformed release plan: {exc}")
     audit = report.to_dict()
     if plan.dp.enabled:
-        audit["epsilon"], audit["covered_by_dp"] = epsilon, covered
+        audit.update(dp.to_audit(), covered_by_dp=covered)
     if policy.allow_exposure or covered:
         return PolicyDecision(True, "", audit, floors)
     for exposure in report.exposed_sites:

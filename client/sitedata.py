@@ -57,9 +57,13 @@ class UnreadableImageError(Exception):
 
 @dataclass(frozen=True)
 class ImageRecord:
+    """One image: ``patient`` is its patient id ("" when the source has none), the DP privacy
+    unit (docs/protocol.md §7)."""
+
     id: str
     path: Path
     labels: tuple[int, ...]
+    patient: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class SiteSource:
     classes: tuple[str, ...]
     description: str
     warnings: tuple[str, ...] = ()
+
+    @property
+    def patients(self) -> tuple[str, ...] | None:
+        """Every record's patient id, or None when the source names no patients."""
+        ids = tuple(r.patient for r in self.records)
+        return ids if ids and all(ids) else None
 
     @property
     def labels(self) -> NDArray[np.int8]:
@@ -130,7 +140,8 @@ def nih_source(
             name = row["Image Index"]
             findings = set(row["Finding Labels"].split("|"))
             labels = tuple(int(c in findings) for c in classes)
-            records.append(ImageRecord(name, images.get(name, base / "images" / name), labels))
+            path = images.get(name, base / "images" / name)
+            records.append(ImageRecord(name, path, labels, (row.get("Patient ID") or "").strip()))
     return SiteSource(tuple(records), tuple(classes), f"nih:{base}")
 
 
@@ -187,6 +198,7 @@ def manifest_source(
     path_column: str = "path",
     id_column: str | None = None,
     uncertain_as: str = "unlabelled",
+    patient_column: str = "patient",
 ) -> SiteSource:
     """A hospital's own list: CSV with a path column and one column per class.
 
@@ -195,7 +207,9 @@ def manifest_source(
     without a column (with a did-you-mean hint), rows longer or shorter than the header, labels
     outside 1/0/true/false/-1/empty. An empty cell is "not labelled"; -1 is "not labelled" too
     unless ``uncertain_as`` says what an uncertain (CheXpert-style) -1 becomes. The source's
-    ``warnings`` name unused columns and columns that look like misspelt findings.
+    ``warnings`` name unused columns and columns that look like misspelt findings. A
+    ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
+    (the DP privacy unit; an empty cell is an error).
     """
     table = Path(manifest)
     if uncertain_as not in UNCERTAIN_AS:
@@ -212,7 +226,8 @@ def manifest_source(
             raise SiteDataError(
                 f"{table}: no {id_column!r} column{did_you_mean(id_column, header)} (columns: {header})"
             )
-        others = [c for c in header if c not in (path_column, id_column)]
+        has_patient = patient_column in header
+        others = [c for c in header if c not in (path_column, id_column, patient_column)]
         if classes is not None:
             names = tuple(classes)
             absent = [c for c in names if c not in header]
@@ -255,7 +270,10 @@ def manifest_source(
                 for c in names
             )
             rid = (row.get(id_column) or "").strip() if id_column else rel
-            records.append(ImageRecord(rid, path, labels))
+            patient = (row.get(patient_column) or "").strip() if has_patient else ""
+            if has_patient and not patient:
+                raise SiteDataError(f"{table}:{lineno}: empty {patient_column!r}")
+            records.append(ImageRecord(rid, path, labels, patient))
     ids = [r.id for r in records]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)

@@ -16,19 +16,37 @@ subsampling, hence no CLT approximation). opacus' ``GaussianAccountant`` is neve
 loose CLT approximation for subsampled SGD. opacus imports torch, so it is imported lazily; when it
 is not installed (server-only installs) the same formula is solved here with scipy.
 
-**The releases of a DP round** (:func:`release_groups`, :func:`plan_releases`). Classes are
-grouped by the set of sites that contribute to them: one group over all participants in
-``global`` scope, one group per distinct coverage set S_c in ``per-class`` scope. Each group
-releases four additive statistics over its members: ``gram`` (d x d), ``s_pos`` and ``t_sum``
-(d x C_r) and ``counts`` (n+ and N, 2 x C_r); their L2 sensitivities to one individual are in
-:func:`statistic_sensitivity`.
+**The releases of a DP round** (:func:`release_groups`, :func:`plan_releases`,
+:func:`pseudo_releases`). Classes are grouped by the set of sites that contribute to them: one
+group over all participants in ``global`` scope, one group per distinct coverage set S_c in
+``per-class`` scope. Each group releases four additive statistics over its members: ``gram``
+(d x d), ``s_pos`` and ``t_sum`` (d x C_r) and ``counts`` (n+ and N, 2 x C_r); round 2 of a
+two-round run releases the same three label statistics of the pseudo-labelled rows
+(``pseudo_s_pos``, ``pseudo_t_sum``, ``pseudo_counts``) over all participants. Their L2
+sensitivities to one privacy unit are in :func:`statistic_sensitivity` (a patient of at most m
+images, label clipping at k positives: :class:`Mechanism`).
 
-**Noise** (:func:`calibrate_releases`). One noise multiplier z for every release, σ_r = z·Δ_r, so
-site k, a member of R_k releases, is μ_k-GDP with μ_k = √R_k / z; z is calibrated so that the worst
-site meets (ε, δ) (:func:`noise_multiplier_for_sites`). The noise is distributed: each of the n_r
+**Noise** (:func:`calibrate_releases`). Release r of kind κ gets σ_r = z·Δ̂_r/√a_κ: a_κ is the
+kind's share of the budget (:class:`BudgetSplit`) and Δ̂_r the release's calibration sensitivity,
+by default (``joint``) the largest over its members s of √(Σ Δ_{r'}²) over s's releases r' of the
+same kind, so that each site's releases of one kind together cost at most a_κ/z² of μ², however
+many release groups it is in. z is calibrated so that the worst site meets (ε, δ) over the run
+(round 1 reserves round 2's releases). Each site's cost is the exact composition
+μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² (:func:`site_epsilons`). The noise is distributed: each of the n_r
 members adds a share of standard deviation σ_r/√(n_r - t_r) (:func:`noise_share`), on the grid
 2^-f_r, whose rounding inflates the accounted sensitivity (:func:`grid_frac_bits`,
 :func:`grid_inflation`).
+
+**The adversary that sees a site's upload** (:func:`protecting_sigma`). Under secure aggregation
+(mask, ckks) the coordinator sees sums only: a site's contribution is protected by the shares of
+the n_r - t_r honest members, σ_r. In plaintext the coordinator sees the upload alone: only the
+site's own share protects it. A site computes its ε from the share it adds itself, under that
+view (:func:`site_view_releases`), never from the noise the coordinator says the sum carries.
+
+**Lifetime** (:func:`compose_mu`). Every release a site takes part in is μ-GDP for the unit; its
+releases over rounds and runs compose exactly into μ² = Σ μ_i² (adaptive composition of GDP),
+ε(μ, δ) at the site's lifetime δ. Other mechanisms (Laplace, Skellam, subsampling) would need a
+privacy-loss-distribution or Rényi accountant over the same ledger.
 """
 
 from __future__ import annotations
@@ -190,9 +208,14 @@ def calibrate_sigma(*, epsilon: float, delta: float, sensitivity: float) -> floa
 # The DP round: its releases, their sensitivities, the noise split and grid, the calibration.
 # ---------------------------------------------------------------------------------------------
 
-StatisticKind = Literal["gram", "s_pos", "t_sum", "counts"]
+StatisticKind = Literal[
+    "gram", "s_pos", "t_sum", "counts", "pseudo_s_pos", "pseudo_t_sum", "pseudo_counts"
+]
+BaseKind = Literal["gram", "s_pos", "t_sum", "counts"]
 #: The four statistics each release group publishes, in plan order.
 STATISTIC_KINDS: tuple[StatisticKind, ...] = ("gram", "s_pos", "t_sum", "counts")
+#: The three statistics of the pseudo-labelled rows that round 2 publishes, in plan order.
+PSEUDO_KINDS: tuple[StatisticKind, ...] = ("pseudo_s_pos", "pseudo_t_sum", "pseudo_counts")
 GRAM_SCOPES = ("global", "per-class")
 #: Rounding to the noise grid may inflate a release's sensitivity by at most this fraction.
 GRID_INFLATION_MAX = 1e-4
@@ -200,45 +223,139 @@ GRID_INFLATION_MAX = 1e-4
 MIN_SHARE_STEPS = 64.0
 
 
+def base_kind(kind: StatisticKind) -> BaseKind:
+    """The round-1 statistic a kind is computed like (``pseudo_s_pos`` -> ``s_pos``...)."""
+    base = kind.removeprefix("pseudo_")
+    if base not in ("gram", "s_pos", "t_sum", "counts"):
+        raise AccountingError(f"unknown statistic kind {kind!r}")
+    return base  # type: ignore[return-value]
+
+
 def statistic_sensitivity(
-    kind: StatisticKind, *, clip_norm: float, n_classes: int = 0, rows_per_individual: int = 1
+    kind: StatisticKind,
+    *,
+    clip_norm: float,
+    n_classes: int = 0,
+    rows_per_individual: int = 1,
+    max_positive_labels: int = 0,
 ) -> float:
-    """L2 sensitivity Δ of one released statistic to one individual.
+    """L2 sensitivity Δ of one released statistic to one privacy unit.
 
-    Every row is clipped to ‖h‖ ≤ L; one individual owns at most m rows (group privacy: adding
-    or removing m rows moves a sum by at most m times one row, by the triangle inequality). One
-    row h, labelled (and positive) in all C_r classes of the release, changes
+    Every row is clipped to ‖h‖ ≤ L; one unit (a patient) owns at most m rows (group privacy:
+    adding or removing m rows moves a sum by at most m times one row, by the triangle
+    inequality). With label clipping at k (``max_positive_labels``; 0 = off, i.e. k = C_r) a row
+    positive in p classes enters the positive sums and counts with weight min(1, √(k/p)). One row
+    h, labelled (and positive) in all C_r classes of the release, changes
 
-        gram     G = Σ h hᵀ (d x d)           by ‖h hᵀ‖_F = ‖h‖² ≤ L²      →  Δ = m·L²
-        s_pos    S+ (d x C_r), h per column    by √C_r·‖h‖ ≤ √C_r·L         →  Δ = m·√C_r·L
-        t_sum    T  (d x C_r), h per column    by √C_r·L                    →  Δ = m·√C_r·L
-        counts   n+ and N (2 x C_r), 1 each     by √(2C_r)                   →  Δ = m·√(2C_r)
+        gram     G = Σ h hᵀ (d x d)            by ‖h hᵀ‖_F = ‖h‖² ≤ L²   →  Δ = m·L²
+        s_pos    S+ (d x C_r), w·h per column  by √min(k, C_r)·L          →  Δ = m·√min(k, C_r)·L
+        t_sum    T  (d x C_r), h per column    by √C_r·L                  →  Δ = m·√C_r·L
+        counts   n+ (w each) and N (1 each)    by √(min(k, C_r) + C_r)    →  Δ = m·√(min(k,C_r)+C_r)
 
-    ``n_classes`` is C_r (ignored for ``gram``).
+    (k = C_r gives √C_r·L and √(2C_r)). The pseudo kinds of round 2 are the same statistics of the
+    pseudo-labelled rows. ``n_classes`` is C_r (ignored for ``gram``).
     """
     if not (clip_norm > 0 and math.isfinite(clip_norm)) or rows_per_individual < 1:
         raise AccountingError("need a finite clip_norm > 0 and rows_per_individual >= 1")
+    if max_positive_labels < 0:
+        raise AccountingError(f"max_positive_labels must be >= 0, got {max_positive_labels}")
     m = float(rows_per_individual)
-    if kind == "gram":
+    base = base_kind(kind)
+    if base == "gram":
         return m * clip_norm**2
     if n_classes < 1:
         raise AccountingError(f"{kind}: need n_classes >= 1, got {n_classes}")
-    if kind in ("s_pos", "t_sum"):
+    k = n_classes if max_positive_labels == 0 else min(max_positive_labels, n_classes)
+    if base == "s_pos":
+        return m * math.sqrt(k) * clip_norm
+    if base == "t_sum":
         return m * math.sqrt(n_classes) * clip_norm
-    if kind == "counts":
-        return m * math.sqrt(2.0 * n_classes)
-    raise AccountingError(f"unknown statistic kind {kind!r}")
+    return m * math.sqrt(float(k + n_classes))
 
 
 def statistic_shape(kind: StatisticKind, *, d: int, n_classes: int) -> tuple[int, int]:
-    """Logical shape of a release: gram (d, d), s_pos and t_sum (d, C_r), counts (2, C_r)."""
-    if kind == "gram":
+    """Logical shape of a release: gram (d, d), sums (d, C_r), counts (2, C_r)."""
+    base = base_kind(kind)
+    if base == "gram":
         return (d, d)
-    if kind == "counts":
+    if base == "counts":
         return (2, n_classes)
-    if kind in ("s_pos", "t_sum"):
-        return (d, n_classes)
-    raise AccountingError(f"unknown statistic kind {kind!r}")
+    return (d, n_classes)
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """a_κ: the share of a site's μ² each statistic kind gets (Σ = 1); the pseudo kinds of
+    round 2 take their base kind's share."""
+
+    gram: float
+    s_pos: float
+    t_sum: float
+    counts: float
+
+    def __post_init__(self) -> None:
+        values = (self.gram, self.s_pos, self.t_sum, self.counts)
+        if not all(v > 0 and math.isfinite(v) for v in values):
+            raise AccountingError(f"budget shares must be finite and > 0, got {values}")
+        if not math.isclose(sum(values), 1.0, rel_tol=1e-9):
+            raise AccountingError(f"budget shares must sum to 1, got {sum(values)}")
+
+    def share(self, kind: StatisticKind) -> float:
+        return float(getattr(self, base_kind(kind)))
+
+
+#: One quarter each: σ_r = z·Δ_r for every release (the mechanism before the measured split).
+EQUAL_SPLIT = BudgetSplit(0.25, 0.25, 0.25, 0.25)
+#: The measured default (docs/benchmarks.md §2): the positive sums dominate the error of the
+#: balanced targets (rare classes divide them by a few hundred positives), the feature sums and
+#: counts are divided by thousands of rows and need little.
+DEFAULT_SPLIT = BudgetSplit(0.2, 0.7, 0.05, 0.05)
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """Everything the sensitivities and the noise split depend on.
+
+    ``clip_norm`` L; ``rows_per_individual`` m (the per-patient cap: 1 image per patient by
+    default); ``max_positive_labels`` k (label clipping, 0 = off); ``split`` the budget shares;
+    ``joint`` calibrates each release on its members' same-kind releases together (module
+    docstring) instead of on itself alone.
+    """
+
+    clip_norm: float
+    rows_per_individual: int = 1
+    max_positive_labels: int = 1
+    split: BudgetSplit = DEFAULT_SPLIT
+    joint: bool = True
+
+    def sensitivity(self, release: StatisticRelease) -> float:
+        """Δ_r of ``release`` (:func:`statistic_sensitivity`)."""
+        return statistic_sensitivity(
+            release.kind,
+            clip_norm=self.clip_norm,
+            n_classes=release.n_classes,
+            rows_per_individual=self.rows_per_individual,
+            max_positive_labels=self.max_positive_labels,
+        )
+
+    def rounded_coordinates(self, release: StatisticRelease) -> int:
+        """D_r, the values rounded to the noise grid: all of them, for counts only the weighted
+        positive counts (label clipping; the label counts N are integers)."""
+        if base_kind(release.kind) == "counts":
+            return release.n_classes if self.max_positive_labels else 0
+        return math.prod(release.shape)
+
+
+def previous_mechanism(clip_norm: float, *, rows_per_individual: int = 1) -> Mechanism:
+    """The mechanism before the measured choices: equal split, per-release calibration, no label
+    clipping (kept for the utility comparison of docs/benchmarks.md §2)."""
+    return Mechanism(
+        clip_norm,
+        rows_per_individual=rows_per_individual,
+        max_positive_labels=0,
+        split=EQUAL_SPLIT,
+        joint=False,
+    )
 
 
 def assumed_colluders(*, members: int, tolerated: int, local: bool) -> int:
@@ -264,6 +381,20 @@ def noise_share(sigma: float, *, members: int, colluders: int) -> float:
     if not sigma >= 0:
         raise AccountingError(f"sigma must be >= 0, got {sigma}")
     return sigma / math.sqrt(members - colluders)
+
+
+def protecting_sigma(share_sigma: float, *, members: int, colluders: int, local: bool) -> float:
+    """The noise that protects one member's contribution from the adversary that sees it.
+
+    ``local`` (plaintext): the coordinator sees the member's upload alone, protected by the
+    member's own share σ_s only. Otherwise (mask, ckks: the coordinator and up to t colluding or
+    excluded members see the sum) the n - t honest shares protect it: σ_s·√(n - t).
+    """
+    if not 0 <= colluders < members:
+        raise AccountingError(f"need 0 <= assumed colluders < members (got {colluders}, {members})")
+    if not share_sigma >= 0:
+        raise AccountingError(f"share sigma must be >= 0, got {share_sigma}")
+    return share_sigma if local else share_sigma * math.sqrt(members - colluders)
 
 
 def grid_frac_bits(*, sensitivity: float, coordinates: int, share_sigma: float) -> int:
@@ -294,18 +425,30 @@ def grid_inflation(*, coordinates: int, frac_bits: int) -> float:
 
 
 def noise_multiplier_for_sites(
-    *, epsilon: float, delta: float, releases_per_site: Iterable[int]
+    *, epsilon: float, delta: float, releases_per_site: Iterable[float]
 ) -> float:
-    """One noise multiplier z (σ_r = z·Δ_r for every release) with every site (ε_k ≤ ε, δ)-DP.
+    """One noise multiplier z with every site (ε_k ≤ ε, δ)-DP, for sites whose μ_k² is
+    c_k/z² (``releases_per_site``: the c_k; R_k for R_k releases with σ_r = z·Δ_r).
 
-    Site k, a member of R_k releases, composes into μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² = R_k/z², so the
-    worst site has R = max_k R_k and z = √R · z*(ε, δ), z* the multiplier of one release
+    The worst site has c = max_k c_k and z = √c · z*(ε, δ), z* the multiplier of one release
     (:func:`calibrate_noise_multiplier`, μ* = 1/z*). ε = inf gives 0 (no noise).
     """
     worst = max(releases_per_site, default=0)
-    if worst < 1:
+    if not worst > 0:
         raise AccountingError("the plan releases nothing to calibrate")
     return calibrate_noise_multiplier(epsilon=epsilon, delta=delta) * math.sqrt(worst)
+
+
+def compose_mu(mus: Iterable[float]) -> float:
+    """μ of the adaptive composition of μ_i-GDP mechanisms: √(Σ μ_i²) (inf if any is)."""
+    total = 0.0
+    for mu in mus:
+        if not mu >= 0:
+            raise AccountingError(f"mu must be >= 0, got {mu}")
+        if math.isinf(mu):
+            return math.inf
+        total += mu * mu
+    return math.sqrt(total)
 
 
 @dataclass(frozen=True)
@@ -354,11 +497,6 @@ class StatisticRelease:
     n_classes: int
     shape: tuple[int, ...]
 
-    @property
-    def rounded_coordinates(self) -> int:
-        """D_r, the values rounded to the noise grid: all of them, none for integer counts."""
-        return 0 if self.kind == "counts" else math.prod(self.shape)
-
 
 def plan_releases(groups: Sequence[ReleaseGroup], *, d: int) -> list[StatisticRelease]:
     """The four releases (:data:`STATISTIC_KINDS`) of every group, named ``kind[classes]``."""
@@ -370,6 +508,25 @@ def plan_releases(groups: Sequence[ReleaseGroup], *, d: int) -> list[StatisticRe
             shape = statistic_shape(kind, d=d, n_classes=c_r)
             out.append(StatisticRelease(name, kind, g.members, c_r, shape))
     return out
+
+
+def global_gram_release(participants: Collection[str], *, d: int) -> StatisticRelease:
+    """``gram[all]`` over every participant: round 2 of a two-round run solves with it, so a
+    ``per-class`` round 1 whose groups have no Gram over everyone releases it too."""
+    return StatisticRelease("gram[all]", "gram", tuple(sorted(participants)), 0, (d, d))
+
+
+def pseudo_releases(
+    participants: Collection[str], *, classes: Sequence[str], d: int
+) -> list[StatisticRelease]:
+    """Round 2's releases: the three pseudo-label statistics (:data:`PSEUDO_KINDS`) over every
+    participant and class (a site sends zeros for the classes it labels itself)."""
+    members = tuple(sorted(participants))
+    c = len(classes)
+    return [
+        StatisticRelease(kind, kind, members, c, statistic_shape(kind, d=d, n_classes=c))
+        for kind in PSEUDO_KINDS
+    ]
 
 
 @dataclass(frozen=True)
@@ -397,9 +554,11 @@ def site_epsilons(
     *,
     sites: Iterable[str],
     delta: float,
+    earlier: Sequence[tuple[StatisticRelease, ReleaseNoise]] = (),
 ) -> dict[str, float]:
     """ε_k at δ of every site: the composition (:func:`epsilon_for_releases`) of the releases it
-    is a member of, μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² with the accounted Δ_r and σ_r of ``noise``."""
+    is a member of, μ_k² = Σ_{r ∋ k} (Δ_r/σ_r)² with the accounted Δ_r and σ_r of ``noise``,
+    and of the ``earlier`` releases of the same run (round 1 for round 2) it was a member of."""
     out = {}
     for site in sites:
         mine = [
@@ -407,8 +566,26 @@ def site_epsilons(
             for r in releases
             if site in r.members
         ]
+        mine += [
+            GaussianRelease(r.name, n.sensitivity, n.sigma) for r, n in earlier if site in r.members
+        ]
         out[site] = epsilon_for_releases(mine, delta=delta)
     return out
+
+
+def _calibration_sensitivities(
+    releases: Sequence[StatisticRelease], mechanism: Mechanism
+) -> dict[str, float]:
+    """Δ̂_r (module docstring): Δ_r, or with ``joint`` the largest over r's members of the L2
+    composition of that member's releases of r's kind."""
+    sens = {r.name: mechanism.sensitivity(r) for r in releases}
+    if not mechanism.joint:
+        return sens
+    per_site: dict[tuple[str, str], float] = {}
+    for r in releases:
+        for s in r.members:
+            per_site[(s, r.kind)] = per_site.get((s, r.kind), 0.0) + sens[r.name] ** 2
+    return {r.name: math.sqrt(max(per_site[(s, r.kind)] for s in r.members)) for r in releases}
 
 
 def calibrate_releases(
@@ -416,19 +593,25 @@ def calibrate_releases(
     *,
     epsilon: float,
     delta: float,
-    clip_norm: float,
-    rows_per_individual: int = 1,
+    mechanism: Mechanism,
     tolerated: int = 0,
     local: bool = False,
     participants: Collection[str] | None = None,
+    reserved: Sequence[StatisticRelease] = (),
+    noise_multiplier: float | None = None,
+    earlier: Sequence[tuple[StatisticRelease, ReleaseNoise]] = (),
 ) -> NoiseCalibration:
-    """Noise of every release so that every site is (ε_k ≤ ε, δ)-DP (finite ε > 0).
+    """Noise of every release so that every site is (ε_k ≤ ε, δ)-DP over its run (finite ε > 0).
 
-    For release r with n_r members: Δ_r (:func:`statistic_sensitivity`), z from the worst site
-    (:func:`noise_multiplier_for_sites`), t_r (:func:`assumed_colluders`), the grid f_r
-    (:func:`grid_frac_bits` for the share z·Δ_r/√(n_r - t_r)), the accounted sensitivity
-    Δ'_r = Δ_r + √D_r·2^-f_r (:func:`grid_inflation`) and σ_r = z·Δ'_r, so still
-    μ_k = √R_k / z. ε_k by :func:`site_epsilons` over ``participants`` (default: every member).
+    For release r of kind κ with n_r members: Δ_r and Δ̂_r (:func:`_calibration_sensitivities`
+    over ``releases`` and the ``reserved`` releases of the run's later round), t_r
+    (:func:`assumed_colluders`), σ_r = z·Δ̂_r/√a_κ, its grid f_r (:func:`grid_frac_bits` for the
+    share σ_r/√(n_r - t_r)), the accounted sensitivity Δ'_r = Δ_r + √D_r·2^-f_r
+    (:func:`grid_inflation`) and σ_r scaled by the same factor. z makes the worst site's
+    Σ_{r ∋ k} a_κ·(Δ_r/Δ̂_r)² (over ``releases`` and ``reserved``) cost exactly (ε, δ)
+    (:func:`noise_multiplier_for_sites`), unless ``noise_multiplier`` fixes it (round 2 keeps
+    round 1's z). ε_k by :func:`site_epsilons` over ``participants`` (default: every member),
+    composed with the run's ``earlier`` releases.
     """
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise AccountingError(f"epsilon must be finite and > 0, got {epsilon}")
@@ -437,22 +620,51 @@ def calibrate_releases(
         if participants is None
         else list(participants)
     )
-    per_site = [sum(1 for r in releases if s in r.members) for s in sites]
-    z = noise_multiplier_for_sites(epsilon=epsilon, delta=delta, releases_per_site=per_site)
+    every = [*releases, *reserved]
+    calib = _calibration_sensitivities(every, mechanism)
+    base = {r.name: mechanism.sensitivity(r) for r in every}
+    if noise_multiplier is None:
+        cost = [
+            sum(
+                mechanism.split.share(r.kind) * (base[r.name] / calib[r.name]) ** 2
+                for r in every
+                if s in r.members
+            )
+            for s in sites
+        ]
+        z = noise_multiplier_for_sites(epsilon=epsilon, delta=delta, releases_per_site=cost)
+    else:
+        if not noise_multiplier > 0:
+            raise AccountingError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+        z = noise_multiplier
     noise: dict[str, ReleaseNoise] = {}
     for r in releases:
-        base = statistic_sensitivity(
-            r.kind,
-            clip_norm=clip_norm,
-            n_classes=r.n_classes,
-            rows_per_individual=rows_per_individual,
-        )
         n_r = len(r.members)
         t_r = assumed_colluders(members=n_r, tolerated=tolerated, local=local)
-        share = noise_share(z * base, members=n_r, colluders=t_r)
-        coords = r.rounded_coordinates
-        frac = grid_frac_bits(sensitivity=base, coordinates=coords, share_sigma=share)
-        sens = base + grid_inflation(coordinates=coords, frac_bits=frac)
-        noise[r.name] = ReleaseNoise(z * sens, sens, frac, t_r)
-    eps = site_epsilons(releases, noise, sites=sites, delta=delta)
+        sigma = z * calib[r.name] / math.sqrt(mechanism.split.share(r.kind))
+        share = noise_share(sigma, members=n_r, colluders=t_r)
+        coords = mechanism.rounded_coordinates(r)
+        frac = grid_frac_bits(sensitivity=base[r.name], coordinates=coords, share_sigma=share)
+        sens = base[r.name] + grid_inflation(coordinates=coords, frac_bits=frac)
+        noise[r.name] = ReleaseNoise(sigma * sens / base[r.name], sens, frac, t_r)
+    eps = site_epsilons(releases, noise, sites=sites, delta=delta, earlier=earlier)
     return NoiseCalibration(z, noise, eps)
+
+
+def site_view_releases(
+    releases: Sequence[tuple[str, float, float, int, int]], *, local: bool
+) -> list[GaussianRelease]:
+    """A site's own accounting of the releases it contributes to, under the view of the
+    adversary that sees its upload (:func:`protecting_sigma`).
+
+    ``releases``: (name, sensitivity Δ_r, guaranteed σ_r, members n_r, assumed colluders t_r)
+    as the plan states them; the site adds the share σ_r/√(n_r - t_r) itself. Returns one
+    :class:`GaussianRelease` per release with the protecting σ (compose with
+    :func:`mu_from_releases` or :func:`epsilon_for_releases`).
+    """
+    out = []
+    for name, sensitivity, sigma, members, colluders in releases:
+        share = noise_share(sigma, members=members, colluders=colluders)
+        protect = protecting_sigma(share, members=members, colluders=colluders, local=local)
+        out.append(GaussianRelease(name, sensitivity, protect))
+    return out

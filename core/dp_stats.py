@@ -2,13 +2,17 @@
 float version. The sensitivities, noise split and calibration are the rulebook's
 (:mod:`afl.core.dp_accounting`); this module holds the data pipeline.
 
+0. The privacy unit: at most m rows per patient (:func:`patient_rows`: the first m rows of each
+   patient in row order), so removing a patient removes at most m rows.
 1. Row clipping ``h <- h·min(1, L/‖h‖)``, so every feature row has ‖h‖ ≤ L.
 2. Additive statistics over the rows (summable across sites, hence compatible with secure
    aggregation): ``G = Σ h hᵀ``; per class c, over the rows that carry a label for c, the positive
-   sum ``S+_c = Σ_{y=1} h``, positive count ``n+_c``, label total ``T_c = Σ h`` and label count
-   ``N_c``. A site that labels every class has ``T_c = T = Σ h`` and ``N_c = N`` for all c; keeping
-   them per class lets sites that do not label c send zeros (global gram_scope, docs/protocol.md
-   §6).
+   sum ``S+_c = Σ_{y=1} ω h``, positive count ``n+_c = Σ_{y=1} ω``, label total ``T_c = Σ h`` and
+   label count ``N_c``. ω = 1, or with label clipping at k positives ω_i = min(1, √(k/p_i))
+   (:func:`label_weights`, p_i the row's positive labels), so one row moves the positive sums by
+   at most √k·L. A site that labels every class has ``T_c = T = Σ h`` and ``N_c = N`` for all
+   c; keeping them per class lets sites that do not label c send zeros (global gram_scope,
+   docs/protocol.md §6).
 3. Gaussian noise, one σ per statistic (:class:`NoiseScales`; released as ``gram``, ``s_pos``,
    ``t_sum`` and ``counts`` = (n+, N) with the sensitivities of
    :func:`afl.core.dp_accounting.statistic_sensitivity`).
@@ -22,7 +26,9 @@ float version. The sensitivities, noise split and calibration are the rulebook's
    site's counts (not DP without noise per site). The pooled b weights every labelled row
    equally across sites and its scale is about 1/|S_c| of the paper's (one unit of positive and
    negative mass in total instead of one per site); both coincide for a single site.
-5. Positive definiteness of ``Ĝ + γI`` by flooring its eigenvalues (post-processing).
+5. Positive definiteness of ``Ĝ + γI`` (post-processing): the ridge is raised to the noise level,
+   γ + √(2d)·σ_G (:func:`noise_ridge`: about the spectral norm of the symmetrised d x d noise,
+   AdaSSP-style, Wang 2018), and the eigenvalues are floored at γ.
 
 Noise comes from a ``numpy.random.Generator`` passed in: this module is for simulation
 (``afl simulate``) only. The daemons draw discretised noise from a CSPRNG (afl.crypto).
@@ -77,16 +83,50 @@ class SufficientStatistics:
         )
 
 
+def patient_rows(patients: NDArray[np.generic], *, cap: int) -> NDArray[np.int64]:
+    """Step 0: indices (increasing) of the rows kept when each patient keeps its first ``cap``
+    rows in row order. Removing one patient then removes at most ``cap`` kept rows, and no other
+    patient's rows change: the sensitivities of :mod:`afl.core.dp_accounting` with m = ``cap``
+    hold for the patient."""
+    if cap < 1:
+        raise DPStatsError(f"cap must be >= 1, got {cap}")
+    ids = np.asarray(patients)
+    if ids.ndim != 1:
+        raise DPStatsError(f"patient ids must be 1-D, got shape {ids.shape}")
+    _, inverse = np.unique(ids, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")  # rows grouped by patient, row order within
+    starts = np.searchsorted(inverse[order], inverse[order], side="left")
+    rank = np.empty(ids.size, dtype=np.int64)
+    rank[order] = np.arange(ids.size) - starts
+    out: NDArray[np.int64] = np.flatnonzero(rank < cap).astype(np.int64)
+    return out
+
+
+def label_weights(positives: NDArray[np.generic], *, max_positive_labels: int) -> FloatArray:
+    """ω_i = min(1, √(k/p_i)) per row of the 0/1 matrix ``positives`` (n, C), p_i its positives
+    (ω = 1 when p_i ≤ k, and for k = 0: no label clipping). ‖ω_i·y_i‖ ≤ √k."""
+    if max_positive_labels < 0:
+        raise DPStatsError(f"max_positive_labels must be >= 0, got {max_positive_labels}")
+    p = np.asarray(positives, dtype=np.float64).sum(axis=1)
+    if max_positive_labels == 0:
+        return np.ones_like(p)
+    out: FloatArray = np.minimum(1.0, np.sqrt(max_positive_labels / np.maximum(p, 1.0)))
+    return out
+
+
 def sufficient_statistics(
     features: FloatArray,
     labels: NDArray[np.generic],
     *,
     label_mask: NDArray[np.bool_] | None = None,
+    max_positive_labels: int = 0,
 ) -> SufficientStatistics:
     """Step 2 on one site's (already clipped) rows.
 
     ``labels`` (n, C) holds 1 for positive, 0 for negative; ``label_mask`` (n, C) or (C,) says
-    which labels exist (default: all). Missing labels are ignored whatever their value.
+    which labels exist (default: all). Missing labels are ignored whatever their value. With
+    ``max_positive_labels`` k > 0 the positive sums and counts weigh row i by
+    :func:`label_weights` (over its present positive labels).
     """
     h = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels, dtype=np.float64)
@@ -101,6 +141,7 @@ def sufficient_statistics(
     if not np.all((present == 0) | (present == 1)):
         raise DPStatsError("labels must be 0 or 1 where label_mask is set")
     pos = np.where(mask, y, 0.0)
+    pos = pos * label_weights(pos, max_positive_labels=max_positive_labels)[:, None]
     lab = mask.astype(np.float64)
     return SufficientStatistics(
         gram=h.T @ h,
@@ -175,6 +216,15 @@ def floor_eigenvalues(matrix: FloatArray, *, floor: float) -> FloatArray:
     fixed = (eigvecs * np.maximum(eigvals, floor)) @ eigvecs.T
     out: FloatArray = (fixed + fixed.T) / 2.0
     return out
+
+
+def noise_ridge(*, sigma_gram: float, d: int) -> float:
+    """√(2d)·σ_G: about the spectral norm of the symmetrised noise σ_G·(Z + Zᵀ)/2 of a d x d
+    Gram (its eigenvalues spread over ±σ_G·√(2d), the semicircle law), added to the ridge so
+    that no noise eigenvalue dominates (step 5; AdaSSP, Wang 2018, sets the ridge the same way)."""
+    if not (sigma_gram >= 0 and d >= 1):
+        raise DPStatsError(f"need sigma_gram >= 0 and d >= 1, got {sigma_gram}, {d}")
+    return sigma_gram * float(np.sqrt(2.0 * d))
 
 
 def regularised_gram(gram: FloatArray, *, gamma: float, floor: float | None = None) -> FloatArray:

@@ -4,6 +4,8 @@ A cache is a directory::
 
     meta.json      format, version, n, d, classes, source, surrogate flag, random_init flag, extra
     ids.txt        one image id per row (UTF-8, newline separated)
+    patients.txt   optional: one patient id per row (the DP privacy unit, docs/protocol.md §7);
+                   caches written without patient ids have none (``FeatureCache.patients`` None)
     labels.npy     int8 (n, C): 1 positive, 0 negative, -1 not labelled (structurally absent)
     features.npy   float32 (n, d), written incrementally through a memory map
     progress.json  {"rows_done": k}: rows [0, k) are on disk (flushed) and final
@@ -106,6 +108,15 @@ def _check_labels(labels: NDArray[Any], n: int, c: int) -> NDArray[np.int8]:
     return arr.astype(np.int8)
 
 
+def _check_patients(patients: Sequence[str], n: int) -> tuple[str, ...]:
+    out = tuple(str(p) for p in patients)
+    if len(out) != n:
+        raise FeatureCacheError(f"{len(out)} patient ids for n={n} rows")
+    if any(not p or "\n" in p or p != p.strip() for p in out):
+        raise FeatureCacheError("patient ids must be non-empty single-line strings")
+    return out
+
+
 class FeatureCacheWriter:
     """Incremental, resumable writer. Rows must be written in order, block by block."""
 
@@ -123,15 +134,18 @@ class FeatureCacheWriter:
         meta: CacheMeta,
         ids: Sequence[str],
         labels: NDArray[Any],
+        patients: Sequence[str] | None = None,
     ) -> FeatureCacheWriter:
-        """Start a new cache, or resume one whose meta, ids and labels match exactly."""
+        """Start a new cache, or resume one whose meta, ids, patients and labels match exactly."""
         path = Path(root)
         if len(ids) != meta.n:
             raise FeatureCacheError(f"{len(ids)} ids for n={meta.n} rows")
         lab = _check_labels(labels, meta.n, len(meta.classes))
+        patient_ids = None if patients is None else _check_patients(patients, meta.n)
         if (path / "meta.json").exists():
             existing = open_cache(path, allow_partial=True)
-            if existing.meta != meta or existing.ids != tuple(ids):
+            same = existing.meta == meta and existing.ids == tuple(ids)
+            if not same or existing.patients != patient_ids:
                 raise FeatureCacheError(
                     f"{path} holds a different cache (meta or image list differ); "
                     "remove it or choose another directory"
@@ -142,6 +156,9 @@ class FeatureCacheWriter:
             return cls(path, meta, mm, existing.rows_done)
         path.mkdir(parents=True, exist_ok=True)
         (path / "ids.txt").write_text("\n".join(ids) + ("\n" if ids else ""), encoding="utf-8")
+        if patient_ids is not None:
+            text = "\n".join(patient_ids) + ("\n" if patient_ids else "")
+            (path / "patients.txt").write_text(text, encoding="utf-8")
         np.save(path / "labels.npy", lab)
         mm = np.lib.format.open_memmap(
             path / "features.npy", mode="w+", dtype=np.float32, shape=(meta.n, meta.d)
@@ -177,7 +194,8 @@ class FeatureCacheWriter:
 
 @dataclass(frozen=True)
 class FeatureCache:
-    """A cache opened for reading. ``features`` is a read-only float32 memory map."""
+    """A cache opened for reading. ``features`` is a read-only float32 memory map;
+    ``patients`` the per-row patient ids (None for a cache written without them)."""
 
     root: Path
     meta: CacheMeta
@@ -185,6 +203,7 @@ class FeatureCache:
     labels: NDArray[np.int8]
     features: NDArray[np.float32]
     rows_done: int
+    patients: tuple[str, ...] | None = None
 
     @property
     def complete(self) -> bool:
@@ -208,6 +227,12 @@ def open_cache(root: str | os.PathLike[str], *, allow_partial: bool = False) -> 
         raise FeatureCacheError(f"{path}: ids/labels do not match n={meta.n}")
     if features.shape != (meta.n, meta.d) or features.dtype != np.float32:
         raise FeatureCacheError(f"{path}: features.npy is {features.dtype}{features.shape}")
+    patients = None
+    if (path / "patients.txt").exists():
+        text = (path / "patients.txt").read_text(encoding="utf-8")
+        patients = tuple(text.splitlines())
+        if len(patients) != meta.n:
+            raise FeatureCacheError(f"{path}: patients.txt does not match n={meta.n}")
     done = _read_progress(path)
     if not 0 <= done <= meta.n:
         raise FeatureCacheError(f"{path}: progress {done} outside [0, {meta.n}]")
@@ -215,7 +240,7 @@ def open_cache(root: str | os.PathLike[str], *, allow_partial: bool = False) -> 
         raise FeatureCacheError(
             f"{path}: incomplete cache ({done}/{meta.n} rows); resume the extraction first"
         )
-    return FeatureCache(path, meta, ids, labels, features, done)
+    return FeatureCache(path, meta, ids, labels, features, done, patients)
 
 
 def write_cache(
@@ -225,9 +250,12 @@ def write_cache(
     ids: Sequence[str],
     labels: NDArray[Any],
     features: NDArray[Any],
+    patients: Sequence[str] | None = None,
 ) -> FeatureCache:
     """Write a whole cache in one go (surrogate data, merges). Returns it opened."""
-    writer = FeatureCacheWriter.create_or_resume(root, meta=meta, ids=ids, labels=labels)
+    writer = FeatureCacheWriter.create_or_resume(
+        root, meta=meta, ids=ids, labels=labels, patients=patients
+    )
     if writer.rows_done:
         raise FeatureCacheError(f"{root} already holds {writer.rows_done} rows")
     step = 8192

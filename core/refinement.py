@@ -16,6 +16,7 @@ The server solves with the GLOBAL Gram (eq. 20) ``A = Σ_{all k} G_k + γI`` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,27 @@ class PseudoStats:
     n_pseudo_neg: NDArray[np.int64]
 
 
+def pseudo_labels(
+    h: NDArray[np.float64],
+    weights: NDArray[np.float64],
+    *,
+    tau: float,
+    calibration: Calibration | None = None,
+    columns: Sequence[int] | None = None,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Eq. 16-17 on rows ``h`` (n, d) for the columns of ``weights`` (d, m): p = σ(h·w), the
+    pseudo-positive indicator [p > τ] and pseudo-negative indicator [p < 1 - τ], as float64.
+    With ``calibration``, p is its calibrated probability of the model's class ``columns``
+    (module docstring)."""
+    scores = h @ weights
+    if calibration is None:
+        prob = expit(scores)
+    else:
+        cols = list(range(weights.shape[1])) if columns is None else list(columns)
+        prob = np.nan_to_num(calibration.probabilities(scores, columns=cols), nan=0.5)
+    return (prob > tau).astype(np.float64), (prob < 1.0 - tau).astype(np.float64)
+
+
 def pseudo_label_projection(
     features: NDArray[np.floating],
     *,
@@ -80,13 +102,9 @@ def pseudo_label_projection(
     n_pn = np.zeros(cols.size, dtype=np.int64)
     for start in range(0, features.shape[0], batch_size):
         h = np.asarray(features[start : start + batch_size], dtype=np.float64)
-        scores = h @ weights[:, cols]
-        if calibration is None:
-            prob = expit(scores)
-        else:
-            prob = np.nan_to_num(calibration.probabilities(scores, columns=cols.tolist()), nan=0.5)
-        pp = (prob > params.tau).astype(np.float64)
-        pn = (prob < 1.0 - params.tau).astype(np.float64)
+        pp, pn = pseudo_labels(
+            h, weights[:, cols], tau=params.tau, calibration=calibration, columns=cols.tolist()
+        )
         pos_sum += h.T @ pp
         neg_sum += h.T @ pn
         n_pp += pp.sum(axis=0).astype(np.int64)

@@ -25,7 +25,8 @@ from afl.core.featurecache import CacheMeta, FeatureCacheError, open_cache, writ
 
 @dataclass(frozen=True)
 class FederatedDataset:
-    """Features are float32 (possibly memory-mapped); labels are complete 0/1 ground truth."""
+    """Features are float32 (possibly memory-mapped); labels are complete 0/1 ground truth;
+    ``site_patients`` each site's per-row patient ids (None when the source has none)."""
 
     classes: tuple[str, ...]
     site_names: tuple[str, ...]
@@ -36,6 +37,7 @@ class FederatedDataset:
     provenance: str
     surrogate: bool
     info: dict[str, Any] = field(default_factory=dict)
+    site_patients: tuple[NDArray[np.str_], ...] | None = None
 
     @property
     def num_sites(self) -> int:
@@ -110,6 +112,7 @@ def default_dataset(
             "site_image_ids": [[data.image_ids[i] for i in train[p]] for p in parts],
             "test_image_ids": [data.image_ids[i] for i in test],
         },
+        site_patients=tuple(data.patient_ids[train[p]].astype(str) for p in parts),
     )
 
 
@@ -129,7 +132,8 @@ def save_dataset(fed: FederatedDataset, root: str | os.PathLike[str]) -> list[Pa
         ),
         ("test", fed.test_features, fed.test_labels, test_ids),
     ]
-    for name, feats, labels, ids in entries:
+    patients = [*(fed.site_patients or [None] * fed.num_sites), None]
+    for (name, feats, labels, ids), pids in zip(entries, patients, strict=True):
         meta = CacheMeta(
             n=int(feats.shape[0]),
             d=fed.d,
@@ -139,7 +143,14 @@ def save_dataset(fed: FederatedDataset, root: str | os.PathLike[str]) -> list[Pa
             extra={"site": name},
         )
         row_ids = list(ids) if ids is not None else [f"{name}-{i}" for i in range(feats.shape[0])]
-        write_cache(out / name, meta=meta, ids=row_ids, labels=labels, features=feats)
+        write_cache(
+            out / name,
+            meta=meta,
+            ids=row_ids,
+            labels=labels,
+            features=feats,
+            patients=None if pids is None else [str(p) for p in pids],
+        )
         paths.append(out / name)
     return paths
 
@@ -168,4 +179,9 @@ def load_dataset(
         provenance=test.meta.provenance,
         surrogate=test.meta.surrogate,
         info={"caches": [str(p) for p in site_dirs], "test_cache": str(test_dir)},
+        site_patients=(
+            tuple(np.asarray(c.patients, dtype=str) for c in caches if c.patients is not None)
+            if all(c.patients is not None for c in caches)
+            else None
+        ),
     )

@@ -140,7 +140,14 @@ def ckks_round_settings(
     }
 
 
-def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **meta: Any) -> None:
+def _cache(
+    root: Path,
+    name: str,
+    feats: NDArray[Any],
+    labels: NDArray[Any],
+    patients: Sequence[str] | None = None,
+    **meta: Any,
+) -> None:
     cache_meta = CacheMeta(
         n=int(feats.shape[0]),
         d=int(feats.shape[1]),
@@ -150,7 +157,9 @@ def _cache(root: Path, name: str, feats: NDArray[Any], labels: NDArray[Any], **m
         extra={"site": name, **meta},
     )
     ids = [f"{name}-{i}" for i in range(feats.shape[0])]
-    write_cache(root / name, meta=cache_meta, ids=ids, labels=labels, features=feats)
+    write_cache(
+        root / name, meta=cache_meta, ids=ids, labels=labels, features=feats, patients=patients
+    )
 
 
 def provision_distributed(
@@ -229,6 +238,7 @@ def prepare_loopback(
     client_settings: Mapping[str, toml_text.TomlValue] | None = None,
     production: bool = False,
     allow_plaintext: bool = False,
+    site_patients: Sequence[Sequence[str]] | None = None,
 ) -> LoopbackFederation:
     """Provision kits for ``len(site_features)`` sites and write their caches and configs.
 
@@ -237,8 +247,9 @@ def prepare_loopback(
     adds or updates other tables of server.toml (e.g. [retention]); ``client_settings`` updates
     [client] of every kit (e.g. ``serve = true``); ``policy`` maps a site id to [policy] overrides
     for its client.toml. ``production``: kits from :func:`provision_distributed` instead of the
-    all-in-one :func:`provision`. The kits refuse ``plaintext`` plans
-    unless ``allow_plaintext`` opts every site in (:func:`afl.server.provisioning.provision`).
+    all-in-one :func:`provision`. The kits refuse ``plaintext`` plans unless ``allow_plaintext``
+    opts every site in (:func:`afl.server.provisioning.provision`). ``site_patients`` gives each
+    site's per-row patient ids (the DP privacy unit; default: none in the caches).
     """
     out = Path(root)
     k = len(site_features)
@@ -282,7 +293,8 @@ def prepare_loopback(
     configs = {}
     for i, site in enumerate(site_ids):
         labels = np.where(active[i], np.asarray(site_labels[i]), -1).astype(np.int8)
-        _cache(data, site, site_features[i], labels, **meta)
+        patients = None if site_patients is None else site_patients[i]
+        _cache(data, site, site_features[i], labels, patients, **meta)
         path = fed.site_dirs[site] / "client.toml"
         doc = tomllib.loads(path.read_text(encoding="utf-8"))
         doc["data"] = {
@@ -293,7 +305,7 @@ def prepare_loopback(
         doc["client"] = {**doc["client"], **DEMO_CLIENT_TIMING, **(client_settings or {})}
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
         configs[site] = path
-    _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), **meta)
+    _cache(data, "test", test_features, np.asarray(test_labels, dtype=np.int8), None, **meta)
     return LoopbackFederation(
         root=out,
         provisioned=fed,

@@ -32,7 +32,7 @@ from afl.core.refinement import RefinementParams, pseudo_label_projection, solve
 from afl.core.stats import LocalStats, local_statistics
 from afl.lab.baselines import BaselineConfig, run_baseline
 from afl.lab.dataset import FederatedDataset
-from afl.lab.simulate_dp import ClippedSite, DPConfig, clip_site, dp_solve
+from afl.lab.simulate_dp import ClippedSite, DPConfig, clip_sites, dp_solve
 
 ORACLE = "oracle: pooled ridge per S_c (Theorem 1)"
 CENTRAL = "centralised: all labels pooled"
@@ -243,7 +243,6 @@ def _dp_rows(
             with _timed(timings, "dp_solve_s"):
                 weights, accounting = dp_solve(
                     clipped,
-                    fed.site_labels,
                     setting.active,
                     scope=scope,
                     epsilon=epsilon,
@@ -378,7 +377,7 @@ def simulate(
             if not clipped:
                 with _timed(timings, "dp_clip_s"):
                     clipped.extend(
-                        clip_site(h, clip_norm=config.dp.clip_norm) for h in fed.site_features
+                        clip_sites(fed.site_features, fed.site_labels, fed.site_patients, config.dp)
                     )
             rows.extend(_dp_rows(fed, clipped, setting, config, bar, on_weights, timings))
         results["settings"][setting.name] = {

@@ -26,7 +26,7 @@ from afl.lab.simulate import (
     missing_settings,
     simulate,
 )
-from afl.lab.simulate_dp import DEFAULT_CLIP, DPConfig
+from afl.lab.simulate_dp import DEFAULT_CLIP, MECHANISMS, DPConfig
 
 SETTING_RE = re.compile(r"^missing-(\d+)$")
 
@@ -116,10 +116,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     dp.add_argument("--dp-delta", type=float, default=1e-5)
     dp.add_argument("--dp-clip", type=float, default=DEFAULT_CLIP, help="row clip norm L")
     dp.add_argument(
-        "--dp-rows-per-individual",
+        "--dp-unit",
+        choices=("patient", "image"),
+        default="patient",
+        help="unit of privacy (patient: the first m images of each patient, the daemons' default)",
+    )
+    dp.add_argument(
+        "--dp-images-per-patient",
         type=int,
         default=1,
-        help="group size for the privacy unit (1 = one image; patient level needs the maximum images per patient)",
+        metavar="M",
+        help="m, images kept per patient at a site (unit patient; sensitivities times m)",
+    )
+    dp.add_argument(
+        "--dp-mechanism",
+        choices=MECHANISMS,
+        default="default",
+        help="default: the daemons' (measured budget split, joint calibration, label clipping "
+        "k = 1, ridge at the noise level); previous: equal split, per-release calibration, no "
+        "label clipping, eigenvalue floor; the others undo one choice of default",
     )
     dp.add_argument("--dp-seed", type=int, default=0, help="seed of the simulated noise")
     out = p.add_argument_group("output")
@@ -182,7 +197,9 @@ def _settings(args: argparse.Namespace, fed: FederatedDataset) -> SimulationConf
             epsilons=tuple(args.dp_epsilon),
             delta=args.dp_delta,
             clip_norm=args.dp_clip,
-            rows_per_individual=args.dp_rows_per_individual,
+            unit=args.dp_unit,
+            rows_per_individual=args.dp_images_per_patient,
+            mechanism=args.dp_mechanism,
             seed=args.dp_seed,
         ),
     )
@@ -253,6 +270,12 @@ def run(args: argparse.Namespace) -> int:
             f"data ready in {time.perf_counter() - start:.0f} s: {fed.provenance}, {fed.num_sites} sites, d = {fed.d}"
         )
     config = _settings(args, fed)
+    if config.dp is not None and config.dp.unit == "patient" and fed.site_patients is None:
+        raise SystemExit(
+            "afl simulate: --dp-unit patient needs the sites' patient ids (feature caches with "
+            "patients.txt, written by afl-client extract from a manifest 'patient' column); "
+            "use --dp-unit image for caches without them"
+        )
     save_dir = Path(args.save_dir) if args.save_dir else None
     saved: dict[str, str] = {}
 

@@ -29,9 +29,10 @@ pre-scales), and optionally ``[ckks] public_context``
 start). The decryptor-role site is never a participant.
 
 DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
-rows_per_individual; :mod:`afl.server.dp_plan`), with rounds = 1; with aggregation = "mask"
-N bounds the masked statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest
-row count the participants declared.
+unit, images_per_patient, max_positive_labels, max_samples; :mod:`afl.server.dp_plan`), with
+rounds = 1 or 2 (the budget covers both rounds); with aggregation = "mask" N bounds the masked
+statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest row count the
+participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.dp_ckks`).
 
 Runs: [round] is the settings of the run the server creates at its first start; later runs are
 submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
@@ -334,13 +335,11 @@ def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
     return sites
 
 
-def _dp_settings(t: _Table, rounds: int) -> DpSettings | None:
+def _dp_settings(t: _Table) -> DpSettings | None:
     """The optional [round.dp] table (DP mode, :mod:`afl.server.dp_plan`)."""
     if "dp" not in t.data:
         return None
     table = t.get("dp", dict)
-    if rounds != 1:
-        raise t.fail("dp", "DP mode supports rounds = 1 only (round 2 is not accounted yet)")
     try:
         return dp_settings_from_table(table)
     except ValueError as exc:
@@ -455,12 +454,12 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             f"must lie in 1..{len(participants)} (participants), got {min_participants}",
         )
     mask = _mask_settings(t) if aggregation == "mask" else None
-    dp = _dp_settings(t, rounds)
-    if dp is not None and aggregation == "ckks":
+    dp = _dp_settings(t)
+    if dp is not None and aggregation == "ckks" and dp.max_samples < 1:
         raise t.fail(
             "dp",
-            "DP with aggregation = 'ckks' is not implemented (the CKKS pre-scale and grid would "
-            "have to keep the noise grid); use aggregation = 'mask' or 'plaintext' with DP",
+            "DP with aggregation = 'ckks' needs max_samples (N, the largest site's rows): the "
+            "encrypted DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
         )
     digest = t.get("backbone_sha256", str, "").strip().lower()
     if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):

@@ -8,8 +8,9 @@ site's values satisfy, with probability ≥ 1 - 10^-15 per coordinate (|Z| ≤ 8
 
     |G_ij| ≤ N·L² + 8σ_s + 2^-f_n,  |S+|, |T| ≤ N·L + 8σ_s + 2^-f_n,  |n+|, |N| ≤ N + 8σ_s + 2^-f_n
 
-(2^-f_n: rounding to the noise grid). A value beyond its bound is refused by the site (never
-clipped), so the round fails rather than leaks. Every value lies on the grid 2^-(f_n+1) (the
+(2^-f_n: rounding to the noise grid; the same for the pseudo-label statistics of round 2; the
+CKKS encodings of a DP plan use the same bounds, :mod:`afl.server.dp_ckks`). A value beyond its
+bound is refused by the site (never clipped), so the round fails rather than leaks. Every value lies on the grid 2^-(f_n+1) (the
 Gram is symmetrised as (2G + Z + Zᵀ)/2^(f_n+1)), so the encoding is exact iff its fractional
 bits f ≥ f_n + 1; f is the most bits with m_r·B_r·2^f < 2^63 and a plan where that is below
 f_n + 1 is refused with :class:`ValueError`.
@@ -29,6 +30,13 @@ __all__ = ["NOISE_TAIL", "dp_mask_bound", "dp_mask_encodings"]
 
 #: Noise standard deviations covered by a bound (P(|Z| > 8σ) ≈ 1.2e-15 per coordinate).
 NOISE_TAIL = 8.0
+_SUMS = (
+    cpb.STATISTIC_KIND_POSITIVE_SUM,
+    cpb.STATISTIC_KIND_FEATURE_SUM,
+    cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM,
+    cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM,
+)
+_COUNTS = (cpb.STATISTIC_KIND_COUNT, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
 def dp_mask_bound(release: cpb.Release, *, max_samples: int, clip_norm: float) -> float:
@@ -41,9 +49,9 @@ def dp_mask_bound(release: cpb.Release, *, max_samples: int, clip_norm: float) -
     noise = NOISE_TAIL * share + 2.0 ** -int(release.noise.frac_bits)
     if release.kind == cpb.STATISTIC_KIND_GRAM:
         return max_samples * clip_norm**2 + noise
-    if release.kind in (cpb.STATISTIC_KIND_POSITIVE_SUM, cpb.STATISTIC_KIND_FEATURE_SUM):
+    if release.kind in _SUMS:
         return max_samples * clip_norm + noise
-    if release.kind == cpb.STATISTIC_KIND_COUNT:
+    if release.kind in _COUNTS:
         return float(max_samples) + noise
     raise ValueError(f"release {release.name}: kind {release.kind} is not a DP statistic")
 

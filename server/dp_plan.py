@@ -1,32 +1,39 @@
-"""DP mode of a round: the releases, noise calibration and per-site budgets (docs/protocol.md §7).
+"""DP mode of a run: the releases, noise calibration and per-site budgets (docs/protocol.md §7).
 
 Configured by an optional ``[round.dp]`` table of server.toml (:class:`DpSettings`)::
 
     [round.dp]
-    epsilon = 2.0              # per site, per round (composition of every release it is in)
+    epsilon = 2.0              # per site, per run (every release of round 1 and round 2)
     delta = 1e-5
     clip_norm = 1.0            # L: every feature row is clipped to ||h|| <= L by its site
     tolerated = 0              # t: colluding or dropping contributors the noise split tolerates
-    rows_per_individual = 1    # m: images per patient (group privacy multiplies sensitivities)
+    unit = "patient"           # or "image": the unit of privacy
+    images_per_patient = 1     # m: the most images a site keeps per patient (unit = "patient")
+    max_positive_labels = 1    # k: label clipping (0 = off)
+    max_samples = 0            # N, the largest site's rows: bounds the mask/ckks encodings
 
 Every formula is the rulebook's (:mod:`afl.core.dp_accounting`); this module maps it onto the
-plan's protobuf releases. Releases (round 1 only): instead of balanced b (its scale 1/N+ is data
-dependent), sites release the ADDITIVE statistics over each group of classes that share one
-contributing set (:func:`~afl.core.dp_accounting.release_groups`: one group over all
-participants in ``global`` scope; one per distinct coverage set S_c in ``per-class`` scope):
-``gram`` (packed Gram, Δ = m·L² Frobenius), ``s_pos`` (S+ per class, d x C_r, Δ = m·√C_r·L),
-``t_sum`` (T per class, d x C_r, Δ = m·√C_r·L) and ``counts`` (n+ and N per class, 2 x C_r,
-Δ = m·√(2C_r)).
+plan's protobuf releases. Round 1: instead of balanced b (its scale 1/N+ is data dependent),
+sites release the ADDITIVE statistics over each group of classes that share one contributing set
+(:func:`~afl.core.dp_accounting.release_groups`: one group over all participants in ``global``
+scope; one per distinct coverage set S_c in ``per-class`` scope): ``gram`` (packed Gram),
+``s_pos`` (S+ per class, d x C_r), ``t_sum`` (T per class, d x C_r) and ``counts`` (n+ and N per
+class, 2 x C_r), with the sensitivities of
+:func:`~afl.core.dp_accounting.statistic_sensitivity` for the unit (m images per patient) and
+label clipping (k). Round 2 of a two-round run releases ``pseudo_s_pos``, ``pseudo_t_sum`` and
+``pseudo_counts`` over every participant (the same statistics of the rows each site
+pseudo-labels with the round-1 model); its solve reuses round 1's ``gram[all]`` (planned in
+round 1 when no per-class group covers everyone) and round 1's targets.
 
-Noise (:func:`~afl.core.dp_accounting.calibrate_releases`): each release r carries a discrete
-Gaussian on the grid 2^-f_r (``DpNoise.frac_bits``). Rounding a site's values to the grid moves
-each of the D_r coordinates by < 1 grid step, so the sensitivity used for accounting is
-Δ_r + √D_r·2^-f_r (counts are integers: no inflation); f_r is chosen so that this inflation is
-≤ 1e-4·Δ_r and a share spans ≥ 64 grid steps, and a plan needing f_r > 40 is refused (epsilon too
-large for the integer grid). One noise multiplier z is used for every release: σ_r = z·Δ_r.
-Site k's releases compose into μ_k-GDP with μ_k = √R_k / z (R_k = releases site k is a member
-of), so z = z*(ε, δ)·√max_k R_k makes every site (ε_k ≤ ε, δ)-DP; ε_k is the composition of its
-releases (opacus' exact GDP dual).
+Noise (:func:`~afl.core.dp_accounting.calibrate_releases`): release r of kind κ carries a
+discrete Gaussian of σ_r = z·Δ̂_r/√a_κ (the measured budget split a, joint calibration of a site's
+same-kind releases) on the grid 2^-f_r (``DpNoise.frac_bits``). Rounding a site's values to the
+grid moves each of the D_r coordinates by < 1 grid step, so the sensitivity used for accounting
+is Δ_r + √D_r·2^-f_r; f_r is chosen so that this inflation is ≤ 1e-4·Δ_r and a share spans ≥ 64
+grid steps, and a plan needing f_r > 40 is refused (epsilon too large for the integer grid). z is
+chosen in round 1 for the whole run: with ``rounds = 2`` the round-2 releases are reserved, so
+every site is (ε_k ≤ ε, δ)-DP over both rounds; round 2 keeps round 1's z (``DpParams.noise_
+multiplier``) and its budgets state the run's composed ε (``SiteBudget.epsilon_run``).
 
 Distributed noise: ``DpNoise.sigma`` is the GUARANTEED standard deviation σ_r in the released sum;
 each of the n_r members adds a share N_Z(0, σ_r²/(n_r - t_r)) (``assumed_colluders`` t_r), so the
@@ -46,23 +53,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from afl.core.dp_accounting import (
+    DEFAULT_SPLIT,
+    Mechanism,
     ReleaseNoise,
     StatisticKind,
     StatisticRelease,
     calibrate_releases,
+    global_gram_release,
     noise_share,
     plan_releases,
+    pseudo_releases,
     release_groups,
+    site_epsilons,
 )
 from afl.core.leakage import LeakageReport, Release, audit_releases
 from afl.proto.v1 import common_pb2
 from afl.server.plan import GLOBAL_GRAM, PlannedRelease
 
 __all__ = [
+    "DP_KINDS",
     "DpCalibration",
     "DpSettings",
     "ReleaseNoise",
@@ -71,16 +84,23 @@ __all__ = [
     "calibrate",
     "dp_releases",
     "dp_settings_from_table",
+    "plan_noise",
 ]
 
-_KINDS: dict[StatisticKind, int] = {
+#: The rulebook's statistic kinds and the plan's StatisticKind values.
+DP_KINDS: dict[StatisticKind, int] = {
     "gram": common_pb2.STATISTIC_KIND_GRAM,
     "s_pos": common_pb2.STATISTIC_KIND_POSITIVE_SUM,
     "t_sum": common_pb2.STATISTIC_KIND_FEATURE_SUM,
     "counts": common_pb2.STATISTIC_KIND_COUNT,
+    "pseudo_s_pos": common_pb2.STATISTIC_KIND_PSEUDO_POSITIVE_SUM,
+    "pseudo_t_sum": common_pb2.STATISTIC_KIND_PSEUDO_FEATURE_SUM,
+    "pseudo_counts": common_pb2.STATISTIC_KIND_PSEUDO_COUNT,
 }
-_PREFIX: dict[int, StatisticKind] = {int(v): k for k, v in _KINDS.items()}
-_DP_KEYS = {"epsilon", "delta", "clip_norm", "tolerated", "rows_per_individual"}
+_PREFIX: dict[int, StatisticKind] = {int(v): k for k, v in DP_KINDS.items()}
+_INT_KEYS = ("tolerated", "images_per_patient", "max_positive_labels", "max_samples")
+_DP_KEYS = {"epsilon", "delta", "clip_norm", "unit", *_INT_KEYS}
+_UNITS = {"patient": common_pb2.PRIVACY_UNIT_PATIENT, "image": common_pb2.PRIVACY_UNIT_IMAGE}
 _MAX_FRAC_BITS = 40  # the integer grid's range on the wire (afl.client.dp_payloads)
 
 
@@ -92,7 +112,10 @@ class DpSettings:
     delta: float
     clip_norm: float
     tolerated: int = 0
-    rows_per_individual: int = 1
+    unit: str = "patient"
+    images_per_patient: int = 1
+    max_positive_labels: int = 1
+    max_samples: int = 0
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -101,8 +124,29 @@ class DpSettings:
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if not (self.clip_norm > 0 and math.isfinite(self.clip_norm)):
             raise ValueError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
-        if self.tolerated < 0 or self.rows_per_individual < 1:
-            raise ValueError("need tolerated >= 0 and rows_per_individual >= 1")
+        if self.unit not in _UNITS:
+            raise ValueError(f"unit must be one of {sorted(_UNITS)}, got {self.unit!r}")
+        if self.unit == "image" and self.images_per_patient != 1:
+            raise ValueError("images_per_patient applies to unit = 'patient' only")
+        if min(self.tolerated, self.max_positive_labels, self.max_samples) < 0:
+            raise ValueError("tolerated, max_positive_labels and max_samples must be >= 0")
+        if self.images_per_patient < 1:
+            raise ValueError("images_per_patient must be >= 1")
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """The rulebook's mechanism of these settings (the measured budget split)."""
+        return Mechanism(
+            self.clip_norm,
+            rows_per_individual=self.images_per_patient,
+            max_positive_labels=self.max_positive_labels,
+            split=DEFAULT_SPLIT,
+        )
+
+    @property
+    def guarantee(self) -> str:
+        """``patient-level (ε, δ)`` or ``image-level (ε, δ)``: what the budgets mean."""
+        return f"{self.unit}-level (ε, δ)"
 
 
 def dp_settings_from_table(table: Mapping[str, Any]) -> DpSettings:
@@ -115,7 +159,12 @@ def dp_settings_from_table(table: Mapping[str, Any]) -> DpSettings:
             raise ValueError(f"{key} is required")
     values: dict[str, Any] = {}
     for key, value in table.items():
-        want_int = key in ("tolerated", "rows_per_individual")
+        if key == "unit":
+            if not isinstance(value, str):
+                raise ValueError("unit must be a string ('patient' or 'image')")
+            values[key] = value
+            continue
+        want_int = key in _INT_KEYS
         ok = isinstance(value, int) if want_int else isinstance(value, int | float)
         if isinstance(value, bool) or not ok:
             raise ValueError(f"{key} must be {'an integer' if want_int else 'a number'}")
@@ -135,13 +184,22 @@ def dp_releases(
     coverage: Mapping[str, Collection[str]],
     gram_scope: str,
     d: int,
+    round_number: int = 1,
+    need_global_gram: bool = False,
 ) -> list[PlannedRelease]:
-    """Round-1 releases of DP mode (module docstring); ``coverage`` maps site -> classes.
+    """The releases of a DP round (module docstring); ``coverage`` maps site -> classes.
 
-    The groups and their four statistics are :func:`afl.core.dp_accounting.release_groups` and
-    :func:`~afl.core.dp_accounting.plan_releases`; only the release names are chosen here.
+    Round 1: the groups and their four statistics
+    (:func:`afl.core.dp_accounting.release_groups`, :func:`~afl.core.dp_accounting.plan_releases`),
+    plus ``gram[all]`` when ``need_global_gram`` and no group covers everyone. Round 2: the
+    pseudo-label statistics (:func:`~afl.core.dp_accounting.pseudo_releases`).
     """
     everyone = sorted(participants)
+    if round_number == 2:
+        return [
+            PlannedRelease(r.name, r.members, DP_KINDS[r.kind], tuple(classes), r.shape)
+            for r in pseudo_releases(everyone, classes=classes, d=d)
+        ]
     groups = release_groups(
         classes=classes, participants=everyone, coverage=coverage, gram_scope=gram_scope
     )
@@ -153,7 +211,10 @@ def dp_releases(
         for r in plan_releases([group], d=d):
             name = gram_name if r.kind == "gram" else f"{r.kind}{suffix}"
             class_names = () if r.kind == "gram" else group.classes
-            out.append(PlannedRelease(name, members, _KINDS[r.kind], class_names, r.shape))
+            out.append(PlannedRelease(name, members, DP_KINDS[r.kind], class_names, r.shape))
+    if need_global_gram and all(r.name != GLOBAL_GRAM for r in out):
+        g = global_gram_release(everyone, d=d)
+        out.insert(0, PlannedRelease(GLOBAL_GRAM, g.members, DP_KINDS["gram"], (), g.shape))
     return out
 
 
@@ -161,7 +222,7 @@ def audit_dp_plan(releases: Sequence[PlannedRelease], participants: Sequence[str
     """Design §5 row-space audit of a DP plan (one quantity per statistic and class column)."""
     rows = []
     for r in releases:
-        if r.kind == _KINDS["gram"]:
+        if r.kind == DP_KINDS["gram"]:
             rows.append(Release(r.name, frozenset(r.members), "gram"))
             continue
         for c in r.class_names:
@@ -173,23 +234,35 @@ def audit_dp_plan(releases: Sequence[PlannedRelease], participants: Sequence[str
 
 @dataclass(frozen=True)
 class DpCalibration:
-    """Noise per release and the (ε, δ) each site spends in the round."""
+    """Noise per release and the (ε, δ) each site spends in the round and in its run so far."""
 
     settings: DpSettings
     noise: Mapping[str, ReleaseNoise]
     site_epsilon: Mapping[str, float]
     noise_multiplier: float
+    run_rounds: int = 1
+    site_epsilon_run: Mapping[str, float] = field(default_factory=dict)
+
+    def run_epsilon(self, site: str) -> float:
+        """ε of ``site`` over its run so far (this round composed with the earlier ones)."""
+        return self.site_epsilon_run.get(site, self.site_epsilon[site])
 
     def to_audit(self) -> dict[str, object]:
         """The audit-log entry (no statistics): ε, δ per site and σ per release."""
+        s = self.settings
         return {
-            "epsilon_target": self.settings.epsilon,
-            "delta": self.settings.delta,
-            "clip_norm": self.settings.clip_norm,
+            "guarantee": s.guarantee,
+            "unit": s.unit,
+            "images_per_patient": s.images_per_patient,
+            "max_positive_labels": s.max_positive_labels,
+            "epsilon_target": s.epsilon,
+            "delta": s.delta,
+            "clip_norm": s.clip_norm,
             "noise_multiplier": self.noise_multiplier,
+            "run_rounds": self.run_rounds,
             "sites": {
-                s: {"epsilon": e, "delta": self.settings.delta}
-                for s, e in sorted(self.site_epsilon.items())
+                site: {"epsilon": e, "epsilon_run": self.run_epsilon(site), "delta": s.delta}
+                for site, e in sorted(self.site_epsilon.items())
             },
             "releases": {
                 n: {
@@ -212,26 +285,64 @@ def _statistic(release: PlannedRelease) -> StatisticRelease:
     )
 
 
+def plan_noise(
+    plan: common_pb2.ReleasePlan,
+) -> tuple[float, list[tuple[StatisticRelease, ReleaseNoise]]]:
+    """The noise multiplier z and every release with its noise, of a signed DP plan (round 2
+    keeps round 1's z and composes with round 1's releases)."""
+    out = []
+    for r in plan.releases:
+        kind = _PREFIX.get(int(r.kind))
+        if kind is None:
+            raise ValueError(f"release {r.name}: kind {r.kind} is not a DP statistic")
+        stat = StatisticRelease(
+            r.name, kind, tuple(r.member_site_ids), len(r.class_names), tuple(r.shape)
+        )
+        noise = ReleaseNoise(
+            float(r.noise.sigma),
+            float(r.noise.sensitivity),
+            int(r.noise.frac_bits),
+            int(r.noise.assumed_colluders),
+        )
+        out.append((stat, noise))
+    return float(plan.dp.noise_multiplier), out
+
+
 def calibrate(
     releases: Sequence[PlannedRelease],
     settings: DpSettings,
     *,
     participants: Sequence[str],
     plaintext: bool,
+    run_rounds: int = 1,
+    classes: Sequence[str] = (),
+    parent: common_pb2.ReleasePlan | None = None,
 ) -> DpCalibration:
     """σ per release and ε per site (:func:`afl.core.dp_accounting.calibrate_releases`;
-    ``plaintext``: local DP, t_r = n_r - 1). ValueError (an
-    :class:`~afl.core.dp_accounting.AccountingError` from the rulebook) when the plan releases
-    nothing or its grid would need more than 40 fractional bits."""
+    ``plaintext``: local DP, t_r = n_r - 1).
+
+    Round 1 of a run of ``run_rounds`` = 2 reserves round 2's releases over ``participants``
+    and ``classes``; round 2 passes its ``parent`` plan (round 1's z, and round 1's releases
+    for the composed ε). ValueError (an :class:`~afl.core.dp_accounting.AccountingError` from
+    the rulebook) when the plan releases nothing or its grid would need more than 40 fractional
+    bits.
+    """
+    d = next((r.shape[0] for r in releases), 0)
+    reserved: list[StatisticRelease] = []
+    if parent is None and run_rounds == 2:
+        reserved = pseudo_releases(participants, classes=classes, d=d)
+    z_fixed, earlier = (None, []) if parent is None else plan_noise(parent)
     cal = calibrate_releases(
         [_statistic(r) for r in releases],
         epsilon=settings.epsilon,
         delta=settings.delta,
-        clip_norm=settings.clip_norm,
-        rows_per_individual=settings.rows_per_individual,
+        mechanism=settings.mechanism,
         tolerated=settings.tolerated,
         local=plaintext,
         participants=participants,
+        reserved=reserved,
+        noise_multiplier=z_fixed,
+        earlier=earlier,
     )
     for r in releases:
         n = cal.noise[r.name]
@@ -241,14 +352,35 @@ def calibrate(
                 f"release {r.name}: noise share {share:.3g} is too small for the integer grid "
                 f"(epsilon {settings.epsilon:g} is too large; use a smaller epsilon)"
             )
-    return DpCalibration(settings, cal.noise, cal.site_epsilon, cal.noise_multiplier)
+    alone = cal.site_epsilon
+    if parent is not None:  # cal composes with round 1; this round alone:
+        stats = [_statistic(r) for r in releases]
+        alone = site_epsilons(stats, cal.noise, sites=participants, delta=settings.delta)
+    return DpCalibration(
+        settings,
+        cal.noise,
+        alone,
+        cal.noise_multiplier,
+        run_rounds=run_rounds,
+        site_epsilon_run=cal.site_epsilon,
+    )
 
 
 def apply_dp(plan: common_pb2.ReleasePlan, calibration: DpCalibration) -> None:
     """Write the noise of every release, the DP parameters and the site budgets into ``plan``."""
     s = calibration.settings
     plan.dp.CopyFrom(
-        common_pb2.DpParams(enabled=True, clip_norm=s.clip_norm, delta=s.delta, epsilon=s.epsilon)
+        common_pb2.DpParams(
+            enabled=True,
+            clip_norm=s.clip_norm,
+            delta=s.delta,
+            epsilon=s.epsilon,
+            unit=_UNITS[s.unit],
+            images_per_patient=s.images_per_patient,
+            max_positive_labels=s.max_positive_labels,
+            noise_multiplier=calibration.noise_multiplier,
+            run_rounds=calibration.run_rounds,
+        )
     )
     for release in plan.releases:
         n = calibration.noise[release.name]
@@ -263,6 +395,8 @@ def apply_dp(plan: common_pb2.ReleasePlan, calibration: DpCalibration) -> None:
         )
     del plan.budgets[:]
     plan.budgets.extend(
-        common_pb2.SiteBudget(site_id=site, epsilon=eps, delta=s.delta)
+        common_pb2.SiteBudget(
+            site_id=site, epsilon=eps, delta=s.delta, epsilon_run=calibration.run_epsilon(site)
+        )
         for site, eps in sorted(calibration.site_epsilon.items())
     )

@@ -15,7 +15,8 @@ SOLVING is held until every release has an outcome from the decryptor.
 Plan encoding: every release's upload is ``DTYPE_CKKS_VECTORS`` with a ``CkksEncoding`` whose
 pre-scale is ``choose_prescale(bound=B, num_summands=K)`` (K = members, B = ``[round]
 ckks_gram_bound`` or ``ckks_vector_bound``: the declared bound on |entry| of one site's Gram or
-class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`).
+class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`). In DP
+mode the pre-scale and grid keep the sites' noise grid exactly (:mod:`afl.server.dp_ckks`).
 
 Flow of the RPCs (:class:`CkksRequests`): the decryptor uploads its public context (``Upload``
 kind CKKS_PUBLIC_CONTEXT) and signs an announcement (``PublishCkksContext``; verified with the
@@ -62,6 +63,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.ckks_context import CkksContexts, PublishedContext
 from afl.server.config import RoundSettings
+from afl.server.dp_ckks import dp_ckks_encodings
 from afl.server.errors import (
     ConflictError,
     InvalidRequestError,
@@ -161,7 +163,11 @@ class CkksMode(PlainUploadStage):
         return PlanOptions(aggregation=cpb.AGGREGATION_MODE_CKKS, encoding=self._release_encoding)
 
     def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
-        raise ValueError("DP with aggregation = 'ckks' is not supported")
+        """Pre-scales and grids that keep the sites' noise grid (:mod:`afl.server.dp_ckks`);
+        N is the run's [round.dp] max_samples."""
+        settings: RoundSettings | None = getattr(self, "settings", None)
+        dp = settings.dp if settings is not None else None
+        dp_ckks_encodings(plan, max_samples=dp.max_samples if dp is not None else 0)
 
     def context(self) -> PublishedContext:
         return self.contexts.context()

@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
 from afl.server.ckks_context import CkksContexts
@@ -57,7 +58,7 @@ from afl.server.config import (
     settings_table,
 )
 from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
-from afl.server.dp_solve import solve_dp_round
+from afl.server.dp_solve import solve_dp_run
 from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.mode_registry import mode_for
 from afl.server.modes import AggregationMode, ModeEnvironment, Transition
@@ -485,7 +486,7 @@ class RoundMachine:
         enrolments = self.store.enrolments()
         coverage = {s: e.labelled_classes for s, e in enrolments.items()}
         declared = {s: e.row_bounds for s, e in enrolments.items() if e.row_bounds is not None}
-        dp = settings.dp if view.row.number == 1 else None
+        dp = settings.dp
         if dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
             releases = dp_releases(
                 classes=settings.classes,
@@ -493,6 +494,8 @@ class RoundMachine:
                 coverage=coverage,
                 gram_scope=settings.gram_scope,
                 d=settings.feature_dim,
+                round_number=view.row.number,
+                need_global_gram=settings.rounds == 2,
             )
             report = audit_dp_plan(releases, participants)
         elif view.row.number == 1:
@@ -515,7 +518,13 @@ class RoundMachine:
         if dp is not None:
             try:
                 calibration = calibrate(
-                    releases, dp, participants=participants, plaintext=mode.name == "plaintext"
+                    releases,
+                    dp,
+                    participants=participants,
+                    plaintext=mode.name == "plaintext",
+                    run_rounds=settings.rounds,
+                    classes=settings.classes,
+                    parent=self._parent_plan(view),
                 )
             except ValueError as exc:
                 self._abort(view, f"DP calibration failed: {exc}")
@@ -572,6 +581,13 @@ class RoundMachine:
             "plan-published", {"round_id": view.round_id, "releases": [r.name for r in releases]}
         )
         self._emit(view.round_id)
+
+    def _parent_plan(self, view: RoundView) -> cpb.ReleasePlan | None:
+        """Round 1's signed plan, for round 2 of a run (None in round 1)."""
+        if view.row.number == 1:
+            return None
+        parent = self.find(view.row.parent_round_id)
+        return cpb.ReleasePlan.FromString(parent.row.plan or b"")
 
     def advance(self) -> None:
         """Apply every transition that is due."""
@@ -734,9 +750,21 @@ class RoundMachine:
         settings: RoundSettings,
         sums: Mapping[str, NDArray[np.float64]],
     ) -> NDArray[np.float64]:
-        if view.row.number == 1 and settings.dp is not None:
-            return solve_dp_round(
-                view.releases, sums, classes=settings.classes, gamma=settings.gamma
+        if settings.dp is not None:
+            first_round = None
+            if view.row.number == 2:
+                first = self.find(view.row.parent_round_id)
+                first_sums = self.sums(first)
+                if first_sums is None:
+                    raise AggregationError(f"round {first.round_id!r} has no released sums")
+                first_round = (first.row.plan or b"", first_sums)
+            return solve_dp_run(
+                view.row.plan or b"",
+                sums,
+                parent=first_round,
+                classes=settings.classes,
+                gamma=settings.gamma,
+                refinement=settings.refinement,
             )
         if view.row.number == 1:
             return solve_round_one(

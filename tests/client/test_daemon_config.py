@@ -55,13 +55,19 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
         kit,
         tmp_path,
         data={"cache_dir": None, "cache": "/data/feats", "classes": ["A", "B"], "backbone": "x"},
-        policy={"min_cohort": 5, "allow_exposure": True, "max_epsilon": 2.5},
-    )
+        policy={
+            "min_cohort": 5, "allow_exposure": True, "max_epsilon": 2.5,
+            "lifetime_epsilon": 8.0, "lifetime_delta": 1e-6, "privacy_unit": "image",
+        },
+    )  # fmt: skip
     cfg = load_client_config(path)
     assert cfg.data.cache == Path("/data/feats")
     assert cfg.data.classes == ("A", "B")
     assert cfg.data.backbone == "x"
-    assert cfg.policy == LocalPolicy(min_cohort=5, allow_exposure=True, max_epsilon=2.5)
+    assert cfg.policy == LocalPolicy(
+        min_cohort=5, allow_exposure=True, max_epsilon=2.5, lifetime_epsilon=8.0,
+        lifetime_delta=1e-6, privacy_unit="image",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -71,6 +77,9 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
         ({"policy": {"min_cohort": "3"}}, "min_cohort: must be an integer"),
         ({"policy": {"allow_exposure": "no"}}, "allow_exposure: must be true or false"),
         ({"policy": {"max_epsilon": -1.0}}, "max_epsilon: must be >= 0"),
+        ({"policy": {"lifetime_epsilon": -1.0}}, "lifetime_epsilon: must be >= 0"),
+        ({"policy": {"lifetime_delta": 1.0}}, r"lifetime_delta: must lie in \(0, 1\)"),
+        ({"policy": {"privacy_unit": "row"}}, "privacy_unit: must be 'patient' or 'image'"),
         ({"data": {"classes": "A"}}, "classes: must be a list"),
         ({"data": {"classes": ["A", "A"]}}, "lists a class twice"),
         ({"data": {"cache_dir": "x"}}, "either cache or cache_dir"),
@@ -142,3 +151,32 @@ def test_run_subcommand_reports_config_errors(
     # The provisioned kit has no feature cache yet: a clear error before any network traffic.
     assert main(["run", "--config", str(kit / "client.toml")]) == 1
     assert "is not a feature cache" in capsys.readouterr().err
+
+
+def test_budget_subcommand_shows_the_ledger_and_refuses_a_broken_one(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afl.client.cli import main
+    from afl.client.dp_ledger import DpLedger
+
+    path = _rewrite(kit, tmp_path, client={"state_dir": str(tmp_path / "state")})
+    assert main(["budget", "--config", str(path)]) == 0
+    assert "lifetime: ε = 0 at δ = 1e-05 over 0 release(s)" in capsys.readouterr().out
+    ledger = DpLedger(tmp_path / "state" / "dp-ledger")
+    for i, mu in enumerate((0.3, 0.4), start=1):
+        ledger.record(
+            federation_id="f", round_id=f"r{i}", round_number=1, run_id=f"r{i}",
+            plan_sha256="00", aggregation="AGGREGATION_MODE_MASK", unit="patient",
+            images_per_patient=1, delta=1e-5, mu=mu, epsilon=1.0, releases=(),
+        )  # fmt: skip
+    assert main(["budget", "--config", str(path), "--json"]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["round_id"] for e in doc["entries"]] == ["r1", "r2"]
+    assert doc["mu"] == pytest.approx(0.5) and doc["head_sha256"] == ledger.head()
+    first = sorted((tmp_path / "state" / "dp-ledger").iterdir())[0]
+    first.write_text(first.read_text().replace('"mu": 0.3', '"mu": 0.01'))
+    assert main(["budget", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("afl-client budget: error: DP ledger") and "chain breaks" in err

@@ -132,14 +132,20 @@ def test_mode_participation_and_epsilon() -> None:
         dp=cpb.DpParams(enabled=True, epsilon=3.0, delta=1e-5, clip_norm=1.0),
         budgets=[cpb.SiteBudget(site_id="s1", epsilon=3.0, delta=1e-5)],
     )
-    assert check_plan(dp, site_id="s1", policy=_policy(max_epsilon=4.0)).accept
-    decision = check_plan(dp, site_id="s1", policy=_policy(max_epsilon=2.0))
-    assert not decision.accept and "ε = 3 > policy max_epsilon 2" in decision.reason
-    assert check_plan(dp, site_id="s1", policy=_policy(max_epsilon=math.inf)).accept
+    image = "image"  # an image-level plan (no unit stated)
+    assert check_plan(dp, site_id="s1", policy=_policy(max_epsilon=4.0, privacy_unit=image)).accept
+    decision = check_plan(dp, site_id="s1", policy=_policy(max_epsilon=2.0, privacy_unit=image))
+    assert not decision.accept and "image-level ε = 3 " in decision.reason
+    assert "> policy max_epsilon 2" in decision.reason
+    assert check_plan(
+        dp, site_id="s1", policy=_policy(max_epsilon=math.inf, privacy_unit=image)
+    ).accept
+    decision = check_plan(dp, site_id="s1", policy=_policy(max_epsilon=4.0))
+    assert not decision.accept and "requires patient-level DP" in decision.reason
     # A DP plan whose releases carry no noise is not DP, whatever budget the server states.
     bare = _plan(list(GLOBAL.releases), dp=dp.dp, budgets=list(dp.budgets))
-    decision = check_plan(bare, site_id="s1", policy=_policy(max_epsilon=4.0))
-    assert not decision.accept and "ε = inf" in decision.reason
+    decision = check_plan(bare, site_id="s1", policy=_policy(max_epsilon=4.0, privacy_unit=image))
+    assert not decision.accept and "carries no DP noise" in decision.reason
 
 
 def test_malformed_plans_are_refused() -> None:

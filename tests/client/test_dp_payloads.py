@@ -21,7 +21,7 @@ from afl.client.dp_payloads import (
     site_epsilon,
 )
 from afl.client.modes import PlaintextMode
-from afl.core.dp_stats import clip_rows, sufficient_statistics
+from afl.core.dp_stats import SufficientStatistics, clip_rows, sufficient_statistics
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import (
     PLAN_DECISION_CONTEXT,
@@ -150,13 +150,20 @@ def test_payloads_cover_the_site_releases_only() -> None:
 
 
 def _pooled(feats: list[NDArray[np.float64]], labels: list[NDArray[np.int64]]) -> Any:
+    """Oracle: ridge on the pooled clipped rows with pooled balanced targets, a row positive in
+    p > 1 classes weighing 1/√p in the positive sums and counts (label clipping k = 1), written
+    out with numpy."""
     h = clip_rows(np.vstack(feats), clip_norm=2.0)
     y = np.vstack(labels)
     mask = y >= 0
+    pos = np.where(mask, y, 0).astype(np.float64)
+    weight = 1.0 / np.sqrt(np.maximum(pos.sum(axis=1), 1.0))
     st = sufficient_statistics(h, np.where(mask, y, 0), label_mask=mask)
-    npos, nneg = st.positive_count, st.label_count - st.positive_count
-    b = (st.positive_sum / npos[:, None] - (st.label_sum - st.positive_sum) / nneg[:, None]).T
-    return np.linalg.solve(st.gram + np.eye(D), b), st
+    s_pos, n_pos = h.T @ (pos * weight[:, None]), (pos * weight[:, None]).sum(axis=0)
+    t_sum = st.label_sum.T
+    b = s_pos / n_pos - (t_sum - s_pos) / (st.label_count - n_pos)
+    weighted = SufficientStatistics(st.gram, s_pos.T, n_pos, st.label_sum, st.label_count)
+    return np.linalg.solve(h.T @ h + np.eye(D), b), weighted
 
 
 def test_in_process_dp_round_with_huge_epsilon_equals_the_pooled_solve(tmp_path: Path) -> None:
@@ -188,9 +195,12 @@ def test_in_process_dp_round_with_huge_epsilon_equals_the_pooled_solve(tmp_path:
         signed = signatures.sign_fields(keys[s], context=PLAN_DECISION_CONTEXT, fields=fields)
         coordinator.decide(s, pb.PlanDecision(round_id=view.round_id, accept=True,
                                               plan_sha256=digest, signature=signed))  # fmt: skip
+    assert plan.dp.max_positive_labels == 1
     for s in SITES:
         feats, labels = data[s]
-        stats = dp_statistics(feats, labels, labelled=np.array([True, True]), clip_norm=2.0)
+        stats = dp_statistics(
+            feats, labels, labelled=np.array([True, True]), clip_norm=2.0, max_positive_labels=1
+        )
         for p in dp_slot_payloads(plan, site_id=s, class_names=CLASSES, stats=stats,
                                   encode=PlaintextMode().encode):  # fmt: skip
             coordinator.upload(

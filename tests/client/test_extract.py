@@ -176,3 +176,17 @@ def test_plan_batches_partition_rows():
     for bad in ("5/5", "x", "1/0", "-1/2"):
         with pytest.raises(ShardError):
             parse_shard(bad)
+
+
+def test_patient_ids_follow_the_kept_rows_through_extraction_and_merge(backbone, tmp_path):
+    manifest = make_site(tmp_path / "p", 9)
+    lines = manifest.read_text(encoding="utf-8").splitlines()
+    lines = [lines[0] + ",patient"] + [f"{line},pt{i // 2}" for i, line in enumerate(lines[1:])]
+    manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "p" / "img" / "004.png").write_bytes(b"corrupt png")  # row 4 (patient pt2)
+    source = manifest_source(manifest)
+    single = _run(source, backbone, tmp_path / "single").cache
+    expected = tuple(f"pt{i // 2}" for i in range(9) if i != 4)
+    assert single.patients == expected and len(single.ids) == len(expected)
+    dirs = [_run(source, backbone, tmp_path / f"s{i}", shard=(i, 2)).cache.root for i in range(2)]
+    assert merge_shards(dirs, tmp_path / "merged").patients == expected

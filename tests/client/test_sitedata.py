@@ -84,6 +84,19 @@ def test_manifest_labels_absent_and_empty_are_minus_one(tmp_path):
     assert default.classes == ("A", "B") and [r.id for r in default.records] == ["a", "b", "c"]
 
 
+def test_manifest_patient_column_is_the_privacy_unit(tmp_path):
+    (tmp_path / "m.csv").write_text(
+        "path,patient,A\nx/1.png,p7,1\nx/2.png,p7,0\nx/3.png,p9,1\n", encoding="utf-8"
+    )
+    src = manifest_source(tmp_path / "m.csv")
+    assert src.classes == ("A",) and src.patients == ("p7", "p7", "p9")
+    other = manifest_source(tmp_path / "m.csv", patient_column="mrn", classes=["A"])
+    assert other.patients is None  # no such column: no patient ids
+    (tmp_path / "e.csv").write_text("path,patient,A\nx/1.png,,1\n", encoding="utf-8")
+    with pytest.raises(SiteDataError, match="empty 'patient'"):
+        manifest_source(tmp_path / "e.csv")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -222,6 +235,7 @@ def test_nih_layout_kaggle_subfolders_views_and_missing_files(tmp_path):
     labels = dict(zip(src.classes, src.labels[0], strict=True))
     assert labels["Effusion"] == 1 and labels["Mass"] == 1 and sum(src.labels[0]) == 2
     assert not src.labels[1].any() and (src.labels >= 0).all()
+    assert src.patients == ("1", "2", "3")  # NIH's Patient ID
     pa = nih_source(tmp_path, views=["PA"], classes=["Pneumonia"])
     assert [r.id for r in pa.records] == ["a.png", "c.png"]
     np.testing.assert_array_equal(pa.labels, [[0], [1]])

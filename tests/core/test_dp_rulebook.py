@@ -18,23 +18,35 @@ from scipy.stats import norm
 
 from afl.core.aggregation import plan_aggregation
 from afl.core.dp_accounting import (
+    DEFAULT_SPLIT,
+    EQUAL_SPLIT,
     GRID_INFLATION_MAX,
     MIN_SHARE_STEPS,
+    PSEUDO_KINDS,
     STATISTIC_KINDS,
     AccountingError,
+    BudgetSplit,
     GaussianRelease,
+    Mechanism,
+    StatisticKind,
     StatisticRelease,
     assumed_colluders,
     calibrate_noise_multiplier,
     calibrate_releases,
+    compose_mu,
     epsilon_for_releases,
+    epsilon_from_mu,
     grid_frac_bits,
     grid_inflation,
     mu_from_releases,
     noise_multiplier_for_sites,
     noise_share,
     plan_releases,
+    previous_mechanism,
+    protecting_sigma,
+    pseudo_releases,
     release_groups,
+    site_view_releases,
     statistic_sensitivity,
 )
 
@@ -132,11 +144,24 @@ def test_a_plan_without_releases_cannot_be_calibrated() -> None:
 
 
 def test_sensitivity_formulas() -> None:
-    # m·L², m·√C_r·L, m·√C_r·L, m·√(2C_r), written out.
+    # m·L², m·√C_r·L, m·√C_r·L, m·√(2C_r), written out (no label clipping).
     expected = {"gram": 2 * 9.0, "s_pos": 2 * math.sqrt(8) * 3.0, "t_sum": 2 * math.sqrt(8) * 3.0}
-    for kind in STATISTIC_KINDS:
+    for kind in (*STATISTIC_KINDS, *PSEUDO_KINDS):
         sens = statistic_sensitivity(kind, clip_norm=3.0, n_classes=8, rows_per_individual=2)
-        assert sens == pytest.approx(expected.get(kind, 2 * 4.0))
+        assert sens == pytest.approx(expected.get(kind.removeprefix("pseudo_"), 2 * 4.0))
+    # Label clipping at k = 1: positive sums m·L, counts m·√(1 + C_r); k >= C_r changes nothing.
+    clipped: dict[StatisticKind, float] = {
+        "s_pos": 2 * 3.0,
+        "t_sum": 2 * math.sqrt(8) * 3.0,
+        "counts": 2 * 3.0,
+    }
+    for kind, value in clipped.items():
+        assert statistic_sensitivity(
+            kind, clip_norm=3.0, n_classes=8, rows_per_individual=2, max_positive_labels=1
+        ) == pytest.approx(value)
+    assert statistic_sensitivity(
+        "counts", clip_norm=3.0, n_classes=2, max_positive_labels=5
+    ) == pytest.approx(2.0)
     assert statistic_sensitivity("gram", clip_norm=3.0) == 9.0  # no classes needed
     for clip, classes, m in ((0.0, 1, 1), (1.0, 0, 1), (1.0, 1, 0), (math.inf, 1, 1)):
         with pytest.raises(AccountingError):
@@ -253,6 +278,19 @@ def test_plan_releases_shapes() -> None:
 # ------------------------------------------------------------------ calibration
 
 
+def _coverage_plan(active, scope):
+    sites = [f"s{k}" for k in range(active.shape[0])]
+    classes = [f"c{c}" for c in range(active.shape[1])]
+    coverage = {
+        s: [c for c, on in zip(classes, row, strict=True) if on]
+        for s, row in zip(sites, active, strict=True)
+    }
+    groups = release_groups(
+        classes=classes, participants=sites, coverage=coverage, gram_scope=scope
+    )
+    return sites, classes, plan_releases(groups, d=7)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     active=hnp.arrays(np.bool_, (5, 4)),
@@ -263,27 +301,22 @@ def test_plan_releases_shapes() -> None:
     tolerated=st.integers(0, 5),
     local=st.booleans(),
 )
-def test_calibration_of_a_plan(active, scope, epsilon, clip, m, tolerated, local) -> None:
-    sites = [f"s{k}" for k in range(5)]
-    classes = [f"c{c}" for c in range(4)]
-    coverage = {
-        s: [c for c, on in zip(classes, row, strict=True) if on]
-        for s, row in zip(sites, active, strict=True)
-    }
-    groups = release_groups(
-        classes=classes, participants=sites, coverage=coverage, gram_scope=scope
-    )
-    releases = plan_releases(groups, d=7)
+def test_the_previous_mechanism_gives_every_release_one_multiplier(
+    active, scope, epsilon, clip, m, tolerated, local
+) -> None:
+    sites, _, releases = _coverage_plan(active, scope)
     if not releases:
         return
+    mech = previous_mechanism(clip, rows_per_individual=m)
     cal = calibrate_releases(
-        releases, epsilon=epsilon, delta=1e-6, clip_norm=clip, rows_per_individual=m,
+        releases, epsilon=epsilon, delta=1e-6, mechanism=mech,
         tolerated=tolerated, local=local, participants=sites,
     )  # fmt: skip
-    z = cal.noise_multiplier
+    # Equal split a = 1/4 and per-release Δ̂ = Δ: σ_r = 2z·Δ'_r; the worst site has R_max
+    # releases: (2z)² = 4·z*²·R_max/4, i.e. σ_r = z*·√R_max·Δ'_r as before the split.
     per_site = {s: sum(1 for r in releases if s in r.members) for s in sites}
-    assert z == pytest.approx(
-        calibrate_noise_multiplier(epsilon=epsilon, delta=1e-6) * math.sqrt(max(per_site.values()))
+    z_one = calibrate_noise_multiplier(epsilon=epsilon, delta=1e-6) * math.sqrt(
+        max(per_site.values())
     )
     for r in releases:
         noise = cal.noise[r.name]
@@ -291,7 +324,7 @@ def test_calibration_of_a_plan(active, scope, epsilon, clip, m, tolerated, local
             r.kind, clip_norm=clip, n_classes=r.n_classes, rows_per_individual=m
         )
         assert base <= noise.sensitivity <= base * (1 + GRID_INFLATION_MAX)
-        assert noise.sigma == pytest.approx(z * noise.sensitivity, rel=1e-12)
+        assert noise.sigma == pytest.approx(z_one * noise.sensitivity, rel=1e-9)
         n = len(r.members)
         assert noise.assumed_colluders == (n - 1 if local else min(tolerated, n - 1))
         share = noise_share(noise.sigma, members=n, colluders=noise.assumed_colluders)
@@ -300,20 +333,145 @@ def test_calibration_of_a_plan(active, scope, epsilon, clip, m, tolerated, local
             assert noise.sensitivity == base  # integers: no grid rounding
     for s in sites:
         k = per_site[s]
-        if k == 0:
-            assert cal.site_epsilon[s] == 0.0
-            continue
-        # μ_k = √R_k / z whatever the sensitivities (σ_r = z·Δ'_r).
-        expected = epsilon_for_releases([GaussianRelease("r", 1.0, z)] * k, delta=1e-6)
-        assert cal.site_epsilon[s] == pytest.approx(expected, rel=1e-9)
-        assert cal.site_epsilon[s] <= epsilon * (1 + 1e-8)
+        expected = (
+            0.0
+            if k == 0
+            else epsilon_for_releases([GaussianRelease("r", 1.0, z_one)] * k, delta=1e-6)
+        )
+        assert cal.site_epsilon[s] == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert max(cal.site_epsilon.values()) == pytest.approx(epsilon, rel=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    active=hnp.arrays(np.bool_, (5, 4)),
+    scope=st.sampled_from(["global", "per-class"]),
+    epsilon=st.floats(0.2, 30.0),
+    k=st.integers(0, 3),
+    split=st.sampled_from([DEFAULT_SPLIT, EQUAL_SPLIT, BudgetSplit(0.1, 0.1, 0.1, 0.7)]),
+    joint=st.booleans(),
+)
+def test_every_mechanism_meets_the_target_and_the_split(
+    active, scope, epsilon, k, split, joint
+) -> None:
+    sites, _, releases = _coverage_plan(active, scope)
+    if not releases:
+        return
+    mech = Mechanism(2.0, rows_per_individual=2, max_positive_labels=k, split=split, joint=joint)
+    cal = calibrate_releases(
+        releases, epsilon=epsilon, delta=1e-6, mechanism=mech, participants=sites
+    )
+    z = cal.noise_multiplier
+    for s in sites:
+        mine = [r for r in releases if s in r.members]
+        # Oracle: the composition written out from the plan's (Δ, σ), at the scipy backend.
+        oracle = epsilon_for_releases(
+            [GaussianRelease(r.name, cal.noise[r.name].sensitivity, cal.noise[r.name].sigma)
+             for r in mine],
+            delta=1e-6, backend="scipy",
+        )  # fmt: skip
+        assert cal.site_epsilon[s] == pytest.approx(oracle, rel=1e-6, abs=1e-12)
+        assert cal.site_epsilon[s] <= epsilon * (1 + 1e-8)
+        for kind in STATISTIC_KINDS:  # joint: each kind costs at most its share a_κ/z² of μ²
+            costs = [
+                (cal.noise[r.name].sensitivity / cal.noise[r.name].sigma) ** 2
+                for r in mine
+                if r.kind == kind
+            ]
+            shares = 1 if joint else len(costs)  # per release: a_κ/z² each
+            assert sum(costs) <= shares * split.share(kind) / z**2 * (1 + 1e-9)
+    assert max(cal.site_epsilon.values()) == pytest.approx(epsilon, rel=1e-6)
+
+
+def test_joint_calibration_costs_one_share_across_groups() -> None:
+    # s0 labels c0..c2 alone with one other site each (3 groups); c3 is labelled by s1, s2, s3.
+    # Per-release calibration sizes every release for s0's 3 groups (z = z*·√3); joint
+    # calibration sizes each release for its own members: the c3 group only for s1's 2 groups.
+    active = np.array([[1, 1, 1, 0], [1, 0, 0, 1], [0, 1, 0, 1], [0, 0, 1, 1]], dtype=bool)
+    _, _, releases = _coverage_plan(active, "per-class")
+    joint = Mechanism(1.0, max_positive_labels=0, split=EQUAL_SPLIT, joint=True)
+    alone = Mechanism(1.0, max_positive_labels=0, split=EQUAL_SPLIT, joint=False)
+    z_one = calibrate_noise_multiplier(epsilon=2.0, delta=1e-5)
+    cal_j = calibrate_releases(releases, epsilon=2.0, delta=1e-5, mechanism=joint)
+    cal_a = calibrate_releases(releases, epsilon=2.0, delta=1e-5, mechanism=alone)
+    assert cal_a.noise_multiplier == pytest.approx(z_one * math.sqrt(3 * 4 / 4))
+    assert cal_j.noise_multiplier == pytest.approx(z_one)
+    for r in releases:
+        ratio = cal_j.noise[r.name].sigma / cal_a.noise[r.name].sigma
+        expected = math.sqrt(2 / 3) if "s0" not in r.members else 1.0
+        assert ratio == pytest.approx(expected, rel=1e-3), r.name
+    for cal in (cal_j, cal_a):
+        assert max(cal.site_epsilon.values()) == pytest.approx(2.0, rel=1e-6)
+
+
+def test_round_two_is_reserved_and_composes() -> None:
+    sites = ["a", "b", "c"]
+    (group,) = release_groups(
+        classes=["x", "y"], participants=sites, coverage={}, gram_scope="global"
+    )
+    first = plan_releases([group], d=4)
+    second = pseudo_releases(sites, classes=["x", "y"], d=4)
+    assert [r.kind for r in second] == list(PSEUDO_KINDS)
+    mech = Mechanism(1.5, rows_per_individual=2)
+    cal1 = calibrate_releases(first, epsilon=3.0, delta=1e-5, mechanism=mech, reserved=second)
+    assert max(cal1.site_epsilon.values()) < 3.0  # round 2's share is kept back
+    cal2 = calibrate_releases(
+        second,
+        epsilon=3.0,
+        delta=1e-5,
+        mechanism=mech,
+        noise_multiplier=cal1.noise_multiplier,
+        earlier=[(r, cal1.noise[r.name]) for r in first],
+    )
+    # The run composed: exactly the target (the worst site is every site here).
+    both = [
+        GaussianRelease(r.name, n.sensitivity, n.sigma)
+        for cal, rs in ((cal1, first), (cal2, second))
+        for r in rs
+        for n in [cal.noise[r.name]]
+    ]
+    oracle = epsilon_for_releases(both, delta=1e-5, backend="scipy")
+    for s in sites:
+        assert cal2.site_epsilon[s] == pytest.approx(oracle, rel=1e-6)
+    assert oracle == pytest.approx(3.0, rel=1e-6)
+
+
+def test_the_adversary_that_sees_the_upload() -> None:
+    # Plaintext (local): only the site's own share σ/√(n - t) protects it; with t = 0 among 4
+    # members that is σ/2, i.e. μ doubles. Mask/ckks: the n - t honest shares give σ back.
+    share = noise_share(2.0, members=4, colluders=0)
+    assert protecting_sigma(share, members=4, colluders=0, local=True) == pytest.approx(1.0)
+    assert protecting_sigma(share, members=4, colluders=0, local=False) == pytest.approx(2.0)
+    stated = [("g", 1.0, 2.0, 4, 0), ("s", 3.0, 6.0, 4, 0)]
+    plain = mu_from_releases(site_view_releases(stated, local=True))
+    masked = mu_from_releases(site_view_releases(stated, local=False))
+    assert plain == pytest.approx(2 * masked) and masked == pytest.approx(math.sqrt(0.5))
+    honest = [("g", 1.0, 2.0, 4, 3)]  # t = n - 1: the honest local-DP plan
+    assert mu_from_releases(site_view_releases(honest, local=True)) == pytest.approx(0.5)
+    with pytest.raises(AccountingError):
+        protecting_sigma(1.0, members=2, colluders=2, local=False)
+
+
+def test_compose_mu_is_gdp_composition() -> None:
+    assert compose_mu([0.3, 0.4]) == pytest.approx(0.5)
+    assert compose_mu([]) == 0.0 and compose_mu([1.0, math.inf]) == math.inf
+    # μ-GDP composition agrees with composing the Gaussian releases themselves.
+    releases = [GaussianRelease("a", 1.0, 2.0), GaussianRelease("b", 2.0, 1.0)]
+    mu = compose_mu([0.5, 2.0])
+    assert epsilon_from_mu(mu=mu, delta=1e-5) == pytest.approx(
+        epsilon_for_releases(releases, delta=1e-5), rel=1e-12
+    )
+    with pytest.raises(AccountingError):
+        compose_mu([-1.0])
 
 
 def test_calibration_refuses_bad_input() -> None:
     release = StatisticRelease("g", "gram", ("a", "b"), 0, (2, 2))
+    mech = Mechanism(1.0)
     for eps in (math.inf, 0.0, math.nan):
         with pytest.raises(AccountingError):
-            calibrate_releases([release], epsilon=eps, delta=1e-5, clip_norm=1.0)
-    cal = calibrate_releases([release], epsilon=1.0, delta=1e-5, clip_norm=1.0)
+            calibrate_releases([release], epsilon=eps, delta=1e-5, mechanism=mech)
+    cal = calibrate_releases([release], epsilon=1.0, delta=1e-5, mechanism=mech)
     assert set(cal.site_epsilon) == {"a", "b"}
+    with pytest.raises(AccountingError):
+        BudgetSplit(0.5, 0.5, 0.5, 0.5)

@@ -17,6 +17,9 @@ from afl.core.dp_stats import (
     balanced_targets,
     clip_rows,
     floor_eigenvalues,
+    label_weights,
+    noise_ridge,
+    patient_rows,
     regularised_gram,
     sufficient_statistics,
 )
@@ -175,6 +178,87 @@ def test_one_row_changes_statistics_within_sensitivity(rows, labels, clip, m) ->
     for kind, delta in diff.items():
         sens = statistic_sensitivity(kind, clip_norm=clip, n_classes=3, rows_per_individual=m)
         assert np.linalg.norm(delta) <= sens * (1 + 1e-9)
+
+
+def _released(h: np.ndarray, y: np.ndarray, k: int) -> dict[StatisticKind, np.ndarray]:
+    st = sufficient_statistics(h, y, max_positive_labels=k)
+    return {
+        "gram": st.gram,
+        "s_pos": st.positive_sum,
+        "t_sum": st.label_sum,
+        "counts": np.stack([st.positive_count, st.label_count]),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    n=st.integers(2, 24),
+    patients=st.integers(1, 6),
+    clip=st.floats(min_value=0.1, max_value=10.0),
+    m=st.integers(1, 4),
+    k=st.integers(0, 3),
+)
+def test_one_patient_with_several_images_changes_statistics_within_sensitivity(
+    data, n, patients, clip, m, k
+) -> None:
+    # Patients hold several images each (ids drawn with repeats, in any order). The site keeps
+    # the first m of each patient (patient_rows); removing one patient from the data set and
+    # re-applying the cap moves each release by at most the rulebook's patient-level
+    # sensitivity (m images, label clipping k), computed independently as the norm of the
+    # difference. Without the cap a patient's images can exceed it (the cap is what holds it).
+    rows = data.draw(hnp.arrays(np.float64, (n, 4), elements=st.floats(-20, 20)))
+    labels = data.draw(hnp.arrays(np.float64, (n, 3), elements=st.sampled_from([0.0, 1.0])))
+    ids = np.array(data.draw(st.lists(st.integers(0, patients - 1), min_size=n, max_size=n)))
+    victim = int(ids[0])
+    h = clip_rows(rows, clip_norm=clip)
+    keep = patient_rows(ids, cap=m)
+    rest = np.flatnonzero(ids != victim)
+    keep_rest = rest[patient_rows(ids[rest], cap=m)]
+    assert set(keep_rest) == set(keep) - set(np.flatnonzero(ids == victim))
+    full = _released(h[keep], labels[keep], k)
+    without = _released(h[keep_rest], labels[keep_rest], k)
+    for kind, block in full.items():
+        sens = statistic_sensitivity(
+            kind, clip_norm=clip, n_classes=3, rows_per_individual=m, max_positive_labels=k
+        )
+        assert np.linalg.norm(block - without[kind]) <= sens * (1 + 1e-9), kind
+
+
+def test_an_uncapped_patient_exceeds_the_one_image_sensitivity() -> None:
+    # The failing case the cap prevents: one patient with 5 images at the clip norm.
+    h = np.tile([[2.0, 0.0]], (5, 1))
+    y = np.ones((5, 1))
+    ids = np.zeros(5, dtype=np.int64)
+    one = statistic_sensitivity("gram", clip_norm=2.0)
+    assert np.linalg.norm(sufficient_statistics(h, y).gram) == pytest.approx(5 * one)
+    capped = patient_rows(ids, cap=1)
+    assert np.linalg.norm(sufficient_statistics(h[capped], y[capped]).gram) == pytest.approx(one)
+
+
+def test_patient_rows_keeps_the_first_m_images_of_each_patient() -> None:
+    ids = np.array(["p2", "p1", "p2", "p3", "p2", "p1"])
+    assert patient_rows(ids, cap=1).tolist() == [0, 1, 3]
+    assert patient_rows(ids, cap=2).tolist() == [0, 1, 2, 3, 5]
+    assert patient_rows(ids, cap=9).tolist() == list(range(6))
+    with pytest.raises(DPStatsError):
+        patient_rows(ids, cap=0)
+
+
+def test_label_weights_bound_each_row() -> None:
+    y = np.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=float)
+    w = label_weights(y, max_positive_labels=1)
+    np.testing.assert_allclose(w, [0.5, 1.0, 1.0, 1 / np.sqrt(2)])
+    assert np.all(np.linalg.norm(y * w[:, None], axis=1) <= 1.0 + 1e-12)
+    np.testing.assert_allclose(label_weights(y, max_positive_labels=0), 1.0)
+
+
+def test_noise_ridge_is_about_the_noise_spectral_norm() -> None:
+    # Oracle: the largest eigenvalue of a drawn symmetrised noise matrix σ(Z + Zᵀ)/2.
+    d, sigma = 200, 3.0
+    z = np.random.default_rng(0).standard_normal((d, d))
+    top = float(np.abs(np.linalg.eigvalsh(sigma * (z + z.T) / 2)).max())
+    assert noise_ridge(sigma_gram=sigma, d=d) == pytest.approx(top, rel=0.1)
 
 
 def test_sensitivity_is_attained() -> None:

@@ -78,3 +78,29 @@ def test_open_rejects_non_caches(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(FeatureCacheError, match="not an afl-feature-cache"):
         open_cache(tmp_path)
+
+
+def test_patient_ids_round_trip_and_old_caches_have_none(tmp_path):
+    feats = np.zeros((10, 4), dtype=np.float32)
+    ids = [f"img{i}" for i in range(10)]
+    patients = [f"p{i // 3}" for i in range(10)]
+    cache = write_cache(
+        tmp_path / "c", meta=_meta(), ids=ids, labels=_labels(), features=feats, patients=patients
+    )
+    assert cache.patients == tuple(patients)
+    assert open_cache(tmp_path / "c").patients == tuple(patients)
+    old = write_cache(tmp_path / "old", meta=_meta(), ids=ids, labels=_labels(), features=feats)
+    assert old.patients is None and not (tmp_path / "old" / "patients.txt").exists()
+    with pytest.raises(FeatureCacheError, match="different cache"):
+        FeatureCacheWriter.create_or_resume(
+            tmp_path / "c", meta=_meta(), ids=ids, labels=_labels(), patients=patients[::-1]
+        )
+    for bad, word in ((patients[:3], "3 patient ids"), (["", *patients[1:]], "non-empty")):
+        with pytest.raises(FeatureCacheError, match=word):
+            write_cache(
+                tmp_path / f"bad{len(bad)}", meta=_meta(), ids=ids, labels=_labels(),
+                features=feats, patients=bad,
+            )  # fmt: skip
+    (tmp_path / "c" / "patients.txt").write_text("p0\np1\n", encoding="utf-8")
+    with pytest.raises(FeatureCacheError, match=r"patients\.txt"):
+        open_cache(tmp_path / "c")

@@ -18,21 +18,18 @@ from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,
-    prepare_loopback,
     run_loopback,
 )
 from afl.proto.v1 import common_pb2 as cpb
 from afl.server.config import load_config
 from afl.server.dp_mask import dp_mask_bound
-from afl.server.store import Store
 from tests.e2e.dp_scenario import (
-    CLASSES,
     CLIP,
-    EPSILON,
-    add_dp_table,
     checked_dp_report,
     dp_budgets,
+    dp_federation,
     pooled_solve,
+    signed_plans,
     site_data,
     w_error_bound,
 )
@@ -42,36 +39,15 @@ TOLERATED = 1
 
 
 def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, LoopbackRun]:
-    feats, labels = site_data(len(SITES))
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 20.0}
     if mask:
-        settings.update(mask_round_settings(feats))
-    loop = prepare_loopback(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((len(SITES), len(CLASSES)), dtype=bool),
-        test_features=feats[0][:30],
-        test_labels=labels[0][:30],
-        round_settings=settings,
-        allow_plaintext=not mask,  # the plaintext baseline: the sites opt in
-    )
-    table = {"epsilon": EPSILON, "delta": 1e-6, "clip_norm": CLIP, "tolerated": TOLERATED}
-    add_dp_table(loop.server_config, table)
+        settings.update(mask_round_settings(site_data(len(SITES))[0]))
+    loop = dp_federation(root, len(SITES), dp={"tolerated": TOLERATED}, round_settings=settings)
     return loop, run_loopback(loop, timeout_s=180)
 
 
 def _w(run: LoopbackRun, site: str) -> NDArray[np.float64]:
     return np.asarray(np.load(run.final_report(site)["model"]["path"]), dtype=np.float64)
-
-
-def _signed_plan(loop: LoopbackFederation) -> cpb.ReleasePlan:
-    config = load_config(loop.server_config)
-    store = Store(config.state_dir, federation_id=config.federation_id)
-    rows = [r for r in store.rounds() if r.plan is not None]
-    assert rows
-    return cpb.ReleasePlan.FromString(rows[-1].plan or b"")
 
 
 def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
@@ -83,7 +59,7 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
 
     config = load_config(loop.server_config)
     budgets = dp_budgets(loop.server_config)
-    plan = _signed_plan(loop)
+    (plan,) = signed_plans(loop.server_config).values()
     assert plan.aggregation == cpb.AGGREGATION_MODE_MASK and plan.dp.enabled
     n = len(SITES)
     t = min(TOLERATED, n - 1)
@@ -98,7 +74,7 @@ def test_dp_mask_round_matches_plaintext_and_pooled(tmp_path: Path) -> None:
 
     sigmas: dict[str, float] = {}
     for site in SITES:
-        dp = checked_dp_report(run.final_report(site), budgets, site)
+        dp = checked_dp_report(run.final_report(site), budgets, site, plan)
         assert set(dp["releases"]) == {"gram[all]", "s_pos", "t_sum", "counts"}
         for r in dp["releases"].values():
             assert r["assumed_colluders"] == t

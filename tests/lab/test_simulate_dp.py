@@ -18,7 +18,9 @@ from afl.lab.simulate_dp import (
     calibrate_dp,
     class_names,
     clip_site,
+    clip_sites,
     dp_solve,
+    projection_matrix,
     site_names,
 )
 from afl.proto.v1 import common_pb2 as cpb
@@ -83,7 +85,7 @@ def test_simulate_and_the_daemons_give_the_same_noise_and_epsilon(
     config = DPConfig(epsilons=(epsilon,), delta=delta, clip_norm=clip, rows_per_individual=m)
     sim_releases, sim = calibrate_dp(active, scope=scope, d=d, epsilon=epsilon, config=config)
     assert sim is not None
-    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=clip, rows_per_individual=m)
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=clip, images_per_patient=m)
     # The simulation is secure aggregation with t = 0: the mask daemons' calibration, exactly.
     releases, daemon = _daemon(active, scope=scope, d=d, settings=settings, plaintext=False)
     sim_sigma = {_key(r.kind, r.members): sim.noise[r.name] for r in sim_releases}
@@ -121,11 +123,12 @@ def test_the_simulated_noise_has_the_daemons_sigma(
         return real(stats, scales=scales, rng=rng)
 
     monkeypatch.setattr(dp_stats, "add_noise", spy)  # simulate_dp calls dp_stats.add_noise
-    sites = [clip_site(h, clip_norm=config.clip_norm) for h in fed.site_features]
-    _, info = dp_solve(
-        sites, fed.site_labels, active, scope=scope, epsilon=2.0, gamma=1.0, config=config
-    )
-    settings = DpSettings(epsilon=2.0, delta=config.delta, clip_norm=20.0, rows_per_individual=2)
+    sites = [
+        clip_site(h, y, clip_norm=config.clip_norm)
+        for h, y in zip(fed.site_features, fed.site_labels, strict=True)
+    ]
+    _, info = dp_solve(sites, active, scope=scope, epsilon=2.0, gamma=1.0, config=config)
+    settings = DpSettings(epsilon=2.0, delta=config.delta, clip_norm=20.0, images_per_patient=2)
     releases, daemon = _daemon(active, scope=scope, d=8, settings=settings, plaintext=False)
     grams = [r for r in releases if r.kind == GRAM]
     assert len(drawn) == len(grams)  # one noised release group per Gram
@@ -153,10 +156,11 @@ def test_noise_free_simulation_equals_the_servers_dp_solve(scope: Any) -> None:
     fed = small_federation(4, sites=5, d=8)
     active = COVERAGES["overlapping"]
     config = DPConfig(epsilons=(math.inf,), clip_norm=20.0, pd_method="floor")
-    sites = [clip_site(h, clip_norm=config.clip_norm) for h in fed.site_features]
-    w_sim, info = dp_solve(
-        sites, fed.site_labels, active, scope=scope, epsilon=math.inf, gamma=0.5, config=config
-    )
+    sites = [
+        clip_site(h, y, clip_norm=config.clip_norm)
+        for h, y in zip(fed.site_features, fed.site_labels, strict=True)
+    ]
+    w_sim, info = dp_solve(sites, active, scope=scope, epsilon=math.inf, gamma=0.5, config=config)
     assert info["noise_multiplier"] == 0.0 and info["epsilon_achieved_worst_site"] == math.inf
     names, classes = site_names(5), class_names(4)
     coverage = {
@@ -167,7 +171,9 @@ def test_noise_free_simulation_equals_the_servers_dp_solve(scope: Any) -> None:
         classes=classes, participants=names, coverage=coverage, gram_scope=scope, d=8
     )
     stats = {
-        s: dp_stats.sufficient_statistics(site.features, y, label_mask=active[k])
+        s: dp_stats.sufficient_statistics(
+            site.features, y, label_mask=active[k], max_positive_labels=1
+        )
         for k, (s, site, y) in enumerate(zip(names, sites, fed.site_labels, strict=True))
     }
     sums: dict[str, NDArray[np.float64]] = {}
@@ -183,3 +189,52 @@ def test_noise_free_simulation_equals_the_servers_dp_solve(scope: Any) -> None:
         sums[r.name] = by_kind[r.kind]
     w_server = solve_dp_round(releases, sums, classes=classes, gamma=0.5)
     np.testing.assert_allclose(w_sim, w_server, rtol=1e-9, atol=1e-12)
+
+
+def test_patient_level_sites_keep_m_images_per_patient() -> None:
+    fed = small_federation(4, sites=2, d=6)
+    n = [len(h) for h in fed.site_features]
+    patients = [np.arange(k) // 3 for k in n]  # three images per patient, in row order
+    config = DPConfig(epsilons=(1.0,), clip_norm=5.0, unit="patient", rows_per_individual=2)
+    sites = clip_sites(fed.site_features, fed.site_labels, patients, config)
+    for site, h, y, k in zip(sites, fed.site_features, fed.site_labels, n, strict=True):
+        keep = np.flatnonzero(np.arange(k) % 3 < 2)  # oracle: the first two of every three rows
+        np.testing.assert_allclose(site.features, clip_rows_oracle(h[keep], 5.0), rtol=1e-12)
+        assert np.array_equal(site.labels, y[keep])
+        assert site.kept_fraction == pytest.approx(len(keep) / k)
+    with pytest.raises(ValueError, match="patient ids"):
+        clip_sites(fed.site_features, fed.site_labels, None, config)
+    image = DPConfig(epsilons=(1.0,), clip_norm=5.0, unit="image", mechanism="previous")
+    assert image.rulebook.max_positive_labels == 0 and not image.rulebook.joint
+    assert [
+        s.kept_fraction for s in clip_sites(fed.site_features, fed.site_labels, None, image)
+    ] == [
+        1.0,
+        1.0,
+    ]
+
+
+def clip_rows_oracle(h: NDArray[np.floating], clip: float) -> NDArray[np.float64]:
+    rows = np.asarray(h, dtype=np.float64)
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    out: NDArray[np.float64] = rows * np.minimum(1.0, clip / np.maximum(norms, 1e-300))
+    return out
+
+
+def test_a_fixed_projection_solves_in_d_prime_and_maps_w_back() -> None:
+    fed = small_federation(4, sites=3, d=8)
+    active = np.ones((3, len(fed.classes)), dtype=bool)
+    config = DPConfig(epsilons=(math.inf,), clip_norm=50.0, unit="image", projection=3)
+    q = projection_matrix(8, 3)
+    np.testing.assert_allclose(q.T @ q, np.eye(3), atol=1e-12)  # orthonormal columns
+    np.testing.assert_array_equal(q, projection_matrix(8, 3))  # fixed: a public seed
+    sites = clip_sites(fed.site_features, fed.site_labels, None, config)
+    assert sites[0].features.shape[1] == 3 and sites[0].input_dim == 8
+    w, _ = dp_solve(sites, active, scope="global", epsilon=math.inf, gamma=1.0, config=config)
+    # Oracle: the solve on the projected rows (numpy), mapped back with Q.
+    h = np.vstack([np.asarray(f, dtype=np.float64) @ q for f in fed.site_features])
+    y = np.vstack(fed.site_labels).astype(np.float64)
+    weight = 1.0 / np.sqrt(np.maximum(y.sum(axis=1, keepdims=True), 1.0))
+    s_pos, n_pos = h.T @ (y * weight), (y * weight).sum(axis=0)
+    b = s_pos / n_pos - (h.sum(axis=0)[:, None] - s_pos) / (len(h) - n_pos)
+    np.testing.assert_allclose(w, q @ np.linalg.solve(h.T @ h + np.eye(3), b), rtol=1e-9)

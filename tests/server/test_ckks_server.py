@@ -62,11 +62,17 @@ def test_server_with_the_public_context_builds_the_ckks_mode(
     assert isinstance(mode, CkksMode) and mode.contexts.configured is not None
 
 
-def test_dp_with_ckks_is_refused_with_a_clear_reason(tmp_path: Path) -> None:
+def test_dp_with_ckks_needs_the_largest_site(tmp_path: Path) -> None:
     config = _federation(tmp_path, None)
-    config.write_text(config.read_text() + "\n[round.dp]\nepsilon = 2.0\nclip_norm = 1.0\n")
-    with pytest.raises(ConfigError, match="DP with aggregation = 'ckks' is not implemented"):
+    text = config.read_text() + "\n[round.dp]\nepsilon = 2.0\nclip_norm = 1.0\n"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="needs max_samples"):
         load_config(config)
+    config.write_text(text + "max_samples = 500\n")
+    loaded = load_config(config)
+    mode = mode_for(ModeEnvironment(loaded, loaded.round, CkksContexts.from_config(loaded)))
+    assert isinstance(mode, CkksMode) and mode.settings is not None
+    assert mode.settings.dp is not None and mode.settings.dp.max_samples == 500
 
 
 def test_decryptor_cannot_be_listed_as_a_participant(tmp_path: Path) -> None:

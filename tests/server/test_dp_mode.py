@@ -17,6 +17,7 @@ from numpy.typing import NDArray
 from sklearn.linear_model import Ridge
 
 from afl.client.config import LocalPolicy
+from afl.client.dp_policy import DpContext
 from afl.client.policy import check_plan
 from afl.core.dp_accounting import GaussianRelease, epsilon_for_releases
 from afl.crypto import signatures
@@ -114,9 +115,10 @@ def test_calibration_meets_the_target_for_every_site(plaintext: bool, scope: str
         noise = cal.noise[r.name]
         n = len(r.members)
         assert noise.assumed_colluders == (n - 1 if plaintext else min(1, n - 1))
-        base = {1: 4.0, 5: math.sqrt(2 * len(r.class_names))}.get(
-            r.kind, 2.0 * math.sqrt(len(r.class_names))
-        )
+        # Written out for L = 2, one image per patient, label clipping k = 1 (C_r classes):
+        # gram L², s_pos √min(1, C_r)·L, t_sum √C_r·L, counts √(1 + C_r).
+        c_r = len(r.class_names)
+        base = {1: 4.0, 4: 2.0, 6: 2.0 * math.sqrt(c_r)}.get(r.kind, math.sqrt(1 + c_r))
         assert base <= noise.sensitivity <= base * (1 + 1e-4)  # grid rounding inflation
         share_steps = noise.sigma / math.sqrt(n - noise.assumed_colluders) * 2**noise.frac_bits
         assert share_steps >= 64
@@ -217,18 +219,21 @@ def test_missing_7_per_class_is_refused_unless_dp_covers_it(
     config = allowed.round_config("s1")
     assert config.dp.enabled and config.dp.epsilon == 4.0
 
-    # The sites' own policy (min cohort 3, plaintext allowed): DP within budget is accepted,
-    # beyond it refused.
+    # The sites' own policy (min cohort 3): DP within budget is accepted, beyond it refused.
+    assert plan.dp.unit == common_pb2.PRIVACY_UNIT_PATIENT and plan.dp.images_per_patient == 1
+    ctx = DpContext(has_patient_ids=True)
     ok = check_plan(
         plan,
         site_id="s1",
         policy=LocalPolicy(min_cohort=3, max_epsilon=4.5, allowed_aggregation=ALL),
+        dp_context=ctx,
     )
     assert ok.accept and ok.audit["covered_by_dp"] is True
     tight = check_plan(
         plan,
         site_id="s1",
         policy=LocalPolicy(min_cohort=3, max_epsilon=2.0, allowed_aggregation=ALL),
+        dp_context=ctx,
     )
     assert not tight.accept and "min cohort 3" in tight.reason  # DP does not cover it
     global_dp = _coordinator(federation, tmp_path / "c", gram_scope="global", dp=dp)
@@ -237,8 +242,15 @@ def test_missing_7_per_class_is_refused_unless_dp_covers_it(
         gplan,
         site_id="s1",
         policy=LocalPolicy(min_cohort=3, max_epsilon=2.0, allowed_aggregation=ALL),
+        dp_context=ctx,
     )
     assert not tight.accept and "> policy max_epsilon 2" in tight.reason
+    no_ids = check_plan(
+        gplan,
+        site_id="s1",
+        policy=LocalPolicy(min_cohort=3, max_epsilon=5.0, allowed_aggregation=ALL),
+    )
+    assert not no_ids.accept and "no patient ids" in no_ids.reason
     plain = common_pb2.ReleasePlan()
     plain.CopyFrom(plan)
     plain.dp.enabled = False
@@ -257,3 +269,24 @@ def test_dp_table_in_server_toml(federation: ProvisionedFederation, tmp_path: Pa
     path.write_text(text + "\n[round.dp]\nepsilon = 2.0\n")
     with pytest.raises(ConfigError, match="clip_norm is required"):
         load_config(path)
+    # Two rounds are accounted together; ckks needs N to bound the encrypted statistics.
+    dp_table = "\n[round.dp]\nepsilon = 2.0\nclip_norm = 3.0\nunit = 'image'\n"
+    path.write_text(text.replace("rounds = 1", "rounds = 2") + dp_table)
+    two = load_config(path)
+    assert two.round.rounds == 2 and two.round.dp is not None and two.round.dp.unit == "image"
+    ckks = text.replace('aggregation = "plaintext"', 'aggregation = "ckks"')
+    decryptor = f'\n[sites.dec]\nidentity_public_key = "{"11" * 32}"\nrole = "decryptor"\n'
+    path.write_text(ckks + decryptor + dp_table)
+    with pytest.raises(ConfigError, match="max_samples"):
+        load_config(path)
+
+
+def test_a_per_class_two_round_plan_adds_the_global_gram() -> None:
+    releases = dp_releases(classes=CLASSES, participants=SITES, coverage=MISSING_7,
+                           gram_scope="per-class", d=D, need_global_gram=True)  # fmt: skip
+    assert releases[0].name == "gram[all]" and releases[0].members == tuple(SITES)
+    assert sum(1 for r in releases if r.kind == common_pb2.STATISTIC_KIND_GRAM) == K + 1
+    second = dp_releases(classes=CLASSES, participants=SITES, coverage=MISSING_7,
+                         gram_scope="per-class", d=D, round_number=2)  # fmt: skip
+    assert [r.name for r in second] == ["pseudo_s_pos", "pseudo_t_sum", "pseudo_counts"]
+    assert all(r.members == tuple(SITES) and r.class_names == tuple(CLASSES) for r in second)

@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x66l/proto/v1/common.proto\x12\x0c\x61\x66l.proto.v1\"q\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.afl.proto.v1.DType\x12&\n\x07packing\x18\x03 \x01(\x0e\x32\x15.afl.proto.v1.Packing\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\x12\x46ixedPointEncoding\x12\r\n\x05\x62ound\x18\x01 \x01(\x01\x12\x11\n\tfrac_bits\x18\x02 \x01(\r\x12\x15\n\rmin_survivors\x18( \x01(\r\"3\n\x0c\x43kksEncoding\x12\x10\n\x08prescale\x18\x01 \x01(\x01\x12\x11\n\tgrid_step\x18\x02 \x01(\x01\"\xc5\x01\n\x08\x45ncoding\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.afl.proto.v1.DType\x12&\n\x07packing\x18\x02 \x01(\x0e\x32\x15.afl.proto.v1.Packing\x12\x37\n\x0b\x66ixed_point\x18\x03 \x01(\x0b\x32 .afl.proto.v1.FixedPointEncodingH\x00\x12*\n\x04\x63kks\x18\x04 \x01(\x0b\x32\x1a.afl.proto.v1.CkksEncodingH\x00\x42\x08\n\x06scheme\"\x8c\x01\n\x07\x44pNoise\x12/\n\tmechanism\x18\x01 \x01(\x0e\x32\x1c.afl.proto.v1.NoiseMechanism\x12\r\n\x05sigma\x18\x02 \x01(\x01\x12\x13\n\x0bsensitivity\x18\x03 \x01(\x01\x12\x19\n\x11\x61ssumed_colluders\x18\x04 \x01(\r\x12\x11\n\tfrac_bits\x18P \x01(\r\"N\n\x08\x44pParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tclip_norm\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\"=\n\nSiteBudget\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\"[\n\x0e\x45valuationSpec\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\x0c\x12\x17\n\x0fscore_bin_edges\x18\x02 \x03(\x01\x12\x1a\n\x12\x64\x65\x63ision_threshold\x18\x03 \x01(\x01\"\x96\x02\n\x07Release\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fmember_site_ids\x18\x02 \x03(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.afl.proto.v1.StatisticKind\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12\r\n\x05shape\x18\x05 \x03(\x04\x12(\n\x08\x65ncoding\x18\x06 \x01(\x0b\x32\x16.afl.proto.v1.Encoding\x12$\n\x05noise\x18\x07 \x01(\x0b\x32\x15.afl.proto.v1.DpNoise\x12\x13\n\x0bupload_name\x18\x08 \x01(\t\x12\x30\n\nevaluation\x18\t \x01(\x0b\x32\x1c.afl.proto.v1.EvaluationSpec\"\xbc\x03\n\x0bReleasePlan\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rfederation_id\x18\x02 \x01(\t\x12\x10\n\x08round_id\x18\x03 \x01(\t\x12\x14\n\x0cround_number\x18\x04 \x01(\r\x12\x14\n\x0cparticipants\x18\x05 \x03(\t\x12\x32\n\x0b\x61ggregation\x18\x06 \x01(\x0e\x32\x1d.afl.proto.v1.AggregationMode\x12+\n\ngram_scope\x18\x07 \x01(\x0e\x32\x17.afl.proto.v1.GramScope\x12\'\n\x08releases\x18\x08 \x03(\x0b\x32\x15.afl.proto.v1.Release\x12\"\n\x02\x64p\x18\t \x01(\x0b\x32\x16.afl.proto.v1.DpParams\x12)\n\x07\x62udgets\x18\n \x03(\x0b\x32\x18.afl.proto.v1.SiteBudget\x12\x19\n\x11operator_override\x18\x0b \x01(\x08\x12\x17\n\x0foverride_reason\x18\x0c \x01(\t\x12\x12\n\nround_salt\x18\r \x01(\x0c\x12\x16\n\x0emask_threshold\x18( \x01(\r\x12\x0e\n\x06run_id\x18\x0e \x01(\t\"4\n\x11SignedReleasePlan\x12\x0c\n\x04plan\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"#\n\x0bShamirShare\x12\t\n\x01x\x18\x01 \x01(\r\x12\t\n\x01y\x18\x02 \x01(\x0c\"\x16\n\x03\x41\x63k\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x1c\n\x08RoundRef\x12\x10\n\x08round_id\x18\x01 \x01(\t*\x89\x01\n\x0f\x41ggregationMode\x12 \n\x1c\x41GGREGATION_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x41GGREGATION_MODE_PLAINTEXT\x10\x01\x12\x19\n\x15\x41GGREGATION_MODE_MASK\x10\x02\x12\x19\n\x15\x41GGREGATION_MODE_CKKS\x10\x03*X\n\tGramScope\x12\x1a\n\x16GRAM_SCOPE_UNSPECIFIED\x10\x00\x12\x15\n\x11GRAM_SCOPE_GLOBAL\x10\x01\x12\x18\n\x14GRAM_SCOPE_PER_CLASS\x10\x02*a\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44TYPE_FLOAT64_LE\x10\x01\x12\x13\n\x0f\x44TYPE_UINT64_LE\x10\x02\x12\x16\n\x12\x44TYPE_CKKS_VECTORS\x10\x03*Q\n\x07Packing\x12\x17\n\x13PACKING_UNSPECIFIED\x10\x00\x12\x11\n\rPACKING_DENSE\x10\x01\x12\x1a\n\x16PACKING_UPPER_TRIANGLE\x10\x02*\xb5\x02\n\rStatisticKind\x12\x1e\n\x1aSTATISTIC_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13STATISTIC_KIND_GRAM\x10\x01\x12\x1f\n\x1bSTATISTIC_KIND_CLASS_VECTOR\x10\x02\x12&\n\"STATISTIC_KIND_PSEUDO_CLASS_VECTOR\x10\x03\x12\x1f\n\x1bSTATISTIC_KIND_POSITIVE_SUM\x10\x04\x12\x18\n\x14STATISTIC_KIND_COUNT\x10\x05\x12\x1e\n\x1aSTATISTIC_KIND_FEATURE_SUM\x10\x06\x12\"\n\x1eSTATISTIC_KIND_SCORE_HISTOGRAM\x10\x07\x12#\n\x1fSTATISTIC_KIND_CONFUSION_COUNTS\x10\x08*\xad\x01\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x01\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x02\x12%\n!NOISE_MECHANISM_DISCRETE_GAUSSIAN\x10\x03\x12\x1b\n\x17NOISE_MECHANISM_SKELLAM\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x66l/proto/v1/common.proto\x12\x0c\x61\x66l.proto.v1\"q\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.afl.proto.v1.DType\x12&\n\x07packing\x18\x03 \x01(\x0e\x32\x15.afl.proto.v1.Packing\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\x12\x46ixedPointEncoding\x12\r\n\x05\x62ound\x18\x01 \x01(\x01\x12\x11\n\tfrac_bits\x18\x02 \x01(\r\x12\x15\n\rmin_survivors\x18( \x01(\r\"3\n\x0c\x43kksEncoding\x12\x10\n\x08prescale\x18\x01 \x01(\x01\x12\x11\n\tgrid_step\x18\x02 \x01(\x01\"\xc5\x01\n\x08\x45ncoding\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.afl.proto.v1.DType\x12&\n\x07packing\x18\x02 \x01(\x0e\x32\x15.afl.proto.v1.Packing\x12\x37\n\x0b\x66ixed_point\x18\x03 \x01(\x0b\x32 .afl.proto.v1.FixedPointEncodingH\x00\x12*\n\x04\x63kks\x18\x04 \x01(\x0b\x32\x1a.afl.proto.v1.CkksEncodingH\x00\x42\x08\n\x06scheme\"\x8c\x01\n\x07\x44pNoise\x12/\n\tmechanism\x18\x01 \x01(\x0e\x32\x1c.afl.proto.v1.NoiseMechanism\x12\r\n\x05sigma\x18\x02 \x01(\x01\x12\x13\n\x0bsensitivity\x18\x03 \x01(\x01\x12\x19\n\x11\x61ssumed_colluders\x18\x04 \x01(\r\x12\x11\n\tfrac_bits\x18P \x01(\r\"\xde\x01\n\x08\x44pParams\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tclip_norm\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x04 \x01(\x01\x12\'\n\x04unit\x18\x05 \x01(\x0e\x32\x19.afl.proto.v1.PrivacyUnit\x12\x1a\n\x12images_per_patient\x18\x06 \x01(\r\x12\x1b\n\x13max_positive_labels\x18\x07 \x01(\r\x12\x18\n\x10noise_multiplier\x18\x08 \x01(\x01\x12\x12\n\nrun_rounds\x18\t \x01(\r\"R\n\nSiteBudget\x12\x0f\n\x07site_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\x13\n\x0b\x65psilon_run\x18\x04 \x01(\x01\"[\n\x0e\x45valuationSpec\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\x0c\x12\x17\n\x0fscore_bin_edges\x18\x02 \x03(\x01\x12\x1a\n\x12\x64\x65\x63ision_threshold\x18\x03 \x01(\x01\"\x96\x02\n\x07Release\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fmember_site_ids\x18\x02 \x03(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.afl.proto.v1.StatisticKind\x12\x13\n\x0b\x63lass_names\x18\x04 \x03(\t\x12\r\n\x05shape\x18\x05 \x03(\x04\x12(\n\x08\x65ncoding\x18\x06 \x01(\x0b\x32\x16.afl.proto.v1.Encoding\x12$\n\x05noise\x18\x07 \x01(\x0b\x32\x15.afl.proto.v1.DpNoise\x12\x13\n\x0bupload_name\x18\x08 \x01(\t\x12\x30\n\nevaluation\x18\t \x01(\x0b\x32\x1c.afl.proto.v1.EvaluationSpec\"\xbc\x03\n\x0bReleasePlan\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x15\n\rfederation_id\x18\x02 \x01(\t\x12\x10\n\x08round_id\x18\x03 \x01(\t\x12\x14\n\x0cround_number\x18\x04 \x01(\r\x12\x14\n\x0cparticipants\x18\x05 \x03(\t\x12\x32\n\x0b\x61ggregation\x18\x06 \x01(\x0e\x32\x1d.afl.proto.v1.AggregationMode\x12+\n\ngram_scope\x18\x07 \x01(\x0e\x32\x17.afl.proto.v1.GramScope\x12\'\n\x08releases\x18\x08 \x03(\x0b\x32\x15.afl.proto.v1.Release\x12\"\n\x02\x64p\x18\t \x01(\x0b\x32\x16.afl.proto.v1.DpParams\x12)\n\x07\x62udgets\x18\n \x03(\x0b\x32\x18.afl.proto.v1.SiteBudget\x12\x19\n\x11operator_override\x18\x0b \x01(\x08\x12\x17\n\x0foverride_reason\x18\x0c \x01(\t\x12\x12\n\nround_salt\x18\r \x01(\x0c\x12\x16\n\x0emask_threshold\x18( \x01(\r\x12\x0e\n\x06run_id\x18\x0e \x01(\t\"4\n\x11SignedReleasePlan\x12\x0c\n\x04plan\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"#\n\x0bShamirShare\x12\t\n\x01x\x18\x01 \x01(\r\x12\t\n\x01y\x18\x02 \x01(\x0c\"\x16\n\x03\x41\x63k\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x1c\n\x08RoundRef\x12\x10\n\x08round_id\x18\x01 \x01(\t*\x89\x01\n\x0f\x41ggregationMode\x12 \n\x1c\x41GGREGATION_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x41GGREGATION_MODE_PLAINTEXT\x10\x01\x12\x19\n\x15\x41GGREGATION_MODE_MASK\x10\x02\x12\x19\n\x15\x41GGREGATION_MODE_CKKS\x10\x03*X\n\tGramScope\x12\x1a\n\x16GRAM_SCOPE_UNSPECIFIED\x10\x00\x12\x15\n\x11GRAM_SCOPE_GLOBAL\x10\x01\x12\x18\n\x14GRAM_SCOPE_PER_CLASS\x10\x02*a\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44TYPE_FLOAT64_LE\x10\x01\x12\x13\n\x0f\x44TYPE_UINT64_LE\x10\x02\x12\x16\n\x12\x44TYPE_CKKS_VECTORS\x10\x03*Q\n\x07Packing\x12\x17\n\x13PACKING_UNSPECIFIED\x10\x00\x12\x11\n\rPACKING_DENSE\x10\x01\x12\x1a\n\x16PACKING_UPPER_TRIANGLE\x10\x02*\xa5\x03\n\rStatisticKind\x12\x1e\n\x1aSTATISTIC_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13STATISTIC_KIND_GRAM\x10\x01\x12\x1f\n\x1bSTATISTIC_KIND_CLASS_VECTOR\x10\x02\x12&\n\"STATISTIC_KIND_PSEUDO_CLASS_VECTOR\x10\x03\x12\x1f\n\x1bSTATISTIC_KIND_POSITIVE_SUM\x10\x04\x12\x18\n\x14STATISTIC_KIND_COUNT\x10\x05\x12\x1e\n\x1aSTATISTIC_KIND_FEATURE_SUM\x10\x06\x12\"\n\x1eSTATISTIC_KIND_SCORE_HISTOGRAM\x10\x07\x12#\n\x1fSTATISTIC_KIND_CONFUSION_COUNTS\x10\x08\x12&\n\"STATISTIC_KIND_PSEUDO_POSITIVE_SUM\x10\t\x12%\n!STATISTIC_KIND_PSEUDO_FEATURE_SUM\x10\n\x12\x1f\n\x1bSTATISTIC_KIND_PSEUDO_COUNT\x10\x0b*\xad\x01\n\x0eNoiseMechanism\x12\x1f\n\x1bNOISE_MECHANISM_UNSPECIFIED\x10\x00\x12\x18\n\x14NOISE_MECHANISM_NONE\x10\x01\x12\x1c\n\x18NOISE_MECHANISM_GAUSSIAN\x10\x02\x12%\n!NOISE_MECHANISM_DISCRETE_GAUSSIAN\x10\x03\x12\x1b\n\x17NOISE_MECHANISM_SKELLAM\x10\x04*]\n\x0bPrivacyUnit\x12\x1c\n\x18PRIVACY_UNIT_UNSPECIFIED\x10\x00\x12\x16\n\x12PRIVACY_UNIT_IMAGE\x10\x01\x12\x18\n\x14PRIVACY_UNIT_PATIENT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'afl.proto.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AGGREGATIONMODE']._serialized_start=1743
-  _globals['_AGGREGATIONMODE']._serialized_end=1880
-  _globals['_GRAMSCOPE']._serialized_start=1882
-  _globals['_GRAMSCOPE']._serialized_end=1970
-  _globals['_DTYPE']._serialized_start=1972
-  _globals['_DTYPE']._serialized_end=2069
-  _globals['_PACKING']._serialized_start=2071
-  _globals['_PACKING']._serialized_end=2152
-  _globals['_STATISTICKIND']._serialized_start=2155
-  _globals['_STATISTICKIND']._serialized_end=2464
-  _globals['_NOISEMECHANISM']._serialized_start=2467
-  _globals['_NOISEMECHANISM']._serialized_end=2640
+  _globals['_AGGREGATIONMODE']._serialized_start=1909
+  _globals['_AGGREGATIONMODE']._serialized_end=2046
+  _globals['_GRAMSCOPE']._serialized_start=2048
+  _globals['_GRAMSCOPE']._serialized_end=2136
+  _globals['_DTYPE']._serialized_start=2138
+  _globals['_DTYPE']._serialized_end=2235
+  _globals['_PACKING']._serialized_start=2237
+  _globals['_PACKING']._serialized_end=2318
+  _globals['_STATISTICKIND']._serialized_start=2321
+  _globals['_STATISTICKIND']._serialized_end=2742
+  _globals['_NOISEMECHANISM']._serialized_start=2745
+  _globals['_NOISEMECHANISM']._serialized_end=2918
+  _globals['_PRIVACYUNIT']._serialized_start=2920
+  _globals['_PRIVACYUNIT']._serialized_end=3013
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=156
   _globals['_FIXEDPOINTENCODING']._serialized_start=158
@@ -53,22 +55,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODING']._serialized_end=488
   _globals['_DPNOISE']._serialized_start=491
   _globals['_DPNOISE']._serialized_end=631
-  _globals['_DPPARAMS']._serialized_start=633
-  _globals['_DPPARAMS']._serialized_end=711
-  _globals['_SITEBUDGET']._serialized_start=713
-  _globals['_SITEBUDGET']._serialized_end=774
-  _globals['_EVALUATIONSPEC']._serialized_start=776
-  _globals['_EVALUATIONSPEC']._serialized_end=867
-  _globals['_RELEASE']._serialized_start=870
-  _globals['_RELEASE']._serialized_end=1148
-  _globals['_RELEASEPLAN']._serialized_start=1151
-  _globals['_RELEASEPLAN']._serialized_end=1595
-  _globals['_SIGNEDRELEASEPLAN']._serialized_start=1597
-  _globals['_SIGNEDRELEASEPLAN']._serialized_end=1649
-  _globals['_SHAMIRSHARE']._serialized_start=1651
-  _globals['_SHAMIRSHARE']._serialized_end=1686
-  _globals['_ACK']._serialized_start=1688
-  _globals['_ACK']._serialized_end=1710
-  _globals['_ROUNDREF']._serialized_start=1712
-  _globals['_ROUNDREF']._serialized_end=1740
+  _globals['_DPPARAMS']._serialized_start=634
+  _globals['_DPPARAMS']._serialized_end=856
+  _globals['_SITEBUDGET']._serialized_start=858
+  _globals['_SITEBUDGET']._serialized_end=940
+  _globals['_EVALUATIONSPEC']._serialized_start=942
+  _globals['_EVALUATIONSPEC']._serialized_end=1033
+  _globals['_RELEASE']._serialized_start=1036
+  _globals['_RELEASE']._serialized_end=1314
+  _globals['_RELEASEPLAN']._serialized_start=1317
+  _globals['_RELEASEPLAN']._serialized_end=1761
+  _globals['_SIGNEDRELEASEPLAN']._serialized_start=1763
+  _globals['_SIGNEDRELEASEPLAN']._serialized_end=1815
+  _globals['_SHAMIRSHARE']._serialized_start=1817
+  _globals['_SHAMIRSHARE']._serialized_end=1852
+  _globals['_ACK']._serialized_start=1854
+  _globals['_ACK']._serialized_end=1876
+  _globals['_ROUNDREF']._serialized_start=1878
+  _globals['_ROUNDREF']._serialized_end=1906
 # @@protoc_insertion_point(module_scope)

@@ -177,6 +177,14 @@ class _StatisticKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Statist
     decision threshold, shape [C_r, 4], float64 integers (docs/method.md §3.2). Needs
     `Release.evaluation`.
     """
+    STATISTIC_KIND_PSEUDO_POSITIVE_SUM: _StatisticKind.ValueType  # 9
+    """DP mode round 2: positive sums S+_c over the rows pseudo-labelled positive for a class the
+    site does not label (docs/protocol.md §7).
+    """
+    STATISTIC_KIND_PSEUDO_FEATURE_SUM: _StatisticKind.ValueType  # 10
+    """DP mode round 2: feature sums T_c over the rows pseudo-labelled (positive or negative)."""
+    STATISTIC_KIND_PSEUDO_COUNT: _StatisticKind.ValueType  # 11
+    """DP mode round 2: counts n+_c and N_c of the pseudo-labelled rows."""
 
 class StatisticKind(_StatisticKind, metaclass=_StatisticKindEnumTypeWrapper):
     """What statistic a release holds (docs/method.md §1, docs/protocol.md §7)."""
@@ -204,6 +212,14 @@ STATISTIC_KIND_CONFUSION_COUNTS: StatisticKind.ValueType  # 8
 decision threshold, shape [C_r, 4], float64 integers (docs/method.md §3.2). Needs
 `Release.evaluation`.
 """
+STATISTIC_KIND_PSEUDO_POSITIVE_SUM: StatisticKind.ValueType  # 9
+"""DP mode round 2: positive sums S+_c over the rows pseudo-labelled positive for a class the
+site does not label (docs/protocol.md §7).
+"""
+STATISTIC_KIND_PSEUDO_FEATURE_SUM: StatisticKind.ValueType  # 10
+"""DP mode round 2: feature sums T_c over the rows pseudo-labelled (positive or negative)."""
+STATISTIC_KIND_PSEUDO_COUNT: StatisticKind.ValueType  # 11
+"""DP mode round 2: counts n+_c and N_c of the pseudo-labelled rows."""
 Global___StatisticKind: _TypeAlias = StatisticKind  # noqa: Y015
 
 class _NoiseMechanism:
@@ -221,7 +237,7 @@ class _NoiseMechanismEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NoiseM
     """
     NOISE_MECHANISM_DISCRETE_GAUSSIAN: _NoiseMechanism.ValueType  # 3
     """Distributed discrete Gaussian on the grid 2^-frac_bits (afl.crypto.dgauss): what afl-server
-    plans for every DP release, in PLAINTEXT and MASK modes.
+    plans for every DP release, in PLAINTEXT, MASK and CKKS modes.
     """
     NOISE_MECHANISM_SKELLAM: _NoiseMechanism.ValueType  # 4
     """Distributed Skellam noise in the integer ring. Reserved: not planned by afl-server, and a
@@ -240,13 +256,43 @@ discrete Gaussian share on the grid as for DISCRETE_GAUSSIAN.
 """
 NOISE_MECHANISM_DISCRETE_GAUSSIAN: NoiseMechanism.ValueType  # 3
 """Distributed discrete Gaussian on the grid 2^-frac_bits (afl.crypto.dgauss): what afl-server
-plans for every DP release, in PLAINTEXT and MASK modes.
+plans for every DP release, in PLAINTEXT, MASK and CKKS modes.
 """
 NOISE_MECHANISM_SKELLAM: NoiseMechanism.ValueType  # 4
 """Distributed Skellam noise in the integer ring. Reserved: not planned by afl-server, and a
 site refuses a DP release that carries it.
 """
 Global___NoiseMechanism: _TypeAlias = NoiseMechanism  # noqa: Y015
+
+class _PrivacyUnit:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PrivacyUnitEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrivacyUnit.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIVACY_UNIT_UNSPECIFIED: _PrivacyUnit.ValueType  # 0
+    """Not stated: sites treat the plan as image-level."""
+    PRIVACY_UNIT_IMAGE: _PrivacyUnit.ValueType  # 1
+    """One image (one feature row)."""
+    PRIVACY_UNIT_PATIENT: _PrivacyUnit.ValueType  # 2
+    """One patient: each site keeps at most `images_per_patient` images per patient (its cache's
+    patient ids) and the sensitivities are multiplied by that bound (group privacy).
+    """
+
+class PrivacyUnit(_PrivacyUnit, metaclass=_PrivacyUnitEnumTypeWrapper):
+    """The unit of privacy of a DP round: whose contribution the sensitivities bound
+    (docs/protocol.md §7).
+    """
+
+PRIVACY_UNIT_UNSPECIFIED: PrivacyUnit.ValueType  # 0
+"""Not stated: sites treat the plan as image-level."""
+PRIVACY_UNIT_IMAGE: PrivacyUnit.ValueType  # 1
+"""One image (one feature row)."""
+PRIVACY_UNIT_PATIENT: PrivacyUnit.ValueType  # 2
+"""One patient: each site keeps at most `images_per_patient` images per patient (its cache's
+patient ids) and the sensitivities are multiplied by that bound (group privacy).
+"""
+Global___PrivacyUnit: _TypeAlias = PrivacyUnit  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
@@ -411,9 +457,10 @@ class DpNoise(_message.Message):
     [visible: all]
     """
     sensitivity: _builtins.float
-    """L2 sensitivity of the release to one privacy unit: L^2 for a Gram, sqrt(C_r) * L for
-    positive and feature sums, sqrt(2 C_r) for counts (C_r classes), times rows_per_individual.
-    [visible: all]
+    """L2 sensitivity of the release to one privacy unit (docs/protocol.md §7): L^2 for a Gram,
+    sqrt(C_r) * L for feature sums, sqrt(min(k, C_r)) * L for positive sums, sqrt(min(k, C_r) +
+    C_r) for counts (C_r classes, k = max_positive_labels or C_r), times images_per_patient,
+    plus the noise grid's rounding allowance. [visible: all]
     """
     assumed_colluders: _builtins.int
     """Number of colluding or dropping contributors t assumed when splitting the noise: each of
@@ -451,6 +498,11 @@ class DpParams(_message.Message):
     CLIP_NORM_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
+    UNIT_FIELD_NUMBER: _builtins.int
+    IMAGES_PER_PATIENT_FIELD_NUMBER: _builtins.int
+    MAX_POSITIVE_LABELS_FIELD_NUMBER: _builtins.int
+    NOISE_MULTIPLIER_FIELD_NUMBER: _builtins.int
+    RUN_ROUNDS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     """True when DP is on for this round. [visible: all]"""
     clip_norm: _builtins.float
@@ -458,7 +510,29 @@ class DpParams(_message.Message):
     delta: _builtins.float
     """Target delta. [visible: all]"""
     epsilon: _builtins.float
-    """Target epsilon for the whole round (composition of all releases). [visible: all]"""
+    """Target epsilon per site for the whole run (round 1 and, with rounds = 2, round 2).
+    [visible: all]
+    """
+    unit: Global___PrivacyUnit.ValueType
+    """Unit of privacy. [visible: all]"""
+    images_per_patient: _builtins.int
+    """m: the most images a site contributes per patient (PRIVACY_UNIT_PATIENT: extra images are
+    left out by the site); every sensitivity is m times one image's. 1 for image-level plans.
+    [visible: all]
+    """
+    max_positive_labels: _builtins.int
+    """k: label clipping. A row positive (or pseudo-positive) in p classes of a release enters its
+    positive sums and positive counts with weight min(1, sqrt(k / p)), so one row moves them by
+    at most sqrt(k)*L and sqrt(k) in L2. 0 = no label clipping. [visible: all]
+    """
+    noise_multiplier: _builtins.float
+    """z: the run's noise multiplier (sigma_r = z * sensitivity_r / sqrt(weight of r's kind)),
+    fixed in round 1 for the whole run. [visible: all]
+    """
+    run_rounds: _builtins.int
+    """The number of rounds the run's budget covers (1 or 2; round 1 reserves round 2's share).
+    [visible: all]
+    """
     def __init__(
         self,
         *,
@@ -466,10 +540,15 @@ class DpParams(_message.Message):
         clip_norm: _builtins.float = ...,
         delta: _builtins.float = ...,
         epsilon: _builtins.float = ...,
+        unit: Global___PrivacyUnit.ValueType = ...,
+        images_per_patient: _builtins.int = ...,
+        max_positive_labels: _builtins.int = ...,
+        noise_multiplier: _builtins.float = ...,
+        run_rounds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_norm", b"clip_norm", "delta", b"delta", "enabled", b"enabled", "epsilon", b"epsilon"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_norm", b"clip_norm", "delta", b"delta", "enabled", b"enabled", "epsilon", b"epsilon", "images_per_patient", b"images_per_patient", "max_positive_labels", b"max_positive_labels", "noise_multiplier", b"noise_multiplier", "run_rounds", b"run_rounds", "unit", b"unit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,22 +565,28 @@ class SiteBudget(_message.Message):
     SITE_ID_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
+    EPSILON_RUN_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     """Site id. [visible: all]"""
     epsilon: _builtins.float
     """Epsilon spent by this round for the site's patients. [visible: all]"""
     delta: _builtins.float
     """Delta at which epsilon is stated. [visible: all]"""
+    epsilon_run: _builtins.float
+    """Epsilon of the run so far: this plan composed with the site's earlier DP rounds of the same
+    run (round 1 for a round-2 plan); equals `epsilon` in round 1. [visible: all]
+    """
     def __init__(
         self,
         *,
         site_id: _builtins.str = ...,
         epsilon: _builtins.float = ...,
         delta: _builtins.float = ...,
+        epsilon_run: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "epsilon", b"epsilon", "site_id", b"site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "epsilon", b"epsilon", "epsilon_run", b"epsilon_run", "site_id", b"site_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
