@@ -15,6 +15,10 @@ members of the targeted release):
 * ``lower-threshold`` (mask): the signed plan gives ``b[A]`` (members site-1..3) the survivor
   threshold t_R = 1, and the coordinator ignores the masked inputs of site-2 and site-3, so the
   unmasked "sum" of ``b[A]`` is site-1's own class vector.
+* ``swap-keys`` (mask): the operator who runs the coordinator (and holds the federation CA, but
+  not site-1's identity key, which stays in site-1's kit) replaces site-1's advertised key-agreement
+  keys in the directory it hands the other sites by keys of its own, signed with a key it made
+  (it cannot sign as site-1): with them it could strip site-1's pairwise masks.
 
 The faults are injected here, around the real daemon, so no product code path knows them; the
 sites and the decryptor run unmodified.
@@ -28,21 +32,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
+from afl.crypto.secagg_messages import ADVERTISE_CONTEXT, advert_fields
+from afl.crypto.signatures import sign_fields
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
 from afl.server.errors import InvalidRequestError
 from afl.server.mode_ckks import CkksMode, CkksRequests
-from afl.server.mode_mask import MaskMode
+from afl.server.mode_mask import MaskMode, MaskRequests
 
 VICTIM = "site-1"
 OTHERS = ("site-2", "site-3")
 CKKS_TARGET = "gram[all]"
 MASK_TARGET = "b[A]"
-ATTACKS = ("forward-single", "forged-tags", "lower-threshold")
+ATTACKS = ("forward-single", "forged-tags", "lower-threshold", "swap-keys")
 
 
 def command(attack: str, loot: Path) -> tuple[str, ...]:
@@ -143,7 +151,7 @@ def _forge_tags() -> None:
 
 
 def _lower_threshold(loot: Path) -> None:
-    encoding, check_upload, drive = MaskMode.encoding, MaskMode.check_upload, MaskMode.drive
+    encoding, check_upload = MaskMode.encoding, MaskMode.check_upload
 
     def lowered(self: MaskMode, release: Any, **kw: Any) -> cpb.Encoding:
         out = encoding(self, release, **kw)
@@ -156,6 +164,44 @@ def _lower_threshold(loot: Path) -> None:
             raise InvalidRequestError("masked input refused")  # the coordinator drops them
         check_upload(self, view, ctx, site_id=site_id, **kw)
 
+    MaskMode.encoding = lowered  # type: ignore[method-assign]
+    MaskMode.check_upload = ignoring  # type: ignore[method-assign]
+    _keep_unmasked(loot)
+
+
+def _swap_keys(loot: Path) -> None:
+    original = MaskRequests.advertised_keys
+    attacker = Ed25519PrivateKey.generate()  # the operator's own key: not site-1's identity key
+
+    def advertised_keys(self: MaskRequests, site: str, round_id: str) -> pb.AdvertisedKeys:
+        directory = original(self, site, round_id)
+        if site == VICTIM:
+            return directory  # the victim sees its own keys: it notices nothing
+        with self.access.lock:
+            plan = cpb.ReleasePlan.FromString(self.access.find(directory.round_id).row.plan or b"")
+        config = wire.round_config_from_plan(plan)
+        for entry in directory.keys:
+            if entry.site_id == VICTIM:
+                enc, mask = kdf.generate_agreement_key(), kdf.generate_agreement_key()
+                entry.cipher_public_key = kdf.public_key_bytes(enc)
+                entry.mask_public_key = kdf.public_key_bytes(mask)
+                fields = advert_fields(
+                    config,
+                    site_id=VICTIM,
+                    enc_public=bytes(entry.cipher_public_key),
+                    mask_public=bytes(entry.mask_public_key),
+                )
+                entry.signature = sign_fields(attacker, context=ADVERTISE_CONTEXT, fields=fields)
+        return directory
+
+    MaskRequests.advertised_keys = advertised_keys  # type: ignore[method-assign]
+    _keep_unmasked(loot)
+
+
+def _keep_unmasked(loot: Path) -> None:
+    """Record every sum the coordinator manages to unmask (its loot)."""
+    drive = MaskMode.drive
+
     def keeping(self: MaskMode, view: Any, ctx: Any) -> Any:
         state = self.rounds.get(view.round_id)
         transition = drive(self, view, ctx)
@@ -164,8 +210,6 @@ def _lower_threshold(loot: Path) -> None:
             _keep(loot, name, values)
         return transition
 
-    MaskMode.encoding = lowered  # type: ignore[method-assign]
-    MaskMode.check_upload = ignoring  # type: ignore[method-assign]
     MaskMode.drive = keeping  # type: ignore[method-assign]
 
 
@@ -178,6 +222,8 @@ def main() -> int:
         _forge_tags()
     if attack == "lower-threshold":
         _lower_threshold(loot)
+    if attack == "swap-keys":
+        _swap_keys(loot)
     return daemon.main(args)
 
 

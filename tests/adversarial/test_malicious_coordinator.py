@@ -12,6 +12,9 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
    dropped (each member's policy refuses t_R below its min cohort before sending anything).
 4. downgrade: the coordinator of a MASK federation switches to ``plaintext`` (each site's policy
    allows mask and ckks only).
+5. ``swap-keys``: in a federation provisioned the production way, the operator who runs the
+   coordinator and holds the CA swaps site-1's advertised keys for its own (the other sites verify
+   every advert with the identity key pinned in their kit, which only site-1 holds).
 """
 
 from __future__ import annotations
@@ -179,3 +182,34 @@ def test_downgrade_to_plaintext_is_refused_by_every_site(tmp_path: Path) -> None
             "(allowed_aggregation = ['mask', 'ckks'])"
         )
     _no_model_and_no_uploads_kept(loop, uploads=False)
+
+
+def test_keys_swapped_by_the_operator_are_refused(tmp_path: Path) -> None:
+    feats, _ = DATA.draw(3)
+    loop = _prepare(tmp_path, 3, mask_round_settings(feats), production=True)
+    _shorten_wait(loop, 20.0)
+    loot = tmp_path / "loot.json"
+    run = run_loopback(
+        loop, timeout_s=240, server_command=malicious_server.command("swap-keys", loot)
+    )
+    # Every private key stayed in its own kit: the operator's folder holds public material only.
+    operator = loop.provisioned.root / "operator"
+    assert (operator / "ca" / "ca.key").is_file()
+    assert [p.name for p in operator.rglob("*.key")] == ["ca.key"]
+    assert all((kit / "identity.key").is_file() for kit in loop.provisioned.site_dirs.values())
+    for site in malicious_server.OTHERS:
+        reasons = [r["reason"] for r in run.reports[site].values()]
+        assert any("advert of 'site-1' does not verify" in r for r in reasons), run.logs
+    assert run.client_rcs[malicious_server.VICTIM] != 0, run.logs  # its round never completes
+    for site in loop.site_ids:
+        assert all("model" not in r for r in run.reports[site].values())
+    assert _loot(loot) == {}  # nothing was unmasked
+    store = _store(loop)
+    try:
+        assert store.model() is None
+        masked = [
+            key for r in store.rounds() for key in store.uploads(r.round_id) if key[0] != "site-1"
+        ]
+        assert masked == []  # the other sites sent no masked input under the swapped keys
+    finally:
+        store.close()
