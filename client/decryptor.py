@@ -143,7 +143,15 @@ class DecryptionLedger:
         return {n: bytes.fromhex(d) for n, d in self._rounds.get(round_id, {}).items()}
 
     def record(self, round_id: str, release: str, digest: bytes) -> None:
-        """Bind (round, release) to ``digest``, durably, before the secret key is applied."""
+        """Bind (round, release) to ``digest``, durably, before the secret key is applied; a
+        release bound to another aggregate (by any round state of this process or an earlier
+        one) stays bound: :class:`CkksAlreadyDecryptedError`."""
+        bound = self._rounds.get(round_id, {}).get(release)
+        if bound is not None and bound != digest.hex():
+            raise CkksAlreadyDecryptedError(
+                f"release {release!r} of round {round_id} was already decrypted for another "
+                "aggregate"
+            )
         self._rounds.setdefault(round_id, {})[release] = digest.hex()
         text = json.dumps(self._rounds, indent=1, sort_keys=True)
         try:
@@ -324,6 +332,11 @@ class DecryptorDaemon:
                 peers=self.config.peers,
                 ledger=self.ledger,
             )
+            if work.plan.round_id != jobs.round_id:
+                raise DaemonError(
+                    f"decryption jobs of round {jobs.round_id[:80]!r} carry the plan of round "
+                    f"{work.plan.round_id!r}"
+                )
             self.rounds[jobs.round_id] = work
         return work
 

@@ -212,9 +212,7 @@ def block_tag(tag: float, index: int) -> float:
     another position passes the decryptor's check with probability <= noise bound / |tag|."""
     if index == 0:
         return float(tag)
-    digest = hashlib.sha256(
-        _BLOCK_TAG_DOMAIN + struct.pack("<dQ", float(tag), int(index))
-    ).digest()
+    digest = hashlib.sha256(_BLOCK_TAG_DOMAIN + struct.pack("<dQ", float(tag), int(index))).digest()
     unit = (int.from_bytes(digest[:8], "little") >> 12) / float(1 << 52)
     return abs(float(tag)) * (2.0 * unit - 1.0)
 
