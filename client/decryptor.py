@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from google.protobuf.message import DecodeError
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
@@ -233,7 +234,12 @@ class RoundDecryptor:
             sender_identity=signatures.load_public_key_raw(self.peers[sender]),
             recipient_private_key=self.keys.agreement,
         )
-        message = pb.AggregateTags.FromString(plaintext)
+        try:
+            message = pb.AggregateTags.FromString(plaintext)
+        except DecodeError as exc:
+            raise CkksMalformedError(
+                f"the tags of {sender!r} are not an AggregateTags message"
+            ) from exc
         if message.site_id != sender or message.round_id != self.plan.round_id:
             raise CkksMalformedError("aggregate tags name another sender or round")
         self.decryptor.register_tags(

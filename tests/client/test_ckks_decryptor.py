@@ -421,3 +421,23 @@ def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_n
         if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED
     }
     assert len(decrypted) == 1
+
+
+def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_line(
+    keys: DecryptorKeys,
+) -> None:
+    """A member seals and signs, with its own key, bytes that are no AggregateTags message: the
+    decryptor refuses that envelope (a CryptoError its loop logs) instead of stopping with a
+    traceback at every poll (one site would stall every CKKS round)."""
+    fed = Federation(keys)
+    sealed = seal_tags(
+        b"\xff\xff\xff\xff", binding=fed.binding(keys, "site-1"), identity_key=IDENTITIES["site-1"]
+    )
+    envelope = pb.SealedMessage(
+        sender_site_id="site-1", sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob, signature=sealed.signature,
+    )  # fmt: skip
+    work = fed.decryptor(keys, sealed=[])
+    with pytest.raises(CryptoError, match="AggregateTags"):
+        work.add_tags(envelope)
+    assert work.senders == set()

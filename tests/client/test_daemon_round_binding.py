@@ -22,6 +22,7 @@ from afl.client.daemon import ClientDaemon, RoundFailed
 from afl.client.daemon_transport import DaemonError
 from afl.core.featurecache import CacheMeta, write_cache
 from afl.crypto import signatures
+from afl.crypto.signed_blobs import PLAN_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
@@ -262,3 +263,20 @@ def test_a_round_two_must_compose_with_a_round_one_in_the_sites_ledger(
         decision, _, _ = daemon._decide(forged, round_id="r2-bbbb")
         assert not decision.accept, (parent, run_id)
         assert "round 1" in decision.reason and math.isfinite(spent.epsilon)
+
+
+def test_a_signed_plan_that_does_not_parse_is_refused_in_one_line(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    daemon, coordinator, _ = site
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    garbage = b"\xff\xff\xff\xff"
+    cfg.release_plan.CopyFrom(
+        cpb.SignedReleasePlan(
+            plan=garbage,
+            signature=sign_blob(coordinator.server_key, context=PLAN_CONTEXT, blob=garbage),
+        )
+    )
+    status = coordinator.announce("r1-aaaa", cfg)
+    with pytest.raises(RoundFailed, match="does not parse"):
+        daemon.run_round(status, _report())

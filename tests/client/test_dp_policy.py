@@ -14,8 +14,9 @@ from afl.client.dp_ledger import LedgerSpend
 from afl.client.dp_policy import DpContext, assess_plan
 from afl.client.policy import check_plan
 from afl.proto.v1 import common_pb2 as cpb
+from afl.server.dp_mask import dp_mask_encodings
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
-from afl.server.plan import build_plan
+from afl.server.plan import PlanOptions, build_plan
 from tests.helpers import dp_oracle
 
 SITES = ["a", "b", "c", "d"]
@@ -143,3 +144,29 @@ def test_encodings_that_lose_the_noise_are_refused() -> None:
         r.encoding.ckks.grid_step = 2.0 ** -(r.noise.frac_bits + 1)
     coarse = assess_plan(ckks, site_id="a", policy=LocalPolicy(), context=WITH_IDS)
     assert "does not recover the noisy sum" in coarse.refusal
+
+
+def test_dp_under_an_unbounded_budget_waives_neither_min_cohort_nor_the_audit() -> None:
+    """A MASK plan whose every release has site a alone, with noise for ε = 1000: the coordinator
+    unmasks a's statistics, nearly exact. DP covers small cohorts and exposure only under the
+    site's own finite max_epsilon; with the default (inf, as kits are provisioned) the site
+    applies min_cohort and the audit as to any plan."""
+    releases = dp_releases(
+        classes=CLASSES, participants=["a"], coverage={}, gram_scope="global", d=3
+    )
+    plan = build_plan(
+        federation_id="f", round_id="r1", round_number=1, participants=SITES,
+        gram_scope="global", releases=releases,
+        options=PlanOptions(aggregation=cpb.AGGREGATION_MODE_MASK, mask_threshold=3),
+    )  # fmt: skip
+    settings = DpSettings(epsilon=1000.0, delta=1e-5, clip_norm=2.0)
+    apply_dp(plan, calibrate(releases, settings, participants=["a"], plaintext=False))
+    dp_mask_encodings(plan, max_samples=64)
+    modes = (cpb.AGGREGATION_MODE_MASK,)
+    default = check_plan(plan, site_id="a", policy=LocalPolicy(), supported_modes=modes,
+                         dp_context=WITH_IDS)  # fmt: skip
+    assert not default.accept and "min cohort 3" in default.reason
+    bounded = LocalPolicy(max_epsilon=4.0)
+    refused = check_plan(plan, site_id="a", policy=bounded, supported_modes=modes,
+                         dp_context=WITH_IDS)  # fmt: skip
+    assert not refused.accept  # ε = 1000 > 4: no cover, and the 1-member release is refused
