@@ -20,6 +20,8 @@ import pytest
 from afl.client.config import DataConfig, LocalPolicy, load_client_config
 from afl.client.daemon import ClientDaemon, RoundFailed
 from afl.client.daemon_transport import DaemonError
+from afl.client.evaluate import evaluate_model, write_local_evaluation
+from afl.client.published import ModelFileError
 from afl.core.featurecache import CacheMeta, write_cache
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import PLAN_CONTEXT, sign_blob
@@ -280,3 +282,27 @@ def test_a_signed_plan_that_does_not_parse_is_refused_in_one_line(
     status = coordinator.announce("r1-aaaa", cfg)
     with pytest.raises(RoundFailed, match="does not parse"):
         daemon.run_round(status, _report())
+
+
+def test_a_model_file_whose_round_id_is_a_path_is_refused_by_evaluate(
+    site: tuple[ClientDaemon, Coordinator, Path], tmp_path: Path
+) -> None:
+    """``afl-client evaluate --model FILE`` names the report it updates by the model's round id;
+    a model file the coordinator signed for round ``../../x`` must not write outside the
+    state (one line: the model file is refused)."""
+    daemon, coordinator, state = site
+    before = set(_files_outside(tmp_path, state))
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    signed = build_signed_model(
+        np.zeros((D, len(CLASSES))), identity_key=coordinator.server_key, federation_id=FED,
+        round_id="../../escaped", round_number=1, classes=CLASSES, gamma=1.0, backbone="test",
+        contributors=SITES, plan_bytes=cfg.release_plan.plan,
+    )  # fmt: skip
+    model = tmp_path / "model" / "m.signed-model.pb"
+    model.parent.mkdir()
+    model.write_bytes(signed.SerializeToString())
+    before.add(model)
+    with pytest.raises(ModelFileError, match="not a valid round id"):
+        run = evaluate_model(daemon.config, model_path=model, cache=tmp_path / "cache", n_boot=5)
+        write_local_evaluation(state, run)
+    assert set(_files_outside(tmp_path, state)) == before
