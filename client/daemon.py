@@ -300,7 +300,7 @@ class ClientDaemon:
             aggregation=cpb.AggregationMode.Name(plan.aggregation),
             unit="patient" if plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT else "image",
             images_per_patient=int(plan.dp.images_per_patient or 1),
-            delta=float(plan.dp.delta),
+            delta=min(float(plan.dp.delta), self.config.policy.lifetime_delta),
             mu=dp.mu,
             epsilon=dp.epsilon,
             releases=tuple(

@@ -24,7 +24,9 @@ CLASSES = ["x", "y"]
 WITH_IDS = DpContext(has_patient_ids=True)
 
 
-def _plan(*, aggregation: int, local: bool, epsilon: float = 4.0) -> cpb.ReleasePlan:
+def _plan(
+    *, aggregation: int, local: bool, epsilon: float = 4.0, delta: float = 1e-5
+) -> cpb.ReleasePlan:
     """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or t = 0."""
     releases = dp_releases(
         classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=3
@@ -34,7 +36,7 @@ def _plan(*, aggregation: int, local: bool, epsilon: float = 4.0) -> cpb.Release
         gram_scope="global", releases=releases,
     )  # fmt: skip
     plan.aggregation = aggregation  # type: ignore[assignment]
-    settings = DpSettings(epsilon=epsilon, delta=1e-5, clip_norm=2.0)
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0)
     apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=local))
     return plan
 
@@ -170,3 +172,32 @@ def test_dp_under_an_unbounded_budget_waives_neither_min_cohort_nor_the_audit() 
     refused = check_plan(plan, site_id="a", policy=bounded, supported_modes=modes,
                          dp_context=WITH_IDS)  # fmt: skip
     assert not refused.accept  # ε = 1000 > 4: no cover, and the 1-member release is refused
+
+
+def test_a_release_listing_a_class_twice_is_refused() -> None:
+    """Sensitivities assume a release's classes are distinct: with label clipping k = 1, s_pos
+    over C_r classes moves by √min(k, C_r)·L = L. The same class listed c times moves by √c·L
+    (every copy holds the same column, each with its own noise: averaging the copies divides σ
+    by √c), so the site would under-state its ε by a factor up to √c. (Refused today because the
+    audit's quantity rows would repeat a name; this pins the refusal.)"""
+    plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=2.0)
+    s_pos = next(r for r in plan.releases if r.kind == cpb.STATISTIC_KIND_POSITIVE_SUM)
+    del s_pos.class_names[:]
+    s_pos.class_names.extend(["x"] * 16)
+    s_pos.shape[:] = [3, 16]
+    opted_in = LocalPolicy(max_epsilon=5.0, allowed_aggregation=("plaintext",))
+    decision = check_plan(plan, site_id="a", policy=opted_in, dp_context=WITH_IDS)
+    assert not decision.accept
+
+
+def test_a_large_delta_does_not_shrink_the_sites_epsilon() -> None:
+    """δ is the coordinator's choice too: noise calibrated for ε = 4 at δ = 0.9 (a mechanism that
+    may fail with probability 0.9) is far less than at δ = 1e-5. The site judges ε at its own δ
+    (``lifetime_delta``) when the plan's is larger."""
+    plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=4.0, delta=0.9)
+    policy = LocalPolicy(max_epsilon=5.0, allowed_aggregation=("plaintext",))
+    dp = assess_plan(plan, site_id="a", policy=policy, context=WITH_IDS)
+    pairs = [(r.noise.sensitivity, r.noise.sigma) for r in plan.releases]
+    assert dp.epsilon == pytest.approx(dp_oracle.epsilon(dp_oracle.composed_mu(pairs), 1e-5))
+    assert dp.epsilon > 5.0 and "δ = 1e-05" in dp.refusal and "max_epsilon 5" in dp.refusal
+    assert not check_plan(plan, site_id="a", policy=policy, dp_context=WITH_IDS).accept
