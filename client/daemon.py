@@ -43,6 +43,7 @@ from afl.client.daemon_transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
     RemoteCallError,
+    check_round_id,
     retry_policy,
 )
 from afl.client.daemon_verify import (
@@ -51,7 +52,7 @@ from afl.client.daemon_verify import (
     verify_model,
     verify_round_config,
 )
-from afl.client.dp_ledger import DpLedger, LedgerError
+from afl.client.dp_ledger import DpLedger
 from afl.client.dp_payloads import dp_round_payloads
 from afl.client.dp_policy import DpAssessment, DpContext, assess_plan, dp_report
 from afl.client.mode_registry import MODES
@@ -77,6 +78,7 @@ _OUTCOME_EXIT: dict[int, int] = {
 }
 log = logging.getLogger("afl.client")
 _ROUND_TWO = (cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM)
+_PSEUDO = (*_ROUND_TWO, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
 def _version() -> str:
@@ -206,7 +208,20 @@ class ClientDaemon:
             return f"the round needs features from {cfg.backbone!r}, this site has {self._backbone()!r}"
         return ""
 
-    def _decide(self, cfg: pb.RoundConfig) -> tuple[PolicyDecision, cpb.ReleasePlan | None, bytes]:
+    def _decide(
+        self, cfg: pb.RoundConfig, *, round_id: str
+    ) -> tuple[PolicyDecision, cpb.ReleasePlan | None, bytes]:
+        """The decision on the plan of ``cfg``, sent for the announced round ``round_id``."""
+        if cfg.round_id != round_id:
+            return (
+                PolicyDecision(
+                    False,
+                    f"the coordinator announced round {round_id} but sent the configuration of "
+                    f"round {cfg.round_id[:80]!r}",
+                ),
+                None,
+                b"",
+            )
         try:
             plan, plan_sha = verify_round_config(
                 cfg, server_key=self.server_key, federation_id=self.config.federation_id
@@ -217,9 +232,12 @@ class ClientDaemon:
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         try:
+            problem = self._ledger_problem(cfg, plan, plan_sha)
             context = self._dp_context(cfg)
-        except LedgerError as exc:
+        except DaemonError as exc:  # LedgerError, or a parent round id that names no file
             return PolicyDecision(False, str(exc)), plan, plan_sha
+        if problem:
+            return PolicyDecision(False, problem), plan, plan_sha
         decision = check_plan(
             plan,
             site_id=self.site_id,
@@ -229,6 +247,33 @@ class ClientDaemon:
             dp_context=context,
         )
         return decision, plan, plan_sha
+
+    def _ledger_problem(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> str:
+        """Why the ledger forbids this plan ("" when it does not): the site already uploaded under
+        another plan of this round id (the audit and the DP budgets leave out the site's own
+        releases of the round being decided), or a DP round 2 (or pseudo-label releases) whose
+        round 1 of the same run the site recorded no upload under (it would compose with
+        nothing, docs/protocol.md M-88)."""
+        if cfg.parent_round_id:
+            check_round_id(cfg.parent_round_id)
+        recorded = self.ledger.entry_for(cfg.round_id)
+        if recorded is not None and recorded.plan_sha256 != plan_sha.hex():
+            return (
+                f"this site already uploaded under another release plan of round {cfg.round_id} "
+                f"(sha256 {recorded.plan_sha256[:16]}...); a round has one plan"
+            )
+        if plan.dp.enabled and (
+            plan.round_number >= 2 or any(r.kind in _PSEUDO for r in plan.releases)
+        ):
+            run = cfg.run_id or cfg.parent_round_id
+            first = self.ledger.entry_for(cfg.parent_round_id) if cfg.parent_round_id else None
+            if first is None or first.run_id != run:
+                return (
+                    f"a DP round {plan.round_number} of run {run!r} composes with its round 1, "
+                    f"but this site recorded no upload under round {cfg.parent_round_id!r} of "
+                    "that run"
+                )
+        return ""
 
     def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
         """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
@@ -255,7 +300,7 @@ class ClientDaemon:
             aggregation=cpb.AggregationMode.Name(plan.aggregation),
             unit="patient" if plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT else "image",
             images_per_patient=int(plan.dp.images_per_patient or 1),
-            delta=float(plan.dp.delta),
+            delta=min(float(plan.dp.delta), self.config.policy.lifetime_delta),
             mu=dp.mu,
             epsilon=dp.epsilon,
             releases=tuple(
@@ -292,7 +337,7 @@ class ClientDaemon:
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
         report["bytes_received"] += cfg.ByteSize()
         report["round_number"] = cfg.round_number
-        decision, plan, plan_sha = self._decide(cfg)
+        decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
         report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             self._respond(round_id, decision, plan_sha)
@@ -461,6 +506,7 @@ class ClientDaemon:
             status = self.rpc.wait_for_round(done, lingering=lingering, forever=serve)
             if status is None:
                 break
+            check_round_id(status.round_id)  # it names the round's report, model and ledger entry
             report: dict[str, Any] = {
                 "site_id": self.site_id,
                 "federation_id": self.config.federation_id,

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.daemon_stats import dump_json
+from afl.client.daemon_transport import check_round_id
 from afl.client.policy import PolicyDecision, audit_view
 from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
@@ -83,12 +84,13 @@ class DaemonState:
         return done
 
     def model_path(self, round_id: str) -> Path:
-        return self.root / "models" / f"{round_id}.weights.npy"
+        return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"
 
     def save_model(
         self, round_id: str, signed: pb.SignedModel, weights: NDArray[np.float64]
     ) -> Path:
         """Keep the verified model: the signed bytes as received and W as .npy."""
+        check_round_id(round_id)
         models = self.root / "models"
         models.mkdir(parents=True, exist_ok=True)
         tmp = models / f"{round_id}.signed-model.pb.tmp"
@@ -102,7 +104,8 @@ class DaemonState:
 
     def write_report(self, report: dict[str, Any]) -> Path:
         """reports/<round>.json (``no-round.json`` when no round was reached)."""
-        path = self.root / "reports" / f"{report.get('round_id') or 'no-round'}.json"
+        name = check_round_id(report["round_id"]) if report.get("round_id") else "no-round"
+        path = self.root / "reports" / f"{name}.json"
         dump_json(path, report)
         return path
 

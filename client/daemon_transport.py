@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "RemoteCallError",
     "RetryPolicy",
     "UploadError",
+    "check_round_id",
     "download_payload",
     "open_channel",
     "retry_policy",
@@ -51,6 +53,21 @@ log = logging.getLogger("afl.client")
 
 class DaemonError(Exception):
     """The client daemon cannot go on (the message says why; never statistics or keys)."""
+
+
+_ROUND_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_round_id(round_id: str) -> str:
+    """``round_id`` if it can name a file in the site's state (the coordinator chooses round ids
+    and the site names its reports, models and ledger entries by them); :class:`DaemonError`
+    for anything else, e.g. a path such as ``../../x``."""
+    if not _ROUND_ID.fullmatch(round_id):
+        raise DaemonError(
+            f"the coordinator names round {round_id[:80]!r}: not a valid round id (1-128 "
+            "letters, digits, '.', '_' or '-', starting with a letter or digit)"
+        )
+    return round_id
 
 
 class RemoteCallError(DaemonError):

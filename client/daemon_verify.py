@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 
 from afl.crypto import signed_blobs
@@ -54,7 +55,10 @@ def verify_signed_plan(
         raise VerificationError(
             f"{what}: the release plan is not signed by this federation's server"
         ) from exc
-    plan = cpb.ReleasePlan.FromString(signed.plan)
+    try:
+        plan = cpb.ReleasePlan.FromString(signed.plan)
+    except DecodeError as exc:
+        raise VerificationError(f"{what}: the signed release plan does not parse") from exc
     if plan.federation_id != federation_id:
         raise VerificationError(
             f"{what}: federation {plan.federation_id!r} is not {federation_id!r}"
@@ -119,7 +123,10 @@ def verify_model(
             f"round {round_id}: the model is not signed by this federation's server"
         ) from exc
     model = pb.Model()
-    model.ParseFromString(signed.model)
+    try:
+        model.ParseFromString(signed.model)
+    except DecodeError as exc:
+        raise VerificationError(f"round {round_id}: the signed model does not parse") from exc
     w = model.weights
     shape = (d, len(class_names))
     problems = []

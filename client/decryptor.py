@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from google.protobuf.message import DecodeError
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
@@ -143,7 +144,15 @@ class DecryptionLedger:
         return {n: bytes.fromhex(d) for n, d in self._rounds.get(round_id, {}).items()}
 
     def record(self, round_id: str, release: str, digest: bytes) -> None:
-        """Bind (round, release) to ``digest``, durably, before the secret key is applied."""
+        """Bind (round, release) to ``digest``, durably, before the secret key is applied; a
+        release bound to another aggregate (by any round state of this process or an earlier
+        one) stays bound: :class:`CkksAlreadyDecryptedError`."""
+        bound = self._rounds.get(round_id, {}).get(release)
+        if bound is not None and bound != digest.hex():
+            raise CkksAlreadyDecryptedError(
+                f"release {release!r} of round {round_id} was already decrypted for another "
+                "aggregate"
+            )
         self._rounds.setdefault(round_id, {})[release] = digest.hex()
         text = json.dumps(self._rounds, indent=1, sort_keys=True)
         try:
@@ -225,7 +234,12 @@ class RoundDecryptor:
             sender_identity=signatures.load_public_key_raw(self.peers[sender]),
             recipient_private_key=self.keys.agreement,
         )
-        message = pb.AggregateTags.FromString(plaintext)
+        try:
+            message = pb.AggregateTags.FromString(plaintext)
+        except DecodeError as exc:
+            raise CkksMalformedError(
+                f"the tags of {sender!r} are not an AggregateTags message"
+            ) from exc
         if message.site_id != sender or message.round_id != self.plan.round_id:
             raise CkksMalformedError("aggregate tags name another sender or round")
         self.decryptor.register_tags(
@@ -324,6 +338,11 @@ class DecryptorDaemon:
                 peers=self.config.peers,
                 ledger=self.ledger,
             )
+            if work.plan.round_id != jobs.round_id:
+                raise DaemonError(
+                    f"decryption jobs of round {jobs.round_id[:80]!r} carry the plan of round "
+                    f"{work.plan.round_id!r}"
+                )
             self.rounds[jobs.round_id] = work
         return work
 

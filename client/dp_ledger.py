@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from afl.client.daemon_transport import DaemonError
+from afl.client.daemon_transport import DaemonError, check_round_id
 from afl.core.dp_accounting import compose_mu, epsilon_from_mu
 
 __all__ = ["DpLedger", "LedgerEntry", "LedgerError", "LedgerSpend"]
@@ -163,7 +163,7 @@ class DpLedger:
             **fields,
         )
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        name = f"{entry.seq:06d}-{entry.round_id}.json"
+        name = f"{entry.seq:06d}-{check_round_id(entry.round_id)}.json"
         tmp = self.root / f".{name}.tmp"
         data = json.dumps(entry.to_json(), indent=2, sort_keys=True).encode("utf-8")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -45,8 +45,10 @@ from afl.core.dp_accounting import (
     StatisticKind,
     base_kind,
     epsilon_from_mu,
+    grid_inflation,
     mu_from_releases,
     noise_share,
+    rounded_coordinates,
     site_view_releases,
     statistic_sensitivity,
 )
@@ -276,17 +278,27 @@ def dp_slot_payloads(
 
 def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     """The release's sensitivity at the plan's clip norm, unit bound m and label clipping k
-    (:func:`afl.core.dp_accounting.statistic_sensitivity`); another class-vector kind is taken as
-    a d x C_r sum of rows like ``t_sum``, and a vector release with no classes as 0."""
+    (:func:`afl.core.dp_accounting.statistic_sensitivity`) plus what rounding to the release's
+    noise grid adds (:func:`afl.core.dp_accounting.grid_inflation`, √D·2^-f); another
+    class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
+    no classes as 0."""
     kind = _KINDS.get(int(release.kind), "t_sum")
     if kind != "gram" and not release.class_names:
         return 0.0
-    return statistic_sensitivity(
+    k = int(plan.dp.max_positive_labels)
+    n_classes = len(release.class_names)
+    rounding = grid_inflation(
+        coordinates=rounded_coordinates(
+            kind, shape=tuple(release.shape), n_classes=n_classes, max_positive_labels=k
+        ),
+        frac_bits=min(int(release.noise.frac_bits), _MAX_FRAC_BITS),
+    )
+    return rounding + statistic_sensitivity(
         kind,
         clip_norm=plan.dp.clip_norm,
-        n_classes=len(release.class_names),
+        n_classes=n_classes,
         rows_per_individual=images_per_patient(plan),
-        max_positive_labels=int(plan.dp.max_positive_labels),
+        max_positive_labels=k,
     )
 
 

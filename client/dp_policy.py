@@ -11,7 +11,8 @@ For a plan with DP the site
   plan's clip norm, unit bound m and label clipping k (:func:`afl.client.dp_payloads.site_mu`):
   in plaintext the coordinator sees its upload alone, so only its own share counts;
 * composes it with the earlier rounds of the same run (round 1 for a round-2 plan) and refuses
-  when that ε, or the server's stated one if larger, exceeds ``max_epsilon``;
+  when that ε (at the plan's δ, or at ``lifetime_delta`` when that is smaller: δ is the
+  coordinator's choice too), or the server's stated one if larger, exceeds ``max_epsilon``;
 * composes it with everything in its lifetime ledger (:mod:`afl.client.dp_ledger`) and refuses
   when that ε at ``lifetime_delta`` exceeds ``lifetime_epsilon``.
 
@@ -90,7 +91,9 @@ def assess_plan(
                 f"policy lifetime_epsilon {policy.lifetime_epsilon:g}"
             )
         return DpAssessment(math.inf, math.inf, math.inf, lifetime, refusal)
-    delta = plan.dp.delta
+    # δ is the coordinator's choice as well: a plan's δ above the site's own (lifetime_delta)
+    # would shrink every ε (ε → 0 as δ → 1); the site judges ε at the smaller of the two.
+    delta = min(plan.dp.delta, policy.lifetime_delta)
     mu = site_mu(plan, site_id)
     mu_run = compose_mu([context.run_mu, mu])
     eps, eps_run = _eps(mu, delta), _eps(mu_run, delta)

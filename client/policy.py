@@ -23,7 +23,7 @@ and refuses when
   under the adversary that sees its upload, never below the server's stated budget).
 
 DP covers small cohorts and exposure (docs/protocol.md §7): when the plan has DP and the site's ε is within
-``max_epsilon``, the min-cohort and differencing rules are waived (every release is noised and
+a finite ``max_epsilon``, the min-cohort and differencing rules are waived (every release is noised and
 the site's patients are (ε, δ)-DP whatever the server combines); the audit is still reported.
 
 Each class column of a class-vector release is its own quantity (``b[c]``, ``b_pseudo[c]``);
@@ -34,6 +34,7 @@ counts) sums two quantities per class, ``eval[c]@<model>`` and ``labels[c]``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,8 +184,9 @@ def check_plan(
         return _refuse("the plan names a release twice")
     dp = assess_plan(plan, site_id=site_id, policy=policy, context=dp_context or DpContext())
     # DP covers small cohorts and exposure by differencing when every release the site is in
-    # is noised and the site's ε is within its budgets (docs/protocol.md §6, §7).
-    covered = plan.dp.enabled and not dp.refusal
+    # is noised and the site's ε is within its budgets (docs/protocol.md §6, §7); an unbounded
+    # max_epsilon bounds no noise, so it covers nothing (any σ the coordinator picks would do).
+    covered = plan.dp.enabled and not dp.refusal and math.isfinite(policy.max_epsilon)
     for r in releases:
         unknown = set(r.member_site_ids) - set(participants)
         if unknown:

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 
+from afl.client.daemon_transport import DaemonError, check_round_id
 from afl.client.daemon_verify import VerificationError, verify_model
 from afl.crypto import signatures, signed_blobs
 from afl.crypto.errors import SignatureError
@@ -80,7 +82,11 @@ def load_published_model(
         raise ModelFileError(
             f"{file}: the model is not signed by this federation's server"
         ) from exc
-    model = pb.Model.FromString(signed.model)
+    try:
+        model = pb.Model.FromString(signed.model)
+        check_round_id(model.round_id)  # ``afl-client evaluate`` names a report by it
+    except (DecodeError, DaemonError) as exc:
+        raise ModelFileError(f"{file}: {exc}") from exc
     try:
         verified = verify_model(
             signed,

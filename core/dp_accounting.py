@@ -339,11 +339,23 @@ class Mechanism:
         )
 
     def rounded_coordinates(self, release: StatisticRelease) -> int:
-        """D_r, the values rounded to the noise grid: all of them, for counts only the weighted
-        positive counts (label clipping; the label counts N are integers)."""
-        if base_kind(release.kind) == "counts":
-            return release.n_classes if self.max_positive_labels else 0
-        return math.prod(release.shape)
+        """D_r of ``release`` (:func:`rounded_coordinates`)."""
+        return rounded_coordinates(
+            release.kind,
+            shape=release.shape,
+            n_classes=release.n_classes,
+            max_positive_labels=self.max_positive_labels,
+        )
+
+
+def rounded_coordinates(
+    kind: StatisticKind, *, shape: Sequence[int], n_classes: int, max_positive_labels: int
+) -> int:
+    """D_r, the values of a release rounded to the noise grid: all of them, for counts only the
+    weighted positive counts (label clipping; the label counts N are integers)."""
+    if base_kind(kind) == "counts":
+        return n_classes if max_positive_labels else 0
+    return math.prod(shape)
 
 
 def previous_mechanism(clip_norm: float, *, rows_per_individual: int = 1) -> Mechanism:

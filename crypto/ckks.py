@@ -12,9 +12,11 @@ Roles:
 Block layout: a float64 vector x (e.g. the packed Gram upper triangle, 524,800 values for
 d = 1024) is pre-scaled by the power of two s declared in the plan
 (:func:`afl.crypto.ckks_params.choose_prescale`) and cut into ceil(len/4095) ciphertexts; slot
-``TAG_SLOT`` (0) of EVERY ciphertext holds the site's secret tag r_k, slots 1..4095 hold x·s. The
-sum over a release's members then carries Σ_k r_k in every tag slot, which the decryptor checks
-before releasing anything. All values must satisfy |x·s| <= 2^17/K and |r_k| <= 2^17/K
+``TAG_SLOT`` (0) of ciphertext i holds the block tag r_{k,i} = ``block_tag(r_k, i)`` (r_k itself
+for block 0, a value derived from r_k and i for the others), slots 1..4095 hold x·s. The sum over a
+release's members then carries Σ_k r_{k,i} in the tag slot of block i, which the decryptor checks
+before releasing anything; since each block's tag is bound to its position, a server that puts one
+upload's block where another belongs (to difference one site's blocks) fails the check. All values must satisfy |x·s| <= 2^17/K and |r_k| <= 2^17/K
 (``per_site_slot_bound``): out-of-range inputs are rejected, never clipped.
 
 Wire format of a ciphertext list (``DTYPE_CKKS_VECTORS`` in common.proto): records of
@@ -39,6 +41,7 @@ from afl.crypto import ckks_params as cp
 from afl.crypto.errors import CkksContextError, CkksMalformedError, CkksRangeError
 
 __all__ = [
+    "block_tag",
     "check_ciphertexts",
     "check_parameters",
     "context_fingerprint",
@@ -199,10 +202,26 @@ def new_tag(*, num_summands: int) -> float:
     return bound * (2.0 * unit - 1.0)
 
 
+_BLOCK_TAG_DOMAIN = b"afl-secagg/1 ckks-block-tag"
+
+
+def block_tag(tag: float, index: int) -> float:
+    """The tag slot of block ``index`` of an upload whose secret tag is ``tag``: ``tag`` for block
+    0, and for block i > 0 the value |tag|·(2u - 1), u in [0, 1) from 52 bits of SHA-256(domain,
+    tag's 8 bytes, i). Unpredictable without ``tag`` and never larger than it, so a block moved to
+    another position passes the decryptor's check with probability <= noise bound / |tag|."""
+    if index == 0:
+        return float(tag)
+    digest = hashlib.sha256(_BLOCK_TAG_DOMAIN + struct.pack("<dQ", float(tag), int(index))).digest()
+    unit = (int.from_bytes(digest[:8], "little") >> 12) / float(1 << 52)
+    return abs(float(tag)) * (2.0 * unit - 1.0)
+
+
 def encrypt_block(
     ctx: Any, values: ArrayLike, *, prescale: float, num_summands: int, tag: float
 ) -> list[Any]:
-    """Encrypt x·s in ceil(len/4095) ciphertexts, each with ``tag`` in slot 0 (module docstring).
+    """Encrypt x·s in ceil(len/4095) ciphertexts, block i with ``block_tag(tag, i)`` in slot 0
+    (module docstring).
 
     ``num_summands`` is the largest member count of the releases this upload enters; values must
     satisfy |x·s| <= 2^17/K and the tag |r| <= 2^17/K (``CkksRangeError`` otherwise).
@@ -229,9 +248,9 @@ def encrypt_block(
         raise CkksRangeError(f"tag must be finite with |tag| <= {bound:.6g}")
     out: list[Any] = []
     step = cp.DATA_SLOTS_PER_CIPHERTEXT
-    for start in range(0, x.size, step):
+    for index, start in enumerate(range(0, x.size, step)):
         chunk = np.empty(1 + min(step, x.size - start), dtype=np.float64)
-        chunk[cp.TAG_SLOT] = t
+        chunk[cp.TAG_SLOT] = block_tag(t, index)
         chunk[1:] = scaled[start : start + step]
         out.append(ts.CKKSVector(ctx, chunk.tolist(), scale=cp.GLOBAL_SCALE))
     return out

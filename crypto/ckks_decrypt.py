@@ -1,10 +1,11 @@
 """CKKS decryptor side: tag-checked, grid-rounded, release-once decryption (docs/protocol.md §4.3).
 
 ``decrypt_release`` decrypts the homomorphic sum of a release's members and, BEFORE returning
-anything, checks that the tag slot (slot 0) of every ciphertext equals Σ_{k ∈ members} r_k within
-the derived bound ``noise_bound_slots(K)`` (:mod:`afl.crypto.ckks_params`). A server that forwards
-one site's ciphertext (tag r_1) as a 3-site sum, sums another member set, or re-weights the
-uploads (Σ a_k·c_k, a ≠ 1) is refused. The decoded data slots are divided by the declared
+anything, checks that the tag slot (slot 0) of ciphertext i equals Σ_{k ∈ members} r_{k,i} within
+the derived bound ``noise_bound_slots(K)`` (:mod:`afl.crypto.ckks_params`; r_{k,i} =
+:func:`afl.crypto.ckks.block_tag` of member k's tag r_k). A server that forwards one site's
+ciphertext (tag r_1) as a 3-site sum, sums another member set, re-weights the uploads
+(Σ a_k·c_k, a ≠ 1) or moves a block of an upload to another position is refused. The decoded data slots are divided by the declared
 pre-scale s and rounded to the declared grid g (y ↦ g·round(y/g), Li–Micciancio mitigation,
 ePrint 2020/1533); g must be at least the noise bound in data units, so the rounding covers the
 CKKS noise. The result differs from the exact float64 sum by at most
@@ -44,6 +45,7 @@ from numpy.typing import NDArray
 
 from afl.crypto import ckks_params as cp
 from afl.crypto.ckks import (
+    block_tag,
     check_ciphertexts,
     deserialize_ciphertexts,
     ensure_private,
@@ -89,13 +91,14 @@ def decrypt_release(
     ctx_private: Any,
     summed: Sequence[Any],
     *,
-    expected_tag_sum: float,
+    member_tags: Sequence[float],
     length: int,
     prescale: float,
     num_summands: int,
     grid: float,
 ) -> NDArray[np.float64]:
-    """Decrypt a K-member sum; refuse unless every tag slot equals ``expected_tag_sum`` (Σ r_k).
+    """Decrypt a K-member sum; refuse unless the tag slot of block i equals Σ_k block_tag(r_k, i)
+    over ``member_tags`` (the members' secret tags r_k).
 
     ``summed``: ciphertexts (CKKS vectors or their serialized bytes) in the layout of
     :func:`afl.crypto.ckks.encrypt_block` for ``length`` values. Returns g·round(y/(s·g)) per
@@ -104,14 +107,15 @@ def decrypt_release(
     """
     ensure_private(ctx_private)
     g = _check_grid(grid=grid, prescale=prescale, num_summands=num_summands)
-    expected = float(expected_tag_sum)
-    if not math.isfinite(expected):
-        raise CkksConfigError("expected_tag_sum must be finite")
+    tags = [float(r) for r in member_tags]
+    if not tags or not all(math.isfinite(r) for r in tags):
+        raise CkksConfigError("member_tags must be finite, one per member")
     vectors = _as_vectors(ctx_private, summed, length)
     tolerance = cp.noise_bound_slots(num_summands)
     secret_key = ctx_private.secret_key()
     decoded = [np.asarray(v.decrypt(secret_key), dtype=np.float64) for v in vectors]
     for i, y in enumerate(decoded):
+        expected = math.fsum(block_tag(r, i) for r in tags)
         if not abs(float(y[cp.TAG_SLOT]) - expected) <= tolerance:
             raise CkksTagMismatchError(
                 f"tag slot of ciphertext {i} does not equal the sum of the members' tags: the "
@@ -220,7 +224,7 @@ class Decryptor:
             raise CkksAlreadyDecryptedError(
                 f"release {release_name!r} was already decrypted for another aggregate"
             )
-        expected = math.fsum(self._tags[(m, release.upload_name)] for m in release.members)
+        tags = [self._tags[(m, release.upload_name)] for m in release.members]
         self._used[release_name] = digest
         if self._on_decrypt is not None and release_name not in self._recorded:
             self._on_decrypt(release_name, digest)
@@ -228,7 +232,7 @@ class Decryptor:
         return decrypt_release(
             self._ctx,
             vectors,
-            expected_tag_sum=expected,
+            member_tags=tags,
             length=release.length,
             prescale=release.prescale,
             num_summands=release.num_summands,

@@ -131,7 +131,7 @@ def _ckks_round(
         name: decrypt_release(
             private_ctx,
             summed[name],
-            expected_tag_sum=math.fsum(tags[name]),
+            member_tags=tags[name],
             length=inputs[0][name].size,
             prescale=prescale,
             num_summands=k,

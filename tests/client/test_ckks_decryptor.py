@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from afl.client.config import ClientConfig, DataConfig, TlsPaths
 from afl.client.daemon_transport import DaemonError
 from afl.client.decryptor import (
     DecryptionLedger,
+    DecryptorDaemon,
     DecryptorKeys,
     RoundDecryptor,
     load_or_create_keys,
@@ -338,3 +340,104 @@ def test_keys_are_created_once_and_kept_private(tmp_path: Any) -> None:
     for path in (tmp_path / "ckks").iterdir():
         assert path.stat().st_mode & 0o777 == 0o600
     assert not ckks.load_public_context(first.public_context).is_private()
+
+
+class _Coordinator:
+    """What a DecryptorDaemon's RPC client returns: the current ``jobs`` (any round id the
+    coordinator likes, with the signed plan), the sealed tags when ``tags`` is set, ``data`` as
+    the aggregate of every job; outcomes and results are recorded."""
+
+    def __init__(self, fed: Federation) -> None:
+        self.fed = fed
+        self.jobs = pb.DecryptionJobs()
+        self.tags = False
+        self.data = b""
+        self.outcomes: list[tuple[pb.DecryptionOutcome, bytes]] = []
+
+    def serve(self, round_id: str, data: bytes, *, tags: bool) -> None:
+        self.jobs = pb.DecryptionJobs(
+            round_id=round_id, release_plan=self.fed.signed, jobs=[_job("b[A]", data)]
+        )
+        self.data, self.tags = data, tags
+
+    def call(self, what: str, request: Any, **kw: Any) -> Any:
+        if what == "GetDecryptionJobs":
+            return self.jobs
+        if what == "GetAggregateTags":
+            return pb.SealedMessages(messages=self.fed.sealed if self.tags else [])
+        assert what == "ReportDecryption", what
+        self.outcomes.append((request, self.data))
+        return cpb.Ack()
+
+    def download(self, request: pb.DownloadRequest) -> bytes:
+        return self.data
+
+    def upload(self, data: bytes, **kw: Any) -> Any:
+        return pb.UploadReceipt()
+
+
+def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_name(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """The coordinator lists the jobs of plan round r1-x under two round ids of its choosing.
+    Without tags the jobs are refused and bind nothing, but the decryptor keeps a round state per
+    listed id, each holding the decrypt-once record as it was then; with tags, each would then
+    decrypt another aggregate of b[A] (docs/protocol.md M-111)."""
+    fed = Federation(keys)
+    honest = fed.aggregate("b[A]")
+    length = fed.values[(SITES[0], "b[A]")].size
+    vectors = ckks.deserialize_ciphertexts(
+        fed.public, ckks.unpack_ciphertexts(honest), length=length
+    )
+    # The coordinator adds a fresh encryption of zeros: the same tags and values, other bytes.
+    zero = ckks.encrypt_block(fed.public, np.zeros(length), prescale=1.0, num_summands=3, tag=0.0)
+    other = ckks.pack_ciphertexts(ckks.serialize_ciphertexts([vectors[0] + zero[0]]))
+    folder = tmp_path / "state"
+    identity = signatures.generate_identity_key()
+    key_path = tmp_path / "identity.key"
+    key_path.write_bytes(signatures.private_key_to_pem(identity))
+    config = ClientConfig(
+        path=tmp_path / "client.toml", site_id="decryptor", federation_id="fed",
+        server_address="localhost:1", role="decryptor", state_dir=folder,
+        tls=TlsPaths(tmp_path, tmp_path, tmp_path), identity_key_path=key_path,
+        identity_public_key=signatures.public_key_to_raw(identity),
+        server_public_key=signatures.public_key_to_raw(fed.server_key), peers=PEERS,
+        data=DataConfig(tmp_path),
+    )  # fmt: skip
+    daemon = DecryptorDaemon(config)
+    daemon.keys = keys
+    coordinator = _Coordinator(fed)
+    daemon.rpc = coordinator  # type: ignore[assignment]
+    for round_id, data, tags in (
+        ("r1-x", honest, False), ("r9-y", other, False), ("r1-x", honest, True),
+        ("r9-y", other, True),
+    ):  # fmt: skip
+        coordinator.serve(round_id, data, tags=tags)
+        with contextlib.suppress(DaemonError):  # run() logs it and polls again
+            daemon.serve_once()
+    decrypted = {
+        hashlib.sha256(data).hexdigest()
+        for outcome, data in coordinator.outcomes
+        if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED
+    }
+    assert len(decrypted) == 1
+
+
+def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_line(
+    keys: DecryptorKeys,
+) -> None:
+    """A member seals and signs, with its own key, bytes that are no AggregateTags message: the
+    decryptor refuses that envelope (a CryptoError its loop logs) instead of stopping with a
+    traceback at every poll (one site would stall every CKKS round)."""
+    fed = Federation(keys)
+    sealed = seal_tags(
+        b"\xff\xff\xff\xff", binding=fed.binding(keys, "site-1"), identity_key=IDENTITIES["site-1"]
+    )
+    envelope = pb.SealedMessage(
+        sender_site_id="site-1", sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob, signature=sealed.signature,
+    )  # fmt: skip
+    work = fed.decryptor(keys, sealed=[])
+    with pytest.raises(CryptoError, match="AggregateTags"):
+        work.add_tags(envelope)
+    assert work.senders == set()

@@ -13,9 +13,11 @@ from afl.client.config import LocalPolicy
 from afl.client.dp_ledger import LedgerSpend
 from afl.client.dp_policy import DpContext, assess_plan
 from afl.client.policy import check_plan
+from afl.core.dp_accounting import statistic_sensitivity
 from afl.proto.v1 import common_pb2 as cpb
+from afl.server.dp_mask import dp_mask_encodings
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
-from afl.server.plan import build_plan
+from afl.server.plan import PlanOptions, build_plan
 from tests.helpers import dp_oracle
 
 SITES = ["a", "b", "c", "d"]
@@ -23,7 +25,9 @@ CLASSES = ["x", "y"]
 WITH_IDS = DpContext(has_patient_ids=True)
 
 
-def _plan(*, aggregation: int, local: bool, epsilon: float = 4.0) -> cpb.ReleasePlan:
+def _plan(
+    *, aggregation: int, local: bool, epsilon: float = 4.0, delta: float = 1e-5
+) -> cpb.ReleasePlan:
     """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or t = 0."""
     releases = dp_releases(
         classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=3
@@ -33,7 +37,7 @@ def _plan(*, aggregation: int, local: bool, epsilon: float = 4.0) -> cpb.Release
         gram_scope="global", releases=releases,
     )  # fmt: skip
     plan.aggregation = aggregation  # type: ignore[assignment]
-    settings = DpSettings(epsilon=epsilon, delta=1e-5, clip_norm=2.0)
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0)
     apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=local))
     return plan
 
@@ -143,3 +147,84 @@ def test_encodings_that_lose_the_noise_are_refused() -> None:
         r.encoding.ckks.grid_step = 2.0 ** -(r.noise.frac_bits + 1)
     coarse = assess_plan(ckks, site_id="a", policy=LocalPolicy(), context=WITH_IDS)
     assert "does not recover the noisy sum" in coarse.refusal
+
+
+def test_dp_under_an_unbounded_budget_waives_neither_min_cohort_nor_the_audit() -> None:
+    """A MASK plan whose every release has site a alone, with noise for ε = 1000: the coordinator
+    unmasks a's statistics, nearly exact. DP covers small cohorts and exposure only under the
+    site's own finite max_epsilon; with the default (inf, as kits are provisioned) the site
+    applies min_cohort and the audit as to any plan."""
+    releases = dp_releases(
+        classes=CLASSES, participants=["a"], coverage={}, gram_scope="global", d=3
+    )
+    plan = build_plan(
+        federation_id="f", round_id="r1", round_number=1, participants=SITES,
+        gram_scope="global", releases=releases,
+        options=PlanOptions(aggregation=cpb.AGGREGATION_MODE_MASK, mask_threshold=3),
+    )  # fmt: skip
+    settings = DpSettings(epsilon=1000.0, delta=1e-5, clip_norm=2.0)
+    apply_dp(plan, calibrate(releases, settings, participants=["a"], plaintext=False))
+    dp_mask_encodings(plan, max_samples=64)
+    modes = (cpb.AGGREGATION_MODE_MASK,)
+    default = check_plan(plan, site_id="a", policy=LocalPolicy(), supported_modes=modes,
+                         dp_context=WITH_IDS)  # fmt: skip
+    assert not default.accept and "min cohort 3" in default.reason
+    bounded = LocalPolicy(max_epsilon=4.0)
+    refused = check_plan(plan, site_id="a", policy=bounded, supported_modes=modes,
+                         dp_context=WITH_IDS)  # fmt: skip
+    assert not refused.accept  # ε = 1000 > 4: no cover, and the 1-member release is refused
+
+
+def test_a_release_listing_a_class_twice_is_refused() -> None:
+    """Sensitivities assume a release's classes are distinct: with label clipping k = 1, s_pos
+    over C_r classes moves by √min(k, C_r)·L = L. The same class listed c times moves by √c·L
+    (every copy holds the same column, each with its own noise: averaging the copies divides σ
+    by √c), so the site would under-state its ε by a factor up to √c. (Refused today because the
+    audit's quantity rows would repeat a name; this pins the refusal.)"""
+    plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=2.0)
+    s_pos = next(r for r in plan.releases if r.kind == cpb.STATISTIC_KIND_POSITIVE_SUM)
+    del s_pos.class_names[:]
+    s_pos.class_names.extend(["x"] * 16)
+    s_pos.shape[:] = [3, 16]
+    opted_in = LocalPolicy(max_epsilon=5.0, allowed_aggregation=("plaintext",))
+    decision = check_plan(plan, site_id="a", policy=opted_in, dp_context=WITH_IDS)
+    assert not decision.accept
+
+
+def test_a_large_delta_does_not_shrink_the_sites_epsilon() -> None:
+    """δ is the coordinator's choice too: noise calibrated for ε = 4 at δ = 0.9 (a mechanism that
+    may fail with probability 0.9) is far less than at δ = 1e-5. The site judges ε at its own δ
+    (``lifetime_delta``) when the plan's is larger."""
+    plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=4.0, delta=0.9)
+    policy = LocalPolicy(max_epsilon=5.0, allowed_aggregation=("plaintext",))
+    dp = assess_plan(plan, site_id="a", policy=policy, context=WITH_IDS)
+    pairs = [(r.noise.sensitivity, r.noise.sigma) for r in plan.releases]
+    assert dp.epsilon == pytest.approx(dp_oracle.epsilon(dp_oracle.composed_mu(pairs), 1e-5))
+    assert dp.epsilon > 5.0 and "δ = 1e-05" in dp.refusal and "max_epsilon 5" in dp.refusal
+    assert not check_plan(plan, site_id="a", policy=policy, dp_context=WITH_IDS).accept
+
+
+def test_the_rounding_to_a_coarse_noise_grid_counts_in_the_sites_sensitivity() -> None:
+    """Rounding D values to the grid 2^-f moves them by up to √D·2^-f (docs/protocol.md §7): an
+    honest plan states Δ + √D·2^-f. A coordinator that sets f = 0 and states the bare Δ would
+    have the site account for Δ alone; the site adds the inflation of the grid it is given."""
+    plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=4.0)
+    for r in plan.releases:
+        r.noise.frac_bits = 0
+        kind = {
+            cpb.STATISTIC_KIND_GRAM: "gram",
+            cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
+            cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
+            cpb.STATISTIC_KIND_COUNT: "counts",
+        }[r.kind]
+        r.noise.sensitivity = statistic_sensitivity(
+            kind, clip_norm=2.0, n_classes=len(r.class_names), max_positive_labels=1
+        )
+    coordinates = {r.name: math.prod(r.shape) for r in plan.releases}
+    coordinates["counts"] = len(CLASSES)  # only the weighted positive counts are rounded
+    pairs = [
+        (r.noise.sensitivity + math.sqrt(coordinates[r.name]), r.noise.sigma) for r in plan.releases
+    ]
+    dp = assess_plan(plan, site_id="a", policy=LocalPolicy(max_epsilon=5.0), context=WITH_IDS)
+    assert dp.epsilon == pytest.approx(dp_oracle.epsilon(dp_oracle.composed_mu(pairs), 1e-5))
+    assert dp.epsilon > 5.0 and "max_epsilon 5" in dp.refusal

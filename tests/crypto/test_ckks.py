@@ -56,7 +56,7 @@ def _round_trip(
     out = decrypt_release(
         private_ctx,
         summed,
-        expected_tag_sum=math.fsum(tags),
+        member_tags=tags,
         length=n,
         prescale=s,
         num_summands=k,
@@ -100,7 +100,7 @@ def test_public_context_cannot_decrypt(public_ctx: ts.Context) -> None:
         ckks.ensure_private(public_ctx)
     with pytest.raises(CkksContextError):
         decrypt_release(
-            public_ctx, [], expected_tag_sum=0.0, length=1, prescale=1.0, num_summands=1, grid=1.0
+            public_ctx, [], member_tags=[0.0], length=1, prescale=1.0, num_summands=1, grid=1.0
         )
 
 
@@ -241,7 +241,7 @@ def test_grid_finer_than_noise_is_refused(private_ctx: ts.Context) -> None:
         decrypt_release(
             private_ctx,
             [],
-            expected_tag_sum=0.0,
+            member_tags=[0.0],
             length=1,
             prescale=1.0,
             num_summands=3,
@@ -275,7 +275,7 @@ def test_tag_check_refuses_one_site_presented_as_sum(
         return decrypt_release(
             private_ctx,
             summed,
-            expected_tag_sum=math.fsum(tags),
+            member_tags=tags,
             length=n,
             prescale=s,
             num_summands=k,
@@ -300,3 +300,14 @@ def test_sum_leaves_the_uploads_unchanged(private_ctx: ts.Context, public_ctx: t
     before = [ckks.serialize_ciphertexts(u) for u in uploads]
     ckks.sum_ciphertexts(public_ctx, uploads, length=n)
     assert [ckks.serialize_ciphertexts(u) for u in uploads] == before
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(min_value=-1e5, max_value=1e5, allow_nan=False), st.integers(1, 10_000))
+def test_block_tags_are_bound_to_their_position_and_within_the_tag(tag: float, index: int) -> None:
+    assert ckks.block_tag(tag, 0) == tag
+    value = ckks.block_tag(tag, index)
+    assert value == ckks.block_tag(tag, index)  # the site and the decryptor derive the same
+    assert abs(value) <= abs(tag)
+    if abs(tag) >= 1.0:  # tags are drawn on [-2^17/K, 2^17/K] with 52 random bits
+        assert value != ckks.block_tag(tag, index + 1)

@@ -227,3 +227,37 @@ def test_plan_validation(private_ctx: ts.Context, public_ctx: ts.Context) -> Non
         CkksRelease("r", ("b", "a"), "u", N, 1.0, 1.0)
     with pytest.raises(CkksConfigError, match="finer"):
         CkksRelease("r", ("a",), "u", N, 1.0, cp.min_grid(prescale=1.0, num_summands=1) / 2)
+
+
+def test_blocks_mixed_across_positions_are_refused(
+    private_ctx: ts.Context, public_ctx: ts.Context
+) -> None:
+    """An upload of more than one ciphertext carries its tag in every block: a server that adds
+    site-c's block 1 where its block 0 belongs keeps every tag slot at Σ r_k, and the difference
+    of the two decrypted blocks would then be x_c[block 0] − x_c[block 1], a statistic of ONE
+    site. Each block's tag must be bound to its position."""
+    n = 2 * cp.DATA_SLOTS_PER_CIPHERTEXT
+    s = cp.choose_prescale(bound=BOUND, num_summands=3)
+    release = CkksRelease(
+        name="gram/abc",
+        members=SITES[:3],
+        upload_name="gram",
+        length=n,
+        prescale=s,
+        grid=cp.default_grid(prescale=s, num_summands=3),
+    )
+    rng = np.random.default_rng(11)  # test data, not secrets
+    tags = {site: ckks.new_tag(num_summands=3) for site in SITES[:3]}
+    uploads = {
+        site: ckks.encrypt_block(
+            public_ctx, rng.uniform(-BOUND, BOUND, n), prescale=s, num_summands=3, tag=tags[site]
+        )
+        for site in SITES[:3]
+    }
+    decryptor = Decryptor(private_ctx, [release])
+    for site, tag in tags.items():
+        decryptor.register_tags(site=site, tags={"gram": tag})
+    a, b, c = (uploads[site] for site in SITES[:3])
+    mixed = [a[0] + b[0] + c[0], a[0] + b[0] + c[1]]  # block 1 of the "sum" reuses block 0
+    with pytest.raises(CkksTagMismatchError):
+        decryptor.decrypt("gram/abc", ckks.serialize_ciphertexts(mixed), members=SITES[:3])

@@ -61,7 +61,7 @@ def test_the_decryptor_returns_the_noisy_sum_exactly(private_ctx: Any, public_ct
         )
     summed = ckks.sum_ciphertexts(public_ctx, uploads, length=D * 2)
     out = decrypt_release(
-        private_ctx, summed, expected_tag_sum=sum(tags), length=D * 2,
+        private_ctx, summed, member_tags=tags, length=D * 2,
         prescale=ck.prescale, num_summands=3, grid=ck.grid_step,
     )  # fmt: skip
     assert np.array_equal(out, exact)  # the grid holds the noisy sum: nothing of CKKS is left
