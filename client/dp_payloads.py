@@ -42,7 +42,6 @@ from numpy.typing import NDArray
 from afl.client.daemon_stats import PayloadError, SlotPayload
 from afl.core.dp_accounting import (
     AccountingError,
-    StatisticKind,
     base_kind,
     epsilon_from_mu,
     grid_inflation,
@@ -65,6 +64,7 @@ from afl.core.refinement import pseudo_labels
 from afl.crypto import ckks_params as cp
 from afl.crypto.dgauss import discrete_gaussian
 from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.wire import DP_STATISTIC_NAMES
 
 __all__ = [
     "dp_round_payloads",
@@ -82,15 +82,6 @@ __all__ = [
 FloatArray = NDArray[np.float64]
 _LIMIT = float(2**52)
 _NOISED = (cpb.NOISE_MECHANISM_DISCRETE_GAUSSIAN, cpb.NOISE_MECHANISM_GAUSSIAN)
-_KINDS: dict[int, StatisticKind] = {
-    cpb.STATISTIC_KIND_GRAM: "gram",
-    cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
-    cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
-    cpb.STATISTIC_KIND_COUNT: "counts",
-    cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM: "pseudo_s_pos",
-    cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM: "pseudo_t_sum",
-    cpb.STATISTIC_KIND_PSEUDO_COUNT: "pseudo_counts",
-}
 _MAX_FRAC_BITS = 60
 
 
@@ -224,7 +215,7 @@ def _release_block(
     release: cpb.Release, stats: SufficientStatistics, class_names: Sequence[str]
 ) -> FloatArray:
     d = stats.gram.shape[0]
-    kind = _KINDS.get(int(release.kind))
+    kind = DP_STATISTIC_NAMES.get(int(release.kind))
     if kind is None:
         raise PayloadError(f"release {release.name}: {release.kind} is not a DP statistic")
     base = base_kind(kind)
@@ -282,7 +273,7 @@ def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     noise grid adds (:func:`afl.core.dp_accounting.grid_inflation`, √D·2^-f); another
     class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
     no classes as 0."""
-    kind = _KINDS.get(int(release.kind), "t_sum")
+    kind = DP_STATISTIC_NAMES.get(int(release.kind), "t_sum")
     if kind != "gram" and not release.class_names:
         return 0.0
     k = int(plan.dp.max_positive_labels)

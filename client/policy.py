@@ -47,7 +47,7 @@ from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_config import default_threshold
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
-from afl.proto.wire import EVALUATION_KINDS
+from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
 
 __all__ = [
     "PolicyDecision",
@@ -76,6 +76,12 @@ class PolicyDecision:
     survivor_floors: dict[str, int] = field(default_factory=dict)
 
 
+_CLASS_VECTORS = {
+    cpb.STATISTIC_KIND_CLASS_VECTOR: "b",
+    cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR: "b_pseudo",
+}
+
+
 def release_quantities(release: cpb.Release) -> list[str]:
     """The linear quantities a release sums (one per class column for class vectors)."""
     kind = release.kind
@@ -84,16 +90,7 @@ def release_quantities(release: cpb.Release) -> list[str]:
     if kind in EVALUATION_KINDS:  # per class: this model's statistics, and the label counts
         model = release.evaluation.model_sha256.hex()
         return evaluation_quantities(list(release.class_names), model_sha256=model)
-    prefix = {
-        cpb.STATISTIC_KIND_CLASS_VECTOR: "b",
-        cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR: "b_pseudo",
-        cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
-        cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
-        cpb.STATISTIC_KIND_COUNT: "counts",
-        cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM: "pseudo_s_pos",
-        cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM: "pseudo_t_sum",
-        cpb.STATISTIC_KIND_PSEUDO_COUNT: "pseudo_counts",
-    }.get(kind)
+    prefix = _CLASS_VECTORS.get(kind) or DP_STATISTIC_NAMES.get(kind)
     if prefix is not None:
         return [f"{prefix}[{c}]" for c in release.class_names] or [prefix]
     return [cpb.StatisticKind.Name(kind).removeprefix("STATISTIC_KIND_").lower()]

@@ -13,8 +13,9 @@ from afl.client.config import LocalPolicy
 from afl.client.dp_ledger import LedgerSpend
 from afl.client.dp_policy import DpContext, assess_plan
 from afl.client.policy import check_plan
-from afl.core.dp_accounting import BaseKind, statistic_sensitivity
+from afl.core.dp_accounting import statistic_sensitivity
 from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.wire import DP_STATISTIC_NAMES
 from afl.server.dp_mask import dp_mask_encodings
 from afl.server.dp_plan import DpSettings, apply_dp, calibrate, dp_releases
 from afl.server.plan import PlanOptions, build_plan
@@ -204,14 +205,6 @@ def test_a_large_delta_does_not_shrink_the_sites_epsilon() -> None:
     assert not check_plan(plan, site_id="a", policy=policy, dp_context=WITH_IDS).accept
 
 
-BASE_KINDS: dict[int, BaseKind] = {
-    cpb.STATISTIC_KIND_GRAM: "gram",
-    cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
-    cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
-    cpb.STATISTIC_KIND_COUNT: "counts",
-}
-
-
 def test_the_rounding_to_a_coarse_noise_grid_counts_in_the_sites_sensitivity() -> None:
     """Rounding D values to the grid 2^-f moves them by up to √D·2^-f (docs/protocol.md §7): an
     honest plan states Δ + √D·2^-f. A coordinator that sets f = 0 and states the bare Δ would
@@ -219,7 +212,7 @@ def test_the_rounding_to_a_coarse_noise_grid_counts_in_the_sites_sensitivity() -
     plan = _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True, epsilon=4.0)
     for r in plan.releases:
         r.noise.frac_bits = 0
-        kind = BASE_KINDS[r.kind]
+        kind = DP_STATISTIC_NAMES[r.kind]
         r.noise.sensitivity = statistic_sensitivity(
             kind, clip_norm=2.0, n_classes=len(r.class_names), max_positive_labels=1
         )

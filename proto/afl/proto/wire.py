@@ -38,6 +38,7 @@ from typing import Literal
 
 import numpy as np
 
+from afl.core.dp_accounting import StatisticKind
 from afl.core.packing import packed_length
 from afl.core.scorebins import ScoreBins, ScoreBinsError
 from afl.crypto.canonical import Field
@@ -64,6 +65,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
+    "DP_STATISTIC_NAMES",
     "EVALUATION_KINDS",
     "MAX_CHUNK_BYTES",
     "PROTOCOL_VERSION",
@@ -164,6 +166,19 @@ def release_length(
     if packed:
         return packed_length(int(shape[0]))
     return int(np.prod([int(n) for n in shape], dtype=np.int64))
+
+
+#: The DP rulebook's name (:data:`afl.core.dp_accounting.StatisticKind`) of each statistic kind
+#: a DP plan releases; the wire enum is the plan's, the name the rulebook's.
+DP_STATISTIC_NAMES: Mapping[int, StatisticKind] = {
+    cpb.STATISTIC_KIND_GRAM: "gram",
+    cpb.STATISTIC_KIND_POSITIVE_SUM: "s_pos",
+    cpb.STATISTIC_KIND_FEATURE_SUM: "t_sum",
+    cpb.STATISTIC_KIND_COUNT: "counts",
+    cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM: "pseudo_s_pos",
+    cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM: "pseudo_t_sum",
+    cpb.STATISTIC_KIND_PSEUDO_COUNT: "pseudo_counts",
+}
 
 
 # --- evaluation releases ----------------------------------------------------------------------
