@@ -371,7 +371,7 @@ class ClientDaemon:
         evaluated = None
         if is_evaluation_plan(plan):  # the run's evaluation round (docs/protocol.md §6.1)
             evaluated = evaluated_model(plan, **self._model_source())
-            rows = evaluation_rows(self.config, training=self.cache, labelled=self.labelled)
+            rows = evaluation_rows(self.config.data, training=self.cache, labelled=self.labelled)
             report["evaluation"] = {"model_sha256": evaluated.model_sha256, **rows.to_json()}
             if rows.in_sample:
                 report["round_warnings"] = [

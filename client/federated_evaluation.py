@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.client.config import ClientConfig
+from afl.client.config import DataConfig
 from afl.client.daemon_stats import PayloadError, labelled_mask
 from afl.client.published import ModelFileError, PublishedModel, load_published_model
 from afl.core.featurecache import FeatureCache, FeatureCacheError, open_cache
@@ -127,13 +127,13 @@ class EvaluationRows:
 
 
 def evaluation_rows(
-    config: ClientConfig, *, training: FeatureCache, labelled: NDArray[np.bool_]
+    data: DataConfig, *, training: FeatureCache, labelled: NDArray[np.bool_]
 ) -> EvaluationRows:
     """``[data] holdout`` when configured (same d as the training cache), else the training
     cache (in-sample); PayloadError names a hold-out that does not fit."""
-    holdout = config.data.holdout
+    holdout = data.holdout
     if holdout is None:
-        return EvaluationRows(training, labelled, True, config.data.cache)
+        return EvaluationRows(training, labelled, True, data.cache)
     try:
         cache = open_cache(holdout)
     except (OSError, ValueError, FeatureCacheError) as exc:
@@ -143,7 +143,7 @@ def evaluation_rows(
             f"[data] holdout {holdout} has d = {cache.meta.d}, the training cache d = "
             f"{training.meta.d}"
         )
-    mask, _ = labelled_mask(cache, config.data.classes)
+    mask, _ = labelled_mask(cache, data.classes)
     return EvaluationRows(cache, mask, False, holdout)
 
 

@@ -12,6 +12,10 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
    dropped (each member's policy refuses t_R below its min cohort before sending anything).
 4. downgrade: the coordinator of a MASK federation switches to ``plaintext`` (each site's policy
    allows mask and ckks only).
+5. ``evaluate-unverified``: a run's evaluation round names a crafted model no round published
+   (each site evaluates only a model it verified itself).
+6. ``isolate-site``: a run's evaluation plan adds a histogram over all participants but one (the
+   isolated site's policy finds its statistics determined by differencing and refuses).
 """
 
 from __future__ import annotations
@@ -179,3 +183,73 @@ def test_downgrade_to_plaintext_is_refused_by_every_site(tmp_path: Path) -> None
             "(allowed_aggregation = ['mask', 'ckks'])"
         )
     _no_model_and_no_uploads_kept(loop, uploads=False)
+
+
+def _evaluation_attack(
+    tmp_path: Path, attack: str, k: int, **settings: Any
+) -> tuple[LoopbackFederation, LoopbackRun, Path]:
+    """A MASK run with ``evaluate = true`` (bounds from the sites' declarations) whose
+    evaluation round the patched coordinator attacks; the training round is honest."""
+    loop = _prepare(tmp_path, k, {"aggregation": "mask", "evaluate": True, **settings})
+    loot = tmp_path / "loot.json"
+    command = malicious_server.command(attack, loot)
+    return loop, run_loopback(loop, timeout_s=240, server_command=command), loot
+
+
+def _evaluation_reports(loop: LoopbackFederation, run: LoopbackRun) -> dict[str, list[Any]]:
+    """Each site's reports of evaluation rounds (round ids e<n>-…), after a completed model."""
+    out = {}
+    for site in loop.site_ids:
+        reports = run.reports[site]
+        assert any(r["outcome"] == "COMPLETED" and "model" in r for r in reports.values()), site
+        out[site] = [r for rid, r in reports.items() if rid.startswith("e")]
+    return out
+
+
+def _nothing_evaluated(loop: LoopbackFederation, loot: Path) -> None:
+    assert not [name for name in _loot(loot) if name.startswith("eval")]  # no sum unmasked
+    store = _store(loop)
+    try:
+        assert all(store.evaluation(r.round_id) is None for r in store.rounds())
+        (run,) = store.runs()
+        assert run.state == "published" and run.reason.startswith("evaluation aborted"), run
+    finally:
+        store.close()
+
+
+def test_an_evaluation_of_a_model_the_sites_did_not_verify_is_refused(tmp_path: Path) -> None:
+    # min_participants = 1: after each refusal the coordinator re-plans with the others, so
+    # every site gets to decide on the crafted model.
+    loop, run, loot = _evaluation_attack(tmp_path, "evaluate-unverified", 3, min_participants=1)
+    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED}, run.logs
+    reports = _evaluation_reports(loop, run)
+    refusals = 0
+    for site, rounds in reports.items():
+        assert rounds, site
+        for report in rounds:
+            assert report["bytes_sent"] == 0, (site, report)
+            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
+            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
+            if report["outcome"] == "REFUSED_PLAN":
+                refusals += 1
+                assert "which this site has not verified" in report["reason"], report["reason"]
+    assert refusals >= 2, reports
+    _nothing_evaluated(loop, loot)
+
+
+def test_an_evaluation_plan_isolating_a_site_is_refused_by_that_site(tmp_path: Path) -> None:
+    loop, run, loot = _evaluation_attack(tmp_path, "isolate-site", 4)
+    reports = _evaluation_reports(loop, run)
+    first = reports["site-1"]  # the victim of the first evaluation plan
+    assert [r["outcome"] for r in first] == ["REFUSED_PLAN"], first
+    assert re.match(
+        r"the releases expose this site's (eval\[[ABC]\]@[0-9a-f]{64}|labels\[[ABC]\]) by "
+        r"differencing",
+        first[0]["reason"],
+    ), first[0]["reason"]
+    for site, rounds in reports.items():
+        for report in rounds:
+            assert report["bytes_sent"] == 0, (site, report)
+            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
+            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
+    _nothing_evaluated(loop, loot)

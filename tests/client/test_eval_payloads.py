@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,3 +188,29 @@ def test_policy_refuses_an_evaluation_plan_that_exposes_the_site() -> None:
     assert decision.accept  # s2 itself is not exposed
     exposed = {(e["quantity"], tuple(e["sites"])) for e in decision.audit["exposed_sites"]}
     assert ("labels[A]", ("s1",)) in exposed
+
+
+def test_classes_the_site_does_not_hold_or_label_send_zeros(tmp_path: Path) -> None:
+    caches, w = _caches(tmp_path)
+    source = caches[1]  # labels A, B, C
+    narrow = write_cache(  # the same rows holding only A and B
+        tmp_path / "narrow",
+        meta=CacheMeta(n=source.meta.n, d=D, classes=CLASSES[:2], source="test"),
+        ids=list(source.ids),
+        labels=np.asarray(source.labels[:, :2]),
+        features=np.asarray(source.features),
+    )
+    release = _release(HIST, SITES)
+    kw: dict[str, Any] = {"weights": w, "model_classes": CLASSES, "model_sha256": MODEL.hex()}
+    every = np.ones(3, bool)
+    full = evaluation_values(release, cache=source, labelled=every, **kw).reshape(3, 2, -1)
+    held = evaluation_values(release, cache=narrow, labelled=every[:2], **kw).reshape(3, 2, -1)
+    np.testing.assert_array_equal(held[:2], full[:2])
+    assert full[2].sum() > 0 and not held[2].any()  # C: not in the cache, zeros
+    some = np.array([True, False, True])
+    unlabelled = evaluation_values(release, cache=source, labelled=some, **kw).reshape(3, 2, -1)
+    assert not unlabelled[1].any() and unlabelled[2].sum() == full[2].sum()
+    with pytest.raises(PayloadError, match=r"classes \['C'\] are not the model's"):
+        evaluation_values(
+            release, cache=source, labelled=every, **{**kw, "model_classes": ("A", "B")}
+        )

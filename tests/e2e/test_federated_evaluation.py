@@ -10,7 +10,8 @@ evaluates on its ``[data] holdout`` cache, the others on their training caches (
   bins) to 1e-9;
 * the coordinator's state (every file, every database row, the audit log) holds no site's own
   histogram or confusion counts, in any encoding a site's upload could have, while the sum it
-  unmasks from that state equals the sum of the sites' counts.
+  unmasks from that state equals the sum of the sites' counts;
+* in CKKS mode (integer grid) and in plaintext mode the released counts are exact too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from afl.client.eval_payloads import evaluation_values
 from afl.core.calibration import Calibration, fit_calibration
 from afl.core.evaluation import evaluation_statistics
 from afl.core.featurecache import CacheMeta, open_cache, write_cache
+from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.crypto import signatures
 from afl.lab.cli import main as lab_main
 from afl.lab.demo_federation import prepare_loopback, run_loopback
@@ -274,3 +276,44 @@ def test_the_coordinator_stores_no_single_sites_counts(
     for release in plan.releases:
         total = sum(sites[s][release.name] for s in loop.site_ids)
         np.testing.assert_array_equal(np.ravel(sums[release.name]), total)
+
+
+@pytest.mark.parametrize("mode", ["ckks", "plaintext"])
+def test_the_other_modes_release_the_exact_pooled_counts(tmp_path: Path, mode: str) -> None:
+    """CKKS decrypts the counts onto the integer grid; plaintext (sites that opted in) sums them
+    in the clear: both give the pooled metrics of the sites' training rows."""
+    feats, labels = DATA.draw(3)
+    settings: dict[str, Any] = {"aggregation": mode, "evaluate": True, "upload_timeout_s": 120.0}
+    loop = prepare_loopback(
+        tmp_path,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=ACTIVE[:3],
+        test_features=feats[0][:10],
+        test_labels=labels[0][:10],
+        round_settings=settings,
+        decryptor=mode == "ckks",
+        allow_plaintext=mode == "plaintext",
+    )
+    run = run_loopback(loop, timeout_s=300)
+    assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
+    reports = [r for s in loop.site_ids for r in run.reports[s].values() if "evaluation" in r]
+    assert len(reports) == 3 and {r["evaluation"]["in_sample"] for r in reports} == {True}
+    document = json.loads(Path(reports[0]["evaluation"]["files"]["evaluation"]).read_text())
+    model = pb.Model.FromString(
+        pb.SignedModel.FromString(
+            next((loop.server_config.parent / "state" / "models").iterdir()).read_bytes()
+        ).model
+    )
+    weights = np.frombuffer(model.weights.data, dtype="<f8").reshape(tuple(model.weights.shape))
+    caches = [open_cache(tmp_path / "data" / s) for s in loop.site_ids]
+    pooled = pooled_rows([(c.features, c.labels) for c in caches])
+    oracle = pooled_metrics_oracle(
+        *pooled, weights=weights, classes=CLASSES, edges=DEFAULT_SCORE_BINS.array
+    )
+    for name, expected in oracle.items():
+        got = document["per_class"][name]
+        assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
+        for metric in ("auc", "ap", "bacc"):
+            assert abs(got[metric] - expected[metric]) <= 1e-9, (name, metric)

@@ -138,9 +138,18 @@ def test_submitted_settings_may_carry_a_round_header() -> None:
     rounds=st.sampled_from([1, 2]),
     gamma=st.floats(0.01, 100.0),
     dp=st.booleans(),
+    calibration=st.sampled_from(["platt", "isotonic", "none"]),
+    eval_rows=st.integers(0, 10**6),
 )
 def test_run_settings_round_trip_through_their_table(
-    federation: Any, scope: str, mode: str, rounds: int, gamma: float, dp: bool
+    federation: Any,
+    scope: str,
+    mode: str,
+    rounds: int,
+    gamma: float,
+    dp: bool,
+    calibration: str,
+    eval_rows: int,
 ) -> None:
     config = load_config(federation.server_dir / "server.toml")
     mask = {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
@@ -150,6 +159,9 @@ def test_run_settings_round_trip_through_their_table(
         "aggregation": mode,
         "rounds": 1 if dp else rounds,
         "gamma": gamma,
+        "evaluate": not dp,  # evaluation releases carry no DP noise: not in DP runs
+        "eval_calibration": calibration,
+        "eval_max_rows": eval_rows,
         **mask,
     }
     if dp:
