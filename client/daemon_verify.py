@@ -46,22 +46,29 @@ class VerificationError(ValueError):
     """A plan or model is not signed by the federation's server or does not match the round."""
 
 
+def _require_server_signature(
+    server_key: Ed25519PublicKey, *, context: str, blob: bytes, signature: bytes, what: str
+) -> None:
+    """:class:`VerificationError` "``what`` is not signed by this federation's server" unless
+    the server key of the kit signed ``blob`` in ``context``."""
+    try:
+        signed_blobs.verify_blob(server_key, context=context, blob=blob, signature=signature)
+    except SignatureError as exc:
+        raise VerificationError(f"{what} is not signed by this federation's server") from exc
+
+
 def verify_signed_plan(
     signed: cpb.SignedReleasePlan, *, server_key: Ed25519PublicKey, federation_id: str, what: str
 ) -> tuple[cpb.ReleasePlan, bytes]:
     """The plan of ``signed`` and the SHA-256 of its bytes, if the server of the startup kit
     signed it for this federation; :class:`VerificationError` (naming ``what``) otherwise."""
-    try:
-        signed_blobs.verify_blob(
-            server_key,
-            context=signed_blobs.PLAN_CONTEXT,
-            blob=signed.plan,
-            signature=signed.signature,
-        )
-    except SignatureError as exc:
-        raise VerificationError(
-            f"{what}: the release plan is not signed by this federation's server"
-        ) from exc
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.PLAN_CONTEXT,
+        blob=signed.plan,
+        signature=signed.signature,
+        what=f"{what}: the release plan",
+    )
     plan = cpb.ReleasePlan.FromString(signed.plan)
     if plan.federation_id != federation_id:
         raise VerificationError(
@@ -115,17 +122,13 @@ def verify_model(
     plan_sha256: bytes | None,
 ) -> VerifiedModel:
     """Check the model's signature and binding (module docstring); return W as float64."""
-    try:
-        signed_blobs.verify_blob(
-            server_key,
-            context=signed_blobs.MODEL_CONTEXT,
-            blob=signed.model,
-            signature=signed.signature,
-        )
-    except SignatureError as exc:
-        raise VerificationError(
-            f"round {round_id}: the model is not signed by this federation's server"
-        ) from exc
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.MODEL_CONTEXT,
+        blob=signed.model,
+        signature=signed.signature,
+        what=f"round {round_id}: the model",
+    )
     model = pb.Model()
     model.ParseFromString(signed.model)
     w = model.weights
@@ -169,15 +172,13 @@ def verify_evaluation(
     """The ``Evaluation`` of ``signed`` if the server of the kit signed it for this federation
     (and round, and the model ``model_sha256`` (hex)) and its documents belong to that model;
     :class:`VerificationError` otherwise."""
-    try:
-        signed_blobs.verify_blob(
-            server_key,
-            context=signed_blobs.EVALUATION_CONTEXT,
-            blob=signed.evaluation,
-            signature=signed.signature,
-        )
-    except SignatureError as exc:
-        raise VerificationError("the evaluation is not signed by this federation's server") from exc
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.EVALUATION_CONTEXT,
+        blob=signed.evaluation,
+        signature=signed.signature,
+        what="the evaluation",
+    )
     evaluation = pb.Evaluation.FromString(signed.evaluation)
     model = evaluation.model_sha256.hex()
     problems = []

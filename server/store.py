@@ -702,19 +702,28 @@ class Store:
         """``<state_dir>/models/<round>.signed-model.pb``: the SignedModel, as sites receive it."""
         return self.state_dir / "models" / f"{round_id}.signed-model.pb"
 
+    def _put_signed(
+        self, table: str, path: Path, file_bytes: bytes, *, round_id: str, blob: bytes, sig: bytes
+    ) -> str:
+        """Write ``file_bytes`` to ``path`` atomically, then commit the row (round id, blob,
+        signature) of ``table``; returns the SHA-256 (hex) of ``blob``."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private_file(path, file_bytes)
+        with self._tx() as db:
+            db.execute(
+                f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?, ?)",
+                (round_id, blob, sig, now_ms()),
+            )
+        return hashlib.sha256(blob).hexdigest()
+
     def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> str:
         """Write the signed model file atomically, then commit its row; returns the SHA-256 (hex)
         of the ``Model`` bytes, the digest every site records for its verified copy."""
+        signed = SignedModel(model=model, signature=signature).SerializeToString()
         path = self.model_path(round_id)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        signed = SignedModel(model=model, signature=signature)
-        write_private_file(path, signed.SerializeToString())
-        with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?)",
-                (round_id, model, signature, now_ms()),
-            )
-        return hashlib.sha256(model).hexdigest()
+        return self._put_signed(
+            "models", path, signed, round_id=round_id, blob=model, sig=signature
+        )
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""
@@ -732,16 +741,11 @@ class Store:
     def put_evaluation(self, round_id: str, *, evaluation: bytes, signature: bytes) -> str:
         """Write the signed evaluation file atomically, then commit its row (a retry after a
         restart replaces both); returns the SHA-256 (hex) of the ``Evaluation`` bytes."""
+        signed = SignedEvaluation(evaluation=evaluation, signature=signature).SerializeToString()
         path = self.evaluation_path(round_id)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        signed = SignedEvaluation(evaluation=evaluation, signature=signature)
-        write_private_file(path, signed.SerializeToString())
-        with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?)",
-                (round_id, evaluation, signature, now_ms()),
-            )
-        return hashlib.sha256(evaluation).hexdigest()
+        return self._put_signed(
+            "evaluations", path, signed, round_id=round_id, blob=evaluation, sig=signature
+        )
 
     def evaluation(self, round_id: str) -> tuple[bytes, bytes] | None:
         """(Evaluation bytes, signature) of the evaluation round ``round_id``."""

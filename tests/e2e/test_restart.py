@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,25 @@ def _weights(signed: pb.SignedModel) -> np.ndarray:
     return np.frombuffer(model.weights.data, dtype="<f8").reshape(shape)
 
 
+def _killed_runs(daemons: Daemons, points: list[str]) -> Iterator[tuple[str, apb.RunInfo]]:
+    """Run i is killed at ``points[i]`` (the server started after each kill is the one that
+    kills itself in the next run; the last one is a plain afl-server); yields each point with its
+    run once that has ended after the restart."""
+    daemons.start_server(crash_at=(points[0], "run-1"))
+    daemons.start_clients()
+    for i, point in enumerate(points):
+        run_id = f"run-{i + 1}"
+        if i > 0:
+            assert daemons.submit(name=f"after {points[i - 1]}").run_id == run_id
+        code = daemons.wait_server_exit()
+        assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
+        following = (points[i + 1], f"run-{i + 2}") if i + 1 < len(points) else None
+        daemons.start_server(crash_at=following)
+        info = daemons.wait_run(run_id)
+        assert info.state == "published", (point, info, daemons.log_tail())
+        yield point, info
+
+
 @pytest.mark.parametrize("mode", sorted(CRASH_POINTS))
 def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     tmp_path: Path, mode: str
@@ -92,21 +112,9 @@ def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     stats, _ = cached_statistics(loop, list(loop.site_ids))
     oracle, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
     daemons = Daemons(loop)
-    points = CRASH_POINTS[mode]
     try:
-        daemons.start_server(crash_at=(points[0], "run-1"))
-        daemons.start_clients()
-        for i, point in enumerate(points):
-            run_id = f"run-{i + 1}"
-            if i > 0:
-                assert daemons.submit(name=f"after {points[i - 1]}").run_id == run_id
-            code = daemons.wait_server_exit()
-            assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
-            following = (points[i + 1], f"run-{i + 2}") if i + 1 < len(points) else None
-            daemons.start_server(crash_at=following)
-            info = daemons.wait_run(run_id)
-            assert info.state == "published", (point, info, daemons.log_tail())
-            assert relative_error(_weights(daemons.model(run_id)), oracle) <= 1e-9, point
+        for point, info in _killed_runs(daemons, CRASH_POINTS[mode]):
+            assert relative_error(_weights(daemons.model(info.run_id)), oracle) <= 1e-9, point
         last = daemons.submit(name="after every restart")
         info = daemons.wait_run(last.run_id)
         assert info.state == "published", (info, daemons.log_tail())
@@ -130,27 +138,14 @@ def test_killed_coordinator_resumes_the_evaluation_round(tmp_path: Path) -> None
     feats, labels = pooled_rows([(c.features, c.labels) for c in caches])
     daemons = Daemons(loop)
     try:
-        daemons.start_server(crash_at=(EVALUATION_POINTS[0], "run-1"))
-        daemons.start_clients()
-        for i, point in enumerate(EVALUATION_POINTS):
-            run_id = f"run-{i + 1}"
-            if i > 0:
-                assert daemons.submit(name=f"after {EVALUATION_POINTS[i - 1]}").run_id == run_id
-            code = daemons.wait_server_exit()
-            assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
-            last = i + 1 == len(EVALUATION_POINTS)
-            following = None if last else (EVALUATION_POINTS[i + 1], f"run-{i + 2}")
-            daemons.start_server(crash_at=following)
-            info = daemons.wait_run(run_id)
-            assert info.state == "published" and not info.reason, (point, info, daemons.log_tail())
-            assert info.evaluation_round_id, (point, info)
-            signed = daemons.call(daemons.admin.GetRunEvaluation, apb.RunRef(run_id=run_id))
-            evaluation = pb.Evaluation.FromString(signed.evaluation)
-            document = json.loads(evaluation.evaluation_json)
+        for point, info in _killed_runs(daemons, EVALUATION_POINTS):
+            assert not info.reason and info.evaluation_round_id, (point, info)
+            signed = daemons.call(daemons.admin.GetRunEvaluation, apb.RunRef(run_id=info.run_id))
+            document = json.loads(pb.Evaluation.FromString(signed.evaluation).evaluation_json)
             oracle = pooled_metrics_oracle(
                 feats,
                 labels,
-                weights=_weights(daemons.model(run_id)),
+                weights=_weights(daemons.model(info.run_id)),
                 classes=CLASSES,
                 edges=DEFAULT_SCORE_BINS.array,
             )

@@ -25,7 +25,6 @@ from afl.crypto import signatures
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.proto.wire import AssembledPayload
 from afl.server.admin import AdminRequests
 from afl.server.config import MaskSettings, load_config, run_settings, settings_table
 from afl.server.coordinator import Coordinator
@@ -36,7 +35,7 @@ from afl.server.mode_mask import MaskMode
 from afl.server.plan import RoundView
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
-from tests.helpers.inprocess import accept_plan, enrol
+from tests.helpers.inprocess import complete_round, enrol
 
 SITES = ["p1", "p2", "p3"]
 CLASSES = ["a", "b"]
@@ -59,22 +58,19 @@ def _coordinator(federation: Any, state: Path) -> Coordinator:
     return Coordinator(config, Store(state, federation_id=config.federation_id), key)
 
 
-def _upload(coordinator: Coordinator, site: str, view: RoundView, name: str, values: Any) -> None:
-    data = np.asarray(values, dtype="<f8").tobytes()
-    digest = hashlib.sha256(data).digest()
-    payload = AssembledPayload(view.round_id, name, pb.PAYLOAD_KIND_STATISTIC, data, digest)
-    coordinator.upload(site, payload)
-
-
 def _train(coordinator: Coordinator, federation: Any) -> RoundView:
     """Round 1 with every member's statistics zero (W = 0); the evaluation round it opens."""
-    view = coordinator.find("")
-    for site in view.row.participants:
-        accept_plan(coordinator, federation, site, view)
-    for site in view.row.participants:
-        for release in view.releases:
-            _upload(coordinator, site, view, release.name, np.zeros(release.length))
+    complete_round(coordinator, federation)
     return coordinator.find("")
+
+
+def _evaluate(coordinator: Coordinator, federation: Any, sent: dict[str, Any]) -> None:
+    """Every site sends its (histograms, confusion counts) to the open evaluation round."""
+    complete_round(
+        coordinator,
+        federation,
+        lambda site, release: sent[site][0 if release.name == HISTOGRAMS else 1].ravel(),
+    )
 
 
 def _counts(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,12 +106,8 @@ def test_the_run_evaluates_its_model_and_publishes_a_signed_evaluation(
         assert release.evaluation.model_sha256 == hashlib.sha256(model).digest()
         assert tuple(release.evaluation.score_bin_edges) == DEFAULT_SCORE_BINS.edges
         assert release.evaluation.decision_threshold == 0.5
-    for site in SITES:
-        accept_plan(coordinator, federation, site, view)
     sent = {s: _counts(k) for k, s in enumerate(SITES)}
-    for site, (hist, confusion) in sent.items():
-        _upload(coordinator, site, view, HISTOGRAMS, hist.ravel())
-        _upload(coordinator, site, view, CONFUSION, confusion.ravel())
+    _evaluate(coordinator, federation, sent)
     assert coordinator.find(view.round_id).stage == pb.ROUND_STAGE_PUBLISHED
     # stored beside the state before the stage, anchored in the audit log, served to both
     signed = coordinator.evaluation("p1", view.round_id)
@@ -160,13 +152,8 @@ def test_an_evaluation_the_earlier_ones_would_expose_is_not_opened(
     admin = AdminRequests(coordinator)
     for site in SITES:
         enrol(coordinator, federation, site)
-    view = _train(coordinator, federation)
-    for site in SITES:
-        accept_plan(coordinator, federation, site, view)
-    for site in SITES:
-        hist, confusion = _counts(7)
-        _upload(coordinator, site, view, HISTOGRAMS, hist.ravel())
-        _upload(coordinator, site, view, CONFUSION, confusion.ravel())
+    _train(coordinator, federation)
+    _evaluate(coordinator, federation, dict.fromkeys(SITES, _counts(7)))
     assert admin.get("operator", "run-1").evaluation_round_id
     # run-2 over p1, p2 only: its label counts minus run-1's would be p3's
     request = apb.SubmitRunRequest(settings_toml='participants = ["p1", "p2"]')
