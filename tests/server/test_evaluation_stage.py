@@ -52,10 +52,14 @@ FEDERATION = FederationSpec(
 BINS = DEFAULT_SCORE_BINS.num_bins
 
 
-def _coordinator(federation: Any, state: Path) -> Coordinator:
+def _trained(federation: Any, state: Path) -> tuple[Coordinator, AdminRequests, RoundView]:
+    """A coordinator whose sites enrolled and completed run-1's round 1; its evaluation round."""
     config = replace(load_config(federation.server_dir / "server.toml"), state_dir=state)
     key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
-    return Coordinator(config, Store(state, federation_id=config.federation_id), key)
+    coordinator = Coordinator(config, Store(state, federation_id=config.federation_id), key)
+    for site in SITES:
+        enrol(coordinator, federation, site)
+    return coordinator, AdminRequests(coordinator), _train(coordinator, federation)
 
 
 def _train(coordinator: Coordinator, federation: Any) -> RoundView:
@@ -87,11 +91,7 @@ def _counts(seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_the_run_evaluates_its_model_and_publishes_a_signed_evaluation(
     federation: Any, tmp_path: Path
 ) -> None:
-    coordinator = _coordinator(federation, tmp_path / "state")
-    admin = AdminRequests(coordinator)
-    for site in SITES:
-        enrol(coordinator, federation, site)
-    view = _train(coordinator, federation)
+    coordinator, admin, view = _trained(federation, tmp_path / "state")
     model_round, model, _ = coordinator.store.model() or ("", b"", b"")
     assert view.round_id.startswith("e2-") and view.row.parent_round_id == model_round
     assert view.stage == pb.ROUND_STAGE_PLAN_REVIEW and view.row.participants == tuple(SITES)
@@ -148,11 +148,7 @@ def test_the_run_evaluates_its_model_and_publishes_a_signed_evaluation(
 def test_an_evaluation_the_earlier_ones_would_expose_is_not_opened(
     federation: Any, tmp_path: Path
 ) -> None:
-    coordinator = _coordinator(federation, tmp_path / "state")
-    admin = AdminRequests(coordinator)
-    for site in SITES:
-        enrol(coordinator, federation, site)
-    _train(coordinator, federation)
+    coordinator, admin, _ = _trained(federation, tmp_path / "state")
     _evaluate(coordinator, federation, dict.fromkeys(SITES, _counts(7)))
     assert admin.get("operator", "run-1").evaluation_round_id
     # run-2 over p1, p2 only: its label counts minus run-1's would be p3's
