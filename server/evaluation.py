@@ -36,6 +36,7 @@ the round is PUBLISHED, with its SHA-256 in the PUBLISHED stage record.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "evaluation_releases",
     "evaluation_result",
     "is_evaluation",
+    "published_detail",
 ]
 
 HISTOGRAMS = "eval_hist[all]"
@@ -212,3 +214,17 @@ def build_signed_evaluation(
     return pb.SignedEvaluation(
         evaluation=blob, signature=sign_blob(identity_key, context=EVALUATION_CONTEXT, blob=blob)
     )
+
+
+def published_detail(signed: pb.SignedEvaluation) -> dict[str, object]:
+    """What the PUBLISHED stage record of an evaluation round carries: the SHA-256 of the signed
+    ``Evaluation`` bytes, of each document and of the evaluated model, and the members."""
+    evaluation = pb.Evaluation.FromString(signed.evaluation)
+    calibration = evaluation.calibration_json
+    return {
+        "evaluation_sha256": hashlib.sha256(signed.evaluation).hexdigest(),
+        "evaluated_model_sha256": evaluation.model_sha256.hex(),
+        "evaluation_document_sha256": hashlib.sha256(evaluation.evaluation_json).hexdigest(),
+        "calibration_sha256": hashlib.sha256(calibration).hexdigest() if calibration else "",
+        "members": list(evaluation.members),
+    }

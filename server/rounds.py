@@ -68,6 +68,7 @@ from afl.server.evaluation import (
     earlier_evaluations,
     evaluation_releases,
     evaluation_result,
+    published_detail,
 )
 from afl.server.mode_registry import mode_for
 from afl.server.modes import AggregationMode, ModeEnvironment, Transition
@@ -798,12 +799,12 @@ class RoundMachine:
         """The evaluation round's SOLVING: the pooled documents from the released sums, signed
         and stored beside the state before the round is PUBLISHED (:mod:`afl.server.evaluation`)."""
         settings, parent = run.settings, view.row.parent_round_id
-        members = tuple(sorted(run.mode.contributors(view)))
         try:
             sums = self.sums(view)
             if sums is None:
                 return  # e.g. CKKS: the decryptor has not answered every job yet
             require_finite(sums, what="the sum of release")
+            members = tuple(sorted(run.mode.contributors(view)))  # known once the sums are
             result = evaluation_result(
                 view.releases,
                 sums,
@@ -825,20 +826,10 @@ class RoundMachine:
             members=members,
             plan_bytes=view.row.plan or b"",
         )
-        digest = self.store.put_evaluation(
+        self.store.put_evaluation(
             view.round_id, evaluation=signed.evaluation, signature=signed.signature
         )
-        stored = pb.Evaluation.FromString(signed.evaluation)
-        detail = {
-            "evaluation_sha256": digest,
-            "evaluated_model_sha256": stored.model_sha256.hex(),
-            "evaluation_document_sha256": hashlib.sha256(stored.evaluation_json).hexdigest(),
-            "calibration_sha256": hashlib.sha256(stored.calibration_json).hexdigest()
-            if stored.calibration_json
-            else "",
-            "members": list(members),
-        }
-        self._set_stage(view, Stage.PUBLISHED, detail=detail)
+        self._set_stage(view, Stage.PUBLISHED, detail=published_detail(signed))
         self.metrics.rounds.labels(outcome="published").inc()
         self._finish_run(run.run_id, "published", "")
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
 from afl.client.eval_payloads import evaluation_values
 from afl.core.calibration import Calibration, fit_calibration
@@ -140,6 +141,16 @@ def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
         assert report["evaluation"]["rows"] == evaluated["rows"][site].meta.n
         calibration = Calibration.load(report["evaluation"]["files"]["calibration"])
         calibration.check_model(evaluated["model_sha256"], CLASSES)  # what predict checks
+    # `afl-client evaluate` without --cache uses the same hold-out as the evaluation round
+    config = loop.client_configs["site-1"]
+    assert client_main(["evaluate", "--config", str(config), "--bootstrap", "20"]) == 0
+    local = json.loads(
+        (config.parent / "state" / "reports" / f"{evaluation.model_round_id}.json").read_text()
+    )
+    assert (
+        not local["local_evaluation"]["in_sample"]
+        and "site-1-holdout" in local["local_evaluation"]["data"]
+    )
     # the PUBLISHED record of the evaluation round anchors the stored bytes
     store = Store(evaluated["server"].state_dir, federation_id=evaluated["server"].federation_id)
     try:
