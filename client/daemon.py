@@ -240,6 +240,9 @@ class ClientDaemon:
             supported_modes=tuple(self.modes),
             history=self.store.history(exclude_round=cfg.round_id),
             dp_context=context,
+            peer_history=self.store.history(
+                exclude_round=cfg.round_id, only=self.store.uploaded_rounds()
+            ),
         )
         return decision, plan, plan_sha
 

@@ -3,8 +3,9 @@
 A coordinator whose run sets ``evaluate = true`` opens, after the run's model is published, a
 round whose plan releases score histograms and confusion counts of that model
 (:mod:`afl.server.evaluation`). The site's daemon (:mod:`afl.client.daemon`) checks and answers it
-like any plan (signature, policy with its history of earlier evaluations, min cohort), and in
-addition here:
+like any plan (signature, policy with its history of earlier evaluations, min cohort, MASK
+survivor floors; an evaluation plan that determines ANY site's counts by differencing is refused,
+:func:`afl.client.policy.check_plan`), and in addition here:
 
 * :func:`evaluation_problem`: the plan holds evaluation releases only, each checked by
   :func:`afl.proto.wire.read_evaluation` (32-byte model digest, finite strictly increasing bins

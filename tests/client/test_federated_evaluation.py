@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from afl.client.config import DataConfig
+from afl.client.config import DataConfig, LocalPolicy
+from afl.client.daemon_state import DaemonState
 from afl.client.daemon_stats import PayloadError
 from afl.client.daemon_verify import VerificationError, verify_evaluation
 from afl.client.federated_evaluation import (
@@ -23,6 +25,7 @@ from afl.client.federated_evaluation import (
     is_evaluation_plan,
     save_evaluation,
 )
+from afl.client.policy import audit_view, check_plan
 from afl.core.featurecache import CacheMeta, open_cache, write_cache
 from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.crypto.signatures import generate_identity_key, public_key_to_raw
@@ -30,6 +33,10 @@ from afl.crypto.signed_blobs import EVALUATION_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import evaluation_shape, evaluation_spec
+from afl.server.config import MaskSettings
+from afl.server.evaluation import evaluation_releases
+from afl.server.mode_mask import MaskMode
+from afl.server.plan import build_plan
 from afl.server.solve import build_signed_model
 
 FEDERATION = "fed-eval"
@@ -196,3 +203,83 @@ def test_a_signed_evaluation_is_kept_only_once_it_checks_out(tmp_path: Path) -> 
         verify_evaluation(_signed_evaluation(server, digest, calibration_model=another), **check)
     with pytest.raises(VerificationError, match="it is for round 'e2-x', not 'e3-y'"):
         verify_evaluation(signed, **{**check, "round_id": "e3-y"})
+
+
+def _masked_evaluation_plan(digest: str, sites: list[str]) -> cpb.ReleasePlan:
+    """An evaluation plan over ``sites`` as the coordinator builds it in MASK mode."""
+    participants = tuple(sites)
+    mode = MaskMode(  # counts of at most N = 500 rows per site
+        MaskSettings(gram_bound=1.0, vector_bound=1.0, max_samples=500),
+        identities={s: public_key_to_raw(generate_identity_key().public_key()) for s in sites},
+    )
+    releases = evaluation_releases(
+        classes=CLASSES, participants=participants, model_sha256=bytes.fromhex(digest)
+    )
+    return build_plan(
+        federation_id=FEDERATION, round_id="e2-m", round_number=2, participants=participants,
+        gram_scope="global", releases=releases, options=mode.plan_options(participants),
+    )  # fmt: skip
+
+
+def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> None:
+    """What the site checks itself, whatever the coordinator chose: the survivor floor of each
+    evaluation release, the min cohort, and differencing against the evaluations it took part
+    in (docs/protocol.md §6, §6.1)."""
+    server = generate_identity_key()
+    state = tmp_path / "state"
+    digest = _model(state, server, "r1-mine")
+    sites = ["s1", "s2", "s3", "s4"]
+    mask = {"supported_modes": (cpb.AGGREGATION_MODE_MASK,)}
+    honest = _masked_evaluation_plan(digest, sites)
+    source: dict[str, Any] = {
+        "state_dir": state,
+        "server_public_key": public_key_to_raw(server.public_key()),
+        "federation_id": FEDERATION,
+    }
+    assert evaluation_problem(honest, **source) == ""
+    for site in sites:
+        decision = check_plan(honest, site_id=site, policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+        assert decision.accept, decision.reason
+        assert set(decision.survivor_floors.values()) == {3}
+    # the survivor floor: a histogram unmasked with one survivor would be one site's own
+    lowered = _masked_evaluation_plan(digest, sites)
+    lowered.releases[0].encoding.fixed_point.min_survivors = 1
+    decision = check_plan(lowered, site_id="s1", policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+    assert not decision.accept
+    assert decision.reason.startswith(
+        f"release {lowered.releases[0].name} would be unmasked with 1 surviving member(s)"
+    )
+    # an evaluation of the same model over every site but s4, after the one over all: s4's
+    # counts are the difference; s4 never sees that plan, so the sites of the plan refuse it
+    history = audit_view(honest.releases, tag="e2-m/")
+    fewer = _masked_evaluation_plan(digest, sites[:3])
+    for site in sites[:3]:
+        decision = check_plan(fewer, site_id=site, policy=LocalPolicy(), history=history, **mask)  # type: ignore[arg-type]
+        assert not decision.accept
+        assert re.match(
+            r"with the evaluations this site took part in, the plan determines the "
+            r"(eval\[[AB]\]@[0-9a-f]{64}|labels\[[AB]\]) sum of \{s4\} by differencing",
+            decision.reason,
+        ), decision.reason
+    assert check_plan(fewer, site_id="s1", policy=LocalPolicy(), **mask).accept  # type: ignore[arg-type]
+    # the peer rule counts the rounds whose sums may have been released, i.e. that this site
+    # uploaded to (the daemon's record): a plan accepted, then aborted at plan review because
+    # s4 refused, released nothing, and its re-plan without s4 exposes no one
+    store = DaemonState(tmp_path / "site-state")
+    store.remember(honest)
+    store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 0})
+    assert store.uploaded_rounds() == set()
+    peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
+    replan = {"history": store.history(exclude_round="e2-n"), "peer_history": peers}
+    assert check_plan(fewer, site_id="s1", policy=LocalPolicy(), **replan, **mask).accept  # type: ignore[arg-type]
+    store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 4096})
+    assert store.uploaded_rounds() == {"e2-m"}  # e.g. aborted after the exchange
+    peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
+    decision = check_plan(
+        fewer, site_id="s1", policy=LocalPolicy(), history=peers, peer_history=peers, **mask
+    )  # type: ignore[arg-type]
+    assert not decision.accept and "sum of {s4} by differencing" in decision.reason
+    # and a two-site evaluation is below every site's min cohort
+    pair = _masked_evaluation_plan(digest, sites[:2])
+    decision = check_plan(pair, site_id="s1", policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+    assert not decision.accept and "< min cohort 3" in decision.reason
