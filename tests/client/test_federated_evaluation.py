@@ -229,7 +229,7 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
     state = tmp_path / "state"
     digest = _model(state, server, "r1-mine")
     sites = ["s1", "s2", "s3", "s4"]
-    mask = {"supported_modes": (cpb.AGGREGATION_MODE_MASK,)}
+    mask = (cpb.AGGREGATION_MODE_MASK,)
     honest = _masked_evaluation_plan(digest, sites)
     source: dict[str, Any] = {
         "state_dir": state,
@@ -238,13 +238,13 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
     }
     assert evaluation_problem(honest, **source) == ""
     for site in sites:
-        decision = check_plan(honest, site_id=site, policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+        decision = check_plan(honest, site_id=site, policy=LocalPolicy(), supported_modes=mask)
         assert decision.accept, decision.reason
         assert set(decision.survivor_floors.values()) == {3}
     # the survivor floor: a histogram unmasked with one survivor would be one site's own
     lowered = _masked_evaluation_plan(digest, sites)
     lowered.releases[0].encoding.fixed_point.min_survivors = 1
-    decision = check_plan(lowered, site_id="s1", policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+    decision = check_plan(lowered, site_id="s1", policy=LocalPolicy(), supported_modes=mask)
     assert not decision.accept
     assert decision.reason.startswith(
         f"release {lowered.releases[0].name} would be unmasked with 1 surviving member(s)"
@@ -254,14 +254,16 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
     history = audit_view(honest.releases, tag="e2-m/")
     fewer = _masked_evaluation_plan(digest, sites[:3])
     for site in sites[:3]:
-        decision = check_plan(fewer, site_id=site, policy=LocalPolicy(), history=history, **mask)  # type: ignore[arg-type]
+        decision = check_plan(
+            fewer, site_id=site, policy=LocalPolicy(), history=history, supported_modes=mask
+        )
         assert not decision.accept
         assert re.match(
             r"with the evaluations this site took part in, the plan determines the "
             r"(eval\[[AB]\]@[0-9a-f]{64}|labels\[[AB]\]) sum of \{s4\} by differencing",
             decision.reason,
         ), decision.reason
-    assert check_plan(fewer, site_id="s1", policy=LocalPolicy(), **mask).accept  # type: ignore[arg-type]
+    assert check_plan(fewer, site_id="s1", policy=LocalPolicy(), supported_modes=mask).accept
     # the peer rule counts the rounds whose sums may have been released, i.e. that this site
     # uploaded to (the daemon's record): a plan accepted, then aborted at plan review because
     # s4 refused, released nothing, and its re-plan without s4 exposes no one
@@ -270,16 +272,30 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
     store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 0})
     assert store.uploaded_rounds() == set()
     peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
-    replan = {"history": store.history(exclude_round="e2-n"), "peer_history": peers}
-    assert check_plan(fewer, site_id="s1", policy=LocalPolicy(), **replan, **mask).accept  # type: ignore[arg-type]
+    everything = store.history(exclude_round="e2-n")  # what the site's own exposure is audited with
+    assert everything and not peers
+    replan = check_plan(
+        fewer,
+        site_id="s1",
+        policy=LocalPolicy(),
+        history=everything,
+        peer_history=peers,
+        supported_modes=mask,
+    )
+    assert replan.accept, replan.reason
     store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 4096})
     assert store.uploaded_rounds() == {"e2-m"}  # e.g. aborted after the exchange
     peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
     decision = check_plan(
-        fewer, site_id="s1", policy=LocalPolicy(), history=peers, peer_history=peers, **mask
-    )  # type: ignore[arg-type]
+        fewer,
+        site_id="s1",
+        policy=LocalPolicy(),
+        history=peers,
+        peer_history=peers,
+        supported_modes=mask,
+    )
     assert not decision.accept and "sum of {s4} by differencing" in decision.reason
     # and a two-site evaluation is below every site's min cohort
     pair = _masked_evaluation_plan(digest, sites[:2])
-    decision = check_plan(pair, site_id="s1", policy=LocalPolicy(), **mask)  # type: ignore[arg-type]
+    decision = check_plan(pair, site_id="s1", policy=LocalPolicy(), supported_modes=mask)
     assert not decision.accept and "< min cohort 3" in decision.reason
