@@ -196,6 +196,21 @@ def _evaluation_attack(
     return loop, run_loopback(loop, timeout_s=240, server_command=command), loot
 
 
+def _refusal_reasons(loop: LoopbackFederation, run: LoopbackRun) -> list[tuple[str, str]]:
+    """(site, reason) of every refused evaluation plan, once every site took part in evaluation
+    rounds and none sent anything or received a result."""
+    refusals = []
+    for site, rounds in _evaluation_reports(loop, run).items():
+        assert rounds, site
+        for report in rounds:
+            assert report["bytes_sent"] == 0, (site, report)
+            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
+            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
+            if report["outcome"] == "REFUSED_PLAN":
+                refusals.append((site, report["reason"]))
+    return refusals
+
+
 def _evaluation_reports(loop: LoopbackFederation, run: LoopbackRun) -> dict[str, list[Any]]:
     """Each site's reports of evaluation rounds (round ids e<n>-…), after a completed model."""
     out = {}
@@ -222,18 +237,9 @@ def test_an_evaluation_of_a_model_the_sites_did_not_verify_is_refused(tmp_path: 
     # every site gets to decide on the crafted model.
     loop, run, loot = _evaluation_attack(tmp_path, "evaluate-unverified", 3, min_participants=1)
     assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED}, run.logs
-    reports = _evaluation_reports(loop, run)
-    refusals = 0
-    for site, rounds in reports.items():
-        assert rounds, site
-        for report in rounds:
-            assert report["bytes_sent"] == 0, (site, report)
-            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
-            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
-            if report["outcome"] == "REFUSED_PLAN":
-                refusals += 1
-                assert "which this site has not verified" in report["reason"], report["reason"]
-    assert refusals >= 2, reports
+    refusals = _refusal_reasons(loop, run)
+    assert len(refusals) >= 2, refusals
+    assert all("which this site has not verified" in reason for _, reason in refusals), refusals
     _nothing_evaluated(loop, loot)
 
 
@@ -242,7 +248,6 @@ def test_an_evaluation_plan_isolating_a_site_is_refused_by_that_site(tmp_path: P
     whichever honest site decides first, the plan gets no upload; re-plans (over the sites left,
     isolating the first of them) end the same way."""
     loop, run, loot = _evaluation_attack(tmp_path, "isolate-site", 4)
-    reports = _evaluation_reports(loop, run)
     quantity = r"(eval\[[ABC]\]@[0-9a-f]{64}|labels\[[ABC]\])"
     own = re.compile(rf"the releases expose this site's {quantity} by differencing")
     peer = re.compile(
@@ -250,21 +255,13 @@ def test_an_evaluation_plan_isolating_a_site_is_refused_by_that_site(tmp_path: P
         r"of \{(site-\d)\} by differencing"
     )
     victims = set()
-    for site, rounds in reports.items():
-        assert rounds, site
-        for report in rounds:
-            assert report["bytes_sent"] == 0, (site, report)
-            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
-            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
-            if report["outcome"] != "REFUSED_PLAN":
-                continue
-            reason = report["reason"]
-            if own.match(reason):
-                victims.add(site)
-            elif (found := peer.match(reason)) is not None:
-                assert found.group(2) != site, reason
-                victims.add(found.group(2))
-            else:
-                assert "< min cohort" in reason, reason  # a re-plan over too few sites
-    assert "site-1" in victims, reports  # the first plan's victim, named by whoever decided
+    for site, reason in _refusal_reasons(loop, run):
+        if own.match(reason):
+            victims.add(site)
+        elif (found := peer.match(reason)) is not None:
+            assert found.group(2) != site, reason
+            victims.add(found.group(2))
+        else:
+            assert "< min cohort" in reason, reason  # a re-plan over too few sites
+    assert "site-1" in victims, run.logs  # the first plan's victim, named by whoever decided
     _nothing_evaluated(loop, loot)
