@@ -15,6 +15,9 @@ Sections (paths are relative to the file's own folder)::
     [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
                classes   classes this site labels; [] = every cache column without -1 labels
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
+               holdout   optional feature cache of held-out labelled images: what the site
+                         evaluates a model on in a run's evaluation round (without it: the
+                         training cache, flagged in-sample; docs/operations.md §4.1)
     [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
                disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
                power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),
@@ -76,7 +79,7 @@ _KNOWN: dict[str, set[str]] = {
     },
     "tls": {"ca_cert", "cert", "key"},
     "identity": {"key", "public_key", "server_public_key"},
-    "data": {"cache", "cache_dir", "classes", "backbone"},
+    "data": {"cache", "cache_dir", "classes", "backbone", "holdout"},
     "policy": {
         "min_cohort",
         "allow_exposure",
@@ -133,6 +136,7 @@ class DataConfig:
     cache: Path
     classes: tuple[str, ...] = ()
     backbone: str | None = None
+    holdout: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -309,10 +313,14 @@ def _data(r: _Reader) -> DataConfig:
     backbone = sec.get("backbone")
     if backbone is not None and (not isinstance(backbone, str) or not backbone):
         raise r.error("data.backbone", f"must be a non-empty string, got {backbone!r}")
+    holdout = sec.get("holdout")
+    if holdout is not None and (not isinstance(holdout, str) or not holdout):
+        raise r.error("data.holdout", f"must be the path of a feature cache, got {holdout!r}")
     return DataConfig(
         cache=r.path.parent / r.string(sec, "data", cache_key),
         classes=tuple(classes),
         backbone=backbone,
+        holdout=None if holdout is None else r.path.parent / holdout,
     )
 
 

@@ -8,7 +8,9 @@ site takes part in opens -> GetRoundConfig, verify the server's signature on the
 check it against the local policy -> RespondToPlan (signed) -> when the round collects uploads,
 the mode's exchange (:mod:`afl.client.mode_registry`; plaintext: one chunked Upload per slot) -> wait for the model, verify its
 signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitReport. A round 2
-(pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way.
+(pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way,
+and so is a run's evaluation round (:mod:`afl.client.federated_evaluation`: the model the site
+verified, its hold-out or training rows; the signed result is kept under ``state_dir/evaluations``).
 
 An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
 ``linger_s`` for the replacement round the coordinator opens with the remaining sites.
@@ -49,12 +51,21 @@ from afl.client.daemon_transport import (
 from afl.client.daemon_verify import (
     VerificationError,
     VerifiedModel,
+    verify_evaluation,
     verify_model,
     verify_round_config,
 )
 from afl.client.dp_ledger import DpLedger
 from afl.client.dp_payloads import dp_round_payloads
 from afl.client.dp_policy import DpAssessment, DpContext, assess_plan, dp_report
+from afl.client.eval_payloads import evaluation_slot_payloads
+from afl.client.federated_evaluation import (
+    evaluated_model,
+    evaluation_problem,
+    evaluation_rows,
+    is_evaluation_plan,
+    save_evaluation,
+)
 from afl.client.mode_registry import MODES
 from afl.client.modes import AggregationMode, RoundSession
 from afl.client.policy import PolicyDecision, check_plan
@@ -229,6 +240,8 @@ class ClientDaemon:
         except VerificationError as exc:
             return PolicyDecision(False, str(exc)), None, b""
         problem = self._round_problems(cfg)
+        if not problem and is_evaluation_plan(plan):  # only a model this site verified
+            problem = evaluation_problem(plan, **self._model_source())
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         try:
@@ -245,6 +258,9 @@ class ClientDaemon:
             supported_modes=tuple(self.modes),
             history=self.store.history(exclude_round=cfg.round_id),
             dp_context=context,
+            peer_history=self.store.history(
+                exclude_round=cfg.round_id, only=self.store.uploaded_rounds()
+            ),
         )
         return decision, plan, plan_sha
 
@@ -274,6 +290,28 @@ class ClientDaemon:
                     "that run"
                 )
         return ""
+
+    def _model_source(self) -> dict[str, Any]:
+        """Where this site's verified models are, and the keys to verify them again."""
+        return {
+            "state_dir": self.state,
+            "server_public_key": self.config.server_public_key,
+            "federation_id": self.config.federation_id,
+        }
+
+    def _evaluation_result(self, round_id: str, model_sha256: str) -> dict[str, Any]:
+        """Fetch, verify and keep the signed evaluation of ``round_id``."""
+        signed = self.rpc.call("GetEvaluation", pb.EvaluationRequest(round_id=round_id))
+        evaluation = verify_evaluation(
+            signed,
+            server_key=self.server_key,
+            federation_id=self.config.federation_id,
+            round_id=round_id,
+            model_sha256=model_sha256,
+        )
+        files = save_evaluation(signed, evaluation, self.state / "evaluations")
+        digest = signed_blobs.blob_sha256(signed.evaluation).hex()
+        return {"sha256": digest, "members": list(evaluation.members), "files": files}
 
     def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
         """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
@@ -378,7 +416,26 @@ class ClientDaemon:
                     state_dir=self.state,
                 )  # fmt: skip
             timings["pseudo_labels"] = time.perf_counter() - t0
-        if plan.dp.enabled:  # DP (docs/protocol.md §7): the unit's rows, clipped, noise share
+        evaluated = None
+        if is_evaluation_plan(plan):  # the run's evaluation round (docs/protocol.md §6.1)
+            evaluated = evaluated_model(plan, **self._model_source())
+            rows = evaluation_rows(self.config.data, training=self.cache, labelled=self.labelled)
+            report["evaluation"] = {"model_sha256": evaluated.model_sha256, **rows.to_json()}
+            if rows.in_sample:
+                report["round_warnings"] = [
+                    "evaluated on the training cache (in-sample): set [data] holdout"
+                ]
+            payloads = evaluation_slot_payloads(
+                plan,
+                site_id=self.site_id,
+                cache=rows.cache,
+                labelled=rows.labelled,
+                weights=evaluated.weights,
+                model_classes=evaluated.classes,
+                model_sha256=evaluated.model_sha256,
+                encode=mode.encode,
+            )
+        elif plan.dp.enabled:  # DP (docs/protocol.md §7): the unit's rows, clipped, noise share
             payloads = dp_round_payloads(
                 plan,
                 site_id=self.site_id,
@@ -426,6 +483,10 @@ class ClientDaemon:
         t0 = time.perf_counter()
         self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
+        if evaluated is not None:
+            result = self._evaluation_result(round_id, evaluated.model_sha256)
+            report["evaluation"].update(result)
+            return
         model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha)
         report["bytes_received"] += nbytes
         report["model"] = {
@@ -452,7 +513,7 @@ class ClientDaemon:
         name = pb.ClientOutcome.Name(outcome)  # type: ignore[arg-type]
         report["outcome"] = name.removeprefix("CLIENT_OUTCOME_")
         report["reason"] = reason
-        report["warnings"] = list(self.warnings)
+        report["warnings"] = [*self.warnings, *report.get("round_warnings", [])]
         if self.rpc.watcher is not None:
             report["round_events_by_stream"] = self.rpc.watcher.events_received
         path = self.store.write_report(report)
@@ -463,11 +524,11 @@ class ClientDaemon:
                 round_id=report["round_id"],
                 outcome=outcome,  # type: ignore[arg-type]
                 reason=reason,
-                warnings=self.warnings,
+                warnings=report["warnings"],
                 bytes_sent=report["bytes_sent"],
                 bytes_received=report["bytes_received"],
                 timings_s=report["timings_s"],
-                model_signature_valid="model" in report,
+                model_signature_valid="model" in report or "sha256" in report.get("evaluation", {}),
                 software_version=_version(),
             )
             try:

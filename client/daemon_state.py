@@ -15,6 +15,7 @@ Every file is written atomically (temporary file + rename).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,15 @@ class DaemonState:
         ]
         return rows
 
-    def history(self, *, exclude_round: str) -> list[leakage.Release]:
-        """Releases of earlier rounds this site took part in (for the cross-round audit)."""
+    def history(
+        self, *, exclude_round: str, only: Collection[str] | None = None
+    ) -> list[leakage.Release]:
+        """Releases of earlier rounds this site took part in (for the cross-round audit); with
+        ``only``, of those rounds only."""
         return [
             leakage.Release(r["name"], frozenset(r["members"]), r["quantity"])
             for r in self._history_rows()
-            if r["round_id"] != exclude_round
+            if r["round_id"] != exclude_round and (only is None or r["round_id"] in only)
         ]
 
     def remember(self, plan: cpb.ReleasePlan) -> None:
@@ -71,17 +75,30 @@ class DaemonState:
             )
         dump_json(self.history_path, {"releases": rows})
 
-    def completed_rounds(self) -> set[str]:
-        """Round ids whose local report says COMPLETED."""
-        done = set()
+    def _rounds_where(self, keep: Callable[[dict[str, Any]], bool]) -> set[str]:
+        """Round ids whose local report satisfies ``keep``."""
+        found = set()
         for p in (self.root / "reports").glob("*.json"):
             try:
                 report = json.loads(p.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            if report.get("outcome") == "COMPLETED":
-                done.add(str(report.get("round_id")))
-        return done
+            if keep(report):
+                found.add(str(report.get("round_id")))
+        return found
+
+    def completed_rounds(self) -> set[str]:
+        """Round ids whose local report says COMPLETED."""
+        return self._rounds_where(lambda report: report.get("outcome") == "COMPLETED")
+
+    def uploaded_rounds(self) -> set[str]:
+        """Round ids this site sent statistics to (its sums may have been released), or that
+        completed."""
+        return self._rounds_where(
+            lambda report: (
+                report.get("outcome") == "COMPLETED" or int(report.get("bytes_sent") or 0) > 0
+            )
+        )
 
     def model_path(self, round_id: str) -> Path:
         return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"

@@ -9,11 +9,16 @@
 * Model: signature with context ``"model"`` over the serialized ``Model``; it must name this
   federation and round, the round's classes, the plan the site accepted, and hold a finite
   float64 W of shape (d, C).
+* Federated evaluation (:func:`verify_evaluation`): signature with context ``"evaluation"`` over
+  the serialized ``Evaluation``; it must name this federation (and, when given, the evaluation
+  round and the evaluated model), and its documents must be an evaluation and a calibration of
+  that model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from google.protobuf.message import DecodeError
 from numpy.typing import NDArray
 
+from afl.core.calibration import Calibration, CalibrationError
+from afl.core.evaluation import FEDERATED_EVALUATION_FORMAT
 from afl.crypto import signed_blobs
 from afl.crypto.errors import SignatureError
 from afl.proto.v1 import common_pb2 as cpb
@@ -29,6 +36,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 __all__ = [
     "VerificationError",
     "VerifiedModel",
+    "verify_evaluation",
     "verify_model",
     "verify_round_config",
     "verify_signed_plan",
@@ -39,22 +47,29 @@ class VerificationError(ValueError):
     """A plan or model is not signed by the federation's server or does not match the round."""
 
 
+def _require_server_signature(
+    server_key: Ed25519PublicKey, *, context: str, blob: bytes, signature: bytes, what: str
+) -> None:
+    """:class:`VerificationError` "``what`` is not signed by this federation's server" unless
+    the server key of the kit signed ``blob`` in ``context``."""
+    try:
+        signed_blobs.verify_blob(server_key, context=context, blob=blob, signature=signature)
+    except SignatureError as exc:
+        raise VerificationError(f"{what} is not signed by this federation's server") from exc
+
+
 def verify_signed_plan(
     signed: cpb.SignedReleasePlan, *, server_key: Ed25519PublicKey, federation_id: str, what: str
 ) -> tuple[cpb.ReleasePlan, bytes]:
     """The plan of ``signed`` and the SHA-256 of its bytes, if the server of the startup kit
     signed it for this federation; :class:`VerificationError` (naming ``what``) otherwise."""
-    try:
-        signed_blobs.verify_blob(
-            server_key,
-            context=signed_blobs.PLAN_CONTEXT,
-            blob=signed.plan,
-            signature=signed.signature,
-        )
-    except SignatureError as exc:
-        raise VerificationError(
-            f"{what}: the release plan is not signed by this federation's server"
-        ) from exc
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.PLAN_CONTEXT,
+        blob=signed.plan,
+        signature=signed.signature,
+        what=f"{what}: the release plan",
+    )
     try:
         plan = cpb.ReleasePlan.FromString(signed.plan)
     except DecodeError as exc:
@@ -111,17 +126,13 @@ def verify_model(
     plan_sha256: bytes | None,
 ) -> VerifiedModel:
     """Check the model's signature and binding (module docstring); return W as float64."""
-    try:
-        signed_blobs.verify_blob(
-            server_key,
-            context=signed_blobs.MODEL_CONTEXT,
-            blob=signed.model,
-            signature=signed.signature,
-        )
-    except SignatureError as exc:
-        raise VerificationError(
-            f"round {round_id}: the model is not signed by this federation's server"
-        ) from exc
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.MODEL_CONTEXT,
+        blob=signed.model,
+        signature=signed.signature,
+        what=f"round {round_id}: the model",
+    )
     model = pb.Model()
     try:
         model.ParseFromString(signed.model)
@@ -155,3 +166,47 @@ def verify_model(
         model_sha256=hashlib.sha256(signed.model).hexdigest(),
         weights_sha256=hashlib.sha256(w.data).hexdigest(),
     )
+
+
+def verify_evaluation(
+    signed: pb.SignedEvaluation,
+    *,
+    server_key: Ed25519PublicKey,
+    federation_id: str,
+    round_id: str | None = None,
+    model_sha256: str | None = None,
+) -> pb.Evaluation:
+    """The ``Evaluation`` of ``signed`` if the server of the kit signed it for this federation
+    (and round, and the model ``model_sha256`` (hex)) and its documents belong to that model;
+    :class:`VerificationError` otherwise."""
+    _require_server_signature(
+        server_key,
+        context=signed_blobs.EVALUATION_CONTEXT,
+        blob=signed.evaluation,
+        signature=signed.signature,
+        what="the evaluation",
+    )
+    evaluation = pb.Evaluation.FromString(signed.evaluation)
+    model = evaluation.model_sha256.hex()
+    problems = []
+    if evaluation.federation_id != federation_id:
+        problems.append(f"it belongs to federation {evaluation.federation_id!r}")
+    if round_id is not None and evaluation.round_id != round_id:
+        problems.append(f"it is for round {evaluation.round_id!r}, not {round_id!r}")
+    if model_sha256 is not None and model != model_sha256:
+        problems.append(f"it evaluates model {model[:16]}…, not {model_sha256[:16]}…")
+    try:
+        document = json.loads(evaluation.evaluation_json)
+        if document.get("format") != FEDERATED_EVALUATION_FORMAT:
+            problems.append("its evaluation document has another format")
+        elif document.get("model_sha256") != model:
+            problems.append("its evaluation document is for another model")
+        if evaluation.calibration_json:
+            calibration = Calibration.from_json(json.loads(evaluation.calibration_json))
+            if calibration.model_sha256 != model:
+                problems.append("its calibration is for another model")
+    except (ValueError, AttributeError, CalibrationError) as exc:
+        problems.append(f"its documents are malformed ({exc})")
+    if problems:
+        raise VerificationError(f"evaluation {evaluation.round_id}: " + "; ".join(problems))
+    return evaluation

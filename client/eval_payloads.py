@@ -8,16 +8,16 @@ For every release of kind SCORE_HISTOGRAM or CONFUSION_COUNTS the site is a memb
    in (0, 1), shape) and that it evaluates exactly the model the site verified (the digest of the
    signed ``Model`` bytes): a site never scores its data with a model it has not verified;
 2. computes :func:`afl.core.evaluation.evaluation_statistics` with the model's columns for the
-   release's classes, over the rows of its cache, for the classes it labels (its other classes
-   send zeros, as in the ``global`` scope);
+   release's classes, over the rows of its cache, for the classes it labels (its other classes,
+   and classes its cache does not hold, send zeros, as in the ``global`` scope);
 3. returns the flat float64 values (integer counts, exact in float64 and in every mode's
    encoding) encoded by the round's mode, grouped per upload slot
    (:func:`afl.client.daemon_stats.encode_slots`).
 
 The leakage audit of these releases is the site's usual policy check
 (:func:`afl.client.policy.check_plan`; quantities in
-:func:`afl.core.evaluation.evaluation_quantities`). Wiring an evaluation stage into the daemons'
-round machine is not done here.
+:func:`afl.core.evaluation.evaluation_quantities`); which model and which rows a site evaluates in
+a run's evaluation round is :mod:`afl.client.federated_evaluation`.
 """
 
 from __future__ import annotations
@@ -60,15 +60,17 @@ def evaluation_values(
             f"this site verified ({model_sha256[:16]}…)"
         )
     names = list(cache.meta.classes)
-    unknown = [c for c in spec.classes if c not in model_classes or c not in names]
+    unknown = [c for c in spec.classes if c not in model_classes]
     if unknown:
-        raise PayloadError(f"release {release.name}: classes {unknown} are not the model's/cache's")
+        raise PayloadError(f"release {release.name}: classes {unknown} are not the model's")
     if weights.shape != (cache.meta.d, len(model_classes)):
         raise PayloadError(f"model weights {weights.shape} do not fit d = {cache.meta.d}")
     key = (spec.classes, spec.bins, spec.threshold)
     stats = None if memo is None else memo.get(key)
     if stats is None:
-        cache_cols = [names.index(c) for c in spec.classes]
+        held = np.array([c in names for c in spec.classes], dtype=bool)
+        # A class the cache does not hold reads column 0 but is not labelled: zeros.
+        cache_cols = [names.index(c) if c in names else 0 for c in spec.classes]
         model_cols = [list(model_classes).index(c) for c in spec.classes]
         stats = evaluation_statistics(
             cache.features,
@@ -76,7 +78,7 @@ def evaluation_values(
             weights=np.ascontiguousarray(weights[:, model_cols]),
             classes=spec.classes,
             bins=spec.bins,
-            labelled=np.asarray(labelled, dtype=bool)[cache_cols],
+            labelled=np.asarray(labelled, dtype=bool)[cache_cols] & held,
             threshold=spec.threshold,
         )
         if memo is not None:

@@ -5,8 +5,9 @@ The model is a signed model file (default: the newest verified model in the daem
 ``state_dir/models``), verified again with the coordinator key of ``client.toml``. The hold-out is a
 feature cache (``--cache``, e.g. from ``afl-client extract`` on held-out images) or a manifest of
 images (``--manifest``, features extracted with the model's backbone from a local weights file
-into a temporary cache). Without either, the site's training cache (``[data] cache``) is used and
-the result is flagged ``in_sample`` (optimistic: the model was fitted on those rows).
+into a temporary cache). Without either, the site's ``[data] holdout`` cache when it has one (the
+rows a run's evaluation round uses, docs/operations.md §4.1), else its training cache (``[data]
+cache``), flagged ``in_sample`` (optimistic: the model was fitted on those rows).
 
 Classes evaluated: the model's classes the site labels (``[data] classes``; when empty, every
 model class with labelled rows in the hold-out). Metrics and bootstrap intervals:
@@ -117,8 +118,8 @@ def evaluate_model(
                 workdir=workdir,
             )  # fmt: skip
             description, in_sample = f"manifest {manifest}", False
-        elif cache is not None:
-            data, description, in_sample = open_cache(cache), f"feature cache {cache}", False
+        elif (where := cache if cache is not None else config.data.holdout) is not None:
+            data, description, in_sample = open_cache(where), f"feature cache {where}", False
         else:
             data = open_cache(config.data.cache)
             description, in_sample = f"training cache {config.data.cache} (in-sample)", True

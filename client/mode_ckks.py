@@ -135,9 +135,14 @@ class CkksMode:
         x = np.asarray(values, dtype=np.float64).ravel()
         peak = float(np.max(np.abs(x))) * prescale if x.size else 0.0
         if not np.all(np.isfinite(x)) or peak > cp.per_site_slot_bound(k):
+            fix = (
+                "eval_max_rows (this site's evaluated rows)"
+                if release.kind in wire.EVALUATION_KINDS
+                else "ckks_gram_bound / ckks_vector_bound"
+            )
             raise PayloadError(
                 f"release {release.name}: values exceed the plan's declared bound "
-                f"(|x|·prescale = {peak:.4g} > 2^17/{k}); raise [round] ckks_gram_bound / ckks_vector_bound on the server"
+                f"(|x|·prescale = {peak:.4g} > 2^17/{k}); raise [round] {fix} on the server"
             )
         return encode_float64(x)
 

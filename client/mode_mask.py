@@ -153,6 +153,8 @@ def _bound_advice(release: cpb.Release, *, bound: float, worst: float) -> str:
         fix = f"set [round] mask_gram_bound = {need:.6g} or more"
     elif release.kind in (cpb.STATISTIC_KIND_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR):
         fix = f"set [round] mask_vector_bound = {need:.6g} or more"
+    elif release.kind in wire.EVALUATION_KINDS:  # counts of the evaluated rows
+        fix = f"set [round] eval_max_rows = {need:.6g} or more (this site's evaluated rows)"
     else:  # DP statistics: bounded through N (docs/protocol.md §7)
         fix = "raise [round] mask_max_samples to at least this site's number of rows"
     return (

@@ -16,7 +16,8 @@ and refuses when
   in (``history``: statistics of the same data combine across rounds), lets the server determine
   the site's own contribution by differencing, or the sum of a group smaller than
   ``min_cohort`` that contains the site: the row-space test of :func:`afl.core.leakage.audit_releases`
-  (e_k ∈ rowspace(A), docs/protocol.md §6);
+  (e_k ∈ rowspace(A), docs/protocol.md §6); for an evaluation plan, also when they determine
+  ANY site's (or small group's) evaluation statistics (:func:`_exposed_metrics`);
 * the plan's DP cost for the site, over its run, exceeds ``max_epsilon``, or over its lifetime
   ledger ``lifetime_epsilon`` (no DP counts as ε = ∞), or the plan's DP cannot be honoured
   (:func:`afl.client.dp_policy.assess_plan`: the site's own accounting from the share it adds,
@@ -155,12 +156,17 @@ def check_plan(
     supported_modes: Collection[int] = (cpb.AGGREGATION_MODE_PLAINTEXT,),
     history: Sequence[leakage.Release] = (),
     dp_context: DpContext | None = None,
+    peer_history: Sequence[leakage.Release] | None = None,
 ) -> PolicyDecision:
     """Accept or refuse ``plan`` for ``site_id`` under ``policy`` (rules in the module docstring).
 
     ``history`` holds releases of earlier rounds the site took part in (their names must not
     collide with this plan's; :func:`audit_view` with a round ``tag`` does that); ``dp_context``
-    what the DP check needs besides the plan (patient ids, ledger, the run's earlier rounds).
+    what the DP check needs besides the plan (patient ids, ledger, the run's earlier rounds);
+    ``peer_history`` (default: ``history``) the releases of the rounds whose sums may have been
+    released (the site uploaded to them): what an evaluation plan's exposure of OTHER sites is
+    audited with (:func:`_exposed_metrics`; a plan accepted, then aborted before anyone uploaded,
+    released nothing, and its re-plan without the site that refused exposes no one).
     """
     participants = list(plan.participants)
     if site_id not in participants:
@@ -232,4 +238,39 @@ def check_plan(
                 f"smaller than min cohort {policy.min_cohort}; policy allow_exposure = false",
                 audit,
             )
-    return PolicyDecision(True, "", audit, floors)
+    problem = _exposed_metrics(
+        releases,
+        current,
+        history=history if peer_history is None else peer_history,
+        universe=participants,
+        min_cohort=policy.min_cohort,
+    )
+    return PolicyDecision(not problem, problem, audit, floors)
+
+
+def _exposed_metrics(
+    releases: Sequence[cpb.Release],
+    current: Sequence[leakage.Release],
+    *,
+    history: Sequence[leakage.Release],
+    universe: Sequence[str],
+    min_cohort: int,
+) -> str:
+    """Why an evaluation plan is refused although this site is not exposed: with the releases
+    of ``history``, it determines ANOTHER site's (or a small group's) evaluation statistics
+    (docs/protocol.md §6.1, M-99). A site left out of a plan never sees it, so the sites of the
+    plan refuse on its behalf (an evaluation over everyone, then over everyone but the victim)."""
+    quantities = {q for r in releases if r.kind in EVALUATION_KINDS for q in release_quantities(r)}
+    if not quantities:
+        return ""
+    sites = sorted({*universe, *(s for r in history for s in r.members)}, key=str)
+    report = leakage.audit_releases([*history, *current], sites, min_cohort=min_cohort)
+    for found in (*report.exposed_sites, *report.small_groups):
+        if found.quantity in quantities:
+            members = ",".join(sorted(str(s) for s in found.sites))
+            return (
+                f"with the evaluations this site took part in, the plan determines the "
+                f"{found.quantity} sum of {{{members}}} by differencing: a site's metrics must "
+                "not be recoverable (docs/protocol.md §6.1); policy allow_exposure = false"
+            )
+    return ""

@@ -1,13 +1,15 @@
 """Signed protocol blobs of afl-server and afl-client (docs/protocol.md §3, §6; coordinator.proto).
 
-Release plans and models travel as their serialized protobuf bytes plus an Ed25519 signature
-(``SignedReleasePlan``, ``SignedModel``); protobuf serialization is not canonical, so the
-signature covers the exact bytes, and receivers verify BEFORE parsing:
+Release plans, models and federated evaluations travel as their serialized protobuf bytes plus an
+Ed25519 signature (``SignedReleasePlan``, ``SignedModel``, ``SignedEvaluation``); protobuf
+serialization is not canonical, so the signature covers the exact bytes, and receivers verify
+BEFORE parsing:
 
     signature = Ed25519(server identity key, canonical(DOMAIN_TAG, context, blob))
 
-with ``context`` = ``"release-plan"`` or ``"model"``. The two site-signed messages of the
-plaintext flow have their field tuples here too, so both sides build them the same way:
+with ``context`` = ``"release-plan"``, ``"model"`` or ``"evaluation"``. The two site-signed
+messages of the plaintext flow have their field tuples here too, so both sides build them the
+same way:
 
     enrol proof:    ("enrol", federation_id, site_id, identity_public_key,
                      server_identity_public_key, challenge nonce, role,
@@ -31,6 +33,7 @@ from afl.crypto.signatures import load_public_key_raw, sign_fields, verify_field
 
 __all__ = [
     "ENROL_CONTEXT",
+    "EVALUATION_CONTEXT",
     "MODEL_CONTEXT",
     "PLAN_CONTEXT",
     "PLAN_DECISION_CONTEXT",
@@ -43,6 +46,7 @@ __all__ = [
 
 PLAN_CONTEXT = "release-plan"
 MODEL_CONTEXT = "model"
+EVALUATION_CONTEXT = "evaluation"
 ENROL_CONTEXT = "enrol"
 PLAN_DECISION_CONTEXT = "plan-decision"
 

@@ -8,11 +8,14 @@ the admin interface"). It talks to afl-server's Admin service over mutual TLS wi
     afl admin --config admin.toml abort RUN [--reason TEXT]
     afl admin --config admin.toml logs [RUN] [--after SEQ] [--json]
     afl admin --config admin.toml download-model RUN --out FILE
+    afl admin --config admin.toml download-evaluation RUN --out DIR
 
 RUN.toml holds the keys of server.toml's [round] table that differ for this run (classes,
 aggregation, gram_scope, rounds, [dp] ...; with or without a [round] header). The downloaded
 model is the SignedModel as the sites receive it, written only if its signature verifies with the
-server identity key of the admin kit. Exit status: 0 done, 2 a refusal or a connection problem
+server identity key of the admin kit; so is a downloaded evaluation (a run with
+``evaluate = true``: DIR receives ``<model round>.evaluation.json``, ``.calibration.json`` and
+the signed bytes). Exit status: 0 done, 2 a refusal or a connection problem
 (one line naming it).
 """
 
@@ -29,6 +32,8 @@ from typing import Any
 
 import grpc
 
+from afl.client.daemon_verify import VerificationError, verify_evaluation
+from afl.client.federated_evaluation import save_evaluation
 from afl.crypto import signatures, signed_blobs
 from afl.crypto.errors import CryptoError
 from afl.crypto.pki import write_private_file
@@ -115,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("download-model", help="the signed model a run published")
     p.add_argument("run_id")
     p.add_argument("--out", required=True, help="file for the SignedModel bytes")
+    p = sub.add_parser("download-evaluation", help="the signed evaluation a run published")
+    p.add_argument("run_id")
+    p.add_argument("--out", required=True, help="folder for the evaluation and calibration")
 
 
 def _when(ms: int) -> str:
@@ -131,6 +139,7 @@ def _summary(run: apb.RunInfo) -> str:
     return (
         f"{run.run_id:<8} {run.state:<9} {run.aggregation:<9} {run.gram_scope:<9} "
         f"rounds={run.rounds} {run.name!r:<16} model={model}{reason}"
+        + (f" evaluation={run.evaluation_round_id}" if run.evaluation_round_id else "")
     )
 
 
@@ -196,6 +205,22 @@ def _act(args: argparse.Namespace, kit: AdminKit, stub: Any, metadata: tuple[Any
         print(
             f"wrote {args.out}: round {model.round_id}, {len(model.class_names)} classes, "
             f"signature verified"
+        )
+    elif args.action == "download-evaluation":
+        signed_eval = stub.GetRunEvaluation(apb.RunRef(run_id=args.run_id), **call)
+        try:
+            key = signatures.load_public_key_raw(kit.server_public_key)
+            evaluation = verify_evaluation(
+                signed_eval, server_key=key, federation_id=kit.federation_id
+            )
+        except (CryptoError, VerificationError) as exc:
+            raise AdminError(
+                f"the evaluation does not verify with the kit's server key: {exc}"
+            ) from exc
+        files = save_evaluation(signed_eval, evaluation, Path(args.out))
+        print(
+            f"wrote {', '.join(sorted(files.values()))}: model {evaluation.model_round_id}, "
+            f"{len(evaluation.members)} sites, signature verified"
         )
 
 

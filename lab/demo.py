@@ -12,7 +12,11 @@
    ``--aggregation plaintext``, or ``--aggregation ckks`` (TenSEAL, docs/protocol.md §4.3: the
    loopback federation then includes a dedicated decryptor site);
 4. the published, signed model (every site verified the same one) evaluated on the test cache:
-   per-class and macro BACC / AUC / AP (paper eq. 23-25), the bytes each site sent, timings.
+   per-class and macro BACC / AUC / AP (paper eq. 23-25), the bytes each site sent, timings;
+5. with ``--evaluate``, the run's evaluation round (docs/operations.md §4.1): every site scores
+   its own rows with the model, the coordinator releases only the summed histograms and counts
+   under the same protection, and the federated metrics it signed are printed beside the test
+   cache's (in-sample: the sites evaluate their training caches).
 
 ``--gram-scope per-class`` runs the paper-exact law; under Missing-3 its release plan exposes
 single sites' Gram matrices (docs/protocol.md §6), so the demo then sets the operator override on
@@ -22,6 +26,7 @@ the server and ``allow_exposure = true`` in every site's policy, and says so.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import tempfile
@@ -68,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", metavar="DIR", help="build the federation in DIR and keep it")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--quiet", action="store_true", help="only the results")
+    p.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="add the run's federated evaluation and calibration round (docs/operations.md §4.1)",
+    )
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -114,12 +124,38 @@ def _site_table(run: LoopbackRun, sites: tuple[str, ...]) -> str:
 
 
 def _final_model(run: LoopbackRun, sites: tuple[str, ...]) -> tuple[np.ndarray[Any, Any], str]:
-    finals = [run.final_report(s) for s in sites]
+    finals = [
+        max((r for r in run.reports[s].values() if "model" in r), key=lambda r: r["_mtime"])
+        for s in sites
+    ]
     digests = {f["model"]["sha256"] for f in finals}
     if len(digests) != 1:
         raise RuntimeError(f"sites verified different models: {sorted(digests)}")
     weights = np.load(finals[0]["model"]["path"])
     return np.asarray(weights, dtype=np.float64), digests.pop()
+
+
+def _federated_evaluation(
+    run: LoopbackRun, sites: tuple[str, ...], digest: str, *, keep: bool
+) -> str:
+    """The evaluation every site received (signed by the coordinator), as a table."""
+    found = [r["evaluation"] for s in sites for r in run.reports[s].values() if "evaluation" in r]
+    if len(found) != len(sites) or any(e["model_sha256"] != digest for e in found):
+        raise RuntimeError("not every site received the federated evaluation of the model")
+    doc = json.loads(Path(found[0]["files"]["evaluation"]).read_text(encoding="utf-8"))
+    lines = [f"Federated evaluation ({len(doc['members'])} sites, their training rows: in-sample)"]
+    for name, m in doc["per_class"].items():
+        auc = "-" if m["auc"] is None else f"{100 * m['auc']:.2f}"
+        lines.append(
+            f"  {name:<20} AUC {auc:>6}  positives {m['n_pos']:>6}  negatives {m['n_neg']:>6}"
+        )
+    macro = doc["macro"]["auc"]
+    lines.append(f"  {'macro':<20} AUC {'-' if macro is None else f'{100 * macro:.2f}':>6}")
+    if "calibration" in found[0]["files"] and keep:
+        lines.append(
+            f"  calibration fitted from the summed histograms: {found[0]['files']['calibration']}"
+        )
+    return "\n".join(lines)
 
 
 def _failure(run: LoopbackRun) -> str:
@@ -152,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         data_s = time.perf_counter() - t0
         per_class = args.gram_scope == "per-class"
         settings: dict[str, Any] = {"gram_scope": args.gram_scope, "rounds": args.rounds}
+        settings["evaluate"] = bool(args.evaluate)
         if args.aggregation == "mask":  # bounds from the sites' declarations (protocol.md §4.2)
             settings["aggregation"] = "mask"
         if args.aggregation == "ckks":  # CKKS pre-scale's declared bound (docs/protocol.md §4.3)
@@ -200,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         print(_metrics_table(metrics))
         print()
         print(_site_table(result, loop.site_ids))
+        if args.evaluate:
+            print()
+            print(_federated_evaluation(result, loop.site_ids, digest, keep=bool(args.keep)))
         print(
             f"\nTimings: data {data_s:.1f} s, federation {result.wall_s:.1f} s, "
             f"total {time.perf_counter() - started:.1f} s"

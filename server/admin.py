@@ -59,6 +59,7 @@ class AdminRequests:
         row, settings = run.row, run.settings
         rounds = self.coordinator.store.rounds(run.run_id)
         model = self.machine.run_model(run.run_id)
+        evaluation = self.machine.run_evaluation(run.run_id)
         return apb.RunInfo(
             run_id=row.run_id,
             name=row.name,
@@ -85,6 +86,8 @@ class AdminRequests:
             model_round_id=model[0] if model else "",
             model_sha256=hashlib.sha256(model[1]).digest() if model else b"",
             settings_toml=toml_text.dumps({"round": settings_table(settings)}),
+            evaluation_round_id=evaluation[0] if evaluation else "",
+            evaluation_sha256=hashlib.sha256(evaluation[1]).digest() if evaluation else b"",
         )
 
     def submit(self, admin: str, request: apb.SubmitRunRequest) -> apb.RunInfo:
@@ -163,6 +166,17 @@ class AdminRequests:
         if found is None:
             raise WrongStageError(f"run {run_id!r} has published no model")
         return pb.SignedModel(model=found[1], signature=found[2])
+
+    def evaluation(self, admin: str, run_id: str) -> pb.SignedEvaluation:
+        self.require_admin(admin)
+        with self.coordinator.lock:
+            self.machine.run(run_id)
+            found = self.machine.run_evaluation(run_id)
+        if found is None:
+            raise WrongStageError(
+                f"run {run_id!r} has published no evaluation (its settings need evaluate = true)"
+            )
+        return pb.SignedEvaluation(evaluation=found[1], signature=found[2])
 
 
 def _names_run(detail: Mapping[str, object], wanted: set[str]) -> bool:

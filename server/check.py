@@ -111,6 +111,8 @@ def _round(config: ServerConfig) -> list[Finding]:
         detail += f"; mask bounds from {r.mask.source}"
     if r.dp is not None:
         detail += f"; DP epsilon {r.dp.epsilon:g}"
+    if r.evaluate:
+        detail += f"; then a federated evaluation (calibration {r.eval_calibration})"
     out.append(Finding(OK, detail))
     return out
 

@@ -21,6 +21,9 @@ from :func:`round_template` that the coordinator completes (the class names and 
     mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": operator bounds,
     mask_gram_bound = 0.0; mask_vector_bound = 0.0    # 0 = from the sites' declared maxima
     mask_threshold = 0                                # (docs/protocol.md §4.2)
+    evaluate = false          # after the model: a federated evaluation round (docs/protocol.md §6.1)
+    eval_calibration = "platt"                   # fitted from its sums: "platt", "isotonic", "none"
+    eval_max_rows = 0         # bound on a site's evaluated rows (0 = the rows the sites declared)
 
 CKKS mode (docs/protocol.md §4.3): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
 (declared bounds on |entry| of one site's Gram and class vectors; they set the plan's
@@ -33,6 +36,10 @@ unit, images_per_patient, max_positive_labels, max_samples; :mod:`afl.server.dp_
 rounds = 1 or 2 (the budget covers both rounds); with aggregation = "mask" N bounds the masked
 statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest row count the
 participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.dp_ckks`).
+
+Evaluation (docs/operations.md §4.1): with ``evaluate = true`` (not with [round.dp]: evaluation
+releases carry no noise) the run's published model is evaluated in one more round under the run's
+protection, and a calibration is fitted from the summed histograms (``eval_calibration``).
 
 Runs: [round] is the settings of the run the server creates at its first start; later runs are
 submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
@@ -85,6 +92,7 @@ __all__ = [
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
 AGGREGATIONS = ("plaintext", "mask", "ckks")
+EVAL_CALIBRATIONS = ("platt", "isotonic", "none")
 _TABLES = ("server", "tls", "identity", "limits", "sites", "round", "ckks", "admins", "retention")
 ROLES = ("participant", "decryptor")
 
@@ -118,6 +126,9 @@ def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
         "mask_vector_bound": 0.0,
         "ckks_gram_bound": 1.0e6,
         "ckks_vector_bound": 1.0e3,
+        "evaluate": False,
+        "eval_calibration": "platt",
+        "eval_max_rows": 0,
     }
     for key, value in (overrides or {}).items():
         if key not in table:
@@ -197,6 +208,9 @@ class RoundSettings:
     dp: DpSettings | None = None
     backbone_sha256: str = ""
     allow_random_init: bool = False
+    evaluate: bool = False
+    eval_calibration: str = "platt"
+    eval_max_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -380,6 +394,9 @@ def settings_table(settings: RoundSettings) -> dict[str, Any]:
         "ckks_vector_bound": settings.ckks_vector_bound,
         "backbone_sha256": settings.backbone_sha256,
         "allow_random_init": settings.allow_random_init,
+        "evaluate": settings.evaluate,
+        "eval_calibration": settings.eval_calibration,
+        "eval_max_rows": settings.eval_max_rows,
     }
     if settings.mask is not None:
         table.update(
@@ -461,6 +478,21 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             "DP with aggregation = 'ckks' needs max_samples (N, the largest site's rows): the "
             "encrypted DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
         )
+    evaluate = t.get("evaluate", bool, False)
+    if evaluate and dp is not None:
+        raise t.fail(
+            "evaluate",
+            "a run with [round.dp] cannot evaluate its model: evaluation releases carry no DP "
+            "noise (docs/protocol.md §6.1); evaluate in a run without DP, or set evaluate = false",
+        )
+    calibration = t.get("eval_calibration", str, "platt")
+    if calibration not in EVAL_CALIBRATIONS:
+        raise t.fail("eval_calibration", f"must be one of {EVAL_CALIBRATIONS}, got {calibration!r}")
+    eval_max_rows = t.get("eval_max_rows", int, 0)
+    if eval_max_rows < 0:
+        raise t.fail(
+            "eval_max_rows", f"must be >= 0 (0 = the sites' declared rows), got {eval_max_rows}"
+        )
     digest = t.get("backbone_sha256", str, "").strip().lower()
     if digest and (len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest)):
         raise t.fail("backbone_sha256", f'must be 64 hex digits (or ""), got {digest!r}')
@@ -485,6 +517,9 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         dp=dp,
         backbone_sha256=digest,
         allow_random_init=t.get("allow_random_init", bool, False),
+        evaluate=evaluate,
+        eval_calibration=calibration,
+        eval_max_rows=eval_max_rows,
     )
     t.refuse_unknown(known=[*round_template(), "dp"])
     return settings

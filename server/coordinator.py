@@ -270,7 +270,7 @@ class Coordinator:
             protocol_version=wire.PROTOCOL_VERSION,
             run_id=run.run_id,
         )
-        if row.number == 2:
+        if row.number == 2 <= settings.rounds:  # not the evaluation round of a 1-round run
             r = settings.refinement
             config.refinement.CopyFrom(
                 pb.RefinementParams(
@@ -399,6 +399,15 @@ class Coordinator:
                 "no model has been published" + (f" for round {round_id!r}" if round_id else "")
             )
         return pb.SignedModel(model=found[1], signature=found[2])
+
+    def evaluation(self, site_id: str, round_id: str) -> pb.SignedEvaluation:
+        """The signed evaluation of the evaluation round ``round_id`` (enrolled sites)."""
+        self.require_enrolled(site_id)
+        with self.lock:
+            found = self.store.evaluation(round_id)
+        if found is None:
+            raise WrongStageError(f"no evaluation has been published for round {round_id!r}")
+        return pb.SignedEvaluation(evaluation=found[0], signature=found[1])
 
     def report(self, site_id: str, report: pb.ClientReport) -> None:
         """Store a site's report once it is checked (:mod:`afl.server.reports`)."""

@@ -15,7 +15,10 @@ SOLVING is held until every release has an outcome from the decryptor.
 Plan encoding: every release's upload is ``DTYPE_CKKS_VECTORS`` with a ``CkksEncoding`` whose
 pre-scale is ``choose_prescale(bound=B, num_summands=K)`` (K = members, B = ``[round]
 ckks_gram_bound`` or ``ckks_vector_bound``: the declared bound on |entry| of one site's Gram or
-class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`). In DP
+class vector) and whose grid step is ``default_grid`` (:mod:`afl.crypto.ckks_params`). The counts
+of an evaluation release have B = N (:func:`afl.server.evaluation.count_bound`: ``eval_max_rows``,
+else the members' declared row counts) and the integer grid (step 1: the decryptor returns the
+exact counts; the pre-scale keeps the CKKS error below half a step). In DP
 mode the pre-scale and grid keep the sites' noise grid exactly (:mod:`afl.server.dp_ckks`).
 
 Flow of the RPCs (:class:`CkksRequests`): the decryptor uploads its public context (``Upload``
@@ -70,6 +73,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
+from afl.server.evaluation import count_bound
 from afl.server.modes import (
     Declared,
     ModeEnvironment,
@@ -128,9 +132,11 @@ class CkksMode(PlainUploadStage):
         gram_bound: float = DEFAULT_GRAM_BOUND,
         vector_bound: float = DEFAULT_VECTOR_BOUND,
     ) -> None:
+        self._eval_rows = 0
         if settings is not None:
             self.settings = settings
             gram_bound, vector_bound = settings.ckks_gram_bound, settings.ckks_vector_bound
+            self._eval_rows = settings.eval_max_rows
         self.gram_bound, self.vector_bound = float(gram_bound), float(vector_bound)
         self.contexts = contexts or CkksContexts()
         self._rounds: dict[str, CkksRound] = {}
@@ -149,18 +155,36 @@ class CkksMode(PlainUploadStage):
         grid = cp.default_grid(prescale=prescale, num_summands=members)
         return cpb.CkksEncoding(prescale=prescale, grid_step=grid)
 
-    def _release_encoding(self, release: PlannedRelease) -> cpb.Encoding:
+    def count_encoding(self, release: PlannedRelease, *, declared: Declared) -> cpb.CkksEncoding:
+        """An evaluation release's counts: B = N and the integer grid (module docstring)."""
+        members = len(release.members)
+        bound = count_bound(release.members, declared=declared, rows=self._eval_rows)
+        try:
+            prescale = cp.choose_prescale(bound=bound, num_summands=members)
+            finest = cp.min_grid(prescale=prescale, num_summands=members)
+        except CryptoError as exc:
+            raise ValueError(f"release {release.name}: {exc}") from exc
+        if not 2.0 * finest <= 1.0:
+            raise ValueError(f"release {release.name}: counts of {bound:.6g} rows do not fit CKKS")
+        return cpb.CkksEncoding(prescale=prescale, grid_step=1.0)
+
+    def _release_encoding(
+        self, release: PlannedRelease, *, declared: Declared | None = None
+    ) -> cpb.Encoding:
         packing = cpb.PACKING_UPPER_TRIANGLE if release.packed else cpb.PACKING_DENSE
-        return cpb.Encoding(
-            dtype=cpb.DTYPE_CKKS_VECTORS,
-            packing=packing,
-            ckks=self.encoding(len(release.members), gram=release.packed),
-        )
+        if release.evaluation is not None:
+            ckks_encoding = self.count_encoding(release, declared=declared or {})
+        else:
+            ckks_encoding = self.encoding(len(release.members), gram=release.packed)
+        return cpb.Encoding(dtype=cpb.DTYPE_CKKS_VECTORS, packing=packing, ckks=ckks_encoding)
 
     def plan_options(
         self, participants: tuple[str, ...], *, declared: Declared | None = None
     ) -> PlanOptions:
-        return PlanOptions(aggregation=cpb.AGGREGATION_MODE_CKKS, encoding=self._release_encoding)
+        def encoding(release: PlannedRelease) -> cpb.Encoding:
+            return self._release_encoding(release, declared=declared)
+
+        return PlanOptions(aggregation=cpb.AGGREGATION_MODE_CKKS, encoding=encoding)
 
     def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Pre-scales and grids that keep the sites' noise grid (:mod:`afl.server.dp_ckks`);

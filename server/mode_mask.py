@@ -13,7 +13,8 @@ surviving members, ABORTS the round with the reason and releases nothing. The de
 (over the surviving members, U3) go to the same solve as the plaintext mode.
 
 Encodings (docs/protocol.md §5): release R is fixed-point encoded in Z_{2^64} with its declared
-bound B_R (Gram: ``gram_bound``; class vectors: ``vector_bound``) and the most fractional bits f
+bound B_R (Gram: ``gram_bound``; class vectors: ``vector_bound``; the counts of an evaluation
+release: N, :func:`afl.server.evaluation.count_bound`) and the most fractional bits f
 with m_R·B_R·2^f < 2^63 (m_R members); sites reject out-of-range values with an error. A masked
 upload is handed to the protocol as soon as the site's last release arrives, BEFORE it is stored:
 a refusal (wrong length, a site outside U2, the wrong stage) is the site's error status, never a
@@ -73,6 +74,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
+from afl.server.evaluation import count_bound
 from afl.server.modes import (
     Declared,
     ModeEnvironment,
@@ -135,6 +137,7 @@ class MaskMode:
         if settings is not None:
             self.settings = settings
         self._timeout_s = settings.upload_timeout_s if settings is not None else 600.0
+        self._eval_rows = settings.eval_max_rows if settings is not None else 0
         self._identities = {s: load_public_key_raw(k) for s, k in identities.items()}
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}
@@ -179,8 +182,12 @@ class MaskMode:
         self, release: PlannedRelease, *, declared: Declared | None = None
     ) -> cpb.Encoding:
         """uint64 fixed point with bound B and f = max{f : m·B·2^f < 2^63} (module docstring)."""
-        gram, vector = self.bounds(release, declared=declared or {})
-        bound = gram if release.packed else vector
+        if release.evaluation is not None:  # integer counts of at most N rows per site
+            rows = self._eval_rows or self.mask.max_samples
+            bound = count_bound(release.members, declared=declared or {}, rows=rows)
+        else:
+            gram, vector = self.bounds(release, declared=declared or {})
+            bound = gram if release.packed else vector
         m = len(release.members)
         threshold = None if m >= 3 else m  # t_R below the minimum cohort only for tiny releases
         try:
@@ -396,13 +403,15 @@ class MaskMode:
     ) -> bool:
         """Hand one client message of ``stage`` (its serialized request) to the protocol and
         persist it; True if it repeats a request already journaled (idempotent, also after the
-        stage closed: its answer may have been lost in a restart), :class:`ConflictError` if it
-        differs from it."""
+        stage closed: its answer may have been lost in a restart) or comes for a PUBLISHED round
+        (ignored), :class:`ConflictError` if it differs from a journaled one."""
         for stored in ctx.messages(view.round_id):
             if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
                 if stored.data == raw:
                     return True
                 raise ConflictError("a different message of this stage was already received")
+        if view.stage == pb.ROUND_STAGE_PUBLISHED:  # a retry after its run's journal was deleted:
+            return True  # the round released its sums, nothing a site sends changes them
         state = self.state(view, ctx, stage)
         if view.stage != stage:
             raise WrongStageError(f"round {view.round_id!r} has moved past this stage")

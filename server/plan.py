@@ -13,6 +13,10 @@ Round 1 (from coverage and ``gram_scope``, via :func:`afl.core.leakage.releases_
 Round 2 (eq. 19-21): ``b_pseudo[c]`` for every class over all participants (non-contributors send
 zeros); the Gram and b of round 1 are reused, nothing else is released.
 
+The evaluation round of a run (``evaluate = true``, :mod:`afl.server.evaluation`) releases score
+histograms and confusion counts of the published model (``Release.evaluation`` names it); each
+such release sums two audit quantities per class (:attr:`PlannedRelease.quantities`).
+
 Every release is its own upload slot (``upload_name == name``): Gram releases are packed upper
 triangles (d(d+1)/2 float64), class vectors are [d, 1] dense, all little-endian float64. The
 plan is serialized once; its bytes are signed (context "release-plan") and stored, and a
@@ -28,14 +32,17 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.core.aggregation import GramScope
+from afl.core.evaluation import evaluation_quantities
 from afl.core.leakage import LeakageReport, Release, audit_releases, releases_for_round
+from afl.core.scorebins import ScoreBins
 from afl.crypto.signed_blobs import PLAN_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2
-from afl.proto.wire import release_length
+from afl.proto.wire import EVALUATION_KINDS, evaluation_spec, read_evaluation, release_length
 from afl.server.store import RoundRow
 
 __all__ = [
     "GLOBAL_GRAM",
+    "EvaluationTarget",
     "PlanOptions",
     "PlannedRelease",
     "RoundView",
@@ -52,14 +59,26 @@ _SCOPES = {"global": common_pb2.GRAM_SCOPE_GLOBAL, "per-class": common_pb2.GRAM_
 
 
 @dataclass(frozen=True)
+class EvaluationTarget:
+    """What an evaluation release measures (``Release.evaluation``): the model (SHA-256 of its
+    signed ``Model`` bytes), the score bins and the decision threshold."""
+
+    model_sha256: bytes
+    bins: ScoreBins
+    threshold: float = 0.5
+
+
+@dataclass(frozen=True)
 class PlannedRelease:
-    """One aggregate of the plan: its members, statistic kind, classes and logical shape."""
+    """One aggregate of the plan: its members, statistic kind, classes and logical shape (and, for
+    an evaluation release, the model it evaluates)."""
 
     name: str
     members: tuple[str, ...]
     kind: int  # common_pb2.StatisticKind
     class_names: tuple[str, ...]
     shape: tuple[int, ...]
+    evaluation: EvaluationTarget | None = None
 
     @property
     def packed(self) -> bool:
@@ -78,6 +97,15 @@ class PlannedRelease:
             return "gram"
         prefix = "b_pseudo" if self.kind == common_pb2.STATISTIC_KIND_PSEUDO_CLASS_VECTOR else "b"
         return f"{prefix}[{self.class_names[0]}]"
+
+    @property
+    def quantities(self) -> list[str]:
+        """Every quantity the release sums: :attr:`quantity`, or for an evaluation release two
+        per class (:func:`afl.core.evaluation.evaluation_quantities`, as a site audits them)."""
+        if self.evaluation is None:
+            return [self.quantity]
+        model = self.evaluation.model_sha256.hex()
+        return evaluation_quantities(self.class_names, model_sha256=model)
 
 
 @dataclass(frozen=True)
@@ -158,12 +186,25 @@ def round2_releases(
     ]
 
 
-def audit_plan(releases: Sequence[PlannedRelease], participants: Sequence[str]) -> LeakageReport:
-    """Design §5 audit of the plan at the default minimum cohort (3, or K when K < 3)."""
-    as_leakage = [Release(r.name, frozenset(r.members), r.quantity) for r in releases]
-    return audit_releases(
-        as_leakage, sorted(participants), min_cohort=min(3, max(1, len(participants)))
-    )
+def audit_plan(
+    releases: Sequence[PlannedRelease],
+    participants: Sequence[str],
+    *,
+    history: Sequence[tuple[str, Sequence[PlannedRelease]]] = (),
+) -> LeakageReport:
+    """Leakage audit (docs/protocol.md §6) of the plan, together with the releases of earlier
+    rounds (``history``: (round id, releases)), at the default minimum cohort (3, or K when
+    K < 3); a release of several quantities is one row per quantity."""
+    rows = [("", r) for r in releases] + [(f"{rid}/", r) for rid, old in history for r in old]
+    as_leakage = [
+        Release(
+            f"{tag}{r.name}" + (f"#{q}" if len(r.quantities) > 1 else ""), frozenset(r.members), q
+        )
+        for tag, r in rows
+        for q in r.quantities
+    ]
+    universe = sorted({*participants, *(s for _, r in rows for s in r.members)})
+    return audit_releases(as_leakage, universe, min_cohort=min(3, max(1, len(participants))))
 
 
 def _encoding(release: PlannedRelease) -> common_pb2.Encoding:
@@ -204,6 +245,13 @@ def build_plan(
                 encoding=encode(r),
                 noise=common_pb2.DpNoise(mechanism=common_pb2.NOISE_MECHANISM_NONE),
                 upload_name=r.name,
+                evaluation=None
+                if r.evaluation is None
+                else evaluation_spec(
+                    model_sha256=r.evaluation.model_sha256,
+                    bins=r.evaluation.bins,
+                    threshold=r.evaluation.threshold,
+                ),
             )
             for r in releases
         ],
@@ -230,7 +278,17 @@ def releases_from_plan(plan_bytes: bytes) -> list[PlannedRelease]:
     plan = common_pb2.ReleasePlan.FromString(plan_bytes)
     return [
         PlannedRelease(
-            r.name, tuple(r.member_site_ids), int(r.kind), tuple(r.class_names), tuple(r.shape)
+            r.name,
+            tuple(r.member_site_ids),
+            int(r.kind),
+            tuple(r.class_names),
+            tuple(r.shape),
+            _target(r) if r.kind in EVALUATION_KINDS else None,
         )
         for r in plan.releases
     ]
+
+
+def _target(release: common_pb2.Release) -> EvaluationTarget:
+    spec = read_evaluation(release)
+    return EvaluationTarget(bytes.fromhex(spec.model_sha256), spec.bins, spec.threshold)

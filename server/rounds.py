@@ -16,6 +16,9 @@ Rounds of the active run:
         plaintext, ckks: UPLOAD;  mask: ADVERTISE_KEYS, SHARE_KEYS, UPLOAD, CONSISTENCY_CHECK, UNMASK
     exchange stages --mode.drive--> SOLVING --mode.sums available, solved--> PUBLISHED
     PUBLISHED (round 1, rounds = 2) --> round 2 opens in PLAN_REVIEW (same participants)
+    PUBLISHED (final round, evaluate = true) --> the evaluation round (number rounds + 1) opens
+        in PLAN_REVIEW over the model's contributors; its SOLVING publishes the signed
+        evaluation instead of a model (:mod:`afl.server.evaluation`)
 
 A refusal of the plan ABORTS the round and, when at least ``min_participants`` sites remain,
 opens a replacement round with them and a new plan; at the plan deadline, sites that never
@@ -60,6 +63,13 @@ from afl.server.config import (
 from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
 from afl.server.dp_solve import solve_dp_run
 from afl.server.errors import NotPermittedError, WrongStageError
+from afl.server.evaluation import (
+    build_signed_evaluation,
+    earlier_evaluations,
+    evaluation_releases,
+    evaluation_result,
+    published_detail,
+)
 from afl.server.mode_registry import mode_for
 from afl.server.modes import AggregationMode, ModeEnvironment, Transition
 from afl.server.observability import ServerMetrics
@@ -317,9 +327,18 @@ class RoundMachine:
 
     def run_model(self, run_id: str) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of the run's final published round, if any."""
+        last = self.run(run_id).settings.rounds
         rounds = self.store.rounds(run_id)
-        published = [r for r in rounds if r.stage == Stage.PUBLISHED]
+        published = [r for r in rounds if r.stage == Stage.PUBLISHED and r.number <= last]
         return self.store.model(published[-1].round_id) if published else None
+
+    def run_evaluation(self, run_id: str) -> tuple[str, bytes, bytes] | None:
+        """(round id, Evaluation bytes, signature) of the run's published evaluation, if any."""
+        last = self.run(run_id).settings.rounds
+        rounds = self.store.rounds(run_id)
+        published = [r for r in rounds if r.stage == Stage.PUBLISHED and r.number > last]
+        found = self.store.evaluation(published[-1].round_id) if published else None
+        return None if found is None else (published[-1].round_id, *found)
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -379,7 +398,8 @@ class RoundMachine:
         participants: tuple[str, ...],
         timeout_s: float,
     ) -> RoundView:
-        round_id = f"r{number}-{secrets.token_hex(8)}"
+        prefix = "e" if number > run.settings.rounds else "r"  # e: the evaluation round
+        round_id = f"{prefix}{number}-{secrets.token_hex(8)}"
         self.store.create_round(
             round_id=round_id,
             run_id=run.run_id,
@@ -477,7 +497,10 @@ class RoundMachine:
                 "round aborted; too few sites remain for a replacement round",
                 extra={"round_id": view.round_id, "remaining": len(replan_with)},
             )
-        self._finish_run(run.run_id, "aborted", reason)
+        if view.row.number > run.settings.rounds:  # the evaluation round: the model stays
+            self._finish_run(run.run_id, "published", f"evaluation aborted: {reason}")
+        else:
+            self._finish_run(run.run_id, "aborted", reason)
 
     def _open(self, view: RoundView, participants: tuple[str, ...]) -> None:
         """Publish the signed plan of a round over ``participants`` (or abort with the reason)."""
@@ -487,7 +510,22 @@ class RoundMachine:
         coverage = {s: e.labelled_classes for s, e in enrolments.items()}
         declared = {s: e.row_bounds for s, e in enrolments.items() if e.row_bounds is not None}
         dp = settings.dp
-        if dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
+        evaluation = view.row.number > settings.rounds
+        if evaluation:  # the run's evaluation round (afl.server.evaluation)
+            model = self.store.model(view.row.parent_round_id)
+            assert model is not None, "an evaluation round follows a published model"
+            releases = evaluation_releases(
+                classes=settings.classes,
+                participants=participants,
+                model_sha256=hashlib.sha256(model[1]).digest(),
+            )
+            history = earlier_evaluations(
+                [(r.round_id, self.view(r).releases) for r in self.store.rounds()
+                 if r.stage == Stage.PUBLISHED],
+                exclude=view.round_id,
+            )  # fmt: skip
+            report = audit_plan(releases, participants, history=history)
+        elif dp is not None:  # DP mode releases additive statistics (docs/protocol.md §7)
             releases = dp_releases(
                 classes=settings.classes,
                 participants=participants,
@@ -532,6 +570,13 @@ class RoundMachine:
             self.store.audit("dp-budget", {"round_id": view.round_id, **calibration.to_audit()})
             if not report.passed:  # every site's epsilon <= the target: DP covers the exposure
                 self.store.audit("dp-covers-audit", {"round_id": view.round_id})
+        if evaluation and not report.passed and not settings.operator_override:
+            self._abort(
+                view,
+                "the evaluation plan, with the federation's earlier evaluations, fails the "
+                "leakage audit (docs/protocol.md §6.1); set operator_override with a reason",
+            )
+            return
         if (
             settings.gram_scope == "per-class"
             and not report.passed
@@ -546,20 +591,20 @@ class RoundMachine:
             return
         try:
             options = mode.plan_options(participants, declared=declared)
+            plan = build_plan(
+                federation_id=self.config.federation_id,
+                round_id=view.round_id,
+                round_number=view.row.number,
+                participants=participants,
+                gram_scope=settings.gram_scope,
+                releases=releases,
+                operator_override=settings.operator_override and not report.passed,
+                override_reason=settings.override_reason if not report.passed else "",
+                options=options,
+            )
         except ValueError as exc:
             self._abort(view, f"the {mode.name} plan cannot be built: {exc}")
             return
-        plan = build_plan(
-            federation_id=self.config.federation_id,
-            round_id=view.round_id,
-            round_number=view.row.number,
-            participants=participants,
-            gram_scope=settings.gram_scope,
-            releases=releases,
-            operator_override=settings.operator_override and not report.passed,
-            override_reason=settings.override_reason if not report.passed else "",
-            options=options,
-        )
         plan.run_id = run.run_id
         if calibration is not None:
             apply_dp(plan, calibration)
@@ -705,6 +750,9 @@ class RoundMachine:
 
     def _solve(self, view: RoundView, run: Run) -> None:
         settings = run.settings
+        if view.row.number > settings.rounds:
+            self._publish_evaluation(view, run)
+            return
         try:
             sums = self.sums(view)
             if sums is None:
@@ -732,17 +780,58 @@ class RoundMachine:
         digest = self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)
         self._set_stage(view, Stage.PUBLISHED, detail={"model_sha256": digest})
         self.metrics.rounds.labels(outcome="published").inc()
-        if view.row.number < settings.rounds:
+        if view.row.number < settings.rounds + int(settings.evaluate):  # round 2, or evaluation
+            sites = view.row.participants
+            if view.row.number == settings.rounds:  # evaluated by the model's contributors
+                sites = tuple(sorted(run.mode.contributors(view)))
             following = self._new_round(
                 run,
                 number=view.row.number + 1,
                 parent=view.round_id,
-                participants=view.row.participants,
+                participants=sites,
                 timeout_s=settings.upload_timeout_s,
             )
-            self._open(following, view.row.participants)
+            self._open(following, sites)
         else:
             self._finish_run(run.run_id, "published", "")
+
+    def _publish_evaluation(self, view: RoundView, run: Run) -> None:
+        """The evaluation round's SOLVING: the pooled documents from the released sums, signed
+        and stored beside the state before the round is PUBLISHED (:mod:`afl.server.evaluation`)."""
+        settings, parent = run.settings, view.row.parent_round_id
+        try:
+            sums = self.sums(view)
+            if sums is None:
+                return  # e.g. CKKS: the decryptor has not answered every job yet
+            require_finite(sums, what="the sum of release")
+            members = tuple(sorted(run.mode.contributors(view)))  # known once the sums are
+            result = evaluation_result(
+                view.releases,
+                sums,
+                members=members,
+                calibration=settings.eval_calibration,
+                context={"run_id": run.run_id, "round_id": view.round_id, "model_round_id": parent},
+            )
+        except SOLVE_ERRORS as exc:  # no value crashes the coordinator (docs/protocol.md §9)
+            log.error("evaluation failed", extra={"round_id": view.round_id, "reason": str(exc)})
+            self._abort(view, f"evaluation failed: {exc}")
+            return
+        signed = build_signed_evaluation(
+            result,
+            identity_key=self._key,
+            federation_id=self.config.federation_id,
+            run_id=run.run_id,
+            round_id=view.round_id,
+            model_round_id=parent,
+            members=members,
+            plan_bytes=view.row.plan or b"",
+        )
+        self.store.put_evaluation(
+            view.round_id, evaluation=signed.evaluation, signature=signed.signature
+        )
+        self._set_stage(view, Stage.PUBLISHED, detail=published_detail(signed))
+        self.metrics.rounds.labels(outcome="published").inc()
+        self._finish_run(run.run_id, "published", "")
 
     def _weights(
         self,

@@ -247,6 +247,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             "GetModel", context, lambda s: self.coordinator.model(s, request.round_id)
         )
 
+    def GetEvaluation(self, request: pb.EvaluationRequest, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetEvaluation", context, lambda s: self.coordinator.evaluation(s, request.round_id)
+        )
+
     def SubmitReport(self, request: pb.ClientReport, context: grpc.ServicerContext) -> Any:
         return self._call(
             "SubmitReport",
@@ -379,3 +384,8 @@ class AdminServicer(_Thin, admin_pb2_grpc.AdminServicer):
 
     def GetRunModel(self, request: apb.RunRef, context: grpc.ServicerContext) -> Any:
         return self._call("GetRunModel", context, lambda a: self._admin.model(a, request.run_id))
+
+    def GetRunEvaluation(self, request: apb.RunRef, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetRunEvaluation", context, lambda a: self._admin.evaluation(a, request.run_id)
+        )

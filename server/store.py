@@ -8,7 +8,8 @@ run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, 
 protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
 consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
 model bytes; also kept as the file ``models/<round>.signed-model.pb``, written before its row),
-``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
+``evaluations`` (signed federated evaluations of evaluation rounds; also kept as the file
+``evaluations/<round>.signed-evaluation.pb``, written before its row), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
 ``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
 
 Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
@@ -47,7 +48,7 @@ from pathlib import Path
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.pki import make_private_dir, write_private_file
-from afl.proto.v1.coordinator_pb2 import SignedModel
+from afl.proto.v1.coordinator_pb2 import SignedEvaluation, SignedModel
 from afl.server.errors import DiskFullError, StateError
 
 __all__ = [
@@ -101,6 +102,9 @@ CREATE TABLE IF NOT EXISTS messages (
     UNIQUE (round_id, stage, site_id, kind));
 CREATE TABLE IF NOT EXISTS models (
     round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
+    created_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS evaluations (
+    round_id TEXT PRIMARY KEY, evaluation BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS reports (
     round_id TEXT NOT NULL, site_id TEXT NOT NULL, report BLOB NOT NULL,
@@ -698,19 +702,28 @@ class Store:
         """``<state_dir>/models/<round>.signed-model.pb``: the SignedModel, as sites receive it."""
         return self.state_dir / "models" / f"{round_id}.signed-model.pb"
 
+    def _put_signed(
+        self, table: str, path: Path, file_bytes: bytes, *, round_id: str, blob: bytes, sig: bytes
+    ) -> str:
+        """Write ``file_bytes`` to ``path`` atomically, then commit the row (round id, blob,
+        signature) of ``table``; returns the SHA-256 (hex) of ``blob``."""
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private_file(path, file_bytes)
+        with self._tx() as db:
+            db.execute(
+                f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?, ?)",
+                (round_id, blob, sig, now_ms()),
+            )
+        return hashlib.sha256(blob).hexdigest()
+
     def put_model(self, round_id: str, *, model: bytes, signature: bytes) -> str:
         """Write the signed model file atomically, then commit its row; returns the SHA-256 (hex)
         of the ``Model`` bytes, the digest every site records for its verified copy."""
+        signed = SignedModel(model=model, signature=signature).SerializeToString()
         path = self.model_path(round_id)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        signed = SignedModel(model=model, signature=signature)
-        write_private_file(path, signed.SerializeToString())
-        with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO models VALUES (?, ?, ?, ?)",
-                (round_id, model, signature, now_ms()),
-            )
-        return hashlib.sha256(model).hexdigest()
+        return self._put_signed(
+            "models", path, signed, round_id=round_id, blob=model, sig=signature
+        )
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""
@@ -720,6 +733,26 @@ class Store:
         else:
             row = self._db.execute(f"{select} ORDER BY created_ms DESC, rowid DESC").fetchone()
         return None if row is None else (row[0], bytes(row[1]), bytes(row[2]))
+
+    def evaluation_path(self, round_id: str) -> Path:
+        """``<state_dir>/evaluations/<round>.signed-evaluation.pb``: the SignedEvaluation."""
+        return self.state_dir / "evaluations" / f"{round_id}.signed-evaluation.pb"
+
+    def put_evaluation(self, round_id: str, *, evaluation: bytes, signature: bytes) -> str:
+        """Write the signed evaluation file atomically, then commit its row (a retry after a
+        restart replaces both); returns the SHA-256 (hex) of the ``Evaluation`` bytes."""
+        signed = SignedEvaluation(evaluation=evaluation, signature=signature).SerializeToString()
+        path = self.evaluation_path(round_id)
+        return self._put_signed(
+            "evaluations", path, signed, round_id=round_id, blob=evaluation, sig=signature
+        )
+
+    def evaluation(self, round_id: str) -> tuple[bytes, bytes] | None:
+        """(Evaluation bytes, signature) of the evaluation round ``round_id``."""
+        row = self._db.execute(
+            "SELECT evaluation, signature FROM evaluations WHERE round_id = ?", (round_id,)
+        ).fetchone()
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def put_report(
         self, round_id: str, site_id: str, report: bytes, *, audit: dict[str, object]
@@ -808,7 +841,7 @@ def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:
     """A consistent copy of a (possibly running) server's state folder in ``destination``: an
     online SQLite backup of the database, the payload files its rows name, the CKKS context, and
     an anchor computed from the COPY (so the copy is self-consistent even if the server committed
-    meanwhile), and the signed model files. Returns that anchor. :class:`StateError` names what
+    meanwhile), and the signed model and evaluation files. Returns that anchor. :class:`StateError` names what
     went wrong."""
     source = Path(state_dir)
     destination = Path(destination)
@@ -853,7 +886,7 @@ def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:
         target.close()
     finally:
         os.umask(previous)
-    for sub in ("ckks", "models"):  # the CKKS context; the signed model files
+    for sub in ("ckks", "models", "evaluations"):  # the CKKS context; signed models, evaluations
         folder = source / sub
         if folder.is_dir():
             for path in folder.iterdir():

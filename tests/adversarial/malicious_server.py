@@ -19,6 +19,12 @@ members of the targeted release):
   not site-1's identity key, which stays in site-1's kit) replaces site-1's advertised key-agreement
   keys in the directory it hands the other sites by keys of its own, signed with a key it made
   (it cannot sign as site-1): with them it could strip site-1's pairwise masks.
+* ``evaluate-unverified`` (mask, a run with ``evaluate = true``): the evaluation plan names a
+  crafted model no round published, whose W is a unit vector per class (scoring a site's rows with
+  it would release the histogram of one feature).
+* ``isolate-site`` (mask, ``evaluate = true``): the evaluation plan adds to the honest releases a
+  histogram over every participant but the first (the victim, site-1 in the first plan), and the
+  coordinator's own audit is patched to look away: the difference is the victim's histogram.
 
 The faults are injected here, around the real daemon, so no product code path knows them; the
 sites and the decryptor run unmodified.
@@ -26,6 +32,8 @@ sites and the decryptor run unmodified.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -41,16 +49,28 @@ from afl.crypto.signatures import sign_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server import daemon
+from afl.server import daemon, rounds
 from afl.server.errors import InvalidRequestError
 from afl.server.mode_ckks import CkksMode, CkksRequests
 from afl.server.mode_mask import MaskMode, MaskRequests
+from afl.server.solve import build_signed_model
 
 VICTIM = "site-1"
 OTHERS = ("site-2", "site-3")
 CKKS_TARGET = "gram[all]"
 MASK_TARGET = "b[A]"
-ATTACKS = ("forward-single", "forged-tags", "lower-threshold", "swap-keys")
+ATTACKS = (
+    "forward-single",
+    "forged-tags",
+    "lower-threshold",
+    "swap-keys",
+    "evaluate-unverified",
+    "isolate-site",
+)
+#: The feature dimension of the crafted model (the adversarial tests' d).
+FORGED_D = 8
+#: The coordinator's extra release of ``isolate-site``.
+ISOLATING = "eval_hist[without the first]"
 
 
 def command(attack: str, loot: Path) -> tuple[str, ...]:
@@ -150,6 +170,21 @@ def _forge_tags() -> None:
     CkksRequests.get_tags = get_tags  # type: ignore[method-assign]
 
 
+def _record_unmasked(loot: Path) -> None:
+    """Keep every sum the masked exchange unmasks (what the coordinator learned)."""
+    drive = MaskMode.drive
+
+    def keeping(self: MaskMode, view: Any, ctx: Any) -> Any:
+        state = self.rounds.get(view.round_id)
+        transition = drive(self, view, ctx)
+        result = None if state is None else state.server.result
+        for name, values in ({} if result is None else result.sums).items():
+            _keep(loot, name, values)
+        return transition
+
+    MaskMode.drive = keeping  # type: ignore[method-assign]
+
+
 def _lower_threshold(loot: Path) -> None:
     encoding, check_upload = MaskMode.encoding, MaskMode.check_upload
 
@@ -166,7 +201,7 @@ def _lower_threshold(loot: Path) -> None:
 
     MaskMode.encoding = lowered  # type: ignore[method-assign]
     MaskMode.check_upload = ignoring  # type: ignore[method-assign]
-    _keep_unmasked(loot)
+    _record_unmasked(loot)
 
 
 def _swap_keys(loot: Path) -> None:
@@ -195,22 +230,52 @@ def _swap_keys(loot: Path) -> None:
         return directory
 
     MaskRequests.advertised_keys = advertised_keys  # type: ignore[method-assign]
-    _keep_unmasked(loot)
+    _record_unmasked(loot)
 
 
-def _keep_unmasked(loot: Path) -> None:
-    """Record every sum the coordinator manages to unmask (its loot)."""
-    drive = MaskMode.drive
+def _evaluate_unverified() -> None:
+    """The evaluation plan names a crafted model that no round published."""
+    original = vars(rounds)["evaluation_releases"]  # the name the round machine calls
 
-    def keeping(self: MaskMode, view: Any, ctx: Any) -> Any:
-        state = self.rounds.get(view.round_id)
-        transition = drive(self, view, ctx)
-        result = None if state is None else state.server.result
-        for name, values in ({} if result is None else result.sums).items():
-            _keep(loot, name, values)
-        return transition
+    def crafted(*, classes: Any, participants: Any, model_sha256: bytes, **kw: Any) -> Any:
+        weights = np.zeros((FORGED_D, len(classes)))
+        weights[np.arange(len(classes)) % FORGED_D, np.arange(len(classes))] = 1.0  # w_c = e_c
+        forged = build_signed_model(
+            weights,
+            identity_key=Ed25519PrivateKey.generate(),  # no site ever receives it
+            federation_id="",
+            round_id="never-published",
+            round_number=1,
+            classes=list(classes),
+            gamma=1.0,
+            backbone="",
+            contributors=[],
+            plan_bytes=b"",
+        )
+        digest = hashlib.sha256(forged.model).digest()
+        return original(classes=classes, participants=participants, model_sha256=digest, **kw)
 
-    MaskMode.drive = keeping  # type: ignore[method-assign]
+    vars(rounds)["evaluation_releases"] = crafted
+
+
+def _isolate_site() -> None:
+    """An extra histogram over all participants but the first; the coordinator's audit of it
+    is patched away (the honest coordinator would not open such a plan)."""
+    original, audit = vars(rounds)["evaluation_releases"], vars(rounds)["audit_plan"]
+
+    def isolating(*, classes: Any, participants: Any, model_sha256: bytes, **kw: Any) -> Any:
+        releases = original(
+            classes=classes, participants=participants, model_sha256=model_sha256, **kw
+        )
+        others = tuple(sorted(participants))[1:]
+        extra = dataclasses.replace(releases[0], name=ISOLATING, members=others)
+        return [*releases, extra]
+
+    def looking_away(releases: Any, participants: Any, **kw: Any) -> Any:
+        return audit([r for r in releases if r.name != ISOLATING], participants, **kw)
+
+    vars(rounds)["evaluation_releases"] = isolating
+    vars(rounds)["audit_plan"] = looking_away
 
 
 def main() -> int:
@@ -224,6 +289,12 @@ def main() -> int:
         _lower_threshold(loot)
     if attack == "swap-keys":
         _swap_keys(loot)
+    if attack == "evaluate-unverified":
+        _record_unmasked(loot)
+        _evaluate_unverified()
+    if attack == "isolate-site":
+        _record_unmasked(loot)
+        _isolate_site()
     return daemon.main(args)
 
 

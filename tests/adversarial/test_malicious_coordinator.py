@@ -15,6 +15,10 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
 5. ``swap-keys``: in a federation provisioned the production way, the operator who runs the
    coordinator and holds the CA swaps site-1's advertised keys for its own (the other sites verify
    every advert with the identity key pinned in their kit, which only site-1 holds).
+6. ``evaluate-unverified``: a run's evaluation round names a crafted model no round published
+   (each site evaluates only a model it verified itself).
+7. ``isolate-site``: a run's evaluation plan adds a histogram over all participants but one (the
+   isolated site's policy finds its statistics determined by differencing and refuses).
 """
 
 from __future__ import annotations
@@ -213,3 +217,85 @@ def test_keys_swapped_by_the_operator_are_refused(tmp_path: Path) -> None:
         assert masked == []  # the other sites sent no masked input under the swapped keys
     finally:
         store.close()
+
+
+def _evaluation_attack(
+    tmp_path: Path, attack: str, k: int, **settings: Any
+) -> tuple[LoopbackFederation, LoopbackRun, Path]:
+    """A MASK run with ``evaluate = true`` (bounds from the sites' declarations) whose
+    evaluation round the patched coordinator attacks; the training round is honest."""
+    loop = _prepare(tmp_path, k, {"aggregation": "mask", "evaluate": True, **settings})
+    loot = tmp_path / "loot.json"
+    command = malicious_server.command(attack, loot)
+    return loop, run_loopback(loop, timeout_s=240, server_command=command), loot
+
+
+def _refusal_reasons(loop: LoopbackFederation, run: LoopbackRun) -> list[tuple[str, str]]:
+    """(site, reason) of every refused evaluation plan, once every site took part in evaluation
+    rounds and none sent anything or received a result."""
+    refusals = []
+    for site, rounds in _evaluation_reports(loop, run).items():
+        assert rounds, site
+        for report in rounds:
+            assert report["bytes_sent"] == 0, (site, report)
+            assert "files" not in report.get("evaluation", {}), (site, report)  # no result
+            assert report["outcome"] in ("REFUSED_PLAN", "ABORTED"), (site, report)
+            if report["outcome"] == "REFUSED_PLAN":
+                refusals.append((site, report["reason"]))
+    return refusals
+
+
+def _evaluation_reports(loop: LoopbackFederation, run: LoopbackRun) -> dict[str, list[Any]]:
+    """Each site's reports of evaluation rounds (round ids e<n>-…), after a completed model."""
+    out = {}
+    for site in loop.site_ids:
+        reports = run.reports[site]
+        assert any(r["outcome"] == "COMPLETED" and "model" in r for r in reports.values()), site
+        out[site] = [r for rid, r in reports.items() if rid.startswith("e")]
+    return out
+
+
+def _nothing_evaluated(loop: LoopbackFederation, loot: Path) -> None:
+    assert not [name for name in _loot(loot) if name.startswith("eval")]  # no sum unmasked
+    store = _store(loop)
+    try:
+        assert all(store.evaluation(r.round_id) is None for r in store.rounds())
+        (run,) = store.runs()
+        assert run.state == "published" and run.reason.startswith("evaluation aborted"), run
+    finally:
+        store.close()
+
+
+def test_an_evaluation_of_a_model_the_sites_did_not_verify_is_refused(tmp_path: Path) -> None:
+    # min_participants = 1: after each refusal the coordinator re-plans with the others, so
+    # every site gets to decide on the crafted model.
+    loop, run, loot = _evaluation_attack(tmp_path, "evaluate-unverified", 3, min_participants=1)
+    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED}, run.logs
+    refusals = _refusal_reasons(loop, run)
+    assert len(refusals) >= 2, refusals
+    assert all("which this site has not verified" in reason for _, reason in refusals), refusals
+    _nothing_evaluated(loop, loot)
+
+
+def test_an_evaluation_plan_isolating_a_site_is_refused_by_that_site(tmp_path: Path) -> None:
+    """The victim refuses its own exposure; its peers refuse the plan on its behalf (M-99), so
+    whichever honest site decides first, the plan gets no upload; re-plans (over the sites left,
+    isolating the first of them) end the same way."""
+    loop, run, loot = _evaluation_attack(tmp_path, "isolate-site", 4)
+    quantity = r"(eval\[[ABC]\]@[0-9a-f]{64}|labels\[[ABC]\])"
+    own = re.compile(rf"the releases expose this site's {quantity} by differencing")
+    peer = re.compile(
+        rf"with the evaluations this site took part in, the plan determines the {quantity} sum "
+        r"of \{(site-\d)\} by differencing"
+    )
+    victims = set()
+    for site, reason in _refusal_reasons(loop, run):
+        if own.match(reason):
+            victims.add(site)
+        elif (found := peer.match(reason)) is not None:
+            assert found.group(2) != site, reason
+            victims.add(found.group(2))
+        else:
+            assert "< min cohort" in reason, reason  # a re-plan over too few sites
+    assert "site-1" in victims, run.logs  # the first plan's victim, named by whoever decided
+    _nothing_evaluated(loop, loot)

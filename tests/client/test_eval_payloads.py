@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,17 +174,49 @@ def test_policy_refuses_an_evaluation_plan_that_exposes_the_site() -> None:
     refused = check_plan(exposing, site_id="s1", policy=policy)
     assert not refused.accept
     assert f"eval[A]@{MODEL.hex()}" in refused.reason or "labels[A]" in refused.reason
-    assert check_plan(exposing, site_id="s2", policy=policy).accept
+    # the other members refuse it too: a site's metrics must not be recoverable (M-99)
+    other = check_plan(exposing, site_id="s2", policy=policy)
+    assert not other.accept and "sum of {s1} by differencing" in other.reason
     fine = _plan([_release(HIST, SITES), _release(CONF, SITES)])
     assert all(check_plan(fine, site_id=s, policy=policy).accept for s in SITES)
-    # with an earlier evaluation of another model over everyone, evaluating over s2..s4 and
-    # everyone again exposes s1's label counts through labels[c]
-    # (model A); s1, not a member of the later release, cannot refuse it: the site's audit
-    # still reports the exposure, and the coordinator's audit of the plan must refuse it
+    # with an earlier evaluation of another model over everyone, evaluating over s2..s4
+    # exposes s1's label counts through labels[c]; s1, not a member of the later plan, never
+    # sees it, so its members refuse it on s1's behalf (M-99)
     history_plan = _plan([_release(HIST, SITES, model=hashlib.sha256(b"m0").digest())])
     history = audit_view(list(history_plan.releases), tag="eval-0/")
     later = _plan([_release(HIST, SITES[1:])])
     decision = check_plan(later, site_id="s2", policy=policy, history=history)
-    assert decision.accept  # s2 itself is not exposed
+    assert not decision.accept
+    assert decision.reason.startswith(
+        "with the evaluations this site took part in, the plan determines the labels[A] sum of "
+        "{s1} by differencing"
+    ), decision.reason
     exposed = {(e["quantity"], tuple(e["sites"])) for e in decision.audit["exposed_sites"]}
     assert ("labels[A]", ("s1",)) in exposed
+    assert check_plan(later, site_id="s2", policy=policy).accept  # without that history: fine
+
+
+def test_classes_the_site_does_not_hold_or_label_send_zeros(tmp_path: Path) -> None:
+    caches, w = _caches(tmp_path)
+    source = caches[1]  # labels A, B, C
+    narrow = write_cache(  # the same rows holding only A and B
+        tmp_path / "narrow",
+        meta=CacheMeta(n=source.meta.n, d=D, classes=CLASSES[:2], source="test"),
+        ids=list(source.ids),
+        labels=np.asarray(source.labels[:, :2]),
+        features=np.asarray(source.features),
+    )
+    release = _release(HIST, SITES)
+    kw: dict[str, Any] = {"weights": w, "model_classes": CLASSES, "model_sha256": MODEL.hex()}
+    every = np.ones(3, bool)
+    full = evaluation_values(release, cache=source, labelled=every, **kw).reshape(3, 2, -1)
+    held = evaluation_values(release, cache=narrow, labelled=every[:2], **kw).reshape(3, 2, -1)
+    np.testing.assert_array_equal(held[:2], full[:2])
+    assert full[2].sum() > 0 and not held[2].any()  # C: not in the cache, zeros
+    some = np.array([True, False, True])
+    unlabelled = evaluation_values(release, cache=source, labelled=some, **kw).reshape(3, 2, -1)
+    assert not unlabelled[1].any() and unlabelled[2].sum() == full[2].sum()
+    with pytest.raises(PayloadError, match=r"classes \['C'\] are not the model's"):
+        evaluation_values(
+            release, cache=source, labelled=every, **{**kw, "model_classes": ("A", "B")}
+        )

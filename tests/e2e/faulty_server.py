@@ -5,6 +5,10 @@ Usage: ``python faulty_server.py POINT RUN_ID <afl-server arguments>``. The serv
 it holds only in memory, when POINT is
 
 * ``ROUND_STAGE_<NAME>``: the first time a round of RUN_ID enters that stage;
+* ``evaluation-ROUND_STAGE_<NAME>``: the same, for RUN_ID's evaluation round (``evaluate =
+  true``) only;
+* ``evaluation-stored``: once RUN_ID's signed evaluation is stored (before its round is
+  PUBLISHED);
 * ``upload:N``: once the N-th payload of RUN_ID's rounds is stored;
 * ``decryption``: once the decryptor's first signed outcome of RUN_ID is journaled;
 
@@ -38,16 +42,31 @@ def _run_of(store: Store, round_id: str) -> str:
 
 def install(point: str, run_id: str) -> None:
     """Patch :class:`Store` so that the process dies at ``point`` of ``run_id``."""
-    if point.startswith("ROUND_STAGE_"):
-        stage = pb.RoundStage.Value(point)
+    if point.removeprefix("evaluation-").startswith("ROUND_STAGE_"):
+        stage = pb.RoundStage.Value(point.removeprefix("evaluation-"))
+        prefix = "e" if point.startswith("evaluation-") else ""  # evaluation rounds: e<n>-…
         update_round = Store.update_round
 
         def patched_update_round(self: Store, round_id: str, **kw: Any) -> None:
             update_round(self, round_id, **kw)
-            if kw.get("stage") == stage and _run_of(self, round_id) == run_id:
+            if (
+                kw.get("stage") == stage
+                and round_id.startswith(prefix)
+                and _run_of(self, round_id) == run_id
+            ):
                 _kill()
 
         Store.update_round = patched_update_round  # type: ignore[method-assign]
+    elif point == "evaluation-stored":
+        put_evaluation = Store.put_evaluation
+
+        def patched_put_evaluation(self: Store, round_id: str, **kw: Any) -> str:
+            digest = put_evaluation(self, round_id, **kw)
+            if _run_of(self, round_id) == run_id:
+                _kill()
+            return digest
+
+        Store.put_evaluation = patched_put_evaluation  # type: ignore[method-assign]
     elif point.startswith("upload:"):
         target, seen = int(point.split(":")[1]), [0]
         put_upload = Store.put_upload

@@ -5,11 +5,17 @@ no restart exits non-zero (docs/operations.md "What survives what", docs/protoco
 One federation per mode; its sites serve runs until stopped. Run i is killed at crash point i by
 a server started for that purpose (tests/e2e/faulty_server.py); the server started after the
 kill is the one that kills itself at the next run's point, and the last one is a plain afl-server
-on which one more run must complete.
+on which one more run must complete. The same holds for a run's evaluation round
+(``evaluate = true``, docs/operations.md §4.1): killed in its masked exchange or right after its
+signed evaluation is stored, the restarted coordinator publishes the evaluation an uninterrupted
+round gives (the pooled metrics of the sites' rows).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +23,13 @@ import numpy as np
 import pytest
 
 from afl.core.aggregation import federated_solve
+from afl.core.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.demo_federation import ckks_round_settings, mask_round_settings, prepare_loopback
+from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.e2e.processes import Daemons
+from tests.helpers.evaluation_oracle import pooled_metrics_oracle, pooled_rows
 from tests.helpers.numeric import relative_error
 
 CLASSES = ("A", "B", "C")
@@ -42,13 +51,14 @@ CRASH_POINTS = {
 }
 
 
-def _federation(root: Path, mode: str) -> Any:
+def _federation(root: Path, mode: str, *, evaluate: bool = False) -> Any:
     feats, labels = DATA.draw(SITES)
     settings: dict[str, Any] = {
         "gram_scope": "global",
         "aggregation": mode,
         "upload_timeout_s": 300.0,
         "enrol_timeout_s": 300.0,
+        "evaluate": evaluate,
     }
     if mode == "mask":
         settings.update(mask_round_settings(feats))
@@ -75,6 +85,25 @@ def _weights(signed: pb.SignedModel) -> np.ndarray:
     return np.frombuffer(model.weights.data, dtype="<f8").reshape(shape)
 
 
+def _killed_runs(daemons: Daemons, points: list[str]) -> Iterator[tuple[str, apb.RunInfo]]:
+    """Run i is killed at ``points[i]`` (the server started after each kill is the one that
+    kills itself in the next run; the last one is a plain afl-server); yields each point with its
+    run once that has ended after the restart."""
+    daemons.start_server(crash_at=(points[0], "run-1"))
+    daemons.start_clients()
+    for i, point in enumerate(points):
+        run_id = f"run-{i + 1}"
+        if i > 0:
+            assert daemons.submit(name=f"after {points[i - 1]}").run_id == run_id
+        code = daemons.wait_server_exit()
+        assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
+        following = (points[i + 1], f"run-{i + 2}") if i + 1 < len(points) else None
+        daemons.start_server(crash_at=following)
+        info = daemons.wait_run(run_id)
+        assert info.state == "published", (point, info, daemons.log_tail())
+        yield point, info
+
+
 @pytest.mark.parametrize("mode", sorted(CRASH_POINTS))
 def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     tmp_path: Path, mode: str
@@ -83,21 +112,9 @@ def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     stats, _ = cached_statistics(loop, list(loop.site_ids))
     oracle, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
     daemons = Daemons(loop)
-    points = CRASH_POINTS[mode]
     try:
-        daemons.start_server(crash_at=(points[0], "run-1"))
-        daemons.start_clients()
-        for i, point in enumerate(points):
-            run_id = f"run-{i + 1}"
-            if i > 0:
-                assert daemons.submit(name=f"after {points[i - 1]}").run_id == run_id
-            code = daemons.wait_server_exit()
-            assert code == -9, f"{run_id}: the server was to be killed at {point}, exit {code}"
-            following = (points[i + 1], f"run-{i + 2}") if i + 1 < len(points) else None
-            daemons.start_server(crash_at=following)
-            info = daemons.wait_run(run_id)
-            assert info.state == "published", (point, info, daemons.log_tail())
-            assert relative_error(_weights(daemons.model(run_id)), oracle) <= 1e-9, point
+        for point, info in _killed_runs(daemons, CRASH_POINTS[mode]):
+            assert relative_error(_weights(daemons.model(info.run_id)), oracle) <= 1e-9, point
         last = daemons.submit(name="after every restart")
         info = daemons.wait_run(last.run_id)
         assert info.state == "published", (info, daemons.log_tail())
@@ -105,4 +122,44 @@ def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     finally:
         server_code = daemons.stop()
     assert server_code == 0, daemons.log_tail()  # the last server was never killed
+    assert "Traceback" not in daemons.server_logs()
+
+
+EVALUATION_POINTS = [
+    "evaluation-ROUND_STAGE_SHARE_KEYS",
+    "evaluation-ROUND_STAGE_UNMASK",
+    "evaluation-stored",
+]
+
+
+def test_killed_coordinator_resumes_the_evaluation_round(tmp_path: Path) -> None:
+    loop = _federation(tmp_path, "mask", evaluate=True)
+    _, caches = cached_statistics(loop, list(loop.site_ids))
+    feats, labels = pooled_rows([(c.features, c.labels) for c in caches])
+    daemons = Daemons(loop)
+    try:
+        for point, info in _killed_runs(daemons, EVALUATION_POINTS):
+            assert not info.reason and info.evaluation_round_id, (point, info)
+            signed = daemons.call(daemons.admin.GetRunEvaluation, apb.RunRef(run_id=info.run_id))
+            document = json.loads(pb.Evaluation.FromString(signed.evaluation).evaluation_json)
+            oracle = pooled_metrics_oracle(
+                feats,
+                labels,
+                weights=_weights(daemons.model(info.run_id)),
+                classes=CLASSES,
+                edges=DEFAULT_SCORE_BINS.array,
+            )
+            for name, expected in oracle.items():
+                got = document["per_class"][name]
+                assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
+                assert abs(got["auc"] - expected["auc"]) <= 1e-9, (point, name)
+                assert abs(got["bacc"] - expected["bacc"]) <= 1e-9, (point, name)
+            reports = daemons.wait_reports(info.evaluation_round_id)
+            assert {r["outcome"] for r in reports.values()} == {"COMPLETED"}, point
+            assert {r["evaluation"]["sha256"] for r in reports.values()} == {
+                hashlib.sha256(signed.evaluation).hexdigest()
+            }, point
+    finally:
+        server_code = daemons.stop()
+    assert server_code == 0, daemons.log_tail()
     assert "Traceback" not in daemons.server_logs()

@@ -1,15 +1,20 @@
 """A site's requests to an in-process :class:`afl.server.coordinator.Coordinator`, for tests
-that drive the coordinator without the site daemon: enrolment and a signed plan acceptance."""
+that drive the coordinator without the site daemon: enrolment, a signed plan acceptance, plaintext
+uploads and a whole round of them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from afl.crypto import signatures
 from afl.crypto.signed_blobs import PLAN_DECISION_CONTEXT, blob_sha256, plan_decision_fields
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.plan import RoundView
+from afl.proto.wire import AssembledPayload
+from afl.server.plan import PlannedRelease, RoundView
 from tests.helpers.enrol import enrol_in_process
 
 
@@ -52,3 +57,27 @@ def accept_plan(coordinator: Any, federation: Any, site: str, view: RoundView) -
             round_id=view.round_id, accept=True, plan_sha256=digest, signature=signature
         ),
     )
+
+
+def upload(coordinator: Any, site: str, view: RoundView, release: str, values: Any) -> None:
+    """``site`` uploads ``values`` as little-endian float64 to ``release`` of ``view``."""
+    data = np.asarray(values, dtype="<f8").tobytes()
+    digest = hashlib.sha256(data).digest()
+    payload = AssembledPayload(view.round_id, release, pb.PAYLOAD_KIND_STATISTIC, data, digest)
+    coordinator.upload(site, payload)
+
+
+def complete_round(
+    coordinator: Any,
+    federation: Any,
+    values: Callable[[str, PlannedRelease], Any] = lambda site, r: np.zeros(r.length),
+) -> None:
+    """Every participant of the current round accepts its plan and uploads ``values(site,
+    release)`` (default zeros) to each release it is a member of."""
+    view = coordinator.find("")
+    for site in view.row.participants:
+        accept_plan(coordinator, federation, site, view)
+    for site in view.row.participants:
+        for release in view.releases:
+            if site in release.members:
+                upload(coordinator, site, view, release.name, values(site, release))

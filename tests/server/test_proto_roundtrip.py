@@ -225,6 +225,18 @@ def test_masking_and_ckks_messages_round_trip() -> None:
             status=pb.DECRYPTION_STATUS_REFUSED_TAG_MISMATCH,
             reason="tag slot does not match the members' tags",
         ),
+        pb.SignedEvaluation(
+            evaluation=pb.Evaluation(
+                version=1,
+                run_id="run-1",
+                round_id="e2-x",
+                model_round_id="r1-x",
+                model_sha256=b"\x07" * 32,
+                members=["a", "b", "c"],
+                evaluation_json=b'{"format": "afl-federated-evaluation"}',
+            ).SerializeToString(),
+            signature=b"\x01" * 64,
+        ),
         pb.ClientReport(
             round_id="r",
             outcome=pb.CLIENT_OUTCOME_REFUSED_PLAN,
@@ -271,6 +283,7 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
         "GetDecryptionJobs",
         "ReportDecryption",
         "GetModel",
+        "GetEvaluation",
         "SubmitReport",
     }
     assert set(methods) == expected
@@ -279,5 +292,6 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
     assert streaming["Download"] == (False, True)
     assert streaming["WatchRounds"] == (False, True)
     assert streaming["Enroll"] == (False, False)
+    assert streaming["GetEvaluation"] == (False, False)
     assert hasattr(pb_grpc, "CoordinatorStub")
     assert hasattr(pb_grpc, "add_CoordinatorServicer_to_server")

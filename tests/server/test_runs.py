@@ -21,7 +21,6 @@ from afl.crypto import pki, signatures
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.proto.wire import AssembledPayload
 from afl.server.admin import AdminRequests, parse_run_settings
 from afl.server.config import load_config, run_settings, settings_table
 from afl.server.coordinator import Coordinator
@@ -30,7 +29,7 @@ from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStage
 from afl.server.servicer import AdminServicer, CoordinatorServicer
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
-from tests.helpers.inprocess import accept_plan, enrol
+from tests.helpers.inprocess import complete_round, enrol
 
 SITES = ["p1", "p2", "p3"]
 FEDERATION = FederationSpec(
@@ -44,24 +43,6 @@ def _coordinator(federation: Any, state: Path, **config_changes: Any) -> Coordin
     config = replace(config, state_dir=state, **config_changes)
     key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
     return Coordinator(config, Store(state, federation_id=config.federation_id), key)
-
-
-def _complete_round(coordinator: Coordinator, federation: Any) -> None:
-    view = coordinator.find("")
-    for site in view.row.participants:
-        accept_plan(coordinator, federation, site, coordinator.find(""))
-    view = coordinator.find("")
-    for site in view.row.participants:
-        for release in view.releases:
-            if site in release.members:
-                data = bytes(8 * release.length)
-                digest = hashlib.sha256(data).digest()
-                coordinator.upload(
-                    site,
-                    AssembledPayload(
-                        view.round_id, release.name, pb.PAYLOAD_KIND_STATISTIC, data, digest
-                    ),
-                )
 
 
 def test_runs_queue_behind_the_active_run_and_abort_releases_nothing(
@@ -90,7 +71,7 @@ def test_runs_queue_behind_the_active_run_and_abort_releases_nothing(
     admin.abort("operator", apb.AbortRunRequest(run_id="run-3", reason="not needed"))
     current = admin.get("operator", "run-2")
     assert current.state == "active" and list(current.classes) == ["b"]
-    _complete_round(coordinator, federation)
+    complete_round(coordinator, federation)
     published = admin.get("operator", "run-2")
     assert published.state == "published" and published.model_round_id
     signed = admin.model("operator", "run-2")
@@ -138,9 +119,18 @@ def test_submitted_settings_may_carry_a_round_header() -> None:
     rounds=st.sampled_from([1, 2]),
     gamma=st.floats(0.01, 100.0),
     dp=st.booleans(),
+    calibration=st.sampled_from(["platt", "isotonic", "none"]),
+    eval_rows=st.integers(0, 10**6),
 )
 def test_run_settings_round_trip_through_their_table(
-    federation: Any, scope: str, mode: str, rounds: int, gamma: float, dp: bool
+    federation: Any,
+    scope: str,
+    mode: str,
+    rounds: int,
+    gamma: float,
+    dp: bool,
+    calibration: str,
+    eval_rows: int,
 ) -> None:
     config = load_config(federation.server_dir / "server.toml")
     mask = {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
@@ -150,6 +140,9 @@ def test_run_settings_round_trip_through_their_table(
         "aggregation": mode,
         "rounds": 1 if dp else rounds,
         "gamma": gamma,
+        "evaluate": not dp,  # evaluation releases carry no DP noise: not in DP runs
+        "eval_calibration": calibration,
+        "eval_max_rows": eval_rows,
         **mask,
     }
     if dp:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from afl.proto.v1 import coordinator_pb2 as afl_dot_proto_dot_v1_dot_coordinator__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x66l/proto/v1/admin.proto\x12\x0c\x61\x66l.proto.v1\x1a\x1e\x61\x66l/proto/v1/coordinator.proto\"7\n\x10SubmitRunRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsettings_toml\x18\x02 \x01(\t\"\x11\n\x0fListRunsRequest\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"1\n\x0f\x41\x62ortRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8b\x01\n\x0cRoundSummary\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\x14\n\x0cround_number\x18\x02 \x01(\r\x12\'\n\x05stage\x18\x03 \x01(\x0e\x32\x18.afl.proto.v1.RoundStage\x12\x14\n\x0cparticipants\x18\x04 \x03(\t\x12\x14\n\x0c\x61\x62ort_reason\x18\x05 \x01(\t\"\xdd\x02\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x14\n\x0csubmitted_by\x18\x05 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x61ggregation\x18\x08 \x01(\t\x12\x12\n\ngram_scope\x18\t \x01(\t\x12\x0e\n\x06rounds\x18\n \x01(\r\x12\x0f\n\x07\x63lasses\x18\x0b \x03(\t\x12\n\n\x02\x64p\x18\x0c \x01(\x08\x12\x31\n\rround_history\x18\r \x03(\x0b\x32\x1a.afl.proto.v1.RoundSummary\x12\x16\n\x0emodel_round_id\x18\x0e \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x0f \x01(\x0c\x12\x15\n\rsettings_toml\x18\x10 \x01(\t\".\n\x07RunList\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.afl.proto.v1.RunInfo\">\n\nLogRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"s\n\tLogRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x02 \x01(\x03\x12\r\n\x05\x65vent\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\x04 \x01(\t\x12\x11\n\tprev_hash\x18\x05 \x01(\x0c\x12\x0c\n\x04hash\x18\x06 \x01(\x0c\"X\n\nLogRecords\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.afl.proto.v1.LogRecord\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x11\n\thead_hash\x18\x03 \x01(\x0c\x32\x85\x03\n\x05\x41\x64min\x12\x42\n\tSubmitRun\x12\x1e.afl.proto.v1.SubmitRunRequest\x1a\x15.afl.proto.v1.RunInfo\x12@\n\x08ListRuns\x12\x1d.afl.proto.v1.ListRunsRequest\x1a\x15.afl.proto.v1.RunList\x12\x35\n\x06GetRun\x12\x14.afl.proto.v1.RunRef\x1a\x15.afl.proto.v1.RunInfo\x12@\n\x08\x41\x62ortRun\x12\x1d.afl.proto.v1.AbortRunRequest\x1a\x15.afl.proto.v1.RunInfo\x12=\n\x07GetLogs\x12\x18.afl.proto.v1.LogRequest\x1a\x18.afl.proto.v1.LogRecords\x12>\n\x0bGetRunModel\x12\x14.afl.proto.v1.RunRef\x1a\x19.afl.proto.v1.SignedModelb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x66l/proto/v1/admin.proto\x12\x0c\x61\x66l.proto.v1\x1a\x1e\x61\x66l/proto/v1/coordinator.proto\"7\n\x10SubmitRunRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rsettings_toml\x18\x02 \x01(\t\"\x11\n\x0fListRunsRequest\"\x18\n\x06RunRef\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"1\n\x0f\x41\x62ortRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x8b\x01\n\x0cRoundSummary\x12\x10\n\x08round_id\x18\x01 \x01(\t\x12\x14\n\x0cround_number\x18\x02 \x01(\r\x12\'\n\x05stage\x18\x03 \x01(\x0e\x32\x18.afl.proto.v1.RoundStage\x12\x14\n\x0cparticipants\x18\x04 \x03(\t\x12\x14\n\x0c\x61\x62ort_reason\x18\x05 \x01(\t\"\x95\x03\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x14\n\x0csubmitted_by\x18\x05 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x61ggregation\x18\x08 \x01(\t\x12\x12\n\ngram_scope\x18\t \x01(\t\x12\x0e\n\x06rounds\x18\n \x01(\r\x12\x0f\n\x07\x63lasses\x18\x0b \x03(\t\x12\n\n\x02\x64p\x18\x0c \x01(\x08\x12\x31\n\rround_history\x18\r \x03(\x0b\x32\x1a.afl.proto.v1.RoundSummary\x12\x16\n\x0emodel_round_id\x18\x0e \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x0f \x01(\x0c\x12\x15\n\rsettings_toml\x18\x10 \x01(\t\x12\x1b\n\x13\x65valuation_round_id\x18\x11 \x01(\t\x12\x19\n\x11\x65valuation_sha256\x18\x12 \x01(\x0c\".\n\x07RunList\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.afl.proto.v1.RunInfo\">\n\nLogRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\r\n\x05limit\x18\x03 \x01(\r\"s\n\tLogRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0ctime_unix_ms\x18\x02 \x01(\x03\x12\r\n\x05\x65vent\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\x04 \x01(\t\x12\x11\n\tprev_hash\x18\x05 \x01(\x0c\x12\x0c\n\x04hash\x18\x06 \x01(\x0c\"X\n\nLogRecords\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.afl.proto.v1.LogRecord\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x11\n\thead_hash\x18\x03 \x01(\x0c\x32\xcf\x03\n\x05\x41\x64min\x12\x42\n\tSubmitRun\x12\x1e.afl.proto.v1.SubmitRunRequest\x1a\x15.afl.proto.v1.RunInfo\x12@\n\x08ListRuns\x12\x1d.afl.proto.v1.ListRunsRequest\x1a\x15.afl.proto.v1.RunList\x12\x35\n\x06GetRun\x12\x14.afl.proto.v1.RunRef\x1a\x15.afl.proto.v1.RunInfo\x12@\n\x08\x41\x62ortRun\x12\x1d.afl.proto.v1.AbortRunRequest\x1a\x15.afl.proto.v1.RunInfo\x12=\n\x07GetLogs\x12\x18.afl.proto.v1.LogRequest\x1a\x18.afl.proto.v1.LogRecords\x12>\n\x0bGetRunModel\x12\x14.afl.proto.v1.RunRef\x1a\x19.afl.proto.v1.SignedModel\x12H\n\x10GetRunEvaluation\x12\x14.afl.proto.v1.RunRef\x1a\x1e.afl.proto.v1.SignedEvaluationb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUNDSUMMARY']._serialized_start=228
   _globals['_ROUNDSUMMARY']._serialized_end=367
   _globals['_RUNINFO']._serialized_start=370
-  _globals['_RUNINFO']._serialized_end=719
-  _globals['_RUNLIST']._serialized_start=721
-  _globals['_RUNLIST']._serialized_end=767
-  _globals['_LOGREQUEST']._serialized_start=769
-  _globals['_LOGREQUEST']._serialized_end=831
-  _globals['_LOGRECORD']._serialized_start=833
-  _globals['_LOGRECORD']._serialized_end=948
-  _globals['_LOGRECORDS']._serialized_start=950
-  _globals['_LOGRECORDS']._serialized_end=1038
-  _globals['_ADMIN']._serialized_start=1041
-  _globals['_ADMIN']._serialized_end=1430
+  _globals['_RUNINFO']._serialized_end=775
+  _globals['_RUNLIST']._serialized_start=777
+  _globals['_RUNLIST']._serialized_end=823
+  _globals['_LOGREQUEST']._serialized_start=825
+  _globals['_LOGREQUEST']._serialized_end=887
+  _globals['_LOGRECORD']._serialized_start=889
+  _globals['_LOGRECORD']._serialized_end=1004
+  _globals['_LOGRECORDS']._serialized_start=1006
+  _globals['_LOGRECORDS']._serialized_end=1094
+  _globals['_ADMIN']._serialized_start=1097
+  _globals['_ADMIN']._serialized_end=1560
 # @@protoc_insertion_point(module_scope)

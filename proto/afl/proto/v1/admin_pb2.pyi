@@ -168,6 +168,8 @@ class RunInfo(_message.Message):
     MODEL_ROUND_ID_FIELD_NUMBER: _builtins.int
     MODEL_SHA256_FIELD_NUMBER: _builtins.int
     SETTINGS_TOML_FIELD_NUMBER: _builtins.int
+    EVALUATION_ROUND_ID_FIELD_NUMBER: _builtins.int
+    EVALUATION_SHA256_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     name: _builtins.str
     state: _builtins.str
@@ -187,6 +189,11 @@ class RunInfo(_message.Message):
     model_sha256: _builtins.bytes
     settings_toml: _builtins.str
     """The run's settings as submitted (TOML)."""
+    evaluation_round_id: _builtins.str
+    """The run's evaluation round (`evaluate = true`) once its evaluation is published, and the
+    SHA-256 of the serialized Evaluation bytes.
+    """
+    evaluation_sha256: _builtins.bytes
     @_builtins.property
     def classes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -210,10 +217,12 @@ class RunInfo(_message.Message):
         model_round_id: _builtins.str = ...,
         model_sha256: _builtins.bytes = ...,
         settings_toml: _builtins.str = ...,
+        evaluation_round_id: _builtins.str = ...,
+        evaluation_sha256: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "classes", b"classes", "created_unix_ms", b"created_unix_ms", "dp", b"dp", "finished_unix_ms", b"finished_unix_ms", "gram_scope", b"gram_scope", "model_round_id", b"model_round_id", "model_sha256", b"model_sha256", "name", b"name", "reason", b"reason", "round_history", b"round_history", "rounds", b"rounds", "run_id", b"run_id", "settings_toml", b"settings_toml", "state", b"state", "submitted_by", b"submitted_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "classes", b"classes", "created_unix_ms", b"created_unix_ms", "dp", b"dp", "evaluation_round_id", b"evaluation_round_id", "evaluation_sha256", b"evaluation_sha256", "finished_unix_ms", b"finished_unix_ms", "gram_scope", b"gram_scope", "model_round_id", b"model_round_id", "model_sha256", b"model_sha256", "name", b"name", "reason", b"reason", "round_history", b"round_history", "rounds", b"rounds", "run_id", b"run_id", "settings_toml", b"settings_toml", "state", b"state", "submitted_by", b"submitted_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

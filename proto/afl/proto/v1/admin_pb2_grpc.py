@@ -65,6 +65,11 @@ class AdminStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.FromString,
                 _registered_method=True)
+        self.GetRunEvaluation = channel.unary_unary(
+                '/afl.proto.v1.Admin/GetRunEvaluation',
+                request_serializer=afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -112,6 +117,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRunEvaluation(self, request, context):
+        """The signed federated evaluation (and calibration) of a run with `evaluate = true`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +156,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetRunModel,
                     request_deserializer=afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.SerializeToString,
+            ),
+            'GetRunEvaluation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunEvaluation,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +325,33 @@ class Admin:
             '/afl.proto.v1.Admin/GetRunModel',
             afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.SerializeToString,
             afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunEvaluation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Admin/GetRunEvaluation',
+            afl_dot_proto_dot_v1_dot_admin__pb2.RunRef.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.FromString,
             options,
             channel_credentials,
             insecure,

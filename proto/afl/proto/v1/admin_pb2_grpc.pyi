@@ -58,6 +58,8 @@ class AdminStub:
     """Audit-log records (all, or those naming one run's rounds), after a sequence number."""
     GetRunModel: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RunRef, _coordinator_pb2.SignedModel]
     """The signed model a run published (its final round's)."""
+    GetRunEvaluation: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RunRef, _coordinator_pb2.SignedEvaluation]
+    """The signed federated evaluation (and calibration) of a run with `evaluate = true`."""
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -74,6 +76,8 @@ class AdminAsyncStub(AdminStub):
     """Audit-log records (all, or those naming one run's rounds), after a sequence number."""
     GetRunModel: _aio.UnaryUnaryMultiCallable[_admin_pb2.RunRef, _coordinator_pb2.SignedModel]  # type: ignore[assignment]
     """The signed model a run published (its final round's)."""
+    GetRunEvaluation: _aio.UnaryUnaryMultiCallable[_admin_pb2.RunRef, _coordinator_pb2.SignedEvaluation]  # type: ignore[assignment]
+    """The signed federated evaluation (and calibration) of a run with `evaluate = true`."""
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -123,5 +127,13 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SignedModel, _abc.Awaitable[_coordinator_pb2.SignedModel]]:
         """The signed model a run published (its final round's)."""
+
+    @_abc_1.abstractmethod
+    def GetRunEvaluation(
+        self,
+        request: _admin_pb2.RunRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SignedEvaluation, _abc.Awaitable[_coordinator_pb2.SignedEvaluation]]:
+        """The signed federated evaluation (and calibration) of a run with `evaluate = true`."""
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -450,7 +450,9 @@ class RoundStatus(_message.Message):
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     round_number: _builtins.int
-    """1 or 2. [visible: participants]"""
+    """1 or 2; the run's evaluation round (`evaluate = true`) has the run's rounds + 1.
+    [visible: participants]
+    """
     stage: Global___RoundStage.ValueType
     """Current stage. [visible: participants]"""
     stage_deadline_unix_ms: _builtins.int
@@ -749,10 +751,12 @@ class RoundConfig(_message.Message):
     round_id: _builtins.str
     """Unique round id (server-chosen, random). [visible: participants]"""
     round_number: _builtins.int
-    """1 (analytic solve) or 2 (pseudo-label refinement). [visible: participants]"""
+    """1 (analytic solve) or 2 (pseudo-label refinement); rounds + 1 for the run's evaluation
+    round. [visible: participants]
+    """
     parent_round_id: _builtins.str
-    """Round 2 only: the round-1 id whose published model scores missing classes.
-    [visible: participants]
+    """Round 2: the round-1 id whose published model scores missing classes; an evaluation round:
+    the round whose published model is evaluated. [visible: participants]
     """
     feature_dim: _builtins.int
     """Feature dimension d. [visible: participants]"""
@@ -1865,6 +1869,121 @@ class ModelRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelRequest: _TypeAlias = ModelRequest  # noqa: Y015
+
+@_typing.final
+class Evaluation(_message.Message):
+    """A federated evaluation of a published model: the pooled metrics and, optionally, a calibration
+    fitted from the released sums of an evaluation round (docs/protocol.md §6.1). Signed by the
+    server as SignedEvaluation.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    FEDERATION_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    MODEL_ROUND_ID_FIELD_NUMBER: _builtins.int
+    MODEL_SHA256_FIELD_NUMBER: _builtins.int
+    PLAN_SHA256_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    EVALUATION_JSON_FIELD_NUMBER: _builtins.int
+    CALIBRATION_JSON_FIELD_NUMBER: _builtins.int
+    CREATED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """Format version (1). [visible: all]"""
+    federation_id: _builtins.str
+    """Federation id. [visible: all]"""
+    run_id: _builtins.str
+    """The run and its evaluation round. [visible: all]"""
+    round_id: _builtins.str
+    model_round_id: _builtins.str
+    """The evaluated model: its round and the SHA-256 of its signed Model bytes. [visible: all]"""
+    model_sha256: _builtins.bytes
+    plan_sha256: _builtins.bytes
+    """SHA-256 of the evaluation round's release plan. [visible: all]"""
+    evaluation_json: _builtins.bytes
+    """The federated evaluation document (afl.core.evaluation.federated_evaluation_document),
+    UTF-8 JSON. [visible: all]
+    """
+    calibration_json: _builtins.bytes
+    """The calibration document (afl.core.calibration.calibration_document), UTF-8 JSON; empty
+    when the run fits none. [visible: all]
+    """
+    created_unix_ms: _builtins.int
+    """Creation time, Unix milliseconds. [visible: all]"""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Sites whose statistics the released sums contain, sorted. [visible: all]"""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        federation_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        round_id: _builtins.str = ...,
+        model_round_id: _builtins.str = ...,
+        model_sha256: _builtins.bytes = ...,
+        plan_sha256: _builtins.bytes = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+        evaluation_json: _builtins.bytes = ...,
+        calibration_json: _builtins.bytes = ...,
+        created_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibration_json", b"calibration_json", "created_unix_ms", b"created_unix_ms", "evaluation_json", b"evaluation_json", "federation_id", b"federation_id", "members", b"members", "model_round_id", b"model_round_id", "model_sha256", b"model_sha256", "plan_sha256", b"plan_sha256", "round_id", b"round_id", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Evaluation: _TypeAlias = Evaluation  # noqa: Y015
+
+@_typing.final
+class SignedEvaluation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVALUATION_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    evaluation: _builtins.bytes
+    """Serialized Evaluation; verify the signature over these exact bytes, then parse.
+    [visible: all]
+    """
+    signature: _builtins.bytes
+    """Server's identity signature, context "evaluation", fields (evaluation). [visible: all]"""
+    def __init__(
+        self,
+        *,
+        evaluation: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evaluation", b"evaluation", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignedEvaluation: _TypeAlias = SignedEvaluation  # noqa: Y015
+
+@_typing.final
+class EvaluationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    round_id: _builtins.str
+    """The evaluation round's id. [visible: server]"""
+    def __init__(
+        self,
+        *,
+        round_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluationRequest: _TypeAlias = EvaluationRequest  # noqa: Y015
 
 @_typing.final
 class ClientReport(_message.Message):

@@ -157,6 +157,11 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ModelRequest.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.FromString,
                 _registered_method=True)
+        self.GetEvaluation = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetEvaluation',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EvaluationRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.FromString,
+                _registered_method=True)
         self.SubmitReport = channel.unary_unary(
                 '/afl.proto.v1.Coordinator/SubmitReport',
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ClientReport.SerializeToString,
@@ -344,6 +349,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEvaluation(self, request, context):
+        """The signed federated evaluation (and calibration) of an evaluation round
+        (docs/protocol.md §6.1); enrolled sites only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SubmitReport(self, request, context):
         """The site's report at the end of a round (also sent on refusal or failure).
         """
@@ -473,6 +486,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ModelRequest.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.SerializeToString,
+            ),
+            'GetEvaluation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEvaluation,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.EvaluationRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.SerializeToString,
             ),
             'SubmitReport': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitReport,
@@ -1130,6 +1148,33 @@ class Coordinator:
             '/afl.proto.v1.Coordinator/GetModel',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.ModelRequest.SerializeToString,
             afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetEvaluation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetEvaluation',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.EvaluationRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.SignedEvaluation.FromString,
             options,
             channel_credentials,
             insecure,

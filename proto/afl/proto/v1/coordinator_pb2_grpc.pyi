@@ -121,6 +121,10 @@ class CoordinatorStub:
     """CKKS mode, decryptor only: the outcome of one decryption job (result bytes via Upload)."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ModelRequest, _coordinator_pb2.SignedModel]
     """The signed model of a round (or the latest one)."""
+    GetEvaluation: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EvaluationRequest, _coordinator_pb2.SignedEvaluation]
+    """The signed federated evaluation (and calibration) of an evaluation round
+    (docs/protocol.md §6.1); enrolled sites only.
+    """
     SubmitReport: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ClientReport, _common_pb2.Ack]
     """The site's report at the end of a round (also sent on refusal or failure)."""
 
@@ -190,6 +194,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """CKKS mode, decryptor only: the outcome of one decryption job (result bytes via Upload)."""
     GetModel: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ModelRequest, _coordinator_pb2.SignedModel]  # type: ignore[assignment]
     """The signed model of a round (or the latest one)."""
+    GetEvaluation: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EvaluationRequest, _coordinator_pb2.SignedEvaluation]  # type: ignore[assignment]
+    """The signed federated evaluation (and calibration) of an evaluation round
+    (docs/protocol.md §6.1); enrolled sites only.
+    """
     SubmitReport: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ClientReport, _common_pb2.Ack]  # type: ignore[assignment]
     """The site's report at the end of a round (also sent on refusal or failure)."""
 
@@ -400,6 +408,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SignedModel, _abc.Awaitable[_coordinator_pb2.SignedModel]]:
         """The signed model of a round (or the latest one)."""
+
+    @_abc_1.abstractmethod
+    def GetEvaluation(
+        self,
+        request: _coordinator_pb2.EvaluationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SignedEvaluation, _abc.Awaitable[_coordinator_pb2.SignedEvaluation]]:
+        """The signed federated evaluation (and calibration) of an evaluation round
+        (docs/protocol.md §6.1); enrolled sites only.
+        """
 
     @_abc_1.abstractmethod
     def SubmitReport(
