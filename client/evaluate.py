@@ -1,5 +1,5 @@
 """``afl-client evaluate``: a site checks a published model on its own labelled hold-out before
-trusting it (docs/operations.md §11, docs/method.md §3.4).
+trusting it (docs/operations.md §14, docs/method.md §3.4).
 
 The model is a signed model file (default: the newest verified model in the daemon's
 ``state_dir/models``), verified again with the coordinator key of ``client.toml``. The hold-out is a
