@@ -110,6 +110,8 @@ def _server(config: ClientConfig, *, insecure: bool) -> list[Finding]:
         r = status.round
         line += f"; round {r.round_id} is {_stage(r.stage)}"
     out.append(Finding(OK, line))
+    if status.note:  # the current run leaves this site out (another backbone, weights, ...)
+        out.append(Finding(WARNING, f"left out of the current run: {status.note}"))
     return out
 
 
@@ -260,6 +262,8 @@ def status_lines(config: ClientConfig, *, insecure: bool = False) -> list[str]:
             )
         else:
             lines.append("current round: none for this site")
+        if status.note:
+            lines.append(f"left out of the current run: {status.note}")
         if status.latest_model_round_id:
             lines.append(f"latest published model: round {status.latest_model_round_id}")
     report = _last_report(config)
