@@ -9,7 +9,8 @@ doctor checks, in order:
   matches ``[identity] public_key`` (the config loader refuses a mismatch);
 * the coordinator: the address resolves, a TCP connection opens, mutual TLS succeeds
   (:func:`afl.client.connectivity.probe` names the cause otherwise), and ``GetStatus`` answers
-  for this site (federation id, enrolment, the current round);
+  for this site (federation id, enrolment, the current round, and why the current run leaves
+  the site out when it does: a WARNING);
 * the feature cache: images, d, backbone, weights digest, RANDOM-INIT/SURROGATE stamps, and per
   labelled class its positives and negatives (a class without both is skipped at this site);
 * the values masked rounds use: N and the largest feature-row norm L, measured and as declared
@@ -17,7 +18,8 @@ doctor checks, in order:
 * the state folder is writable.
 
 Exit status 0 when nothing is a PROBLEM, else 1 (2 when client.toml itself cannot be loaded).
-status prints the local state (last report, last model) and the coordinator's view.
+status prints the local state (last report, last model) and the coordinator's view (with the
+reason the current run leaves the site out, if it does).
 """
 
 from __future__ import annotations
