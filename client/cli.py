@@ -335,7 +335,7 @@ def run_init(args: argparse.Namespace) -> int:
         print(
             f"  {imported.config.name}: the operator's template (client.toml kept; merge by hand)"
         )
-    print("  next: set [data] in client.toml and review [policy] (docs/operations.md §2)")
+    print("  next: set [data] in client.toml and review [policy] (docs/operations.md §3)")
     return 0
 
 
@@ -589,7 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, add_args, handler in SUBCOMMANDS:
-        p = sub.add_parser(name, help=help_text)
+        # `afl-client CMD --help` says what CMD does (add_args may give a longer description).
+        p = sub.add_parser(
+            name, help=help_text, description=f"{help_text[:1].upper()}{help_text[1:]}."
+        )
         add_args(p)
         p.set_defaults(handler=handler)
     return parser

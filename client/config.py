@@ -17,7 +17,7 @@ Sections (paths are relative to the file's own folder)::
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
                holdout   optional feature cache of held-out labelled images: what the site
                          evaluates a model on in a run's evaluation round (without it: the
-                         training cache, flagged in-sample; docs/operations.md §4.1)
+                         training cache, flagged in-sample; docs/operations.md §6.1)
     [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
                disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
                power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),

@@ -9,7 +9,8 @@ doctor checks, in order:
   matches ``[identity] public_key`` (the config loader refuses a mismatch);
 * the coordinator: the address resolves, a TCP connection opens, mutual TLS succeeds
   (:func:`afl.client.connectivity.probe` names the cause otherwise), and ``GetStatus`` answers
-  for this site (federation id, enrolment, the current round);
+  for this site (federation id, enrolment, the current round, and why the current run leaves
+  the site out when it does: a WARNING);
 * the feature cache: images, d, backbone, weights digest, RANDOM-INIT/SURROGATE stamps, and per
   labelled class its positives and negatives (a class without both is skipped at this site);
 * the values masked rounds use: N and the largest feature-row norm L, measured and as declared
@@ -17,7 +18,8 @@ doctor checks, in order:
 * the state folder is writable.
 
 Exit status 0 when nothing is a PROBLEM, else 1 (2 when client.toml itself cannot be loaded).
-status prints the local state (last report, last model) and the coordinator's view.
+status prints the local state (last report, last model) and the coordinator's view (with the
+reason the current run leaves the site out, if it does).
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def _server(config: ClientConfig, *, insecure: bool) -> list[Finding]:
         r = status.round
         line += f"; round {r.round_id} is {_stage(r.stage)}"
     out.append(Finding(OK, line))
+    if status.note:  # the current run leaves this site out (another backbone, weights, ...)
+        out.append(Finding(WARNING, f"left out of the current run: {status.note}"))
     return out
 
 
@@ -260,6 +264,8 @@ def status_lines(config: ClientConfig, *, insecure: bool = False) -> list[str]:
             )
         else:
             lines.append("current round: none for this site")
+        if status.note:
+            lines.append(f"left out of the current run: {status.note}")
         if status.latest_model_round_id:
             lines.append(f"latest published model: round {status.latest_model_round_id}")
     report = _last_report(config)

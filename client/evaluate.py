@@ -1,12 +1,12 @@
 """``afl-client evaluate``: a site checks a published model on its own labelled hold-out before
-trusting it (docs/operations.md §11, docs/method.md §3.4).
+trusting it (docs/operations.md §14, docs/method.md §3.4).
 
 The model is a signed model file (default: the newest verified model in the daemon's
 ``state_dir/models``), verified again with the coordinator key of ``client.toml``. The hold-out is a
 feature cache (``--cache``, e.g. from ``afl-client extract`` on held-out images) or a manifest of
 images (``--manifest``, features extracted with the model's backbone from a local weights file
 into a temporary cache). Without either, the site's ``[data] holdout`` cache when it has one (the
-rows a run's evaluation round uses, docs/operations.md §4.1), else its training cache (``[data]
+rows a run's evaluation round uses, docs/operations.md §6.1), else its training cache (``[data]
 cache``), flagged ``in_sample`` (optimistic: the model was fitted on those rows).
 
 Classes evaluated: the model's classes the site labels (``[data] classes``; when empty, every

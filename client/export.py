@@ -1,4 +1,4 @@
-"""A published model as a deployable classifier (docs/operations.md §11, docs/method.md §3.5).
+"""A published model as a deployable classifier (docs/operations.md §14, docs/method.md §3.5).
 
 The classifier is the frozen backbone named by the model (weights from a local file, digest
 checked, :func:`afl.client.backbones.load_backbone`), its preprocessing and the federation's

@@ -1,4 +1,4 @@
-"""A site's part in a run's evaluation round (docs/protocol.md §6.1, docs/operations.md §4.1).
+"""A site's part in a run's evaluation round (docs/protocol.md §6.1, docs/operations.md §6.1).
 
 A coordinator whose run sets ``evaluate = true`` opens, after the run's model is published, a
 round whose plan releases score histograms and confusion counts of that model

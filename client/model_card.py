@@ -1,4 +1,4 @@
-"""The model card of an exported classifier (docs/operations.md §11): what the model is, how it was
+"""The model card of an exported classifier (docs/operations.md §14): what the model is, how it was
 trained, how it performed, and what it must not be used for, as JSON and Markdown.
 
 The card states only what the exporting party knows: a site knows its own training images and

@@ -1,5 +1,5 @@
 """``afl-client predict``: per-class probabilities and decisions for new images from an exported
-classifier (docs/operations.md §11).
+classifier (docs/operations.md §14).
 
 Images are read with the extraction's own readers (:func:`afl.client.sitedata.read_image`:
 PNG/JPEG/DICOM), one at a time (each keeps its own size), and run through the exported TorchScript

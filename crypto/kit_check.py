@@ -46,7 +46,7 @@ def _validity(cert: x509.Certificate, what: str, now: dt.datetime, warn_days: in
         return Finding(PROBLEM, f"{what} is not valid before {start:%Y-%m-%d %H:%M} UTC")
     if now > end:
         return Finding(
-            PROBLEM, f"{what} EXPIRED on {end:%Y-%m-%d} (re-issue it, docs/operations.md §6)"
+            PROBLEM, f"{what} EXPIRED on {end:%Y-%m-%d} (re-issue it, docs/operations.md §12)"
         )
     days = (end - now).days
     level = WARNING if days < warn_days else OK

@@ -13,7 +13,7 @@
    loopback federation then includes a dedicated decryptor site);
 4. the published, signed model (every site verified the same one) evaluated on the test cache:
    per-class and macro BACC / AUC / AP (paper eq. 23-25), the bytes each site sent, timings;
-5. with ``--evaluate``, the run's evaluation round (docs/operations.md §4.1): every site scores
+5. with ``--evaluate``, the run's evaluation round (docs/operations.md §6.1): every site scores
    its own rows with the model, the coordinator releases only the summed histograms and counts
    under the same protection, and the federated metrics it signed are printed beside the test
    cache's (in-sample: the sites evaluate their training caches).
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--evaluate",
         action="store_true",
-        help="add the run's federated evaluation and calibration round (docs/operations.md §4.1)",
+        help="add the run's federated evaluation and calibration round (docs/operations.md §6.1)",
     )
 
 

@@ -1,5 +1,5 @@
 """`afl export`: a published model as a deployable classifier (TorchScript + ONNX + model card),
-at a site or at the coordinator (docs/operations.md §11; the artefacts: :mod:`afl.client.export`).
+at a site or at the coordinator (docs/operations.md §14; the artefacts: :mod:`afl.client.export`).
 
 ``--config`` is the exporting party's own configuration: a site's ``client.toml`` or the
 coordinator's ``server.toml``. It gives the federation id and the coordinator's public key (the

@@ -1,5 +1,5 @@
 """`afl report EXPORT_DIR`: the deployed-round view of one published model, from an `afl export`
-folder (docs/operations.md §11): the model card (what must not be done with the model first), the
+folder (docs/operations.md §14): the model card (what must not be done with the model first), the
 round's facts, the backbone, the evaluations the card carries (a site's local evaluation with
 bootstrap intervals, a federated evaluation), and the calibration (reliability diagrams before
 and after when the calibration file carries them, and the fitted maps). One self-contained HTML

@@ -37,7 +37,7 @@ rounds = 1 or 2 (the budget covers both rounds); with aggregation = "mask" N bou
 statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest row count the
 participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.dp_ckks`).
 
-Evaluation (docs/operations.md §4.1): with ``evaluate = true`` (not with [round.dp]: evaluation
+Evaluation (docs/operations.md §6.1): with ``evaluate = true`` (not with [round.dp]: evaluation
 releases carry no noise) the run's published model is evaluated in one more round under the run's
 protection, and a calibration is fitted from the summed histograms (``eval_calibration``).
 

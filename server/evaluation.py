@@ -1,5 +1,5 @@
 """The evaluation round of a run: a federated evaluation (and calibration) of the run's published
-model (docs/protocol.md §6.1, docs/operations.md §4.1).
+model (docs/protocol.md §6.1, docs/operations.md §6.1).
 
 A run with ``[round] evaluate = true`` does not end when its final round publishes the model: the
 round machine (:mod:`afl.server.rounds`) opens one more round, number ``rounds + 1`` (round id
@@ -73,7 +73,7 @@ __all__ = [
 
 HISTOGRAMS = "eval_hist[all]"
 CONFUSION = "eval_confusion[all]"
-#: What the evaluated rows are (the sites choose; docs/operations.md §4.1).
+#: What the evaluated rows are (the sites choose; docs/operations.md §6.1).
 ROWS_NOTE = (
     "each member's hold-out cache ([data] holdout in its client.toml), else its training cache "
     "(in-sample); each member's round report says which"

@@ -1,4 +1,4 @@
-"""Prometheus metrics and structured (JSON lines) logs of afl-server (docs/operations.md §7).
+"""Prometheus metrics and structured (JSON lines) logs of afl-server (docs/operations.md §13).
 
 Metrics live in their own :class:`prometheus_client.CollectorRegistry` per server, so several
 servers in one process (tests) never collide; :func:`start_metrics_http` serves it. Log records
@@ -51,7 +51,8 @@ class ServerMetrics:
         self.rounds = Counter(
             "afl_rounds_total", "Rounds that ended", ["outcome"], registry=self.registry
         )
-        # One series per stage name, 1 for the current round's stage: afl_round_stage{stage="UPLOAD"}.
+        # One series per stage name, 1 for the current round's stage:
+        # afl_round_stage{afl_round_stage="UPLOAD"} 1.0 (docs/operations.md §13).
         self.stage = Enum(
             "afl_round_stage",
             "Stage of the current round",

@@ -53,18 +53,24 @@ def status_lines(config: ServerConfig, *, now: Callable[[], float] | None = None
                 continue
             bounds = row.row_bounds
             declared = f"N <= {bounds.rows}, L <= {bounds.max_row_norm:g}" if bounds else "none"
+            coverage = (
+                f"labels {len(row.labelled_classes)} class(es)"
+                if row.labelled_classes
+                else "coverage not disclosed"  # [policy] disclose_coverage = false
+            )
             lines.append(
-                f"  {site:<20} enrolled ({entry.role}); labels {len(row.labelled_classes)} "
-                f"class(es); backbone {row.backbone or '-'}; declared bounds {declared}"
+                f"  {site:<20} enrolled ({entry.role}); {coverage}; "
+                f"backbone {row.backbone or '-'}; declared bounds {declared}"
                 + ("; RANDOM-INIT features" if row.random_init else "")
             )
         if not rounds:
             lines.append("round: none yet")
         else:
             current = rounds[-1]
+            ended = current.stage in (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)
             lines.append(
-                f"round {current.round_id} (number {current.number}): {_stage(current.stage)}; "
-                f"stage deadline {_when(current.deadline_ms, now_ms)}"
+                f"round {current.round_id} (number {current.number}): {_stage(current.stage)}"
+                + ("" if ended else f"; stage deadline {_when(current.deadline_ms, now_ms)}")
             )
             decisions = store.decisions(current.round_id)
             uploads = store.uploads(current.round_id)

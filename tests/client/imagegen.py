@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +10,24 @@ import pydicom
 from PIL import Image
 from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
 from pydicom.encaps import encapsulate
-from pydicom.sequence import Sequence
+from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import (
     ExplicitVRLittleEndian,
+    JPEG2000Lossless,
     JPEGLosslessSV1,
+    JPEGLSLossless,
+    RLELossless,
     SecondaryCaptureImageStorage,
     generate_uid,
+)
+
+#: Uncompressed and the four compressed transfer syntaxes PACS exports use most.
+DICOM_SYNTAXES = (
+    ExplicitVRLittleEndian,
+    JPEGLosslessSV1,
+    JPEGLSLossless,
+    JPEG2000Lossless,
+    RLELossless,
 )
 
 
@@ -65,7 +78,7 @@ def write_dicom(
         item = Dataset()
         item.LUTDescriptor = list(voi_lut[0])
         item.add_new(0x00283006, "US", [int(v) for v in voi_lut[1]])  # LUTData
-        ds.VOILUTSequence = Sequence([item])
+        ds.VOILUTSequence = DicomSequence([item])
     ds.PixelData = stored.astype(np.uint16).tobytes()
     if syntax == JPEGLosslessSV1:
         ds.PixelData = encapsulate([jpeg_lossless_sv1(stored, precision=bits)])
@@ -90,6 +103,45 @@ def make_site(root: Path, n: int, *, size: int = 40, seed: int = 0) -> Path:
         write_png(root / "img" / f"{i:03d}.png", rng.integers(0, 256, (h, size), dtype=np.uint8))
         lines.append(f"img/{i:03d}.png,{i % 2},{'' if i % 3 else 1}")
     manifest = root / "manifest.csv"
+    manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return manifest
+
+
+def write_hospital(
+    folder: Path,
+    *,
+    kind: str,
+    classes: Sequence[str],
+    count: int,
+    seed: int,
+    images: str = "",
+    patients: bool = False,
+) -> Path:
+    """A hospital's images and the manifest that lists only the classes it labels: ``count``
+    96x96 chest-X-ray-like ramps with noise in ``kind`` "png", "jpeg" or "dicom" (12-bit, the
+    transfer syntax cycling through :data:`DICOM_SYNTAXES`, every third image with a VOI window)
+    in the subfolder ``images`` of ``folder``, and ``folder/manifest.csv`` with the columns path,
+    patient (when ``patients``: two images per patient) and ``classes``, each with positives and
+    negatives (alternating per row). Returns the manifest."""
+    rng = np.random.default_rng(seed)
+    (folder / images).mkdir(parents=True, exist_ok=True)
+    lines = [",".join(["path", *(["patient"] if patients else []), *classes])]
+    suffix = {"png": "png", "jpeg": "jpg", "dicom": "dcm"}[kind]
+    for i in range(count):
+        ramp = np.linspace(0.2, 0.6, 96)[None, :] * (1 + (i * (seed % 5 + 1)) % 3)
+        pixels = np.clip(rng.random((96, 96)) * 0.3 + ramp, 0, 1)
+        name = str(Path(images) / f"{i:05d}.{suffix}")
+        if kind == "dicom":
+            window = (1500.0, 2500.0) if i % 3 == 0 else None
+            syntax = DICOM_SYNTAXES[i % len(DICOM_SYNTAXES)]
+            write_dicom(
+                folder / name, (pixels * 4095).astype(np.uint16), syntax=syntax, window=window
+            )
+        else:
+            Image.fromarray((pixels * 255).astype(np.uint8)).save(folder / name, quality=92)
+        patient = [f"P{seed}-{i // 2:03d}"] if patients else []
+        lines.append(",".join([name, *patient, *(str((i + j) % 2) for j in range(len(classes)))]))
+    manifest = folder / "manifest.csv"
     manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return manifest
 

@@ -129,3 +129,19 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("afl-client ")
+
+
+def test_help_says_what_each_command_does_in_full_sentences(capsys):
+    """`afl-client --help` and `afl-client CMD --help` (docs/operations.md: no source to read)."""
+    from afl.client.cli import SUBCOMMANDS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert description.rstrip().endswith("."), description
+    for name, *_ in SUBCOMMANDS:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        paragraphs = capsys.readouterr().out.split("\n\n")
+        assert paragraphs[1].rstrip().endswith("."), (name, paragraphs[1])
+        assert not paragraphs[1].startswith(("positional", "options")), name

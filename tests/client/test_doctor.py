@@ -6,6 +6,7 @@ partly labelled class, undeclared bounds and an unreachable server are each name
 from __future__ import annotations
 
 import math
+import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -24,6 +25,7 @@ from afl.server.config import load_config
 from afl.server.daemon import CoordinatorServer
 from afl.server.provisioning import ProvisionedFederation
 from tests.helpers.federation import FederationSpec
+from tests.server.fakeclient import FakeSite
 
 CLASSES = ("Atelectasis", "Effusion", "Mass")
 D = 6
@@ -58,12 +60,20 @@ def _site(
     *,
     labels: np.ndarray | None = None,
     classes: tuple[str, ...] = ("Atelectasis", "Mass"),
+    random_init: bool = False,
 ) -> ClientConfig:
     """Site s1 with a cache labelling ``classes`` (10 positives, 10 negatives each)."""
     n = features.shape[0]
     if labels is None:
         labels = np.tile((np.arange(n) % 2)[:, None], (1, len(classes))).astype(np.int8)
-    meta = CacheMeta(n=n, d=D, classes=classes, source="test", extra={"backbone": "test"})
+    meta = CacheMeta(
+        n=n,
+        d=D,
+        classes=classes,
+        source="test",
+        random_init=random_init,
+        extra={"backbone": "test"},
+    )
     write_cache(
         tmp_path / "cache",
         meta=meta,
@@ -159,3 +169,34 @@ def test_cli_exit_codes_and_status(
     )
     assert client_main(["status", "--config", str(path)]) == 0
     assert "UNREACHABLE: connection refused by localhost:1" in capsys.readouterr().out
+
+
+def test_a_random_init_site_is_warned_and_told_why_the_run_leaves_it_out(
+    federation: ProvisionedFederation,
+    tmp_path: Path,
+    features: np.ndarray,
+) -> None:
+    """A RANDOM-INIT cache is a WARNING of `doctor` before it joins; once enrolled, the run (no
+    test) leaves it out, and `doctor` and `afl-client status` show the coordinator's reason."""
+    config = load_client_config(federation.site_dirs["s1"] / "client.toml")
+    own = CoordinatorServer(
+        replace(load_config(federation.server_dir / "server.toml"), listen="127.0.0.1:0",
+                state_dir=tmp_path / "server")
+    )  # fmt: skip
+    own.start()
+    try:
+        site = _site(federation, own, tmp_path, features, random_init=True)
+        before = _messages(doctor(site), WARNING)
+        assert any("RANDOM-INIT features (test only)" in m for m in before), before
+        assert not any("left out" in m for m in before)
+        FakeSite("s1", config.path.parent, own.port).enroll(
+            ("Atelectasis", "Mass"), D, random_init=True
+        )
+        deadline = time.monotonic() + 60  # the run decides on the site at its next tick
+        while not any("left out of the current run" in m for m in _messages(doctor(site), WARNING)):
+            assert time.monotonic() < deadline, "the run never decided on the site"
+            time.sleep(0.2)
+        (line,) = [m for m in status_lines(site) if m.startswith("left out of the current run")]
+        assert "RANDOM-INIT" in line and "allow_random_init" in line, line
+    finally:
+        own.stop(None)

@@ -1,5 +1,5 @@
 """A run's federated evaluation and calibration through the daemons (docs/protocol.md §6.1,
-docs/operations.md §4.1): afl-server and four afl-client processes over loopback mutual TLS in
+docs/operations.md §6.1): afl-server and four afl-client processes over loopback mutual TLS in
 MASK mode, ``evaluate = true``, the count bounds from the sites' declared row counts; site-1
 evaluates on its ``[data] holdout`` cache, the others on their training caches (in-sample).
 

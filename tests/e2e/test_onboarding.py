@@ -20,15 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from numpy.typing import NDArray
-from PIL import Image
-from pydicom.uid import (
-    ExplicitVRLittleEndian,
-    JPEG2000Lossless,
-    JPEGLosslessSV1,
-    JPEGLSLossless,
-    RLELossless,
-)
 
 from afl.client.cli import main as client_main
 from afl.core.featurecache import open_cache
@@ -38,8 +29,8 @@ from afl.proto.v1 import common_pb2
 from afl.server import toml_text
 from afl.server.daemon import main as server_main
 from afl.server.store import Store
-from tests.client.imagegen import write_dicom
-from tests.helpers.numeric import relative_error
+from tests.client.imagegen import write_hospital
+from tests.helpers.numeric import pooled_ridge, relative_error
 
 CLASSES = ["Atelectasis", "Effusion", "Mass", "Pneumothorax"]
 LABELS = {
@@ -48,62 +39,10 @@ LABELS = {
     "hospital-c": ["Atelectasis", "Mass"],
 }
 IMAGES = 12
-DICOM_SYNTAXES = (
-    ExplicitVRLittleEndian,
-    JPEGLosslessSV1,
-    JPEGLSLossless,
-    JPEG2000Lossless,
-    RLELossless,
-)
 # Random-init DenseNet features have row norms near 3e4 (Gram diagonal near 1e8); γ on that scale
 # keeps A well conditioned, so comparing W at 1e-9 (M-40's tolerance) measures the protocol's
 # fixed-point sums, not float64 round-off of an ill-conditioned solve.
 GAMMA = 1.0e6
-
-
-def _write_site(root: Path, site: str, index: int) -> Path:
-    """IMAGES images of the site's format and a manifest with only the classes it labels."""
-    rng = np.random.default_rng(100 + index)
-    root.mkdir(parents=True)
-    classes = LABELS[site]
-    lines = [",".join(["path", *classes])]
-    for i in range(IMAGES):
-        base = rng.random((96, 96)) * 0.3 + np.linspace(0.2, 0.6, 96)[None, :] * (1 + i % 3)
-        pixels = np.clip(base, 0, 1)
-        if site == "hospital-a":
-            name = f"img{i:02d}.png"
-            Image.fromarray((pixels * 255).astype(np.uint8)).save(root / name)
-        elif site == "hospital-b":
-            name = f"img{i:02d}.jpg"
-            Image.fromarray((pixels * 255).astype(np.uint8)).save(root / name, quality=92)
-        else:
-            name = f"img{i:02d}.dcm"
-            stored = (pixels * 4095).astype(np.uint16)
-            window = (1500.0, 2500.0) if i % 4 == 0 else None
-            syntax = DICOM_SYNTAXES[i % len(DICOM_SYNTAXES)]
-            write_dicom(root / name, stored, syntax=syntax, window=window)
-        labels = [str((i + j) % 2 if i > 1 else i) for j in range(len(classes))]
-        lines.append(",".join([name, *labels]))
-    (root / "manifest.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return root / "manifest.csv"
-
-
-def _pooled_oracle(caches: dict[str, Path]) -> NDArray[np.float64]:
-    """W = (Σ_k H_kᵀH_k + γI)⁻¹ Σ_{k labels c} H_kᵀ y_{k,c}, y = +1/N⁺ or −1/N⁻ (paper eq. 7)."""
-    d = open_cache(next(iter(caches.values()))).meta.d
-    gram = GAMMA * np.eye(d)
-    b = np.zeros((d, len(CLASSES)))
-    for path in caches.values():
-        cache = open_cache(path)
-        h = np.asarray(cache.features, dtype=np.float64)
-        gram += h.T @ h
-        for j, name in enumerate(CLASSES):
-            if name not in cache.meta.classes:
-                continue
-            y = cache.labels[:, cache.meta.classes.index(name)]
-            target = np.where(y == 1, 1.0 / (y == 1).sum(), -1.0 / (y == 0).sum())
-            b[:, j] += h.T @ target
-    return np.asarray(np.linalg.solve(gram, b), dtype=np.float64)
 
 
 def _declared(cache: Path) -> tuple[float, float]:
@@ -149,7 +88,9 @@ def test_three_partial_sites_from_images_to_a_masked_model(
 
     caches = {}
     for i, site in enumerate(sites):
-        manifest = _write_site(tmp_path / "images" / site, site, i)
+        kind = ("png", "jpeg", "dicom")[i]
+        folder = tmp_path / "images" / site
+        manifest = write_hospital(folder, kind=kind, classes=LABELS[site], count=IMAGES, seed=i)
         kit = fed / "sites" / site
         caches[site] = kit / "cache"  # where the provisioned client.toml's [data] cache points
         assert 'cache = "cache"' in (kit / "client.toml").read_text(encoding="utf-8")
@@ -194,7 +135,7 @@ def test_three_partial_sites_from_images_to_a_masked_model(
             assert code == 0, f"{site}: {(logs / f'{site}.log').read_text()[-3000:]}"
         assert server_main(["status", "--config", str(server_toml)]) == 0
         status = capsys.readouterr().out
-        assert ": PUBLISHED;" in status and "last error: none" in status
+        assert ": PUBLISHED\n" in status and "last error: none" in status
         assert (
             client_main(["status", "--config", str(fed / "sites" / sites[0] / "client.toml")]) == 0
         )
@@ -221,7 +162,7 @@ def test_three_partial_sites_from_images_to_a_masked_model(
         want = gram if release.kind == common_pb2.STATISTIC_KIND_GRAM else vector
         assert release.encoding.fixed_point.bound == want, release.name
     # Every site holds the same verified model, equal to the pooled solve.
-    oracle = _pooled_oracle(caches)
+    oracle = pooled_ridge(caches.values(), classes=CLASSES, gamma=GAMMA)
     for site in sites:
         state = fed / "sites" / site / "state"
         (weights,) = list((state / "models").glob("*.weights.npy"))

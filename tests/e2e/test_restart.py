@@ -6,7 +6,7 @@ One federation per mode; its sites serve runs until stopped. Run i is killed at 
 a server started for that purpose (tests/e2e/faulty_server.py); the server started after the
 kill is the one that kills itself at the next run's point, and the last one is a plain afl-server
 on which one more run must complete. The same holds for a run's evaluation round
-(``evaluate = true``, docs/operations.md §4.1): killed in its masked exchange or right after its
+(``evaluate = true``, docs/operations.md §6.1): killed in its masked exchange or right after its
 signed evaluation is stored, the restarted coordinator publishes the evaluation an uninterrupted
 round gives (the pooled metrics of the sites' rows).
 """

@@ -272,7 +272,7 @@ def test_plan_signature_and_health(
     assert sites["s1"].status().round.stage == coordinator_pb2.ROUND_STAGE_UPLOAD
     scraped = generate_latest(server.metrics.registry).decode()
     assert "afl_enrolments_total 4.0" in scraped
-    # The stage by name: exactly the current one is 1 (docs/operations.md §7).
+    # The stage by name: exactly the current one is 1 (docs/operations.md §13).
     assert 'afl_round_stage{afl_round_stage="UPLOAD"} 1.0' in scraped
     assert 'afl_round_stage{afl_round_stage="PLAN_REVIEW"} 0.0' in scraped
 

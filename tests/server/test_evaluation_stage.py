@@ -1,4 +1,4 @@
-"""The coordinator's evaluation round (docs/protocol.md §6.1, docs/operations.md §4.1), driven in
+"""The coordinator's evaluation round (docs/protocol.md §6.1, docs/operations.md §6.1), driven in
 process: a run with ``evaluate = true`` plans, after its model, score histograms and confusion
 counts of exactly that model over the model's contributors, decodes the sums into a signed
 evaluation stored beside the state (its SHA-256 in the audit log) that sites and admins retrieve;

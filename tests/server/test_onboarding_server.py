@@ -231,7 +231,8 @@ def test_status_shows_enrolment_round_and_the_last_error(
     assert server_main(["status", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "s1" in out and "enrolled (participant)" in out and "s2" in out and "NOT enrolled" in out
-    assert "WAITING_FOR_PARTICIPANTS" in out and "last error: none" in out
+    assert "enrolled (participant); labels 3 class(es)" in out  # s1 disclosed its coverage
+    assert "WAITING_FOR_PARTICIPANTS; stage deadline" in out and "last error: none" in out
     for name in ("s2", "s3"):
         sites[name].enroll(CLASSES, D)
     config = sites["s1"].config()
