@@ -48,7 +48,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.modes import AggregationMode, RoundContext
+from afl.server.modes import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
 from afl.server.observability import ServerMetrics
 from afl.server.plan import RoundView
 from afl.server.reports import check_report
@@ -304,12 +304,21 @@ class Coordinator:
                         round_id=view.round_id,
                         accept=decision.accept,
                         plan_sha256=decision.plan_sha256,
+                        graph_commitment=decision.graph_commitment,
                     ),
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
             if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
+            if decision.accept and decision.graph_commitment:  # sparse MASK graph: kept signed
+                self.store.put_message(
+                    view.round_id,
+                    stage=int(view.stage),
+                    site_id=site_id,
+                    kind=DECISION_JOURNAL_KIND,
+                    data=decision.SerializeToString(),
+                )
             reason = decision.reason[:500]
             self.store.put_decision(view.round_id, site_id, accept=decision.accept, reason=reason)
             self.store.audit(

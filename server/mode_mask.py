@@ -24,6 +24,13 @@ checked — the caller is enrolled and a participant of the round, the round run
 in the request's stage, and the message passes the protocol state machine (signatures, senders,
 shapes, duplicates). A retry of the identical request is acknowledged as a duplicate.
 
+Sparse graph (``mask_graph = "sparse"``, SecAgg+; docs/protocol.md §4.2): the plan carries the
+degree k, the neighbourhood threshold t_N, C and D chosen by
+:func:`afl.crypto.secagg_graph_bounds.choose_graph` for the participants (t = n - D); each site's
+acceptance carries its signed graph commitment, which the coordinator journals
+(:data:`afl.server.modes.DECISION_JOURNAL_KIND`) and serves with ``GetGraphCommitments`` from
+ADVERTISE_KEYS on; the state machine checks every reveal against it and derives the graph.
+
 Crash safety: every message a site sends (key adverts, encrypted share bundles, consistency
 signatures, unmask responses) is persisted in the store's message journal before it is
 acknowledged, and masked inputs are stored uploads. The server state machine is deterministic, so
@@ -54,6 +61,7 @@ from afl.crypto.errors import (
     UnknownParticipantError,
 )
 from afl.crypto.secagg_config import ReleaseSpec, default_threshold
+from afl.crypto.secagg_graph_bounds import choose_graph, colluders_for, dropouts_for
 from afl.crypto.secagg_messages import (
     ClientMessage,
     KeyDirectory,
@@ -74,6 +82,7 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.modes import (
+    DECISION_JOURNAL_KIND,
     Declared,
     ModeEnvironment,
     PlanOptions,
@@ -149,10 +158,36 @@ class MaskMode:
 
     # --- plan --------------------------------------------------------------------------------
 
+    def sparse_graph(self, n: int) -> cpb.MaskGraph | None:
+        """The plan's sparse graph over n participants, or None for the full graph (configured,
+        or no degree below n - 1 meets the bounds, e.g. for a handful of sites)."""
+        if self.mask.graph != "sparse":
+            return None
+        choice = choose_graph(
+            n=n,
+            colluders=colluders_for(n, self.mask.colluder_fraction),
+            dropouts=dropouts_for(n, self.mask.dropout_fraction),
+            security_bits=self.mask.security_bits,
+        )
+        if choice is None:
+            log.info("no sparse graph over %d sites meets the bounds: the full graph is used", n)
+            return None
+        return cpb.MaskGraph(
+            degree=choice.degree,
+            share_threshold=choice.share_threshold,
+            colluders=choice.colluders,
+            dropouts=choice.dropouts,
+            failure_log2=choice.failure_log2,
+        )
+
     def plan_options(
         self, participants: tuple[str, ...], *, declared: Declared | None = None
     ) -> PlanOptions:
-        t = self.mask.threshold or default_threshold(len(participants))
+        graph = self.sparse_graph(len(participants))
+        if graph is not None:
+            t = len(participants) - graph.dropouts
+        else:
+            t = self.mask.threshold or default_threshold(len(participants))
         if not 2 <= t <= len(participants):
             raise ValueError(f"mask_threshold {t} must lie in 2..{len(participants)}")
         bounds = dict(declared or {})
@@ -163,7 +198,10 @@ class MaskMode:
             return self.encoding(release, declared=bounds)
 
         return PlanOptions(
-            aggregation=cpb.AGGREGATION_MODE_MASK, encoding=encoding, mask_threshold=t
+            aggregation=cpb.AGGREGATION_MODE_MASK,
+            encoding=encoding,
+            mask_threshold=t,
+            mask_graph=graph,
         )
 
     def bounds(self, release: PlannedRelease, *, declared: Declared) -> tuple[float, float]:
@@ -216,15 +254,24 @@ class MaskMode:
 
     # --- the exchange ------------------------------------------------------------------------
 
-    def _fresh(self, view: RoundView) -> MaskRound:
+    def _fresh(self, view: RoundView, ctx: RoundContext) -> MaskRound:
         assert view.row.plan is not None
         config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
-        server = SecAggServer(config=config, identities=self._identities)
+        commitments = None
+        if config.graph is not None:
+            commitments = {
+                site: bytes(decision.graph_commitment)
+                for site, decision in _signed_decisions(view, ctx).items()
+            }
+        server = SecAggServer(config=config, identities=self._identities, commitments=commitments)
         lengths = {r.name: r.length for r in config.releases}
         return MaskRound(server, lengths, set(config.cohort))
 
     def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
-        self.rounds[view.round_id] = self._fresh(view)
+        try:
+            self.rounds[view.round_id] = self._fresh(view, ctx)
+        except ProtocolError as exc:  # a sparse graph without every participant's commitment
+            return self._abort(view, f"the masked exchange cannot start: {exc}")
         return Transition(pb.ROUND_STAGE_ADVERTISE_KEYS, timeout_s=self._timeout_s)
 
     def _state(self, view: RoundView, ctx: RoundContext) -> MaskRound:
@@ -241,7 +288,7 @@ class MaskMode:
 
     def _replay(self, view: RoundView, ctx: RoundContext, *, upto: int) -> MaskRound:
         """Every stage before ``upto`` received and closed, ``upto`` itself received."""
-        state = self._fresh(view)
+        state = self._fresh(view, ctx)
         journal = [m for m in ctx.messages(view.round_id) if m.kind == JOURNAL_KIND]
         for stage in MASK_STAGES:
             if stage > upto:
@@ -443,6 +490,15 @@ def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMess
     raise WrongStageError(f"stage {wire.stage_name(stage)} takes no message")
 
 
+def _signed_decisions(view: RoundView, ctx: RoundContext) -> dict[str, pb.PlanDecision]:
+    """The participants' journaled acceptances that carry a graph commitment (sparse graph)."""
+    out = {}
+    for message in ctx.messages(view.round_id):
+        if message.kind == DECISION_JOURNAL_KIND and message.site_id in view.row.participants:
+            out[message.site_id] = pb.PlanDecision.FromString(message.data)
+    return out
+
+
 def _require_declarations(participants: tuple[str, ...], declared: Declared, *, what: str) -> None:
     """ValueError naming the participants that declared no row bounds when ``what`` needs them."""
     missing = [s for s in participants if s not in declared]
@@ -476,6 +532,26 @@ class MaskRequests:
     ) -> T:
         with participant_round(self.access, site, round_id, advance_first=True) as view:
             return body(view, self._mode(view).state(view, self.access.context, stage))
+
+    def graph_commitments(self, site: str, round_id: str) -> pb.GraphCommitments:
+        def body(view: RoundView, state: MaskRound) -> pb.GraphCommitments:
+            if state.server.config.graph is None:
+                raise WrongStageError(f"round {view.round_id!r} masks with the full graph")
+            decisions = _signed_decisions(view, self.access.context)
+            return pb.GraphCommitments(
+                round_id=view.round_id,
+                commitments=[
+                    pb.GraphCommitment(
+                        site_id=s,
+                        plan_sha256=d.plan_sha256,
+                        commitment=d.graph_commitment,
+                        signature=d.signature,
+                    )
+                    for s, d in sorted(decisions.items())
+                ],
+            )
+
+        return self._get(site, round_id, pb.ROUND_STAGE_ADVERTISE_KEYS, body)
 
     def advertise_keys(self, site: str, request: pb.AdvertiseKeysRequest) -> cpb.Ack:
         stage = pb.ROUND_STAGE_ADVERTISE_KEYS

@@ -50,6 +50,7 @@ from afl.server.plan import PlannedRelease, PlanOptions, RoundView
 from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
 __all__ = [
+    "DECISION_JOURNAL_KIND",
     "AggregationMode",
     "Declared",
     "ModeEnvironment",
@@ -83,6 +84,11 @@ class Transition:
     reason: str = ""
     timeout_s: float | None = None
     replan_with: tuple[str, ...] | None = None
+
+
+#: Journal kind of a site's signed plan decision that carries a graph commitment (a sparse-graph
+#: MASK plan, :mod:`afl.server.mode_mask`).
+DECISION_JOURNAL_KIND = "plan-decision"
 
 
 class RoundContext(Protocol):
