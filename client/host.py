@@ -11,7 +11,8 @@ neighbour's. A hospital runs one site per process (``afl-client run``).
 
 Memory: a site process spends most of its resident memory on the interpreter and libraries
 (docs/benchmarks.md §3c); here that is paid once per host, and a site keeps only its statistics
-and the buffers of its current exchange.
+and the buffers of its current exchange, which go back to the operating system when freed
+(:func:`afl.core.memory.map_large_blocks`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from afl.client.config import ClientConfig
+from afl.core.memory import map_large_blocks
 
 __all__ = ["EXIT_SITE_CRASHED", "run_sites", "worst_exit_code"]
 
@@ -64,6 +66,7 @@ def run_sites(
     states = [c.state_dir.resolve() for c in configs]
     if len(set(states)) != len(states):
         raise ValueError("run-many: two sites share a state_dir")
+    map_large_blocks()  # each site's freed vectors go back to the OS (afl.core.memory)
     run = runner or _daemon_runner(insecure=insecure, max_rounds=max_rounds)
     codes: dict[str, int] = {}
     lock = threading.Lock()

@@ -140,8 +140,8 @@ class MaskMode:
                 "accepted the plan, and it is gone (the site restarted after accepting)"
             )
         identities = _peer_identities(session.peer_keys, config.cohort)
-        inputs = {
-            name: np.frombuffer(item.payload, dtype="<f8").astype(np.float64)
+        inputs = {  # views of the payload bytes (the state machine encodes them at once)
+            name: np.frombuffer(item.payload, dtype="<f8")
             for item in payloads
             for name in item.releases
         }

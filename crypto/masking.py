@@ -81,16 +81,20 @@ def pairwise_mask(
     length: int,
     round_id: str,
     release: str,
+    out: U64 | None = None,
 ) -> U64:
     """p_i = Σ_{j>i} PRG(s_ij) - Σ_{j<i} PRG(s_ij) over the release's other members (mod 2^64).
 
     ``pairwise_seeds`` maps peer id → s_ij; seeds of non-members are ignored, a missing member
-    seed raises :class:`MaskingError`.
+    seed raises :class:`MaskingError`. With ``out`` (a uint64 vector of ``length``) p_i is added
+    into it and ``out`` is returned (one stream in memory at a time, no extra vector).
     """
     n = _check_length(length)
     _check_members(my_id, members)
     ctx = _context(round_id, release, "pairwise")
-    total = np.zeros(n, dtype=np.uint64)
+    if out is not None and (out.dtype != np.uint64 or out.shape != (n,)):
+        raise MaskingError(f"out must be a uint64 vector of length {n}")
+    total = np.zeros(n, dtype=np.uint64) if out is None else out
     for peer in members:
         if peer == my_id:
             continue
@@ -123,22 +127,27 @@ def mask_input(
     self_seed: bytes,
     round_id: str,
     release: str,
+    overwrite: bool = False,
 ) -> U64:
-    """y_i = x_i + p_i + PRG(b_i) (mod 2^64) for a flat uint64 encoding x_i."""
+    """y_i = x_i + p_i + PRG(b_i) (mod 2^64) for a flat uint64 encoding x_i, accumulated in one
+    vector (``overwrite``: in ``encoded`` itself, which the caller no longer needs)."""
     x = np.asarray(encoded)
     if x.dtype != np.uint64 or x.ndim != 1:
         raise MaskingError("encoded input must be a 1-D uint64 vector (flatten blocks first)")
     n = x.shape[0]
-    p = pairwise_mask(
+    y = x if overwrite and x.flags.writeable else x.copy()
+    pairwise_mask(
         my_id=my_id,
         members=members,
         pairwise_seeds=pairwise_seeds,
         length=n,
         round_id=round_id,
         release=release,
+        out=y,
     )
     s = self_mask(self_seed=self_seed, length=n, round_id=round_id, release=release)
-    return ring_sum([x, p, s], length=n)
+    np.add(y, s, out=y)
+    return y
 
 
 def dropout_correction(

@@ -399,7 +399,8 @@ class SecAggClient:
                 if v != self.site_id
             }
             y = mask_input(
-                encoded=self._encoded[release.name],
+                encoded=self._encoded.pop(release.name),
+                overwrite=True,
                 my_id=self.site_id,
                 members=live,
                 pairwise_seeds=seeds,

@@ -116,7 +116,7 @@ class Coordinator:
         """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
         self._known(site_id)
         with self.lock:
-            row = self.store.enrolments().get(site_id)
+            row = self.store.enrolment(site_id)
         if row is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         return row
@@ -224,7 +224,7 @@ class Coordinator:
     def status(self, site_id: str, round_id: str = "") -> pb.StatusResponse:
         self._known(site_id)
         with self.lock:
-            enrolled = site_id in self.store.enrolments()
+            enrolled = self.store.enrolment(site_id) is not None
             view = self.machine.find(round_id)
             latest = self.store.model()
             response = pb.StatusResponse(
@@ -340,7 +340,7 @@ class Coordinator:
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
             self.machine.require_participant(view, site_id)
-            existing = self.store.uploads(view.round_id).get((site_id, upload.release_name))
+            existing = self.store.site_uploads(view.round_id, site_id).get(upload.release_name)
             if existing is not None:
                 if existing.sha256 != upload.sha256:
                     self.metrics.uploads.labels(outcome="conflict").inc()

@@ -42,6 +42,7 @@ in SOLVING the unmasked sums are recomputed the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -119,11 +120,16 @@ class MaskRound:
     server: SecAggServer
     lengths: dict[str, int]
     expected: set[str]
-    received: dict[str, bytes] = field(default_factory=dict)  # site -> request bytes, this stage
+    received: set[str] = field(default_factory=set)  # sites heard from in this stage
     directory: KeyDirectory | None = None
     routed: dict[str, RoutedShares] = field(default_factory=dict)
     survivors: tuple[str, ...] | None = None
     unmask: UnmaskRequest | None = None
+    #: (stage, site) -> SHA-256 of the journaled request: a retry is recognised without reading
+    #: the journal (which holds every site's share bundles) on each request.
+    journaled: dict[tuple[int, str], bytes] = field(default_factory=dict)
+    #: Sparse graph: each participant's signed acceptance with its graph commitment.
+    decisions: dict[str, pb.PlanDecision] = field(default_factory=dict)
 
 
 class MaskMode:
@@ -257,15 +263,15 @@ class MaskMode:
     def _fresh(self, view: RoundView, ctx: RoundContext) -> MaskRound:
         assert view.row.plan is not None
         config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
-        commitments = None
-        if config.graph is not None:
-            commitments = {
-                site: bytes(decision.graph_commitment)
-                for site, decision in _signed_decisions(view, ctx).items()
-            }
-        server = SecAggServer(config=config, identities=self._identities, commitments=commitments)
+        decisions = _signed_decisions(view, ctx) if config.graph is not None else {}
+        commitments = {s: bytes(d.graph_commitment) for s, d in decisions.items()}
+        server = SecAggServer(
+            config=config,
+            identities=self._identities,
+            commitments=commitments if config.graph is not None else None,
+        )
         lengths = {r.name: r.length for r in config.releases}
-        return MaskRound(server, lengths, set(config.cohort))
+        return MaskRound(server, lengths, set(config.cohort), decisions=decisions)
 
     def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
         try:
@@ -290,6 +296,7 @@ class MaskMode:
         """Every stage before ``upto`` received and closed, ``upto`` itself received."""
         state = self._fresh(view, ctx)
         journal = [m for m in ctx.messages(view.round_id) if m.kind == JOURNAL_KIND]
+        state.journaled = {(m.stage, m.site_id): _digest(m.data) for m in journal}
         for stage in MASK_STAGES:
             if stage > upto:
                 break
@@ -299,7 +306,7 @@ class MaskMode:
                 if message.stage == stage:
                     parsed = _parse(stage, message.site_id, message.data, state)
                     state.server.receive(parsed, sender=message.site_id)
-                    state.received[message.site_id] = message.data
+                    state.received.add(message.site_id)
             if stage < upto:
                 self._close(stage, state)
         return state
@@ -318,7 +325,7 @@ class MaskMode:
     ) -> None:
         message = wire.masked_upload(site_id, view.round_id, payloads, state.lengths)
         state.server.receive(message, sender=site_id)
-        state.received[site_id] = b""
+        state.received.add(site_id)
 
     def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
         state = self._state(view, ctx)
@@ -352,7 +359,7 @@ class MaskMode:
     @staticmethod
     def _close(stage: int, state: MaskRound) -> int:
         server = state.server
-        state.received = {}
+        state.received = set()
         if stage == pb.ROUND_STAGE_ADVERTISE_KEYS:
             state.directory = server.close_advertise()
             state.expected = {a.site_id for a in state.directory.adverts}
@@ -394,11 +401,11 @@ class MaskMode:
                 f"({8 * release.length} bytes), got {len(data)} bytes"
             )
         names = [r.name for r in view.releases if site_id in r.members]
-        stored = ctx.uploads(view.round_id)
+        stored = ctx.site_uploads(view.round_id, site_id)
         payloads = {release.name: data}
         for name in names:
-            if name != release.name and (site_id, name) in stored:
-                payloads[name] = ctx.read_payload(stored[(site_id, name)])
+            if name != release.name and name in stored:
+                payloads[name] = ctx.read_payload(stored[name])
         if len(payloads) < len(names):
             return
         try:
@@ -445,11 +452,11 @@ class MaskMode:
         persist it; True if it repeats a request already journaled (idempotent, also after the
         stage closed: its answer may have been lost in a restart), :class:`ConflictError` if it
         differs from it."""
-        for stored in ctx.messages(view.round_id):
-            if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
-                if stored.data == raw:
-                    return True
-                raise ConflictError("a different message of this stage was already received")
+        known = self._journaled(view, ctx, stage, site_id)
+        if known is not None:
+            if known == _digest(raw):
+                return True
+            raise ConflictError("a different message of this stage was already received")
         state = self.state(view, ctx, stage)
         if view.stage != stage:
             raise WrongStageError(f"round {view.round_id!r} has moved past this stage")
@@ -471,8 +478,25 @@ class MaskMode:
         except BaseException:
             self.rounds.pop(view.round_id, None)  # memory must not run ahead of the journal
             raise
-        state.received[site_id] = raw
+        state.received.add(site_id)
+        state.journaled[(stage, site_id)] = _digest(raw)
         return False
+
+    def _journaled(
+        self, view: RoundView, ctx: RoundContext, stage: int, site_id: str
+    ) -> bytes | None:
+        """SHA-256 of the request of (stage, site) already journaled, if any: from the round's
+        in-memory index during the exchange, else (after it, a rare retry) from the journal."""
+        if view.stage in MASK_STAGES:
+            return self._state(view, ctx).journaled.get((stage, site_id))
+        for stored in ctx.messages(view.round_id):
+            if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
+                return _digest(stored.data)
+        return None
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMessage:
@@ -537,7 +561,7 @@ class MaskRequests:
         def body(view: RoundView, state: MaskRound) -> pb.GraphCommitments:
             if state.server.config.graph is None:
                 raise WrongStageError(f"round {view.round_id!r} masks with the full graph")
-            decisions = _signed_decisions(view, self.access.context)
+            decisions = state.decisions
             return pb.GraphCommitments(
                 round_id=view.round_id,
                 commitments=[

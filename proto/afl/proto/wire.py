@@ -505,7 +505,8 @@ def masked_upload(
                 f"masked release {name!r} must be {lengths[name]} uint64 "
                 f"({8 * lengths[name]} bytes), got {len(data)} bytes"
             )
-        vectors.append((name, np.frombuffer(data, dtype="<u8").astype(np.uint64)))
+        # A read-only view of the payload (no copy on little-endian machines).
+        vectors.append((name, np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)))
     return MaskedInputUpload(round_id, sender, tuple(vectors))
 
 
