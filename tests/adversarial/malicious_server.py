@@ -15,6 +15,9 @@ members of the targeted release):
 * ``lower-threshold`` (mask): the signed plan gives ``b[A]`` (members site-1..3) the survivor
   threshold t_R = 1, and the coordinator ignores the masked inputs of site-2 and site-3, so the
   unmasked "sum" of ``b[A]`` is site-1's own class vector.
+* ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
+  neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
+  failure probability those numbers give stated truthfully.
 
 The faults are injected here, around the real daemon, so no product code path knows them; the
 sites and the decryptor run unmodified.
@@ -31,6 +34,12 @@ import numpy as np
 
 from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
+from afl.crypto.secagg_graph_bounds import (
+    colluders_for,
+    dropouts_for,
+    failure_probability,
+    log2_probability,
+)
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import daemon
@@ -42,7 +51,7 @@ VICTIM = "site-1"
 OTHERS = ("site-2", "site-3")
 CKKS_TARGET = "gram[all]"
 MASK_TARGET = "b[A]"
-ATTACKS = ("forward-single", "forged-tags", "lower-threshold")
+ATTACKS = ("forward-single", "forged-tags", "lower-threshold", "weaken-graph")
 
 
 def command(attack: str, loot: Path) -> tuple[str, ...]:
@@ -169,6 +178,24 @@ def _lower_threshold(loot: Path) -> None:
     MaskMode.drive = keeping  # type: ignore[method-assign]
 
 
+def _weaken_graph() -> None:
+    def weak(self: MaskMode, n: int) -> cpb.MaskGraph:
+        colluders = colluders_for(n, self.mask.colluder_fraction)
+        dropouts = dropouts_for(n, self.mask.dropout_fraction)
+        p = failure_probability(
+            n=n, degree=2, share_threshold=2, colluders=colluders, dropouts=dropouts
+        )
+        return cpb.MaskGraph(
+            degree=2,
+            share_threshold=2,
+            colluders=colluders,
+            dropouts=dropouts,
+            failure_log2=log2_probability(p),
+        )
+
+    MaskMode.sparse_graph = weak  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -178,6 +205,8 @@ def main() -> int:
         _forge_tags()
     if attack == "lower-threshold":
         _lower_threshold(loot)
+    if attack == "weaken-graph":
+        _weaken_graph()
     return daemon.main(args)
 
 
