@@ -9,10 +9,10 @@ holds no site's data or keys: the interpreter, the imported modules, the statele
 modes and gRPC's runtime. A site's failure is its own (its exit code and report), never its
 neighbour's. A hospital runs one site per process (``afl-client run``).
 
-Memory: a site process spends most of its resident memory on the interpreter and libraries
-(docs/benchmarks.md §3c); here that is paid once per host, and a site keeps only its statistics
+Memory: a site process spends most of its resident memory on the interpreter and libraries;
+here that is paid once per host, and a site keeps only its statistics
 and the buffers of its current exchange, which go back to the operating system when freed
-(:func:`afl.core.memory.map_large_blocks`).
+(:func:`afl.core.memory.map_large_blocks`). Measured per site: docs/benchmarks.md §3c.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ that move many multi-megabyte vectors in many threads: the coordinator and a hos
 
 glibc's malloc raises its mmap threshold each time a large mapped block is freed, so later blocks
 of that size come from the per-thread arenas and stay resident when freed; with dozens of threads
-each handling 4 MiB vectors, the process keeps every thread's high-water mark (measured in
-docs/benchmarks.md §3c). Fixing the threshold (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``, which also
+each handling 4 MiB vectors, the process keeps every thread's high-water mark. Fixing the threshold (``mallopt(M_MMAP_THRESHOLD, 1 MiB)``, which also
 turns the dynamic adjustment off) maps every block above it on its own, so it is unmapped when
 freed. Elsewhere than Linux with glibc nothing changes.
 """

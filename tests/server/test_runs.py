@@ -144,7 +144,9 @@ def test_run_settings_round_trip_through_their_table(
     federation: Any, scope: str, mode: str, rounds: int, gamma: float, dp: bool, colluders: float
 ) -> None:
     config = load_config(federation.server_dir / "server.toml")
-    mask = {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
+    mask: dict[str, Any] = (
+        {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
+    )
     if mode == "mask" and scope == "global":  # a sparse masking graph (global scope only)
         mask.update(mask_graph="sparse", mask_colluder_fraction=colluders, mask_security_bits=50)
     table = {
