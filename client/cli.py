@@ -244,35 +244,102 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
 
 
-def run_daemon(args: argparse.Namespace) -> int:
-    import logging
-
-    from afl.client.config import ConfigError, load_client_config
-    from afl.client.daemon import ClientDaemon
+def _daemon_errors() -> tuple[type[Exception], ...]:
+    """What a daemon run can fail with that a user can cause (one line, exit 1)."""
+    from afl.client.config import ConfigError
     from afl.client.daemon_stats import PayloadError
     from afl.client.daemon_transport import DaemonError
     from afl.client.daemon_verify import VerificationError
     from afl.core.featurecache import FeatureCacheError
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    if args.insecure:
-        print("WARNING: --insecure: no TLS, development only", file=sys.stderr)
+    return (ConfigError, DaemonError, PayloadError, VerificationError, FeatureCacheError)
+
+
+def _daemon_config(path: str, *, insecure: bool, log_level: str, first: bool) -> ClientConfig:
+    import logging
+
+    from afl.client.config import load_client_config
+
+    if first:
+        logging.basicConfig(
+            level=log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s %(threadName)s %(message)s",
+            stream=sys.stderr,
+        )
+        if insecure:
+            print("WARNING: --insecure: no TLS, development only", file=sys.stderr)
+    config = load_client_config(path)
+    for warning in config.warnings:
+        logging.getLogger("afl.client").warning("%s", warning)
+    return config
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    from afl.client.daemon import ClientDaemon
+
     try:
-        config = load_client_config(args.config)
-        for warning in config.warnings:
-            logging.getLogger("afl.client").warning("%s", warning)
+        config = _daemon_config(
+            args.config, insecure=args.insecure, log_level=args.log_level, first=True
+        )
         if config.role == "decryptor":  # the CKKS decryptor site (docs/protocol.md §4.3)
             from afl.client.decryptor import DecryptorDaemon
 
             return DecryptorDaemon(config, insecure=args.insecure).run()
         return ClientDaemon(config, insecure=args.insecure, max_rounds=args.rounds).run()
-    except (ConfigError, DaemonError, PayloadError, VerificationError, FeatureCacheError) as exc:
+    except _daemon_errors() as exc:
         print(f"afl-client run: error: {exc}", file=sys.stderr)
         return 1
+
+
+def add_run_many_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Run several participant sites in this one process, each with its own client.toml, kit, "
+        "state folder and mutual-TLS channel, in its own thread (tests and benchmarks with many "
+        "sites on one machine; a hospital runs `afl-client run`). Exit status: 0 when every site "
+        "completed, else the largest site exit code."
+    )
+    p.add_argument(
+        "--config", action="append", required=True, help="a site's client.toml (repeat per site)"
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="DEVELOPMENT ONLY: connect without TLS (prints a warning)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=None, help="each site exits after this many rounds"
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--summary", default=None, help="write {site: exit code} as JSON to this file")
+
+
+def run_many(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from afl.client.host import run_sites, worst_exit_code
+
+    refusals: tuple[type[Exception], ...] = (*_daemon_errors(), ValueError, OSError)
+    try:
+        configs = [
+            _daemon_config(path, insecure=args.insecure, log_level=args.log_level, first=i == 0)
+            for i, path in enumerate(args.config)
+        ]
+        hosted = [c for c in configs if c.role == "decryptor"]
+        if hosted:
+            raise ValueError(f"{hosted[0].path}: a decryptor site runs alone (afl-client run)")
+        codes = run_sites(
+            configs,
+            insecure=args.insecure,
+            max_rounds=args.rounds,
+            summary=Path(args.summary) if args.summary else None,
+            known_errors=_daemon_errors(),
+        )
+    except refusals as exc:
+        print(f"afl-client run-many: error: {exc}", file=sys.stderr)
+        return 1
+    for site, code in sorted(codes.items()):
+        print(f"afl-client run-many: {site}: exit {code}", file=sys.stderr)
+    return worst_exit_code(codes)
 
 
 def add_init_arguments(p: argparse.ArgumentParser) -> None:
@@ -549,6 +616,12 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
     ("backbones", "list backbones and their expected weight files", lambda p: None, run_backbones),
     ("run", "the site daemon: join the federation's rounds (mTLS)", add_run_arguments, run_daemon),
     (
+        "run-many",
+        "several site daemons in one process (tests and benchmarks with many sites)",
+        add_run_many_arguments,
+        run_many,
+    ),
+    (
         "doctor",
         "check the kit, the connection to the coordinator and the feature cache; print the "
         "values masked rounds use",
@@ -581,7 +654,14 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
     ),
 ]
 # Subcommands that never import torch (they handle their own errors).
-_LIGHT = ("run", "init", "doctor", "status", "budget")  # "evaluate" and "predict" import torch
+_LIGHT = (
+    "run",
+    "run-many",
+    "init",
+    "doctor",
+    "status",
+    "budget",
+)  # "evaluate" and "predict" import torch
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,10 @@ Sections (paths are relative to the file's own folder)::
                disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
                power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),
                allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds),
-               lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient")
+               lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient"),
+               mask_graph_security_bits (40), mask_assumed_colluders (0.333): a sparse masking
+               graph is accepted only if it fails with probability <= 2^-bits for that fraction
+               of the participants colluding (docs/protocol.md §4.2 "Sparse graph")
 
 ``[policy]`` is what the site requires whatever the coordinator chooses (docs/protocol.md §2):
 ``allowed_aggregation`` lists the protections the site accepts (a hand-written client.toml
@@ -91,6 +94,8 @@ _KNOWN: dict[str, set[str]] = {
         "lifetime_epsilon",
         "lifetime_delta",
         "privacy_unit",
+        "mask_graph_security_bits",
+        "mask_assumed_colluders",
     },
 }
 _ROLES = ("participant", "decryptor")
@@ -110,7 +115,11 @@ class LocalPolicy:
     DP (docs/protocol.md §7): ``max_epsilon`` bounds one run (both rounds), ``lifetime_epsilon``
     at ``lifetime_delta`` everything in the site's ledger (:mod:`afl.client.dp_ledger`);
     ``privacy_unit`` "patient" refuses image-level DP plans. inf = no limit (then plans without
-    DP are accepted too)."""
+    DP are accepted too).
+
+    Sparse MASK graph (docs/protocol.md §4.2): the site recomputes the graph's failure
+    probability for max(the plan's colluders, ⌈``mask_assumed_colluders``·n⌉) colluders and
+    refuses above 2^-``mask_graph_security_bits``."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -122,6 +131,8 @@ class LocalPolicy:
     lifetime_epsilon: float = math.inf
     lifetime_delta: float = 1e-5
     privacy_unit: str = "patient"
+    mask_graph_security_bits: int = 40
+    mask_assumed_colluders: float = 0.333
 
 
 @dataclass(frozen=True)
@@ -283,7 +294,18 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         lifetime_epsilon=r.number(sec, "policy", "lifetime_epsilon", math.inf, minimum=0.0),
         lifetime_delta=_lifetime_delta(r, sec),
         privacy_unit=_privacy_unit(r, sec),
+        mask_graph_security_bits=r.integer(
+            sec, "policy", "mask_graph_security_bits", 40, minimum=1
+        ),
+        mask_assumed_colluders=_assumed_colluders(r, sec),
     )
+
+
+def _assumed_colluders(r: _Reader, sec: Mapping[str, Any]) -> float:
+    value = r.number(sec, "policy", "mask_assumed_colluders", 0.333, minimum=0.0)
+    if not value < 1:
+        raise r.error("policy.mask_assumed_colluders", f"must lie in [0, 1), got {value}")
+    return value
 
 
 def _lifetime_delta(r: _Reader, sec: Mapping[str, Any]) -> float:

@@ -74,6 +74,7 @@ from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
 from afl.core.stats import LocalStats
 from afl.crypto import signatures, signed_blobs
+from afl.crypto.secagg_graph import graph_commitment, new_graph_nonce
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -349,12 +350,24 @@ class ClientDaemon:
         )
         return dp
 
-    def _respond(self, round_id: str, decision: PolicyDecision, plan_sha: bytes) -> None:
+    def _respond(
+        self, round_id: str, decision: PolicyDecision, plan_sha: bytes, *, graph_nonce: bytes = b""
+    ) -> None:
+        """Sign and send the decision; accepting a sparse-graph MASK plan commits to
+        ``graph_nonce`` (docs/protocol.md §4.2 "Sparse graph")."""
+        commitment = (
+            graph_commitment(round_id=round_id, site_id=self.site_id, nonce=graph_nonce)
+            if graph_nonce and decision.accept
+            else b""
+        )
         signature = signatures.sign_fields(
             self.identity,
             context=signed_blobs.PLAN_DECISION_CONTEXT,
             fields=signed_blobs.plan_decision_fields(
-                round_id=round_id, accept=decision.accept, plan_sha256=plan_sha
+                round_id=round_id,
+                accept=decision.accept,
+                plan_sha256=plan_sha,
+                graph_commitment=commitment,
             ),
         )
         request = pb.PlanDecision(
@@ -363,6 +376,7 @@ class ClientDaemon:
             reason=decision.reason,
             plan_sha256=plan_sha,
             signature=signature,
+            graph_commitment=commitment,
         )
         self.rpc.call("RespondToPlan", request)
 
@@ -377,8 +391,11 @@ class ClientDaemon:
         report["round_number"] = cfg.round_number
         decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
         report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        graph_nonce = b""
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
-            self._respond(round_id, decision, plan_sha)
+            if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
+                graph_nonce = new_graph_nonce()
+            self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
         timings["plan_check"] = time.perf_counter() - start
         if not decision.accept:
             log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)
@@ -473,6 +490,7 @@ class ClientDaemon:
             ckks_decryptor=self.config.policy.ckks_decryptor,
             survivor_floors=decision.survivor_floors,
             plan_sha256=plan_sha,
+            graph_nonce=graph_nonce,
         )
         records = mode.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)

@@ -153,4 +153,21 @@ def plan_summary(
             for r in (plan.releases if plan is not None else [])
         ],
         "audit": decision.audit,
+        **_mask_graph(plan),
+    }
+
+
+def _mask_graph(plan: cpb.ReleasePlan | None) -> dict[str, Any]:
+    """The plan's sparse masking graph for the report (nothing for the full graph)."""
+    if plan is None or not plan.mask_graph.degree:
+        return {}
+    g = plan.mask_graph
+    return {
+        "mask_graph": {
+            "degree": g.degree,
+            "share_threshold": g.share_threshold,
+            "colluders": g.colluders,
+            "dropouts": g.dropouts,
+            "failure_log2": g.failure_log2,
+        }
     }

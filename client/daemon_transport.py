@@ -233,6 +233,9 @@ def open_channel(config: ClientConfig, *, insecure: bool = False) -> grpc.Channe
     options = [
         ("grpc.max_send_message_length", 8 * wire.MAX_CHUNK_BYTES),
         ("grpc.max_receive_message_length", 64 * wire.MAX_CHUNK_BYTES),
+        # A channel of its own: sites hosted in one process (afl-client run-many) never share a
+        # connection, so every call travels under its own site's certificate.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     if insecure:
         log.warning(

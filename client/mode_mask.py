@@ -16,6 +16,12 @@ both shares of one peer, names non-survivors, lacks t signatures, or requests a 
 t_R or the site's own floor (``RoundSession.survivor_floors``: min cohort whatever the plan
 says). Values outside a release's declared bound are an error (never clipped). Only masked uint64
 vectors leave the site.
+
+With a sparse graph (docs/protocol.md §4.2 "Sparse graph") the site first fetches every
+participant's graph commitment (``GetGraphCommitments``) and checks each one's plan-decision
+signature with the kit's key of that site and the plan digest it accepted; only then does it
+reveal the nonce it committed to (:attr:`RoundSession.graph_nonce`) in its advert, and the state
+machine derives its neighbourhood from every participant's reveal.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from afl.core.row_bounds import next_power_of_two
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_client import SecAggClient
 from afl.crypto.secagg_messages import ConsistencyRequest
-from afl.crypto.signatures import load_public_key_raw
+from afl.crypto.signatures import load_public_key_raw, verify_fields
+from afl.crypto.signed_blobs import PLAN_DECISION_CONTEXT, plan_decision_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -90,7 +97,9 @@ class MaskMode:
             elapsed = time.perf_counter() - start
             sent.append(UploadRecord(slot, (), message.ByteSize(), "", 1, False, False, elapsed))
 
-        send("AdvertiseKeys", "mask/advertise-keys", wire.advert_to_proto(client.advertise_keys()))
+        commitments = _graph_commitments(session) if client.config.graph is not None else None
+        advert = client.advertise_keys(commitments)
+        send("AdvertiseKeys", "mask/advertise-keys", wire.advert_to_proto(advert))
 
         rpc.await_stage(rid, at_least=pb.ROUND_STAGE_SHARE_KEYS)
         directory = wire.directory_from_proto(rpc.call("GetAdvertisedKeys", ref))
@@ -125,9 +134,14 @@ class MaskMode:
         if problem:  # checked with the plan already (policy.check_plan); again before any key
             raise DaemonError(problem)
         config = wire.round_config_from_plan(session.plan)
+        if config.graph is not None and not session.graph_nonce:
+            raise DaemonError(
+                "a sparse-graph round needs the graph nonce this site committed to when it "
+                "accepted the plan, and it is gone (the site restarted after accepting)"
+            )
         identities = _peer_identities(session.peer_keys, config.cohort)
-        inputs = {
-            name: np.frombuffer(item.payload, dtype="<f8").astype(np.float64)
+        inputs = {  # views of the payload bytes (the state machine encodes them at once)
+            name: np.frombuffer(item.payload, dtype="<f8")
             for item in payloads
             for name in item.releases
         }
@@ -139,6 +153,7 @@ class MaskMode:
                 identities=identities,
                 inputs=inputs,
                 survivor_floors=session.survivor_floors,
+                graph_nonce=session.graph_nonce if config.graph is not None else None,
             )
         except CryptoError as exc:
             raise DaemonError(f"cannot mask this site's statistics: {exc}") from exc
@@ -162,6 +177,36 @@ def _bound_advice(release: cpb.Release, *, bound: float, worst: float) -> str:
         f"{need:.6g}); values are never clipped: in server.toml {fix}, or set the mask_* bounds "
         "to 0 so that each site declares its own at enrolment"
     )
+
+
+def _graph_commitments(session: RoundSession) -> dict[str, bytes]:
+    """Every participant's graph commitment, each checked against its plan-decision signature
+    with the kit's identity key of that site and this plan's digest (never the server's word)."""
+    listed = session.rpc.call("GetGraphCommitments", cpb.RoundRef(round_id=session.round_id))
+    participants = set(session.plan.participants)
+    out: dict[str, bytes] = {}
+    for item in listed.commitments:
+        site = item.site_id
+        if site not in participants or site in out or site not in session.peer_keys:
+            raise DaemonError(f"graph commitments: unknown or repeated site {site!r}")
+        if item.plan_sha256 != session.plan_sha256:
+            raise DaemonError(f"the graph commitment of {site} is for another plan")
+        try:
+            verify_fields(
+                load_public_key_raw(session.peer_keys[site]),
+                item.signature,
+                context=PLAN_DECISION_CONTEXT,
+                fields=plan_decision_fields(
+                    round_id=session.round_id,
+                    accept=True,
+                    plan_sha256=session.plan_sha256,
+                    graph_commitment=bytes(item.commitment),
+                ),
+            )
+        except CryptoError as exc:
+            raise DaemonError(f"the graph commitment of {site} is not signed by {site}") from exc
+        out[site] = bytes(item.commitment)
+    return out
 
 
 def _peer_identities(peers: Mapping[str, bytes], cohort: Sequence[str]) -> dict[str, Any]:

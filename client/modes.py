@@ -63,6 +63,8 @@ class RoundSession:
     survivor_floors: Mapping[str, int] = field(default_factory=dict)
     #: SHA-256 of the signed plan's exact bytes (what signed tags and decisions bind).
     plan_sha256: bytes = b""
+    #: MASK with a sparse graph: the nonce this site committed to when it accepted the plan.
+    graph_nonce: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ and refuses when
   ``min_cohort``, or, when DP covers the site, the m − t members its noise was sized for
   (:func:`survivor_floors`; the same floors are enforced again when shares are revealed,
   :class:`afl.crypto.secagg_client.SecAggClient`);
+* (``mask``, sparse graph) the graph's failure probability, recomputed by the site for the plan's
+  k, t_N and drop-outs D and for max(the plan's colluders, ⌈``mask_assumed_colluders``·n⌉)
+  colluders, exceeds 2^-``mask_graph_security_bits``, or the plan misstates it, or its round
+  threshold is not n - D (:func:`mask_graph_problem`; docs/protocol.md §4.2 "Sparse graph");
 * a release it is a member of has fewer than ``min_cohort`` members;
 * (unless ``allow_exposure``) the plan, together with every release the site already took part
   in (``history``: statistics of the same data combine across rounds), lets the server determine
@@ -38,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from afl.client.config import LocalPolicy
@@ -46,6 +51,7 @@ from afl.core import leakage
 from afl.core.evaluation import evaluation_quantities
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_config import default_threshold
+from afl.crypto.secagg_graph_bounds import colluders_for, failure_probability, log2_probability
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
@@ -54,6 +60,7 @@ __all__ = [
     "PolicyDecision",
     "audit_view",
     "check_plan",
+    "mask_graph_problem",
     "mask_threshold_problem",
     "release_quantities",
     "survivor_floors",
@@ -144,6 +151,46 @@ def mask_threshold_problem(plan: cpb.ReleasePlan, *, floors: dict[str, int]) -> 
     return ""
 
 
+def mask_graph_problem(plan: cpb.ReleasePlan, *, policy: LocalPolicy) -> str:
+    """Why a MASK plan's sparse graph is unacceptable to this site ("" when it is fine or the
+    plan uses the full graph): the site recomputes the failure probability itself
+    (:func:`afl.crypto.secagg_graph_bounds.failure_probability`) with its own colluder bound."""
+    graph = plan.mask_graph
+    if not graph.degree:
+        return ""
+    n, k, t_n, d = len(plan.participants), graph.degree, graph.share_threshold, graph.dropouts
+    if plan.mask_threshold != n - d:
+        return f"the plan's threshold t={plan.mask_threshold} is not n - D = {n - d}"
+    colluders = max(graph.colluders, colluders_for(n, policy.mask_assumed_colluders))
+    if colluders + 2 * d >= n:
+        return (
+            f"a sparse graph cannot hold {colluders} colluders with {d} drop-outs among {n} "
+            "participants (it needs C + 2D < n)"
+        )
+    try:
+        stated = failure_probability(
+            n=n, degree=k, share_threshold=t_n, colluders=graph.colluders, dropouts=d
+        )
+        mine = failure_probability(
+            n=n, degree=k, share_threshold=t_n, colluders=colluders, dropouts=d
+        )
+    except ValueError as exc:
+        return f"the plan's sparse graph is not valid: {exc}"
+    if graph.failure_log2 < log2_probability(stated):
+        return (
+            f"the plan states a graph failure probability of 2^{graph.failure_log2:.1f}, but "
+            f"k={k}, t_N={t_n} give 2^{log2_probability(stated):.1f}"
+        )
+    if mine > Fraction(1, 2**policy.mask_graph_security_bits):
+        return (
+            f"the sparse masking graph (k={k}, t_N={t_n}, {n} participants) fails with "
+            f"probability 2^{log2_probability(mine):.1f} for {colluders} colluders and {d} "
+            f"drop-outs, above this site's limit 2^-{policy.mask_graph_security_bits} "
+            "([policy] mask_graph_security_bits, mask_assumed_colluders)"
+        )
+    return ""
+
+
 def _refuse(reason: str, audit: dict[str, Any] | None = None) -> PolicyDecision:
     return PolicyDecision(False, reason, audit or {})
 
@@ -202,7 +249,9 @@ def check_plan(
             )
     floors = survivor_floors(plan, site_id=site_id, policy=policy, covered=covered)
     if plan.aggregation == cpb.AGGREGATION_MODE_MASK:
-        problem = mask_threshold_problem(plan, floors=floors)
+        problem = mask_threshold_problem(plan, floors=floors) or mask_graph_problem(
+            plan, policy=policy
+        )
         if problem:
             return _refuse(problem)
     if dp.refusal:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
 import numpy as np
+from numpy.typing import NDArray
 
 SiteId = int | str
 GramScope = Literal["per-class", "global"]
@@ -224,39 +225,72 @@ def _audit_quantity(
         rows.append(row)
     space = _RowSpace(rows, k)
     names = [r.name for r in releases]
-    residuals: list[tuple[Fraction, ...]] = []
-    coeffs: list[list[Fraction]] = []
+    # e_j reduces to itself with zero coefficients unless j is a pivot column (reduce subtracts a
+    # basis row only where the vector has an entry at its pivot): only pivots need the exact
+    # reduction, so K sites cost O(rank·K) rationals instead of O(K²).
+    pivots = {pivot for pivot, _, _ in space.basis}
+    residuals: dict[int, tuple[Fraction, ...]] = {}
+    coeffs: dict[int, list[Fraction]] = {}
+    approx = np.eye(k)
     exposed: list[Exposure] = []
     for j, site in enumerate(sites):
+        if j not in pivots:
+            continue
         e = [Fraction(0)] * k
         e[j] = Fraction(1)
         res, co = space.reduce(e)
-        residuals.append(tuple(res))
-        coeffs.append(co)
+        residuals[j], coeffs[j] = tuple(res), co
+        approx[j] = [float(x) for x in res]
         if not any(res):
             exposed.append(Exposure(quantity, frozenset([site]), _certificate(names, co)))
     groups: list[Exposure] = []
     if not enumerate_groups:
         return exposed, groups
-    determined: list[frozenset[int]] = [frozenset([j]) for j in range(k) if not any(residuals[j])]
+
+    def residual(j: int) -> tuple[Fraction, ...]:
+        return residuals.get(j) or tuple(Fraction(int(i == j)) for i in range(k))
+
+    no_coeffs = [Fraction(0)] * len(releases)
+    determined: list[frozenset[int]] = [frozenset([j]) for j in residuals if not any(residuals[j])]
     # Float prefilter (cheap), then the exact rational check on the few candidates left.
-    approx = np.array([[float(x) for x in res] for res in residuals], dtype=np.float64)
     tol = 1e-9 * max(1.0, float(np.abs(approx).max(initial=0.0)))
     for size in range(2, min_cohort):
-        for combo in itertools.combinations(range(k), size):
-            if np.abs(approx[list(combo)].sum(axis=0)).max() > tol:
-                continue
-            if any(_vsum(residuals[j] for j in combo)):
+        for combo in _near_zero_sums(approx, size, tol, others=sorted(pivots)):
+            if any(_vsum(residual(j) for j in combo)):
                 continue
             members = frozenset(combo)
             if any(d < members for d in determined):
                 continue
             determined.append(members)
-            co = _vsum(coeffs[j] for j in combo)
+            co = _vsum(coeffs.get(j, no_coeffs) for j in combo)
             groups.append(
                 Exposure(quantity, frozenset(sites[j] for j in combo), _certificate(names, co))
             )
     return exposed, groups
+
+
+def _near_zero_sums(
+    approx: NDArray[np.float64], size: int, tol: float, *, others: Sequence[int]
+) -> Iterator[tuple[int, ...]]:
+    """Index tuples i_1 < … < i_size (in lexicographic order) whose rows of ``approx`` sum to
+    within ``tol`` of zero in max norm: the float prefilter of the group search, vectorised over
+    the last index. Every row outside the sorted ``others`` is a unit vector e_i, so a sum of such
+    rows alone has max norm 1 and (with tol < 1) never passes: after a prefix of unit rows only
+    the ``others`` are tried as the last index (K sites, r others: O(K·r) passes of K, not K²)."""
+    k = approx.shape[0]
+    rest = np.asarray(others, dtype=np.int64)
+    special = set(others)
+    for prefix in itertools.combinations(range(k), size - 1):
+        start = prefix[-1] + 1
+        if start >= k:
+            continue
+        partial = approx[list(prefix)].sum(axis=0)
+        last = np.arange(start, k)
+        if tol < 1 and not special.intersection(prefix):
+            last = rest[rest >= start]
+        worst = np.abs(approx[last] + partial).max(axis=1)
+        for j in last[worst <= tol]:
+            yield (*prefix, int(j))
 
 
 def audit_releases(

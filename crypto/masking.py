@@ -12,13 +12,15 @@ Ids are ordered as Python strings. The pairwise masks cancel in Σ_{i∈M} y_i, 
 
 when every member uploads. If members D drop out after the masks were fixed, the survivors' masks
 with them do not cancel; the server reconstructs the dropped sites' pairwise seeds and subtracts
-(:func:`dropout_correction`). Every PRG stream is bound to (protocol version, round id, release,
+(:func:`dropout_correction`). With a sparse masking graph (SecAgg+) the sums over j run over i's
+neighbours in M only; the graph is symmetric, so the masks still cancel in pairs, and a dropped
+site's correction covers its surviving neighbours. Every PRG stream is bound to (protocol version, round id, release,
 purpose) via the PRG context, so one seed yields unrelated masks for different releases.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -34,6 +36,7 @@ __all__ = [
     "ring_sum",
     "self_mask",
     "unmask_sum",
+    "unmask_total",
 ]
 
 U64 = NDArray[np.uint64]
@@ -78,16 +81,20 @@ def pairwise_mask(
     length: int,
     round_id: str,
     release: str,
+    out: U64 | None = None,
 ) -> U64:
     """p_i = Σ_{j>i} PRG(s_ij) - Σ_{j<i} PRG(s_ij) over the release's other members (mod 2^64).
 
     ``pairwise_seeds`` maps peer id → s_ij; seeds of non-members are ignored, a missing member
-    seed raises :class:`MaskingError`.
+    seed raises :class:`MaskingError`. With ``out`` (a uint64 vector of ``length``) p_i is added
+    into it and ``out`` is returned (one stream in memory at a time, no extra vector).
     """
     n = _check_length(length)
     _check_members(my_id, members)
     ctx = _context(round_id, release, "pairwise")
-    total = np.zeros(n, dtype=np.uint64)
+    if out is not None and (out.dtype != np.uint64 or out.shape != (n,)):
+        raise MaskingError(f"out must be a uint64 vector of length {n}")
+    total = np.zeros(n, dtype=np.uint64) if out is None else out
     for peer in members:
         if peer == my_id:
             continue
@@ -120,22 +127,27 @@ def mask_input(
     self_seed: bytes,
     round_id: str,
     release: str,
+    overwrite: bool = False,
 ) -> U64:
-    """y_i = x_i + p_i + PRG(b_i) (mod 2^64) for a flat uint64 encoding x_i."""
+    """y_i = x_i + p_i + PRG(b_i) (mod 2^64) for a flat uint64 encoding x_i, accumulated in one
+    vector (``overwrite``: in ``encoded`` itself, which the caller no longer needs)."""
     x = np.asarray(encoded)
     if x.dtype != np.uint64 or x.ndim != 1:
         raise MaskingError("encoded input must be a 1-D uint64 vector (flatten blocks first)")
     n = x.shape[0]
-    p = pairwise_mask(
+    y = x if overwrite and x.flags.writeable else x.copy()
+    pairwise_mask(
         my_id=my_id,
         members=members,
         pairwise_seeds=pairwise_seeds,
         length=n,
         round_id=round_id,
         release=release,
+        out=y,
     )
     s = self_mask(self_seed=self_seed, length=n, round_id=round_id, release=release)
-    return ring_sum([x, p, s], length=n)
+    np.add(y, s, out=y)
+    return y
 
 
 def dropout_correction(
@@ -175,24 +187,57 @@ def unmask_sum(
     length: int,
     round_id: str,
     release: str,
+    neighbours: Mapping[str, Collection[str]] | None = None,
 ) -> U64:
     """Σ_{i∈survivors} x_i from survivors' uploads y_i (mod 2^64).
 
     survivors = keys of ``masked_inputs``; dropped = members - survivors. Needs each survivor's
-    self-mask seed b_i and, for each dropped site d, its pairwise seeds with every survivor.
+    self-mask seed b_i and, for each dropped site d, its pairwise seeds with every survivor (with
+    a sparse graph, ``neighbours``: with every surviving neighbour of d).
     Raises :class:`MaskingError` if an input or seed is missing or a non-member uploaded.
     """
     n = _check_length(length)
-    if len(set(members)) != len(members):
-        raise MaskingError("release member list has duplicate ids")
-    survivors = [m for m in members if m in masked_inputs]
     strangers = set(masked_inputs) - set(members)
     if strangers:
         raise MaskingError(f"uploads from non-members of the release: {sorted(strangers)}")
-    dropped = [m for m in members if m not in masked_inputs]
+    survivors = [m for m in members if m in masked_inputs]
+    return unmask_total(
+        masked_total=ring_sum((masked_inputs[s] for s in survivors), length=n),
+        survivors=survivors,
+        members=members,
+        self_seeds=self_seeds,
+        dropped_pairwise_seeds=dropped_pairwise_seeds,
+        length=n,
+        round_id=round_id,
+        release=release,
+        neighbours=neighbours,
+    )
+
+
+def unmask_total(
+    *,
+    masked_total: U64,
+    survivors: Sequence[str],
+    members: Sequence[str],
+    self_seeds: Mapping[str, bytes],
+    dropped_pairwise_seeds: Mapping[str, Mapping[str, bytes]],
+    length: int,
+    round_id: str,
+    release: str,
+    neighbours: Mapping[str, Collection[str]] | None = None,
+) -> U64:
+    """:func:`unmask_sum` from Σ_{i∈survivors} y_i already summed (a server keeps the running
+    sum, not every upload)."""
+    n = _check_length(length)
+    if len(set(members)) != len(members):
+        raise MaskingError("release member list has duplicate ids")
+    if not set(survivors) <= set(members):
+        raise MaskingError("survivors must be members of the release")
+    alive = set(survivors)
+    dropped = [m for m in members if m not in alive]
     if set(dropped_pairwise_seeds) != set(dropped):
         raise MaskingError("dropped_pairwise_seeds must cover exactly the dropped members")
-    total = ring_sum((masked_inputs[s] for s in survivors), length=n)
+    total = ring_sum([masked_total], length=n)
     for s in survivors:
         if s not in self_seeds:
             raise MaskingError(f"missing the self-mask seed of survivor {s!r}")
@@ -202,9 +247,10 @@ def unmask_sum(
             out=total,
         )
     for d in dropped:
+        masked_with = [s for s in survivors if neighbours is None or s in neighbours[d]]
         correction = dropout_correction(
             dropped_id=d,
-            survivors=survivors,
+            survivors=masked_with,
             dropped_seeds=dropped_pairwise_seeds[d],
             length=n,
             round_id=round_id,

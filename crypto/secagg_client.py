@@ -14,6 +14,14 @@ s keys + HKDF bound to (round, salt, release), and a fresh self-mask seed b_{u,R
 s_sk and each b_{u,R} are Shamir-shared t-of-n over U1; shares travel AES-GCM sealed under the
 HKDF key of the c-key agreement.
 
+With a sparse graph (``config.graph``, SecAgg+) the peers v above are u's neighbours N(u) only,
+and the secrets are shared t_N-of-(k + 1) among N(u) and u. The client reveals its graph nonce in
+AdvertiseKeys, bound to the digest of every participant's commitment (which the caller checked
+against the kit's keys), and derives the graph itself from every participant's advert: a
+directory that lacks a participant, carries another commitment digest or a nonce that does not
+open its commitment is refused (:mod:`afl.crypto.secagg_graph`). It checks its own neighbourhood
+only where it can see it: U2 and the dropped sites among its neighbours.
+
 Unmask safety rules (the client refuses with :class:`UnmaskRefusedError` and aborts):
 the request's survivors must equal the U3 the client signed and carry ≥ t valid signatures on
 it; no site may be both a survivor and dropped; dropped sites must be in U2 \\ U3; self-mask
@@ -53,6 +61,7 @@ from afl.crypto.kdf import (
 from afl.crypto.masking import mask_input
 from afl.crypto.prg import SEED_BYTES
 from afl.crypto.secagg_config import RoundConfig
+from afl.crypto.secagg_graph import commitments_digest, derive_graph, graph_commitment, graph_seed
 from afl.crypto.secagg_messages import (
     ADVERTISE_CONTEXT,
     CONSISTENCY_CONTEXT,
@@ -72,9 +81,10 @@ from afl.crypto.secagg_messages import (
     advert_fields,
     consistency_fields,
     pack_share_bundle,
+    signed_advert_fields,
     unpack_share_bundle,
 )
-from afl.crypto.shamir import Share, split_secret
+from afl.crypto.shamir import Share, split_secret_at
 from afl.crypto.signatures import sign_fields, verify_fields
 
 __all__ = ["ClientStage", "SecAggClient"]
@@ -97,7 +107,8 @@ class SecAggClient:
     flat float64 vector (|x| <= the release bound); ``identities`` maps site id → Ed25519 public
     identity key (from provisioning), used to verify peers' adverts and consistency signatures;
     ``survivor_floors`` maps a release to the fewest surviving members with which this client
-    reveals self-mask shares of it (the site's own policy; the plan's t_R applies too)."""
+    reveals self-mask shares of it (the site's own policy; the plan's t_R applies too);
+    ``graph_nonce`` is the nonce ρ the site committed to at plan review (sparse graph only)."""
 
     def __init__(
         self,
@@ -108,9 +119,16 @@ class SecAggClient:
         identities: Mapping[str, Ed25519PublicKey],
         inputs: Mapping[str, ArrayLike],
         survivor_floors: Mapping[str, int] | None = None,
+        graph_nonce: bytes | None = None,
     ) -> None:
         if site_id not in config.cohort:
             raise ProtocolError(f"site {site_id!r} is not in the round's cohort")
+        if (config.graph is None) != (graph_nonce is None):
+            raise ProtocolError("a graph nonce is needed with a sparse graph, and only then")
+        self._graph_nonce = graph_nonce or b""
+        self._commitments: dict[str, bytes] = {}
+        self._digest = b""
+        self._neighbours: frozenset[str] = frozenset(config.cohort) - {site_id}
         self.site_id = site_id
         self.config = config
         self._identity = identity_key
@@ -167,32 +185,105 @@ class SecAggClient:
             )
 
     # -- stage 0 -------------------------------------------------------------------------------
-    def advertise_keys(self) -> AdvertiseKeys:
-        """Stage 0: sign and send (c_pk, s_pk)."""
+    def advertise_keys(self, commitments: Mapping[str, bytes] | None = None) -> AdvertiseKeys:
+        """Stage 0: sign and send (c_pk, s_pk); with a sparse graph also the nonce ρ, bound to the
+        digest of ``commitments`` (every participant's graph commitment, already verified)."""
         self._expect(ClientStage.ADVERTISE, self.config.round_id)
+        if self.config.graph is not None:
+            self._take_commitments(commitments)
+        elif commitments:
+            raise self._abort(ProtocolError("graph commitments in a round with the full graph"))
         c_pk, s_pk = public_key_bytes(self._enc_key), public_key_bytes(self._mask_key)
-        fields = advert_fields(self.config, site_id=self.site_id, enc_public=c_pk, mask_public=s_pk)
+        fields = advert_fields(
+            self.config,
+            site_id=self.site_id,
+            enc_public=c_pk,
+            mask_public=s_pk,
+            commitments_digest=self._digest,
+            graph_nonce=self._graph_nonce,
+        )
         signature = sign_fields(self._identity, context=ADVERTISE_CONTEXT, fields=fields)
         self.stage = ClientStage.SHARE_KEYS
-        return AdvertiseKeys(self.config.round_id, self.site_id, c_pk, s_pk, signature)
+        return AdvertiseKeys(
+            self.config.round_id,
+            self.site_id,
+            c_pk,
+            s_pk,
+            signature,
+            self._digest,
+            self._graph_nonce,
+        )
+
+    def _take_commitments(self, commitments: Mapping[str, bytes] | None) -> None:
+        given = dict(commitments or {})
+        if set(given) != set(self.config.cohort):
+            missing = sorted(set(self.config.cohort) - set(given))
+            raise self._abort(
+                RoundAbortedError(
+                    f"graph commitments missing for {missing} (or given for non-participants); "
+                    "the sparse graph needs every participant's"
+                )
+            )
+        mine = graph_commitment(
+            round_id=self.config.round_id, site_id=self.site_id, nonce=self._graph_nonce
+        )
+        if given[self.site_id] != mine:
+            raise self._abort(
+                ProtocolError("the graph commitments carry another one for this site")
+            )
+        self._commitments = given
+        self._digest = commitments_digest(given)
+
+    def _derive_neighbours(self, adverts: Mapping[str, AdvertiseKeys]) -> None:
+        """Sparse graph: every participant's nonce, opening its commitment, for the same list."""
+        graph = self.config.graph
+        assert graph is not None
+        missing = sorted(set(self.config.cohort) - set(adverts))
+        if missing:
+            raise self._abort(
+                RoundAbortedError(
+                    f"no graph nonce from {missing}: the sparse graph is drawn from every "
+                    "participant's nonce; round aborted"
+                )
+            )
+        for site, advert in adverts.items():
+            if advert.commitments_digest != self._digest:
+                raise self._abort(
+                    ProtocolError(f"the advert of {site!r} was made for other graph commitments")
+                )
+            opened = graph_commitment(
+                round_id=self.config.round_id, site_id=site, nonce=advert.graph_nonce
+            )
+            if opened != self._commitments[site]:
+                raise self._abort(
+                    ProtocolError(f"the graph nonce of {site!r} does not open its commitment")
+                )
+        seed = graph_seed(
+            config_digest=self.config.digest(),
+            digest=self._digest,
+            nonces={s: a.graph_nonce for s, a in adverts.items()},
+        )
+        neighbours = derive_graph(self.config.cohort, degree=graph.degree, seed=seed)
+        self._neighbours = neighbours[self.site_id]
+
+    @property
+    def neighbours(self) -> frozenset[str]:
+        """N(u): every other site with the full graph, the derived neighbourhood otherwise."""
+        return self._neighbours
 
     # -- stage 1 -------------------------------------------------------------------------------
     def share_keys(self, directory: KeyDirectory) -> ShareKeysUpload:
         """Stage 1: verify U1's adverts, then Shamir-share s_sk and each b_{u,R} to U1."""
         self._expect(ClientStage.SHARE_KEYS, directory.round_id)
         peers: dict[str, tuple[bytes, bytes]] = {}
+        adverts: dict[str, AdvertiseKeys] = {}
         for advert in directory.adverts:
             site = advert.site_id
             if site not in self.config.cohort or site in peers or site not in self._identities:
                 raise self._abort(
                     ProtocolError(f"key directory: unknown or repeated site {site!r}")
                 )
-            fields = advert_fields(
-                self.config,
-                site_id=site,
-                enc_public=advert.enc_public,
-                mask_public=advert.mask_public,
-            )
+            fields = signed_advert_fields(self.config, advert)
             try:
                 verify_fields(
                     self._identities[site],
@@ -203,19 +294,28 @@ class SecAggClient:
             except CryptoError as exc:
                 raise self._abort(ProtocolError(f"advert of {site!r} does not verify")) from exc
             peers[site] = (advert.enc_public, advert.mask_public)
+            adverts[site] = advert
         mine = (public_key_bytes(self._enc_key), public_key_bytes(self._mask_key))
         if peers.get(self.site_id) != mine:
             raise self._abort(ProtocolError("key directory does not carry this client's keys"))
         self._need_t("AdvertiseKeys", len(peers))
+        if self.config.graph is not None:
+            self._derive_neighbours(adverts)
         self._peers = peers
-        t, n = self.config.t, len(self.config.cohort)
-        key_shares = split_secret(private_key_bytes(self._mask_key), threshold=t, n_shares=n)
+        holders = sorted(v for v in peers if v in self._neighbours or v == self.site_id)
+        t = self.config.share_threshold
+        if len(holders) < t:
+            raise self._abort(
+                RoundAbortedError(f"only {len(holders)} share holders, fewer than t={t}")
+            )
+        xs = [self.config.share_index(v) for v in holders]
+        key_shares = split_secret_at(private_key_bytes(self._mask_key), threshold=t, indices=xs)
         seed_shares = [
-            split_secret(self._self_seeds[r.name], threshold=t, n_shares=n) for r in self._releases
+            split_secret_at(self._self_seeds[r.name], threshold=t, indices=xs)
+            for r in self._releases
         ]
         sealed: list[EncryptedShare] = []
-        for v in sorted(peers):
-            i = self.config.share_index(v) - 1
+        for i, v in enumerate(holders):
             bundle_self = tuple(s[i] for s in seed_shares)
             if v == self.site_id:  # my own shares stay with me
                 self._store_held(v, key_shares[i], bundle_self)
@@ -259,6 +359,8 @@ class SecAggClient:
             owner = item.sender
             if item.recipient != self.site_id or owner not in self._peers:
                 raise self._abort(ProtocolError(f"routed share from unknown site {owner!r}"))
+            if owner not in self._neighbours:
+                raise self._abort(ProtocolError(f"routed share from {owner!r}, not a neighbour"))
             if owner == self.site_id or owner in self._held_mask_key:
                 raise self._abort(ProtocolError(f"duplicate routed share from {owner!r}"))
             try:
@@ -277,8 +379,9 @@ class SecAggClient:
             if {key_share.index, *(s.index for s in self_shares)} != {my_index}:
                 raise self._abort(ProtocolError(f"share bundle from {owner!r} has wrong indices"))
             self._store_held(owner, key_share, self_shares)
-        self._u2 = tuple(sorted(self._held_mask_key))
-        self._need_t("ShareKeys", len(self._u2))
+        self._u2 = tuple(sorted(self._held_mask_key))  # U2 as far as this client sees it
+        if self.config.graph is None:
+            self._need_t("ShareKeys", len(self._u2))
         vectors: list[tuple[str, NDArray[np.uint64]]] = []
         secrets_with = {v: agree(self._mask_key, self._peers[v][1]) for v in self._u2}
         for release in self._releases:
@@ -296,7 +399,8 @@ class SecAggClient:
                 if v != self.site_id
             }
             y = mask_input(
-                encoded=self._encoded[release.name],
+                encoded=self._encoded.pop(release.name),
+                overwrite=True,
                 my_id=self.site_id,
                 members=live,
                 pairwise_seeds=seeds,
@@ -314,7 +418,12 @@ class SecAggClient:
         """Stage 3: sign the survivor list U3 (once), after checking U3 ⊆ U2, |U3| ≥ t, u ∈ U3."""
         self._expect(ClientStage.CONSISTENCY, request.round_id)
         u3 = tuple(sorted(set(request.survivors)))
-        if len(u3) != len(request.survivors) or not set(u3) <= set(self._u2):
+        local = self._neighbours | {self.site_id}
+        if (
+            len(u3) != len(request.survivors)
+            or not set(u3) <= set(self.config.cohort)
+            or not set(u3) & local <= set(self._u2)
+        ):
             raise self._abort(ProtocolError("survivor list has repeats or sites outside U2"))
         if self.site_id not in u3:
             raise self._abort(ProtocolError("survivor list omits this client, which uploaded"))
@@ -348,8 +457,12 @@ class SecAggClient:
         if tuple(sorted(survivors)) != self._signed_u3 or len(survivors) != len(request.survivors):
             raise self._refuse("its survivor list differs from the one this client signed")
         assert self._signed_u3 is not None
-        expected_dropped = set(self._u2) - survivors
-        if dropped != expected_dropped:
+        # U2 \ U3 as far as this client sees it: the dropped sites among those whose shares it
+        # holds (everyone with the full graph, its neighbours with a sparse one).
+        known = set(self._u2)
+        expected_dropped = known - survivors
+        local = self._neighbours | {self.site_id}
+        if not dropped <= set(self.config.cohort) or dropped & local != expected_dropped:
             raise self._refuse(
                 f"dropped sites {sorted(dropped)} are not U2 \\ U3 = {sorted(expected_dropped)}"
             )
@@ -364,12 +477,12 @@ class SecAggClient:
                     f"release {name!r} has {alive} survivors, fewer than its minimum {need}"
                 )
         out: list[RevealedShare] = []
-        for owner in sorted(dropped):
+        for owner in sorted(dropped & known):
             if self._revealed.get(owner, KIND_MASK_KEY) != KIND_MASK_KEY:
                 raise self._refuse(f"it already revealed a self-mask share of {owner!r}")
             self._revealed[owner] = KIND_MASK_KEY
             out.append(RevealedShare(owner, KIND_MASK_KEY, "", self._held_mask_key[owner]))
-        for owner in sorted(survivors):
+        for owner in sorted(survivors & known):
             if self._revealed.get(owner, KIND_SELF_MASK) != KIND_SELF_MASK:
                 raise self._refuse(f"it already revealed the mask-key share of {owner!r}")
             self._revealed[owner] = KIND_SELF_MASK

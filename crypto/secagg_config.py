@@ -15,6 +15,14 @@ Thresholds.
 
 Fixed point: release R is encoded with ``FixedPointCodec.for_bound(bound=B_R, max_summands=m)``
 (the most fractional bits with m·B_R·2^f < 2^63), unless ``frac_bits`` is given.
+
+Masking graph. By default every site masks with every other and shares its secrets t-of-n over
+the cohort (the full graph). With ``graph`` (:class:`SparseGraph`, SecAgg+) each site masks only
+with its k neighbours of a random Harary graph drawn during the round
+(:mod:`afl.crypto.secagg_graph`) and shares its secrets t_N-of-(k + 1) among them and itself; the
+round threshold t = n - D (D the drop-outs the graph's parameters were chosen for) still applies
+to every stage and to the consistency check, and every release must be over the whole cohort
+(a release over a subset would see only part of the graph).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ __all__ = [
     "MIN_RELEASE_COHORT",
     "ReleaseSpec",
     "RoundConfig",
+    "SparseGraph",
     "default_threshold",
 ]
 
@@ -116,6 +125,20 @@ class ReleaseSpec:
 
 
 @dataclass(frozen=True)
+class SparseGraph:
+    """The plan's sparse masking graph: degree k, neighbourhood Shamir threshold t_N, and the
+    colluders C the parameters were chosen for (the drop-outs D are n - t;
+    :mod:`afl.crypto.secagg_graph_bounds`)."""
+
+    degree: int
+    share_threshold: int
+    colluders: int
+
+    def fields(self) -> tuple[Field, ...]:
+        return ("sparse-graph", self.degree, self.share_threshold, self.colluders)
+
+
+@dataclass(frozen=True)
 class RoundConfig:
     """The public, per-round configuration every party holds (the server publishes it signed).
 
@@ -128,6 +151,7 @@ class RoundConfig:
     cohort: tuple[str, ...]
     releases: tuple[ReleaseSpec, ...]
     threshold: int | None = None
+    graph: SparseGraph | None = None
 
     def __post_init__(self) -> None:
         _check_id("round_id", self.round_id)
@@ -158,6 +182,25 @@ class RoundConfig:
                 raise SecAggConfigError(
                     f"release {release.name!r} has members outside the cohort: {sorted(strangers)}"
                 )
+        if self.graph is not None:
+            self._check_graph(self.graph, n)
+
+    def _check_graph(self, graph: SparseGraph, n: int) -> None:
+        k, t_n = graph.degree, graph.share_threshold
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (k, t_n, graph.colluders)):
+            raise SecAggConfigError("the sparse graph's parameters must be ints")
+        if k % 2 or not 2 <= k <= n - 2:
+            raise SecAggConfigError(f"a sparse graph needs an even degree k in 2..{n - 2}, got {k}")
+        if not 2 <= t_n <= k:
+            raise SecAggConfigError(f"the neighbourhood threshold must lie in 2..{k}, got {t_n}")
+        if self.threshold is None or not 0 <= graph.colluders < n:
+            raise SecAggConfigError("a sparse graph needs an explicit round threshold t = n - D")
+        for release in self.releases:
+            if len(release.members) != n:
+                raise SecAggConfigError(
+                    f"release {release.name!r} is not over the whole cohort; a sparse graph "
+                    "masks only releases over every participant (gram_scope = global)"
+                )
 
     @classmethod
     def create(
@@ -167,6 +210,7 @@ class RoundConfig:
         cohort: Sequence[str],
         releases: Sequence[ReleaseSpec],
         threshold: int | None = None,
+        graph: SparseGraph | None = None,
     ) -> RoundConfig:
         """A config with a fresh random round salt (:func:`afl.crypto.kdf.new_round_salt`)."""
         return cls(
@@ -175,12 +219,23 @@ class RoundConfig:
             cohort=tuple(cohort),
             releases=tuple(releases),
             threshold=threshold,
+            graph=graph,
         )
 
     @property
     def t(self) -> int:
         """The round threshold t (default ⌊n/2⌋ + 1)."""
         return self.threshold if self.threshold is not None else default_threshold(len(self.cohort))
+
+    @property
+    def share_threshold(self) -> int:
+        """The Shamir threshold of every secret: t_N with a sparse graph, else t."""
+        return self.graph.share_threshold if self.graph is not None else self.t
+
+    @property
+    def dropouts(self) -> int:
+        """D = n - t: the drop-outs a round tolerates."""
+        return len(self.cohort) - self.t
 
     def share_index(self, site: str) -> int:
         """Shamir x-coordinate of the shares held by ``site`` (1-based cohort position)."""
@@ -214,4 +269,6 @@ class RoundConfig:
         ]
         for release in self.releases:
             fields.append(canonical_encode(release.fields()))
+        if self.graph is not None:
+            fields.append(canonical_encode(self.graph.fields()))
         return hashlib.sha256(canonical_encode(fields)).digest()

@@ -6,6 +6,8 @@ A drop-out is given as the client stage *before* which the site vanishes: ``SHAR
 advertised keys and then sent nothing more; ``MASKED_INPUT`` means it vanished after ShareKeys;
 ``CONSISTENCY`` after MaskedInput; ``UNMASK`` during Unmask (after signing U3). Bytes are the
 lengths of the messages' canonical encodings (``to_bytes``); a broadcast counts once per recipient.
+With a sparse graph every site draws its graph nonce and the driver hands every party the
+commitments (what the daemons carry in the signed plan decisions).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from numpy.typing import ArrayLike
 
 from afl.crypto.secagg_client import ClientStage, SecAggClient
 from afl.crypto.secagg_config import RoundConfig
+from afl.crypto.secagg_graph import graph_commitment, new_graph_nonce
 from afl.crypto.secagg_messages import ClientMessage
 from afl.crypto.secagg_server import SecAggResult, SecAggServer
 
@@ -58,7 +61,15 @@ def run_local_round(
     """
     drops = dict(drop_before or {})
     identities = {s: k.public_key() for s, k in identity_keys.items()}
-    server = SecAggServer(config=config, identities=identities)
+    sparse = config.graph is not None
+    nonces = {s: new_graph_nonce() for s in config.cohort} if sparse else {}
+    commitments = {
+        s: graph_commitment(round_id=config.round_id, site_id=s, nonce=nonce)
+        for s, nonce in nonces.items()
+    }
+    server = SecAggServer(
+        config=config, identities=identities, commitments=commitments if sparse else None
+    )
     clients: dict[str, SecAggClient] = {}
     report_times = {s: 0.0 for s in config.cohort}
     up = {s: 0 for s in config.cohort}
@@ -93,6 +104,7 @@ def run_local_round(
                 config=config,
                 identities=identities,
                 inputs=inputs[site],
+                graph_nonce=nonces.get(site),
             ),
         )
 
@@ -102,7 +114,8 @@ def run_local_round(
 
     for site in config.cohort:
         if alive(site, ClientStage.ADVERTISE):
-            upload(site, timed(site, clients[site].advertise_keys))
+            advertise = partial(clients[site].advertise_keys, commitments if sparse else None)
+            upload(site, timed(site, advertise))
     directory = timed(None, server.close_advertise)
     for advert in directory.adverts:
         site = advert.site_id

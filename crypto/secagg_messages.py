@@ -11,7 +11,9 @@ Unmask             :class:`UnmaskResponse`          —
 Signed payloads (Ed25519, :func:`afl.crypto.signatures.sign_fields`), both binding the config
 digest (which covers the round id, round salt, cohort, threshold and release plan):
 
-    advert:      ("advertise-keys",  digest, round_id, salt, site, c_pk, s_pk)
+    advert:      ("advertise-keys",  digest, round_id, salt, site, c_pk, s_pk, Δ, ρ)
+                 (Δ, ρ: the digest of the graph commitments and the site's graph nonce, empty
+                 with the full graph; :mod:`afl.crypto.secagg_graph`)
     consistency: ("consistency-check", digest, round_id, salt, site, |U3|, *sorted(U3))
 
 Every message has ``to_bytes()``: its canonical encoding (:mod:`afl.crypto.canonical`), used for
@@ -51,6 +53,7 @@ __all__ = [
     "advert_fields",
     "consistency_fields",
     "pack_share_bundle",
+    "signed_advert_fields",
     "unpack_share_bundle",
 ]
 
@@ -63,10 +66,37 @@ ShareKind = Literal["self-mask", "mask-key"]
 
 
 def advert_fields(
-    config: RoundConfig, *, site_id: str, enc_public: bytes, mask_public: bytes
+    config: RoundConfig,
+    *,
+    site_id: str,
+    enc_public: bytes,
+    mask_public: bytes,
+    commitments_digest: bytes = b"",
+    graph_nonce: bytes = b"",
 ) -> tuple[Field, ...]:
     """Fields signed by a client's identity key in AdvertiseKeys."""
-    return (config.digest(), config.round_id, config.round_salt, site_id, enc_public, mask_public)
+    return (
+        config.digest(),
+        config.round_id,
+        config.round_salt,
+        site_id,
+        enc_public,
+        mask_public,
+        commitments_digest,
+        graph_nonce,
+    )
+
+
+def signed_advert_fields(config: RoundConfig, advert: AdvertiseKeys) -> tuple[Field, ...]:
+    """:func:`advert_fields` of a received advert."""
+    return advert_fields(
+        config,
+        site_id=advert.site_id,
+        enc_public=advert.enc_public,
+        mask_public=advert.mask_public,
+        commitments_digest=advert.commitments_digest,
+        graph_nonce=advert.graph_nonce,
+    )
 
 
 def consistency_fields(
@@ -103,13 +133,16 @@ def unpack_share_bundle(data: bytes, *, n_releases: int) -> tuple[Share, tuple[S
 @dataclass(frozen=True)
 class AdvertiseKeys:
     """Stage 0, client → server: the two X25519 public keys (c: share encryption, s: masks),
-    signed with the client's Ed25519 identity key over :func:`advert_fields`."""
+    signed with the client's Ed25519 identity key over :func:`advert_fields`; with a sparse
+    graph also the site's graph nonce and the digest of the commitments it was revealed for."""
 
     round_id: str
     site_id: str
     enc_public: bytes
     mask_public: bytes
     signature: bytes
+    commitments_digest: bytes = b""
+    graph_nonce: bytes = b""
 
     def to_bytes(self) -> bytes:
         return canonical_encode(
@@ -120,6 +153,8 @@ class AdvertiseKeys:
                 self.enc_public,
                 self.mask_public,
                 self.signature,
+                self.commitments_digest,
+                self.graph_nonce,
             )
         )
 

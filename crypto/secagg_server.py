@@ -18,6 +18,17 @@ another sender than the authenticated one, and malformed bodies.
 Release rule (see :mod:`afl.crypto.secagg_config`): release R's sum is over S_R = M_R ∩ U3 and
 is released iff |S_R| ≥ t_R; otherwise it is withheld (reason in ``SecAggResult.withheld``), its
 uploads are discarded and no self-mask share of it is requested.
+
+Memory: a masked input is added into one running sum per release (mod 2^64) as it arrives, so
+the server holds O(releases) vectors, not O(sites) (every arrival is in U3).
+
+Sparse graph (``config.graph``): the server is given every participant's graph commitment
+(``commitments``, from the signed plan decisions) and refuses an advert whose nonce does not open
+it or that was made for another commitment list; AdvertiseKeys closes only with every
+participant's advert (the graph is never drawn from a subset of the nonces); it derives the same
+graph as the sites (:mod:`afl.crypto.secagg_graph`), takes from each site share bundles for
+exactly its neighbours, asks each responder for the shares it holds only, and reconstructs with
+the neighbourhood threshold t_N.
 """
 
 from __future__ import annotations
@@ -34,13 +45,16 @@ from afl.crypto.canonical import Field
 from afl.crypto.errors import (
     CryptoError,
     DuplicateMessageError,
+    MaskingError,
     ProtocolError,
     RoundAbortedError,
     RoundMismatchError,
     StageError,
     UnknownParticipantError,
 )
+from afl.crypto.masking import ring_sum
 from afl.crypto.secagg_config import RoundConfig
+from afl.crypto.secagg_graph import commitments_digest, derive_graph, graph_commitment, graph_seed
 from afl.crypto.secagg_messages import (
     ADVERTISE_CONTEXT,
     CONSISTENCY_CONTEXT,
@@ -55,8 +69,8 @@ from afl.crypto.secagg_messages import (
     ShareKeysUpload,
     UnmaskRequest,
     UnmaskResponse,
-    advert_fields,
     consistency_fields,
+    signed_advert_fields,
 )
 from afl.crypto.secagg_unmask import (
     collect_shares,
@@ -104,21 +118,33 @@ class SecAggResult:
 
 
 class SecAggServer:
-    """The server's side of one round; ``identities`` maps site id → Ed25519 identity key."""
+    """The server's side of one round; ``identities`` maps site id → Ed25519 identity key;
+    ``commitments`` maps every participant to its graph commitment (sparse graph only)."""
 
-    def __init__(self, *, config: RoundConfig, identities: Mapping[str, Ed25519PublicKey]) -> None:
+    def __init__(
+        self,
+        *,
+        config: RoundConfig,
+        identities: Mapping[str, Ed25519PublicKey],
+        commitments: Mapping[str, bytes] | None = None,
+    ) -> None:
         missing = set(config.cohort) - set(identities)
         if missing:
             raise ProtocolError(f"no identity key for cohort sites {sorted(missing)}")
+        if config.graph is not None and set(commitments or {}) != set(config.cohort):
+            raise ProtocolError("a sparse graph needs every participant's graph commitment")
         self.config = config
         self._identities = dict(identities)
+        self._commitments = dict(commitments or {}) if config.graph is not None else {}
+        self._digest = commitments_digest(self._commitments) if self._commitments else b""
+        self.neighbours: dict[str, frozenset[str]] | None = None  # None: the full graph
         self.stage = ServerStage.ADVERTISE
         self.abort_reason: str | None = None
         self._live: tuple[str, ...] = config.cohort  # senders allowed in the current stage
         self._inbox: dict[str, ClientMessage] = {}
         self._adverts: dict[str, AdvertiseKeys] = {}
         self._u2: tuple[str, ...] = ()
-        self._uploads: dict[str, dict[str, NDArray[np.uint64]]] = {}
+        self._sums: dict[str, NDArray[np.uint64]] = {}  # release -> Σ y over arrivals (U3)
         self._u3: tuple[str, ...] = ()
         self._request: UnmaskRequest | None = None
         self._withheld: dict[str, str] = {}
@@ -152,22 +178,28 @@ class SecAggServer:
         if sender in self._inbox:
             raise DuplicateMessageError(f"a second {type(message).__name__} from {sender!r}")
         self._validate(message)
+        if isinstance(message, MaskedInputUpload):  # kept as running sums, not per site
+            for name, y in message.vectors:
+                total = self._sums.setdefault(name, np.zeros(y.shape, dtype=np.uint64))
+                np.add(total, y, out=total)
+            message = MaskedInputUpload(message.round_id, message.site_id, ())
         self._inbox[sender] = message
 
     def _validate(self, message: ClientMessage) -> None:
         if isinstance(message, AdvertiseKeys):
-            fields = advert_fields(
-                self.config,
-                site_id=message.site_id,
-                enc_public=message.enc_public,
-                mask_public=message.mask_public,
-            )
+            self._validate_graph_reveal(message)
+            fields = signed_advert_fields(self.config, message)
             self._verify(message.site_id, message.signature, ADVERTISE_CONTEXT, fields)
         elif isinstance(message, ShareKeysUpload):
             recipients = [s.recipient for s in message.shares]
             expected = set(self._live) - {message.site_id}
+            if self.neighbours is not None:
+                expected &= self.neighbours[message.site_id]
             if len(set(recipients)) != len(recipients) or set(recipients) != expected:
-                raise ProtocolError(f"{message.site_id!r} must send one share bundle to each of U1")
+                raise ProtocolError(
+                    f"{message.site_id!r} must send one share bundle to each of U1 "
+                    "(its neighbours, with a sparse graph)"
+                )
             if any(s.sender != message.site_id for s in message.shares):
                 raise ProtocolError(f"{message.site_id!r} sent share bundles of another sender")
         elif isinstance(message, MaskedInputUpload):
@@ -183,9 +215,29 @@ class SecAggServer:
                 survivors=self._request.survivors,
                 dropped=self._request.dropped,
                 releases=self._request.releases,
+                responder=message.site_id,
+                neighbours=self.neighbours,
             )
             if len(set(got)) != len(got) or set(got) != wanted:
                 raise ProtocolError(f"{message.site_id!r} did not reveal exactly the asked shares")
+
+    def _validate_graph_reveal(self, advert: AdvertiseKeys) -> None:
+        if self.config.graph is None:
+            if advert.commitments_digest or advert.graph_nonce:
+                raise ProtocolError(f"{advert.site_id!r} sent a graph nonce for the full graph")
+            return
+        if advert.commitments_digest != self._digest:
+            raise ProtocolError(f"the advert of {advert.site_id!r} binds other graph commitments")
+        try:
+            opened = graph_commitment(
+                round_id=self.config.round_id, site_id=advert.site_id, nonce=advert.graph_nonce
+            )
+        except ProtocolError as exc:
+            raise ProtocolError(f"the advert of {advert.site_id!r}: {exc}") from exc
+        if opened != self._commitments[advert.site_id]:
+            raise ProtocolError(
+                f"the graph nonce of {advert.site_id!r} does not open its commitment"
+            )
 
     def _verify(self, site: str, signature: bytes, context: str, fields: tuple[Field, ...]) -> None:
         try:
@@ -217,23 +269,43 @@ class SecAggServer:
             raise StageError(f"cannot close stage {stage.value} in stage {self.stage.value}")
         arrived = tuple(sorted(self._inbox))
         if len(arrived) < self.config.t:
-            self.abort_reason = (
+            reason = (
                 f"{stage.value}: only {len(arrived)} of {len(self.config.cohort)} clients "
                 f"responded, fewer than the threshold t={self.config.t}; round aborted, "
                 "nothing released"
             )
-            self.stage = ServerStage.ABORTED
-            self._uploads.clear()
-            raise RoundAbortedError(self.abort_reason)
+            self._abort(reason)
         self.stage = following
         self._live = arrived
         return arrived
 
+    def _abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        self.stage = ServerStage.ABORTED
+        self._sums.clear()
+        raise RoundAbortedError(reason)
+
     def close_advertise(self) -> KeyDirectory:
-        """End AdvertiseKeys: U1 = the sites whose signed adverts arrived."""
+        """End AdvertiseKeys: U1 = the sites whose signed adverts arrived (sparse graph: every
+        participant, else the round aborts; then the graph is derived)."""
+        silent = sorted(set(self.config.cohort) - set(self._inbox))
+        if self.config.graph is not None and silent and self.stage is ServerStage.ADVERTISE:
+            self._abort(
+                f"advertise-keys: no advert (graph nonce) from {', '.join(silent)}; the sparse "
+                "graph is drawn from every participant's nonce; round aborted, nothing released"
+            )
         u1 = self._close(ServerStage.ADVERTISE, ServerStage.SHARE_KEYS)
         self._adverts = {s: m for s, m in self._inbox.items() if isinstance(m, AdvertiseKeys)}
         self._inbox = {}
+        if self.config.graph is not None:
+            seed = graph_seed(
+                config_digest=self.config.digest(),
+                digest=self._digest,
+                nonces={s: a.graph_nonce for s, a in self._adverts.items()},
+            )
+            self.neighbours = derive_graph(
+                self.config.cohort, degree=self.config.graph.degree, seed=seed
+            )
         return KeyDirectory(self.config.round_id, tuple(self._adverts[s] for s in u1))
 
     def close_share_keys(self) -> dict[str, RoutedShares]:
@@ -256,10 +328,6 @@ class SecAggServer:
         """End MaskedInput: U3 = sites whose masked uploads arrived (only these are stored)."""
         u3 = self._close(ServerStage.MASKED_INPUT, ServerStage.CONSISTENCY)
         self._u3 = u3
-        for site in u3:
-            upload = self._inbox[site]
-            assert isinstance(upload, MaskedInputUpload)
-            self._uploads[site] = dict(upload.vectors)
         self._inbox = {}
         return ConsistencyRequest(self.config.round_id, u3)
 
@@ -280,8 +348,7 @@ class SecAggServer:
                     f"{alive} of {len(release.members)} members survived, fewer than the "
                     f"release minimum {release.min_survivors}"
                 )
-                for vectors in self._uploads.values():
-                    vectors.pop(release.name, None)
+                self._sums.pop(release.name, None)
         dropped = tuple(s for s in self._u2 if s not in self._u3)
         self._request = UnmaskRequest(
             self.config.round_id, self._u3, dropped, tuple(released), signatures
@@ -307,29 +374,32 @@ class SecAggServer:
                 seeds = reconstruct_self_seeds(
                     self.config, shares, survivors=self._u3, release=release
                 )
-                uploads = {s: v[name] for s, v in self._uploads.items() if name in v}
+                survivors = tuple(s for s in self._u3 if s in release.members)
+                total = self._sums.get(name)
                 sums[name] = release_sum(
                     self.config,
                     release=release,
-                    uploads=uploads,
+                    masked_total=ring_sum([] if total is None else [total], length=release.length),
+                    survivors=survivors,
                     live=self._u2,
                     self_seeds=seeds,
                     mask_keys=keys,
                     mask_publics=publics,
+                    neighbours=self.neighbours,
                 )
-                contributors[name] = tuple(sorted(uploads))
-        except ProtocolError as exc:
+                contributors[name] = survivors
+        except (ProtocolError, MaskingError) as exc:
             self.stage = ServerStage.ABORTED
             self.abort_reason = f"unmask failed: {exc}"
             raise RoundAbortedError(self.abort_reason) from exc
         finally:
-            self._uploads.clear()
+            self._sums.clear()
         self.result = SecAggResult(
             sums, contributors, dict(self._withheld), self._u3, self._request.dropped
         )
         return self.result
 
     @property
-    def stored_uploads(self) -> Mapping[str, Mapping[str, NDArray[np.uint64]]]:
-        """The masked uploads the server holds (what would rest on its disk); read-only view."""
-        return {s: dict(v) for s, v in self._uploads.items()}
+    def held_sums(self) -> Mapping[str, NDArray[np.uint64]]:
+        """The masked vectors the server holds: one running sum per release (a copy)."""
+        return {name: total.copy() for name, total in self._sums.items()}

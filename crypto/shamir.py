@@ -32,6 +32,7 @@ __all__ = [
     "reconstruct_many",
     "reconstruct_secret",
     "split_secret",
+    "split_secret_at",
 ]
 
 #: The field modulus: the Mersenne prime 2^521 - 1.
@@ -102,12 +103,31 @@ def split_secret(secret: bytes, *, threshold: int, n_shares: int) -> list[Share]
     Raises:
         ShamirError: secret not 32 bytes, threshold < 1, threshold > n_shares, n_shares too large.
     """
+    _check_params(threshold, n_shares)
+    return split_secret_at(secret, threshold=threshold, indices=range(1, n_shares + 1))
+
+
+def split_secret_at(secret: bytes, *, threshold: int, indices: Sequence[int]) -> list[Share]:
+    """Shares (x, f(x)) of a 32-byte secret at the given distinct x-coordinates only, any
+    ``threshold`` of which recover it: the same polynomial as :func:`split_secret`, evaluated
+    where the holders are (a sparse masking graph shares among a site's neighbours only, so its
+    cost is O(k·t) instead of O(n·t)).
+
+    Raises:
+        ShamirError: secret not 32 bytes, threshold < 1 or above the number of indices,
+            indices repeated or outside 1..65535.
+    """
     if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
         raise ShamirError(f"the secret must be exactly {SECRET_BYTES} bytes")
-    _check_params(threshold, n_shares)
+    xs = list(indices)
+    _check_params(threshold, len(xs))
+    if len(set(xs)) != len(xs) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SHARES for x in xs
+    ):
+        raise ShamirError(f"share indices must be distinct ints in 1..{MAX_SHARES}")
     coefficients = [int.from_bytes(secret, "big")]
     coefficients += [secrets.randbelow(PRIME) for _ in range(threshold - 1)]
-    return [Share(index=i, value=_eval_poly(coefficients, i)) for i in range(1, n_shares + 1)]
+    return [Share(index=x, value=_eval_poly(coefficients, x)) for x in xs]
 
 
 def _check_shares(shares: Sequence[Share]) -> None:

@@ -15,7 +15,8 @@ same way:
                      server_identity_public_key, challenge nonce, role,
                      canonical(labelled_classes), backbone, feature_dim, software_version,
                      protocol_version)
-    plan decision:  ("plan-decision", round_id, 1 if accept else 0, sha256(plan bytes))
+    plan decision:  ("plan-decision", round_id, 1 if accept else 0, sha256(plan bytes)
+                     [, graph commitment: sparse-graph MASK plans])
 
 Pure functions over bytes: this module imports nothing of afl outside :mod:`afl.crypto`, so the
 client can verify without importing :mod:`afl.server`.
@@ -119,6 +120,10 @@ def enrol_fields(
     ]
 
 
-def plan_decision_fields(*, round_id: str, accept: bool, plan_sha256: bytes) -> list[Field]:
-    """Fields of a site's plan decision (context :data:`PLAN_DECISION_CONTEXT`)."""
-    return [round_id, 1 if accept else 0, plan_sha256]
+def plan_decision_fields(
+    *, round_id: str, accept: bool, plan_sha256: bytes, graph_commitment: bytes = b""
+) -> list[Field]:
+    """Fields of a site's plan decision (context :data:`PLAN_DECISION_CONTEXT`); an acceptance
+    of a sparse-graph MASK plan also signs the site's graph commitment."""
+    fields: list[Field] = [round_id, 1 if accept else 0, plan_sha256]
+    return [*fields, graph_commitment] if graph_commitment else fields

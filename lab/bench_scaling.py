@@ -13,6 +13,9 @@ evenly over K simulated sites with a Missing-m assignment. Per point, measured o
 
 Growth in K at d = ``d_for_sites`` and growth in d at K = ``sites_for_dims``. Grams are added as
 they arrive and dropped (memory O(sets · d²), not O(K · d²)). Data from numpy's RNG.
+
+With ``--e2e``: masked rounds through the real daemons, full vs sparse masking graph, with time,
+bytes and memory per site and their growth exponents (:mod:`afl.lab.bench_scaling_e2e`).
 """
 
 from __future__ import annotations
@@ -177,10 +180,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_blas_threads_argument(p)
     p.add_argument("--out-dir", default="bench-results/scaling")
+    e2e = p.add_argument_group("--e2e: masked rounds through the daemons (--sites, --seed)")
+    e2e.add_argument(
+        "--e2e",
+        action="store_true",
+        help="afl-server + K sites in afl-client run-many hosts over loopback mTLS, per graph",
+    )
+    e2e.add_argument("--graphs", nargs="+", choices=("full", "sparse"), default=["full", "sparse"])
+    e2e.add_argument("--dim", type=int, default=1024, help="d of the e2e sweep")
+    e2e.add_argument("--rows", type=int, default=300, help="rows per site in the e2e sweep")
+    e2e.add_argument("--hosts", type=int, default=4, help="afl-client run-many processes")
+    e2e.add_argument(
+        "--full-max-sites", type=int, default=256, help="largest K run with the full graph"
+    )
+    e2e.add_argument("--timeout-s", type=float, default=1800.0, help="per round and stage")
+    e2e.add_argument("--work-dir", default=None, help="folder for the kits, caches and state")
+    e2e.add_argument(
+        "--keep-work", action="store_true", help="keep the federations (logs, reports, state)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the suite; write scaling.json, scaling_sites.png and scaling_dims.png."""
+    """Run the suite; write scaling.json, scaling_sites.png and scaling_dims.png (with --e2e:
+    scaling_e2e.json and scaling_e2e.png)."""
+    if args.e2e:
+        return _run_e2e(args)
     with blas_threads(args.blas_threads):
         bench = run_scaling_bench(
             sites=args.sites,
@@ -220,4 +244,59 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     print("written: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _run_e2e(args: argparse.Namespace) -> int:
+    from afl.lab.bench_scaling_e2e import run_scaling_e2e
+
+    with blas_threads(args.blas_threads):
+        bench = run_scaling_e2e(
+            sites=args.sites,
+            graphs=args.graphs,
+            d=args.dim,
+            rows=args.rows,
+            hosts=args.hosts,
+            full_max_sites=args.full_max_sites,
+            seed=args.seed,
+            timeout_s=args.timeout_s,
+            work_dir=args.work_dir,
+            keep=args.keep_work,
+        )
+    bench["blas_threads"] = args.blas_threads
+    print(format_machine(bench["machine"]), file=sys.stderr)
+    for row in bench["points"]:
+        print(
+            f"{row['graph']:6s} K={row['num_sites']:4d} k={row['degree']:3d}: round "
+            f"{row['round_seconds']:.2f}s (wall {row['wall_seconds']:.1f}s), "
+            f"{row['bytes_sent_per_site'] / 1e6:.3f} MB/site, server {row['server_peak_rss_mib']} "
+            f"MiB, sites {row['site_rss_mib_per_site']} MiB/site, "
+            f"|W - W_plain|/|W_plain| = {row['w_relative_error']:.1e}",
+            file=sys.stderr,
+        )
+    for graph, fits in bench["growth_exponents"].items():
+        text = ", ".join(f"{f} K^{b:.2f}" for f, b in fits.items() if b is not None)
+        print(f"{graph}: {text}", file=sys.stderr)
+    out = Path(args.out_dir)
+    paths = [write_json(bench, out / "scaling_e2e.json")]
+    graphs = sorted({r["graph"] for r in bench["points"]})
+    ks = sorted({r["num_sites"] for r in bench["points"]})
+    seconds = {(r["graph"], r["num_sites"]): float(r["round_seconds"]) for r in bench["points"]}
+    series: dict[str, Sequence[float]] = {
+        f"{g} graph": [seconds.get((g, k), float("nan")) for k in ks] for g in graphs
+    }
+    paths.append(
+        line_plot(
+            out / "scaling_e2e.png",
+            x=ks,
+            series=series,
+            xlabel="K (sites)",
+            ylabel="round seconds (slowest site)",
+            title=f"Masked round through the daemons, d = {bench['d']}, {bench['rows_per_site']} rows/site",
+        )
+    )
+    print("written: " + ", ".join(str(p) for p in paths))
+    if not bench["w_matches_plaintext"]:
+        print("error: a masked W differs from the plaintext W by more than 1e-9", file=sys.stderr)
+        return 1
     return 0

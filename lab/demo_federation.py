@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +327,14 @@ def _reports(state_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _host_codes(summary: Path | None) -> dict[str, int]:
+    """{site: exit code} a run-many host wrote (empty when it wrote nothing)."""
+    if summary is None or not summary.is_file():
+        return {}
+    codes: dict[str, int] = json.loads(summary.read_text(encoding="utf-8"))
+    return codes
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> int | None:
     if proc.poll() is None:
         proc.terminate()
@@ -344,6 +352,17 @@ CLIENT_COMMAND = (sys.executable, "-m", "afl.client.cli")
 SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
 
 
+def _site_groups(
+    fed: LoopbackFederation, sites_per_process: int, alone: Mapping[str, Sequence[str]]
+) -> list[tuple[str, ...]]:
+    """Sites in launch order: one per process for a custom command, else groups of
+    ``sites_per_process`` (hosted by ``afl-client run-many`` when more than one)."""
+    hosted = [s for s in fed.client_configs if s not in alone]
+    size = max(1, sites_per_process)
+    groups = [tuple(hosted[i : i + size]) for i in range(0, len(hosted), size)]
+    return groups + [(s,) for s in fed.client_configs if s in alone]
+
+
 def run_loopback(
     fed: LoopbackFederation,
     *,
@@ -353,13 +372,18 @@ def run_loopback(
     log_level: str = "WARNING",
     client_commands: Mapping[str, Sequence[str]] | None = None,
     server_command: Sequence[str] | None = None,
+    sites_per_process: int = 1,
+    on_started: Callable[[Mapping[str, int]], None] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
     program that runs the client (``python -m afl.client.cli``) by another argv prefix that takes
     the same arguments (the drop-out tests start a client that vanishes mid-round);
     ``server_command`` likewise replaces ``python -m afl.server.daemon`` (the adversarial tests
-    start a coordinator patched at run time)."""
+    start a coordinator patched at run time). ``sites_per_process`` > 1 hosts that many sites per
+    ``afl-client run-many`` process (sites with a custom command still run alone); a site's exit
+    code is then the one its host reports. ``on_started`` gets the process ids ("server", and
+    each client process by its first site) once everything is started (memory sampling)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -380,28 +404,48 @@ def run_loopback(
             helpers.append(
                 subprocess.Popen(cmd, stdout=handles[-1], stderr=subprocess.STDOUT, env=env)
             )
-        for site, config in fed.client_configs.items():
-            logs[site] = logs_dir / f"{site}.log"
-            handles.append(open(logs[site], "wb"))  # noqa: SIM115
-            program = (client_commands or {}).get(site, CLIENT_COMMAND)
-            cmd = [*program, "run", "--config", str(config), "--log-level", log_level]
-            clients[site] = subprocess.Popen(
-                [*cmd, *client_args], stdout=handles[-1], stderr=subprocess.STDOUT, env=env
+        alone = client_commands or {}
+        groups = _site_groups(fed, sites_per_process, alone)
+        summaries: dict[str, Path] = {}
+        for group in groups:
+            first = group[0]
+            log_name = first if len(group) == 1 else f"host-{first}"
+            logs[first] = logs_dir / f"{log_name}.log"
+            handles.append(open(logs[first], "wb"))  # noqa: SIM115
+            configs = [a for s in group for a in ("--config", str(fed.client_configs[s]))]
+            if len(group) == 1:
+                cmd = [*alone.get(first, CLIENT_COMMAND), "run", *configs]
+            else:
+                summaries[first] = logs_dir / f"host-{first}.json"
+                cmd = [*CLIENT_COMMAND, "run-many", *configs, "--summary", str(summaries[first])]
+            for s in group:
+                logs[s] = logs[first]
+            clients[first] = subprocess.Popen(
+                [*cmd, "--log-level", log_level, *client_args],
+                stdout=handles[-1],
+                stderr=subprocess.STDOUT,
+                env=env,
             )
+        if on_started is not None:
+            on_started({"server": server.pid, **{s: p.pid for s, p in clients.items()}})
         deadline = time.monotonic() + timeout_s
-        rcs: dict[str, int] = {}
+        ended: dict[str, int] = {}
         # Wait for every client; give up at the deadline or when the server dies first.
-        while len(rcs) < len(clients) and time.monotonic() < deadline:
-            for site, proc in clients.items():
-                if site not in rcs and proc.poll() is not None:
-                    rcs[site] = proc.returncode
-            if server.poll() is not None and len(rcs) < len(clients):
+        while len(ended) < len(clients) and time.monotonic() < deadline:
+            for first, proc in clients.items():
+                if first not in ended and proc.poll() is not None:
+                    ended[first] = proc.returncode
+            if server.poll() is not None and len(ended) < len(clients):
                 time.sleep(1.0)  # let clients that already finished write their reports
                 break
             time.sleep(0.1)
-        for site, proc in clients.items():
-            if site not in rcs:
-                rcs[site] = proc.returncode if proc.poll() is not None else -1
+        rcs: dict[str, int] = {}
+        for group in groups:
+            proc = clients[group[0]]
+            code = ended.get(group[0], proc.returncode if proc.poll() is not None else -1)
+            hosted = _host_codes(summaries.get(group[0]))
+            for s in group:
+                rcs[s] = hosted.get(s, code if len(group) == 1 else -1)
     finally:
         for proc in [*clients.values(), *helpers]:
             _stop(proc)

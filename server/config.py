@@ -21,6 +21,8 @@ from :func:`round_template` that the coordinator completes (the class names and 
     mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": operator bounds,
     mask_gram_bound = 0.0; mask_vector_bound = 0.0    # 0 = from the sites' declared maxima
     mask_threshold = 0                                # (docs/protocol.md §4.2)
+    mask_graph = "full"                               # or "sparse" (SecAgg+, global scope):
+    mask_colluder_fraction = 0.333; mask_dropout_fraction = 0.05; mask_security_bits = 40
     evaluate = false          # after the model: a federated evaluation round (docs/protocol.md §6.1)
     eval_calibration = "platt"                   # fitted from its sums: "platt", "isotonic", "none"
     eval_max_rows = 0         # bound on a site's evaluated rows (0 = the rows the sites declared)
@@ -71,6 +73,7 @@ from afl.core.aggregation import GRAM_SCOPES, GramScope
 from afl.core.refinement import RefinementParams
 from afl.core.suggest import did_you_mean
 from afl.crypto import pki
+from afl.crypto.secagg_graph_bounds import SECURITY_BITS
 from afl.server.dp_plan import DpSettings, dp_settings_from_table
 from afl.server.errors import ConfigError
 from afl.server.limits import StreamLimits
@@ -93,6 +96,11 @@ DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_UPLOAD_BYTES = 256 << 20
 AGGREGATIONS = ("plaintext", "mask", "ckks")
 EVAL_CALIBRATIONS = ("platt", "isotonic", "none")
+MASK_GRAPHS = ("full", "sparse")
+#: Sparse masking graph: colluders assumed (fraction of the participants, rounded up) and drop-outs
+#: tolerated (rounded down) when k and t_N are chosen (docs/protocol.md §4.2 "Sparse graph").
+DEFAULT_COLLUDER_FRACTION = 0.333
+DEFAULT_DROPOUT_FRACTION = 0.05
 _TABLES = ("server", "tls", "identity", "limits", "sites", "round", "ckks", "admins", "retention")
 ROLES = ("participant", "decryptor")
 
@@ -124,6 +132,10 @@ def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
         "mask_max_samples": 0,
         "mask_gram_bound": 0.0,
         "mask_vector_bound": 0.0,
+        "mask_graph": "full",
+        "mask_colluder_fraction": DEFAULT_COLLUDER_FRACTION,
+        "mask_dropout_fraction": DEFAULT_DROPOUT_FRACTION,
+        "mask_security_bits": SECURITY_BITS,
         "ckks_gram_bound": 1.0e6,
         "ckks_vector_bound": 1.0e3,
         "evaluate": False,
@@ -151,12 +163,19 @@ class MaskSettings:
     max_samples · feature_norm², since |h_i·h_j| <= L² for ‖h‖ <= L), |b_j| <= vector_bound
     (default 2 · feature_norm: a balanced class vector is a difference of two means of rows), and
     the Shamir threshold t (0 = a majority of the participants). A bound left at 0 comes from the
-    maxima the sites declared at enrolment (:mod:`afl.core.row_bounds`), per release."""
+    maxima the sites declared at enrolment (:mod:`afl.core.row_bounds`), per release. ``graph``
+    "sparse" masks each site with its neighbours of a random Harary graph whose degree is chosen
+    for ``colluder_fraction`` colluders, ``dropout_fraction`` drop-outs (then t = n - D) and a
+    failure probability of at most 2^-``security_bits`` (:mod:`afl.crypto.secagg_graph_bounds`)."""
 
     gram_bound: float = 0.0
     vector_bound: float = 0.0
     threshold: int = 0
     max_samples: int = 0  # N, declared rows per site (DP + mask bounds, afl.server.dp_mask)
+    graph: str = "full"
+    colluder_fraction: float = DEFAULT_COLLUDER_FRACTION
+    dropout_fraction: float = DEFAULT_DROPOUT_FRACTION
+    security_bits: int = SECURITY_BITS
 
     @property
     def source(self) -> str:
@@ -176,11 +195,31 @@ def _mask_settings(t: _Table) -> MaskSettings:
     threshold = t.get("mask_threshold", int, 0)
     if min(norm, samples, gram, vector, threshold) < 0 or not math.isfinite(norm + gram + vector):
         raise t.fail("mask_*", "mask bounds and threshold must be finite and >= 0")
+    graph = t.get("mask_graph", str, "full")
+    if graph not in MASK_GRAPHS:
+        raise t.fail("mask_graph", f"must be one of {MASK_GRAPHS}, got {graph!r}")
+    colluders = float(t.get("mask_colluder_fraction", (int, float), DEFAULT_COLLUDER_FRACTION))
+    dropouts = float(t.get("mask_dropout_fraction", (int, float), DEFAULT_DROPOUT_FRACTION))
+    if not 0.0 <= colluders < 1.0 or not 0.0 <= dropouts < 0.5 or colluders + 2 * dropouts >= 1:
+        raise t.fail(
+            "mask_colluder_fraction",
+            f"colluders {colluders!r} and drop-outs {dropouts!r} (fractions of the participants) "
+            "need colluders + 2·drop-outs < 1 (docs/protocol.md §4.2)",
+        )
+    bits = t.get("mask_security_bits", int, SECURITY_BITS)
+    if not 1 <= bits <= 128:
+        raise t.fail("mask_security_bits", f"must lie in 1..128, got {bits}")
+    if graph == "sparse" and threshold:
+        raise t.fail("mask_threshold", "a sparse graph sets t = n - D itself; leave it at 0")
     return MaskSettings(
         gram_bound=gram or samples * norm * norm,
         vector_bound=vector or 2.0 * norm,
         threshold=threshold,
         max_samples=samples,
+        graph=graph,
+        colluder_fraction=colluders,
+        dropout_fraction=dropouts,
+        security_bits=bits,
     )
 
 
@@ -404,6 +443,10 @@ def settings_table(settings: RoundSettings) -> dict[str, Any]:
             mask_vector_bound=settings.mask.vector_bound,
             mask_threshold=settings.mask.threshold,
             mask_max_samples=settings.mask.max_samples,
+            mask_graph=settings.mask.graph,
+            mask_colluder_fraction=settings.mask.colluder_fraction,
+            mask_dropout_fraction=settings.mask.dropout_fraction,
+            mask_security_bits=settings.mask.security_bits,
         )
     if settings.dp is not None:
         table["dp"] = dataclasses.asdict(settings.dp)
@@ -471,6 +514,11 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             f"must lie in 1..{len(participants)} (participants), got {min_participants}",
         )
     mask = _mask_settings(t) if aggregation == "mask" else None
+    if mask is not None and mask.graph == "sparse" and scope != "global":
+        raise t.fail(
+            "mask_graph",
+            "a sparse graph masks releases over every participant only: use gram_scope = 'global'",
+        )
     dp = _dp_settings(t)
     if dp is not None and aggregation == "ckks" and dp.max_samples < 1:
         raise t.fail(

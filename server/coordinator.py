@@ -48,7 +48,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.modes import AggregationMode, RoundContext
+from afl.server.modes import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
 from afl.server.observability import ServerMetrics
 from afl.server.plan import RoundView
 from afl.server.reports import check_report
@@ -116,7 +116,7 @@ class Coordinator:
         """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
         self._known(site_id)
         with self.lock:
-            row = self.store.enrolments().get(site_id)
+            row = self.store.enrolment(site_id)
         if row is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         return row
@@ -224,7 +224,7 @@ class Coordinator:
     def status(self, site_id: str, round_id: str = "") -> pb.StatusResponse:
         self._known(site_id)
         with self.lock:
-            enrolled = site_id in self.store.enrolments()
+            enrolled = self.store.enrolment(site_id) is not None
             view = self.machine.find(round_id)
             latest = self.store.model()
             response = pb.StatusResponse(
@@ -304,12 +304,21 @@ class Coordinator:
                         round_id=view.round_id,
                         accept=decision.accept,
                         plan_sha256=decision.plan_sha256,
+                        graph_commitment=decision.graph_commitment,
                     ),
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
             if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
+            if decision.accept and decision.graph_commitment:  # sparse MASK graph: kept signed
+                self.store.put_message(
+                    view.round_id,
+                    stage=int(view.stage),
+                    site_id=site_id,
+                    kind=DECISION_JOURNAL_KIND,
+                    data=decision.SerializeToString(),
+                )
             reason = decision.reason[:500]
             self.store.put_decision(view.round_id, site_id, accept=decision.accept, reason=reason)
             self.store.audit(
@@ -331,7 +340,7 @@ class Coordinator:
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
             self.machine.require_participant(view, site_id)
-            existing = self.store.uploads(view.round_id).get((site_id, upload.release_name))
+            existing = self.store.site_uploads(view.round_id, site_id).get(upload.release_name)
             if existing is not None:
                 if existing.sha256 != upload.sha256:
                     self.metrics.uploads.labels(outcome="conflict").inc()

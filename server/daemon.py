@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.core.about import afl_version
+from afl.core.memory import map_large_blocks
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.signatures import load_private_key_pem, public_key_to_raw
 from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
@@ -260,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _tool(given[0], given[1:])
     args = _parser().parse_args(given)
     configure_logging(getattr(logging, args.log_level))
+    map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
     try:
         config = load_config(args.config)
         if args.listen:

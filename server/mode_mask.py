@@ -25,6 +25,13 @@ checked — the caller is enrolled and a participant of the round, the round run
 in the request's stage, and the message passes the protocol state machine (signatures, senders,
 shapes, duplicates). A retry of the identical request is acknowledged as a duplicate.
 
+Sparse graph (``mask_graph = "sparse"``, SecAgg+; docs/protocol.md §4.2): the plan carries the
+degree k, the neighbourhood threshold t_N, C and D chosen by
+:func:`afl.crypto.secagg_graph_bounds.choose_graph` for the participants (t = n - D); each site's
+acceptance carries its signed graph commitment, which the coordinator journals
+(:data:`afl.server.modes.DECISION_JOURNAL_KIND`) and serves with ``GetGraphCommitments`` from
+ADVERTISE_KEYS on; the state machine checks every reveal against it and derives the graph.
+
 Crash safety: every message a site sends (key adverts, encrypted share bundles, consistency
 signatures, unmask responses) is persisted in the store's message journal before it is
 acknowledged, and masked inputs are stored uploads. The server state machine is deterministic, so
@@ -36,6 +43,7 @@ in SOLVING the unmasked sums are recomputed the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +63,7 @@ from afl.crypto.errors import (
     UnknownParticipantError,
 )
 from afl.crypto.secagg_config import ReleaseSpec, default_threshold
+from afl.crypto.secagg_graph_bounds import choose_graph, colluders_for, dropouts_for
 from afl.crypto.secagg_messages import (
     ClientMessage,
     KeyDirectory,
@@ -76,6 +85,7 @@ from afl.server.errors import (
 )
 from afl.server.evaluation import count_bound
 from afl.server.modes import (
+    DECISION_JOURNAL_KIND,
     Declared,
     ModeEnvironment,
     PlanOptions,
@@ -112,11 +122,16 @@ class MaskRound:
     server: SecAggServer
     lengths: dict[str, int]
     expected: set[str]
-    received: dict[str, bytes] = field(default_factory=dict)  # site -> request bytes, this stage
+    received: set[str] = field(default_factory=set)  # sites heard from in this stage
     directory: KeyDirectory | None = None
     routed: dict[str, RoutedShares] = field(default_factory=dict)
     survivors: tuple[str, ...] | None = None
     unmask: UnmaskRequest | None = None
+    #: (stage, site) -> SHA-256 of the journaled request: a retry is recognised without reading
+    #: the journal (which holds every site's share bundles) on each request.
+    journaled: dict[tuple[int, str], bytes] = field(default_factory=dict)
+    #: Sparse graph: each participant's signed acceptance with its graph commitment.
+    decisions: dict[str, pb.PlanDecision] = field(default_factory=dict)
 
 
 class MaskMode:
@@ -152,10 +167,36 @@ class MaskMode:
 
     # --- plan --------------------------------------------------------------------------------
 
+    def sparse_graph(self, n: int) -> cpb.MaskGraph | None:
+        """The plan's sparse graph over n participants, or None for the full graph (configured,
+        or no degree below n - 1 meets the bounds, e.g. for a handful of sites)."""
+        if self.mask.graph != "sparse":
+            return None
+        choice = choose_graph(
+            n=n,
+            colluders=colluders_for(n, self.mask.colluder_fraction),
+            dropouts=dropouts_for(n, self.mask.dropout_fraction),
+            security_bits=self.mask.security_bits,
+        )
+        if choice is None:
+            log.info("no sparse graph over %d sites meets the bounds: the full graph is used", n)
+            return None
+        return cpb.MaskGraph(
+            degree=choice.degree,
+            share_threshold=choice.share_threshold,
+            colluders=choice.colluders,
+            dropouts=choice.dropouts,
+            failure_log2=choice.failure_log2,
+        )
+
     def plan_options(
         self, participants: tuple[str, ...], *, declared: Declared | None = None
     ) -> PlanOptions:
-        t = self.mask.threshold or default_threshold(len(participants))
+        graph = self.sparse_graph(len(participants))
+        if graph is not None:
+            t = len(participants) - graph.dropouts
+        else:
+            t = self.mask.threshold or default_threshold(len(participants))
         if not 2 <= t <= len(participants):
             raise ValueError(f"mask_threshold {t} must lie in 2..{len(participants)}")
         bounds = dict(declared or {})
@@ -166,7 +207,10 @@ class MaskMode:
             return self.encoding(release, declared=bounds)
 
         return PlanOptions(
-            aggregation=cpb.AGGREGATION_MODE_MASK, encoding=encoding, mask_threshold=t
+            aggregation=cpb.AGGREGATION_MODE_MASK,
+            encoding=encoding,
+            mask_threshold=t,
+            mask_graph=graph,
         )
 
     def bounds(self, release: PlannedRelease, *, declared: Declared) -> tuple[float, float]:
@@ -223,15 +267,24 @@ class MaskMode:
 
     # --- the exchange ------------------------------------------------------------------------
 
-    def _fresh(self, view: RoundView) -> MaskRound:
+    def _fresh(self, view: RoundView, ctx: RoundContext) -> MaskRound:
         assert view.row.plan is not None
         config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
-        server = SecAggServer(config=config, identities=self._identities)
+        decisions = _signed_decisions(view, ctx) if config.graph is not None else {}
+        commitments = {s: bytes(d.graph_commitment) for s, d in decisions.items()}
+        server = SecAggServer(
+            config=config,
+            identities=self._identities,
+            commitments=commitments if config.graph is not None else None,
+        )
         lengths = {r.name: r.length for r in config.releases}
-        return MaskRound(server, lengths, set(config.cohort))
+        return MaskRound(server, lengths, set(config.cohort), decisions=decisions)
 
     def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
-        self.rounds[view.round_id] = self._fresh(view)
+        try:
+            self.rounds[view.round_id] = self._fresh(view, ctx)
+        except ProtocolError as exc:  # a sparse graph without every participant's commitment
+            return self._abort(view, f"the masked exchange cannot start: {exc}")
         return Transition(pb.ROUND_STAGE_ADVERTISE_KEYS, timeout_s=self._timeout_s)
 
     def _state(self, view: RoundView, ctx: RoundContext) -> MaskRound:
@@ -248,8 +301,9 @@ class MaskMode:
 
     def _replay(self, view: RoundView, ctx: RoundContext, *, upto: int) -> MaskRound:
         """Every stage before ``upto`` received and closed, ``upto`` itself received."""
-        state = self._fresh(view)
+        state = self._fresh(view, ctx)
         journal = [m for m in ctx.messages(view.round_id) if m.kind == JOURNAL_KIND]
+        state.journaled = {(m.stage, m.site_id): _digest(m.data) for m in journal}
         for stage in MASK_STAGES:
             if stage > upto:
                 break
@@ -259,7 +313,7 @@ class MaskMode:
                 if message.stage == stage:
                     parsed = _parse(stage, message.site_id, message.data, state)
                     state.server.receive(parsed, sender=message.site_id)
-                    state.received[message.site_id] = message.data
+                    state.received.add(message.site_id)
             if stage < upto:
                 self._close(stage, state)
         return state
@@ -278,7 +332,7 @@ class MaskMode:
     ) -> None:
         message = wire.masked_upload(site_id, view.round_id, payloads, state.lengths)
         state.server.receive(message, sender=site_id)
-        state.received[site_id] = b""
+        state.received.add(site_id)
 
     def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
         state = self._state(view, ctx)
@@ -312,7 +366,7 @@ class MaskMode:
     @staticmethod
     def _close(stage: int, state: MaskRound) -> int:
         server = state.server
-        state.received = {}
+        state.received = set()
         if stage == pb.ROUND_STAGE_ADVERTISE_KEYS:
             state.directory = server.close_advertise()
             state.expected = {a.site_id for a in state.directory.adverts}
@@ -354,11 +408,11 @@ class MaskMode:
                 f"({8 * release.length} bytes), got {len(data)} bytes"
             )
         names = [r.name for r in view.releases if site_id in r.members]
-        stored = ctx.uploads(view.round_id)
+        stored = ctx.site_uploads(view.round_id, site_id)
         payloads = {release.name: data}
         for name in names:
-            if name != release.name and (site_id, name) in stored:
-                payloads[name] = ctx.read_payload(stored[(site_id, name)])
+            if name != release.name and name in stored:
+                payloads[name] = ctx.read_payload(stored[name])
         if len(payloads) < len(names):
             return
         try:
@@ -405,11 +459,11 @@ class MaskMode:
         persist it; True if it repeats a request already journaled (idempotent, also after the
         stage closed: its answer may have been lost in a restart) or comes for a PUBLISHED round
         (ignored), :class:`ConflictError` if it differs from a journaled one."""
-        for stored in ctx.messages(view.round_id):
-            if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
-                if stored.data == raw:
-                    return True
-                raise ConflictError("a different message of this stage was already received")
+        known = self._journaled(view, ctx, stage, site_id)
+        if known is not None:
+            if known == _digest(raw):
+                return True
+            raise ConflictError("a different message of this stage was already received")
         if view.stage == pb.ROUND_STAGE_PUBLISHED:  # a retry after its run's journal was deleted:
             return True  # the round released its sums, nothing a site sends changes them
         state = self.state(view, ctx, stage)
@@ -433,8 +487,25 @@ class MaskMode:
         except BaseException:
             self.rounds.pop(view.round_id, None)  # memory must not run ahead of the journal
             raise
-        state.received[site_id] = raw
+        state.received.add(site_id)
+        state.journaled[(stage, site_id)] = _digest(raw)
         return False
+
+    def _journaled(
+        self, view: RoundView, ctx: RoundContext, stage: int, site_id: str
+    ) -> bytes | None:
+        """SHA-256 of the request of (stage, site) already journaled, if any: from the round's
+        in-memory index during the exchange, else (after it, a rare retry) from the journal."""
+        if view.stage in MASK_STAGES:
+            return self._state(view, ctx).journaled.get((stage, site_id))
+        for stored in ctx.messages(view.round_id):
+            if (stored.stage, stored.site_id, stored.kind) == (stage, site_id, JOURNAL_KIND):
+                return _digest(stored.data)
+        return None
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMessage:
@@ -450,6 +521,15 @@ def _parse(stage: int, site_id: str, raw: bytes, state: MaskRound) -> ClientMess
     if stage == pb.ROUND_STAGE_UNMASK:
         return wire.unmask_response_from_proto(site_id, pb.UnmaskResponse.FromString(raw))
     raise WrongStageError(f"stage {wire.stage_name(stage)} takes no message")
+
+
+def _signed_decisions(view: RoundView, ctx: RoundContext) -> dict[str, pb.PlanDecision]:
+    """The participants' journaled acceptances that carry a graph commitment (sparse graph)."""
+    out = {}
+    for message in ctx.messages(view.round_id):
+        if message.kind == DECISION_JOURNAL_KIND and message.site_id in view.row.participants:
+            out[message.site_id] = pb.PlanDecision.FromString(message.data)
+    return out
 
 
 def _require_declarations(participants: tuple[str, ...], declared: Declared, *, what: str) -> None:
@@ -485,6 +565,26 @@ class MaskRequests:
     ) -> T:
         with participant_round(self.access, site, round_id, advance_first=True) as view:
             return body(view, self._mode(view).state(view, self.access.context, stage))
+
+    def graph_commitments(self, site: str, round_id: str) -> pb.GraphCommitments:
+        def body(view: RoundView, state: MaskRound) -> pb.GraphCommitments:
+            if state.server.config.graph is None:
+                raise WrongStageError(f"round {view.round_id!r} masks with the full graph")
+            decisions = state.decisions
+            return pb.GraphCommitments(
+                round_id=view.round_id,
+                commitments=[
+                    pb.GraphCommitment(
+                        site_id=s,
+                        plan_sha256=d.plan_sha256,
+                        commitment=d.graph_commitment,
+                        signature=d.signature,
+                    )
+                    for s, d in sorted(decisions.items())
+                ],
+            )
+
+        return self._get(site, round_id, pb.ROUND_STAGE_ADVERTISE_KEYS, body)
 
     def advertise_keys(self, site: str, request: pb.AdvertiseKeysRequest) -> cpb.Ack:
         stage = pb.ROUND_STAGE_ADVERTISE_KEYS

@@ -50,6 +50,7 @@ from afl.server.plan import PlannedRelease, PlanOptions, RoundView
 from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
 __all__ = [
+    "DECISION_JOURNAL_KIND",
     "AggregationMode",
     "Declared",
     "ModeEnvironment",
@@ -85,6 +86,11 @@ class Transition:
     replan_with: tuple[str, ...] | None = None
 
 
+#: Journal kind of a site's signed plan decision that carries a graph commitment (a sparse-graph
+#: MASK plan, :mod:`afl.server.mode_mask`).
+DECISION_JOURNAL_KIND = "plan-decision"
+
+
 class RoundContext(Protocol):
     """A round's durable state as a mode sees it (implemented by the round machine): read access,
     and the journal where a secure mode persists every protocol message before acknowledging it,
@@ -95,6 +101,8 @@ class RoundContext(Protocol):
     def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]: ...
 
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]: ...
+
+    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]: ...
 
     def read_payload(self, row: UploadRow) -> bytes: ...
 

@@ -111,11 +111,12 @@ class PlannedRelease:
 @dataclass(frozen=True)
 class PlanOptions:
     """An aggregation mode's part of the plan: the mode, each release's wire encoding (default:
-    plaintext float64) and MASK's Shamir threshold t."""
+    plaintext float64), MASK's round threshold t and its sparse graph (None: the full graph)."""
 
     aggregation: int = common_pb2.AGGREGATION_MODE_PLAINTEXT
     encoding: Callable[[PlannedRelease], common_pb2.Encoding] | None = None
     mask_threshold: int = 0
+    mask_graph: common_pb2.MaskGraph | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ def build_plan(
         override_reason=override_reason,
         round_salt=os.urandom(32),
         mask_threshold=options.mask_threshold,
+        mask_graph=options.mask_graph,
     )
 
 

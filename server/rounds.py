@@ -159,6 +159,9 @@ class RoundMachine:
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
         return self.store.uploads(round_id)
 
+    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]:
+        return self.store.site_uploads(round_id, site_id)
+
     def read_payload(self, row: UploadRow) -> bytes:
         return self.store.read_payload(row)
 
@@ -374,7 +377,7 @@ class RoundMachine:
 
     def status(self, view: RoundView, site_id: str) -> pb.RoundStatus:
         decisions = self.store.decisions(view.round_id)
-        uploads = self.store.uploads(view.round_id)
+        uploads = self.store.site_uploads(view.round_id, site_id)
         return pb.RoundStatus(
             round_id=view.round_id,
             round_number=view.row.number,
@@ -383,7 +386,7 @@ class RoundMachine:
             stage_deadline_unix_ms=view.row.deadline_ms,
             abort_reason=view.row.abort_reason,
             caller_accepted_plan=decisions.get(site_id, (False, ""))[0],
-            caller_uploads_complete=sorted(r for (s, r) in uploads if s == site_id),
+            caller_uploads_complete=sorted(uploads),
             run_id=view.row.run_id,
         )
 

@@ -261,6 +261,15 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- MASK mode ---------------------------------------------------------------------------
 
+    def GetGraphCommitments(
+        self, request: common_pb2.RoundRef, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "GetGraphCommitments",
+            context,
+            lambda s: self._mask.graph_commitments(s, request.round_id),
+        )
+
     def AdvertiseKeys(self, request: pb.AdvertiseKeysRequest, context: grpc.ServicerContext) -> Any:
         return self._call("AdvertiseKeys", context, lambda s: self._mask.advertise_keys(s, request))
 

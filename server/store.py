@@ -44,6 +44,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
@@ -197,6 +198,23 @@ class MessageRow:
     site_id: str
     kind: str
     data: bytes
+
+
+def _enrolment_row(r: Sequence[Any]) -> EnrolmentRow:
+    """An enrolment row of :data:`Store._ENROLMENT_QUERY` (the declarations are JSON)."""
+    declared = json.loads(r[6]) if r[6] else {}
+    bounds = RowBounds(int(declared.get("rows", 0)), float(declared.get("max_row_norm", 0)))
+    return EnrolmentRow(
+        r[0],
+        bytes(r[1]),
+        r[2],
+        tuple(json.loads(r[3])),
+        r[4],
+        int(r[5]),
+        row_bounds=bounds if bounds.valid else None,
+        weights_sha256=str(declared.get("weights_sha256", "")),
+        random_init=bool(declared.get("random_init", False)),
+    )
 
 
 class Store:
@@ -426,28 +444,22 @@ class Store:
                 (row.site_id, json.dumps(row.declarations(), sort_keys=True)),
             )
 
+    _ENROLMENT_QUERY = (
+        "SELECT e.site_id, identity_public_key, role, labelled_classes, backbone, "
+        "feature_dim, d.declared FROM enrolments e "
+        "LEFT JOIN site_declarations d ON d.site_id = e.site_id"
+    )
+
     def enrolments(self) -> dict[str, EnrolmentRow]:
-        rows = self._db.execute(
-            "SELECT e.site_id, identity_public_key, role, labelled_classes, backbone, "
-            "feature_dim, d.declared FROM enrolments e "
-            "LEFT JOIN site_declarations d ON d.site_id = e.site_id"
-        ).fetchall()
-        out = {}
-        for r in rows:
-            declared = json.loads(r[6]) if r[6] else {}
-            bounds = RowBounds(int(declared.get("rows", 0)), float(declared.get("max_row_norm", 0)))
-            out[r[0]] = EnrolmentRow(
-                r[0],
-                bytes(r[1]),
-                r[2],
-                tuple(json.loads(r[3])),
-                r[4],
-                int(r[5]),
-                row_bounds=bounds if bounds.valid else None,
-                weights_sha256=str(declared.get("weights_sha256", "")),
-                random_init=bool(declared.get("random_init", False)),
-            )
-        return out
+        rows = self._db.execute(self._ENROLMENT_QUERY).fetchall()
+        return {r[0]: _enrolment_row(r) for r in rows}
+
+    def enrolment(self, site_id: str) -> EnrolmentRow | None:
+        """One site's enrolment (a request's check costs one row, not the whole table)."""
+        row = self._db.execute(
+            self._ENROLMENT_QUERY + " WHERE e.site_id = ?", (site_id,)
+        ).fetchone()
+        return None if row is None else _enrolment_row(row)
 
     # --- runs --------------------------------------------------------------------------------
 
@@ -625,6 +637,19 @@ class Store:
         ).fetchall()
         return {
             (r[0], r[1]): UploadRow(r[0], r[1], bytes(r[2]), int(r[3]), self._payload_path(r[4]))
+            for r in rows
+        }
+
+    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]:
+        """release -> upload row of one site in one round (what a request about that site reads,
+        instead of every site's rows)."""
+        rows = self._db.execute(
+            "SELECT release_name, sha256, size, path FROM uploads WHERE round_id = ? AND "
+            "site_id = ? ORDER BY received_ms",
+            (round_id, site_id),
+        ).fetchall()
+        return {
+            r[0]: UploadRow(site_id, r[0], bytes(r[1]), int(r[2]), self._payload_path(r[3]))
             for r in rows
         }
 

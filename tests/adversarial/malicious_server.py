@@ -25,6 +25,9 @@ members of the targeted release):
 * ``isolate-site`` (mask, ``evaluate = true``): the evaluation plan adds to the honest releases a
   histogram over every participant but the first (the victim, site-1 in the first plan), and the
   coordinator's own audit is patched to look away: the difference is the victim's histogram.
+* ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
+  neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
+  failure probability those numbers give stated truthfully.
 
 The faults are injected here, around the real daemon, so no product code path knows them; the
 sites and the decryptor run unmodified.
@@ -44,6 +47,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
+from afl.crypto.secagg_graph_bounds import (
+    colluders_for,
+    dropouts_for,
+    failure_probability,
+    log2_probability,
+)
 from afl.crypto.secagg_messages import ADVERTISE_CONTEXT, advert_fields
 from afl.crypto.signatures import sign_fields
 from afl.proto import wire
@@ -66,6 +75,7 @@ ATTACKS = (
     "swap-keys",
     "evaluate-unverified",
     "isolate-site",
+    "weaken-graph",
 )
 #: The feature dimension of the crafted model (the adversarial tests' d).
 FORGED_D = 8
@@ -278,6 +288,24 @@ def _isolate_site() -> None:
     vars(rounds)["audit_plan"] = looking_away
 
 
+def _weaken_graph() -> None:
+    def weak(self: MaskMode, n: int) -> cpb.MaskGraph:
+        colluders = colluders_for(n, self.mask.colluder_fraction)
+        dropouts = dropouts_for(n, self.mask.dropout_fraction)
+        p = failure_probability(
+            n=n, degree=2, share_threshold=2, colluders=colluders, dropouts=dropouts
+        )
+        return cpb.MaskGraph(
+            degree=2,
+            share_threshold=2,
+            colluders=colluders,
+            dropouts=dropouts,
+            failure_log2=log2_probability(p),
+        )
+
+    MaskMode.sparse_graph = weak  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -295,6 +323,8 @@ def main() -> int:
     if attack == "isolate-site":
         _record_unmasked(loot)
         _isolate_site()
+    if attack == "weaken-graph":
+        _weaken_graph()
     return daemon.main(args)
 
 

@@ -19,6 +19,9 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
    (each site evaluates only a model it verified itself).
 7. ``isolate-site``: a run's evaluation plan adds a histogram over all participants but one (the
    isolated site's policy finds its statistics determined by differencing and refuses).
+8. ``weaken-graph``: a sparse masking graph of degree 2 and neighbourhood threshold 2 in the
+   signed plan (each site recomputes its failure probability with its own colluder bound and
+   refuses before sending anything).
 """
 
 from __future__ import annotations
@@ -299,3 +302,33 @@ def test_an_evaluation_plan_isolating_a_site_is_refused_by_that_site(tmp_path: P
             assert "< min cohort" in reason, reason  # a re-plan over too few sites
     assert "site-1" in victims, run.logs  # the first plan's victim, named by whoever decided
     _nothing_evaluated(loop, loot)
+
+
+def test_a_weakened_sparse_graph_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    k = 8
+    feats, _ = DATA.draw(k)
+    settings = {
+        **mask_round_settings(feats),
+        "gram_scope": "global",
+        "mask_graph": "sparse",
+        "min_participants": 4,  # a degree-2 graph needs 4 sites; re-plans stop below that
+    }
+    loop = _prepare(tmp_path, k, settings)
+    _shorten_wait(loop, 20.0)
+    command = malicious_server.command("weaken-graph", tmp_path / "loot.json")
+    run = run_loopback(loop, timeout_s=240, server_command=command, sites_per_process=k)
+    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED, 1}, run.logs
+    reasons = [
+        r["reason"]
+        for site in loop.site_ids
+        for r in run.reports[site].values()
+        if r["outcome"] == "REFUSED_PLAN"
+    ]
+    assert reasons, run.logs
+    for reason in reasons:
+        assert reason.startswith("the sparse masking graph (k=2, t_N=2, "), reason
+        assert "above this site's limit 2^-40" in reason
+    for site in loop.site_ids:
+        for report in run.reports[site].values():
+            assert report["bytes_sent"] == 0 and "model" not in report
+    _no_model_and_no_uploads_kept(loop, uploads=False)

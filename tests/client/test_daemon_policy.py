@@ -268,3 +268,82 @@ def test_survivor_threshold_acceptance_matches_the_rule(
 def default_floor(m: int) -> int:
     """The default release threshold of docs/protocol.md §4.2: a majority of the members."""
     return m // 2 + 1
+
+
+# --- sparse masking graph (docs/protocol.md §4.2 "Sparse graph") ---------------------------------
+
+SPARSE_SITES = [f"s{i:02d}" for i in range(24)]
+
+
+def _sparse_plan(**graph: float) -> Any:
+    """A MASK plan over 24 sites as the server builds it with mask_graph = "sparse" (defaults:
+    a third colluding, 5 % drop-outs, 2^-40), then ``graph`` fields changed by the coordinator."""
+    mode = MaskMode(
+        MaskSettings(gram_bound=1.0e4, vector_bound=10.0, graph="sparse"),
+        identities={s: public_key_to_raw(Ed25519PrivateKey.generate()) for s in SPARSE_SITES},
+    )
+    sites = tuple(SPARSE_SITES)
+    releases = round1_releases(
+        classes=("A",), participants=sites, coverage={}, gram_scope="global", d=4,
+        need_global_gram=False,
+    )  # fmt: skip
+    plan = build_plan(
+        federation_id="fed", round_id="r1-s", round_number=1, participants=sites,
+        gram_scope="global", releases=releases, options=mode.plan_options(sites),
+    )  # fmt: skip
+    for key, value in graph.items():
+        setattr(plan.mask_graph, key, value)
+    return plan
+
+
+def test_the_servers_sparse_plan_is_accepted_by_a_default_site() -> None:
+    plan = _sparse_plan()
+    graph = plan.mask_graph
+    assert 2 <= graph.degree < len(SPARSE_SITES) - 1 and graph.degree % 2 == 0
+    assert (graph.colluders, graph.dropouts) == (8, 1)  # ⌈0.333·24⌉, ⌊0.05·24⌋
+    assert plan.mask_threshold == len(SPARSE_SITES) - graph.dropouts
+    decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert decision.accept, decision.reason
+
+
+def test_a_lowered_degree_or_threshold_is_refused_with_the_failure_probability() -> None:
+    """The coordinator lowers k (cheaper, but a site's neighbourhood is then likely to hold t_N
+    colluders) and states a reassuring failure probability: each site recomputes it."""
+    for change in ({"degree": 4, "share_threshold": 3}, {"share_threshold": 3}):
+        plan = _sparse_plan(**change, failure_log2=-60.0)
+        decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+        assert not decision.accept
+        assert decision.reason.startswith("the plan states a graph failure probability of 2^-60.0")
+
+
+def test_the_site_uses_its_own_colluder_bound_not_the_plans() -> None:
+    """A plan sized for no colluders (C = 0: then k = 4 is 'safe') is refused by a site that
+    assumes a third of the participants may collude, and accepted by one assuming none."""
+    plan = _sparse_plan(degree=4, share_threshold=3, colluders=0, failure_log2=-math.inf)
+    decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept
+    assert "for 8 colluders and 1 drop-outs, above this site's limit 2^-40" in decision.reason
+    assert "[policy] mask_graph_security_bits, mask_assumed_colluders" in decision.reason
+    trusting = LocalPolicy(mask_assumed_colluders=0.0)
+    assert check_plan(plan, site_id="s00", policy=trusting, **MASK_POLICY).accept  # type: ignore[arg-type]
+    # A more cautious site (45 % colluders) refuses the server's default plan.
+    cautious = LocalPolicy(mask_assumed_colluders=0.45)
+    decision = check_plan(_sparse_plan(), site_id="s00", policy=cautious, **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "for 11 colluders and 1 drop-outs" in decision.reason
+
+
+def test_a_sparse_plan_with_inconsistent_drop_outs_or_releases_is_refused() -> None:
+    plan = _sparse_plan()
+    plan.mask_threshold -= 1  # more drop-outs than the graph was chosen for
+    decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "is not n - D" in decision.reason
+    plan = _sparse_plan(dropouts=9, colluders=8)
+    plan.mask_threshold = len(SPARSE_SITES) - 9
+    decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "it needs C + 2D < n" in decision.reason
+    plan = _sparse_plan()
+    del plan.releases[-1].member_site_ids[
+        -1
+    ]  # a release over a subset: the graph would not cover it
+    decision = check_plan(plan, site_id="s00", policy=LocalPolicy(), **MASK_POLICY)  # type: ignore[arg-type]
+    assert not decision.accept and "not over the whole cohort" in decision.reason

@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from afl.crypto.fixedpoint import FixedPointCodec
 from afl.crypto.secagg_client import SecAggClient
-from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
+from afl.crypto.secagg_config import ReleaseSpec, RoundConfig, SparseGraph
 from afl.crypto.secagg_server import SecAggServer
 from afl.crypto.signatures import generate_identity_key
 
@@ -42,6 +42,7 @@ def make_federation(
     threshold: int | None = None,
     seed: int = 0,
     round_id: str = "round-0001",
+    graph: SparseGraph | None = None,
 ) -> Federation:
     """A cohort of n sites; default plan: "gram" (d=20, bound 1e4) and "b" (d=7, bound 1) over all.
 
@@ -53,7 +54,9 @@ def make_federation(
     specs = [
         ReleaseSpec(name, tuple(members), length, bound) for name, members, length, bound in plan
     ]
-    config = RoundConfig.create(round_id=round_id, cohort=ids, releases=specs, threshold=threshold)
+    config = RoundConfig.create(
+        round_id=round_id, cohort=ids, releases=specs, threshold=threshold, graph=graph
+    )
     rng = np.random.default_rng(seed)
     inputs: dict[str, dict[str, NDArray[np.float64]]] = {s: {} for s in ids}
     for spec in specs:

@@ -107,7 +107,7 @@ def test_aborted_server_releases_nothing_and_accepts_nothing() -> None:
         server.close_masked_input()
     assert server.stage is ServerStage.ABORTED and server.result is None
     assert server.abort_reason is not None and "masked-input" in server.abort_reason
-    assert server.stored_uploads == {}
+    assert server.held_sums == {}
     late = clients[fed.config.cohort[2]].masked_input(routed[fed.config.cohort[2]])
     with pytest.raises(StageError, match="aborted"):
         server.receive(late, sender=fed.config.cohort[2])

@@ -220,4 +220,4 @@ def test_server_detects_a_corrupted_mask_key_share() -> None:
         run.server.receive(response, sender=s)
     with pytest.raises(RoundAbortedError, match="does not match its advert"):
         run.server.close_unmask()
-    assert run.server.result is None and run.server.stored_uploads == {}
+    assert run.server.result is None and run.server.held_sums == {}

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from afl.client.daemon_stats import PayloadError
 from afl.client.mode_mask import MaskMode as ClientMask
+from afl.crypto.secagg_graph_bounds import choose_graph
 from afl.crypto.signatures import public_key_to_raw
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import MaskSettings
-from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
+from afl.server.config import MaskSettings, SiteEntry, round_template, run_settings, settings_table
+from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.mode_mask import MaskMode
 from afl.server.plan import RoundView, build_plan, releases_from_plan, round1_releases
 from afl.server.store import MessageRow, RoundRow, UploadRow
@@ -85,6 +86,9 @@ class _Context:
 
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
         return {k: UploadRow(k[0], k[1], b"", len(v), Path("/")) for k, v in self.payloads.items()}
+
+    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]:
+        return {r: row for (s, r), row in self.uploads(round_id).items() if s == site_id}
 
     def read_payload(self, row: UploadRow) -> bytes:
         return self.payloads[(row.site_id, row.release_name)]
@@ -157,3 +161,54 @@ def test_site_refuses_values_beyond_the_declared_bound() -> None:
     with pytest.raises(PayloadError, match=r"exceeds the plan's bound 1 .*mask_vector_bound = 4 "):
         ClientMask().encode(b_release, np.full(6, 2.5))
     assert len(ClientMask().encode(b_release, np.full(6, 0.5))) == 48
+
+
+def test_a_sparse_plan_carries_the_chosen_graph_and_t_equals_n_minus_d() -> None:
+    """mask_graph = "sparse": k and t_N from choose_graph for the participants at the configured
+    fractions, t = n - D in the plan and the wire config; too few sites for any sparse graph
+    (or the default full graph) leave the plan without one."""
+    many = tuple(f"s{i:02d}" for i in range(40))
+    keys = {s: public_key_to_raw(Ed25519PrivateKey.generate().public_key()) for s in many}
+    sparse = MaskMode(
+        MaskSettings(gram_bound=10.0, vector_bound=1.0, graph="sparse", dropout_fraction=0.1),
+        identities=keys,
+    )
+    options = sparse.plan_options(many)
+    graph = options.mask_graph
+    assert graph is not None
+    choice = choose_graph(n=40, colluders=14, dropouts=4)  # ⌈0.333·40⌉, ⌊0.1·40⌋
+    assert choice is not None
+    assert (graph.degree, graph.share_threshold) == (choice.degree, choice.share_threshold)
+    assert (graph.colluders, graph.dropouts, graph.failure_log2) == (14, 4, choice.failure_log2)
+    assert options.mask_threshold == 36
+    plan = build_plan(
+        federation_id="fed", round_id="r1-s", round_number=1, participants=many,
+        gram_scope="global", releases=round1_releases(
+            classes=("A",), participants=many, coverage={}, gram_scope="global", d=3,
+            need_global_gram=False,
+        ), options=options,
+    )  # fmt: skip
+    config = wire.round_config_from_plan(plan)
+    assert config.t == 36 and config.graph is not None and config.graph.degree == graph.degree
+    assert sparse.plan_options(SITES[:4]).mask_graph is None  # 4 sites: the full graph
+    assert _mode().plan_options(many).mask_graph is None  # mask_graph = "full" (the default)
+
+
+def test_sparse_graph_settings_are_checked() -> None:
+    sites = {s: SiteEntry(bytes(32), "participant") for s in SITES}
+    base = round_template(
+        {"classes": ["A"], "feature_dim": 4, "aggregation": "mask", "mask_gram_bound": 1.0}
+    )
+    base["mask_vector_bound"] = 1.0
+    for change, message in (
+        ({"mask_graph": "ring"}, "must be one of"),
+        ({"mask_graph": "sparse", "gram_scope": "per-class"}, "gram_scope = 'global'"),
+        ({"mask_graph": "sparse", "mask_threshold": 3}, "sets t = n - D itself"),
+        ({"mask_colluder_fraction": 0.5, "mask_dropout_fraction": 0.25}, "colluders \\+ 2"),
+        ({"mask_security_bits": 0}, "must lie in 1..128"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            run_settings({**base, **change}, source="run", sites=sites)
+    settings = run_settings({**base, "mask_graph": "sparse"}, source="run", sites=sites)
+    assert settings.mask is not None and settings.mask.graph == "sparse"
+    assert run_settings(settings_table(settings), source="again", sites=sites) == settings

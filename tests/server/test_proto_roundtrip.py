@@ -265,6 +265,7 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
         "WatchRounds",
         "GetRoundConfig",
         "RespondToPlan",
+        "GetGraphCommitments",
         "AdvertiseKeys",
         "GetAdvertisedKeys",
         "ShareKeys",

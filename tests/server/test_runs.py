@@ -119,6 +119,7 @@ def test_submitted_settings_may_carry_a_round_header() -> None:
     rounds=st.sampled_from([1, 2]),
     gamma=st.floats(0.01, 100.0),
     dp=st.booleans(),
+    colluders=st.floats(0.0, 0.5),
     calibration=st.sampled_from(["platt", "isotonic", "none"]),
     eval_rows=st.integers(0, 10**6),
 )
@@ -131,9 +132,14 @@ def test_run_settings_round_trip_through_their_table(
     dp: bool,
     calibration: str,
     eval_rows: int,
+    colluders: float,
 ) -> None:
     config = load_config(federation.server_dir / "server.toml")
-    mask = {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
+    mask: dict[str, Any] = (
+        {"mask_gram_bound": 100.0, "mask_vector_bound": 2.0} if mode == "mask" else {}
+    )
+    if mode == "mask" and scope == "global":  # a sparse masking graph (global scope only)
+        mask.update(mask_graph="sparse", mask_colluder_fraction=colluders, mask_security_bits=50)
     table = {
         **settings_table(config.round),
         "gram_scope": scope,

@@ -44,7 +44,7 @@ from afl.core.scorebins import ScoreBins, ScoreBinsError
 from afl.crypto.canonical import Field
 from afl.crypto.ckks_wire import SealedTags, TagBinding
 from afl.crypto.errors import ShamirError
-from afl.crypto.secagg_config import ReleaseSpec, RoundConfig
+from afl.crypto.secagg_config import ReleaseSpec, RoundConfig, SparseGraph
 from afl.crypto.secagg_messages import (
     KIND_MASK_KEY,
     KIND_SELF_MASK,
@@ -94,6 +94,7 @@ __all__ = [
     "sealed_tags_to_proto",
     "share_keys_from_proto",
     "share_keys_to_proto",
+    "sparse_graph",
     "stage_name",
     "tag_binding",
     "unmask_request_from_proto",
@@ -381,9 +382,10 @@ def assemble(
 
 
 def round_config_from_plan(plan: cpb.ReleasePlan) -> RoundConfig:
-    """The protocol config of a MASK plan: round id and salt, cohort, t and, per release, its
-    members, length and fixed-point encoding (bound B, f, t_R) exactly as signed. Raises
-    :class:`afl.crypto.errors.SecAggConfigError` when the plan is not a valid MASK config."""
+    """The protocol config of a MASK plan: round id and salt, cohort, t, the sparse graph (k, t_N,
+    C; absent = the full graph) and, per release, its members, length and fixed-point encoding
+    (bound B, f, t_R) exactly as signed. Raises :class:`afl.crypto.errors.SecAggConfigError` when
+    the plan is not a valid MASK config."""
     releases = tuple(
         ReleaseSpec(
             name=r.name,
@@ -401,6 +403,19 @@ def round_config_from_plan(plan: cpb.ReleasePlan) -> RoundConfig:
         cohort=tuple(plan.participants),
         releases=releases,
         threshold=plan.mask_threshold or None,
+        graph=sparse_graph(plan),
+    )
+
+
+def sparse_graph(plan: cpb.ReleasePlan) -> SparseGraph | None:
+    """The plan's sparse masking graph, None for the full graph (degree 0)."""
+    graph = plan.mask_graph
+    if not graph.degree:
+        return None
+    return SparseGraph(
+        degree=int(graph.degree),
+        share_threshold=int(graph.share_threshold),
+        colluders=int(graph.colluders),
     )
 
 
@@ -410,6 +425,8 @@ def advert_to_proto(advert: AdvertiseKeys) -> pb.AdvertiseKeysRequest:
         cipher_public_key=advert.enc_public,
         mask_public_key=advert.mask_public,
         signature=advert.signature,
+        graph_nonce=advert.graph_nonce,
+        commitments_digest=advert.commitments_digest,
     )
 
 
@@ -420,6 +437,8 @@ def advert_from_proto(sender: str, request: pb.AdvertiseKeysRequest) -> Advertis
         bytes(request.cipher_public_key),
         bytes(request.mask_public_key),
         bytes(request.signature),
+        bytes(request.commitments_digest),
+        bytes(request.graph_nonce),
     )
 
 
@@ -432,6 +451,8 @@ def directory_to_proto(directory: KeyDirectory) -> pb.AdvertisedKeys:
                 cipher_public_key=a.enc_public,
                 mask_public_key=a.mask_public,
                 signature=a.signature,
+                graph_nonce=a.graph_nonce,
+                commitments_digest=a.commitments_digest,
             )
             for a in sorted(directory.adverts, key=lambda a: a.site_id)
         ],
@@ -446,6 +467,8 @@ def directory_from_proto(keys: pb.AdvertisedKeys) -> KeyDirectory:
             bytes(k.cipher_public_key),
             bytes(k.mask_public_key),
             bytes(k.signature),
+            bytes(k.commitments_digest),
+            bytes(k.graph_nonce),
         )
         for k in keys.keys
     )
@@ -497,7 +520,8 @@ def masked_upload(
                 f"masked release {name!r} must be {lengths[name]} uint64 "
                 f"({8 * lengths[name]} bytes), got {len(data)} bytes"
             )
-        vectors.append((name, np.frombuffer(data, dtype="<u8").astype(np.uint64)))
+        # A read-only view of the payload (no copy on little-endian machines).
+        vectors.append((name, np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)))
     return MaskedInputUpload(round_id, sender, tuple(vectors))
 
 

@@ -724,6 +724,7 @@ class ReleasePlan(_message.Message):
     ROUND_SALT_FIELD_NUMBER: _builtins.int
     MASK_THRESHOLD_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    MASK_GRAPH_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Plan format version; 1 for this file. [visible: all]"""
     federation_id: _builtins.str
@@ -768,6 +769,12 @@ class ReleasePlan(_message.Message):
     def budgets(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteBudget]:
         """Privacy cost per site (empty when DP is off). [visible: all]"""
 
+    @_builtins.property
+    def mask_graph(self) -> Global___MaskGraph:
+        """MASK mode: the masking graph; absent (degree 0) = the full graph (docs/protocol.md §4.2).
+        [visible: all]
+        """
+
     def __init__(
         self,
         *,
@@ -786,14 +793,60 @@ class ReleasePlan(_message.Message):
         round_salt: _builtins.bytes = ...,
         mask_threshold: _builtins.int = ...,
         run_id: _builtins.str = ...,
+        mask_graph: Global___MaskGraph | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp", "mask_graph", b"mask_graph"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_graph", b"mask_graph", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleasePlan: _TypeAlias = ReleasePlan  # noqa: Y015
+
+@_typing.final
+class MaskGraph(_message.Message):
+    """A sparse masking graph (SecAgg+, Bell et al. CCS 2020; docs/protocol.md §4.2 "Sparse graph"):
+    each site masks with its `degree` neighbours of a random Harary graph drawn from every
+    participant's committed nonce, and shares its secrets share_threshold-of-(degree + 1) among
+    them and itself. Each site recomputes failure_log2 from these numbers and its own colluder
+    bound, and refuses the plan above its policy's limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEGREE_FIELD_NUMBER: _builtins.int
+    SHARE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    COLLUDERS_FIELD_NUMBER: _builtins.int
+    DROPOUTS_FIELD_NUMBER: _builtins.int
+    FAILURE_LOG2_FIELD_NUMBER: _builtins.int
+    degree: _builtins.int
+    """k: neighbours per site, even, 2..n-2; 0 = the full graph. [visible: all]"""
+    share_threshold: _builtins.int
+    """t_N: Shamir threshold within a neighbourhood. [visible: all]"""
+    colluders: _builtins.int
+    """C: sites assumed to collude with the coordinator when k and t_N were chosen. [visible: all]"""
+    dropouts: _builtins.int
+    """D: drop-outs tolerated; equals n - mask_threshold. [visible: all]"""
+    failure_log2: _builtins.float
+    """log2 of the failure probability P_fail(n, k, t_N, C, D) (afl.crypto.secagg_graph_bounds).
+    [visible: all]
+    """
+    def __init__(
+        self,
+        *,
+        degree: _builtins.int = ...,
+        share_threshold: _builtins.int = ...,
+        colluders: _builtins.int = ...,
+        dropouts: _builtins.int = ...,
+        failure_log2: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["colluders", b"colluders", "degree", b"degree", "dropouts", b"dropouts", "failure_log2", b"failure_log2", "share_threshold", b"share_threshold"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MaskGraph: _TypeAlias = MaskGraph  # noqa: Y015
 
 @_typing.final
 class SignedReleasePlan(_message.Message):

@@ -853,6 +853,7 @@ class PlanDecision(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     PLAN_SHA256_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    GRAPH_COMMITMENT_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: server]"""
     accept: _builtins.bool
@@ -865,7 +866,11 @@ class PlanDecision(_message.Message):
     """SHA-256 of the SignedReleasePlan.plan bytes decided on. [visible: server]"""
     signature: _builtins.bytes
     """Identity signature, context "plan-decision", fields (round_id, 1 if accept else 0,
-    plan_sha256). [visible: server]
+    plan_sha256[, graph_commitment when set]). [visible: server]
+    """
+    graph_commitment: _builtins.bytes
+    """MASK mode with a sparse graph, on acceptance: SHA-256 commitment to the site's graph nonce
+    (afl.crypto.secagg_graph.graph_commitment). [visible: participants]
     """
     def __init__(
         self,
@@ -875,14 +880,75 @@ class PlanDecision(_message.Message):
         reason: _builtins.str = ...,
         plan_sha256: _builtins.bytes = ...,
         signature: _builtins.bytes = ...,
+        graph_commitment: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "graph_commitment", b"graph_commitment", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PlanDecision: _TypeAlias = PlanDecision  # noqa: Y015
+
+@_typing.final
+class GraphCommitment(_message.Message):
+    """One participant's graph commitment as it signed it in its plan decision."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_ID_FIELD_NUMBER: _builtins.int
+    PLAN_SHA256_FIELD_NUMBER: _builtins.int
+    COMMITMENT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    site_id: _builtins.str
+    """The participant (from its certificate when it decided). [visible: participants]"""
+    plan_sha256: _builtins.bytes
+    """SHA-256 of the plan it accepted. [visible: participants]"""
+    commitment: _builtins.bytes
+    """Its commitment. [visible: participants]"""
+    signature: _builtins.bytes
+    """Its plan-decision signature (accept = true) covering the commitment. [visible: participants]"""
+    def __init__(
+        self,
+        *,
+        site_id: _builtins.str = ...,
+        plan_sha256: _builtins.bytes = ...,
+        commitment: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commitment", b"commitment", "plan_sha256", b"plan_sha256", "signature", b"signature", "site_id", b"site_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GraphCommitment: _TypeAlias = GraphCommitment  # noqa: Y015
+
+@_typing.final
+class GraphCommitments(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    COMMITMENTS_FIELD_NUMBER: _builtins.int
+    round_id: _builtins.str
+    """Round id. [visible: participants]"""
+    @_builtins.property
+    def commitments(self) -> _containers.RepeatedCompositeFieldContainer[Global___GraphCommitment]:
+        """Every participant's, sorted by site id. [visible: participants]"""
+
+    def __init__(
+        self,
+        *,
+        round_id: _builtins.str = ...,
+        commitments: _abc.Iterable[Global___GraphCommitment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commitments", b"commitments", "round_id", b"round_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GraphCommitments: _TypeAlias = GraphCommitments  # noqa: Y015
 
 @_typing.final
 class AdvertiseKeysRequest(_message.Message):
@@ -896,6 +962,8 @@ class AdvertiseKeysRequest(_message.Message):
     CIPHER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     MASK_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    GRAPH_NONCE_FIELD_NUMBER: _builtins.int
+    COMMITMENTS_DIGEST_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     cipher_public_key: _builtins.bytes
@@ -904,7 +972,16 @@ class AdvertiseKeysRequest(_message.Message):
     """X25519 public key s_pk for pairwise mask agreement, raw 32 bytes. [visible: participants]"""
     signature: _builtins.bytes
     """Identity signature, context "advertise-keys", fields (config digest, round_id, round_salt,
-    site_id, c_pk, s_pk) (afl.crypto.secagg_messages.advert_fields). [visible: participants]
+    site_id, c_pk, s_pk, commitments_digest, graph_nonce)
+    (afl.crypto.secagg_messages.advert_fields). [visible: participants]
+    """
+    graph_nonce: _builtins.bytes
+    """Sparse graph: the site's graph nonce (opens its commitment); empty otherwise.
+    [visible: participants]
+    """
+    commitments_digest: _builtins.bytes
+    """Sparse graph: the digest of the commitments the nonce is revealed for; empty otherwise.
+    [visible: participants]
     """
     def __init__(
         self,
@@ -913,10 +990,12 @@ class AdvertiseKeysRequest(_message.Message):
         cipher_public_key: _builtins.bytes = ...,
         mask_public_key: _builtins.bytes = ...,
         signature: _builtins.bytes = ...,
+        graph_nonce: _builtins.bytes = ...,
+        commitments_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "mask_public_key", b"mask_public_key", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "commitments_digest", b"commitments_digest", "graph_nonce", b"graph_nonce", "mask_public_key", b"mask_public_key", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -930,6 +1009,8 @@ class SiteKeys(_message.Message):
     CIPHER_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     MASK_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    GRAPH_NONCE_FIELD_NUMBER: _builtins.int
+    COMMITMENTS_DIGEST_FIELD_NUMBER: _builtins.int
     site_id: _builtins.str
     """Owner (from its certificate, filled in by the server). [visible: participants]"""
     cipher_public_key: _builtins.bytes
@@ -938,6 +1019,10 @@ class SiteKeys(_message.Message):
     """s_pk. [visible: participants]"""
     signature: _builtins.bytes
     """The owner's signature from AdvertiseKeysRequest. [visible: participants]"""
+    graph_nonce: _builtins.bytes
+    """The owner's graph nonce from AdvertiseKeysRequest. [visible: participants]"""
+    commitments_digest: _builtins.bytes
+    """The commitments digest from AdvertiseKeysRequest. [visible: participants]"""
     def __init__(
         self,
         *,
@@ -945,10 +1030,12 @@ class SiteKeys(_message.Message):
         cipher_public_key: _builtins.bytes = ...,
         mask_public_key: _builtins.bytes = ...,
         signature: _builtins.bytes = ...,
+        graph_nonce: _builtins.bytes = ...,
+        commitments_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "mask_public_key", b"mask_public_key", "signature", b"signature", "site_id", b"site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cipher_public_key", b"cipher_public_key", "commitments_digest", b"commitments_digest", "graph_nonce", b"graph_nonce", "mask_public_key", b"mask_public_key", "signature", b"signature", "site_id", b"site_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

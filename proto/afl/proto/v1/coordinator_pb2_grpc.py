@@ -67,6 +67,11 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.PlanDecision.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.GetGraphCommitments = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetGraphCommitments',
+                request_serializer=afl_dot_proto_dot_v1_dot_common__pb2.RoundRef.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.GraphCommitments.FromString,
+                _registered_method=True)
         self.AdvertiseKeys = channel.unary_unary(
                 '/afl.proto.v1.Coordinator/AdvertiseKeys',
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.AdvertiseKeysRequest.SerializeToString,
@@ -215,6 +220,14 @@ class CoordinatorServicer:
 
     def RespondToPlan(self, request, context):
         """The site's decision on the release plan (accept, or refuse with its policy's reason).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGraphCommitments(self, request, context):
+        """MASK mode, sparse graph, from stage AdvertiseKeys: every participant's signed graph
+        commitment (from its plan decision), which each site checks before it reveals its nonce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -396,6 +409,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RespondToPlan,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.PlanDecision.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'GetGraphCommitments': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGraphCommitments,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.RoundRef.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.GraphCommitments.SerializeToString,
             ),
             'AdvertiseKeys': grpc.unary_unary_rpc_method_handler(
                     servicer.AdvertiseKeys,
@@ -662,6 +680,33 @@ class Coordinator:
             '/afl.proto.v1.Coordinator/RespondToPlan',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.PlanDecision.SerializeToString,
             afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGraphCommitments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetGraphCommitments',
+            afl_dot_proto_dot_v1_dot_common__pb2.RoundRef.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.GraphCommitments.FromString,
             options,
             channel_credentials,
             insecure,

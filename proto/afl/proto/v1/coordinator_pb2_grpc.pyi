@@ -80,6 +80,10 @@ class CoordinatorStub:
     """Round configuration with the signed release plan. Participants only."""
     RespondToPlan: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PlanDecision, _common_pb2.Ack]
     """The site's decision on the release plan (accept, or refuse with its policy's reason)."""
+    GetGraphCommitments: _grpc.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.GraphCommitments]
+    """MASK mode, sparse graph, from stage AdvertiseKeys: every participant's signed graph
+    commitment (from its plan decision), which each site checks before it reveals its nonce.
+    """
     AdvertiseKeys: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AdvertiseKeysRequest, _common_pb2.Ack]
     """MASK mode, stage AdvertiseKeys: the site's two X25519 public keys, signed."""
     GetAdvertisedKeys: _grpc.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.AdvertisedKeys]
@@ -153,6 +157,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Round configuration with the signed release plan. Participants only."""
     RespondToPlan: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PlanDecision, _common_pb2.Ack]  # type: ignore[assignment]
     """The site's decision on the release plan (accept, or refuse with its policy's reason)."""
+    GetGraphCommitments: _aio.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.GraphCommitments]  # type: ignore[assignment]
+    """MASK mode, sparse graph, from stage AdvertiseKeys: every participant's signed graph
+    commitment (from its plan decision), which each site checks before it reveals its nonce.
+    """
     AdvertiseKeys: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AdvertiseKeysRequest, _common_pb2.Ack]  # type: ignore[assignment]
     """MASK mode, stage AdvertiseKeys: the site's two X25519 public keys, signed."""
     GetAdvertisedKeys: _aio.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.AdvertisedKeys]  # type: ignore[assignment]
@@ -259,6 +267,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
         """The site's decision on the release plan (accept, or refuse with its policy's reason)."""
+
+    @_abc_1.abstractmethod
+    def GetGraphCommitments(
+        self,
+        request: _common_pb2.RoundRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GraphCommitments, _abc.Awaitable[_coordinator_pb2.GraphCommitments]]:
+        """MASK mode, sparse graph, from stage AdvertiseKeys: every participant's signed graph
+        commitment (from its plan decision), which each site checks before it reveals its nonce.
+        """
 
     @_abc_1.abstractmethod
     def AdvertiseKeys(
