@@ -1,0 +1,78 @@
+"""afl's Flower ``ClientApp`` (``clientapp = "afl.flower.client_app:app"``, docs/flower.md).
+
+Each ``query.afl`` message runs one step of the site (:class:`afl.flower.site.FlowerSite`) with
+the site's own kit: ``client.toml`` (identity key, the coordinator's key, peers' keys, feature
+cache, state folder and [policy]) found by
+
+    node config ``afl-client-config``   the path on the SuperNode's machine (deployment:
+                                        ``flower-supernode --node-config "afl-client-config='...'"``)
+    run config ``afl-client-configs``   comma-separated paths, indexed by the node's
+                                        ``partition-id`` (the simulation engine's virtual nodes)
+
+The site (kit, cache, statistics) is opened once per process; what it keeps between messages is
+the sealed session in the node's Context (:mod:`afl.flower.session`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from afl.client.config import ConfigError, load_client_config
+from afl.flower.envelope import RECORD
+from afl.flower.site import FlowerSite, handle
+
+__all__ = ["app", "make_app", "site_config_path"]
+
+SESSION = "afl-session"
+_SITES: dict[str, FlowerSite] = {}
+
+
+def site_config_path(node_config: dict[str, object], run_config: dict[str, object]) -> str:
+    """Where this node's client.toml is (module docstring); :class:`ConfigError` if nowhere."""
+    own = node_config.get("afl-client-config")
+    if own:
+        return str(own)
+    paths = [p.strip() for p in str(run_config.get("afl-client-configs") or "").split(",")]
+    paths = [p for p in paths if p]
+    partition = node_config.get("partition-id")
+    if isinstance(partition, int) and 0 <= partition < len(paths):
+        return paths[partition]
+    raise ConfigError(
+        "this node has no site kit: give the SuperNode --node-config "
+        "\"afl-client-config='/path/client.toml'\", or (simulation) the run config "
+        f"afl-client-configs one path per node (partition {partition!r}, {len(paths)} paths)"
+    )
+
+
+def _site(context: Context, run_config: dict[str, object]) -> FlowerSite:
+    path = site_config_path(dict(context.node_config), run_config)
+    site = _SITES.get(path)
+    if site is None:
+        site = _SITES[path] = FlowerSite(load_client_config(path))
+    return site
+
+
+def make_app(defaults: Mapping[str, object] | None = None) -> ClientApp:
+    """The ClientApp; ``defaults`` fill in run config keys the run does not set (for an app
+    started from Python, e.g. the simulation engine's ``run_simulation``)."""
+    client = ClientApp()
+
+    @client.query("afl")
+    def afl_step(message: Message, context: Context) -> Message:
+        site = _site(context, {**(defaults or {}), **context.run_config})
+        kept = context.state.config_records.get(SESSION)
+        sealed = kept["blob"] if kept is not None else None
+        if sealed is not None and not isinstance(sealed, bytes):
+            raise TypeError("the node's afl session is not bytes")
+        record = dict(message.content.config_records[RECORD])
+        reply, sealed = handle(site, record, sealed)
+        context.state[SESSION] = ConfigRecord({"blob": sealed})
+        return Message(RecordDict({RECORD: ConfigRecord(dict(reply))}), reply_to=message)
+
+    return client
+
+
+app = make_app()

@@ -1,0 +1,97 @@
+"""Flower nodes without Flower, for the relay tests: an in-process
+:class:`afl.flower.relay.Transport` whose nodes are afl sites run as afl's ClientApp runs them
+(:func:`afl.flower.site.handle`: the record encoding both ways, the session sealed between
+messages), or any other handler (an impostor, a tampering transport).
+
+A pushed message is handled when the relay next pulls; each handler sees the coordinator's
+:class:`~afl.flower.envelope.ToSite` and answers a :class:`~afl.flower.envelope.FromSite`. A
+fresh :class:`~afl.flower.site.FlowerSite` per message (``fresh_process=True``) is what the
+deployment engine does (a new ClientApp process per message).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from afl.client.config import load_client_config
+from afl.flower.envelope import FromSite, ToSite, from_site
+from afl.flower.relay import RelayOutcome, Reply, serve_federation
+from afl.flower.site import FlowerSite, handle
+from afl.lab.demo_federation import LoopbackFederation
+
+Handler = Callable[[ToSite], FromSite]
+
+
+class SiteNode:
+    """afl's site behind a Flower node (module docstring)."""
+
+    def __init__(self, config: Path, *, fresh_process: bool = False) -> None:
+        self.config, self.fresh = config, fresh_process
+        self.site = FlowerSite(load_client_config(config))
+        self.sealed: bytes | None = None
+
+    def __call__(self, message: ToSite) -> FromSite:
+        if self.fresh:
+            self.site = FlowerSite(load_client_config(self.config))
+        reply, self.sealed = handle(self.site, message.record(), self.sealed)
+        return from_site(reply)
+
+
+@dataclass
+class InProcessTransport:
+    """Nodes 1..n in process (module docstring); ``exchanges`` logs every message and reply."""
+
+    handlers: Mapping[int, Handler]
+    exchanges: list[tuple[int, ToSite, FromSite | None]] = field(default_factory=list)
+    _queue: dict[str, tuple[int, ToSite]] = field(default_factory=dict)
+    _ids: Any = field(default_factory=itertools.count)
+
+    def node_ids(self) -> list[int]:
+        return list(self.handlers)
+
+    def push(self, messages: list[tuple[int, ToSite]]) -> list[str]:
+        ids = []
+        for node, message in messages:
+            mid = f"m{next(self._ids)}"
+            self._queue[mid] = (node, message)
+            ids.append(mid)
+        return ids
+
+    def pull(self, message_ids: Collection[str]) -> list[Reply]:
+        replies = []
+        for mid in message_ids:
+            if mid not in self._queue:
+                continue
+            node, message = self._queue.pop(mid)
+            try:
+                reply: FromSite | None = self.handlers[node](message)
+            except Exception as exc:  # a failed ClientApp: Flower replies with its error
+                self.exchanges.append((node, message, None))
+                replies.append(Reply(mid, node, None, f"{type(exc).__name__}: {exc}"))
+                continue
+            self.exchanges.append((node, message, reply))
+            replies.append(Reply(mid, node, reply))
+        return replies
+
+
+def site_nodes(
+    fed: LoopbackFederation, sites: Sequence[str] | None = None, *, fresh_process: bool = False
+) -> dict[int, Handler]:
+    """A node per site of ``fed`` (all by default), numbered from 1 in site order."""
+    chosen = list(fed.site_ids if sites is None else sites)
+    return {
+        k + 1: SiteNode(fed.client_configs[s], fresh_process=fresh_process)
+        for k, s in enumerate(chosen)
+    }
+
+
+def serve(
+    fed: LoopbackFederation, handlers: Mapping[int, Handler], *, max_wait_s: float = 300.0
+) -> tuple[RelayOutcome, InProcessTransport]:
+    """Serve ``fed``'s active run to ``handlers`` through the relay, in process."""
+    transport = InProcessTransport(handlers)
+    return serve_federation(fed.server_config, transport, max_wait_s=max_wait_s), transport
