@@ -10,11 +10,13 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile flower/overrides.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PINS)
 	$(BIN)/pip install -q -e '.[client,dp,lab,export,dev]' --config-settings editable_mode=strict
+	# The Flower extra: flwr pins protobuf < 7, afl needs 7; uv applies the override (docs/flower.md §1).
+	$(BIN)/uv pip install -q --python $(BIN)/python --override flower/overrides.txt -r pyproject.toml --extra flower
 	touch $@
 
 # Strict editable installs link each file: re-link so new modules are importable and visible to mypy.
@@ -33,7 +35,7 @@ proto: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gen_proto.sh
 
 typecheck: install
-	$(BIN)/mypy core crypto client server lab tests proto/afl/proto/wire.py
+	$(BIN)/mypy core crypto client server flower lab tests proto/afl/proto/wire.py
 
 test: lint typecheck
 	$(BIN)/pytest -m "not slow" -q

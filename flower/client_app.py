@@ -6,8 +6,13 @@ cache, state folder and [policy]) found by
 
     node config ``afl-client-config``   the path on the SuperNode's machine (deployment:
                                         ``flower-supernode --node-config "afl-client-config='...'"``)
+    environment ``AFL_CLIENT_CONFIG``   the same, set by the site where it starts the SuperNode
+                                        (an NVIDIA FLARE client starts it: docs/flower.md §5)
     run config ``afl-client-configs``   comma-separated paths, indexed by the node's
                                         ``partition-id`` (the simulation engine's virtual nodes)
+
+in that order: the site's own settings first; the run config (chosen by whoever submits the run)
+is for the simulation engine, where every node runs on the submitter's machine.
 
 The site (kit, cache, statistics) is opened once per process; what it keeps between messages is
 the sealed session in the node's Context (:mod:`afl.flower.session`).
@@ -15,6 +20,7 @@ the sealed session in the node's Context (:mod:`afl.flower.session`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -24,15 +30,20 @@ from afl.client.config import ConfigError, load_client_config
 from afl.flower.envelope import RECORD
 from afl.flower.site import FlowerSite, handle
 
-__all__ = ["app", "make_app", "site_config_path"]
+__all__ = ["ENV_CONFIG", "app", "make_app", "site_config_path"]
 
 SESSION = "afl-session"
+ENV_CONFIG = "AFL_CLIENT_CONFIG"
 _SITES: dict[str, FlowerSite] = {}
 
 
-def site_config_path(node_config: dict[str, object], run_config: dict[str, object]) -> str:
+def site_config_path(
+    node_config: Mapping[str, object],
+    run_config: Mapping[str, object],
+    environ: Mapping[str, str] = os.environ,
+) -> str:
     """Where this node's client.toml is (module docstring); :class:`ConfigError` if nowhere."""
-    own = node_config.get("afl-client-config")
+    own = node_config.get("afl-client-config") or environ.get(ENV_CONFIG)
     if own:
         return str(own)
     paths = [p.strip() for p in str(run_config.get("afl-client-configs") or "").split(",")]
@@ -42,7 +53,8 @@ def site_config_path(node_config: dict[str, object], run_config: dict[str, objec
         return paths[partition]
     raise ConfigError(
         "this node has no site kit: give the SuperNode --node-config "
-        "\"afl-client-config='/path/client.toml'\", or (simulation) the run config "
+        f"\"afl-client-config='/path/client.toml'\" or the environment {ENV_CONFIG}, or "
+        "(simulation) the run config "
         f"afl-client-configs one path per node (partition {partition!r}, {len(paths)} paths)"
     )
 

@@ -119,9 +119,16 @@ class SuperLink:
 def _process(
     args: Sequence[str], *, env: Mapping[str, str], log: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``args`` in the log's folder (whatever a Flower process writes to its working
+    directory stays with the federation), stopped on exit."""
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            list(args), stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+            list(args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=log.parent,
+            start_new_session=True,
         )
         try:
             yield proc
@@ -142,7 +149,8 @@ def local_superlink(root: Path, *, simulation: bool) -> Iterator[SuperLink]:
         encoding="utf-8",
     )
     args = ["flower-superlink", "--insecure", "--isolation", "subprocess"]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--database", ":flwr-in-memory-state:"]
+    # Flower's in-memory state (its default name ":flwr-in-memory:"; any other is a SQLite file).
+    args += ["--host", "127.0.0.1", "--port", str(port), "--database", ":flwr-in-memory:"]
     args += ["--health-server-address", f"127.0.0.1:{free_port()}"]
     args += ["--control-api-address", f"127.0.0.1:{free_port()}"]
     args += ["--fleet-api-address", f"127.0.0.1:{free_port()}"]
@@ -172,7 +180,12 @@ def _flwr_run(
         args += ["--federation-config", " ".join(f"{k}={v}" for k, v in federation_config.items())]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=_env(link.home), start_new_session=True
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(link.home),
+            cwd=log.parent,
+            start_new_session=True,
         )
         try:
             return proc.wait(timeout=timeout_s)

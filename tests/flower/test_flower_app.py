@@ -3,7 +3,8 @@ afl's own daemons publish on the same feature caches (≤ 1e-9 relative), and bo
 in-process solve on those caches.
 
     mask,      ``flwr run`` on the local simulation engine (flower-superlink --simulation)
-    plaintext, the simulation engine started from Python (flwr.simulation.run_simulation)
+    plaintext, the simulation engine started from Python (flwr.simulation.run_simulation; slow:
+               the same Ray engine as the first, a second Ray start in the same run of the suite)
     mask,      ``flwr run`` on the deployment engine, one flower-supernode per site (slow: a
                new ClientApp process per message)
 
@@ -91,6 +92,7 @@ def test_flwr_run_on_the_simulation_engine_masks_to_the_daemons_w(tmp_path: Path
     _same_w_as_the_daemons(tmp_path, "mask", "simulation")
 
 
+@pytest.mark.slow
 def test_the_simulation_engine_from_python_gives_the_daemons_plaintext_w(tmp_path: Path) -> None:
     _same_w_as_the_daemons(tmp_path, "plaintext", "python")
 

@@ -98,7 +98,7 @@ def test_a_masked_round_over_the_relay_gives_every_site_the_plaintext_w(tmp_path
 
 
 def test_two_plaintext_rounds_over_the_relay_equal_afl_s_daemons(tmp_path: Path) -> None:
-    settings = {"mode": "plaintext", "rounds": 2, "allow_plaintext": True}
+    settings: dict[str, Any] = {"mode": "plaintext", "rounds": 2, "allow_plaintext": True}
     fed = _federation(tmp_path / "flower", **settings)
     outcome, _ = serve(fed, site_nodes(fed))
     assert outcome.state == "published", outcome
