@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("flwr", reason="the Flower extra is not installed (make venv installs it)")
 
-from afl.client.config import ConfigError  # noqa: E402
-from afl.flower.client_app import ENV_CONFIG, site_config_path  # noqa: E402
+from afl.client.config import ConfigError
+from afl.flower.client_app import ENV_CONFIG, site_config_path
 
 RUN = {"afl-client-configs": "/sim/a.toml, /sim/b.toml"}
 
