@@ -28,13 +28,13 @@ from flwr.clientapp import ClientApp
 
 from afl.client.config import ConfigError, load_client_config
 from afl.flower.envelope import RECORD
-from afl.flower.site import FlowerSite, handle
+from afl.flower.site import FlowerDecryptor, FlowerSite, handle, open_site
 
 __all__ = ["ENV_CONFIG", "app", "make_app", "site_config_path"]
 
 SESSION = "afl-session"
 ENV_CONFIG = "AFL_CLIENT_CONFIG"
-_SITES: dict[str, FlowerSite] = {}
+_SITES: dict[str, FlowerSite | FlowerDecryptor] = {}
 
 
 def site_config_path(
@@ -59,11 +59,11 @@ def site_config_path(
     )
 
 
-def _site(context: Context, run_config: dict[str, object]) -> FlowerSite:
+def _site(context: Context, run_config: dict[str, object]) -> FlowerSite | FlowerDecryptor:
     path = site_config_path(dict(context.node_config), run_config)
     site = _SITES.get(path)
     if site is None:
-        site = _SITES[path] = FlowerSite(load_client_config(path))
+        site = _SITES[path] = open_site(load_client_config(path))
     return site
 
 

@@ -14,7 +14,8 @@ its values are the afl protocol messages, serialized exactly as afl's gRPC servi
         calls     requests to make now, as this site (an ``Upload`` is its chunk stream)
         gate      when the next message is due: ``now``; ``stage`` (the round reached a stage,
                   or ended); ``round`` (a round the site takes part in opened, other than those
-                  in ``done``); ``end`` (nothing more)
+                  in ``done``); ``jobs`` (the CKKS decryptor: the coordinator lists a decryption
+                  job not in ``done``, by :func:`job_key`); ``end`` (nothing more)
         gets      requests whose answers the next message carries (read when the gate opens)
 
 An answer is one response message, or the messages of a stream (``Download``); a refused call or
@@ -39,6 +40,7 @@ __all__ = [
     "ToSite",
     "Value",
     "from_site",
+    "job_key",
     "to_site",
 ]
 
@@ -46,9 +48,14 @@ __all__ = [
 MESSAGE_TYPE = "query.afl"
 #: Name of the ConfigRecord holding the envelope in the message content.
 RECORD = "afl"
-GATES = ("now", "stage", "round", "end")
+GATES = ("now", "stage", "round", "jobs", "end")
 
 Value = str | int | bytes | list[str] | list[bytes] | list[int]
+
+
+def job_key(round_id: str, release_name: str) -> str:
+    """How a decryption job is named in a ``jobs`` gate's ``done``."""
+    return f"{round_id}/{release_name}"
 
 
 class EnvelopeError(ValueError):

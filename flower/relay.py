@@ -36,7 +36,8 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError, Message
 
-from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite
+from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite, job_key
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
@@ -287,6 +288,8 @@ class Relay:
             return False
         if gate.kind == "now" or not node.bound:
             return True
+        if gate.kind == "jobs":
+            return self._has_jobs(node.site, gate.done)
         if gate.kind == "stage":
             status = self.coordinator.status(node.site, gate.round_id)
             return not status.HasField("round") or status.round.stage >= gate.stage
@@ -301,6 +304,15 @@ class Relay:
             and node.site in r.participants
             and not missed
         )
+
+    def _has_jobs(self, site: str, done: Collection[str]) -> bool:
+        """Whether the coordinator lists a decryption job for ``site`` not in ``done``."""
+        try:
+            data = self.invoke(site, "GetDecryptionJobs", [cpb.RoundRef().SerializeToString()])
+        except RelayError:
+            return False
+        jobs = pb.DecryptionJobs.FromString(data[0])
+        return any(job_key(jobs.round_id, j.release_name) not in done for j in jobs.jobs)
 
     def _release(self, nodes: list[_Node]) -> None:
         """Send each node its next message: the results of its calls, the answers to its gets."""

@@ -27,6 +27,9 @@ round was aborted meanwhile — as a refused RPC does in the daemon; so does an 
 does not match what was sent. Outcomes end like the daemon's: completed or aborted, the site
 waits for the next round; refused or failed, it takes part in nothing more of this run.
 
+A CKKS round's decryptor site is :class:`FlowerDecryptor` (``role = "decryptor"``), the
+decryptor daemon served the same way; :func:`open_site` opens either from a client.toml.
+
 Between messages the site keeps a :class:`Session`, sealed (:mod:`afl.flower.session`).
 """
 
@@ -49,17 +52,26 @@ from afl.client.daemon_rpc import CoordinatorClient, RoundFailed, check_enrolmen
 from afl.client.daemon_state import plan_summary
 from afl.client.daemon_transport import DaemonError, RemoteCallError, UploadError
 from afl.client.daemon_verify import VerificationError, verify_round_config
+from afl.client.decryptor import DecryptorDaemon
 from afl.client.dp_policy import dp_report
 from afl.client.mode_mask import MASK_STEPS, MaskMode
 from afl.client.modes import AggregationMode, RoundSession, UploadRecord
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg_client import SecAggClient
-from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite, Value, to_site
+from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite, Value, job_key, to_site
 from afl.flower.session import SessionError, open_session, seal_session
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["FlowerSite", "RelayStub", "Session", "handle"]
+__all__ = [
+    "FlowerDecryptor",
+    "FlowerSite",
+    "RelayStub",
+    "Session",
+    "check_results",
+    "handle",
+    "open_site",
+]
 
 log = logging.getLogger("afl.flower.site")
 
@@ -194,39 +206,80 @@ def _await(rid: str, stage: int, *reads: Call) -> tuple[Gate, tuple[Call, ...]]:
     return Gate("stage", rid, stage), (get("GetStatus", pb.StatusRequest(round_id=rid)), *reads)
 
 
+def check_results(message: ToSite, session: Session, config: ClientConfig) -> None:
+    """The results of the site's previous calls (module docstring): the enrolment reply checked
+    against the kit, each upload receipt against what was sent; the first refusal raised."""
+    sent, session.sent = session.sent, []
+    refused: list[Answer] = []
+    for result in message.results:
+        if result.method == "SubmitReport":
+            if result.error:
+                log.warning("site=%s could not submit its report: %s", config.site_id, result.error)
+            continue
+        if result.error:
+            refused.append(result)
+            continue
+        if result.method == "Enroll" and not session.enrolled:
+            check_enrolment(
+                pb.EnrollResponse.FromString(result.response[0]),
+                site_id=config.site_id,
+                federation_id=config.federation_id,
+                server_public_key=config.server_public_key,
+            )
+            session.enrolled = True
+        if result.method == "Upload" and sent:
+            name, digest, size = sent.pop(0)
+            receipt = pb.UploadReceipt.FromString(result.response[0])
+            if receipt.sha256 != digest or receipt.bytes_received != size:
+                raise UploadError(
+                    f"upload {name}: receipt does not match the payload sent "
+                    f"({receipt.bytes_received} bytes received of {size})"
+                )
+    if refused:
+        first = refused[0]
+        if first.method == "Enroll":
+            session.round_id = ""
+        raise remote_error(first.method, first.error)
+
+
+def _enrolment_placeholder(config: ClientConfig) -> pb.EnrollResponse:
+    """What ``Enroll`` returns at once: the kit's own values (the reply is checked later)."""
+    return pb.EnrollResponse(
+        site_id=config.site_id,
+        federation_id=config.federation_id,
+        server_identity_public_key=config.server_public_key,
+    )
+
+
+def _foreign(message: ToSite, config: ClientConfig) -> bool:
+    """Whether the coordinator serves another federation than the kit's (logged)."""
+    if message.federation_id == config.federation_id:
+        return False
+    log.error(
+        "site=%s: the coordinator serves federation %r, this kit belongs to %r",
+        config.site_id,
+        message.federation_id,
+        config.federation_id,
+    )
+    return True
+
+
 class FlowerSite(ClientDaemon):
     """A site taking part in rounds through Flower messages (module docstring)."""
 
     def __init__(self, config: ClientConfig) -> None:
         if config.role != "participant":
-            raise DaemonError(
-                f"{config.path}: role = {config.role!r}; the Flower app runs participant sites "
-                "only (a CKKS decryptor is not supported yet, docs/flower.md)"
-            )
+            raise DaemonError(f"{config.path}: role = {config.role!r}; FlowerSite is a participant")
         super().__init__(config)
         self.prepare()
 
-    def _enrolment_placeholder(self) -> pb.EnrollResponse:
-        c = self.config
-        return pb.EnrollResponse(
-            site_id=c.site_id,
-            federation_id=c.federation_id,
-            server_identity_public_key=c.server_public_key,
-        )
-
     def step(self, message: ToSite, session: Session) -> FromSite:
         """Run the step ``session`` is at with ``message``; the reply (module docstring)."""
-        stub = RelayStub(message.answers, enrolment=self._enrolment_placeholder())
+        stub = RelayStub(message.answers, enrolment=_enrolment_placeholder(self.config))
         self.rpc = CoordinatorClient(
             stub, site_id=self.site_id, timing=self.config.timing, retry=self.retry
         )
-        if message.federation_id != self.config.federation_id:
-            log.error(
-                "site=%s: the coordinator serves federation %r, this kit belongs to %r",
-                self.site_id,
-                message.federation_id,
-                self.config.federation_id,
-            )
+        if _foreign(message, self.config):
             return FromSite(self.site_id, (), Gate("end"), ())
         try:
             gate, gets = self._dispatch(message, session, stub)
@@ -251,7 +304,7 @@ class FlowerSite(ClientDaemon):
             return _next_round(session)
         if session.step == "end":
             return Gate("end"), ()
-        self._check_results(message, session)
+        check_results(message, session, self.config)
         if session.step == "plan":
             return self._plan(session)
         status = self.rpc.status(session.round_id).round
@@ -264,44 +317,6 @@ class FlowerSite(ClientDaemon):
         if session.step == "model":
             return self._model_step(session)
         raise DaemonError(f"unknown step {session.step!r} in the session")
-
-    # --- results of the previous calls ----------------------------------------------------------
-
-    def _check_results(self, message: ToSite, session: Session) -> None:
-        """Enrolment reply, upload receipts, refusals (module docstring)."""
-        sent, session.sent = session.sent, []
-        refused: list[Answer] = []
-        for result in message.results:
-            if result.method == "SubmitReport":
-                if result.error:
-                    log.warning(
-                        "site=%s could not submit its report: %s", self.site_id, result.error
-                    )
-                continue
-            if result.error:
-                refused.append(result)
-                continue
-            if result.method == "Enroll" and not session.enrolled:
-                check_enrolment(
-                    pb.EnrollResponse.FromString(result.response[0]),
-                    site_id=self.site_id,
-                    federation_id=self.config.federation_id,
-                    server_public_key=self.config.server_public_key,
-                )
-                session.enrolled = True
-            if result.method == "Upload" and sent:
-                name, digest, size = sent.pop(0)
-                receipt = pb.UploadReceipt.FromString(result.response[0])
-                if receipt.sha256 != digest or receipt.bytes_received != size:
-                    raise UploadError(
-                        f"upload {name}: receipt does not match the payload sent "
-                        f"({receipt.bytes_received} bytes received of {size})"
-                    )
-        if refused:
-            first = refused[0]
-            if first.method == "Enroll":
-                session.round_id = ""
-            raise remote_error(first.method, first.error)
 
     def _failure(self, exc: Exception, session: Session) -> RoundFailed:
         """A refused call is an abort when the round was aborted meanwhile (as in the daemon)."""
@@ -457,8 +472,92 @@ class FlowerSite(ClientDaemon):
         return _next_round(session)
 
 
+class FlowerDecryptor(DecryptorDaemon):
+    """The CKKS decryptor site through Flower messages: enrol and publish the public context,
+    then serve each round's decryption jobs with the daemon's own code (``serve_once``: the
+    signed plan checked, the sealed tags opened, each aggregate decrypted and the signed outcome
+    reported). Its secret key stays in its state folder, never in the session; its ledger there
+    refuses to decrypt a release twice with different inputs.
+
+        hello    ask for an enrolment challenge
+        enrol    Enroll as the decryptor, upload and announce the public context; wait for jobs
+        serve    the coordinator lists jobs: ask for them, the round's sealed tags and each
+                 aggregate, at once
+        decrypt  ``serve_once`` on them; wait for jobs not yet handled (a ``jobs`` gate)
+    """
+
+    @property
+    def site_id(self) -> str:
+        return self.config.site_id
+
+    def step(self, message: ToSite, session: Session) -> FromSite:
+        """Run the step ``session`` is at with ``message``; the reply."""
+        stub = RelayStub(message.answers, enrolment=_enrolment_placeholder(self.config))
+        self.rpc = CoordinatorClient(
+            stub, site_id=self.site_id, timing=self.config.timing, retry=self.retry
+        )
+        if _foreign(message, self.config):
+            return FromSite(self.site_id, (), Gate("end"), ())
+        try:
+            gate, gets = self._dispatch(message, session)
+        except (DaemonError, VerificationError, CryptoError, ValueError) as exc:
+            log.error("decryptor=%s stops: %s", self.site_id, exc)
+            session.step, gate, gets = "end", Gate("end"), ()
+        session.sent += stub.uploads
+        return FromSite(self.site_id, tuple(stub.calls), gate, gets)
+
+    def _dispatch(self, message: ToSite, session: Session) -> tuple[Gate, tuple[Call, ...]]:
+        if session.step == "hello":
+            session.step = "enrol"
+            return Gate("now"), (get("GetEnrolChallenge", pb.EnrolChallengeRequest()),)
+        if session.step == "enrol":
+            self.enroll_and_publish()
+            session.step = "serve"
+            return _await_jobs(session)
+        if session.step == "end":
+            return Gate("end"), ()
+        check_results(message, session, self.config)
+        jobs: pb.DecryptionJobs = self._rpc().call("GetDecryptionJobs", cpb.RoundRef())
+        rid = jobs.round_id
+        if session.step == "serve":
+            if all(job_key(rid, j.release_name) in session.done for j in jobs.jobs):
+                return _await_jobs(session)
+            session.step = "decrypt"
+            reads = [get("GetDecryptionJobs", cpb.RoundRef())]
+            reads.append(get("GetAggregateTags", cpb.RoundRef(round_id=rid)))
+            reads += [
+                get(
+                    "Download",
+                    pb.DownloadRequest(
+                        round_id=rid,
+                        kind=pb.PAYLOAD_KIND_CKKS_AGGREGATE,
+                        release_name=j.release_name,
+                    ),
+                )
+                for j in jobs.jobs
+            ]
+            return Gate("now"), tuple(reads)
+        if session.step == "decrypt":
+            self.serve_once()
+            session.done += [job_key(rid, j.release_name) for j in jobs.jobs]
+            session.step = "serve"
+            return _await_jobs(session)
+        raise DaemonError(f"unknown step {session.step!r} in the decryptor's session")
+
+
+def _await_jobs(session: Session) -> tuple[Gate, tuple[Call, ...]]:
+    return Gate("jobs", done=tuple(session.done)), (get("GetDecryptionJobs", cpb.RoundRef()),)
+
+
+def open_site(config: ClientConfig) -> FlowerSite | FlowerDecryptor:
+    """The site of ``config``: a participant, or the CKKS decryptor (``role``)."""
+    if config.role == "decryptor":
+        return FlowerDecryptor(config)
+    return FlowerSite(config)
+
+
 def handle(
-    site: FlowerSite, record: Mapping[str, object], sealed: bytes | None
+    site: FlowerSite | FlowerDecryptor, record: Mapping[str, object], sealed: bytes | None
 ) -> tuple[dict[str, Value], bytes]:
     """One ClientApp invocation without Flower: decode the coordinator's record, open the
     sealed session (a fresh one for the first message), run the step, seal the session again;

@@ -29,19 +29,27 @@ from pathlib import Path
 
 from afl.lab.demo_federation import LoopbackFederation, LoopbackRun, free_port, site_reports
 
-__all__ = ["APP_DIR", "ENGINES", "SuperLink", "flower_run_config", "run_flower"]
+__all__ = ["APP_DIR", "ENGINES", "SuperLink", "flower_run_config", "run_flower", "site_kits"]
 
 ENGINES = ("python", "simulation", "deployment")
 #: The Flower App of afl (what ``flwr run`` builds and submits).
 APP_DIR = Path(__file__).resolve().parents[1] / "flower" / "app"
 
 
+def site_kits(fed: LoopbackFederation) -> dict[str, Path]:
+    """Every Flower node's client.toml: the sites in order, then the CKKS decryptor if any."""
+    kits = {site: fed.client_configs[site].resolve() for site in fed.site_ids}
+    if fed.decryptor_config is not None:
+        kits["decryptor"] = fed.decryptor_config.resolve()
+    return kits
+
+
 def flower_run_config(fed: LoopbackFederation) -> dict[str, str]:
-    """The app's run config for ``fed``: the coordinator's server.toml, the sites' client.toml in
-    site order (node ``partition-id`` k is site k+1)."""
+    """The app's run config for ``fed``: the coordinator's server.toml, the nodes' client.toml in
+    :func:`site_kits` order (node ``partition-id`` k is the k+1-th)."""
     return {
         "afl-server-config": str(fed.server_config.resolve()),
-        "afl-client-configs": ",".join(str(fed.client_configs[s].resolve()) for s in fed.site_ids),
+        "afl-client-configs": ",".join(str(p) for p in site_kits(fed).values()),
     }
 
 
@@ -204,7 +212,7 @@ def _python_engine(fed: LoopbackFederation, *, num_cpus: float) -> int:
     run_simulation(
         server_app.make_app(config),
         client_app.make_app(config),
-        num_supernodes=len(fed.site_ids),
+        num_supernodes=len(site_kits(fed)),
         backend_config={"client_resources": {"num_cpus": num_cpus}},
     )
     return 0
@@ -233,14 +241,12 @@ def run_flower(
             run_config = flower_run_config(fed)
             federation = None
             if engine == "simulation":
-                federation = {"num-supernodes": len(fed.site_ids)}
+                federation = {"num-supernodes": len(site_kits(fed))}
             else:
                 run_config.pop("afl-client-configs")
-                for k, site in enumerate(fed.site_ids):
+                for k, (site, kit) in enumerate(site_kits(fed).items()):
                     path = paths[site] = logs / f"supernode-{site}.log"
-                    node_config = (
-                        f"afl-client-config={_toml_string(str(fed.client_configs[site].resolve()))}"
-                    )
+                    node_config = f"afl-client-config={_toml_string(str(kit))}"
                     args = ["flower-supernode", "--insecure", "--superlink", link.address]
                     args += ["--node-config", node_config, "--port", str(free_port())]
                     args += ["--health-server-address", f"127.0.0.1:{free_port()}"]

@@ -7,6 +7,8 @@ in-process solve on those caches.
                the same Ray engine as the first, a second Ray start in the same run of the suite)
     mask,      ``flwr run`` on the deployment engine, one flower-supernode per site (slow: a
                new ClientApp process per message)
+    ckks,      ``flwr run`` on the simulation engine with the decryptor as a fourth node (slow):
+               within the CKKS bound of the plaintext W (tests/e2e/ckks_tolerance.py)
 
 Needs the Flower extra (``afl[flower]``, installed by ``make venv``)."""
 
@@ -23,11 +25,13 @@ from afl.core.aggregation import federated_solve
 from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
+    ckks_round_settings,
     mask_round_settings,
     prepare_loopback,
     run_loopback,
 )
 from afl.lab.flower_federation import run_flower
+from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.helpers.numeric import relative_error
 
@@ -44,6 +48,8 @@ def _federation(root: Path, mode: str) -> LoopbackFederation:
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 300.0}
     if mode == "mask":
         settings.update(mask_round_settings(feats))
+    elif mode == "ckks":
+        settings.update(ckks_round_settings(feats))
     else:
         settings["aggregation"] = mode
     return prepare_loopback(
@@ -56,6 +62,7 @@ def _federation(root: Path, mode: str) -> LoopbackFederation:
         test_labels=labels[0][:20],
         round_settings=settings,
         allow_plaintext=mode == "plaintext",
+        decryptor=mode == "ckks",
     )
 
 
@@ -100,3 +107,26 @@ def test_the_simulation_engine_from_python_gives_the_daemons_plaintext_w(tmp_pat
 @pytest.mark.slow
 def test_flwr_run_on_the_deployment_engine_masks_to_the_daemons_w(tmp_path: Path) -> None:
     _same_w_as_the_daemons(tmp_path, "mask", "deployment")
+
+
+@pytest.mark.slow
+def test_flwr_run_with_a_decryptor_node_gives_the_ckks_w(tmp_path: Path) -> None:
+    fed = _federation(tmp_path, "ckks")
+    run = run_flower(fed, engine="simulation", timeout_s=900)
+    assert run.server_rc == 0, run.logs
+    stats, _ = cached_statistics(fed, list(fed.site_ids))
+    w_plain, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    settings = ckks_round_settings(DATA.draw(K)[0])
+    gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]
+    assert isinstance(gram_bound, float) and isinstance(vector_bound, float)
+    tol = w_tolerance(
+        gram=np.sum([s.gram for s in stats], axis=0),
+        weights=w_plain,
+        gamma=1.0,
+        eps_gram=entry_bound(bound=gram_bound, members=K),
+        eps_b=entry_bound(bound=vector_bound, members=K),
+    )
+    assert np.all(tol <= 1e-7 * np.linalg.norm(w_plain, axis=0))  # the bound is not vacuous
+    for site in fed.site_ids:
+        assert run.final_report(site)["plan"]["aggregation"] == "AGGREGATION_MODE_CKKS"
+        assert np.all(np.linalg.norm(_w(run, site) - w_plain, axis=0) <= tol)

@@ -4,7 +4,8 @@ apps do (tests/helpers/flower_nodes.py), every site message handled by a fresh s
 deployment engine, its session sealed in between.
 
 A masked round gives every site the W of the plaintext sums (oracle: the in-process solve on the
-caches), one message per stage; a two-round plaintext run gives the W of afl's own daemons on the
+caches), one message per stage; a CKKS round, its decryptor a node too, gives W within the derived
+CKKS bound of the plaintext W (tests/e2e/ckks_tolerance.py); a two-round plaintext run gives the W of afl's own daemons on the
 same caches. Honest parties refuse: a node that claims another site cannot enrol or call as it;
 sites refuse a plan their [policy] forbids and a plan whose signature does not verify (a
 tampering transport): nothing is uploaded and nothing is released."""
@@ -25,6 +26,7 @@ from afl.crypto.signed_blobs import ENROL_CONTEXT
 from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite
 from afl.lab.demo_federation import (
     LoopbackFederation,
+    ckks_round_settings,
     mask_round_settings,
     prepare_loopback,
     run_loopback,
@@ -35,6 +37,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.store import Store
+from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.helpers.flower_nodes import SiteNode, serve, site_nodes
 from tests.helpers.numeric import relative_error
@@ -52,6 +55,8 @@ def _federation(
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 60.0, **round_}
     if mode == "mask":
         settings.update(mask_round_settings(feats))
+    elif mode == "ckks":
+        settings.update(ckks_round_settings(feats))
     else:
         settings["aggregation"] = mode
     return prepare_loopback(
@@ -64,6 +69,7 @@ def _federation(
         test_labels=labels[0][:20],
         round_settings=settings,
         allow_plaintext=allow_plaintext,
+        decryptor=mode == "ckks",
     )
 
 
@@ -95,6 +101,38 @@ def test_a_masked_round_over_the_relay_gives_every_site_the_plaintext_w(tmp_path
     # One message per stage: nothing is polled.
     per_node = [sum(1 for node, _, _ in transport.exchanges if node == n) for n in (1, 2, 3)]
     assert per_node == [MASK_MESSAGES] * 3
+
+
+def test_a_ckks_round_over_the_relay_with_its_decryptor_node_gives_the_plaintext_w(
+    tmp_path: Path,
+) -> None:
+    fed = _federation(tmp_path, mode="ckks")
+    outcome, transport = serve(fed, site_nodes(fed, fresh_process=True))
+    assert outcome.state == "published", outcome
+    assert set(outcome.sites) == {*fed.site_ids, "decryptor"}
+    stats, _ = cached_statistics(fed, list(fed.site_ids))
+    w_plain, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    settings = ckks_round_settings(DATA.draw(3)[0])
+    gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]
+    assert isinstance(gram_bound, float) and isinstance(vector_bound, float)
+    tol = w_tolerance(
+        gram=np.sum([s.gram for s in stats], axis=0),
+        weights=w_plain,
+        gamma=1.0,
+        eps_gram=entry_bound(bound=gram_bound, members=3),
+        eps_b=entry_bound(bound=vector_bound, members=3),
+    )
+    assert np.all(tol <= 1e-7 * np.linalg.norm(w_plain, axis=0))  # the bound is not vacuous
+    reports = site_reports(fed)
+    for site in fed.site_ids:
+        report = _final(reports, site)
+        assert report["plan"]["aggregation"] == "AGGREGATION_MODE_CKKS"
+        assert np.all(np.linalg.norm(_w(report) - w_plain, axis=0) <= tol)
+    # The decryptor decrypted every release once, through its own node.
+    decryptor = max(transport.handlers)
+    calls = [c.method for n, _, r in transport.exchanges if n == decryptor and r for c in r.calls]
+    assert calls.count("ReportDecryption") >= 1
+    assert "PublishCkksContext" in calls
 
 
 def test_two_plaintext_rounds_over_the_relay_equal_afl_s_daemons(tmp_path: Path) -> None:

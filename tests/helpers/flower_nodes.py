@@ -20,7 +20,7 @@ from typing import Any
 from afl.client.config import load_client_config
 from afl.flower.envelope import FromSite, ToSite, from_site
 from afl.flower.relay import RelayOutcome, Reply, serve_federation
-from afl.flower.site import FlowerSite, handle
+from afl.flower.site import handle, open_site
 from afl.lab.demo_federation import LoopbackFederation
 
 Handler = Callable[[ToSite], FromSite]
@@ -31,12 +31,12 @@ class SiteNode:
 
     def __init__(self, config: Path, *, fresh_process: bool = False) -> None:
         self.config, self.fresh = config, fresh_process
-        self.site = FlowerSite(load_client_config(config))
+        self.site = open_site(load_client_config(config))
         self.sealed: bytes | None = None
 
     def __call__(self, message: ToSite) -> FromSite:
         if self.fresh:
-            self.site = FlowerSite(load_client_config(self.config))
+            self.site = open_site(load_client_config(self.config))
         reply, self.sealed = handle(self.site, message.record(), self.sealed)
         return from_site(reply)
 
@@ -81,12 +81,12 @@ class InProcessTransport:
 def site_nodes(
     fed: LoopbackFederation, sites: Sequence[str] | None = None, *, fresh_process: bool = False
 ) -> dict[int, Handler]:
-    """A node per site of ``fed`` (all by default), numbered from 1 in site order."""
+    """A node per site of ``fed`` (all by default), numbered from 1 in site order, then its CKKS
+    decryptor if it has one."""
     chosen = list(fed.site_ids if sites is None else sites)
-    return {
-        k + 1: SiteNode(fed.client_configs[s], fresh_process=fresh_process)
-        for k, s in enumerate(chosen)
-    }
+    kits = [fed.client_configs[s] for s in chosen]
+    kits += [fed.decryptor_config] if fed.decryptor_config is not None else []
+    return {k + 1: SiteNode(kit, fresh_process=fresh_process) for k, kit in enumerate(kits)}
 
 
 def serve(
