@@ -10,12 +10,13 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 venv: $(STAMP)
 
+# The Flower extra goes in with uv: flwr pins protobuf < 7, afl needs 7, and only uv applies the
+# override in flower/overrides.txt (docs/flower.md §1).
 $(STAMP): pyproject.toml Makefile flower/overrides.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PINS)
 	$(BIN)/pip install -q -e '.[client,dp,lab,export,dev]' --config-settings editable_mode=strict
-	# The Flower extra: flwr pins protobuf < 7, afl needs 7; uv applies the override (docs/flower.md §1).
 	$(BIN)/uv pip install -q --python $(BIN)/python --override flower/overrides.txt -r pyproject.toml --extra flower
 	touch $@
 

@@ -50,7 +50,7 @@ from afl.client.config import ClientConfig
 from afl.client.daemon import ClientDaemon
 from afl.client.daemon_rpc import CoordinatorClient, RoundFailed, check_enrolment
 from afl.client.daemon_state import plan_summary
-from afl.client.daemon_transport import DaemonError, RemoteCallError, UploadError
+from afl.client.daemon_transport import DaemonError, RemoteCallError, RetryPolicy, UploadError
 from afl.client.daemon_verify import VerificationError, verify_round_config
 from afl.client.decryptor import DecryptorDaemon
 from afl.client.dp_policy import dp_report
@@ -242,13 +242,19 @@ def check_results(message: ToSite, session: Session, config: ClientConfig) -> No
         raise remote_error(first.method, first.error)
 
 
-def _enrolment_placeholder(config: ClientConfig) -> pb.EnrollResponse:
-    """What ``Enroll`` returns at once: the kit's own values (the reply is checked later)."""
-    return pb.EnrollResponse(
+def _relay_client(
+    message: ToSite, config: ClientConfig, retry: RetryPolicy
+) -> tuple[RelayStub, CoordinatorClient]:
+    """The daemon's coordinator client over a :class:`RelayStub` answering from ``message``;
+    ``Enroll`` returns the kit's own values at once (the reply is checked with the next
+    message)."""
+    enrolment = pb.EnrollResponse(
         site_id=config.site_id,
         federation_id=config.federation_id,
         server_identity_public_key=config.server_public_key,
     )
+    stub = RelayStub(message.answers, enrolment=enrolment)
+    return stub, CoordinatorClient(stub, site_id=config.site_id, timing=config.timing, retry=retry)
 
 
 def _foreign(message: ToSite, config: ClientConfig) -> bool:
@@ -275,10 +281,7 @@ class FlowerSite(ClientDaemon):
 
     def step(self, message: ToSite, session: Session) -> FromSite:
         """Run the step ``session`` is at with ``message``; the reply (module docstring)."""
-        stub = RelayStub(message.answers, enrolment=_enrolment_placeholder(self.config))
-        self.rpc = CoordinatorClient(
-            stub, site_id=self.site_id, timing=self.config.timing, retry=self.retry
-        )
+        stub, self.rpc = _relay_client(message, self.config, self.retry)
         if _foreign(message, self.config):
             return FromSite(self.site_id, (), Gate("end"), ())
         try:
@@ -492,10 +495,7 @@ class FlowerDecryptor(DecryptorDaemon):
 
     def step(self, message: ToSite, session: Session) -> FromSite:
         """Run the step ``session`` is at with ``message``; the reply."""
-        stub = RelayStub(message.answers, enrolment=_enrolment_placeholder(self.config))
-        self.rpc = CoordinatorClient(
-            stub, site_id=self.site_id, timing=self.config.timing, retry=self.retry
-        )
+        stub, self.rpc = _relay_client(message, self.config, self.retry)
         if _foreign(message, self.config):
             return FromSite(self.site_id, (), Gate("end"), ())
         try:

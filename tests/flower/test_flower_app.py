@@ -15,7 +15,6 @@ Needs the Flower extra (``afl[flower]``, installed by ``make venv``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,44 +24,23 @@ from afl.core.aggregation import federated_solve
 from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
-    ckks_round_settings,
-    mask_round_settings,
-    prepare_loopback,
     run_loopback,
 )
 from afl.lab.flower_federation import run_flower
-from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
+from tests.helpers.flower_nodes import CLASSES, ckks_reference, small_federation
 from tests.helpers.numeric import relative_error
 
 pytest.importorskip("flwr", reason="the Flower extra is not installed (make venv installs it)")
 pytest.importorskip("ray", reason="Flower's simulation engine needs ray (the Flower extra)")
 
-CLASSES = ("A", "B", "C")
 DATA = SiteData(d=16, classes=len(CLASSES), rows=120, rows_step=20, positive_rate=0.4, seed=7)
 K = 3
 
 
 def _federation(root: Path, mode: str) -> LoopbackFederation:
-    feats, labels = DATA.draw(K)
-    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 300.0}
-    if mode == "mask":
-        settings.update(mask_round_settings(feats))
-    elif mode == "ckks":
-        settings.update(ckks_round_settings(feats))
-    else:
-        settings["aggregation"] = mode
-    return prepare_loopback(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((K, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:20],
-        test_labels=labels[0][:20],
-        round_settings=settings,
-        allow_plaintext=mode == "plaintext",
-        decryptor=mode == "ckks",
+    return small_federation(
+        root, DATA, k=K, mode=mode, upload_timeout_s=300.0, allow_plaintext=mode == "plaintext"
     )
 
 
@@ -114,19 +92,7 @@ def test_flwr_run_with_a_decryptor_node_gives_the_ckks_w(tmp_path: Path) -> None
     fed = _federation(tmp_path, "ckks")
     run = run_flower(fed, engine="simulation", timeout_s=900)
     assert run.server_rc == 0, run.logs
-    stats, _ = cached_statistics(fed, list(fed.site_ids))
-    w_plain, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
-    settings = ckks_round_settings(DATA.draw(K)[0])
-    gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]
-    assert isinstance(gram_bound, float) and isinstance(vector_bound, float)
-    tol = w_tolerance(
-        gram=np.sum([s.gram for s in stats], axis=0),
-        weights=w_plain,
-        gamma=1.0,
-        eps_gram=entry_bound(bound=gram_bound, members=K),
-        eps_b=entry_bound(bound=vector_bound, members=K),
-    )
-    assert np.all(tol <= 1e-7 * np.linalg.norm(w_plain, axis=0))  # the bound is not vacuous
+    w_plain, tol = ckks_reference(fed, DATA, k=K)
     for site in fed.site_ids:
         assert run.final_report(site)["plan"]["aggregation"] == "AGGREGATION_MODE_CKKS"
         assert np.all(np.linalg.norm(_w(run, site) - w_plain, axis=0) <= tol)

@@ -26,9 +26,6 @@ from afl.crypto.signed_blobs import ENROL_CONTEXT
 from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite
 from afl.lab.demo_federation import (
     LoopbackFederation,
-    ckks_round_settings,
-    mask_round_settings,
-    prepare_loopback,
     run_loopback,
     site_reports,
 )
@@ -37,40 +34,24 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.store import Store
-from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
-from tests.helpers.flower_nodes import SiteNode, serve, site_nodes
+from tests.helpers.flower_nodes import (
+    CLASSES,
+    SiteNode,
+    ckks_reference,
+    serve,
+    site_nodes,
+    small_federation,
+)
 from tests.helpers.numeric import relative_error
 
 D = 16
-CLASSES = ("A", "B", "C")
 DATA = SiteData(d=D, classes=len(CLASSES), rows=120, rows_step=20, positive_rate=0.4, seed=11)
 MASK_MESSAGES = 9  # hello, challenge, plan, the five masked stages, the model
 
 
-def _federation(
-    root: Path, k: int = 3, *, mode: str = "mask", allow_plaintext: bool = False, **round_: Any
-) -> LoopbackFederation:
-    feats, labels = DATA.draw(k)
-    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 60.0, **round_}
-    if mode == "mask":
-        settings.update(mask_round_settings(feats))
-    elif mode == "ckks":
-        settings.update(ckks_round_settings(feats))
-    else:
-        settings["aggregation"] = mode
-    return prepare_loopback(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:20],
-        test_labels=labels[0][:20],
-        round_settings=settings,
-        allow_plaintext=allow_plaintext,
-        decryptor=mode == "ckks",
-    )
+def _federation(root: Path, **kwargs: Any) -> LoopbackFederation:
+    return small_federation(root, DATA, **kwargs)
 
 
 def _final(reports: dict[str, dict[str, Any]], site: str) -> dict[str, Any]:
@@ -110,19 +91,7 @@ def test_a_ckks_round_over_the_relay_with_its_decryptor_node_gives_the_plaintext
     outcome, transport = serve(fed, site_nodes(fed, fresh_process=True))
     assert outcome.state == "published", outcome
     assert set(outcome.sites) == {*fed.site_ids, "decryptor"}
-    stats, _ = cached_statistics(fed, list(fed.site_ids))
-    w_plain, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
-    settings = ckks_round_settings(DATA.draw(3)[0])
-    gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]
-    assert isinstance(gram_bound, float) and isinstance(vector_bound, float)
-    tol = w_tolerance(
-        gram=np.sum([s.gram for s in stats], axis=0),
-        weights=w_plain,
-        gamma=1.0,
-        eps_gram=entry_bound(bound=gram_bound, members=3),
-        eps_b=entry_bound(bound=vector_bound, members=3),
-    )
-    assert np.all(tol <= 1e-7 * np.linalg.norm(w_plain, axis=0))  # the bound is not vacuous
+    w_plain, tol = ckks_reference(fed, DATA)
     reports = site_reports(fed)
     for site in fed.site_ids:
         report = _final(reports, site)

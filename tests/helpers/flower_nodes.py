@@ -17,13 +17,80 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from afl.client.config import load_client_config
+from afl.core.aggregation import federated_solve
 from afl.flower.envelope import FromSite, ToSite, from_site
 from afl.flower.relay import RelayOutcome, Reply, serve_federation
 from afl.flower.site import handle, open_site
-from afl.lab.demo_federation import LoopbackFederation
+from afl.lab.demo_federation import (
+    LoopbackFederation,
+    ckks_round_settings,
+    mask_round_settings,
+    prepare_loopback,
+)
+from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
+from tests.e2e.loopback import SiteData, cached_statistics
 
 Handler = Callable[[ToSite], FromSite]
+CLASSES = ("A", "B", "C")
+
+
+def small_federation(
+    root: Path,
+    data: SiteData,
+    *,
+    k: int = 3,
+    mode: str = "mask",
+    allow_plaintext: bool = False,
+    **round_: Any,
+) -> LoopbackFederation:
+    """A loopback federation of ``k`` sites drawn from ``data`` (classes A, B, C, every site
+    labels all) with one ``mode`` round; a CKKS federation has its decryptor site."""
+    feats, labels = data.draw(k)
+    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 60.0, **round_}
+    if mode == "mask":
+        settings.update(mask_round_settings(feats))
+    elif mode == "ckks":
+        settings.update(ckks_round_settings(feats))
+    else:
+        settings["aggregation"] = mode
+    return prepare_loopback(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        active=np.ones((k, len(CLASSES)), dtype=bool),
+        test_features=feats[0][:20],
+        test_labels=labels[0][:20],
+        round_settings=settings,
+        allow_plaintext=allow_plaintext,
+        decryptor=mode == "ckks",
+    )
+
+
+def ckks_reference(
+    fed: LoopbackFederation, data: SiteData, *, k: int = 3
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The plaintext W of ``fed``'s caches (oracle: the in-process solve) and, per class, the
+    derived bound on a CKKS W's distance to it (tests/e2e/ckks_tolerance.py), checked to be
+    not vacuous."""
+    stats, _ = cached_statistics(fed, list(fed.site_ids))
+    w_plain, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    settings = ckks_round_settings(data.draw(k)[0])
+    gram_bound, vector_bound = settings["ckks_gram_bound"], settings["ckks_vector_bound"]
+    assert isinstance(gram_bound, float) and isinstance(vector_bound, float)
+    tol = w_tolerance(
+        gram=np.sum([s.gram for s in stats], axis=0),
+        weights=w_plain,
+        gamma=1.0,
+        eps_gram=entry_bound(bound=gram_bound, members=k),
+        eps_b=entry_bound(bound=vector_bound, members=k),
+    )
+    assert np.all(tol <= 1e-7 * np.linalg.norm(w_plain, axis=0))  # the bound is not vacuous
+    return w_plain, tol
 
 
 class SiteNode:
