@@ -379,16 +379,8 @@ class ClientDaemon:
         if plan.dp.enabled:
             report["dp"] = dp_report(plan, self.site_id, dp)
         t0 = time.perf_counter()
-        session = RoundSession(
-            rpc=self.rpc,
-            round_id=round_id,
-            site_id=self.site_id,
-            plan=plan,
-            identity_key=self.identity,
-            peer_keys=self.config.peers,
-            ckks_decryptor=self.config.policy.ckks_decryptor,
-            survivor_floors=decision.survivor_floors,
-            plan_sha256=plan_sha,
+        session = self.round_session(
+            round_id, plan=plan, plan_sha256=plan_sha, survivor_floors=decision.survivor_floors
         )
         records = mode.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)
@@ -400,6 +392,27 @@ class ClientDaemon:
         self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
         self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+
+    def round_session(
+        self,
+        round_id: str,
+        *,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        survivor_floors: Mapping[str, int],
+    ) -> RoundSession:
+        """What the aggregation mode's exchange needs of this site for an accepted plan."""
+        return RoundSession(
+            rpc=self.rpc,
+            round_id=round_id,
+            site_id=self.site_id,
+            plan=plan,
+            identity_key=self.identity,
+            peer_keys=self.config.peers,
+            ckks_decryptor=self.config.policy.ckks_decryptor,
+            survivor_floors=survivor_floors,
+            plan_sha256=plan_sha256,
+        )
 
     def receive_model(
         self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: dict[str, Any]

@@ -397,16 +397,8 @@ class FlowerSite(ClientDaemon):
         return _await(rid, mode.first_stage, *reads)
 
     def _session(self, session: Session, plan: cpb.ReleasePlan, plan_sha: bytes) -> RoundSession:
-        return RoundSession(
-            rpc=self.rpc,
-            round_id=session.round_id,
-            site_id=self.site_id,
-            plan=plan,
-            identity_key=self.identity,
-            peer_keys=self.config.peers,
-            ckks_decryptor=self.config.policy.ckks_decryptor,
-            survivor_floors=session.floors,
-            plan_sha256=plan_sha,
+        return self.round_session(
+            session.round_id, plan=plan, plan_sha256=plan_sha, survivor_floors=session.floors
         )
 
     def _exchange(self, session: Session, status: pb.RoundStatus) -> tuple[Gate, tuple[Call, ...]]:
