@@ -10,11 +10,14 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# The Flower extra goes in with uv: flwr pins protobuf < 7, afl needs 7, and only uv applies the
+# override in flower/overrides.txt (docs/flower.md §1).
+$(STAMP): pyproject.toml Makefile flower/overrides.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q $(TORCH_PINS)
 	$(BIN)/pip install -q -e '.[client,dp,lab,export,dev]' --config-settings editable_mode=strict
+	$(BIN)/uv pip install -q --python $(BIN)/python --override flower/overrides.txt -r pyproject.toml --extra flower
 	touch $@
 
 # Strict editable installs link each file: re-link so new modules are importable and visible to mypy.
@@ -33,7 +36,7 @@ proto: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gen_proto.sh
 
 typecheck: install
-	$(BIN)/mypy core crypto client server lab tests proto/afl/proto/wire.py
+	$(BIN)/mypy core crypto client server flower lab tests proto/afl/proto/wire.py
 
 test: lint typecheck
 	$(BIN)/pytest -m "not slow" -q

@@ -35,6 +35,7 @@ from afl.client.connectivity import connect
 from afl.client.daemon_rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon_state import DaemonState, plan_summary
 from afl.client.daemon_stats import (
+    SlotPayload,
     labelled_mask,
     load_or_compute_pseudo,
     load_or_compute_stats,
@@ -380,29 +381,19 @@ class ClientDaemon:
         )
         self.rpc.call("RespondToPlan", request)
 
-    def run_round(self, status: pb.RoundStatus, report: dict[str, Any]) -> None:
-        """Take part in one round; fills ``report``; raises :class:`RoundFailed` if no model."""
+    def round_payloads(
+        self,
+        cfg: pb.RoundConfig,
+        plan: cpb.ReleasePlan,
+        mode: AggregationMode,
+        report: dict[str, Any],
+    ) -> list[SlotPayload]:
+        """This site's payloads for an accepted plan, each release encoded by ``mode``: the
+        statistics in the round's class view; round 2 first fetches and verifies round 1's model
+        and computes the pseudo-labels; DP: the unit's rows, clipped, with the noise share."""
         assert self.stats is not None and self.cache is not None
         timings: dict[str, float] = report["timings_s"]
-        round_id = status.round_id
-        start = time.perf_counter()
-        cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
-        report["bytes_received"] += cfg.ByteSize()
-        report["round_number"] = cfg.round_number
-        decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
-        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
-        graph_nonce = b""
-        if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
-            if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
-                graph_nonce = new_graph_nonce()
-            self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
-        timings["plan_check"] = time.perf_counter() - start
-        if not decision.accept:
-            log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)
-            raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
-        assert plan is not None
-        self.store.remember(plan)
-        mode = self.modes[plan.aggregation]
+        round_id = cfg.round_id
         class_names = list(cfg.class_names)
         view = round_classes(
             self.stats,
@@ -473,6 +464,33 @@ class ClientDaemon:
                 pseudo=pseudo,
                 encode=mode.encode,
             )
+        return payloads
+
+    def run_round(self, status: pb.RoundStatus, report: dict[str, Any]) -> None:
+        """Take part in one round; fills ``report``; raises :class:`RoundFailed` if no model."""
+        assert self.stats is not None and self.cache is not None
+        timings: dict[str, float] = report["timings_s"]
+        round_id = status.round_id
+        start = time.perf_counter()
+        cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
+        report["bytes_received"] += cfg.ByteSize()
+        report["round_number"] = cfg.round_number
+        decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
+        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        graph_nonce = b""
+        if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
+            if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
+                graph_nonce = new_graph_nonce()
+            self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
+        timings["plan_check"] = time.perf_counter() - start
+        if not decision.accept:
+            log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
+        assert plan is not None
+        self.store.remember(plan)
+        mode = self.modes[plan.aggregation]
+        class_names = list(cfg.class_names)
+        payloads = self.round_payloads(cfg, plan, mode, report)
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
@@ -480,16 +498,11 @@ class ClientDaemon:
         if plan.dp.enabled:
             report["dp"] = dp_report(plan, self.site_id, dp)
         t0 = time.perf_counter()
-        session = RoundSession(
-            rpc=self.rpc,
-            round_id=round_id,
-            site_id=self.site_id,
+        session = self.round_session(
+            round_id,
             plan=plan,
-            identity_key=self.identity,
-            peer_keys=self.config.peers,
-            ckks_decryptor=self.config.policy.ckks_decryptor,
-            survivor_floors=decision.survivor_floors,
             plan_sha256=plan_sha,
+            survivor_floors=decision.survivor_floors,
             graph_nonce=graph_nonce,
         )
         records = mode.exchange(
@@ -501,11 +514,42 @@ class ClientDaemon:
         t0 = time.perf_counter()
         self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
-        if evaluated is not None:
-            result = self._evaluation_result(round_id, evaluated.model_sha256)
+        if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
+            evaluated = report["evaluation"]["model_sha256"]
+            result = self._evaluation_result(round_id, evaluated)
             report["evaluation"].update(result)
             return
-        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha)
+        self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+
+    def round_session(
+        self,
+        round_id: str,
+        *,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        survivor_floors: Mapping[str, int],
+        graph_nonce: bytes = b"",
+    ) -> RoundSession:
+        """What the aggregation mode's exchange needs of this site for an accepted plan."""
+        return RoundSession(
+            rpc=self.rpc,
+            round_id=round_id,
+            site_id=self.site_id,
+            plan=plan,
+            identity_key=self.identity,
+            peer_keys=self.config.peers,
+            ckks_decryptor=self.config.policy.ckks_decryptor,
+            survivor_floors=survivor_floors,
+            plan_sha256=plan_sha256,
+            graph_nonce=graph_nonce,
+        )
+
+    def receive_model(
+        self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: dict[str, Any]
+    ) -> None:
+        """Fetch the round's signed model, verify it against the accepted plan, keep it, and
+        note it in ``report``."""
+        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha256)
         report["bytes_received"] += nbytes
         report["model"] = {
             "sha256": model.model_sha256,

@@ -47,7 +47,7 @@ from afl.crypto import signatures, signed_blobs
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CoordinatorClient", "RoundFailed", "RoundWatcher"]
+__all__ = ["CoordinatorClient", "RoundFailed", "RoundWatcher", "check_enrolment"]
 
 log = logging.getLogger("afl.client")
 
@@ -62,6 +62,21 @@ class RoundFailed(DaemonError):
         super().__init__(reason)
         self.outcome = outcome
         self.reason = reason
+
+
+def check_enrolment(
+    response: pb.EnrollResponse, *, site_id: str, federation_id: str, server_public_key: bytes
+) -> None:
+    """The enrolment reply must carry the kit's server identity key, this federation and this
+    site (:class:`DaemonError` otherwise); a note in it is logged."""
+    if response.server_identity_public_key != server_public_key:
+        raise DaemonError("the server's identity key differs from the one in the startup kit")
+    if response.federation_id != federation_id:
+        raise DaemonError(f"the server serves federation {response.federation_id!r}")
+    if response.site_id and response.site_id != site_id:
+        raise DaemonError(f"the server sees this site as {response.site_id!r}")
+    if response.message and response.message != "enrolled":
+        log.warning("site=%s enrolment: %s", site_id, response.message)
 
 
 class RoundWatcher:
@@ -248,14 +263,12 @@ class CoordinatorClient:
 
         # Each retry fetches a new challenge: the server consumes a nonce on its first use.
         response = with_retry(attempt, what="Enroll", policy=self.retry)
-        if response.server_identity_public_key != server_public_key:
-            raise DaemonError("the server's identity key differs from the one in the startup kit")
-        if response.federation_id != federation_id:
-            raise DaemonError(f"the server serves federation {response.federation_id!r}")
-        if response.site_id and response.site_id != self.site_id:
-            raise DaemonError(f"the server sees this site as {response.site_id!r}")
-        if response.message and response.message != "enrolled":
-            log.warning("site=%s enrolment: %s", self.site_id, response.message)
+        check_enrolment(
+            response,
+            site_id=self.site_id,
+            federation_id=federation_id,
+            server_public_key=server_public_key,
+        )
         return response
 
     def status(self, round_id: str = "") -> pb.StatusResponse:

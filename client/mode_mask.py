@@ -27,7 +27,8 @@ machine derives its neighbourhood from every participant's reveal.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,7 @@ from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["MaskMode"]
+__all__ = ["MASK_STEPS", "MaskMode", "MaskStep"]
 
 
 class MaskMode:
@@ -79,7 +80,7 @@ class MaskMode:
     ) -> list[UploadRecord]:
         if already_complete:
             raise DaemonError("a masked round cannot be resumed after its uploads (keys are lost)")
-        client = self._client(session, payloads)
+        client = self.secagg_client(session, payloads)
         try:
             return self._run(session, client)
         except CryptoError as exc:  # the state machine refused a server message
@@ -88,48 +89,19 @@ class MaskMode:
     @staticmethod
     def _run(session: RoundSession, client: SecAggClient) -> list[UploadRecord]:
         rpc, rid = session.rpc, session.round_id
-        ref = cpb.RoundRef(round_id=rid)
         sent: list[UploadRecord] = []
-
-        def send(method: str, slot: str, message: Any) -> None:
-            start = time.perf_counter()
-            rpc.call(method, message)
-            elapsed = time.perf_counter() - start
-            sent.append(UploadRecord(slot, (), message.ByteSize(), "", 1, False, False, elapsed))
-
-        commitments = _graph_commitments(session) if client.config.graph is not None else None
-        advert = client.advertise_keys(commitments)
-        send("AdvertiseKeys", "mask/advertise-keys", wire.advert_to_proto(advert))
-
-        rpc.await_stage(rid, at_least=pb.ROUND_STAGE_SHARE_KEYS)
-        directory = wire.directory_from_proto(rpc.call("GetAdvertisedKeys", ref))
-        send("ShareKeys", "mask/share-keys", wire.share_keys_to_proto(client.share_keys(directory)))
-
-        rpc.await_stage(rid, at_least=pb.ROUND_STAGE_UPLOAD)
-        shared = rpc.call("GetSharedKeys", ref)
-        masked = client.masked_input(wire.routed_from_proto(shared, recipient=session.site_id))
-        for name, y in masked.vectors:
-            data = np.ascontiguousarray(y, dtype="<u8").tobytes()
-            sent.append(upload_record(session, name, (name,), data))
-
-        rpc.await_stage(rid, at_least=pb.ROUND_STAGE_CONSISTENCY_CHECK)
-        survivors = tuple(rpc.call("GetSurvivors", ref).survivors)
-        signed = client.consistency_check(ConsistencyRequest(rid, survivors))
-        send(
-            "ConsistencyCheck",
-            "mask/consistency-check",
-            pb.ConsistencySignature(
-                round_id=rid, survivors=list(survivors), signature=signed.signature
-            ),
-        )
-
-        rpc.await_stage(rid, at_least=pb.ROUND_STAGE_UNMASK)
-        request = wire.unmask_request_from_proto(rpc.call("GetUnmaskRequest", ref))
-        send("Unmask", "mask/unmask", wire.unmask_response_to_proto(client.unmask(request)))
+        for step in MASK_STEPS:
+            answer = None
+            if step.get:
+                rpc.await_stage(rid, at_least=step.stage)
+                answer = rpc.call(step.get, cpb.RoundRef(round_id=rid))
+            sent += step.act(session, client, answer)
         return sent
 
     @staticmethod
-    def _client(session: RoundSession, payloads: Sequence[SlotPayload]) -> SecAggClient:
+    def secagg_client(session: RoundSession, payloads: Sequence[SlotPayload]) -> SecAggClient:
+        """The protocol state machine of this site's round, its thresholds checked against the
+        site's floors again (:func:`afl.client.policy.mask_threshold_problem`)."""
         problem = mask_threshold_problem(session.plan, floors=dict(session.survivor_floors))
         if problem:  # checked with the plan already (policy.check_plan); again before any key
             raise DaemonError(problem)
@@ -157,6 +129,67 @@ class MaskMode:
             )
         except CryptoError as exc:
             raise DaemonError(f"cannot mask this site's statistics: {exc}") from exc
+
+
+def _send(session: RoundSession, method: str, slot: str, message: Any) -> UploadRecord:
+    start = time.perf_counter()
+    session.rpc.call(method, message)
+    elapsed = time.perf_counter() - start
+    return UploadRecord(slot, (), message.ByteSize(), "", 1, False, False, elapsed)
+
+
+def _advertise(session: RoundSession, client: SecAggClient, _: Any) -> list[UploadRecord]:
+    commitments = _graph_commitments(session) if client.config.graph is not None else None
+    advert = wire.advert_to_proto(client.advertise_keys(commitments))
+    return [_send(session, "AdvertiseKeys", "mask/advertise-keys", advert)]
+
+
+def _share_keys(session: RoundSession, client: SecAggClient, keys: Any) -> list[UploadRecord]:
+    shares = client.share_keys(wire.directory_from_proto(keys))
+    return [_send(session, "ShareKeys", "mask/share-keys", wire.share_keys_to_proto(shares))]
+
+
+def _masked_input(session: RoundSession, client: SecAggClient, shared: Any) -> list[UploadRecord]:
+    masked = client.masked_input(wire.routed_from_proto(shared, recipient=session.site_id))
+    return [
+        upload_record(session, name, (name,), np.ascontiguousarray(y, dtype="<u8").tobytes())
+        for name, y in masked.vectors
+    ]
+
+
+def _consistency(session: RoundSession, client: SecAggClient, listed: Any) -> list[UploadRecord]:
+    survivors = tuple(listed.survivors)
+    signed = client.consistency_check(ConsistencyRequest(session.round_id, survivors))
+    message = pb.ConsistencySignature(
+        round_id=session.round_id, survivors=list(survivors), signature=signed.signature
+    )
+    return [_send(session, "ConsistencyCheck", "mask/consistency-check", message)]
+
+
+def _unmask(session: RoundSession, client: SecAggClient, request: Any) -> list[UploadRecord]:
+    response = client.unmask(wire.unmask_request_from_proto(request))
+    return [_send(session, "Unmask", "mask/unmask", wire.unmask_response_to_proto(response))]
+
+
+@dataclass(frozen=True)
+class MaskStep:
+    """One stage of the site's masked exchange: once the round reaches ``stage``, read the
+    server's message of that stage with ``get`` (a RoundRef request), then ``act`` on it and send
+    this site's message (the first step needs nothing from the server: no ``get``)."""
+
+    stage: int
+    get: str
+    act: Callable[[RoundSession, SecAggClient, Any], list[UploadRecord]]
+
+
+#: The site's side of the masked exchange, in order (module docstring).
+MASK_STEPS: tuple[MaskStep, ...] = (
+    MaskStep(pb.ROUND_STAGE_ADVERTISE_KEYS, "", _advertise),
+    MaskStep(pb.ROUND_STAGE_SHARE_KEYS, "GetAdvertisedKeys", _share_keys),
+    MaskStep(pb.ROUND_STAGE_UPLOAD, "GetSharedKeys", _masked_input),
+    MaskStep(pb.ROUND_STAGE_CONSISTENCY_CHECK, "GetSurvivors", _consistency),
+    MaskStep(pb.ROUND_STAGE_UNMASK, "GetUnmaskRequest", _unmask),
+)
 
 
 def _bound_advice(release: cpb.Release, *, bound: float, worst: float) -> str:

@@ -14,6 +14,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "stats": ("bench_stats", "local-statistics throughput: Gram accumulation vs raw H.T @ H"),
     "solve": ("bench_solve", "server solve time vs the number of distinct coverage sets"),
     "scaling": ("bench_scaling", "round-1 cost growth in K (sites) and d (dimension)"),
+    "flower": (
+        "bench_flower",
+        "a masked round as afl's Flower app vs afl's daemons vs Flower's SecAgg+, each vs plaintext",
+    ),
     "calibration": (
         "bench_calibration",
         "calibration from masked score histograms: ECE before/after, federated evaluation, τ",

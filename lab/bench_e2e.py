@@ -36,14 +36,15 @@ from afl.lab.demo_federation import (
     run_loopback,
 )
 
-__all__ = ["MODES", "run_e2e_bench"]
+__all__ = ["MODES", "round_figures", "run_e2e_bench"]
 
 CLASSES = ("A", "B", "C", "D", "E", "F", "G", "H")
 MODES = ("plaintext", "ckks", "mask")
 _KEYS = ("round_seconds", "exchange_seconds", "bytes_sent_per_site", "wall_seconds")
 
 
-def _figures(run: LoopbackRun, loop: LoopbackFederation) -> dict[str, Any]:
+def round_figures(run: LoopbackRun, loop: LoopbackFederation) -> dict[str, Any]:
+    """The figures of one run from its sites' reports (module docstring)."""
     finals = [run.final_report(s) for s in loop.site_ids]
     if any(r.get("outcome") != "COMPLETED" for r in finals):
         raise RuntimeError(f"the federation failed: {[r.get('reason') for r in finals]}")
@@ -99,7 +100,7 @@ def run_e2e_bench(
                 decryptor=mode == "ckks",
                 allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
             )
-            out[mode] = _figures(run_loopback(loop, timeout_s=timeout_s), loop)
+            out[mode] = round_figures(run_loopback(loop, timeout_s=timeout_s), loop)
     w_plain = out["plaintext"].pop("weights")
     for mode in modes:
         if mode == "plaintext":

@@ -54,6 +54,7 @@ __all__ = [
     "prepare_loopback",
     "provision_distributed",
     "run_loopback",
+    "site_reports",
 ]
 
 # Quick polling for a loopback run (a hospital deployment keeps client.toml's defaults).
@@ -453,11 +454,15 @@ def run_loopback(
         for h in handles:
             h.close()
     wall = time.perf_counter() - start
-    reports = {
+    return LoopbackRun(server_rc, rcs, site_reports(fed), wall, logs)
+
+
+def site_reports(fed: LoopbackFederation) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every site's local round reports (site -> round id -> report), from its state folder."""
+    return {
         site: _reports(
             fed.client_configs[site].parent
             / tomllib.loads(fed.client_configs[site].read_text())["client"]["state_dir"]
         )
         for site in fed.site_ids
     }
-    return LoopbackRun(server_rc, rcs, reports, wall, logs)

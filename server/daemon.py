@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.core.about import afl_version
@@ -40,7 +41,7 @@ from afl.server.ports import port_in_use
 from afl.server.servicer import AdminServicer, CoordinatorServicer
 from afl.server.store import Store, backup_state
 
-__all__ = ["SERVICE_NAME", "CoordinatorServer", "main"]
+__all__ = ["SERVICE_NAME", "CoordinatorServer", "load_identity_key", "main"]
 
 SERVICE_NAME = "afl.proto.v1.Coordinator"
 INSECURE_WARNING = (
@@ -50,6 +51,18 @@ INSECURE_WARNING = (
 log = logging.getLogger("afl.server.daemon")
 
 
+def load_identity_key(config: ServerConfig) -> Ed25519PrivateKey:
+    """The coordinator's identity key, checked against server.toml's [identity] public_key
+    (:class:`ConfigError` with the cause)."""
+    try:
+        key = load_private_key_pem(config.identity_key.read_bytes())
+    except (OSError, KeyFormatError) as exc:
+        raise ConfigError(f"cannot load the identity key {config.identity_key}: {exc}") from exc
+    if public_key_to_raw(key) != config.identity_public_key:
+        raise ConfigError("[identity] public_key does not match the identity key file")
+    return key
+
+
 class CoordinatorServer:
     """One afl-server: gRPC server, coordinator, store, timeout ticker and metrics."""
 
@@ -57,12 +70,7 @@ class CoordinatorServer:
         self, config: ServerConfig, *, insecure: bool = False, tick_s: float = 0.5
     ) -> None:
         self.config, self.insecure, self._tick_s = config, insecure, tick_s
-        try:
-            key = load_private_key_pem(config.identity_key.read_bytes())
-        except (OSError, KeyFormatError) as exc:
-            raise ConfigError(f"cannot load the identity key {config.identity_key}: {exc}") from exc
-        if public_key_to_raw(key) != config.identity_public_key:
-            raise ConfigError("[identity] public_key does not match the identity key file")
+        key = load_identity_key(config)
         self.metrics = ServerMetrics()
         # Both ports are bound before any state is touched: a port in use fails the start with
         # one line and leaves the state folder as it was (no round is created).
