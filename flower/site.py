@@ -73,6 +73,7 @@ __all__ = [
     "check_results",
     "handle",
     "open_site",
+    "within_the_app",
 ]
 
 log = logging.getLogger("afl.flower.site")
@@ -379,7 +380,7 @@ class FlowerSite(ClientDaemon):
             raise DaemonError(f"the round configuration is of {cfg.round_id!r}, not {rid!r}")
         decision, plan, plan_sha = self._decide(cfg, round_id=rid)
         if decision.accept and plan is not None:
-            decision = _within_the_app(plan, decision)
+            decision = within_the_app(plan, decision)
         report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             self._respond(rid, decision, plan_sha)
@@ -471,7 +472,7 @@ class FlowerSite(ClientDaemon):
         return _next_round(session)
 
 
-def _within_the_app(plan: cpb.ReleasePlan, decision: PolicyDecision) -> PolicyDecision:
+def within_the_app(plan: cpb.ReleasePlan, decision: PolicyDecision) -> PolicyDecision:
     """An accepted plan the Flower app cannot carry out is refused before anything is sent:
     a sparse masking graph (its commitments need a round trip the relay does not make) and a
     run's evaluation round (its signed result is not relayed); both run through afl's own
