@@ -62,7 +62,7 @@ def _prepare(root: Path, k: int, settings: dict[str, Any], **kw: Any) -> Loopbac
         active=active,
         test_features=feats[0][:10],
         test_labels=labels[0][:10],
-        round_settings={"upload_timeout_s": 20.0, "min_participants": 3, **settings},
+        round_settings={"upload_timeout_s": 60.0, "min_participants": 3, **settings},
         **kw,
     )
 

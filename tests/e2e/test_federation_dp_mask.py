@@ -39,11 +39,11 @@ TOLERATED = 1
 
 
 def _federation(root: Path, *, mask: bool) -> tuple[LoopbackFederation, LoopbackRun]:
-    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 20.0}
+    settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 120.0}
     if mask:
         settings.update(mask_round_settings(site_data(len(SITES))[0]))
     loop = dp_federation(root, len(SITES), dp={"tolerated": TOLERATED}, round_settings=settings)
-    return loop, run_loopback(loop, timeout_s=180)
+    return loop, run_loopback(loop, timeout_s=600)
 
 
 def _w(run: LoopbackRun, site: str) -> NDArray[np.float64]:

@@ -101,7 +101,7 @@ def test_sparse_round_survives_the_stated_drop_outs(tmp_path: Path) -> None:
     # 20 sites, drop-out fraction 0.1: D = 2, t = 18; one vanishes after ShareKeys (its input
     # is left out), one after its masked upload (its input is in: its self mask is removed).
     vanish = {"site-20": "share-keys", "site-7": "masked-input"}
-    loop, run = _run(tmp_path, 20, dropout_fraction=0.1, vanish=vanish, stage_timeout_s=20.0)
+    loop, run = _run(tmp_path, 20, dropout_fraction=0.1, vanish=vanish, stage_timeout_s=40.0)
     plan = run.final_report("site-1")["plan"]
     assert int(plan["mask_graph"]["dropouts"]) == 2
     for site in vanish:
@@ -118,7 +118,7 @@ def test_sparse_round_survives_the_stated_drop_outs(tmp_path: Path) -> None:
 def test_one_drop_out_past_the_bound_aborts_with_nothing_released(tmp_path: Path) -> None:
     # D = 2: three sites vanish after ShareKeys, leaving 17 < t = 18 masked inputs.
     vanish = dict.fromkeys(("site-3", "site-9", "site-20"), "share-keys")
-    loop, run = _run(tmp_path, 20, dropout_fraction=0.1, vanish=vanish, stage_timeout_s=20.0)
+    loop, run = _run(tmp_path, 20, dropout_fraction=0.1, vanish=vanish, stage_timeout_s=40.0)
     for site in (s for s in loop.site_ids if s not in vanish):
         assert run.client_rcs[site] == 4, run.logs  # aborted, no replacement
         report = run.final_report(site)
