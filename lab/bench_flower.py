@@ -35,7 +35,11 @@ import numpy as np
 
 from afl.lab.bench_common import emit_json
 from afl.lab.bench_e2e import round_figures
-from afl.lab.demo_federation import mask_round_settings, prepare_loopback, run_loopback
+from afl.lab.demo_federation import (
+    mask_round_settings,
+    prepare_labelled_everywhere,
+    run_loopback,
+)
 from afl.lab.machine_info import describe_machine, format_machine
 
 __all__ = ["run_flower_bench", "secaggplus_round", "values_per_site"]
@@ -141,15 +145,12 @@ def _afl_round(
     """One afl round on these caches: the daemons (``engine`` None) or the Flower app."""
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 600.0}
     settings.update(mask_round_settings(feats) if mode == "mask" else {"aggregation": mode})
-    k = len(feats)
-    fed = prepare_loopback(
+    fed = prepare_labelled_everywhere(
         root,
         classes=CLASSES,
         site_features=feats,
         site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:10],
-        test_labels=labels[0][:10],
+        test_rows=10,
         round_settings=settings,
         allow_plaintext=mode == "plaintext",  # the baseline: the sites opt in
     )

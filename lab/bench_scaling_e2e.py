@@ -42,7 +42,7 @@ from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,
-    prepare_loopback,
+    prepare_labelled_everywhere,
     run_loopback,
 )
 from afl.lab.machine_info import describe_machine
@@ -181,14 +181,12 @@ def scaling_e2e_point(
         "enrol_timeout_s": timeout_s,
         "upload_timeout_s": timeout_s,
     }
-    loop = prepare_loopback(
+    loop = prepare_labelled_everywhere(
         root,
         classes=CLASSES,
         site_features=feats,
         site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:10],
-        test_labels=labels[0][:10],
+        test_rows=10,
         round_settings=settings,
         client_settings=CLIENT_TIMING,
     )

@@ -51,6 +51,7 @@ __all__ = [
     "ckks_round_settings",
     "free_port",
     "mask_round_settings",
+    "prepare_labelled_everywhere",
     "prepare_loopback",
     "provision_distributed",
     "run_loopback",
@@ -316,6 +317,29 @@ def prepare_loopback(
         client_configs=configs,
         test_cache=data / "test",
         decryptor_config=decryptor_config,
+    )
+
+
+def prepare_labelled_everywhere(
+    root: str | os.PathLike[str],
+    *,
+    classes: Sequence[str],
+    site_features: Sequence[NDArray[Any]],
+    site_labels: Sequence[NDArray[Any]],
+    test_rows: int,
+    **kw: Any,
+) -> LoopbackFederation:
+    """:func:`prepare_loopback` for sites that each label every class, tested on the first
+    ``test_rows`` rows of the first site (the benches' and e2e tests' federation)."""
+    return prepare_loopback(
+        root,
+        classes=classes,
+        site_features=site_features,
+        site_labels=site_labels,
+        active=np.ones((len(site_features), len(classes)), dtype=bool),
+        test_features=site_features[0][:test_rows],
+        test_labels=site_labels[0][:test_rows],
+        **kw,
     )
 
 

@@ -19,7 +19,7 @@ from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,
-    prepare_loopback,
+    prepare_labelled_everywhere,
     run_loopback,
 )
 from afl.server.store import Store
@@ -44,14 +44,12 @@ def _run(
     settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": timeout_s}
     if mask:
         settings.update(mask_round_settings(feats))
-    loop = prepare_loopback(
+    loop = prepare_labelled_everywhere(
         root,
         classes=CLASSES,
         site_features=feats,
         site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:20],
-        test_labels=labels[0][:20],
+        test_rows=20,
         round_settings=settings,
         server_tables={"retention": {"payload_days": 30}},  # inspected after the run
         allow_plaintext=not mask,  # the plaintext baseline: the sites opt in

@@ -19,7 +19,7 @@ from afl.lab.demo_federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,
-    prepare_loopback,
+    prepare_labelled_everywhere,
     run_loopback,
 )
 from afl.server.store import Store
@@ -50,14 +50,12 @@ def _run(
         "enrol_timeout_s": 600.0,
         "upload_timeout_s": stage_timeout_s,
     }
-    loop = prepare_loopback(
+    loop = prepare_labelled_everywhere(
         root,
         classes=CLASSES,
         site_features=feats,
         site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:10],
-        test_labels=labels[0][:10],
+        test_rows=10,
         round_settings=settings,
         client_settings={"poll_interval_s": 0.2, "max_poll_interval_s": 2.0},
     )

@@ -29,7 +29,7 @@ from afl.lab.demo_federation import (
     LoopbackFederation,
     ckks_round_settings,
     mask_round_settings,
-    prepare_loopback,
+    prepare_labelled_everywhere,
 )
 from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
@@ -57,14 +57,12 @@ def small_federation(
         settings.update(ckks_round_settings(feats))
     else:
         settings["aggregation"] = mode
-    return prepare_loopback(
+    return prepare_labelled_everywhere(
         root,
         classes=CLASSES,
         site_features=feats,
         site_labels=labels,
-        active=np.ones((k, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:20],
-        test_labels=labels[0][:20],
+        test_rows=20,
         round_settings=settings,
         allow_plaintext=allow_plaintext,
         decryptor=mode == "ckks",
