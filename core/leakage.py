@@ -208,13 +208,19 @@ def _validate(releases: Sequence[Release], sites: Sequence[SiteId], min_cohort: 
             )
 
 
+#: A determined set of sites and its coefficient per release (in the order of the releases).
+_Found = tuple[frozenset[SiteId], tuple[Fraction, ...]]
+
+
 def _audit_quantity(
-    quantity: str,
     releases: Sequence[Release],
     sites: Sequence[SiteId],
     min_cohort: int,
     enumerate_groups: bool,
-) -> tuple[list[Exposure], list[Exposure]]:
+) -> tuple[list[_Found], list[_Found]]:
+    """(exposed sites, minimal small groups) of one quantity's releases. The result depends only
+    on the releases' member sets (in order), ``sites`` and the search settings, not on the
+    quantity's or the releases' names (:func:`audit_releases` labels it)."""
     index = {s: j for j, s in enumerate(sites)}
     k = len(sites)
     rows = []
@@ -224,7 +230,6 @@ def _audit_quantity(
             row[index[s]] = 1
         rows.append(row)
     space = _RowSpace(rows, k)
-    names = [r.name for r in releases]
     # e_j reduces to itself with zero coefficients unless j is a pivot column (reduce subtracts a
     # basis row only where the vector has an entry at its pivot): only pivots need the exact
     # reduction, so K sites cost O(rank·K) rationals instead of O(K²).
@@ -232,7 +237,7 @@ def _audit_quantity(
     residuals: dict[int, tuple[Fraction, ...]] = {}
     coeffs: dict[int, list[Fraction]] = {}
     approx = np.eye(k)
-    exposed: list[Exposure] = []
+    exposed: list[_Found] = []
     for j, site in enumerate(sites):
         if j not in pivots:
             continue
@@ -242,8 +247,8 @@ def _audit_quantity(
         residuals[j], coeffs[j] = tuple(res), co
         approx[j] = [float(x) for x in res]
         if not any(res):
-            exposed.append(Exposure(quantity, frozenset([site]), _certificate(names, co)))
-    groups: list[Exposure] = []
+            exposed.append((frozenset([site]), tuple(co)))
+    groups: list[_Found] = []
     if not enumerate_groups:
         return exposed, groups
 
@@ -263,9 +268,7 @@ def _audit_quantity(
                 continue
             determined.append(members)
             co = _vsum(coeffs.get(j, no_coeffs) for j in combo)
-            groups.append(
-                Exposure(quantity, frozenset(sites[j] for j in combo), _certificate(names, co))
-            )
+            groups.append((frozenset(sites[j] for j in combo), tuple(co)))
     return exposed, groups
 
 
@@ -313,10 +316,17 @@ def audit_releases(
         quantities.setdefault(r.quantity, []).append(r)
     exposed: list[Exposure] = []
     groups: list[Exposure] = []
+    # Quantities whose releases have the same member sets (e.g. every class vector of a plan with
+    # a global Gram) have the same row space: it is analysed once.
+    found: dict[tuple[frozenset[SiteId], ...], tuple[list[_Found], list[_Found]]] = {}
     for quantity, rels in quantities.items():
-        e, g = _audit_quantity(quantity, rels, sites, min_cohort, exhaustive)
-        exposed.extend(e)
-        groups.extend(g)
+        shape = tuple(frozenset(r.members) for r in rels)
+        if shape not in found:
+            found[shape] = _audit_quantity(rels, sites, min_cohort, exhaustive)
+        names = [r.name for r in rels]
+        e, g = found[shape]
+        exposed.extend(Exposure(quantity, who, _certificate(names, co)) for who, co in e)
+        groups.extend(Exposure(quantity, who, _certificate(names, co)) for who, co in g)
     small = tuple(r for r in releases if len(r.members) < min_cohort)
     if min_cohort <= 2:
         method = "exact rational row-space test; no groups below the minimum cohort besides sites"

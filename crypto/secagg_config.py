@@ -256,7 +256,19 @@ class RoundConfig:
         return tuple(r for r in self.releases if site in r.members)
 
     def digest(self) -> bytes:
-        """SHA-256 of the canonical encoding of the whole config (bound into every signature)."""
+        """SHA-256 of the canonical encoding of the whole config (bound into every signature).
+
+        Computed once per config object: it encodes the cohort and every release's members
+        (O(K) work), and each party binds it into O(K) adverts and consistency signatures. The
+        cache is sound because every field is immutable (a frozen dataclass of str, bytes, ints
+        and tuples of frozen specs; ``dataclasses.replace`` makes a new object)."""
+        cached: bytes | None = self.__dict__.get("_digest")
+        if cached is None:
+            cached = self._compute_digest()
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+    def _compute_digest(self) -> bytes:
         fields: list[Field] = [
             DOMAIN_TAG,
             "round-config",

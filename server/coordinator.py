@@ -368,11 +368,12 @@ class Coordinator:
                 view, self.machine, site_id=site_id, release=release, data=upload.data
             )
             self.store.put_upload(
-                view.round_id, site_id, release.name, data=upload.data, sha256=upload.sha256
-            )
-            self.store.audit(
-                "upload",
-                {
+                view.round_id,
+                site_id,
+                release.name,
+                data=upload.data,
+                sha256=upload.sha256,
+                audit={
                     "round_id": view.round_id,
                     "site_id": site_id,
                     "release": release.name,

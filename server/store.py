@@ -604,10 +604,19 @@ class Store:
         return {r[0]: (bool(r[1]), r[2]) for r in rows}
 
     def put_upload(
-        self, round_id: str, site_id: str, release_name: str, *, data: bytes, sha256: bytes
+        self,
+        round_id: str,
+        site_id: str,
+        release_name: str,
+        *,
+        data: bytes,
+        sha256: bytes,
+        audit: Mapping[str, object] | None = None,
     ) -> UploadRow:
-        """Write the payload file, then commit its row (the caller checked for duplicates).
-        :class:`DiskFullError` when the disk is full (nothing is committed)."""
+        """Write the payload file, then commit its row (the caller checked for duplicates) and,
+        given ``audit``, its ``upload`` audit record in the same transaction (one commit and one
+        anchor write per upload, not two). :class:`DiskFullError` when the disk is full (nothing
+        is committed)."""
         folder = self.state_dir / "payloads" / round_id / site_id
         try:
             make_private_dir(folder)
@@ -626,6 +635,8 @@ class Store:
                 "received_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (round_id, site_id, release_name, sha256, len(data), relative, now_ms()),
             )
+            if audit is not None:
+                self._append_audit(db, "upload", dict(audit))
         return UploadRow(site_id, release_name, sha256, len(data), path)
 
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:

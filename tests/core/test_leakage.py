@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from afl.core import leakage
 from afl.core.leakage import (
     Exposure,
     Release,
@@ -152,6 +153,63 @@ def test_quantities_are_not_combined() -> None:
     # Same members as the "total exposes" case, but three different quantities: no leak.
     releases = [rel("A", range(7), "x"), rel("B", range(1, 8), "y"), rel("U", range(8), "z")]
     assert audit_releases(releases, SITES8).passed
+
+
+def test_quantities_with_the_same_members_are_analysed_once_and_labelled_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "x" and "y" have the same member sets (as every b_c of a global-Gram plan): one row space.
+    shapes = [range(7), range(1, 8), range(8)]
+    releases = [
+        *(rel(n, m, "x") for n, m in zip(("A", "B", "U"), shapes, strict=True)),
+        *(rel(n, m, "y") for n, m in zip(("A2", "B2", "U2"), shapes, strict=True)),
+        rel("C", range(8), "z"),
+    ]
+    built: list[int] = []
+    real = leakage._RowSpace
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object) -> None:
+            built.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(leakage, "_RowSpace", Counting)
+    report = audit_releases(releases, SITES8)
+    assert len(built) == 2  # {x, y} and z
+    for exp in report.exposed_sites:
+        check_certificate(exp, releases, SITES8)
+    certs = {(e.quantity, e.sites): dict(e.certificate) for e in report.exposed_sites}
+    assert certs == {
+        ("x", frozenset({0})): {"U": 1, "B": -1},
+        ("x", frozenset({7})): {"U": 1, "A": -1},
+        ("y", frozenset({0})): {"U2": 1, "B2": -1},
+        ("y", frozenset({7})): {"U2": 1, "A2": -1},
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    member_sets=st.lists(
+        st.frozensets(st.sampled_from(range(6)), min_size=1), min_size=1, max_size=5
+    ),
+    min_cohort=st.integers(min_value=1, max_value=4),
+)
+def test_a_repeated_quantity_is_audited_as_if_alone(
+    member_sets: list[frozenset[int]], min_cohort: int
+) -> None:
+    sites = list(range(6))
+    first = [Release(f"p{i}", m, "p") for i, m in enumerate(member_sets)]
+    second = [Release(f"q{i}", m, "q") for i, m in enumerate(member_sets)]
+    both = audit_releases([*first, *second], sites, min_cohort=min_cohort)
+    alone = audit_releases(second, sites, min_cohort=min_cohort)
+
+    def of_q(found: tuple[Exposure, ...]) -> list[Exposure]:
+        return [e for e in found if e.quantity == "q"]
+
+    assert of_q(both.exposed_sites) == list(alone.exposed_sites)
+    assert of_q(both.small_groups) == list(alone.small_groups)
+    for exp in (*both.exposed_sites, *both.small_groups):
+        check_certificate(exp, [*first, *second], sites)
 
 
 def test_group_search_budget() -> None:

@@ -120,6 +120,38 @@ def _payload_state(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "state", row.path
 
 
+def test_an_upload_and_its_audit_record_commit_together(tmp_path: Path) -> None:
+    """One transaction (one commit, one anchor write) holds the upload row and its audit record:
+    both are on disk when put_upload returns, and neither when the record cannot be written."""
+    store = Store(tmp_path / "state", federation_id="fed")
+
+    def count(of: Store, key: str) -> int:
+        value = of.anchor()[key]
+        assert isinstance(value, int)
+        return value
+
+    commits, audits = count(store, "commits"), count(store, "audit_count")
+    data = b"y" * 64
+    detail = {"round_id": "r1", "site_id": "p1", "release": "b[a]", "bytes": len(data)}
+    store.put_upload(
+        "r1", "p1", "b[a]", data=data, sha256=hashlib.sha256(data).digest(), audit=detail
+    )
+    assert count(store, "commits") == commits + 1
+    assert count(store, "audit_count") == audits + 1
+    store.close()
+    reopened = Store(tmp_path / "state", federation_id="fed")
+    assert set(reopened.uploads("r1")) == {("p1", "b[a]")}
+    assert reopened.audit_entries()[-1][1:3] == ("upload", detail)
+    assert reopened.verify_audit_chain()
+    with pytest.raises(TypeError):  # a detail JSON cannot hold: the row is rolled back too
+        reopened.put_upload(
+            "r1", "p2", "b[a]", data=data, sha256=hashlib.sha256(data).digest(), audit={"x": {1j}}
+        )
+    assert set(reopened.uploads("r1")) == {("p1", "b[a]")}
+    assert count(reopened, "commits") == commits + 1
+    reopened.close()
+
+
 def test_a_deleted_or_resized_payload_is_refused(tmp_path: Path) -> None:
     state, payload = _payload_state(tmp_path)
     payload.write_bytes(b"x" * 10)
