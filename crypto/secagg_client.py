@@ -184,6 +184,22 @@ class SecAggClient:
                 )
             )
 
+    def _need_neighbours(self, count: int) -> None:
+        """Sparse graph: the site masks with the neighbours whose shares reached it. With fewer
+        than k - D of them (D = n - t, the drop-outs the plan tolerates) the coordinator has
+        withheld shares (with none, the upload would carry only the self mask, which the
+        neighbours reveal for a survivor): abort before masking anything."""
+        graph = self.config.graph
+        assert graph is not None
+        floor = graph.degree - (len(self.config.cohort) - self.config.t)
+        if count < floor:
+            raise self._abort(
+                RoundAbortedError(
+                    f"ShareKeys: shares from {count} of this site's {graph.degree} neighbours, "
+                    f"fewer than k - D = {floor}: the coordinator withheld shares"
+                )
+            )
+
     # -- stage 0 -------------------------------------------------------------------------------
     def advertise_keys(self, commitments: Mapping[str, bytes] | None = None) -> AdvertiseKeys:
         """Stage 0: sign and send (c_pk, s_pk); with a sparse graph also the nonce ρ, bound to the
@@ -382,6 +398,8 @@ class SecAggClient:
         self._u2 = tuple(sorted(self._held_mask_key))  # U2 as far as this client sees it
         if self.config.graph is None:
             self._need_t("ShareKeys", len(self._u2))
+        else:
+            self._need_neighbours(len(self._u2) - 1)
         vectors: list[tuple[str, NDArray[np.uint64]]] = []
         secrets_with = {v: agree(self._mask_key, self._peers[v][1]) for v in self._u2}
         for release in self._releases:

@@ -196,6 +196,25 @@ def test_a_share_from_a_non_neighbour_is_refused_by_the_site() -> None:
         parties.clients[victim].masked_input(replace(routed, shares=(*routed.shares, extra)))
 
 
+def test_shares_withheld_from_a_site_make_it_abort_before_masking() -> None:
+    """A coordinator that routes a site too few neighbours' shares would have it mask with
+    (almost) only its self mask, which the neighbours reveal for a survivor: the site aborts when
+    fewer than k - D neighbours' shares reach it, and masks with k - D."""
+    parties = _Parties(_sparse(12, k=4, dropouts=1))
+    directory = parties.advertise()
+    for s, c in parties.clients.items():
+        parties.server.receive(c.share_keys(directory), sender=s)
+    routed = parties.server.close_share_keys()
+    victim, other = "site-00", "site-01"
+    assert len(routed[victim].shares) == 4
+    with pytest.raises(RoundAbortedError, match="fewer than k - D = 3"):
+        parties.clients[victim].masked_input(replace(routed[victim], shares=()))
+    assert parties.clients[victim].stage is ClientStage.ABORTED
+    # k - D = 3 of the 4 neighbours (one dropped out): the site masks.
+    three = replace(routed[other], shares=routed[other].shares[:3])
+    assert parties.clients[other].masked_input(three).vectors
+
+
 def test_a_nonce_that_does_not_open_its_commitment_is_refused() -> None:
     """A colluder that re-chooses its nonce after seeing the others' (to steer the graph) is
     caught: its new nonce does not open the commitment it signed at plan review."""
