@@ -362,6 +362,16 @@ class FlowerSite(ClientDaemon):
         status = self.rpc.status().round
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef())
         rid = status.round_id
+        if rid in self.store.uploaded_rounds():  # a replayed round: its sums may be released
+            # No report is written: the one of the round the site took part in stays on record.
+            log.warning(
+                "site=%s REFUSED round %s: this site already sent its statistics to it; "
+                "a site takes part in a round once",
+                self.site_id,
+                rid,
+            )
+            session.step = "end"
+            return Gate("end"), ()
         session.round_id, session.started = rid, time.time()
         session.done.append(rid)
         report: dict[str, Any] = {

@@ -236,3 +236,40 @@ def test_a_site_refuses_a_plan_whose_signature_does_not_verify(tmp_path: Path) -
     assert report["outcome"] == "REFUSED_PLAN"
     assert "not signed by this federation's server" in report["reason"]
     assert _uploads(fed) == 0
+
+
+class _Recording:
+    """A site node that keeps every message it was handed and its sealed session before it."""
+
+    def __init__(self, node: SiteNode) -> None:
+        self.node = node
+        self.seen: list[tuple[ToSite, bytes | None]] = []
+
+    def __call__(self, message: ToSite) -> FromSite:
+        self.seen.append((message, self.node.sealed))
+        return self.node(message)
+
+
+def test_a_round_replayed_to_a_site_that_took_part_is_refused(tmp_path: Path) -> None:
+    """The operator's Flower side hands a site the plan of a round it already uploaded to (with
+    the session it had then): a replay would have it upload again, with fresh DP noise or for a
+    sum without another site. The site sends nothing and keeps its report of the round."""
+    fed = _federation(tmp_path)
+    nodes = site_nodes(fed)
+    recording = _Recording(SiteNode(fed.client_configs["site-1"]))
+    nodes[1] = recording
+    outcome, _ = serve(fed, nodes)
+    assert outcome.state == "published", outcome
+    before = _final(site_reports(fed), "site-1")
+    assert before["outcome"] == "COMPLETED"
+    plan_message, sealed = next(
+        (m, s)
+        for m, s in recording.seen
+        if any(a.method == "GetRoundConfig" and a.response for a in m.answers)
+    )
+    recording.node.sealed = sealed
+    reply = recording.node(plan_message)
+    assert reply.gate == Gate("end"), reply
+    assert not [c for c in reply.calls if c.method in ("RespondToPlan", "Upload")], reply
+    after = _final(site_reports(fed), "site-1")
+    assert after["outcome"] == "COMPLETED" and after["round_id"] == before["round_id"]
