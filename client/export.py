@@ -27,7 +27,6 @@ configuration (:func:`load_published_model`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -46,6 +45,7 @@ from numpy.typing import NDArray
 from afl.client.backbones import Backbone, Preprocessor, preprocess_batch
 from afl.client.model_card import TrainingFacts, card_markdown, model_card
 from afl.client.published import ModelFileError, PublishedModel, load_published_model
+from afl.client.weights import sha256_file
 from afl.core.calibration import Calibration, CalibrationError
 
 __all__ = [
@@ -166,14 +166,6 @@ def save_onnx(
         entry.key, entry.value = key, value
     onnx.save(graph, str(out))
     return out
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -301,7 +293,7 @@ def export_classifier(
             calibration.save(out / "calibration.json")
         (out / CARD_FILE).write_text(json.dumps(card, indent=2), encoding="utf-8")
         (out / "model_card.md").write_text(card_markdown(card), encoding="utf-8")
-        sums = [f"{sha256_of(out / f)}  {f}" for f in sorted(files.values()) if f != "SHA256SUMS"]
+        sums = [f"{sha256_file(out / f)}  {f}" for f in sorted(files.values()) if f != "SHA256SUMS"]
         (out / "SHA256SUMS").write_text("\n".join(sums) + "\n", encoding="utf-8")
         if final.exists():
             final.rmdir()

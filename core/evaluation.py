@@ -277,7 +277,7 @@ def federated_evaluation_document(
         "format": FEDERATED_EVALUATION_FORMAT,
         "model_sha256": model_sha256,
         "members": list(members),
-        "score_bins": len(stats.bins.edges) + 1,
+        "score_bins": stats.bins.num_bins,
         "decision_threshold": stats.threshold,
         **metrics,
     }

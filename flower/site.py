@@ -50,7 +50,13 @@ from afl.client.config import ClientConfig
 from afl.client.daemon import ClientDaemon
 from afl.client.daemon_rpc import CoordinatorClient, RoundFailed, check_enrolment
 from afl.client.daemon_state import plan_summary
-from afl.client.daemon_transport import DaemonError, RemoteCallError, RetryPolicy, UploadError
+from afl.client.daemon_transport import (
+    DaemonError,
+    RemoteCallError,
+    RetryPolicy,
+    UploadError,
+    check_round_id,
+)
 from afl.client.daemon_verify import VerificationError, verify_round_config
 from afl.client.decryptor import DecryptorDaemon
 from afl.client.dp_policy import dp_report
@@ -361,7 +367,7 @@ class FlowerSite(ClientDaemon):
     def _plan(self, session: Session) -> tuple[Gate, tuple[Call, ...]]:
         status = self.rpc.status().round
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef())
-        rid = status.round_id
+        rid = check_round_id(status.round_id)  # it names files, as in the daemon
         if rid in self.store.uploaded_rounds():  # a replayed round: its sums may be released
             # No report is written: the one of the round the site took part in stays on record.
             log.warning(

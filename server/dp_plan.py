@@ -72,6 +72,7 @@ from afl.core.dp_accounting import (
 )
 from afl.core.leakage import LeakageReport, Release, audit_releases
 from afl.proto.v1 import common_pb2
+from afl.proto.wire import DP_STATISTIC_NAMES
 from afl.server.plan import GLOBAL_GRAM, PlannedRelease
 
 __all__ = [
@@ -88,16 +89,8 @@ __all__ = [
 ]
 
 #: The rulebook's statistic kinds and the plan's StatisticKind values.
-DP_KINDS: dict[StatisticKind, int] = {
-    "gram": common_pb2.STATISTIC_KIND_GRAM,
-    "s_pos": common_pb2.STATISTIC_KIND_POSITIVE_SUM,
-    "t_sum": common_pb2.STATISTIC_KIND_FEATURE_SUM,
-    "counts": common_pb2.STATISTIC_KIND_COUNT,
-    "pseudo_s_pos": common_pb2.STATISTIC_KIND_PSEUDO_POSITIVE_SUM,
-    "pseudo_t_sum": common_pb2.STATISTIC_KIND_PSEUDO_FEATURE_SUM,
-    "pseudo_counts": common_pb2.STATISTIC_KIND_PSEUDO_COUNT,
-}
-_PREFIX: dict[int, StatisticKind] = {int(v): k for k, v in DP_KINDS.items()}
+_PREFIX: dict[int, StatisticKind] = dict(DP_STATISTIC_NAMES)
+DP_KINDS: dict[StatisticKind, int] = {k: v for v, k in DP_STATISTIC_NAMES.items()}
 _INT_KEYS = ("tolerated", "images_per_patient", "max_positive_labels", "max_samples")
 _DP_KEYS = {"epsilon", "delta", "clip_norm", "unit", *_INT_KEYS}
 _UNITS = {"patient": common_pb2.PRIVACY_UNIT_PATIENT, "image": common_pb2.PRIVACY_UNIT_IMAGE}

@@ -354,15 +354,7 @@ class Store:
             "audit_count": count,
             "audit_head": head.hex(),
         }
-        data = (json.dumps(anchor, sort_keys=True) + "\n").encode()
-        tmp = self.anchor_path.with_name(ANCHOR_NAME + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.anchor_path)
+        write_private_file(self.anchor_path, (json.dumps(anchor, sort_keys=True) + "\n").encode())
 
     def anchor(self) -> dict[str, object]:
         """The anchor as last written (commits, audit count and head)."""
