@@ -36,7 +36,7 @@ proto: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gen_proto.sh
 
 typecheck: install
-	$(BIN)/mypy core crypto client server flower lab tests proto/afl/proto/wire.py
+	$(BIN)/mypy core crypto client server ops flower lab tests proto/afl/proto/wire.py
 
 test: lint typecheck
 	$(BIN)/pytest -m "not slow" -q

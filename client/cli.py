@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from afl.client.shards import SHARD_MODES, ShardError, parse_shard
-from afl.client.sitedata import (
+from afl.client.features.shards import SHARD_MODES, ShardError, parse_shard
+from afl.client.features.sitedata import (
     NIH_PAPER_CLASSES,
     SiteDataError,
     SiteSource,
@@ -152,9 +152,9 @@ def _preflight(source: SiteSource, args: argparse.Namespace) -> SiteSource:
 
 
 def run_extract(args: argparse.Namespace) -> int:
-    from afl.client.backbones import load_backbone
-    from afl.client.extract import extract_features
-    from afl.client.sitedata import manifest_source, nih_source
+    from afl.client.features.backbones import load_backbone
+    from afl.client.features.extract import extract_features
+    from afl.client.features.sitedata import manifest_source, nih_source
 
     classes = _classes(args.classes)
     if args.images:
@@ -216,7 +216,7 @@ def add_merge_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from afl.client.merge import merge_shards
+    from afl.client.features.merge import merge_shards
 
     cache = merge_shards(args.shards, args.out)
     print(f"{args.out}: {cache.meta.n} images merged from {len(args.shards)} shards")
@@ -224,7 +224,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_backbones(args: argparse.Namespace) -> int:
-    from afl.client.backbones import BACKBONES
+    from afl.client.features.backbones import BACKBONES
 
     for spec in BACKBONES.values():
         print(f"{spec.name:26s} d={spec.dim:<5d} {spec.weights_filename}  {spec.weights_url}")
@@ -247,10 +247,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def _daemon_errors() -> tuple[type[Exception], ...]:
     """What a daemon run can fail with that a user can cause (one line, exit 1)."""
     from afl.client.config import ConfigError
-    from afl.client.daemon_stats import PayloadError
-    from afl.client.daemon_transport import DaemonError
-    from afl.client.daemon_verify import VerificationError
-    from afl.core.featurecache import FeatureCacheError
+    from afl.client.daemon.transport import DaemonError
+    from afl.client.daemon.verify import VerificationError
+    from afl.client.payloads.stats import PayloadError
+    from afl.core.data.featurecache import FeatureCacheError
 
     return (ConfigError, DaemonError, PayloadError, VerificationError, FeatureCacheError)
 
@@ -275,14 +275,14 @@ def _daemon_config(path: str, *, insecure: bool, log_level: str, first: bool) ->
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from afl.client.daemon import ClientDaemon
+    from afl.client.daemon.loop import ClientDaemon
 
     try:
         config = _daemon_config(
             args.config, insecure=args.insecure, log_level=args.log_level, first=True
         )
         if config.role == "decryptor":  # the CKKS decryptor site (docs/protocol.md §4.3)
-            from afl.client.decryptor import DecryptorDaemon
+            from afl.client.daemon.decryptor import DecryptorDaemon
 
             return DecryptorDaemon(config, insecure=args.insecure).run()
         return ClientDaemon(config, insecure=args.insecure, max_rounds=args.rounds).run()
@@ -316,7 +316,7 @@ def add_run_many_arguments(p: argparse.ArgumentParser) -> None:
 def run_many(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from afl.client.host import run_sites, worst_exit_code
+    from afl.client.daemon.host import run_sites, worst_exit_code
 
     refusals: tuple[type[Exception], ...] = (*_daemon_errors(), ValueError, OSError)
     try:
@@ -429,7 +429,7 @@ def _site_config(args: argparse.Namespace) -> ClientConfig | None:
 
 def run_doctor(args: argparse.Namespace) -> int:
     from afl.client.doctor import doctor
-    from afl.crypto.kit_check import PROBLEM, report_lines
+    from afl.crypto.identity.kit_check import PROBLEM, report_lines
 
     config = _site_config(args)
     if config is None:
@@ -470,9 +470,9 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    from afl.client.export import load_exported
-    from afl.client.predict import image_records, predict_images, summary, write_predictions
-    from afl.core.calibration import Calibration
+    from afl.client.model.export import load_exported
+    from afl.client.model.predict import image_records, predict_images, summary, write_predictions
+    from afl.core.evaluation.calibration import Calibration
 
     model = load_exported(args.model)
     calibration = Calibration.load(args.calibration) if args.calibration else None
@@ -514,7 +514,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     from afl.client.config import load_client_config
-    from afl.client.evaluate import evaluate_model, write_local_evaluation
+    from afl.client.model.evaluate import evaluate_model, write_local_evaluation
 
     config = load_client_config(args.config)
     run = evaluate_model(
@@ -558,7 +558,7 @@ def run_budget(args: argparse.Namespace) -> int:
     import math
 
     from afl.client.config import ConfigError, load_client_config
-    from afl.client.dp_ledger import DpLedger, LedgerError
+    from afl.client.policy.ledger import DpLedger, LedgerError
 
     try:
         config = load_client_config(args.config)
@@ -683,13 +683,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in _LIGHT:  # they handle their errors; no torch import on their path
         code: int = args.handler(args)
         return code
-    from afl.client.backbones import BackboneError
     from afl.client.config import ConfigError
-    from afl.client.extract import ExtractError
-    from afl.client.published import ModelFileError
-    from afl.client.weights import WeightsError
-    from afl.core.calibration import CalibrationError
-    from afl.core.featurecache import FeatureCacheError
+    from afl.client.features.backbones import BackboneError
+    from afl.client.features.extract import ExtractError
+    from afl.client.features.weights import WeightsError
+    from afl.client.model.published import ModelFileError
+    from afl.core.data.featurecache import FeatureCacheError
+    from afl.core.evaluation.calibration import CalibrationError
 
     known = (BackboneError, ExtractError, FeatureCacheError, ShardError, SiteDataError)
     more = (CalibrationError, ConfigError, ModelFileError, FileNotFoundError)

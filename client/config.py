@@ -1,5 +1,5 @@
 """``client.toml``: the afl-client daemon's configuration, as written by ``afl provision``
-(:mod:`afl.server.provisioning`) and completed by the site's IT (docs/operations.md).
+(:mod:`afl.ops.provisioning`) and completed by the site's IT (docs/operations.md).
 
 Sections (paths are relative to the file's own folder)::
 
@@ -12,7 +12,7 @@ Sections (paths are relative to the file's own folder)::
     [tls]      ca_cert, cert, key                       (the kit's ca.pem, site.pem, site.key)
     [identity] key, public_key (hex), server_public_key (hex)
     [peers]    <site id> = <identity public key, hex>
-    [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.featurecache)
+    [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.data.featurecache)
                classes   classes this site labels; [] = every cache column without -1 labels
                backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
                holdout   optional feature cache of held-out labelled images: what the site
@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from afl.core.suggest import did_you_mean
-from afl.crypto import signatures
 from afl.crypto.errors import KeyFormatError
+from afl.crypto.identity import signatures
 
 __all__ = [
     "AGGREGATION_NAMES",
@@ -110,10 +110,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LocalPolicy:
-    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy`.
+    """The site's own rules for release plans (docs/protocol.md §6); checked by :mod:`afl.client.policy.plan`.
 
     DP (docs/protocol.md §7): ``max_epsilon`` bounds one run (both rounds), ``lifetime_epsilon``
-    at ``lifetime_delta`` everything in the site's ledger (:mod:`afl.client.dp_ledger`);
+    at ``lifetime_delta`` everything in the site's ledger (:mod:`afl.client.policy.ledger`);
     ``privacy_unit`` "patient" refuses image-level DP plans. inf = no limit (then plans without
     DP are accepted too).
 

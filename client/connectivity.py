@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import grpc
 
 from afl.client.config import ClientConfig
-from afl.client.daemon_transport import DaemonError, RetryPolicy, open_channel
-from afl.crypto.kit_check import PROBLEM, check_tls_kit
+from afl.client.daemon.transport import DaemonError, RetryPolicy, open_channel
+from afl.crypto.identity.kit_check import PROBLEM, check_tls_kit
 
 __all__ = ["Reachability", "connect", "probe", "split_address", "wait_until_reachable"]
 
@@ -214,7 +214,7 @@ def wait_until_reachable(
 
 def connect(config: ClientConfig, *, insecure: bool = False) -> grpc.Channel:
     """:func:`wait_until_reachable` (waits of up to ~30 s between attempts), then the daemon's
-    channel (:func:`afl.client.daemon_transport.open_channel`)."""
+    channel (:func:`afl.client.daemon.transport.open_channel`)."""
     t = config.timing
     policy = RetryPolicy(
         attempts=t.retry_attempts, initial_s=max(1.0, t.poll_interval_s), max_s=30.0

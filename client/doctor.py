@@ -5,7 +5,7 @@ line per item, no source code to read.
 doctor checks, in order:
 
 * the kit: the TLS certificate chains to the federation CA, is within its validity period and
-  names this site, the TLS key belongs to it (:mod:`afl.crypto.kit_check`); the identity key
+  names this site, the TLS key belongs to it (:mod:`afl.crypto.identity.kit_check`); the identity key
   matches ``[identity] public_key`` (the config loader refuses a mismatch);
 * the coordinator: the address resolves, a TCP connection opens, mutual TLS succeeds
   (:func:`afl.client.connectivity.probe` names the cause otherwise), and ``GetStatus`` answers
@@ -34,12 +34,12 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import probe
-from afl.client.daemon_stats import PayloadError, labelled_mask
-from afl.client.daemon_transport import INSECURE_SITE_HEADER, open_channel
-from afl.core.featurecache import FeatureCache, FeatureCacheError, open_cache
+from afl.client.daemon.transport import INSECURE_SITE_HEADER, open_channel
+from afl.client.payloads.stats import PayloadError, labelled_mask
+from afl.core.data.featurecache import FeatureCache, FeatureCacheError, open_cache
 from afl.core.row_bounds import measure
-from afl.crypto import pki
-from afl.crypto.kit_check import OK, PROBLEM, WARNING, Finding, check_tls_kit
+from afl.crypto.identity import pki
+from afl.crypto.identity.kit_check import OK, PROBLEM, WARNING, Finding, check_tls_kit
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 

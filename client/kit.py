@@ -4,7 +4,7 @@ kit folder; the operator only ever sees the public request, and sends back publi
 
 Step 1, :func:`init_site_kit`: in the kit folder (0700) ``site.key`` (ECDSA P-256 TLS key) and
 ``identity.key`` (Ed25519), both 0600, and the public ``<site id>.request.json`` (the certificate
-signing request, the identity public key and a proof binding them; :mod:`afl.crypto.custody`).
+signing request, the identity public key and a proof binding them; :mod:`afl.crypto.identity.custody`).
 Site IT sends the request to the operator and reads its fingerprint to them out of band.
 
 Step 2, :func:`import_bundle`: the operator's folder for this site (``ca.pem``, ``site.pem``,
@@ -35,8 +35,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 
 from afl.client.config import ClientConfig, ConfigError, TlsPaths, load_client_config
-from afl.crypto import custody, pki, signatures
 from afl.crypto.errors import CryptoError
+from afl.crypto.identity import custody, pki, signatures
 
 __all__ = ["ImportedKit", "KitError", "import_bundle", "init_site_kit", "request_path"]
 

@@ -7,7 +7,7 @@ as pseudo-positives (``p > τ``) or pseudo-negatives (``p < 1-τ``) with balance
 at the end.
 
 Optional deviation from the paper (docs/method.md §3.3): with a ``calibration``
-(:class:`afl.core.calibration.Calibration` of the round-1 model) the τ filter reads the calibrated
+(:class:`afl.core.evaluation.calibration.Calibration` of the round-1 model) the τ filter reads the calibrated
 probability of each class instead of σ(h · w_c); everything else is unchanged.
 
 The server solves with the GLOBAL Gram (eq. 20) ``A = Σ_{all k} G_k + γI`` and
@@ -25,7 +25,7 @@ from scipy.linalg import cho_solve
 from scipy.special import expit
 
 from afl.core.aggregation import AggregationError, factor_regularised
-from afl.core.calibration import Calibration
+from afl.core.evaluation.calibration import Calibration
 from afl.core.labels import LabelError
 
 

@@ -2,7 +2,7 @@
 
 A Flower ``ServerApp`` runs afl's coordinator (:class:`afl.server.coordinator.Coordinator`: the
 round machine, the release plan and its leakage audit, the aggregation modes, the solve and the
-signed model) and a Flower ``ClientApp`` runs afl's site (:class:`afl.client.daemon.ClientDaemon`:
+signed model) and a Flower ``ClientApp`` runs afl's site (:class:`afl.client.daemon.loop.ClientDaemon`:
 the feature cache, the plan check against the site's [policy], the statistics, the masking or
 CKKS encryption and the model check); Flower's messages carry afl's protocol messages, the same
 protobufs as afl's gRPC service. ``relay`` (coordinator side) and ``site`` (site side) hold the

@@ -41,7 +41,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
-from afl.server.daemon import load_identity_key
+from afl.server.daemon.main import load_identity_key
 from afl.server.servicer import CoordinatorServicer
 from afl.server.store import Store
 

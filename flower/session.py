@@ -4,7 +4,7 @@ Flower runs a ClientApp once per message — on the deployment engine in a new p
 simulation engine on any of its workers — and keeps what the app must remember in the node's
 ``Context``, held by the SuperNode. So what afl's site keeps between the stages of a round (the
 step it is at, the signed round configuration, the report so far and, in a masked round, the
-protocol state machine :class:`~afl.crypto.secagg_client.SecAggClient` with its ephemeral
+protocol state machine :class:`~afl.crypto.secagg.client.SecAggClient` with its ephemeral
 X25519 keys, its self-mask seeds and the shares it holds for its peers) travels in the Context,
 sealed with a key only the site can derive:
 
@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from afl.crypto.aead import open_sealed, seal
 from afl.crypto.canonical import DOMAIN_TAG
 from afl.crypto.errors import CryptoError
+from afl.crypto.identity.signatures import load_public_key_raw, public_key_to_raw
 from afl.crypto.kdf import derive_key, load_agreement_private_key, private_key_bytes
-from afl.crypto.signatures import load_public_key_raw, public_key_to_raw
 
 __all__ = ["PURPOSE", "SessionError", "open_session", "seal_session"]
 

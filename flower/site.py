@@ -1,7 +1,7 @@
 """The site's side of the Flower app: afl-client's round, one stage per Flower message
 (docs/flower.md §3, docs/architecture.md §1).
 
-:class:`FlowerSite` is the site daemon (:class:`~afl.client.daemon.ClientDaemon`: its kit, feature
+:class:`FlowerSite` is the site daemon (:class:`~afl.client.daemon.loop.ClientDaemon`: its kit, feature
 cache and statistics, state folder, DP ledger and policy) taking part in rounds through the
 relay's messages instead of its own gRPC calls. Each message runs one step, and the reply says
 when the next is due (:mod:`afl.flower.envelope`):
@@ -14,7 +14,7 @@ when the next is due (:mod:`afl.flower.envelope`):
               first stage
     exchange  the DP ledger entry, then the payloads (``round_payloads``) and the mode's
               exchange: plaintext and ckks send everything now (``mode.exchange``), mask the
-              first of :data:`afl.client.mode_mask.MASK_STEPS`
+              first of :data:`afl.client.modes.mask.MASK_STEPS`
     mask      the next of MASK_STEPS, one per stage of the masked exchange
     model     verify the signed model against the accepted plan, keep it, write and send the
               report; wait for the next round
@@ -47,25 +47,25 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError, Message
 
 from afl.client.config import ClientConfig
-from afl.client.daemon import ClientDaemon
-from afl.client.daemon_rpc import CoordinatorClient, RoundFailed, check_enrolment
-from afl.client.daemon_state import plan_summary
-from afl.client.daemon_transport import (
+from afl.client.daemon.decryptor import DecryptorDaemon
+from afl.client.daemon.evaluation import is_evaluation_plan
+from afl.client.daemon.loop import ClientDaemon
+from afl.client.daemon.rpc import CoordinatorClient, RoundFailed, check_enrolment
+from afl.client.daemon.state import plan_summary
+from afl.client.daemon.transport import (
     DaemonError,
     RemoteCallError,
     RetryPolicy,
     UploadError,
     check_round_id,
 )
-from afl.client.daemon_verify import VerificationError, verify_round_config
-from afl.client.decryptor import DecryptorDaemon
-from afl.client.dp_policy import dp_report
-from afl.client.federated_evaluation import is_evaluation_plan
-from afl.client.mode_mask import MASK_STEPS, MaskMode
-from afl.client.modes import AggregationMode, RoundSession, UploadRecord
-from afl.client.policy import PolicyDecision
+from afl.client.daemon.verify import VerificationError, verify_round_config
+from afl.client.modes.base import AggregationMode, RoundSession, UploadRecord
+from afl.client.modes.mask import MASK_STEPS, MaskMode
+from afl.client.policy.dp import dp_report
+from afl.client.policy.plan import PolicyDecision
 from afl.crypto.errors import CryptoError
-from afl.crypto.secagg_client import SecAggClient
+from afl.crypto.secagg.client import SecAggClient
 from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite, Value, job_key, to_site
 from afl.flower.session import SessionError, open_session, seal_session
 from afl.proto.v1 import common_pb2 as cpb

@@ -9,22 +9,20 @@ from types import ModuleType
 
 from afl.core.about import afl_version
 from afl.core.aggregation import AggregationError
-from afl.core.assignment import AssignmentError
-from afl.core.featurecache import FeatureCacheError
+from afl.core.data.assignment import AssignmentError
+from afl.core.data.featurecache import FeatureCacheError
+from afl.core.data.nih import NihMetadataError
 from afl.core.labels import LabelError
-from afl.core.nih import NihMetadataError
-from afl.lab import (
-    admin_cmd,
-    audit_cmd,
-    bench_cmd,
-    ca_cmd,
-    demo,
-    export_cmd,
-    provision_cmd,
-    report_cmd,
-    simulate_cmd,
-    verify_log_cmd,
-)
+from afl.lab.bench import cmd as bench_cmd
+from afl.lab.demo import cmd as demo
+from afl.lab.report import cmd as report_cmd
+from afl.lab.simulate import cmd as simulate_cmd
+from afl.ops import admin as admin_cmd
+from afl.ops import audit as audit_cmd
+from afl.ops import ca as ca_cmd
+from afl.ops import export as export_cmd
+from afl.ops import provision as provision_cmd
+from afl.ops import verify_log_cmd
 
 # Errors caused by what the user gave us: one clear line, exit status 2, no traceback.
 USER_ERRORS: tuple[type[Exception], ...] = (

@@ -34,10 +34,10 @@ pre-scales), and optionally ``[ckks] public_context``
 start). The decryptor-role site is never a participant.
 
 DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
-unit, images_per_patient, max_positive_labels, max_samples; :mod:`afl.server.dp_plan`), with
+unit, images_per_patient, max_positive_labels, max_samples; :mod:`afl.server.plan.dp`), with
 rounds = 1 or 2 (the budget covers both rounds); with aggregation = "mask" N bounds the masked
-statistics (:mod:`afl.server.dp_mask`): mask_max_samples, or else the largest row count the
-participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.dp_ckks`).
+statistics (:mod:`afl.server.plan.dp_mask`): mask_max_samples, or else the largest row count the
+participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.plan.dp_ckks`).
 
 Evaluation (docs/operations.md §6.1): with ``evaluate = true`` (not with [round.dp]: evaluation
 releases carry no noise) the run's published model is evaluated in one more round under the run's
@@ -72,11 +72,11 @@ from typing import Any
 from afl.core.aggregation import GRAM_SCOPES, GramScope
 from afl.core.refinement import RefinementParams
 from afl.core.suggest import did_you_mean
-from afl.crypto import pki
-from afl.crypto.secagg_graph_bounds import SECURITY_BITS
-from afl.server.dp_plan import DpSettings, dp_settings_from_table
+from afl.crypto.identity import pki
+from afl.crypto.secagg.graph_bounds import SECURITY_BITS
 from afl.server.errors import ConfigError
 from afl.server.limits import StreamLimits
+from afl.server.plan.dp import DpSettings, dp_settings_from_table
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -166,12 +166,12 @@ class MaskSettings:
     maxima the sites declared at enrolment (:mod:`afl.core.row_bounds`), per release. ``graph``
     "sparse" masks each site with its neighbours of a random Harary graph whose degree is chosen
     for ``colluder_fraction`` colluders, ``dropout_fraction`` drop-outs (then t = n - D) and a
-    failure probability of at most 2^-``security_bits`` (:mod:`afl.crypto.secagg_graph_bounds`)."""
+    failure probability of at most 2^-``security_bits`` (:mod:`afl.crypto.secagg.graph_bounds`)."""
 
     gram_bound: float = 0.0
     vector_bound: float = 0.0
     threshold: int = 0
-    max_samples: int = 0  # N, declared rows per site (DP + mask bounds, afl.server.dp_mask)
+    max_samples: int = 0  # N, declared rows per site (DP + mask bounds, afl.server.plan.dp_mask)
     graph: str = "full"
     colluder_fraction: float = DEFAULT_COLLUDER_FRACTION
     dropout_fraction: float = DEFAULT_DROPOUT_FRACTION
@@ -389,7 +389,7 @@ def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
 
 
 def _dp_settings(t: _Table) -> DpSettings | None:
-    """The optional [round.dp] table (DP mode, :mod:`afl.server.dp_plan`)."""
+    """The optional [round.dp] table (DP mode, :mod:`afl.server.plan.dp`)."""
     if "dp" not in t.data:
         return None
     table = t.get("dp", dict)

@@ -1,8 +1,8 @@
 """Request handling of the coordinator: enrolment, status, plan decisions, uploads, models
 (docs/architecture.md §2). Transport-free: the gRPC servicer decodes messages, takes the caller's
 site id from its certificate and calls these methods; errors are :mod:`afl.server.errors` classes.
-The coordinator is also the :class:`~afl.server.modes.RoundAccess` of the mode request handlers
-(:class:`~afl.server.mode_mask.MaskRequests`, :class:`~afl.server.mode_ckks.CkksRequests`).
+The coordinator is also the :class:`~afl.server.modes.base.RoundAccess` of the mode request handlers
+(:class:`~afl.server.modes.mask.MaskRequests`, :class:`~afl.server.modes.ckks.CkksRequests`).
 
 Enrolment (coordinator.proto ``GetEnrolChallenge``, ``Enroll``; docs/protocol.md §3, M-74): the
 certificate's site id must be provisioned; ``enrol_challenge`` hands it a fresh 32-byte nonce
@@ -31,8 +31,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from afl.core.row_bounds import RowBounds
 from afl.core.suggest import unknown_names
 from afl.crypto.errors import CryptoError
-from afl.crypto.signatures import load_public_key_raw, verify_fields
-from afl.crypto.signed_blobs import (
+from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
+from afl.crypto.identity.signed_blobs import (
     ENROL_CONTEXT,
     PLAN_DECISION_CONTEXT,
     blob_sha256,
@@ -42,15 +42,15 @@ from afl.proto import wire
 from afl.proto.v1 import common_pb2
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import ServerConfig
+from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import (
     ConflictError,
     InvalidRequestError,
     NotPermittedError,
     WrongStageError,
 )
-from afl.server.modes import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
-from afl.server.observability import ServerMetrics
-from afl.server.plan import RoundView
+from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
+from afl.server.plan.release import RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.store import EnrolmentRow, Store

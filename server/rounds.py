@@ -18,7 +18,7 @@ Rounds of the active run:
     PUBLISHED (round 1, rounds = 2) --> round 2 opens in PLAN_REVIEW (same participants)
     PUBLISHED (final round, evaluate = true) --> the evaluation round (number rounds + 1) opens
         in PLAN_REVIEW over the model's contributors; its SOLVING publishes the signed
-        evaluation instead of a model (:mod:`afl.server.evaluation`)
+        evaluation instead of a model (:mod:`afl.server.solve.evaluation`)
 
 A refusal of the plan ABORTS the round and, when at least ``min_participants`` sites remain,
 opens a replacement round with them and a new plan; at the plan deadline, sites that never
@@ -28,9 +28,9 @@ reason. Every transition is committed to the :class:`~afl.server.store.Store` fi
 to the audit log, then announced as a round event, so a restarted coordinator resumes the open
 round; the secure modes rebuild their state from the store's message journal.
 
-The round's :class:`~afl.server.modes.AggregationMode` never changes stages itself: it returns a
-:class:`~afl.server.modes.Transition` that :meth:`RoundMachine.apply` carries out. The machine is
-the modes' :class:`~afl.server.modes.RoundContext`. Call every method with :attr:`lock` held.
+The round's :class:`~afl.server.modes.base.AggregationMode` never changes stages itself: it returns a
+:class:`~afl.server.modes.base.Transition` that :meth:`RoundMachine.apply` carries out. The machine is
+the modes' :class:`~afl.server.modes.base.RoundContext`. Call every method with :attr:`lock` held.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ from afl.core.aggregation import AggregationError
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
-from afl.server.ckks_context import CkksContexts
 from afl.server.config import (
     RoundSettings,
     ServerConfig,
@@ -60,20 +59,13 @@ from afl.server.config import (
     run_settings,
     settings_table,
 )
-from afl.server.dp_plan import apply_dp, audit_dp_plan, calibrate, dp_releases
-from afl.server.dp_solve import solve_dp_run
+from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
-from afl.server.evaluation import (
-    build_signed_evaluation,
-    earlier_evaluations,
-    evaluation_releases,
-    evaluation_result,
-    published_detail,
-)
-from afl.server.mode_registry import mode_for
-from afl.server.modes import AggregationMode, ModeEnvironment, Transition
-from afl.server.observability import ServerMetrics
-from afl.server.plan import (
+from afl.server.modes.base import AggregationMode, ModeEnvironment, Transition
+from afl.server.modes.ckks_context import CkksContexts
+from afl.server.modes.registry import mode_for
+from afl.server.plan.dp import apply_dp, audit_dp_plan, calibrate, dp_releases
+from afl.server.plan.release import (
     RoundView,
     audit_plan,
     build_plan,
@@ -82,7 +74,15 @@ from afl.server.plan import (
     round2_releases,
     sign_plan,
 )
-from afl.server.solve import (
+from afl.server.solve.dp import solve_dp_run
+from afl.server.solve.evaluation import (
+    build_signed_evaluation,
+    earlier_evaluations,
+    evaluation_releases,
+    evaluation_result,
+    published_detail,
+)
+from afl.server.solve.model import (
     SOLVE_ERRORS,
     build_signed_model,
     require_finite,
@@ -514,7 +514,7 @@ class RoundMachine:
         declared = {s: e.row_bounds for s, e in enrolments.items() if e.row_bounds is not None}
         dp = settings.dp
         evaluation = view.row.number > settings.rounds
-        if evaluation:  # the run's evaluation round (afl.server.evaluation)
+        if evaluation:  # the run's evaluation round (afl.server.solve.evaluation)
             model = self.store.model(view.row.parent_round_id)
             assert model is not None, "an evaluation round follows a published model"
             releases = evaluation_releases(
@@ -800,7 +800,7 @@ class RoundMachine:
 
     def _publish_evaluation(self, view: RoundView, run: Run) -> None:
         """The evaluation round's SOLVING: the pooled documents from the released sums, signed
-        and stored beside the state before the round is PUBLISHED (:mod:`afl.server.evaluation`)."""
+        and stored beside the state before the round is PUBLISHED (:mod:`afl.server.solve.evaluation`)."""
         settings, parent = run.settings, view.row.parent_round_id
         try:
             sums = self.sums(view)

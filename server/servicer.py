@@ -3,11 +3,11 @@
 
 Each method decodes its request, takes the caller's site id from its mTLS certificate, calls the
 domain code — :class:`~afl.server.coordinator.Coordinator` for the shared flow,
-:class:`~afl.server.mode_mask.MaskRequests` and :class:`~afl.server.mode_ckks.CkksRequests` for
+:class:`~afl.server.modes.mask.MaskRequests` and :class:`~afl.server.modes.ckks.CkksRequests` for
 the mode-specific RPCs — and maps errors to status codes in ONE place (:func:`status_for`).
 
 The site id comes from ``context.auth_context()["x509_pem_cert"]`` (the verified client
-certificate; :func:`afl.crypto.pki.site_id_from_pem`), never from a message field. Only with the
+certificate; :func:`afl.crypto.identity.pki.site_id_from_pem`), never from a message field. Only with the
 ``--insecure`` dev flag is it read from the ``x-afl-site-id`` metadata header instead. A mode RPC
 naming a round of another mode is FAILED_PRECONDITION. The Admin service (:class:`AdminServicer`,
 :mod:`afl.server.admin`) takes the caller's admin name from an ``afl-admin:<name>`` certificate
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import grpc
 
 from afl.crypto.errors import CryptoError
-from afl.crypto.pki import PkiError, admin_name_from_pem, site_id_from_pem
+from afl.crypto.identity.pki import PkiError, admin_name_from_pem, site_id_from_pem
 from afl.proto import wire
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc, common_pb2, coordinator_pb2_grpc
@@ -43,8 +43,8 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.limits import IdleStreamError, LimitExceededError, SiteStreams, idle_limited
-from afl.server.mode_ckks import CKKS_DECRYPTOR_KINDS, CkksRequests
-from afl.server.mode_mask import MaskRequests
+from afl.server.modes.ckks import CKKS_DECRYPTOR_KINDS, CkksRequests
+from afl.server.modes.mask import MaskRequests
 
 __all__ = [
     "INSECURE_ADMIN_HEADER",

@@ -48,7 +48,7 @@ from typing import Any
 
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
-from afl.crypto.pki import make_private_dir, write_private_file
+from afl.crypto.identity.pki import make_private_dir, write_private_file
 from afl.proto.v1.coordinator_pb2 import SignedEvaluation, SignedModel
 from afl.server.errors import DiskFullError, StateError
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from afl.server.provisioning import ProvisionedFederation
+    from afl.ops.provisioning import ProvisionedFederation
 
 # Shared helper modules that assert: pytest explains their failing asserts as it does in tests.
 pytest.register_assert_rewrite(
@@ -32,7 +32,7 @@ def federation(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> ProvisionedFederation:
     """The federation the requesting module declares as ``FEDERATION``, provisioned once."""
-    from afl.server.provisioning import provision
+    from afl.ops.provisioning import provision
 
     spec = getattr(request.module, "FEDERATION", None)
     if not isinstance(spec, dict):
@@ -46,7 +46,7 @@ def federation(
 @pytest.fixture(scope="session")
 def private_ctx() -> Any:
     """A CKKS context holding the secret key (what only the decryptor site has)."""
-    from afl.crypto import ckks
+    from afl.crypto.ckks import scheme as ckks
 
     return ckks.create_private_context(n_threads=1)
 
@@ -54,6 +54,6 @@ def private_ctx() -> Any:
 @pytest.fixture(scope="session")
 def public_ctx(private_ctx: Any) -> Any:
     """The public copy of ``private_ctx``, loaded as servers and data sites load it."""
-    from afl.crypto import ckks
+    from afl.crypto.ckks import scheme as ckks
 
     return ckks.load_public_context(ckks.public_context_bytes(private_ctx))

@@ -34,16 +34,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from afl.client.config import load_client_config
-from afl.core.featurecache import CacheMeta, write_cache
+from afl.core.data.featurecache import CacheMeta, write_cache
+from afl.ops.provisioning import ProvisionedFederation
 from afl.server.config import load_config, round_template
-from afl.server.provisioning import ProvisionedFederation
 from tests.helpers.federation import FederationSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = ["Dockerfile.server", "Dockerfile.client", "Dockerfile.client-cuda"]
 SITES = ["site-1", "site-2", "site-3"]
-#: The backbone id the examples name: the one `afl-client extract` stamps (afl.client.backbones).
+#: The backbone id the examples name: the one `afl-client extract` stamps (afl.client.features.backbones).
 EXAMPLE_BACKBONE = "xrv-densenet121-all"
 PLACEHOLDER_KEYS = {
     "server": "5e" * 32,
@@ -299,7 +299,7 @@ def test_example_configs_load_with_the_real_loaders(
         assert re.search(rf"^{key} = ", text, re.M), f"server.example.toml lacks {key}"
     # Both examples name the backbone id the extractor stamps into a cache (a server using the
     # example must accept the sites' caches), and it is a registered backbone.
-    from afl.client.backbones import BACKBONES
+    from afl.client.features.backbones import BACKBONES
 
     client_text = (DEPLOY / "client.example.toml").read_text()
     named = {m for t in (text, client_text) for m in re.findall(r'^backbone = "(.*)"$', t, re.M)}

@@ -1,8 +1,9 @@
 """The layer rules of docs/architecture.md §1, checked on every import statement of the source
 tree (module level and inside functions): ``core`` and ``crypto`` import nothing of ours but
 themselves, the wire mapping (``afl.proto``) builds on them only, a site (``client``) never
-imports the coordinator (``server``) nor the reverse, the Flower app (``flower``) is
-imported by ``lab`` only, and the composing package (``lab``) by nobody."""
+imports the coordinator (``server``) nor the reverse, the operator's commands (``ops``) and the
+Flower app (``flower``) are imported by ``lab`` only, and the composing package (``lab``) by
+nobody."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ ALLOWED: dict[str, tuple[str, frozenset[str]]] = {
     "proto": ("proto/afl/proto", frozenset({"core", "crypto"})),
     "client": ("client", frozenset({"core", "crypto", "proto"})),
     "server": ("server", frozenset({"core", "crypto", "proto"})),
+    "ops": ("ops", frozenset({"core", "crypto", "proto", "client", "server"})),
     "flower": ("flower", frozenset({"core", "crypto", "proto", "client", "server"})),
-    "lab": ("lab", frozenset({"core", "crypto", "proto", "client", "server", "flower"})),
+    "lab": ("lab", frozenset({"core", "crypto", "proto", "client", "server", "ops", "flower"})),
 }
 GENERATED = "_pb2"
 

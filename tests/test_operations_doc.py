@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from afl.client.backbones import BACKBONES
-from afl.core.featurecache import open_cache
-from afl.lab.demo_federation import free_port
+from afl.client.features.backbones import BACKBONES
+from afl.core.data.featurecache import open_cache
+from afl.lab.demo.federation import free_port
 from tests.client.imagegen import write_hospital
 from tests.helpers.doc_commands import (
     Party,

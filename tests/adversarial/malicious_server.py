@@ -47,22 +47,23 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
-from afl.crypto.secagg_graph_bounds import (
+from afl.crypto.identity.signatures import sign_fields
+from afl.crypto.secagg.graph_bounds import (
     colluders_for,
     dropouts_for,
     failure_probability,
     log2_probability,
 )
-from afl.crypto.secagg_messages import ADVERTISE_CONTEXT, advert_fields
-from afl.crypto.signatures import sign_fields
+from afl.crypto.secagg.messages import ADVERTISE_CONTEXT, advert_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server import daemon, rounds
+from afl.server import rounds
+from afl.server.daemon import main as daemon
 from afl.server.errors import InvalidRequestError
-from afl.server.mode_ckks import CkksMode, CkksRequests
-from afl.server.mode_mask import MaskMode, MaskRequests
-from afl.server.solve import build_signed_model
+from afl.server.modes.ckks import CkksMode, CkksRequests
+from afl.server.modes.mask import MaskMode, MaskRequests
+from afl.server.solve.model import build_signed_model
 
 VICTIM = "site-1"
 OTHERS = ("site-2", "site-3")

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
     ckks_round_settings,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from afl.client.cli import build_parser, default_workers, main
-from afl.core.featurecache import open_cache
+from afl.core.data.featurecache import open_cache
 from tests.client.imagegen import make_site, write_png
 
 COMMON = ["--backbone", "resnet18", "--random-init", "--batch-size", "4", "--workers", "0"]
@@ -89,7 +89,7 @@ def test_missing_files_are_found_before_any_work(tmp_path, capsys, monkeypatch):
     def no_backbone(*args, **kwargs):
         raise AssertionError("the backbone was loaded before the pre-flight check")
 
-    monkeypatch.setattr("afl.client.backbones.load_backbone", no_backbone)
+    monkeypatch.setattr("afl.client.features.backbones.load_backbone", no_backbone)
     (tmp_path / "m.csv").write_text("path,A\nmissing1.png,1\nmissing2.png,0\n")
     rc = main(
         ["extract", "--manifest", str(tmp_path / "m.csv"), *COMMON, "--out", str(tmp_path / "c")]
@@ -108,7 +108,9 @@ def test_a_partial_nih_folder_is_refused_unless_only_present(tmp_path, capsys, m
     (tmp_path / "Data_Entry_2017_v2020.csv").write_text("\n".join(rows) + "\n")
     args = ["extract", "--images", str(tmp_path), *COMMON, "--no-progress"]
     with monkeypatch.context() as patch:  # the refusal comes before the backbone is loaded
-        patch.setattr("afl.client.backbones.load_backbone", lambda *a, **k: pytest.fail("loaded"))
+        patch.setattr(
+            "afl.client.features.backbones.load_backbone", lambda *a, **k: pytest.fail("loaded")
+        )
         assert main([*args, "--out", str(tmp_path / "c")]) == 1
     err = capsys.readouterr().err
     assert "only 2 of the 5 images listed" in err and "--only-present" in err

@@ -20,11 +20,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from afl.client.config import ClientConfig, load_client_config
 from afl.client.connectivity import probe, split_address, wait_until_reachable
-from afl.client.daemon_transport import DaemonError, RetryPolicy
-from afl.crypto import pki
+from afl.client.daemon.transport import DaemonError, RetryPolicy
+from afl.crypto.identity import pki
+from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.server.config import load_config
-from afl.server.daemon import CoordinatorServer
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
 
 FEDERATION = FederationSpec(

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from afl.client.config import ConfigError, LocalPolicy, load_client_config
+from afl.ops.provisioning import ProvisionedFederation
 from afl.server import toml_text
-from afl.server.provisioning import ProvisionedFederation
 from tests.helpers.federation import FederationSpec
 
 FEDERATION = FederationSpec(sites=["site-a", "site-b"], port=50999)
@@ -157,7 +157,7 @@ def test_budget_subcommand_shows_the_ledger_and_refuses_a_broken_one(
     kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from afl.client.cli import main
-    from afl.client.dp_ledger import DpLedger
+    from afl.client.policy.ledger import DpLedger
 
     path = _rewrite(kit, tmp_path, client={"state_dir": str(tmp_path / "state")})
     assert main(["budget", "--config", str(path)]) == 0

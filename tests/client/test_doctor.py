@@ -18,12 +18,12 @@ import pytest
 from afl.client.cli import main as client_main
 from afl.client.config import ClientConfig, DataConfig, LocalPolicy, load_client_config
 from afl.client.doctor import doctor, status_lines
-from afl.core.featurecache import CacheMeta, write_cache
-from afl.crypto.kit_check import OK, PROBLEM, WARNING, Finding
+from afl.core.data.featurecache import CacheMeta, write_cache
+from afl.crypto.identity.kit_check import OK, PROBLEM, WARNING, Finding
+from afl.ops.provisioning import ProvisionedFederation
 from afl.server import toml_text
 from afl.server.config import load_config
-from afl.server.daemon import CoordinatorServer
-from afl.server.provisioning import ProvisionedFederation
+from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
 from tests.server.fakeclient import FakeSite
 

@@ -16,9 +16,9 @@ import pytest
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
 from afl.client.kit import KitError, import_bundle, init_site_kit
-from afl.crypto import custody, pki, signatures
+from afl.crypto.identity import custody, pki, signatures
+from afl.ops.provisioning import SignedFederation, init_ca, init_server_kit, sign_requests
 from afl.server import toml_text
-from afl.server.provisioning import SignedFederation, init_ca, init_server_kit, sign_requests
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afl.core import nih
+from afl.core.data import nih
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.crypto.fixedpoint import FixedPointCodec
-from afl.crypto.secagg_client import SecAggClient
-from afl.crypto.secagg_config import ReleaseSpec, RoundConfig, SparseGraph
-from afl.crypto.secagg_server import SecAggServer
-from afl.crypto.signatures import generate_identity_key
+from afl.crypto.identity.signatures import generate_identity_key
+from afl.crypto.secagg.client import SecAggClient
+from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, SparseGraph
+from afl.crypto.secagg.server import SecAggServer
 
 GRAM_BOUND = 1e4
 B_BOUND = 1.0

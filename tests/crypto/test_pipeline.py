@@ -13,6 +13,7 @@ import numpy as np
 
 from afl.crypto.aead import decrypt_share, encrypt_share
 from afl.crypto.fixedpoint import FixedPointCodec
+from afl.crypto.identity.signatures import generate_identity_key, sign_fields, verify_fields
 from afl.crypto.kdf import (
     agree,
     derive_pairwise_mask_seed,
@@ -25,7 +26,6 @@ from afl.crypto.kdf import (
 )
 from afl.crypto.masking import mask_input, unmask_sum
 from afl.crypto.shamir import Share, reconstruct_secret, split_secret
-from afl.crypto.signatures import generate_identity_key, sign_fields, verify_fields
 
 ROUND = "round-0001"
 

@@ -1,7 +1,7 @@
 """The CKKS-vs-plaintext tolerance on W derived in docs/protocol.md ("CKKS precision").
 
 Per released entry, |CKKS value - plaintext-mode value| <= eps = error_bound(s, K, g) (decryptor,
-afl.crypto.ckks_params) + K²·u·B (float64 summation of the plaintext mode), u = 2^-53. With
+afl.crypto.ckks.params) + K²·u·B (float64 summation of the plaintext mode), u = 2^-53. With
 A = G + γI (SPD, eigenvalues λ_min..λ_max), E = the symmetric Gram error (‖E‖₂ <= d·eps_G) and
 e_c the class-vector error (‖e_c‖₂ <= √d·eps_b), Ã⁻¹ exists when d·eps_G < λ_min and
 
@@ -17,7 +17,7 @@ import math
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.crypto import ckks_params as cp
+from afl.crypto.ckks import params as cp
 
 U = 2.0**-53
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.core.dp_accounting import GaussianRelease, epsilon_for_releases
-from afl.core.featurecache import open_cache
-from afl.lab.demo_federation import LoopbackFederation, prepare_loopback
+from afl.core.data.featurecache import open_cache
+from afl.core.dp.accounting import GaussianRelease, epsilon_for_releases
+from afl.lab.demo.federation import LoopbackFederation, prepare_loopback
 from afl.proto.v1 import common_pb2 as cpb
 from afl.server import toml_text
 from afl.server.config import load_config
@@ -162,8 +162,8 @@ def pooled_solve(root: Path, sites: Sequence[str]) -> tuple[Any, Any]:
 
 
 def w_error_bound(w_ref: NDArray[np.float64], st: Any, sig: dict[str, float], k: int) -> float:
-    """First-order bound of tests/client/test_dp_payloads.py (6 standard deviations), with the
-    solve's ridge raised by √(2d)·σ_G (afl.core.dp_stats.noise_ridge)."""
+    """First-order bound of tests/client/payloads/test_dp_payloads.py (6 standard deviations), with the
+    solve's ridge raised by √(2d)·σ_G (afl.core.dp.stats.noise_ridge)."""
     n_min = float(min(st["n_pos"].min(), (st["n"] - st["n_pos"]).min()))
     b_norm = float(np.linalg.norm((st["gram"] + np.eye(D)) @ w_ref, axis=0).max())
     gram_sigma = next(v for name, v in sig.items() if name.startswith("gram"))

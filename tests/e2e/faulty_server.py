@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server import daemon
+from afl.server.daemon import main as daemon
 from afl.server.servicer import CoordinatorServicer
 from afl.server.store import Store
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.core.featurecache import FeatureCache, open_cache
+from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.stats import LocalStats, local_statistics
-from afl.lab.demo_federation import LoopbackFederation
+from afl.lab.demo.federation import LoopbackFederation
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ from typing import Any, TypeVar
 
 import grpc
 
-from afl.lab.admin_cmd import connect, load_admin_kit
-from afl.lab.demo_federation import CLIENT_COMMAND, LoopbackFederation
+from afl.lab.demo.federation import CLIENT_COMMAND, LoopbackFederation
+from afl.ops.admin import connect, load_admin_kit
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
-SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon")
+SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon.main")
 ENDED = ("published", "aborted")
 
 

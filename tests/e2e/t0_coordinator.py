@@ -13,7 +13,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from afl.server import daemon, dp_plan, rounds
+from afl.server import rounds
+from afl.server.daemon import main as daemon
+from afl.server.plan import dp as dp_plan
 
 
 def command() -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from afl.lab.demo_federation import run_loopback
+from afl.lab.demo.federation import run_loopback
 from tests.e2e import t0_coordinator
 from tests.e2e.dp_scenario import (
     DELTA,

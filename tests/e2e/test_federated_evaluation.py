@@ -30,14 +30,14 @@ import pytest
 
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
-from afl.client.eval_payloads import evaluation_values
-from afl.core.calibration import Calibration, fit_calibration
-from afl.core.evaluation import evaluation_statistics
-from afl.core.featurecache import CacheMeta, open_cache, write_cache
-from afl.core.scorebins import DEFAULT_SCORE_BINS
-from afl.crypto import signatures
+from afl.client.payloads.evaluation import evaluation_values
+from afl.core.data.featurecache import CacheMeta, open_cache, write_cache
+from afl.core.evaluation.calibration import Calibration, fit_calibration
+from afl.core.evaluation.federated import evaluation_statistics
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
+from afl.crypto.identity import signatures
 from afl.lab.cli import main as lab_main
-from afl.lab.demo_federation import prepare_loopback, run_loopback
+from afl.lab.demo.federation import prepare_loopback, run_loopback
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb

@@ -15,12 +15,12 @@ import pytest
 from numpy.typing import NDArray
 
 from afl.client.config import load_client_config
-from afl.client.daemon import ClientDaemon
-from afl.client.daemon_transport import DaemonError
-from afl.client.modes import PlaintextMode
+from afl.client.daemon.loop import ClientDaemon
+from afl.client.daemon.transport import DaemonError
+from afl.client.modes.base import PlaintextMode
 from afl.core.aggregation import class_b_sums, federated_solve
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
-from afl.lab.demo_federation import LoopbackFederation, LoopbackRun, prepare_loopback, run_loopback
+from afl.lab.demo.federation import LoopbackFederation, LoopbackRun, prepare_loopback, run_loopback
 from afl.proto.v1 import common_pb2 as cpb
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.helpers.numeric import relative_error
@@ -142,7 +142,7 @@ def test_restarted_client_resumes_from_its_state(tmp_path: Path) -> None:
         test_features=feats[0][:20], test_labels=labels[0][:20], allow_plaintext=True,
     )  # fmt: skip
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "afl.server.daemon", "--config", str(loop.server_config)]
+    cmd = [sys.executable, "-m", "afl.server.daemon.main", "--config", str(loop.server_config)]
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         configs = {s: load_client_config(p) for s, p in loop.client_configs.items()}

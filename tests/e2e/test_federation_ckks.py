@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from afl.core.aggregation import federated_solve
-from afl.core.featurecache import open_cache
+from afl.core.data.featurecache import open_cache
 from afl.core.metrics import evaluate, predict_proba
-from afl.crypto import ckks
-from afl.lab.demo_federation import ckks_round_settings, prepare_loopback, run_loopback
+from afl.crypto.ckks import scheme as ckks
+from afl.lab.demo.federation import ckks_round_settings, prepare_loopback, run_loopback
 from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
 

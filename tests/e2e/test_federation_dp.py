@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from afl.client.dp_ledger import DpLedger
-from afl.lab.demo_federation import run_loopback
+from afl.client.policy.ledger import DpLedger
+from afl.lab.demo.federation import run_loopback
 from tests.e2e.dp_scenario import (
     checked_dp_report,
     dp_budgets,

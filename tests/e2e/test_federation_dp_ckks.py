@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from afl.crypto import ckks_params as cp
-from afl.lab.demo_federation import ckks_round_settings, run_loopback
+from afl.crypto.ckks import params as cp
+from afl.lab.demo.federation import ckks_round_settings, run_loopback
 from tests.e2e.dp_scenario import (
     checked_dp_report,
     dp_budgets,

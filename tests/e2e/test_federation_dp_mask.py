@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,
@@ -22,7 +22,7 @@ from afl.lab.demo_federation import (
 )
 from afl.proto.v1 import common_pb2 as cpb
 from afl.server.config import load_config
-from afl.server.dp_mask import dp_mask_bound
+from afl.server.plan.dp_mask import dp_mask_bound
 from tests.e2e.dp_scenario import (
     CLIP,
     checked_dp_report,

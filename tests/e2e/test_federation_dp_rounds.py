@@ -25,10 +25,10 @@ from numpy.typing import NDArray
 from scipy.special import expit
 
 from afl.client import cli
-from afl.client.dp_ledger import DpLedger
-from afl.core.dp_accounting import compose_mu, epsilon_from_mu
-from afl.core.featurecache import open_cache
-from afl.lab.demo_federation import run_loopback
+from afl.client.policy.ledger import DpLedger
+from afl.core.data.featurecache import open_cache
+from afl.core.dp.accounting import compose_mu, epsilon_from_mu
+from afl.lab.demo.federation import run_loopback
 from afl.server import toml_text
 from tests.e2e.dp_scenario import (
     CLASSES,

@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 from afl.core.aggregation import federated_solve
 from afl.core.packing import pack_upper
 from afl.core.stats import LocalStats
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,

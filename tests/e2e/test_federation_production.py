@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from afl.crypto import pki, signatures
-from afl.lab.demo_federation import mask_round_settings, prepare_loopback, run_loopback
+from afl.crypto.identity import pki, signatures
+from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 from tests.e2e.loopback import SiteData
 
 D = 12

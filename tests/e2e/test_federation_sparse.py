@@ -15,7 +15,7 @@ import scipy.linalg
 from numpy.typing import NDArray
 
 from afl.core.stats import LocalStats
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
     mask_round_settings,

@@ -21,18 +21,18 @@ import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from afl.client.backbones import load_backbone
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
-from afl.core.evaluation import (
+from afl.client.features.backbones import load_backbone
+from afl.core.data.featurecache import open_cache
+from afl.core.evaluation.federated import (
     evaluation_statistics,
     federated_evaluation_document,
     sum_statistics,
 )
-from afl.core.featurecache import open_cache
-from afl.core.scorebins import DEFAULT_SCORE_BINS
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.cli import main as lab_main
-from afl.lab.demo_federation import mask_round_settings, prepare_loopback, run_loopback
+from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.store import Store

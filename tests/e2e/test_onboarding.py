@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 from afl.client.cli import main as client_main
-from afl.core.featurecache import open_cache
+from afl.core.data.featurecache import open_cache
 from afl.lab.cli import main as afl_main
-from afl.lab.demo_federation import free_port
+from afl.lab.demo.federation import free_port
 from afl.proto.v1 import common_pb2
 from afl.server import toml_text
-from afl.server.daemon import main as server_main
+from afl.server.daemon.main import main as server_main
 from afl.server.store import Store
 from tests.client.imagegen import write_hospital
 from tests.helpers.numeric import pooled_ridge, relative_error
@@ -104,7 +104,7 @@ def test_three_partial_sites_from_images_to_a_masked_model(
     logs = tmp_path / "logs"
     logs.mkdir()
     server = subprocess.Popen(
-        [sys.executable, "-m", "afl.server.daemon", "--config", str(server_toml)],
+        [sys.executable, "-m", "afl.server.daemon.main", "--config", str(server_toml)],
         stdout=subprocess.DEVNULL,
         stderr=(logs / "server.log").open("wb"),
         env=env,

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from afl.core.aggregation import federated_solve
-from afl.core.scorebins import DEFAULT_SCORE_BINS
-from afl.lab.demo_federation import ckks_round_settings, mask_round_settings, prepare_loopback
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
+from afl.lab.demo.federation import ckks_round_settings, mask_round_settings, prepare_loopback
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e.loopback import SiteData, cached_statistics

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from afl.core.aggregation import federated_solve
-from afl.lab.demo_federation import mask_round_settings, prepare_loopback, run_loopback
+from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e import vanishing_client
 from tests.e2e.loopback import SiteData, cached_statistics

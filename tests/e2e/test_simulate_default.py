@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from afl.lab.cli import main
-from afl.lab.simulate import CENTRAL, ORACLE
+from afl.lab.simulate.grid import CENTRAL, ORACLE
 
 
 def test_missing_1_and_7_on_the_default(tmp_path, capsys):

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from afl.client import cli
-from afl.client.daemon_rpc import CoordinatorClient
+from afl.client.daemon.rpc import CoordinatorClient
 
 EXIT_CODE = 70
 AFTER = {"advertise": "AdvertiseKeys", "share-keys": "ShareKeys", "consistency": "ConsistencyCheck"}

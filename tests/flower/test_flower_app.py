@@ -21,12 +21,12 @@ import pytest
 from numpy.typing import NDArray
 
 from afl.core.aggregation import federated_solve
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
     run_loopback,
 )
-from afl.lab.flower_federation import run_flower
+from afl.lab.demo.flower_federation import run_flower
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.helpers.flower_nodes import CLASSES, ckks_reference, small_federation
 from tests.helpers.numeric import relative_error

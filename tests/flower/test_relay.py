@@ -21,10 +21,10 @@ from numpy.typing import NDArray
 
 from afl.client.config import load_client_config
 from afl.core.aggregation import federated_solve
-from afl.crypto.signatures import load_private_key_pem, sign_fields
-from afl.crypto.signed_blobs import ENROL_CONTEXT
+from afl.crypto.identity.signatures import load_private_key_pem, sign_fields
+from afl.crypto.identity.signed_blobs import ENROL_CONTEXT
 from afl.flower.envelope import Answer, Call, FromSite, Gate, ToSite
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     run_loopback,
     site_reports,

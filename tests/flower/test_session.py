@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from afl.crypto.aead import seal
-from afl.crypto.secagg_client import SecAggClient
-from afl.crypto.secagg_server import SecAggServer
-from afl.crypto.signatures import generate_identity_key
+from afl.crypto.identity.signatures import generate_identity_key
+from afl.crypto.secagg.client import SecAggClient
+from afl.crypto.secagg.server import SecAggServer
 from afl.flower import session as sealed_session
 from afl.flower.session import SessionError, open_session, seal_session
 from tests.crypto.secagg_helpers import assert_sum_matches, exact_sum, make_federation

@@ -4,7 +4,7 @@ through unchanged."""
 
 from __future__ import annotations
 
-from afl.client.policy import PolicyDecision
+from afl.client.policy.plan import PolicyDecision
 from afl.flower.site import within_the_app
 from afl.proto.v1 import common_pb2 as cpb
 

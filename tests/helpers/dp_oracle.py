@@ -1,7 +1,7 @@
 """An independent analytic-Gaussian accountant for the DP tests (docs/protocol.md §7).
 
 Written from Balle & Wang 2018 (Theorem 8) with the standard library only, so that it shares no
-code with :mod:`afl.core.dp_accounting` (opacus or scipy): Gaussian releases (Δ_j, σ_j) of one
+code with :mod:`afl.core.dp.accounting` (opacus or scipy): Gaussian releases (Δ_j, σ_j) of one
 data set compose into one Gaussian mechanism with μ² = Σ (Δ_j/σ_j)², which is (ε, δ)-DP for
 
     δ(ε) = Φ(μ/2 - ε/μ) - e^ε·Φ(-μ/2 - ε/μ),

@@ -9,8 +9,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from afl.crypto import signatures
-from afl.crypto.signed_blobs import ENROL_CONTEXT
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import ENROL_CONTEXT
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 

@@ -1,7 +1,7 @@
 """What a test module declares to get the shared ``federation`` fixture (tests/conftest.py).
 
 A module sets ``FEDERATION = FederationSpec(sites=[...], ...)``; the fixture provisions that
-federation once per module with :func:`afl.server.provisioning.provision`. The keys are
+federation once per module with :func:`afl.ops.provisioning.provision`. The keys are
 ``provision``'s keyword arguments.
 """
 
@@ -14,7 +14,7 @@ from afl.server.toml_text import TomlValue
 
 
 class FederationSpec(TypedDict, total=False):
-    """Keyword arguments of :func:`afl.server.provisioning.provision` (all but ``out_dir``)."""
+    """Keyword arguments of :func:`afl.ops.provisioning.provision` (all but ``out_dir``)."""
 
     sites: Required[Sequence[str]]
     federation_id: str

@@ -25,7 +25,7 @@ from afl.core.aggregation import federated_solve
 from afl.flower.envelope import FromSite, ToSite, from_site
 from afl.flower.relay import RelayOutcome, Reply, serve_federation
 from afl.flower.site import handle, open_site
-from afl.lab.demo_federation import (
+from afl.lab.demo.federation import (
     LoopbackFederation,
     ckks_round_settings,
     mask_round_settings,

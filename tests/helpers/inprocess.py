@@ -10,11 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from afl.crypto import signatures
-from afl.crypto.signed_blobs import PLAN_DECISION_CONTEXT, blob_sha256, plan_decision_fields
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import (
+    PLAN_DECISION_CONTEXT,
+    blob_sha256,
+    plan_decision_fields,
+)
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import AssembledPayload
-from afl.server.plan import PlannedRelease, RoundView
+from afl.server.plan.release import PlannedRelease, RoundView
 from tests.helpers.enrol import enrol_in_process
 
 

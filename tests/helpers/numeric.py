@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.core.featurecache import open_cache
+from afl.core.data.featurecache import open_cache
 
 
 def relative_error(a: NDArray[np.float64], b: NDArray[np.float64]) -> float:

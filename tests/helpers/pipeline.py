@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from afl.client.backbones import BACKBONES, _build
-from afl.client.export import load_exported
-from afl.client.extract import extract_features
-from afl.client.sitedata import manifest_source, read_image
+from afl.client.features.backbones import BACKBONES, _build
+from afl.client.features.extract import extract_features
+from afl.client.features.sitedata import manifest_source, read_image
+from afl.client.model.export import load_exported
 from afl.core.metrics import predict_proba
 from tests.client.imagegen import write_dicom, write_png
 

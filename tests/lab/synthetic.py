@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from afl.lab.dataset import FederatedDataset
+from afl.lab.simulate.dataset import FederatedDataset
 
 CLASSES = ("a", "b", "c", "d")
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afl.core.packing import packed_length
-from afl.crypto.secagg_messages import (
+from afl.crypto.secagg.messages import (
     KIND_MASK_KEY,
     KIND_SELF_MASK,
     AdvertiseKeys,

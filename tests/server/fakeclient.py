@@ -19,8 +19,8 @@ from numpy.typing import NDArray
 
 from afl.core.packing import pack_upper
 from afl.core.stats import LocalStats, local_statistics
-from afl.crypto import signatures
-from afl.crypto.signed_blobs import (
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import (
     MODEL_CONTEXT,
     PLAN_CONTEXT,
     PLAN_DECISION_CONTEXT,

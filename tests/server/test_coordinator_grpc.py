@@ -21,10 +21,10 @@ from prometheus_client import generate_latest
 from afl.core.aggregation import GramScope, class_b_sums, federated_solve, plan_aggregation
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
 from afl.core.stats import LocalStats, local_statistics
+from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
-from afl.server.daemon import CoordinatorServer
-from afl.server.provisioning import ProvisionedFederation, provision
+from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
 from tests.helpers.numeric import relative_error
 from tests.server import fakeclient

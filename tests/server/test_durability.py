@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from afl.crypto import signatures
+from afl.crypto.identity import signatures
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import AssembledPayload
 from afl.server import store as store_module
@@ -182,7 +182,7 @@ def test_the_daemon_refuses_in_one_line_with_exit_2(federation: Any, tmp_path: P
         [
             sys.executable,
             "-m",
-            "afl.server.daemon",
+            "afl.server.daemon.main",
             "--config",
             str(config),
             "--listen",

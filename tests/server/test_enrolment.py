@@ -13,14 +13,14 @@ from typing import Any
 import grpc
 import pytest
 
-from afl.crypto import signatures
+from afl.crypto.identity import signatures
+from afl.ops.provisioning import ProvisionedFederation
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.coordinator import ENROL_CHALLENGE_TTL_S, MAX_OPEN_CHALLENGES, Coordinator
-from afl.server.daemon import CoordinatorServer
+from afl.server.daemon.main import CoordinatorServer
 from afl.server.errors import NotPermittedError, WrongStageError
-from afl.server.provisioning import ProvisionedFederation
 from afl.server.store import Store
 from tests.helpers.enrol import signed_enrol_request
 from tests.helpers.federation import FederationSpec

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from afl.client.daemon_verify import verify_evaluation
+from afl.client.daemon.verify import verify_evaluation
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.core.row_bounds import RowBounds
-from afl.core.scorebins import DEFAULT_SCORE_BINS
-from afl.crypto import ckks_params as cp
-from afl.crypto import signatures
+from afl.crypto.ckks import params as cp
+from afl.crypto.identity import signatures
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -29,10 +29,10 @@ from afl.server.admin import AdminRequests
 from afl.server.config import MaskSettings, load_config, run_settings, settings_table
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, WrongStageError
-from afl.server.evaluation import CONFUSION, HISTOGRAMS, evaluation_releases
-from afl.server.mode_ckks import CkksMode
-from afl.server.mode_mask import MaskMode
-from afl.server.plan import RoundView
+from afl.server.modes.ckks import CkksMode
+from afl.server.modes.mask import MaskMode
+from afl.server.plan.release import RoundView
+from afl.server.solve.evaluation import CONFUSION, HISTOGRAMS, evaluation_releases
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
 from tests.helpers.inprocess import complete_round, enrol

@@ -19,13 +19,13 @@ import grpc
 import pytest
 
 from afl.core.row_bounds import RowBounds
+from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server import toml_text
 from afl.server.config import MaskSettings, load_config
-from afl.server.daemon import CoordinatorServer
-from afl.server.daemon import main as server_main
+from afl.server.daemon.main import CoordinatorServer
+from afl.server.daemon.main import main as server_main
 from afl.server.errors import ConfigError
-from afl.server.provisioning import ProvisionedFederation, provision
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
 from tests.server.fakeclient import FakeSite

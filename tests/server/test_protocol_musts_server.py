@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 
 from afl.core.packing import packed_length
-from afl.crypto import signatures
-from afl.crypto.signed_blobs import (
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import (
     PLAN_DECISION_CONTEXT,
     blob_sha256,
     plan_decision_fields,
 )
+from afl.ops.provisioning import ProvisionedFederation
 from afl.proto.v1 import common_pb2
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import AssembledPayload
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import WrongStageError
-from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
 from tests.helpers.enrol import enrol_in_process

@@ -32,11 +32,11 @@ import pytest
 
 from afl.core.aggregation import federated_solve
 from afl.core.stats import LocalStats
+from afl.ops.provisioning import ProvisionedFederation
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
-from afl.server.daemon import CoordinatorServer
+from afl.server.daemon.main import CoordinatorServer
 from afl.server.limits import StreamLimits
-from afl.server.provisioning import ProvisionedFederation
 from afl.server.rounds import Stage
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec

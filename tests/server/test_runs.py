@@ -17,15 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afl.crypto import pki, signatures
+from afl.crypto.identity import pki, signatures
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.admin import AdminRequests, parse_run_settings
 from afl.server.config import load_config, run_settings, settings_table
 from afl.server.coordinator import Coordinator
-from afl.server.dp_plan import DpSettings
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
+from afl.server.plan.dp import DpSettings
 from afl.server.servicer import AdminServicer, CoordinatorServicer
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec

@@ -12,13 +12,14 @@ import grpc
 import numpy as np
 import pytest
 
-from afl.crypto import signatures
 from afl.crypto.errors import SignatureError
-from afl.crypto.signed_blobs import PLAN_CONTEXT, verify_blob
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import PLAN_CONTEXT, verify_blob
+from afl.ops.provisioning import ProvisionedFederation, ProvisioningError, provision
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.proto.wire import WireError, WireLimitError
-from afl.server import daemon
 from afl.server.config import load_config, round_template
+from afl.server.daemon import main as daemon
 from afl.server.errors import (
     ConfigError,
     ConflictError,
@@ -27,9 +28,8 @@ from afl.server.errors import (
     StateError,
     WrongStageError,
 )
-from afl.server.modes import decode_float64
-from afl.server.plan import build_plan, releases_from_plan, round1_releases, sign_plan
-from afl.server.provisioning import ProvisionedFederation, ProvisioningError, provision
+from afl.server.modes.base import decode_float64
+from afl.server.plan.release import build_plan, releases_from_plan, round1_releases, sign_plan
 from afl.server.servicer import status_for
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
@@ -213,7 +213,7 @@ def test_afl_server_process_stops_gracefully_on_sigterm(
     command = [
         sys.executable,
         "-m",
-        "afl.server.daemon",
+        "afl.server.daemon.main",
         "--config",
         str(federation.server_dir / "server.toml"),
         "--listen",

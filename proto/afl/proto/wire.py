@@ -16,7 +16,7 @@ the coordinator, the sites and the decryptor alike (docs/architecture.md §5).
   total bytes), indices run 0..total-1 in order, and the last chunk carries the SHA-256 of the
   whole payload. At most :data:`MAX_CHUNK_BYTES` per chunk (gRPC's default receive limit is 4 MiB).
 * The MASK-mode messages (coordinator.proto "MASK mode") both ways: site -> protobuf
-  (``*_to_proto``) and protobuf -> :mod:`afl.crypto.secagg_messages` objects (``*_from_proto``).
+  (``*_to_proto``) and protobuf -> :mod:`afl.crypto.secagg.messages` objects (``*_from_proto``).
   A message's sender is always the authenticated caller passed in by the receiver, never a field
   of the request. :func:`round_config_from_plan` derives the protocol config from the SIGNED
   release plan alone, so the config digest bound into every signature is the same everywhere.
@@ -38,14 +38,15 @@ from typing import Literal
 
 import numpy as np
 
-from afl.core.dp_accounting import StatisticKind
+from afl.core.dp.accounting import StatisticKind
+from afl.core.evaluation.scorebins import ScoreBins, ScoreBinsError
 from afl.core.packing import packed_length
-from afl.core.scorebins import ScoreBins, ScoreBinsError
 from afl.crypto.canonical import Field
-from afl.crypto.ckks_wire import SealedTags, TagBinding
+from afl.crypto.ckks.wire import SealedTags, TagBinding
 from afl.crypto.errors import ShamirError
-from afl.crypto.secagg_config import ReleaseSpec, RoundConfig, SparseGraph
-from afl.crypto.secagg_messages import (
+from afl.crypto.identity.signed_blobs import enrol_fields
+from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, SparseGraph
+from afl.crypto.secagg.messages import (
     KIND_MASK_KEY,
     KIND_SELF_MASK,
     AdvertiseKeys,
@@ -60,7 +61,6 @@ from afl.crypto.secagg_messages import (
     UnmaskResponse,
 )
 from afl.crypto.shamir import VALUE_BYTES, Share
-from afl.crypto.signed_blobs import enrol_fields
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -134,7 +134,7 @@ def enrol_proof_fields(
     site_id: str,
     server_identity_public_key: bytes,
 ) -> list[Field]:
-    """The fields of ``request``'s proof (:func:`afl.crypto.signed_blobs.enrol_fields`): every
+    """The fields of ``request``'s proof (:func:`afl.crypto.identity.signed_blobs.enrol_fields`): every
     field of the request but the proof, with the federation, the site (its certificate's) and
     the server identity key each side holds itself."""
     return enrol_fields(
@@ -169,7 +169,7 @@ def release_length(
     return int(np.prod([int(n) for n in shape], dtype=np.int64))
 
 
-#: The DP rulebook's name (:data:`afl.core.dp_accounting.StatisticKind`) of each statistic kind
+#: The DP rulebook's name (:data:`afl.core.dp.accounting.StatisticKind`) of each statistic kind
 #: a DP plan releases; the wire enum is the plan's, the name the rulebook's.
 DP_STATISTIC_NAMES: Mapping[int, StatisticKind] = {
     cpb.STATISTIC_KIND_GRAM: "gram",
@@ -607,7 +607,7 @@ def tag_binding(
 ) -> TagBinding:
     """What ``sender``'s aggregate tags in the round of ``plan`` are bound to: the plan's
     federation, round and salt, ``plan_sha256`` (SHA-256 of the signed plan bytes), the decryptor
-    and its X25519 tag key (:class:`afl.crypto.ckks_wire.TagBinding`)."""
+    and its X25519 tag key (:class:`afl.crypto.ckks.wire.TagBinding`)."""
     if len(plan_sha256) != 32:
         raise WireError("the plan digest must be 32 bytes to bind CKKS tags")
     return TagBinding(

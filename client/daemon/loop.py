@@ -1,0 +1,671 @@
+"""The afl-client daemon loop (docs/architecture.md §3; contract in the module docs of
+:mod:`afl.client.daemon.rpc`, :mod:`afl.client.daemon.verify`, :mod:`afl.client.policy.plan` and
+:mod:`afl.client.modes.base`).
+
+One run: statistics from the feature cache (read back from ``state_dir`` when already computed)
+-> Enroll (identity key + proof of possession) -> poll GetStatus with back-off until a round the
+site takes part in opens -> GetRoundConfig, verify the server's signature on the release plan,
+check it against the local policy -> RespondToPlan (signed) -> when the round collects uploads,
+the mode's exchange (:mod:`afl.client.modes.registry`; plaintext: one chunked Upload per slot) -> wait for the model, verify its
+signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitReport. A round 2
+(pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way,
+and so is a run's evaluation round (:mod:`afl.client.daemon.evaluation`: the model the site
+verified, its hold-out or training rows; the signed result is kept under ``state_dir/evaluations``).
+
+An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
+``linger_s`` for the replacement round the coordinator opens with the remaining sites.
+
+Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
+was aborted and no replacement came.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.client.config import ClientConfig
+from afl.client.connectivity import connect
+from afl.client.daemon.evaluation import (
+    evaluated_model,
+    evaluation_problem,
+    evaluation_rows,
+    is_evaluation_plan,
+    save_evaluation,
+)
+from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
+from afl.client.daemon.state import DaemonState, plan_summary
+from afl.client.daemon.transport import (
+    INSECURE_SITE_HEADER,
+    DaemonError,
+    RemoteCallError,
+    check_round_id,
+    retry_policy,
+)
+from afl.client.daemon.verify import (
+    VerificationError,
+    VerifiedModel,
+    verify_evaluation,
+    verify_model,
+    verify_round_config,
+)
+from afl.client.modes.base import AggregationMode, RoundSession
+from afl.client.modes.registry import MODES
+from afl.client.payloads.dp import dp_round_payloads
+from afl.client.payloads.evaluation import evaluation_slot_payloads
+from afl.client.payloads.stats import (
+    SlotPayload,
+    labelled_mask,
+    load_or_compute_pseudo,
+    load_or_compute_stats,
+    round_classes,
+    slot_payloads,
+)
+from afl.client.policy.dp import DpAssessment, DpContext, assess_plan, dp_report
+from afl.client.policy.ledger import DpLedger
+from afl.client.policy.plan import PolicyDecision, check_plan
+from afl.core.data.featurecache import FeatureCache, open_cache
+from afl.core.refinement import RefinementParams
+from afl.core.row_bounds import RowBounds, measure
+from afl.core.stats import LocalStats
+from afl.crypto.identity import signatures, signed_blobs
+from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+_OUTCOME_EXIT: dict[int, int] = {
+    pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
+    pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
+    pb.CLIENT_OUTCOME_ABORTED: EXIT_ABORTED,
+    pb.CLIENT_OUTCOME_FAILED: EXIT_FAILED,
+}
+log = logging.getLogger("afl.client")
+_ROUND_TWO = (cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM)
+_PSEUDO = (*_ROUND_TWO, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("afl")
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        return "0+unknown"
+
+
+class ClientDaemon:
+    """One site's daemon; :meth:`run` returns the process exit code."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        insecure: bool = False,
+        max_rounds: int | None = None,
+        modes: Mapping[int, AggregationMode] | None = None,
+    ) -> None:
+        self.config = config
+        self.site_id = config.site_id
+        self.insecure = insecure
+        self.max_rounds = max_rounds
+        self.modes = dict(MODES if modes is None else modes)
+        self.identity = signatures.load_private_key_pem(config.identity_key_path.read_bytes())
+        self.server_key = signatures.load_public_key_raw(config.server_public_key)
+        t = config.timing
+        self.retry = retry_policy(t)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            ((INSECURE_SITE_HEADER, self.site_id),) if insecure else ()
+        )
+        self.state = config.state_dir
+        self.store = DaemonState(config.state_dir)
+        self.ledger = DpLedger(config.state_dir / "dp-ledger")
+        self.cache: FeatureCache | None = None
+        self.stats: LocalStats | None = None
+        self.stats_from_state = False
+        self.labelled = np.zeros(0, dtype=bool)
+        self.row_bounds: RowBounds | None = None
+        self.warnings: list[str] = list(config.warnings)
+        self.timings: dict[str, float] = {}
+
+    # -- phases ----------------------------------------------------------------------------
+    def prepare(self) -> LocalStats:
+        """Open the feature cache and load (or compute once) the round-1 statistics."""
+        start = time.perf_counter()
+        self.cache = open_cache(self.config.data.cache)
+        self.labelled, _ = labelled_mask(self.cache, self.config.data.classes)
+        self.stats, cached = load_or_compute_stats(
+            self.cache, active=self.labelled, state_dir=self.state
+        )
+        self.stats_from_state = cached
+        self.row_bounds = measure(self.cache.features)
+        self.warnings += list(self.stats.skipped)
+        self.timings["statistics"] = time.perf_counter() - start
+        log.info(
+            "site=%s statistics %s: n=%d d=%d labelled=%d classes",
+            self.site_id,
+            "read from state" if cached else "computed",
+            self.stats.n,
+            self.stats.d,
+            int(self.labelled.sum()),
+        )
+        return self.stats
+
+    def _backbone(self) -> str:
+        assert self.cache is not None
+        meta = self.cache.meta
+        configured = self.config.data.backbone or meta.extra.get("backbone")
+        return str(configured or ("surrogate" if meta.surrogate else meta.source))
+
+    def enroll(self) -> pb.EnrollResponse:
+        """Enroll with the identity key and its proof of possession (context "enrol")."""
+        assert self.stats is not None and self.cache is not None
+        start = time.perf_counter()
+        names = self.cache.meta.classes
+        coverage = [c for i, c in enumerate(names) if self.stats.contributes[i]]
+        response = self.rpc.enroll(
+            federation_id=self.config.federation_id,
+            identity=self.identity,
+            identity_public_key=self.config.identity_public_key,
+            server_public_key=self.config.server_public_key,
+            role=pb.SITE_ROLE_PARTICIPANT,
+            labelled_classes=coverage if self.config.policy.disclose_coverage else [],
+            backbone=self._backbone(),
+            feature_dim=self.stats.d,
+            software_version=_version(),
+            row_bounds=(
+                self.row_bounds.declared()
+                if self.row_bounds is not None and self.config.policy.disclose_row_bounds
+                else None
+            ),
+            weights_sha256=str(self.cache.meta.extra.get("weights_sha256") or ""),
+            random_init=self.cache.meta.random_init,
+        )
+        self.timings["enrol"] = time.perf_counter() - start
+        log.info("site=%s enrolled in %s", self.site_id, response.federation_id)
+        return response
+
+    def _model(
+        self, round_id: str, *, class_names: list[str], plan_sha256: bytes | None
+    ) -> tuple[VerifiedModel, int]:
+        assert self.stats is not None
+        signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
+        verified = verify_model(
+            signed,
+            server_key=self.server_key,
+            federation_id=self.config.federation_id,
+            round_id=round_id,
+            class_names=class_names,
+            d=self.stats.d,
+            plan_sha256=plan_sha256,
+        )
+        self.store.save_model(round_id, signed, verified.weights)
+        return verified, signed.ByteSize()
+
+    def _round_problems(self, cfg: pb.RoundConfig) -> str:
+        assert self.stats is not None and self.cache is not None
+        # The round's classes may differ from the cache's (docs/method.md §1.1): classes this
+        # site does not hold get zero columns (daemon_stats.round_classes), never a refusal.
+        if cfg.feature_dim != self.stats.d:
+            return (
+                f"the round needs d = {cfg.feature_dim}, this site's cache has d = {self.stats.d}"
+            )
+        if cfg.backbone and cfg.backbone != self._backbone():
+            return f"the round needs features from {cfg.backbone!r}, this site has {self._backbone()!r}"
+        return ""
+
+    def _decide(
+        self, cfg: pb.RoundConfig, *, round_id: str
+    ) -> tuple[PolicyDecision, cpb.ReleasePlan | None, bytes]:
+        """The decision on the plan of ``cfg``, sent for the announced round ``round_id``."""
+        if cfg.round_id != round_id:
+            return (
+                PolicyDecision(
+                    False,
+                    f"the coordinator announced round {round_id} but sent the configuration of "
+                    f"round {cfg.round_id[:80]!r}",
+                ),
+                None,
+                b"",
+            )
+        try:
+            plan, plan_sha = verify_round_config(
+                cfg, server_key=self.server_key, federation_id=self.config.federation_id
+            )
+        except VerificationError as exc:
+            return PolicyDecision(False, str(exc)), None, b""
+        problem = self._round_problems(cfg)
+        if not problem and is_evaluation_plan(plan):  # only a model this site verified
+            problem = evaluation_problem(plan, **self._model_source())
+        if problem:
+            return PolicyDecision(False, problem), plan, plan_sha
+        try:
+            problem = self._ledger_problem(cfg, plan, plan_sha)
+            context = self._dp_context(cfg)
+        except DaemonError as exc:  # LedgerError, or a parent round id that names no file
+            return PolicyDecision(False, str(exc)), plan, plan_sha
+        if problem:
+            return PolicyDecision(False, problem), plan, plan_sha
+        decision = check_plan(
+            plan,
+            site_id=self.site_id,
+            policy=self.config.policy,
+            supported_modes=tuple(self.modes),
+            history=self.store.history(exclude_round=cfg.round_id),
+            dp_context=context,
+            peer_history=self.store.history(
+                exclude_round=cfg.round_id, only=self.store.uploaded_rounds()
+            ),
+        )
+        return decision, plan, plan_sha
+
+    def _ledger_problem(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> str:
+        """Why the ledger forbids this plan ("" when it does not): the site already uploaded under
+        another plan of this round id (the audit and the DP budgets leave out the site's own
+        releases of the round being decided), or a DP round 2 (or pseudo-label releases) whose
+        round 1 of the same run the site recorded no upload under (it would compose with
+        nothing, docs/protocol.md M-88)."""
+        if cfg.parent_round_id:
+            check_round_id(cfg.parent_round_id)
+        recorded = self.ledger.entry_for(cfg.round_id)
+        if recorded is not None and recorded.plan_sha256 != plan_sha.hex():
+            return (
+                f"this site already uploaded under another release plan of round {cfg.round_id} "
+                f"(sha256 {recorded.plan_sha256[:16]}...); a round has one plan"
+            )
+        if plan.dp.enabled and (
+            plan.round_number >= 2 or any(r.kind in _PSEUDO for r in plan.releases)
+        ):
+            run = cfg.run_id or cfg.parent_round_id
+            first = self.ledger.entry_for(cfg.parent_round_id) if cfg.parent_round_id else None
+            if first is None or first.run_id != run:
+                return (
+                    f"a DP round {plan.round_number} of run {run!r} composes with its round 1, "
+                    f"but this site recorded no upload under round {cfg.parent_round_id!r} of "
+                    "that run"
+                )
+        return ""
+
+    def _model_source(self) -> dict[str, Any]:
+        """Where this site's verified models are, and the keys to verify them again."""
+        return {
+            "state_dir": self.state,
+            "server_public_key": self.config.server_public_key,
+            "federation_id": self.config.federation_id,
+        }
+
+    def _evaluation_result(self, round_id: str, model_sha256: str) -> dict[str, Any]:
+        """Fetch, verify and keep the signed evaluation of ``round_id``."""
+        signed = self.rpc.call("GetEvaluation", pb.EvaluationRequest(round_id=round_id))
+        evaluation = verify_evaluation(
+            signed,
+            server_key=self.server_key,
+            federation_id=self.config.federation_id,
+            round_id=round_id,
+            model_sha256=model_sha256,
+        )
+        files = save_evaluation(signed, evaluation, self.state / "evaluations")
+        digest = signed_blobs.blob_sha256(signed.evaluation).hex()
+        return {"sha256": digest, "members": list(evaluation.members), "files": files}
+
+    def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
+        """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
+        assert self.cache is not None
+        unit = self.config.policy.privacy_unit
+        first = self.ledger.entry_for(cfg.parent_round_id) if cfg.parent_round_id else None
+        return DpContext(
+            has_patient_ids=self.cache.patients is not None,
+            ledger=self.ledger.spent(unit=unit, exclude_round=cfg.round_id),
+            run_mu=first.mu_for(unit) if first is not None else 0.0,
+        )
+
+    def _record(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> DpAssessment:
+        """Write the plan's ledger entry (before any upload leaves); the assessment it holds."""
+        dp = assess_plan(
+            plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
+        )
+        self.ledger.record(
+            federation_id=self.config.federation_id,
+            round_id=cfg.round_id,
+            round_number=int(cfg.round_number),
+            run_id=cfg.run_id or cfg.parent_round_id or cfg.round_id,
+            plan_sha256=plan_sha.hex(),
+            aggregation=cpb.AggregationMode.Name(plan.aggregation),
+            unit="patient" if plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT else "image",
+            images_per_patient=int(plan.dp.images_per_patient or 1),
+            delta=min(float(plan.dp.delta), self.config.policy.lifetime_delta),
+            mu=dp.mu,
+            epsilon=dp.epsilon,
+            releases=tuple(
+                {"name": r.name, "sensitivity": r.noise.sensitivity, "sigma": r.noise.sigma}
+                for r in plan.releases
+                if self.site_id in r.member_site_ids
+            ),
+        )
+        return dp
+
+    def _respond(
+        self, round_id: str, decision: PolicyDecision, plan_sha: bytes, *, graph_nonce: bytes = b""
+    ) -> None:
+        """Sign and send the decision; accepting a sparse-graph MASK plan commits to
+        ``graph_nonce`` (docs/protocol.md §4.2 "Sparse graph")."""
+        commitment = (
+            graph_commitment(round_id=round_id, site_id=self.site_id, nonce=graph_nonce)
+            if graph_nonce and decision.accept
+            else b""
+        )
+        signature = signatures.sign_fields(
+            self.identity,
+            context=signed_blobs.PLAN_DECISION_CONTEXT,
+            fields=signed_blobs.plan_decision_fields(
+                round_id=round_id,
+                accept=decision.accept,
+                plan_sha256=plan_sha,
+                graph_commitment=commitment,
+            ),
+        )
+        request = pb.PlanDecision(
+            round_id=round_id,
+            accept=decision.accept,
+            reason=decision.reason,
+            plan_sha256=plan_sha,
+            signature=signature,
+            graph_commitment=commitment,
+        )
+        self.rpc.call("RespondToPlan", request)
+
+    def round_payloads(
+        self,
+        cfg: pb.RoundConfig,
+        plan: cpb.ReleasePlan,
+        mode: AggregationMode,
+        report: dict[str, Any],
+    ) -> list[SlotPayload]:
+        """This site's payloads for an accepted plan, each release encoded by ``mode``: the
+        statistics in the round's class view; round 2 first fetches and verifies round 1's model
+        and computes the pseudo-labels; DP: the unit's rows, clipped, with the noise share."""
+        assert self.stats is not None and self.cache is not None
+        timings: dict[str, float] = report["timings_s"]
+        round_id = cfg.round_id
+        class_names = list(cfg.class_names)
+        view = round_classes(
+            self.stats,
+            cache_classes=self.cache.meta.classes,
+            labelled=self.labelled,
+            round_classes=class_names,
+        )
+        if view.note:
+            log.warning("site=%s round %s: %s", self.site_id, round_id, view.note)
+            report["classes_note"] = view.note
+        stats = view.stats
+        pseudo, parent_weights = None, None
+        if any(r.kind in _ROUND_TWO for r in plan.releases):
+            t0 = time.perf_counter()
+            parent, nbytes = self._model(
+                cfg.parent_round_id, class_names=class_names, plan_sha256=None
+            )
+            report["bytes_received"] += nbytes
+            ref = cfg.refinement
+            params = RefinementParams(
+                tau=ref.tau, alpha=ref.alpha, delta_pos=ref.delta_pos, delta_neg=ref.delta_neg
+            )
+            missing: NDArray[np.bool_] = ~view.labelled
+            parent_weights = parent.weights
+            if not plan.dp.enabled:
+                pseudo, _ = load_or_compute_pseudo(
+                    self.cache, weights=parent.weights, missing=missing, params=params,
+                    state_dir=self.state,
+                )  # fmt: skip
+            timings["pseudo_labels"] = time.perf_counter() - t0
+        evaluated = None
+        if is_evaluation_plan(plan):  # the run's evaluation round (docs/protocol.md §6.1)
+            evaluated = evaluated_model(plan, **self._model_source())
+            rows = evaluation_rows(self.config.data, training=self.cache, labelled=self.labelled)
+            report["evaluation"] = {"model_sha256": evaluated.model_sha256, **rows.to_json()}
+            if rows.in_sample:
+                report["round_warnings"] = [
+                    "evaluated on the training cache (in-sample): set [data] holdout"
+                ]
+            payloads = evaluation_slot_payloads(
+                plan,
+                site_id=self.site_id,
+                cache=rows.cache,
+                labelled=rows.labelled,
+                weights=evaluated.weights,
+                model_classes=evaluated.classes,
+                model_sha256=evaluated.model_sha256,
+                encode=mode.encode,
+            )
+        elif plan.dp.enabled:  # DP (docs/protocol.md §7): the unit's rows, clipped, noise share
+            payloads = dp_round_payloads(
+                plan,
+                site_id=self.site_id,
+                cache=self.cache,
+                class_names=class_names,
+                labels=view.labels(self.cache.labels),
+                labelled=view.labelled,
+                encode=mode.encode,
+                parent_weights=parent_weights,
+                tau=cfg.refinement.tau,
+            )
+        else:
+            payloads = slot_payloads(
+                plan,
+                site_id=self.site_id,
+                class_names=class_names,
+                stats=stats,
+                pseudo=pseudo,
+                encode=mode.encode,
+            )
+        return payloads
+
+    def run_round(self, status: pb.RoundStatus, report: dict[str, Any]) -> None:
+        """Take part in one round; fills ``report``; raises :class:`RoundFailed` if no model."""
+        assert self.stats is not None and self.cache is not None
+        timings: dict[str, float] = report["timings_s"]
+        round_id = status.round_id
+        start = time.perf_counter()
+        cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
+        report["bytes_received"] += cfg.ByteSize()
+        report["round_number"] = cfg.round_number
+        decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
+        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        graph_nonce = b""
+        if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
+            if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
+                graph_nonce = new_graph_nonce()
+            self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
+        timings["plan_check"] = time.perf_counter() - start
+        if not decision.accept:
+            log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
+        assert plan is not None
+        self.store.remember(plan)
+        mode = self.modes[plan.aggregation]
+        class_names = list(cfg.class_names)
+        payloads = self.round_payloads(cfg, plan, mode, report)
+        t0 = time.perf_counter()
+        status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
+        timings["wait_upload_stage"] = time.perf_counter() - t0
+        dp = self._record(cfg, plan, plan_sha)  # the ledger, before any upload leaves
+        if plan.dp.enabled:
+            report["dp"] = dp_report(plan, self.site_id, dp)
+        t0 = time.perf_counter()
+        session = self.round_session(
+            round_id,
+            plan=plan,
+            plan_sha256=plan_sha,
+            survivor_floors=decision.survivor_floors,
+            graph_nonce=graph_nonce,
+        )
+        records = mode.exchange(
+            session, payloads, already_complete=set(status.caller_uploads_complete)
+        )
+        timings["upload"] = time.perf_counter() - t0
+        report["uploads"] = [r.to_json() for r in records]
+        report["bytes_sent"] = sum(r.bytes for r in records)
+        t0 = time.perf_counter()
+        self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        timings["wait_model"] = time.perf_counter() - t0
+        if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
+            evaluated = report["evaluation"]["model_sha256"]
+            result = self._evaluation_result(round_id, evaluated)
+            report["evaluation"].update(result)
+            return
+        self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+
+    def round_session(
+        self,
+        round_id: str,
+        *,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        survivor_floors: Mapping[str, int],
+        graph_nonce: bytes = b"",
+    ) -> RoundSession:
+        """What the aggregation mode's exchange needs of this site for an accepted plan."""
+        return RoundSession(
+            rpc=self.rpc,
+            round_id=round_id,
+            site_id=self.site_id,
+            plan=plan,
+            identity_key=self.identity,
+            peer_keys=self.config.peers,
+            ckks_decryptor=self.config.policy.ckks_decryptor,
+            survivor_floors=survivor_floors,
+            plan_sha256=plan_sha256,
+            graph_nonce=graph_nonce,
+        )
+
+    def receive_model(
+        self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: dict[str, Any]
+    ) -> None:
+        """Fetch the round's signed model, verify it against the accepted plan, keep it, and
+        note it in ``report``."""
+        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha256)
+        report["bytes_received"] += nbytes
+        report["model"] = {
+            "sha256": model.model_sha256,
+            "weights_sha256": model.weights_sha256,
+            "shape": list(model.weights.shape),
+            "signature_valid": True,
+            "contributors": list(model.model.contributors),
+            "path": str(self.store.model_path(round_id)),
+        }
+
+    def _aborted_meanwhile(self, round_id: str) -> RoundFailed | None:
+        """A call refused as FAILED_PRECONDITION because the round was aborted meanwhile (e.g.
+        another site refused the plan) is an abort, not a failure of this site."""
+        try:
+            r = self.rpc.status(round_id).round
+        except RemoteCallError:
+            return None
+        if r.stage == pb.ROUND_STAGE_ABORTED:
+            return RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
+        return None
+
+    def _finish(self, report: dict[str, Any], outcome: int, reason: str = "") -> int:
+        name = pb.ClientOutcome.Name(outcome)  # type: ignore[arg-type]
+        report["outcome"] = name.removeprefix("CLIENT_OUTCOME_")
+        report["reason"] = reason
+        report["warnings"] = [*self.warnings, *report.get("round_warnings", [])]
+        if self.rpc.watcher is not None:
+            report["round_events_by_stream"] = self.rpc.watcher.events_received
+        path = self.store.write_report(report)
+        log.info("site=%s round %s %s; report %s", self.site_id, report["round_id"],
+                 report["outcome"], path)  # fmt: skip
+        if report["round_id"]:
+            message = pb.ClientReport(
+                round_id=report["round_id"],
+                outcome=outcome,  # type: ignore[arg-type]
+                reason=reason,
+                warnings=report["warnings"],
+                bytes_sent=report["bytes_sent"],
+                bytes_received=report["bytes_received"],
+                timings_s=report["timings_s"],
+                model_signature_valid="model" in report or "sha256" in report.get("evaluation", {}),
+                software_version=_version(),
+            )
+            try:
+                self.rpc.call("SubmitReport", message)
+            except RemoteCallError as exc:
+                log.warning("site=%s could not submit its report: %s", self.site_id, exc)
+        return _OUTCOME_EXIT[outcome]
+
+    def run(self) -> int:
+        """Prepare, enroll, take part in rounds until none is left (or, serving, until the
+        process is stopped); the exit code."""
+        if self.stats is None:
+            self.prepare()
+        with connect(self.config, insecure=self.insecure) as channel:
+            self.rpc = CoordinatorClient(
+                pb_grpc.CoordinatorStub(channel),
+                site_id=self.site_id,
+                timing=self.config.timing,
+                retry=self.retry,
+                metadata=self.metadata,
+            )
+            try:
+                self.enroll()
+                self.rpc.watch()
+                return self._rounds()
+            finally:
+                self.rpc.close()
+
+    def _rounds(self) -> int:
+        serve = self.config.serve
+        done = self.store.completed_rounds()
+        lingering = bool(done)
+        rounds, code = 0, EXIT_OK
+        while self.max_rounds is None or rounds < self.max_rounds:
+            t0 = time.perf_counter()
+            status = self.rpc.wait_for_round(done, lingering=lingering, forever=serve)
+            if status is None:
+                break
+            check_round_id(status.round_id)  # it names the round's report, model and ledger entry
+            report: dict[str, Any] = {
+                "site_id": self.site_id,
+                "federation_id": self.config.federation_id,
+                "run_id": status.run_id,
+                "round_id": status.round_id,
+                "round_number": status.round_number,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+                "timings_s": {**self.timings, "wait_round": time.perf_counter() - t0},
+            }
+            t1 = time.perf_counter()
+            done.add(status.round_id)
+            lingering = True
+            try:
+                try:
+                    self.run_round(status, report)
+                except RemoteCallError as exc:
+                    aborted = self._aborted_meanwhile(status.round_id)
+                    if aborted is None:
+                        raise
+                    raise aborted from exc
+            except RoundFailed as exc:
+                code = self._finish(report, exc.outcome, exc.reason)
+                # An aborted round is usually followed by a replacement round (new plan) with
+                # the remaining sites: wait for it. A serving daemon goes on after any outcome.
+                if exc.outcome != pb.CLIENT_OUTCOME_ABORTED and not serve:
+                    return code
+                continue
+            except (DaemonError, VerificationError, ValueError) as exc:
+                code = self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
+                if not serve:
+                    raise
+                log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
+                continue
+            report["timings_s"]["round"] = time.perf_counter() - t1
+            self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
+            rounds += 1
+            code = EXIT_OK
+        return code

@@ -1,0 +1,336 @@
+"""The daemon's conversation with the coordinator: every RPC with retries and back-off
+(:func:`afl.client.daemon.transport.with_retry`), enrolment, chunked uploads and downloads, and
+waiting for a round and for a round's stage. Used by the site daemon, its aggregation modes and the
+CKKS decryptor alike.
+
+Enrolment (``GetEnrolChallenge`` then ``Enroll``; docs/protocol.md §3, M-74): the identity public
+key with a proof of possession over the server's fresh challenge and every declared field
+(signature, context "enrol", :func:`afl.proto.wire.enrol_proof_fields`, with the server identity
+key of the startup kit): backbone, d, weights digest, random-init stamp and row bounds when the
+site's policy allows. The challenge and the reply must name this federation and this site, and
+the reply must carry the kit's server identity key; a note in the reply (e.g. classes the
+federation does not use) is logged. A retried enrolment asks for a new challenge (a nonce is valid
+once).
+
+Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
+subscription open in a background thread (reconnecting with back-off) and wakes the waiting
+daemon on every event, which then reads its own status with ``GetStatus``. Polling is the
+fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
+``poll_interval_s`` and growing by 1.5x per idle poll up to ``max_poll_interval_s``; while the
+stream is up a poll still happens every ``max_poll_interval_s`` as a safety net. Waits give up
+after ``max_wait_s`` (DaemonError), or, when ``lingering``, return None after ``linger_s``
+without a new round (a serving daemon waits for ever).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from afl.client.config import TimingConfig
+from afl.client.daemon.transport import (
+    DaemonError,
+    RetryPolicy,
+    download_payload,
+    status_code,
+    upload_payload,
+    with_retry,
+)
+from afl.core.row_bounds import RowBounds
+from afl.crypto.identity import signatures, signed_blobs
+from afl.proto import wire
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["CoordinatorClient", "RoundFailed", "RoundWatcher", "check_enrolment"]
+
+log = logging.getLogger("afl.client")
+
+
+STAGE_POLL_CAP_S = 0.25
+
+
+class RoundFailed(DaemonError):
+    """A round ended for this site without a model (refused, aborted or failed)."""
+
+    def __init__(self, outcome: int, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+def check_enrolment(
+    response: pb.EnrollResponse, *, site_id: str, federation_id: str, server_public_key: bytes
+) -> None:
+    """The enrolment reply must carry the kit's server identity key, this federation and this
+    site (:class:`DaemonError` otherwise); a note in it is logged."""
+    if response.server_identity_public_key != server_public_key:
+        raise DaemonError("the server's identity key differs from the one in the startup kit")
+    if response.federation_id != federation_id:
+        raise DaemonError(f"the server serves federation {response.federation_id!r}")
+    if response.site_id and response.site_id != site_id:
+        raise DaemonError(f"the server sees this site as {response.site_id!r}")
+    if response.message and response.message != "enrolled":
+        log.warning("site=%s enrolment: %s", site_id, response.message)
+
+
+class RoundWatcher:
+    """A ``WatchRounds`` subscription in a background thread (module docstring)."""
+
+    def __init__(self, stub: Any, *, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self._stub, self._metadata = stub, metadata
+        self._event = threading.Event()
+        self._stopped = threading.Event()
+        self._call: Any = None
+        self.connected = False
+        self.unavailable = False
+        self.events_received = 0
+        self._thread = threading.Thread(target=self._run, name="afl-watch-rounds", daemon=True)
+
+    def start(self) -> RoundWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = 0.5
+        while not self._stopped.is_set():
+            try:
+                self._call = self._stub.WatchRounds(
+                    pb.WatchRequest(), metadata=self._metadata or None
+                )
+                self.connected = True
+                for _event in self._call:
+                    self.events_received += 1
+                    self._event.set()
+                    delay = 0.5
+            except grpc.RpcError as exc:
+                if status_code(exc) == grpc.StatusCode.UNIMPLEMENTED:
+                    self.unavailable = True
+                    log.info("the coordinator offers no WatchRounds stream: polling instead")
+                    return
+            finally:
+                self.connected = False
+                self._event.set()  # a waiter re-reads its status (and falls back to polling)
+            self._stopped.wait(delay)
+            delay = min(2 * delay, 10.0)
+
+    def wait(self, timeout: float) -> None:
+        """Block until the next round event (or ``timeout``)."""
+        self._event.wait(timeout)
+        self._event.clear()
+
+
+class CoordinatorClient:
+    """RPCs of one site with its deadline, retry policy and (insecure mode) metadata."""
+
+    def __init__(
+        self,
+        stub: Any,
+        *,
+        site_id: str,
+        timing: TimingConfig,
+        retry: RetryPolicy,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.stub = stub
+        self.site_id = site_id
+        self.timing = timing
+        self.retry = retry
+        self.metadata = metadata
+        self.watcher: RoundWatcher | None = None
+
+    def watch(self) -> RoundWatcher:
+        """Subscribe to round events (call after enrolling); :meth:`close` ends it."""
+        if self.watcher is None:
+            self.watcher = RoundWatcher(self.stub, metadata=self.metadata).start()
+        return self.watcher
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
+
+    def call(self, what: str, request: Any, **kw: Any) -> Any:
+        """``stub.<what>(request)`` with the RPC deadline and retries."""
+        method = getattr(self.stub, what)
+        timeout = self.timing.rpc_timeout_s
+        return with_retry(
+            lambda: method(request, timeout=timeout, metadata=self.metadata or None, **kw),
+            what=what,
+            policy=self.retry,
+        )
+
+    def upload(
+        self,
+        data: bytes,
+        *,
+        round_id: str,
+        release_name: str,
+        kind: int = pb.PAYLOAD_KIND_STATISTIC,
+    ) -> pb.UploadReceipt:
+        """A chunked ``Upload`` whose receipt is checked against what was sent."""
+        return upload_payload(
+            self.stub,
+            data,
+            round_id=round_id,
+            release_name=release_name,
+            kind=kind,
+            policy=self.retry,
+            timeout_s=self.timing.upload_timeout_s,
+            metadata=self.metadata,
+        )
+
+    def download(self, request: pb.DownloadRequest) -> bytes:
+        """A ``Download`` stream, reassembled and digest-checked."""
+        return download_payload(
+            self.stub,
+            request,
+            policy=self.retry,
+            timeout_s=self.timing.upload_timeout_s,
+            metadata=self.metadata,
+        )
+
+    def enroll(
+        self,
+        *,
+        federation_id: str,
+        identity: Ed25519PrivateKey,
+        identity_public_key: bytes,
+        server_public_key: bytes,
+        role: int,
+        labelled_classes: Sequence[str] = (),
+        backbone: str = "",
+        feature_dim: int = 0,
+        software_version: str = "",
+        row_bounds: RowBounds | None = None,
+        weights_sha256: str = "",
+        random_init: bool = False,
+    ) -> pb.EnrollResponse:
+        """Enroll this site (module docstring); :class:`DaemonError` if the reply does not match
+        the startup kit."""
+        timeout = self.timing.rpc_timeout_s
+        metadata = self.metadata or None
+
+        def attempt() -> pb.EnrollResponse:
+            challenge: pb.EnrolChallenge = self.stub.GetEnrolChallenge(
+                pb.EnrolChallengeRequest(), timeout=timeout, metadata=metadata, wait_for_ready=True
+            )
+            if challenge.federation_id != federation_id or challenge.site_id != self.site_id:
+                raise DaemonError(
+                    f"the server's challenge is for {challenge.site_id!r} in "
+                    f"{challenge.federation_id!r}, not this site's federation"
+                )
+            request = pb.EnrollRequest(
+                identity_public_key=identity_public_key,
+                role=role,  # type: ignore[arg-type]
+                labelled_classes=list(labelled_classes),
+                backbone=backbone,
+                feature_dim=feature_dim,
+                software_version=software_version,
+                protocol_version=wire.PROTOCOL_VERSION,
+                challenge=challenge.nonce,
+                declared_rows=row_bounds.rows if row_bounds else 0,
+                declared_max_row_norm=row_bounds.max_row_norm if row_bounds else 0.0,
+                weights_sha256=weights_sha256,
+                random_init=random_init,
+            )
+            request.proof = signatures.sign_fields(
+                identity,
+                context=signed_blobs.ENROL_CONTEXT,
+                fields=wire.enrol_proof_fields(
+                    request,
+                    federation_id=federation_id,
+                    site_id=self.site_id,
+                    server_identity_public_key=server_public_key,
+                ),
+            )
+            reply: pb.EnrollResponse = self.stub.Enroll(
+                request, timeout=timeout, metadata=metadata, wait_for_ready=True
+            )
+            return reply
+
+        # Each retry fetches a new challenge: the server consumes a nonce on its first use.
+        response = with_retry(attempt, what="Enroll", policy=self.retry)
+        check_enrolment(
+            response,
+            site_id=self.site_id,
+            federation_id=federation_id,
+            server_public_key=server_public_key,
+        )
+        return response
+
+    def status(self, round_id: str = "") -> pb.StatusResponse:
+        status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
+        return status
+
+    def _pause(self, delay: float, *, cap: float | None = None) -> float:
+        """Wait for the next round event (stream up) or ``delay`` (polling); the next delay."""
+        if self.watcher is not None and self.watcher.connected:
+            self.watcher.wait(self.timing.max_poll_interval_s)
+            return delay
+        time.sleep(delay)
+        return min(delay * 1.5, self.timing.max_poll_interval_s if cap is None else cap)
+
+    def wait_for_round(
+        self, done: set[str], *, lingering: bool, forever: bool = False
+    ) -> pb.RoundStatus | None:
+        """The next round this site takes part in, or None after ``linger_s`` without one
+        (``forever``: no time limit)."""
+        t = self.timing
+        start = time.monotonic()
+        delay = t.poll_interval_s
+        noted = ""
+        while True:
+            status = self.status()
+            if status.note and status.note != noted:
+                log.warning(
+                    "site=%s takes no part in the current run: %s", self.site_id, status.note
+                )
+                noted = status.note
+            r = status.round if status.HasField("round") else None
+            if r is not None and r.round_id not in done:
+                waiting = r.stage in (
+                    pb.ROUND_STAGE_UNSPECIFIED,
+                    pb.ROUND_STAGE_WAITING_FOR_PARTICIPANTS,
+                )
+                missed = r.stage >= pb.ROUND_STAGE_SOLVING and not r.caller_accepted_plan
+                if not waiting and (self.site_id not in r.participants or missed):
+                    log.info("site=%s takes no part in round %s", self.site_id, r.round_id)
+                    done.add(r.round_id)
+                elif not waiting and r.stage != pb.ROUND_STAGE_ABORTED:
+                    return r
+            elapsed = time.monotonic() - start
+            if not forever and lingering and elapsed > t.linger_s:
+                return None
+            if not forever and elapsed > t.max_wait_s:
+                raise DaemonError(f"no round opened within max_wait_s = {t.max_wait_s:g} s")
+            delay = self._pause(delay)
+
+    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
+        """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts."""
+        t = self.timing
+        start = time.monotonic()
+        delay = t.poll_interval_s
+        while True:
+            r = self.status(round_id).round
+            if r.stage == pb.ROUND_STAGE_ABORTED:
+                raise RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
+            if r.stage >= at_least:
+                return r
+            if time.monotonic() - start > t.max_wait_s:
+                raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
+            # Within a round the next stage is usually seconds away (the peers' work), so the
+            # poll interval stays short instead of backing off to max_poll_interval_s.
+            delay = self._pause(delay, cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s))

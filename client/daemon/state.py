@@ -1,0 +1,173 @@
+"""The afl-client daemon's state folder (docs/architecture.md §8: the client resumes
+after a crash).
+
+    state_dir/
+      stats/local-<key>.npz           round-1 statistics (afl.client.payloads.stats)
+      stats/pseudo-<key>.npz          round-2 pseudo-label projections
+      history.json                    releases of every plan this site accepted (cross-round audit)
+      models/<round>.signed-model.pb  the verified SignedModel as received
+      models/<round>.weights.npy      its W (float64, d x C)
+      reports/<round>.json            the local report of each round (what was sent, timings...)
+
+Every file is written atomically (temporary file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.client.daemon.transport import check_round_id
+from afl.client.payloads.stats import dump_json
+from afl.client.policy.plan import PolicyDecision, audit_view
+from afl.core import leakage
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["DaemonState", "plan_summary"]
+
+
+class DaemonState:
+    """Read and write the state folder of one site."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def history_path(self) -> Path:
+        return self.root / "history.json"
+
+    def _history_rows(self) -> list[dict[str, Any]]:
+        if not self.history_path.exists():
+            return []
+        rows: list[dict[str, Any]] = json.loads(self.history_path.read_text(encoding="utf-8"))[
+            "releases"
+        ]
+        return rows
+
+    def history(
+        self, *, exclude_round: str, only: Collection[str] | None = None
+    ) -> list[leakage.Release]:
+        """Releases of earlier rounds this site took part in (for the cross-round audit); with
+        ``only``, of those rounds only."""
+        return [
+            leakage.Release(r["name"], frozenset(r["members"]), r["quantity"])
+            for r in self._history_rows()
+            if r["round_id"] != exclude_round and (only is None or r["round_id"] in only)
+        ]
+
+    def remember(self, plan: cpb.ReleasePlan) -> None:
+        """Record the releases of an accepted plan (names tagged with the round id)."""
+        rows = [r for r in self._history_rows() if r["round_id"] != plan.round_id]
+        for rel in audit_view(list(plan.releases), tag=f"{plan.round_id}/"):
+            rows.append(
+                {
+                    "round_id": plan.round_id,
+                    "name": rel.name,
+                    "members": sorted(str(m) for m in rel.members),
+                    "quantity": rel.quantity,
+                }
+            )
+        dump_json(self.history_path, {"releases": rows})
+
+    def _rounds_where(self, keep: Callable[[dict[str, Any]], bool]) -> set[str]:
+        """Round ids whose local report satisfies ``keep``."""
+        found = set()
+        for p in (self.root / "reports").glob("*.json"):
+            try:
+                report = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if keep(report):
+                found.add(str(report.get("round_id")))
+        return found
+
+    def completed_rounds(self) -> set[str]:
+        """Round ids whose local report says COMPLETED."""
+        return self._rounds_where(lambda report: report.get("outcome") == "COMPLETED")
+
+    def uploaded_rounds(self) -> set[str]:
+        """Round ids this site sent statistics to (its sums may have been released), or that
+        completed."""
+        return self._rounds_where(
+            lambda report: (
+                report.get("outcome") == "COMPLETED" or int(report.get("bytes_sent") or 0) > 0
+            )
+        )
+
+    def model_path(self, round_id: str) -> Path:
+        return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"
+
+    def save_model(
+        self, round_id: str, signed: pb.SignedModel, weights: NDArray[np.float64]
+    ) -> Path:
+        """Keep the verified model: the signed bytes as received and W as .npy."""
+        check_round_id(round_id)
+        models = self.root / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        tmp = models / f"{round_id}.signed-model.pb.tmp"
+        tmp.write_bytes(signed.SerializeToString())
+        tmp.replace(models / f"{round_id}.signed-model.pb")
+        path = self.model_path(round_id)
+        with open(path.with_name(path.name + ".tmp"), "wb") as fh:
+            np.save(fh, weights)
+        path.with_name(path.name + ".tmp").replace(path)
+        return path
+
+    def write_report(self, report: dict[str, Any]) -> Path:
+        """reports/<round>.json (``no-round.json`` when no round was reached)."""
+        name = check_round_id(report["round_id"]) if report.get("round_id") else "no-round"
+        path = self.root / "reports" / f"{name}.json"
+        dump_json(path, report)
+        return path
+
+
+def plan_summary(
+    cfg: pb.RoundConfig,
+    plan: cpb.ReleasePlan | None,
+    decision: PolicyDecision,
+    plan_sha256: bytes,
+) -> dict[str, Any]:
+    """The report's record of the plan the site decided on (releases, audit, decision)."""
+    return {
+        "sha256": plan_sha256.hex(),
+        "accepted": decision.accept,
+        "reason": decision.reason,
+        "aggregation": cpb.AggregationMode.Name(cfg.aggregation),
+        "gram_scope": cpb.GramScope.Name(cfg.gram_scope),
+        "participants": list(cfg.participants),
+        "releases": [
+            {
+                "name": r.name,
+                "upload_name": r.upload_name,
+                "kind": cpb.StatisticKind.Name(r.kind),
+                "members": list(r.member_site_ids),
+                "classes": list(r.class_names),
+                "shape": list(r.shape),
+            }
+            for r in (plan.releases if plan is not None else [])
+        ],
+        "audit": decision.audit,
+        **_mask_graph(plan),
+    }
+
+
+def _mask_graph(plan: cpb.ReleasePlan | None) -> dict[str, Any]:
+    """The plan's sparse masking graph for the report (nothing for the full graph)."""
+    if plan is None or not plan.mask_graph.degree:
+        return {}
+    g = plan.mask_graph
+    return {
+        "mask_graph": {
+            "degree": g.degree,
+            "share_threshold": g.share_threshold,
+            "colluders": g.colluders,
+            "dropouts": g.dropouts,
+            "failure_log2": g.failure_log2,
+        }
+    }

@@ -1,0 +1,1 @@
+"""Images to features: site data readers, backbones, weights, extraction, shards, merge."""

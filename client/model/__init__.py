@@ -1,0 +1,1 @@
+"""The published model at a site: verify, evaluate, export, model card, predict."""

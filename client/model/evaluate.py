@@ -1,0 +1,163 @@
+"""``afl-client evaluate``: a site checks a published model on its own labelled hold-out before
+trusting it (docs/operations.md §14, docs/method.md §3.4).
+
+The model is a signed model file (default: the newest verified model in the daemon's
+``state_dir/models``), verified again with the coordinator key of ``client.toml``. The hold-out is a
+feature cache (``--cache``, e.g. from ``afl-client extract`` on held-out images) or a manifest of
+images (``--manifest``, features extracted with the model's backbone from a local weights file
+into a temporary cache). Without either, the site's ``[data] holdout`` cache when it has one (the
+rows a run's evaluation round uses, docs/operations.md §6.1), else its training cache (``[data]
+cache``), flagged ``in_sample`` (optimistic: the model was fitted on those rows).
+
+Classes evaluated: the model's classes the site labels (``[data] classes``; when empty, every
+model class with labelled rows in the hold-out). Metrics and bootstrap intervals:
+:func:`afl.core.evaluation.local.bootstrap_evaluation`. The result goes into the site's report of
+the model's round (``state_dir/reports/<round>.json``, key ``local_evaluation``), written
+atomically; nothing is sent anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from afl.client.config import ClientConfig
+from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
+from afl.client.payloads.stats import dump_json
+from afl.core.data.featurecache import FeatureCache, open_cache
+from afl.core.evaluation.local import LocalEvaluation, bootstrap_evaluation
+from afl.core.metrics import predict_proba
+
+__all__ = ["EvaluationRun", "evaluate_model", "latest_model", "write_local_evaluation"]
+
+
+def latest_model(state_dir: Path) -> Path:
+    """The newest ``models/*.signed-model.pb`` the daemon kept."""
+    found = sorted(
+        (state_dir / "models").glob("*.signed-model.pb"), key=lambda p: p.stat().st_mtime_ns
+    )
+    if not found:
+        raise ModelFileError(
+            f"no verified model in {state_dir / 'models'}: pass --model, or take part in a round"
+        )
+    return found[-1]
+
+
+class EvaluationRun:
+    """The evaluated model, the data's description and the result."""
+
+    def __init__(
+        self, model: PublishedModel, data: str, in_sample: bool, result: LocalEvaluation
+    ) -> None:
+        self.model, self.data, self.in_sample, self.result = model, data, in_sample, result
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model_sha256": self.model.model_sha256,
+            "round_id": self.model.model.round_id,
+            "data": self.data,
+            "in_sample": self.in_sample,
+            **self.result.to_json(),
+        }
+
+
+def _extract_holdout(
+    manifest: str | os.PathLike[str],
+    *,
+    model: PublishedModel,
+    backbone: str | None,
+    weights: str | None,
+    sha256: str | None,
+    workdir: Path,
+) -> FeatureCache:
+    from afl.client.features.backbones import load_backbone
+    from afl.client.features.extract import extract_features
+    from afl.client.features.sitedata import manifest_source
+
+    name = backbone or model.model.backbone
+    if weights is None:
+        raise ModelFileError("--manifest needs --weights (the backbone's local weights file)")
+    bb = load_backbone(name, weights=weights, sha256=sha256)
+    if bb.dim != model.weights.shape[0]:
+        raise ModelFileError(
+            f"backbone {name} gives d = {bb.dim}, the model needs d = {model.weights.shape[0]}"
+        )
+    source = manifest_source(manifest, classes=model.classes)
+    return extract_features(source, bb, workdir / "holdout", workers=0, progress=True).cache
+
+
+def evaluate_model(
+    config: ClientConfig,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    cache: str | os.PathLike[str] | None = None,
+    manifest: str | os.PathLike[str] | None = None,
+    backbone: str | None = None,
+    weights: str | None = None,
+    sha256: str | None = None,
+    n_boot: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> EvaluationRun:
+    """Evaluate a verified model on the site's hold-out (module docstring)."""
+    path = Path(model_path) if model_path is not None else latest_model(config.state_dir)
+    model = load_published_model(
+        path, server_public_key=config.server_public_key, federation_id=config.federation_id
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="afl-evaluate-"))
+    try:
+        if manifest is not None:
+            data = _extract_holdout(
+                manifest, model=model, backbone=backbone, weights=weights, sha256=sha256,
+                workdir=workdir,
+            )  # fmt: skip
+            description, in_sample = f"manifest {manifest}", False
+        elif (where := cache if cache is not None else config.data.holdout) is not None:
+            data, description, in_sample = open_cache(where), f"feature cache {where}", False
+        else:
+            data = open_cache(config.data.cache)
+            description, in_sample = f"training cache {config.data.cache} (in-sample)", True
+        missing = [c for c in model.classes if c not in data.meta.classes]
+        if missing or data.meta.d != model.weights.shape[0]:
+            raise ModelFileError(
+                f"{description}: classes {missing} missing or d = {data.meta.d} differs from the "
+                f"model's {model.weights.shape[0]}"
+            )
+        cols = [data.meta.classes.index(c) for c in model.classes]
+        labels = np.asarray(data.labels[:, cols])
+        if config.data.classes:
+            labelled = np.array([c in config.data.classes for c in model.classes])
+        else:
+            labelled = np.asarray((labels >= 0).any(axis=0), dtype=bool)
+        probs = predict_proba(data.features, model.weights)
+        result = bootstrap_evaluation(
+            probs,
+            labels,
+            classes=model.classes,
+            labelled=labelled,
+            threshold=model.model.decision_threshold or 0.5,
+            n_boot=n_boot,
+            confidence=confidence,
+            seed=seed,
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return EvaluationRun(model, description, in_sample, result)
+
+
+def write_local_evaluation(state_dir: Path, run: EvaluationRun) -> Path:
+    """Merge the result into ``reports/<round>.json`` (key ``local_evaluation``), atomically."""
+    path = state_dir / "reports" / f"{run.model.model.round_id}.json"
+    report: dict[str, Any] = {}
+    if path.exists():
+        report = json.loads(path.read_text(encoding="utf-8"))
+    report.setdefault("round_id", run.model.model.round_id)
+    report["local_evaluation"] = run.to_json()
+    dump_json(path, report)
+    return path

@@ -1,0 +1,1 @@
+"""The site's aggregation modes behind one interface (plaintext, mask, ckks)."""

@@ -1,0 +1,201 @@
+"""The site's ``ckks`` mode: public context, sealed aggregate tags, encrypted uploads
+(docs/protocol.md §4.3, docs/architecture.md §4).
+
+Between the accepted plan and the model, a site
+
+1. fetches the decryptor's announcement (``GetCkksContext``): it must name the decryptor pinned
+   in the site's policy (``[policy] ckks_decryptor``, never this site) and carry that site's
+   signature (context "ckks-context", :mod:`afl.crypto.ckks.wire`), checked with its identity
+   key from the startup kit's [peers];
+2. downloads the public context (``Download``), checks its SHA-256 against the signed
+   announcement and loads it with :func:`afl.crypto.ckks.scheme.load_public_context` (which refuses a
+   context holding a secret key, or parameters other than the vetted ones);
+3. draws one secret tag r per upload slot (:func:`afl.crypto.ckks.scheme.new_tag`) and sends them sealed
+   to the decryptor's X25519 key and signed with the site's identity key over (federation,
+   round, plan digest, sender, decryptor, its key) (``SendAggregateTags``,
+   :func:`afl.crypto.ckks.wire.seal_tags`; the server can neither read nor forge them);
+4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
+   the tag in slot 0 of every ciphertext (:func:`afl.crypto.ckks.scheme.encrypt_block`) and streams the
+   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
+
+``encode`` runs before the context is known, so it only checks the declared bound (values that
+would overflow the slot budget are refused with an error, never clipped) and keeps float64.
+Tags are drawn per run: a daemon restarted between SendAggregateTags and its uploads cannot
+resume the round (the server keeps the first tags; the round then times out and is re-planned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from numpy.typing import NDArray
+
+from afl.client.daemon.transport import DaemonError, RemoteCallError
+from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
+from afl.client.payloads.stats import PayloadError, SlotPayload, encode_float64
+from afl.crypto.ckks import params as cp
+from afl.crypto.ckks import scheme as ckks
+from afl.crypto.ckks.wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
+from afl.crypto.errors import CryptoError
+from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
+from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["CkksMode", "fetch_public_context"]
+
+
+def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
+    rpc = session.rpc
+    delay, start = rpc.retry.initial_s, time.monotonic()
+    while True:
+        try:
+            announcement: pb.CkksContextAnnouncement = rpc.call(
+                "GetCkksContext", cpb.RoundRef(round_id=session.round_id)
+            )
+            return announcement
+        except RemoteCallError as exc:
+            if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            if time.monotonic() - start > deadline_s:
+                raise DaemonError("the decryptor published no CKKS context in time") from exc
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+
+
+def fetch_public_context(
+    session: RoundSession, peers: Mapping[str, bytes]
+) -> tuple[Any, pb.CkksContextAnnouncement]:
+    """Steps 1-2 of the module docstring: the verified public context and its announcement."""
+    ann = _poll_context(session, session.rpc.timing.upload_timeout_s)
+    decryptor = ann.decryptor_site_id
+    if session.ckks_decryptor is None:
+        raise DaemonError("no CKKS decryptor is pinned in this site's [policy] ckks_decryptor")
+    if decryptor != session.ckks_decryptor:
+        raise DaemonError(
+            f"the CKKS context comes from {decryptor!r}, not from the decryptor pinned in this "
+            f"site's policy ({session.ckks_decryptor!r})"
+        )
+    if decryptor == session.site_id or decryptor not in peers:
+        raise DaemonError(f"the CKKS decryptor {decryptor!r} is not a peer in this site's kit")
+    if ann.round_id not in ("", session.round_id):
+        raise DaemonError("the CKKS context announcement belongs to another round")
+    try:
+        verify_fields(
+            load_public_key_raw(peers[decryptor]),
+            ann.signature,
+            context=CKKS_CONTEXT_CONTEXT,
+            fields=context_fields(
+                round_id=ann.round_id,
+                context_sha256=ann.context_sha256,
+                cipher_public_key=ann.cipher_public_key,
+            ),
+        )
+    except CryptoError as exc:
+        raise DaemonError("the CKKS context announcement is not signed by the decryptor") from exc
+    data = session.rpc.download(
+        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT)
+    )
+    if hashlib.sha256(data).digest() != ann.context_sha256:
+        raise DaemonError("the downloaded CKKS context differs from the signed announcement")
+    try:
+        return ckks.load_public_context(data), ann
+    except CryptoError as exc:
+        raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
+
+
+def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
+    """(prescale, K) of an upload slot: K is the largest member count of its releases."""
+    releases = [r for r in plan.releases if (r.upload_name or r.name) == slot]
+    if not releases:
+        raise PayloadError(f"no release of the plan uses upload slot {slot!r}")
+    prescales = {r.encoding.ckks.prescale for r in releases}
+    if len(prescales) != 1:
+        raise PayloadError(f"releases of slot {slot!r} declare different pre-scales")
+    return prescales.pop(), max(len(r.member_site_ids) for r in releases)
+
+
+class CkksMode:
+    """CKKS: encrypted, tagged uploads (see the module docstring)."""
+
+    name: str = "ckks"
+    aggregation: int = int(cpb.AGGREGATION_MODE_CKKS)
+    first_stage: int = int(pb.ROUND_STAGE_UPLOAD)
+
+    def encode(self, release: cpb.Release, values: NDArray[np.float64]) -> bytes:
+        enc = release.encoding
+        if enc.dtype != cpb.DTYPE_CKKS_VECTORS or not enc.HasField("ckks"):
+            raise PayloadError(f"release {release.name}: CKKS mode needs a CkksEncoding")
+        prescale, k = enc.ckks.prescale, len(release.member_site_ids)
+        x = np.asarray(values, dtype=np.float64).ravel()
+        peak = float(np.max(np.abs(x))) * prescale if x.size else 0.0
+        if not np.all(np.isfinite(x)) or peak > cp.per_site_slot_bound(k):
+            fix = (
+                "eval_max_rows (this site's evaluated rows)"
+                if release.kind in wire.EVALUATION_KINDS
+                else "ckks_gram_bound / ckks_vector_bound"
+            )
+            raise PayloadError(
+                f"release {release.name}: values exceed the plan's declared bound "
+                f"(|x|·prescale = {peak:.4g} > 2^17/{k}); raise [round] {fix} on the server"
+            )
+        return encode_float64(x)
+
+    def exchange(
+        self,
+        session: RoundSession,
+        payloads: Sequence[SlotPayload],
+        *,
+        already_complete: Collection[str] = (),
+    ) -> list[UploadRecord]:
+        plan = session.plan
+        ctx, ann = fetch_public_context(session, session.peer_keys)
+        todo = [p for p in payloads if p.slot not in already_complete]
+        tags = {p.slot: ckks.new_tag(num_summands=_slot_release(plan, p.slot)[1]) for p in todo}
+        if todo:
+            message = pb.AggregateTags(
+                round_id=session.round_id,
+                site_id=session.site_id,
+                tags=[pb.TagValue(upload_name=s, value=v) for s, v in tags.items()],
+            )
+            try:
+                binding = wire.tag_binding(
+                    plan,
+                    plan_sha256=session.plan_sha256,
+                    sender=session.site_id,
+                    decryptor=ann.decryptor_site_id,
+                    decryptor_key=ann.cipher_public_key,
+                )
+            except wire.WireError as exc:
+                raise DaemonError(f"cannot bind the CKKS tags: {exc}") from exc
+            sealed = seal_tags(
+                message.SerializeToString(), binding=binding, identity_key=session.identity_key
+            )
+            session.rpc.call(
+                "SendAggregateTags",
+                pb.SendAggregateTagsRequest(
+                    round_id=session.round_id,
+                    sealed=wire.sealed_tags_to_proto(sealed, decryptor=ann.decryptor_site_id),
+                ),
+            )
+        records = []
+        for item in payloads:
+            if item.slot in already_complete:
+                records.append(skipped_record(item))
+                continue
+            prescale, k = _slot_release(plan, item.slot)
+            values = np.frombuffer(item.payload, dtype="<f8")
+            try:
+                vectors = ckks.encrypt_block(
+                    ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
+                )
+            except CryptoError as exc:
+                raise PayloadError(f"slot {item.slot}: {exc}") from exc
+            packed = ckks.pack_ciphertexts(ckks.serialize_ciphertexts(vectors))
+            records.append(upload_record(session, item.slot, item.releases, packed))
+        return records

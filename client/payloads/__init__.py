@@ -1,0 +1,1 @@
+"""What a site uploads for a release: statistics, DP shares, evaluation counts."""

@@ -1,0 +1,1 @@
+"""The data protocol: NIH metadata, surrogate features, class assignment, the feature cache."""

@@ -1,0 +1,1 @@
+"""Evaluation statistics: federated releases, a site's local evaluation, calibration, score bins."""

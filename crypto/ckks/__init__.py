@@ -1,0 +1,1 @@
+"""The CKKS mode's cryptography: scheme, parameters, wire bindings, decryption."""

@@ -1,0 +1,1 @@
+"""Secure aggregation by pairwise masking (Bonawitz et al.; SecAgg+ sparse graphs)."""

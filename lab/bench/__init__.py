@@ -1,0 +1,1 @@
+"""`afl bench`: benchmark suites; each writes JSON recorded in docs/benchmarks.md."""

@@ -1,0 +1,1 @@
+"""`afl demo`: real federations on loopback (daemons or Flower)."""

@@ -1,0 +1,1 @@
+"""`afl report`: self-contained HTML reports, their plots and text tables."""

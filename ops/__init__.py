@@ -1,0 +1,1 @@
+"""The operator's commands: CA and provisioning, admin, export, audit and log verification."""

@@ -1,0 +1,1 @@
+"""The afl-server process: start-up, pre-start check, status, ports, metrics and logs."""

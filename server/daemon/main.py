@@ -1,0 +1,302 @@
+"""`afl-server --config server.toml [--insecure]`: the coordinator daemon (docs/operations.md,
+docs/architecture.md §2).
+
+Mutual TLS by default (the kit's ca.pem, server.pem, server.key; clients must present a
+certificate of the federation CA); ``--insecure`` serves plaintext gRPC for development only and
+prints a loud warning (the caller's site id then comes from a metadata header). Also serves the
+gRPC health service, Prometheus metrics on ``[server] metrics_port`` (or ``--metrics-port``),
+JSON-lines logs on stderr, and stops gracefully on SIGTERM/SIGINT. State lives in
+``[server] state_dir``; a restarted server resumes the open round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from afl.core.about import afl_version
+from afl.core.memory import map_large_blocks
+from afl.crypto.errors import KeyFormatError
+from afl.crypto.identity.signatures import load_private_key_pem, public_key_to_raw
+from afl.proto.v1 import admin_pb2_grpc, coordinator_pb2_grpc
+from afl.server.config import ServerConfig, load_config
+from afl.server.coordinator import Coordinator
+from afl.server.daemon.observability import ServerMetrics, configure_logging, start_metrics_http
+from afl.server.daemon.ports import port_in_use
+from afl.server.errors import ConfigError, StateError
+from afl.server.limits import worker_threads
+from afl.server.servicer import AdminServicer, CoordinatorServicer
+from afl.server.store import Store, backup_state
+
+__all__ = ["SERVICE_NAME", "CoordinatorServer", "load_identity_key", "main"]
+
+SERVICE_NAME = "afl.proto.v1.Coordinator"
+INSECURE_WARNING = (
+    "WARNING: afl-server is running with --insecure: NO TLS, NO client authentication; any "
+    "caller can claim any site id. Statistics cross the network in the clear. Development only."
+)
+log = logging.getLogger("afl.server.daemon.main")
+
+
+def load_identity_key(config: ServerConfig) -> Ed25519PrivateKey:
+    """The coordinator's identity key, checked against server.toml's [identity] public_key
+    (:class:`ConfigError` with the cause)."""
+    try:
+        key = load_private_key_pem(config.identity_key.read_bytes())
+    except (OSError, KeyFormatError) as exc:
+        raise ConfigError(f"cannot load the identity key {config.identity_key}: {exc}") from exc
+    if public_key_to_raw(key) != config.identity_public_key:
+        raise ConfigError("[identity] public_key does not match the identity key file")
+    return key
+
+
+class CoordinatorServer:
+    """One afl-server: gRPC server, coordinator, store, timeout ticker and metrics."""
+
+    def __init__(
+        self, config: ServerConfig, *, insecure: bool = False, tick_s: float = 0.5
+    ) -> None:
+        self.config, self.insecure, self._tick_s = config, insecure, tick_s
+        key = load_identity_key(config)
+        self.metrics = ServerMetrics()
+        # Both ports are bound before any state is touched: a port in use fails the start with
+        # one line and leaves the state folder as it was (no round is created).
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=worker_threads(config.limits, sites=len(config.sites))
+            ),
+            options=[("grpc.so_reuseport", 0)],  # a second server on the same port must fail
+        )
+        self.port = self._bind(config.listen)
+        self._metrics_http: Any = None
+        try:
+            self._metrics_http = self._bind_metrics() if config.metrics_port else None
+            self.store = Store(config.state_dir, federation_id=config.federation_id)
+            self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
+        except BaseException:
+            self._close_metrics()
+            self._grpc.stop(None)
+            raise
+        self._stopped = threading.Event()
+        self._health = health.HealthServicer()
+        servicer = CoordinatorServicer(
+            self.coordinator, insecure=insecure, stopping=self._stopped.is_set
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, self._grpc)
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminServicer(self.coordinator, insecure=insecure), self._grpc
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        self._ticker = threading.Thread(target=self._tick_loop, name="afl-ticker", daemon=True)
+
+    def _bind(self, listen: str) -> int:
+        busy = port_in_use(listen)
+        if busy:
+            raise ConfigError(f"cannot listen on {listen}: {busy}")
+        try:
+            if self.insecure:
+                port = int(self._grpc.add_insecure_port(listen))
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.config.key.read_bytes(), self.config.cert.read_bytes())],
+                    root_certificates=self.config.ca_cert.read_bytes(),
+                    require_client_auth=True,
+                )
+                port = int(self._grpc.add_secure_port(listen, credentials))
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
+        if port == 0:
+            raise ConfigError(f"cannot listen on {listen}")
+        return port
+
+    def _bind_metrics(self) -> Any:
+        where = f"{self.config.metrics_address}:{self.config.metrics_port}"
+        try:
+            return start_metrics_http(
+                self.metrics, port=self.config.metrics_port, host=self.config.metrics_address
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {where}: {exc.strerror or exc} (another afl-server or "
+                "service holds it? set [server] metrics_port, or --metrics-port 0 to turn it off)"
+            ) from exc
+
+    def _close_metrics(self) -> None:
+        http = self._metrics_http
+        http_server = http[0] if isinstance(http, tuple) else None
+        if http_server is not None:
+            http_server.shutdown()
+            http_server.server_close()
+        self._metrics_http = None
+
+    def _tick_loop(self) -> None:
+        while not self._stopped.wait(self._tick_s):
+            try:
+                self.coordinator.tick()
+            except Exception:  # keep serving; the failure is logged
+                log.exception("timeout tick failed")
+
+    def start(self) -> int:
+        """Start serving; returns the bound port."""
+        self._grpc.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._ticker.start()
+        log.info(
+            "afl-server started",
+            extra={
+                "port": self.port,
+                "insecure": self.insecure,
+                "federation_id": self.config.federation_id,
+            },
+        )
+        return self.port
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Stop accepting calls, finish in-flight ones within ``grace`` s, close the store."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self._grpc.stop(grace).wait()
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
+        self._close_metrics()
+        self.store.close()
+        log.info("afl-server stopped")
+
+    def wait(self) -> None:
+        """Block until :meth:`stop` is called."""
+        self._stopped.wait()
+
+
+def _version() -> str:
+    return f"afl-server {afl_version()}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="afl-server",
+        description=(
+            "The afl coordinator: enrols the federation's sites, publishes signed release "
+            "plans, aggregates under the configured protection and publishes the signed model. "
+            "Before starting, `afl-server check --config server.toml` checks the kit, state "
+            "folder, ports and round settings; `afl-server status --config server.toml` shows "
+            "enrolment, the current round and the last error."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--config", required=True, help="server.toml from `afl provision`")
+    parser.add_argument(
+        "--insecure", action="store_true", help="DEVELOPMENT ONLY: no TLS, no client auth"
+    )
+    parser.add_argument("--listen", default=None, help="override [server] listen (host:port)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = off)")
+    parser.add_argument("--metrics-address", default=None, help="override [server] metrics_address")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    return parser
+
+
+def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"afl-server {name}", description=description)
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--config", required=True, help="server.toml")
+    if name == "check":
+        parser.add_argument("--insecure", action="store_true", help="skip the TLS kit checks")
+    if name == "backup":
+        parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
+    return parser
+
+
+_TOOLS = {
+    "check": "Check server.toml, the TLS kit, the identity key, the state folder, the ports and "
+    "the round settings before starting; exit status 0 when no PROBLEM is found.",
+    "status": "The coordinator's state on one screen (enrolment, current round and stage, last "
+    "model, last error), read from the state folder; safe while the server runs.",
+    "backup": "Copy the coordinator's state folder consistently (the server may be running): the "
+    "database by SQLite's online backup, the payloads it names, the CKKS context and a matching "
+    "anchor. Restore by replacing the state folder with the copy while the server is stopped "
+    "(docs/operations.md).",
+}
+
+
+def _tool(name: str, argv: Sequence[str]) -> int:
+    from afl.crypto.identity.kit_check import PROBLEM, report_lines
+    from afl.server.daemon.check import check_server
+    from afl.server.daemon.status import status_lines
+
+    args = _tool_parser(name, _TOOLS[name]).parse_args(argv)
+    try:
+        config = load_config(args.config)
+        if name == "status":
+            print("\n".join(status_lines(config)))
+            return 0
+        if name == "backup":
+            anchor = backup_state(config.state_dir, Path(args.out))
+            print(
+                f"backed up {config.state_dir} to {args.out}: {anchor['commits']} commits, "
+                f"{anchor['audit_count']} audit records, head {str(anchor['audit_head'])[:16]}"
+            )
+            return 0
+    except (ConfigError, StateError) as exc:
+        print(f"afl-server {name}: {exc}", file=sys.stderr)
+        return 2
+    findings = check_server(config, insecure=args.insecure)
+    print(f"afl-server check {config.path}")
+    print("\n".join(report_lines(findings)))
+    problems = sum(f.level == PROBLEM for f in findings)
+    print(f"{problems} problem(s) found" if problems else "ready to start")
+    return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``afl-server`` console script; returns the exit code."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in _TOOLS:
+        return _tool(given[0], given[1:])
+    args = _parser().parse_args(given)
+    configure_logging(getattr(logging, args.log_level))
+    map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
+    try:
+        config = load_config(args.config)
+        if args.listen:
+            config = replace(config, listen=args.listen)
+        if args.metrics_port is not None:
+            config = replace(config, metrics_port=args.metrics_port)
+        if args.metrics_address:
+            config = replace(config, metrics_address=args.metrics_address)
+        if args.insecure:
+            print(INSECURE_WARNING, file=sys.stderr, flush=True)
+            log.warning(INSECURE_WARNING)
+        server = CoordinatorServer(config, insecure=args.insecure)
+    except (ConfigError, StateError) as exc:
+        print(f"afl-server: {exc}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal received; stopping", extra={"signal": signum})
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    port = server.start()
+    print(f"afl-server listening on port {port}", file=sys.stderr, flush=True)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

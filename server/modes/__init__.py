@@ -1,0 +1,1 @@
+"""The coordinator's aggregation modes behind one interface (plaintext, mask, ckks)."""

@@ -1,0 +1,1 @@
+"""From released sums to the signed model and the pooled evaluation."""

@@ -1,0 +1,445 @@
+"""The CKKS decryptor site's job handling (docs/protocol.md §4.3): it decrypts only planned
+releases, each once (also across a restart), and only sums whose tag slots equal the members'
+secret tags, counting only tags each member signed. A server that forwards a single site's
+ciphertext as a "sum" (a forged decryption job), with or without tags it sealed itself "from"
+the other members, is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from afl.client.config import ClientConfig, DataConfig, TlsPaths
+from afl.client.daemon.decryptor import (
+    DecryptionLedger,
+    DecryptorDaemon,
+    DecryptorKeys,
+    RoundDecryptor,
+    load_or_create_keys,
+)
+from afl.client.daemon.transport import DaemonError
+from afl.crypto import aead, kdf
+from afl.crypto.canonical import DOMAIN_TAG
+from afl.crypto.ckks import params as cp
+from afl.crypto.ckks import scheme as ckks
+from afl.crypto.ckks.wire import PURPOSE_CKKS_TAGS, TagBinding, seal_tags
+from afl.crypto.errors import CryptoError
+from afl.crypto.identity import signatures
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.modes.ckks import CkksMode
+from afl.server.plan.release import build_plan, round1_releases, sign_plan
+
+SITES = ("site-1", "site-2", "site-3")
+D = 6
+BOUND = 50.0
+IDENTITIES = {s: signatures.generate_identity_key() for s in SITES}
+PEERS = {s: signatures.public_key_to_raw(k) for s, k in IDENTITIES.items()}
+
+
+@pytest.fixture(scope="module")
+def keys(private_ctx: Any) -> DecryptorKeys:
+    return DecryptorKeys(private_ctx, kdf.generate_agreement_key())
+
+
+def _signed_plan(server_key: Any, *, mode: int = cpb.AGGREGATION_MODE_CKKS) -> Any:
+    releases = round1_releases(
+        classes=["A"], participants=SITES, coverage={}, gram_scope="global", d=D,
+        need_global_gram=False,
+    )  # fmt: skip
+    ckks_options = CkksMode(gram_bound=BOUND, vector_bound=BOUND).plan_options(SITES)
+    options = dataclasses.replace(ckks_options, aggregation=mode)
+    plan = build_plan(
+        federation_id="fed", round_id="r1-x", round_number=1, participants=SITES,
+        gram_scope="global", releases=releases, options=options,
+    )  # fmt: skip
+    return sign_plan(plan, server_key)
+
+
+class Federation:
+    """Three sites' tags and ciphertexts for every release of one signed CKKS plan."""
+
+    def __init__(self, keys: DecryptorKeys) -> None:
+        self.server_key = signatures.generate_identity_key()
+        self.signed = _signed_plan(self.server_key)
+        self.plan = cpb.ReleasePlan.FromString(self.signed.plan)
+        self.public = ckks.load_public_context(keys.public_context)
+        rng = np.random.default_rng(3)
+        self.values: dict[tuple[str, str], Any] = {}
+        self.uploads: dict[tuple[str, str], list[Any]] = {}
+        self.sealed = []
+        self.tags: dict[str, dict[str, float]] = {}
+        for site in SITES:
+            tags = {r.name: ckks.new_tag(num_summands=len(SITES)) for r in self.plan.releases}
+            for r in self.plan.releases:
+                n = D * (D + 1) // 2 if r.encoding.packing == cpb.PACKING_UPPER_TRIANGLE else D
+                x = rng.uniform(-BOUND, BOUND, size=n)
+                self.values[(site, r.name)] = x
+                self.uploads[(site, r.name)] = ckks.encrypt_block(
+                    self.public, x, prescale=r.encoding.ckks.prescale,
+                    num_summands=len(SITES), tag=tags[r.name],
+                )  # fmt: skip
+            self.tags[site] = tags
+            message = pb.AggregateTags(
+                round_id=self.plan.round_id, site_id=site,
+                tags=[pb.TagValue(upload_name=n, value=v) for n, v in tags.items()],
+            )  # fmt: skip
+            sealed = seal_tags(
+                message.SerializeToString(), binding=self.binding(keys, site),
+                identity_key=IDENTITIES[site],
+            )  # fmt: skip
+            self.sealed.append(
+                pb.SealedMessage(
+                    sender_site_id=site, sender_public_key=sealed.ephemeral_public_key,
+                    ciphertext=sealed.blob, signature=sealed.signature,
+                )
+            )  # fmt: skip
+
+    def binding(self, keys: DecryptorKeys, site: str) -> TagBinding:
+        return TagBinding(
+            federation_id="fed", round_id=self.plan.round_id, round_salt=self.plan.round_salt,
+            plan_sha256=hashlib.sha256(self.signed.plan).digest(), sender=site,
+            recipient="decryptor", recipient_key=keys.cipher_public_key,
+        )  # fmt: skip
+
+    def decryptor(
+        self,
+        keys: DecryptorKeys,
+        sealed: list[pb.SealedMessage] | None = None,
+        ledger: DecryptionLedger | None = None,
+    ) -> RoundDecryptor:
+        work = RoundDecryptor(
+            keys, self.signed, site_id="decryptor",
+            server_key=signatures.public_key_to_raw(self.server_key), federation_id="fed",
+            peers=PEERS, ledger=ledger,
+        )  # fmt: skip
+        for message in self.sealed if sealed is None else sealed:
+            with contextlib.suppress(CryptoError):  # the daemon logs and ignores the envelope
+                work.add_tags(message)
+        return work
+
+    def aggregate(self, release: str, members: tuple[str, ...] = SITES) -> bytes:
+        length = self.values[(SITES[0], release)].size
+        total = ckks.sum_ciphertexts(
+            self.public, [self.uploads[(s, release)] for s in members], length=length
+        )
+        return ckks.pack_ciphertexts(ckks.serialize_ciphertexts(total))
+
+
+def _job(name: str, data: bytes, members: tuple[str, ...] = SITES) -> pb.DecryptionJob:
+    return pb.DecryptionJob(
+        release_name=name,
+        member_site_ids=list(members),
+        ciphertext_sha256=hashlib.sha256(data).digest(),
+        size_bytes=len(data),
+    )
+
+
+def test_honest_job_is_decrypted_to_the_grid_within_the_error_bound(keys: DecryptorKeys) -> None:
+    fed = Federation(keys)
+    work = fed.decryptor(keys)
+    data = fed.aggregate("b[A]")
+    status, reason, result = work.decrypt(_job("b[A]", data), data)
+    assert status == pb.DECRYPTION_STATUS_DECRYPTED, reason
+    values = np.frombuffer(result, dtype="<f8")
+    exact = np.sum([fed.values[(s, "b[A]")] for s in SITES], axis=0)
+    enc = next(r for r in fed.plan.releases if r.name == "b[A]").encoding.ckks
+    bound = cp.error_bound(prescale=enc.prescale, num_summands=3, grid=enc.grid_step)
+    assert np.max(np.abs(values - exact)) <= bound
+    assert np.all(np.round(values / enc.grid_step) * enc.grid_step == values)  # on the grid
+    # The same aggregate again (a retry): the same bytes; another aggregate: refused.
+    assert work.decrypt(_job("b[A]", data), data) == (status, reason, result)
+    pair = fed.aggregate("b[A]", members=SITES[:2])
+    assert (
+        work.decrypt(_job("b[A]", pair), pair)[0] == pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED
+    )
+
+
+def test_forged_job_with_one_sites_ciphertext_is_refused(keys: DecryptorKeys) -> None:
+    fed = Federation(keys)
+    work = fed.decryptor(keys)
+    single = fed.aggregate("gram[all]", members=("site-1",))  # the server forwards c_1 alone
+    status, reason, result = work.decrypt(_job("gram[all]", single), single)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_TAG_MISMATCH and result == b""
+    assert "tag" in reason
+    # The secret key was applied once: the release is spent, the honest sum is refused too.
+    honest = fed.aggregate("gram[all]")
+    assert work.decrypt(_job("gram[all]", honest), honest)[0] == (
+        pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED
+    )
+
+
+def _forged_envelope(keys: DecryptorKeys, fed: Federation, site: str, value: float) -> Any:
+    """Tags "from" ``site`` sealed by the coordinator itself (it knows the decryptor's public
+    tag key and the plan), signed with its own key: what a malicious coordinator can make."""
+    message = pb.AggregateTags(
+        round_id=fed.plan.round_id,
+        site_id=site,
+        tags=[pb.TagValue(upload_name=r.name, value=value) for r in fed.plan.releases],
+    )
+    binding = fed.binding(keys, site)
+    sealed = seal_tags(message.SerializeToString(), binding=binding, identity_key=fed.server_key)
+    return pb.SealedMessage(
+        sender_site_id=site,
+        sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob,
+        signature=sealed.signature,
+    )
+
+
+def _unsigned_envelope(keys: DecryptorKeys, fed: Federation, site: str, value: float) -> Any:
+    """The same, sealed the way tags travelled before they were signed (no signature)."""
+    message = pb.AggregateTags(
+        round_id=fed.plan.round_id,
+        site_id=site,
+        tags=[pb.TagValue(upload_name=r.name, value=value) for r in fed.plan.releases],
+    )
+    ephemeral = kdf.generate_agreement_key()
+    key = kdf.derive_key(
+        shared_secret=kdf.agree(ephemeral, keys.cipher_public_key),
+        round_salt=fed.plan.round_salt,
+        purpose=PURPOSE_CKKS_TAGS,
+        round_id=fed.plan.round_id,
+        release="",
+        binding=(site, "decryptor"),
+    )
+    blob = aead.seal(
+        key,
+        message.SerializeToString(),
+        associated=(DOMAIN_TAG, PURPOSE_CKKS_TAGS, site, "decryptor", fed.plan.round_id),
+    )
+    return pb.SealedMessage(
+        sender_site_id=site, sender_public_key=kdf.public_key_bytes(ephemeral), ciphertext=blob
+    )
+
+
+@pytest.mark.parametrize("forge", [_forged_envelope, _unsigned_envelope])
+def test_tags_sealed_by_the_coordinator_for_other_members_are_refused(
+    keys: DecryptorKeys, forge: Any
+) -> None:
+    # The attack: c_1 alone as the sum of {1, 2, 3}, and tags +1000 / -1000 "from" sites 2 and
+    # 3 sealed by the coordinator, so that the tag sum is r_1 (the tag slot of c_1).
+    fed = Federation(keys)
+    forged = [
+        fed.sealed[0],
+        forge(keys, fed, "site-2", 1000.0),
+        forge(keys, fed, "site-3", -1000.0),
+    ]
+    work = fed.decryptor(keys, sealed=forged)
+    assert work.senders == {"site-1"}  # the forged envelopes did not open
+    single = fed.aggregate("gram[all]", members=("site-1",))
+    status, reason, result = work.decrypt(_job("gram[all]", single), single)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_TAG_MISMATCH and result == b""
+    assert "no valid tag from ['site-2', 'site-3']" in reason
+    # Refused before the secret key was applied: the honest sum with honest tags still decrypts.
+    honest = fed.aggregate("gram[all]")
+    for sealed in fed.sealed[1:]:
+        work.add_tags(sealed)
+    assert work.decrypt(_job("gram[all]", honest), honest)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+
+
+def test_tags_bound_to_another_round_plan_or_decryptor_key_do_not_open(
+    keys: DecryptorKeys,
+) -> None:
+    fed = Federation(keys)
+    message = pb.AggregateTags(round_id=fed.plan.round_id, site_id="site-2")
+    honest = fed.binding(keys, "site-2")
+    for change in (
+        {"plan_sha256": b"\x01" * 32},
+        {"federation_id": "other"},
+        {"recipient_key": kdf.public_key_bytes(kdf.generate_agreement_key())},
+    ):
+        other = dataclasses.replace(honest, **change)
+        sealed = seal_tags(
+            message.SerializeToString(), binding=other, identity_key=IDENTITIES["site-2"]
+        )
+        envelope = pb.SealedMessage(
+            sender_site_id="site-2",
+            sender_public_key=sealed.ephemeral_public_key,
+            ciphertext=sealed.blob,
+            signature=sealed.signature,
+        )
+        work = fed.decryptor(keys, sealed=[envelope])
+        assert work.senders == set(), change
+
+
+def test_decrypt_once_survives_a_restart(keys: DecryptorKeys, tmp_path: Any) -> None:
+    fed = Federation(keys)
+    data = fed.aggregate("b[A]")
+    first = fed.decryptor(keys, ledger=DecryptionLedger(tmp_path))
+    assert first.decrypt(_job("b[A]", data), data)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+    record = tmp_path / "decrypted.json"
+    assert record.stat().st_mode & 0o777 == 0o600
+    # A new process (new ledger from the same folder, new round state) decrypts the same
+    # aggregate again (a retry reveals nothing new) and refuses any other under that name.
+    restarted = fed.decryptor(keys, ledger=DecryptionLedger(tmp_path))
+    assert restarted.decrypt(_job("b[A]", data), data)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+    other = fed.aggregate("b[A]", members=("site-1", "site-2"))
+    status, reason, result = restarted.decrypt(_job("b[A]", other), other)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED and result == b""
+    assert "already decrypted" in reason
+    # Other releases of the round are untouched.
+    gram = fed.aggregate("gram[all]")
+    assert restarted.decrypt(_job("gram[all]", gram), gram)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+
+
+def test_the_record_is_written_before_the_secret_key_is_applied(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    fed = Federation(keys)
+    data = fed.aggregate("b[A]")
+    ledger = DecryptionLedger(tmp_path)
+    (tmp_path / "decrypted.json").mkdir()  # the record cannot be written: no decryption
+    work = fed.decryptor(keys, ledger=ledger)
+    with pytest.raises(DaemonError, match="cannot record the decryption"):
+        work.decrypt(_job("b[A]", data), data)
+
+
+def test_jobs_outside_the_plan_are_refused_before_decrypting(keys: DecryptorKeys) -> None:
+    fed = Federation(keys)
+    work = fed.decryptor(keys)
+    pair = fed.aggregate("b[A]", members=("site-1", "site-2"))
+    assert work.decrypt(_job("b[A]", pair, ("site-1", "site-2")), pair)[0] == (
+        pb.DECRYPTION_STATUS_REFUSED_NOT_IN_PLAN
+    )
+    assert work.decrypt(_job("gram{site-1}", pair), pair)[0] == (
+        pb.DECRYPTION_STATUS_REFUSED_NOT_IN_PLAN
+    )
+    data = fed.aggregate("b[A]")
+    wrong_digest = _job("b[A]", data + b"x")
+    assert work.decrypt(wrong_digest, data)[0] == pb.DECRYPTION_STATUS_REFUSED_MALFORMED
+    # None of these consumed the release.
+    assert work.decrypt(_job("b[A]", data), data)[0] == pb.DECRYPTION_STATUS_DECRYPTED
+
+
+def test_plan_must_be_signed_by_the_kits_server_and_in_ckks_mode(keys: DecryptorKeys) -> None:
+    fed = Federation(keys)
+    other = signatures.public_key_to_raw(signatures.generate_identity_key())
+    with pytest.raises(DaemonError, match="not signed by this federation's server"):
+        RoundDecryptor(
+            keys, fed.signed, site_id="decryptor", server_key=other, federation_id="fed",
+            peers=PEERS,
+        )  # fmt: skip
+    plaintext = _signed_plan(fed.server_key, mode=cpb.AGGREGATION_MODE_PLAINTEXT)
+    with pytest.raises(DaemonError, match="not a CKKS plan"):
+        RoundDecryptor(
+            keys, plaintext, site_id="decryptor",
+            server_key=signatures.public_key_to_raw(fed.server_key), federation_id="fed",
+            peers=PEERS,
+        )  # fmt: skip
+
+
+def test_keys_are_created_once_and_kept_private(tmp_path: Any) -> None:
+    first = load_or_create_keys(tmp_path)
+    second = load_or_create_keys(tmp_path)
+    assert first.public_context == second.public_context
+    assert first.cipher_public_key == second.cipher_public_key
+    for path in (tmp_path / "ckks").iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600
+    assert not ckks.load_public_context(first.public_context).is_private()
+
+
+class _Coordinator:
+    """What a DecryptorDaemon's RPC client returns: the current ``jobs`` (any round id the
+    coordinator likes, with the signed plan), the sealed tags when ``tags`` is set, ``data`` as
+    the aggregate of every job; outcomes and results are recorded."""
+
+    def __init__(self, fed: Federation) -> None:
+        self.fed = fed
+        self.jobs = pb.DecryptionJobs()
+        self.tags = False
+        self.data = b""
+        self.outcomes: list[tuple[pb.DecryptionOutcome, bytes]] = []
+
+    def serve(self, round_id: str, data: bytes, *, tags: bool) -> None:
+        self.jobs = pb.DecryptionJobs(
+            round_id=round_id, release_plan=self.fed.signed, jobs=[_job("b[A]", data)]
+        )
+        self.data, self.tags = data, tags
+
+    def call(self, what: str, request: Any, **kw: Any) -> Any:
+        if what == "GetDecryptionJobs":
+            return self.jobs
+        if what == "GetAggregateTags":
+            return pb.SealedMessages(messages=self.fed.sealed if self.tags else [])
+        assert what == "ReportDecryption", what
+        self.outcomes.append((request, self.data))
+        return cpb.Ack()
+
+    def download(self, request: pb.DownloadRequest) -> bytes:
+        return self.data
+
+    def upload(self, data: bytes, **kw: Any) -> Any:
+        return pb.UploadReceipt()
+
+
+def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_name(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """The coordinator lists the jobs of plan round r1-x under two round ids of its choosing.
+    Without tags the jobs are refused and bind nothing, but the decryptor keeps a round state per
+    listed id, each holding the decrypt-once record as it was then; with tags, each would then
+    decrypt another aggregate of b[A] (docs/protocol.md M-111)."""
+    fed = Federation(keys)
+    honest = fed.aggregate("b[A]")
+    length = fed.values[(SITES[0], "b[A]")].size
+    vectors = ckks.deserialize_ciphertexts(
+        fed.public, ckks.unpack_ciphertexts(honest), length=length
+    )
+    # The coordinator adds a fresh encryption of zeros: the same tags and values, other bytes.
+    zero = ckks.encrypt_block(fed.public, np.zeros(length), prescale=1.0, num_summands=3, tag=0.0)
+    other = ckks.pack_ciphertexts(ckks.serialize_ciphertexts([vectors[0] + zero[0]]))
+    folder = tmp_path / "state"
+    identity = signatures.generate_identity_key()
+    key_path = tmp_path / "identity.key"
+    key_path.write_bytes(signatures.private_key_to_pem(identity))
+    config = ClientConfig(
+        path=tmp_path / "client.toml", site_id="decryptor", federation_id="fed",
+        server_address="localhost:1", role="decryptor", state_dir=folder,
+        tls=TlsPaths(tmp_path, tmp_path, tmp_path), identity_key_path=key_path,
+        identity_public_key=signatures.public_key_to_raw(identity),
+        server_public_key=signatures.public_key_to_raw(fed.server_key), peers=PEERS,
+        data=DataConfig(tmp_path),
+    )  # fmt: skip
+    daemon = DecryptorDaemon(config)
+    daemon.keys = keys
+    coordinator = _Coordinator(fed)
+    daemon.rpc = coordinator  # type: ignore[assignment]
+    for round_id, data, tags in (
+        ("r1-x", honest, False), ("r9-y", other, False), ("r1-x", honest, True),
+        ("r9-y", other, True),
+    ):  # fmt: skip
+        coordinator.serve(round_id, data, tags=tags)
+        with contextlib.suppress(DaemonError):  # run() logs it and polls again
+            daemon.serve_once()
+    decrypted = {
+        hashlib.sha256(data).hexdigest()
+        for outcome, data in coordinator.outcomes
+        if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED
+    }
+    assert len(decrypted) == 1
+
+
+def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_line(
+    keys: DecryptorKeys,
+) -> None:
+    """A member seals and signs, with its own key, bytes that are no AggregateTags message: the
+    decryptor refuses that envelope (a CryptoError its loop logs) instead of stopping with a
+    traceback at every poll (one site would stall every CKKS round)."""
+    fed = Federation(keys)
+    sealed = seal_tags(
+        b"\xff\xff\xff\xff", binding=fed.binding(keys, "site-1"), identity_key=IDENTITIES["site-1"]
+    )
+    envelope = pb.SealedMessage(
+        sender_site_id="site-1", sender_public_key=sealed.ephemeral_public_key,
+        ciphertext=sealed.blob, signature=sealed.signature,
+    )  # fmt: skip
+    work = fed.decryptor(keys, sealed=[])
+    with pytest.raises(CryptoError, match="AggregateTags"):
+        work.add_tags(envelope)
+    assert work.senders == set()

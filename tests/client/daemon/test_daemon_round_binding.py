@@ -1,0 +1,308 @@
+"""What a site binds a round to, whatever the coordinator says (docs/protocol.md §2, §6, §7, §8):
+the round ids it uses in file names, the round a RoundConfig is for, one plan per round id, and
+the round 1 a DP round 2 composes with.
+
+The site daemon runs unmodified against a malicious coordinator played by :class:`Coordinator`
+(what the daemon's :class:`~afl.client.daemon.rpc.CoordinatorClient` would return; plans and
+models are signed with the federation server's own key, which the coordinator holds)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from afl.client.config import DataConfig, LocalPolicy, load_client_config
+from afl.client.daemon.loop import ClientDaemon, RoundFailed
+from afl.client.daemon.transport import DaemonError
+from afl.client.model.evaluate import evaluate_model, write_local_evaluation
+from afl.client.model.published import ModelFileError
+from afl.core.data.featurecache import CacheMeta, write_cache
+from afl.crypto.identity import signatures
+from afl.crypto.identity.signed_blobs import PLAN_CONTEXT, sign_blob
+from afl.ops.provisioning import ProvisionedFederation
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.config import load_config
+from afl.server.plan.dp import DpSettings, apply_dp, calibrate, dp_releases
+from afl.server.plan.release import PlannedRelease, build_plan, sign_plan
+from afl.server.solve.model import build_signed_model
+from tests.helpers.federation import FederationSpec
+
+SITES = ("s1", "s2", "s3", "s4")
+SITE = "s4"
+CLASSES = ("A", "B")
+D = 4
+FED = "fed-round-binding"
+FEDERATION = FederationSpec(
+    sites=list(SITES),
+    federation_id=FED,
+    round_settings={"classes": list(CLASSES), "feature_dim": D},
+)
+
+
+def _gram(name: str, members: Sequence[str]) -> PlannedRelease:
+    return PlannedRelease(name, tuple(members), cpb.STATISTIC_KIND_GRAM, (), (D, D))
+
+
+def _b(cls: str, members: Sequence[str] = SITES) -> PlannedRelease:
+    return PlannedRelease(
+        f"b[{cls}]", tuple(members), cpb.STATISTIC_KIND_CLASS_VECTOR, (cls,), (D, 1)
+    )
+
+
+GLOBAL = [_gram("gram[all]", SITES), _b("A"), _b("B")]
+# With GLOBAL's gram[all] in the site's history, gram{s1,s2,s3} determines G_s4 by differencing.
+DIFFERENCING = [_gram("gram{s1,s2,s3}", SITES[:3]), _b("A"), _b("B")]
+
+
+class Coordinator:
+    """The coordinator as the site's RPC client sees it: rounds announced in ``rounds`` (status,
+    config), every call recorded; uploads are acknowledged and models signed for any round."""
+
+    watcher = None
+
+    def __init__(self, server_key: Any) -> None:
+        self.server_key = server_key
+        self.rounds: list[tuple[pb.RoundStatus, pb.RoundConfig]] = []
+        self.calls: list[tuple[str, Any]] = []
+        self.uploads: list[tuple[str, str]] = []
+
+    def announce(self, round_id: str, cfg: pb.RoundConfig) -> pb.RoundStatus:
+        status = pb.RoundStatus(
+            round_id=round_id, stage=pb.ROUND_STAGE_PLAN_REVIEW, participants=list(SITES)
+        )
+        self.rounds.append((status, cfg))
+        return status
+
+    def config(self, round_id: str) -> pb.RoundConfig:
+        return next(cfg for status, cfg in self.rounds if status.round_id == round_id)
+
+    def wait_for_round(self, done: set[str], **kw: Any) -> pb.RoundStatus | None:
+        return next((s for s, _ in self.rounds if s.round_id not in done), None)
+
+    def call(self, what: str, request: Any, **kw: Any) -> Any:
+        self.calls.append((what, request))
+        if what == "GetRoundConfig":
+            return self.config(request.round_id)
+        if what == "GetModel":
+            cfg = self.config(request.round_id)
+            return build_signed_model(
+                np.zeros((D, len(CLASSES))), identity_key=self.server_key, federation_id=FED,
+                round_id=request.round_id, round_number=cfg.round_number, classes=CLASSES, gamma=1.0, backbone="test",
+                contributors=SITES, plan_bytes=cfg.release_plan.plan,
+            )  # fmt: skip
+        if what in ("RespondToPlan", "SubmitReport"):
+            return cpb.Ack()
+        raise AssertionError(f"unexpected call {what}")
+
+    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
+        stage: Any = at_least
+        return pb.RoundStatus(round_id=round_id, stage=stage, participants=list(SITES))
+
+    def upload(self, data: bytes, *, round_id: str, release_name: str, **kw: Any) -> Any:
+        self.uploads.append((round_id, release_name))
+        return pb.UploadReceipt(round_id=round_id, release_name=release_name)
+
+    def decisions(self) -> list[pb.PlanDecision]:
+        return [r for what, r in self.calls if what == "RespondToPlan"]
+
+    def round_config(
+        self,
+        round_id: str,
+        releases: Sequence[PlannedRelease],
+        *,
+        number: int = 1,
+        parent: str = "",
+        run_id: str = "run-1",
+        dp_epsilon: float = 0.0,
+    ) -> pb.RoundConfig:
+        """A RoundConfig with a plan for ``round_id`` signed with the server's key."""
+        plan = build_plan(
+            federation_id=FED, round_id=round_id, round_number=number, participants=SITES,
+            gram_scope="global", releases=releases,
+        )  # fmt: skip
+        if dp_epsilon:
+            settings = DpSettings(epsilon=dp_epsilon, delta=1e-5, clip_norm=2.0)
+            apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=True))
+        return pb.RoundConfig(
+            federation_id=FED, round_id=round_id, round_number=number, parent_round_id=parent,
+            participants=list(SITES), class_names=list(CLASSES), feature_dim=D,
+            aggregation=plan.aggregation, gram_scope=plan.gram_scope, run_id=run_id,
+            release_plan=sign_plan(plan, self.server_key),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def site(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> tuple[ClientDaemon, Coordinator, Path]:
+    """Site s4 (plaintext allowed) with its cache, prepared; the coordinator."""
+    n = 16
+    rng = np.random.default_rng(5)  # test data, not secrets
+    labels = np.stack([np.arange(n) % 2, (np.arange(n) // 2) % 2], axis=1).astype(np.int8)
+    write_cache(
+        tmp_path / "cache",
+        meta=CacheMeta(n=n, d=D, classes=CLASSES, source="test", extra={"backbone": "test"}),
+        ids=[str(i) for i in range(n)],
+        labels=labels,
+        features=rng.normal(size=(n, D)).astype(np.float32),
+        patients=[f"p{i}" for i in range(n)],
+    )
+    config = load_client_config(federation.site_dirs[SITE] / "client.toml")
+    state = tmp_path / "site" / "state"
+    config = replace(
+        config,
+        state_dir=state,
+        data=DataConfig(tmp_path / "cache"),
+        policy=LocalPolicy(allowed_aggregation=("plaintext",)),
+    )
+    daemon = ClientDaemon(config)
+    daemon.prepare()
+    server = load_config(federation.server_dir / "server.toml")
+    coordinator = Coordinator(signatures.load_private_key_pem(server.identity_key.read_bytes()))
+    daemon.rpc = coordinator  # type: ignore[assignment]
+    return daemon, coordinator, state
+
+
+def _report() -> dict[str, Any]:
+    return {"bytes_sent": 0, "bytes_received": 0, "timings_s": {}}
+
+
+def _files_outside(root: Path, inside: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and inside not in p.parents]
+
+
+def test_a_round_id_that_is_a_path_writes_nothing_outside_the_state(
+    site: tuple[ClientDaemon, Coordinator, Path], tmp_path: Path
+) -> None:
+    """The coordinator chooses round ids; the site uses them in file names (its report, the
+    models it keeps, its ledger). A round id such as ``../../x`` must never name a file outside
+    the state folder (here it would overwrite ``history.json`` or a ledger entry, or write
+    anywhere the site's user can)."""
+    daemon, coordinator, state = site
+    before = set(_files_outside(tmp_path, state))
+    evil = "../../escaped"
+    # A plan the site refuses (a 2-member release): it writes its report, named by the round.
+    refused = [_gram("gram[all]", SITES), _b("A", ("s3", "s4"))]
+    coordinator.announce(evil, coordinator.round_config(evil, refused))
+    with pytest.raises(DaemonError, match="not a valid round id"):
+        daemon._rounds()
+    assert set(_files_outside(tmp_path, state)) == before
+    assert coordinator.uploads == [] and coordinator.decisions() == []
+
+
+def test_a_config_for_another_round_is_refused(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """Round r2 is announced, but its RoundConfig (and signed plan) is bound to r1, a round the
+    site completed: the site would audit the new plan without r1's releases (the history of
+    the plan's own round is left out) and overwrite r1's history, so gram[all] of r1 and
+    gram{s1,s2,s3} of the new plan expose G_s4 by differencing."""
+    daemon, coordinator, _ = site
+    first = coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", GLOBAL))
+    daemon.run_round(first, _report())
+    assert [d.accept for d in coordinator.decisions()] == [True]
+    rebound = coordinator.round_config("r1-aaaa", DIFFERENCING)
+    second = coordinator.announce("r2-bbbb", rebound)
+    with pytest.raises(RoundFailed) as refused:
+        daemon.run_round(second, _report())
+    assert refused.value.outcome == pb.CLIENT_OUTCOME_REFUSED_PLAN
+    assert "r1-aaaa" in refused.value.reason
+    assert [u for u in coordinator.uploads if u[0] == "r2-bbbb"] == []
+    assert {r.name for r in daemon.store.history(exclude_round="")} >= {"r1-aaaa/gram[all]"}
+
+
+def test_a_second_plan_under_a_round_id_already_uploaded_under_is_refused(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """The site uploaded under plan P1 of round r1 (its ledger says so) and restarted; the
+    coordinator announces r1 again with another plan. Audit and DP budgets leave out the
+    site's own releases of "this" round, so P1 would not count against P2: refused."""
+    daemon, coordinator, _ = site
+    first = coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", GLOBAL))
+    daemon.run_round(first, _report())
+    coordinator.rounds.clear()
+    again = coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", DIFFERENCING))
+    with pytest.raises(RoundFailed) as refused:
+        daemon.run_round(again, _report())
+    assert refused.value.outcome == pb.CLIENT_OUTCOME_REFUSED_PLAN
+    assert "another release plan" in refused.value.reason
+    assert len(coordinator.uploads) == len(GLOBAL)  # P1's only
+
+
+def test_a_round_two_must_compose_with_a_round_one_in_the_sites_ledger(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """max_epsilon bounds a run (docs/protocol.md M-88): a DP round 2 composes with the site's
+    ledger entry for its round 1. A round-2 plan naming a parent round the site never uploaded
+    under (or one of another run) would compose with nothing."""
+    daemon, coordinator, _ = site
+    daemon.config = replace(daemon.config, policy=replace(daemon.config.policy, max_epsilon=3.0))
+    releases = dp_releases(
+        classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=D
+    )
+    first = coordinator.announce(
+        "r1-aaaa", coordinator.round_config("r1-aaaa", releases, dp_epsilon=2.5)
+    )
+    daemon.run_round(first, _report())
+    spent = daemon.ledger.entry_for("r1-aaaa")
+    assert spent is not None and 2.0 < spent.epsilon <= 3.0
+    honest = coordinator.round_config(
+        "r2-bbbb", releases, number=2, parent="r1-aaaa", dp_epsilon=2.5
+    )
+    decision, _, _ = daemon._decide(honest, round_id="r2-bbbb")
+    assert not decision.accept and "over its run" in decision.reason  # √2·μ > max_epsilon 3
+    for parent, run_id in (("r1-never", "run-1"), ("", "run-1"), ("r1-aaaa", "run-2")):
+        forged = coordinator.round_config(
+            "r2-bbbb", releases, number=2, parent=parent, run_id=run_id, dp_epsilon=2.5
+        )
+        decision, _, _ = daemon._decide(forged, round_id="r2-bbbb")
+        assert not decision.accept, (parent, run_id)
+        assert "round 1" in decision.reason and math.isfinite(spent.epsilon)
+
+
+def test_a_signed_plan_that_does_not_parse_is_refused_in_one_line(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    daemon, coordinator, _ = site
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    garbage = b"\xff\xff\xff\xff"
+    cfg.release_plan.CopyFrom(
+        cpb.SignedReleasePlan(
+            plan=garbage,
+            signature=sign_blob(coordinator.server_key, context=PLAN_CONTEXT, blob=garbage),
+        )
+    )
+    status = coordinator.announce("r1-aaaa", cfg)
+    with pytest.raises(RoundFailed, match="does not parse"):
+        daemon.run_round(status, _report())
+
+
+def test_a_model_file_whose_round_id_is_a_path_is_refused_by_evaluate(
+    site: tuple[ClientDaemon, Coordinator, Path], tmp_path: Path
+) -> None:
+    """``afl-client evaluate --model FILE`` names the report it updates by the model's round id;
+    a model file the coordinator signed for round ``../../x`` must not write outside the
+    state (one line: the model file is refused)."""
+    daemon, coordinator, state = site
+    before = set(_files_outside(tmp_path, state))
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    signed = build_signed_model(
+        np.zeros((D, len(CLASSES))), identity_key=coordinator.server_key, federation_id=FED,
+        round_id="../../escaped", round_number=1, classes=CLASSES, gamma=1.0, backbone="test",
+        contributors=SITES, plan_bytes=cfg.release_plan.plan,
+    )  # fmt: skip
+    model = tmp_path / "model" / "m.signed-model.pb"
+    model.parent.mkdir()
+    model.write_bytes(signed.SerializeToString())
+    before.add(model)
+    with pytest.raises(ModelFileError, match="not a valid round id"):
+        run = evaluate_model(daemon.config, model_path=model, cache=tmp_path / "cache", n_boot=5)
+        write_local_evaluation(state, run)
+    assert set(_files_outside(tmp_path, state)) == before

@@ -1,0 +1,148 @@
+"""A data site in CKKS mode (docs/protocol.md §4.3): it encrypts only under a public context whose
+announcement the decryptor pinned in its policy signed (key from the kit) and whose bytes match
+the signed digest, never under a context holding a secret key; its tags are sealed to the
+decryptor alone and signed by the site."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from afl.client.config import TimingConfig
+from afl.client.daemon.rpc import CoordinatorClient
+from afl.client.daemon.transport import DaemonError, RetryPolicy
+from afl.client.modes.base import RoundSession
+from afl.client.modes.ckks import fetch_public_context
+from afl.crypto import kdf
+from afl.crypto.ckks import scheme as ckks
+from afl.crypto.ckks.wire import (
+    CKKS_CONTEXT_CONTEXT,
+    TagBinding,
+    context_fields,
+    open_tags,
+    seal_tags,
+)
+from afl.crypto.errors import KeyAgreementError, SignatureError
+from afl.crypto.identity import signatures
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+DECRYPTOR_KEY = signatures.generate_identity_key()
+PEERS = {"dec": signatures.public_key_to_raw(DECRYPTOR_KEY), "site-1": b"\x01" * 32}
+
+
+class FakeStub:
+    """Serves one announcement and one context (what a possibly malicious server sends)."""
+
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        self.announcement, self.data = announcement, data
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        return self.announcement
+
+    def Download(self, request: Any, **kw: Any) -> Iterator[pb.UploadChunk]:
+        yield pb.UploadChunk(
+            chunk_index=0,
+            total_chunks=1,
+            data=self.data,
+            sha256=hashlib.sha256(self.data).digest(),
+            total_bytes=len(self.data),
+        )
+
+
+def _announce(data: bytes, *, signer: Any = DECRYPTOR_KEY, site: str = "dec") -> Any:
+    digest, cpk = hashlib.sha256(data).digest(), b"\x09" * 32
+    fields = context_fields(round_id="", context_sha256=digest, cipher_public_key=cpk)
+    return pb.CkksContextAnnouncement(
+        decryptor_site_id=site,
+        context_sha256=digest,
+        cipher_public_key=cpk,
+        signature=signatures.sign_fields(signer, context=CKKS_CONTEXT_CONTEXT, fields=fields),
+    )
+
+
+def _session(stub: Any, *, pinned: str | None = "dec") -> RoundSession:
+    rpc = CoordinatorClient(
+        stub,
+        site_id="site-1",
+        timing=TimingConfig(rpc_timeout_s=1.0, upload_timeout_s=1.0),
+        retry=RetryPolicy(attempts=1, initial_s=0.01),
+    )
+    return RoundSession(
+        rpc=rpc,
+        round_id="r1",
+        site_id="site-1",
+        plan=cpb.ReleasePlan(),
+        identity_key=signatures.generate_identity_key(),
+        ckks_decryptor=pinned,
+    )
+
+
+def test_verified_public_context_is_accepted(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    ctx, ann = fetch_public_context(_session(FakeStub(_announce(data), data)), PEERS)
+    assert not ctx.is_private() and ann.decryptor_site_id == "dec"
+
+
+def test_forged_or_swapped_contexts_are_refused(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    impostor = signatures.generate_identity_key()
+    cases = {
+        "not signed by the decryptor": FakeStub(_announce(data, signer=impostor), data),
+        "differs from the signed": FakeStub(_announce(data), data + b"\x00"),
+        "not from the decryptor pinned": FakeStub(_announce(data, site="server-friend"), data),
+    }
+    for message, stub in cases.items():
+        with pytest.raises(DaemonError, match=message):
+            fetch_public_context(_session(stub), PEERS)
+    secret = ckks.private_context_bytes(private_ctx)  # validly announced, but holds the key
+    with pytest.raises(DaemonError, match="unacceptable CKKS context"):
+        fetch_public_context(_session(FakeStub(_announce(secret), secret)), PEERS)
+    with pytest.raises(DaemonError, match="not a peer"):  # a site is never its own decryptor
+        stub = FakeStub(_announce(data, site="site-1"), data)
+        fetch_public_context(_session(stub, pinned="site-1"), PEERS)
+
+
+def test_only_the_pinned_decryptor_is_accepted(private_ctx: Any) -> None:
+    # "site-1" is a peer whose key signs a valid announcement: still not the pinned decryptor.
+    data = ckks.public_context_bytes(private_ctx)
+    other = signatures.generate_identity_key()
+    peers = {**PEERS, "site-2": signatures.public_key_to_raw(other)}
+    stub = FakeStub(_announce(data, signer=other, site="site-2"), data)
+    with pytest.raises(DaemonError, match="not from the decryptor pinned"):
+        fetch_public_context(_session(stub), peers)
+    with pytest.raises(DaemonError, match="no CKKS decryptor is pinned"):
+        fetch_public_context(_session(FakeStub(_announce(data), data), pinned=None), PEERS)
+
+
+def test_sealed_tags_open_only_for_the_decryptor_and_binding() -> None:
+    recipient = kdf.generate_agreement_key()
+    site_key = signatures.generate_identity_key()
+    binding = TagBinding(
+        federation_id="fed", round_id="r1", round_salt=b"\x05" * 32, plan_sha256=b"\x06" * 32,
+        sender="site-1", recipient="dec", recipient_key=kdf.public_key_bytes(recipient),
+    )  # fmt: skip
+    sealed = seal_tags(b"tags", binding=binding, identity_key=site_key)
+    sender = site_key.public_key()
+    opened = open_tags(
+        sealed, binding=binding, sender_identity=sender, recipient_private_key=recipient
+    )
+    assert opened == b"tags"
+    changes: list[dict[str, Any]] = [{"sender": "site-2"}, {"round_id": "r2"}, {"recipient": "x"}]
+    for change in changes:
+        with pytest.raises(SignatureError):
+            open_tags(
+                sealed, binding=dataclasses.replace(binding, **change),
+                sender_identity=sender, recipient_private_key=recipient,
+            )  # fmt: skip
+    with pytest.raises(KeyAgreementError):  # not this decryptor's key
+        open_tags(sealed, binding=binding, sender_identity=sender,
+                  recipient_private_key=kdf.generate_agreement_key())  # fmt: skip
+    with pytest.raises(SignatureError):  # another site's key does not vouch for site-1
+        open_tags(sealed, binding=binding,
+                  sender_identity=signatures.generate_identity_key().public_key(),
+                  recipient_private_key=recipient)  # fmt: skip

@@ -1,0 +1,152 @@
+"""Server side of the CKKS mode (docs/protocol.md §4.3): the server never holds a secret key (a
+private context, configured or found in its state, makes it refuse to start; a published one is
+refused), the decryptor is never a data participant, and CKKS plans declare a pre-scale and grid
+that respect the slot budget and hide the CKKS noise."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.crypto.ckks import params as cp
+from afl.crypto.ckks import scheme as ckks
+from afl.crypto.errors import CkksContextError
+from afl.ops.provisioning import provision
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.config import load_config
+from afl.server.daemon import main as daemon
+from afl.server.errors import ConfigError
+from afl.server.modes.base import ModeEnvironment
+from afl.server.modes.ckks import CkksMode
+from afl.server.modes.ckks_context import CkksContexts, PublishedContext
+from afl.server.modes.registry import mode_for
+from afl.server.plan.release import PlannedRelease
+
+SITES = ("dec", "site-1", "site-2", "site-3")
+
+
+def _federation(tmp_path: Path, context: bytes | None) -> Path:
+    fed = provision(
+        tmp_path / "fed",
+        sites=SITES,
+        decryptor="dec",
+        round_settings={"classes": ["A"], "feature_dim": 4, "aggregation": "ckks"},
+    )
+    config = fed.server_dir / "server.toml"
+    if context is not None:
+        (fed.server_dir / "ctx.bin").write_bytes(context)
+        config.write_text(config.read_text() + '\n[ckks]\npublic_context = "ctx.bin"\n')
+    return config
+
+
+def test_server_with_a_private_context_refuses_to_start(
+    tmp_path: Path, private_ctx: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _federation(tmp_path, ckks.private_context_bytes(private_ctx))
+    assert daemon.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to start" in err and "secret key" in err
+
+
+def test_server_with_the_public_context_builds_the_ckks_mode(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    config = load_config(_federation(tmp_path, ckks.public_context_bytes(private_ctx)))
+    assert config.round.participants == ("site-1", "site-2", "site-3")  # not the decryptor
+    mode = mode_for(ModeEnvironment(config, config.round, CkksContexts.from_config(config)))
+    assert isinstance(mode, CkksMode) and mode.contexts.configured is not None
+
+
+def test_dp_with_ckks_needs_the_largest_site(tmp_path: Path) -> None:
+    config = _federation(tmp_path, None)
+    text = config.read_text() + "\n[round.dp]\nepsilon = 2.0\nclip_norm = 1.0\n"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="needs max_samples"):
+        load_config(config)
+    config.write_text(text + "max_samples = 500\n")
+    loaded = load_config(config)
+    mode = mode_for(ModeEnvironment(loaded, loaded.round, CkksContexts.from_config(loaded)))
+    assert isinstance(mode, CkksMode) and mode.settings is not None
+    assert mode.settings.dp is not None and mode.settings.dp.max_samples == 500
+
+
+def test_decryptor_cannot_be_listed_as_a_participant(tmp_path: Path) -> None:
+    config = _federation(tmp_path, None)
+    text = config.read_text().replace("participants = []", 'participants = ["dec", "site-1"]')
+    config.write_text(text)
+    with pytest.raises(ConfigError, match="decryptor site holds no data"):
+        load_config(config)
+
+
+def test_private_context_in_the_state_dir_refuses_restart(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    folder = tmp_path / "ckks"
+    folder.mkdir()
+    (folder / "context.bin").write_bytes(ckks.private_context_bytes(private_ctx))
+    (folder / "announcement.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="refusing to start"):
+        CkksContexts(state_dir=tmp_path)
+
+
+def test_publish_refuses_a_private_context_and_keeps_the_first(
+    tmp_path: Path, private_ctx: object
+) -> None:
+    contexts = CkksContexts(state_dir=tmp_path)
+    announcement = pb.CkksContextAnnouncement(decryptor_site_id="dec")
+    secret = ckks.private_context_bytes(private_ctx)
+    with pytest.raises(CkksContextError):
+        contexts.publish(PublishedContext(secret, private_ctx, announcement))
+    assert contexts.published is None and not (tmp_path / "ckks" / "context.bin").exists()
+    data = ckks.public_context_bytes(private_ctx)
+    contexts.publish(PublishedContext(data, ckks.load_public_context(data), announcement))
+    assert CkksContexts(state_dir=tmp_path).published is not None  # survives a restart
+    folder = tmp_path / "ckks"  # kept private like the rest of the state
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {
+        "context.bin": 0o600,
+        "announcement.bin": 0o600,
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bound=st.floats(min_value=1e-3, max_value=1e9),
+    members=st.integers(min_value=1, max_value=64),
+)
+def test_plan_encoding_respects_slot_budget_and_hides_noise(bound: float, members: int) -> None:
+    enc = CkksMode(gram_bound=bound).encoding(members)
+    assert members * bound * enc.prescale <= cp.SUM_SLOT_BOUND  # the sum never wraps
+    assert 2 * members * bound * enc.prescale > cp.SUM_SLOT_BOUND  # and uses the budget
+    assert enc.grid_step >= cp.min_grid(prescale=enc.prescale, num_summands=members)
+
+
+def test_plan_options_make_every_release_ckks_vectors() -> None:
+    strategy = CkksMode(gram_bound=10.0, vector_bound=0.5)
+    options = strategy.plan_options(("a", "b"))
+    assert options.aggregation == cpb.AGGREGATION_MODE_CKKS
+    gram = PlannedRelease("gram[all]", ("a", "b"), cpb.STATISTIC_KIND_GRAM, (), (3, 3))
+    assert options.encoding is not None
+    encoding = options.encoding(gram)
+    assert encoding.dtype == cpb.DTYPE_CKKS_VECTORS
+    assert encoding.packing == cpb.PACKING_UPPER_TRIANGLE
+    assert encoding.ckks.prescale == cp.choose_prescale(bound=10.0, num_summands=2)
+    b = PlannedRelease("b[A]", ("a", "b"), cpb.STATISTIC_KIND_CLASS_VECTOR, ("A",), (3, 1))
+    b_encoding = options.encoding(b)
+    assert b_encoding.packing == cpb.PACKING_DENSE
+    assert b_encoding.ckks.prescale == cp.choose_prescale(bound=0.5, num_summands=2)
+
+
+def test_ckks_needs_exactly_one_decryptor_site(tmp_path: Path) -> None:
+    fed = provision(
+        tmp_path / "fed",
+        sites=SITES,
+        round_settings={"classes": ["A"], "feature_dim": 4, "aggregation": "ckks"},
+    )
+    with pytest.raises(ConfigError, match="exactly one site with role"):
+        load_config(fed.server_dir / "server.toml")

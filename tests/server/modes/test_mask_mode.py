@@ -1,0 +1,214 @@
+"""Server side of the MASK mode (docs/protocol.md §4.2, §5): the plan's fixed-point encodings
+respect K·B·2^f < 2^63 with the most fractional bits, masked uploads are refused outside the
+UPLOAD stage, and a masked input the protocol refuses is the uploader's error, never stored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afl.client.modes.mask import MaskMode as ClientMask
+from afl.client.payloads.stats import PayloadError
+from afl.crypto.identity.signatures import public_key_to_raw
+from afl.crypto.secagg.graph_bounds import choose_graph
+from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.config import MaskSettings, SiteEntry, round_template, run_settings, settings_table
+from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError, WrongStageError
+from afl.server.modes.mask import MaskMode
+from afl.server.plan.release import RoundView, build_plan, releases_from_plan, round1_releases
+from afl.server.store import MessageRow, RoundRow, UploadRow
+
+SITES = ("site-1", "site-2", "site-3", "site-4")
+
+
+def _mode(gram: float = 5.0e4, vector: float = 20.0) -> MaskMode:
+    keys = {s: public_key_to_raw(Ed25519PrivateKey.generate().public_key()) for s in SITES}
+    return MaskMode(MaskSettings(gram_bound=gram, vector_bound=vector), identities=keys)
+
+
+def _plan(mode: MaskMode, d: int = 6) -> cpb.ReleasePlan:
+    releases = round1_releases(
+        classes=("A", "B"),
+        participants=SITES,
+        coverage={},
+        gram_scope="global",
+        d=d,
+        need_global_gram=False,
+    )
+    return build_plan(
+        federation_id="fed",
+        round_id="r1-x",
+        round_number=1,
+        participants=SITES,
+        gram_scope="global",
+        releases=releases,
+        options=mode.plan_options(SITES),
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(gram=st.floats(1.0, 1.0e9), vector=st.floats(1.0e-3, 1.0e3))
+def test_encodings_use_the_most_fractional_bits_below_the_ring_half(
+    gram: float, vector: float
+) -> None:
+    plan = _plan(_mode(gram, vector))
+    assert plan.aggregation == cpb.AGGREGATION_MODE_MASK
+    assert plan.mask_threshold == 3  # a majority of 4
+    for release in plan.releases:
+        fp = release.encoding.fixed_point
+        assert release.encoding.dtype == cpb.DTYPE_UINT64_LE
+        k = len(release.member_site_ids)
+        assert k * fp.bound * 2.0**fp.frac_bits < 2.0**63
+        assert k * fp.bound * 2.0 ** (fp.frac_bits + 1) >= 2.0**63 * (1 - 1e-12)
+        expected = gram if release.kind == cpb.STATISTIC_KIND_GRAM else vector
+        assert fp.bound == expected
+
+
+class _Context:
+    """The round context of a mode, with uploads kept in memory."""
+
+    def __init__(self) -> None:
+        self.payloads: dict[tuple[str, str], bytes] = {}
+        self.journal: list[MessageRow] = []
+
+    def now_ms(self) -> int:
+        return 0
+
+    def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]:
+        return dict.fromkeys(SITES, (True, ""))
+
+    def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
+        return {k: UploadRow(k[0], k[1], b"", len(v), Path("/")) for k, v in self.payloads.items()}
+
+    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]:
+        return {r: row for (s, r), row in self.uploads(round_id).items() if s == site_id}
+
+    def read_payload(self, row: UploadRow) -> bytes:
+        return self.payloads[(row.site_id, row.release_name)]
+
+    def put_message(
+        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
+    ) -> None:
+        self.journal.append(MessageRow(stage, site_id, kind, data))
+
+    def messages(self, round_id: str) -> list[MessageRow]:
+        return list(self.journal)
+
+
+def _view(plan: cpb.ReleasePlan, stage: int) -> RoundView:
+    data = plan.SerializeToString()
+    row = RoundRow("r1-x", 1, "", stage, SITES, data, b"", 0, "")
+    return RoundView(row, tuple(releases_from_plan(data)))
+
+
+def test_masked_upload_only_in_the_upload_stage() -> None:
+    mode, ctx = _mode(), _Context()
+    plan = _plan(mode)
+    view = _view(plan, pb.ROUND_STAGE_ADVERTISE_KEYS)
+    assert mode.begin(view, ctx).stage == pb.ROUND_STAGE_ADVERTISE_KEYS
+    gram = view.releases[0]
+    data = bytes(8 * gram.length)
+    with pytest.raises(WrongStageError, match="UPLOAD stage"):
+        mode.check_upload(view, ctx, site_id="site-1", release=gram, data=data)
+    upload = _view(plan, pb.ROUND_STAGE_UPLOAD)
+    with pytest.raises(InvalidRequestError, match="must be"):
+        mode.check_upload(upload, ctx, site_id="site-1", release=gram, data=data[:-8])
+    mode.check_upload(upload, ctx, site_id="site-1", release=gram, data=data)  # accepted now
+
+
+def test_a_refused_masked_input_is_the_uploaders_error() -> None:
+    """The site's last release hands its masked input to the protocol before it is stored: a
+    site outside U2 (here: the protocol has not closed ShareKeys, so nobody is in U2) gets the
+    refusal as its own error status instead of a receipt."""
+    mode, ctx = _mode(), _Context()
+    plan = _plan(mode)
+    view = _view(plan, pb.ROUND_STAGE_UPLOAD)
+    mode.begin(view, ctx)
+    releases = [r for r in view.releases if "site-1" in r.members]
+    for release in releases[:-1]:
+        mode.check_upload(
+            view, ctx, site_id="site-1", release=release, data=bytes(8 * release.length)
+        )
+        ctx.payloads[("site-1", release.name)] = bytes(8 * release.length)
+    last = releases[-1]
+    with pytest.raises(InvalidRequestError, match="masked input refused"):
+        mode.check_upload(view, ctx, site_id="site-1", release=last, data=bytes(8 * last.length))
+    mode.rounds["r1-x"].expected.discard("site-2")
+    with pytest.raises(NotPermittedError, match="dropped out"):
+        mode.check_upload(view, ctx, site_id="site-2", release=last, data=bytes(8 * last.length))
+
+
+def test_wire_config_is_the_signed_plans() -> None:
+    plan = _plan(_mode())
+    config = wire.round_config_from_plan(plan)
+    assert config.t == 3 and config.cohort == SITES
+    assert {r.name: r.length for r in config.releases} == {
+        r.name: wire.release_length(r) for r in plan.releases
+    }
+
+
+def test_site_refuses_values_beyond_the_declared_bound() -> None:
+    plan = _plan(_mode(vector=1.0))
+    b_release = next(r for r in plan.releases if r.kind == cpb.STATISTIC_KIND_CLASS_VECTOR)
+    # The refusal names the server.toml value that fits, as a power of two (never the value).
+    with pytest.raises(PayloadError, match=r"exceeds the plan's bound 1 .*mask_vector_bound = 4 "):
+        ClientMask().encode(b_release, np.full(6, 2.5))
+    assert len(ClientMask().encode(b_release, np.full(6, 0.5))) == 48
+
+
+def test_a_sparse_plan_carries_the_chosen_graph_and_t_equals_n_minus_d() -> None:
+    """mask_graph = "sparse": k and t_N from choose_graph for the participants at the configured
+    fractions, t = n - D in the plan and the wire config; too few sites for any sparse graph
+    (or the default full graph) leave the plan without one."""
+    many = tuple(f"s{i:02d}" for i in range(40))
+    keys = {s: public_key_to_raw(Ed25519PrivateKey.generate().public_key()) for s in many}
+    sparse = MaskMode(
+        MaskSettings(gram_bound=10.0, vector_bound=1.0, graph="sparse", dropout_fraction=0.1),
+        identities=keys,
+    )
+    options = sparse.plan_options(many)
+    graph = options.mask_graph
+    assert graph is not None
+    choice = choose_graph(n=40, colluders=14, dropouts=4)  # ⌈0.333·40⌉, ⌊0.1·40⌋
+    assert choice is not None
+    assert (graph.degree, graph.share_threshold) == (choice.degree, choice.share_threshold)
+    assert (graph.colluders, graph.dropouts, graph.failure_log2) == (14, 4, choice.failure_log2)
+    assert options.mask_threshold == 36
+    plan = build_plan(
+        federation_id="fed", round_id="r1-s", round_number=1, participants=many,
+        gram_scope="global", releases=round1_releases(
+            classes=("A",), participants=many, coverage={}, gram_scope="global", d=3,
+            need_global_gram=False,
+        ), options=options,
+    )  # fmt: skip
+    config = wire.round_config_from_plan(plan)
+    assert config.t == 36 and config.graph is not None and config.graph.degree == graph.degree
+    assert sparse.plan_options(SITES[:4]).mask_graph is None  # 4 sites: the full graph
+    assert _mode().plan_options(many).mask_graph is None  # mask_graph = "full" (the default)
+
+
+def test_sparse_graph_settings_are_checked() -> None:
+    sites = {s: SiteEntry(bytes(32), "participant") for s in SITES}
+    base = round_template(
+        {"classes": ["A"], "feature_dim": 4, "aggregation": "mask", "mask_gram_bound": 1.0}
+    )
+    base["mask_vector_bound"] = 1.0
+    for change, message in (
+        ({"mask_graph": "ring"}, "must be one of"),
+        ({"mask_graph": "sparse", "gram_scope": "per-class"}, "gram_scope = 'global'"),
+        ({"mask_graph": "sparse", "mask_threshold": 3}, "sets t = n - D itself"),
+        ({"mask_colluder_fraction": 0.5, "mask_dropout_fraction": 0.25}, "colluders \\+ 2"),
+        ({"mask_security_bits": 0}, "must lie in 1..128"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            run_settings({**base, **change}, source="run", sites=sites)
+    settings = run_settings({**base, "mask_graph": "sparse"}, source="run", sites=sites)
+    assert settings.mask is not None and settings.mask.graph == "sparse"
+    assert run_settings(settings_table(settings), source="again", sites=sites) == settings
