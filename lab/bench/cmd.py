@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# suite name -> (module under afl.lab, one-line help). Modules expose add_arguments and run.
+# suite name -> (module under afl.lab.bench, one-line help). Modules expose add_arguments and run.
 SUITES: dict[str, tuple[str, str]] = {
-    "extract": ("bench_extract", "feature-extraction images/s: full pipeline vs pure forward pass"),
-    "secagg": ("bench_secagg", "pairwise-masking cost vs plaintext, bytes per site, growth with K"),
-    "ckks": ("bench_ckks", "CKKS encrypt/decrypt time, bytes per site, accuracy vs plaintext"),
-    "privacy": ("bench_privacy", "utility vs ε and the accuracy cost of global vs per-class"),
-    "stats": ("bench_stats", "local-statistics throughput: Gram accumulation vs raw H.T @ H"),
-    "solve": ("bench_solve", "server solve time vs the number of distinct coverage sets"),
-    "scaling": ("bench_scaling", "round-1 cost growth in K (sites) and d (dimension)"),
+    "extract": ("extract", "feature-extraction images/s: full pipeline vs pure forward pass"),
+    "secagg": ("secagg", "pairwise-masking cost vs plaintext, bytes per site, growth with K"),
+    "ckks": ("ckks", "CKKS encrypt/decrypt time, bytes per site, accuracy vs plaintext"),
+    "privacy": ("privacy", "utility vs ε and the accuracy cost of global vs per-class"),
+    "stats": ("stats", "local-statistics throughput: Gram accumulation vs raw H.T @ H"),
+    "solve": ("solve", "server solve time vs the number of distinct coverage sets"),
+    "scaling": ("scaling", "round-1 cost growth in K (sites) and d (dimension)"),
     "flower": (
-        "bench_flower",
+        "flower",
         "a masked round as afl's Flower app vs afl's daemons vs Flower's SecAgg+, each vs plaintext",
     ),
     "calibration": (
-        "bench_calibration",
+        "calibration",
         "calibration from masked score histograms: ECE before/after, federated evaluation, τ",
     ),
 }
@@ -28,7 +28,7 @@ SUITES: dict[str, tuple[str, str]] = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, (module_name, help_text) in SUITES.items():
-        module = importlib.import_module(f"afl.lab.{module_name}")
+        module = importlib.import_module(f"afl.lab.bench.{module_name}")
         sp = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(sp)
         sp.set_defaults(suite_run=module.run)

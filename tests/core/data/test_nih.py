@@ -38,7 +38,7 @@ def test_top8_pa_is_really_top8_by_count() -> None:
 
 def test_default_metadata_is_torchxrayvision_copy_without_importing_torch() -> None:
     code = (
-        "import sys; from afl.core import nih; l = nih.load_pa_labels(); "
+        "import sys; from afl.core.data import nih; l = nih.load_pa_labels(); "
         "assert l.n == 67310; "
         "assert 'torch' not in sys.modules and 'torchxrayvision' not in sys.modules"
     )
