@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.client.payloads.stats import PayloadError, SlotPayload
+from afl.client.payloads.stats import PayloadError, RoundOne, SlotPayload
 from afl.client.policy.dp import (
     MAX_FRAC_BITS,
     NOISED_MECHANISMS,
@@ -246,25 +246,24 @@ def dp_round_payloads(
     labels: NDArray[np.int8],
     labelled: NDArray[np.bool_],
     encode: Callable[[cpb.Release, FloatArray], bytes],
-    parent_weights: NDArray[np.float64] | None = None,
-    tau: float = 0.7,
+    round_one: RoundOne | None = None,
 ) -> list[SlotPayload]:
     """Steps 0-3 for one round from the site's feature cache: the unit's rows, the round's
-    statistics (round 2: of the rows the round-1 model ``parent_weights`` pseudo-labels for the
-    classes the site does not label, ``labelled`` False) and a noisy payload per release.
+    statistics (round 2: of the rows the round-1 model of ``round_one`` pseudo-labels at its τ
+    for the classes the site does not label, ``labelled`` False) and a noisy payload per release.
     ``labels`` (n, C_round) and ``labelled`` (C_round) are the cache's in the round's class order
     ``class_names`` (:class:`afl.client.payloads.stats.RoundClasses`)."""
     rows = dp_rows(plan, n=cache.meta.n, patients=cache.patients)
     features = np.asarray(cache.features[rows], dtype=np.float64)
     k = int(plan.dp.max_positive_labels)
     if any(r.kind == cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM for r in plan.releases):
-        if parent_weights is None:
+        if round_one is None:
             raise PayloadError("a round-2 DP plan needs the verified round-1 model")
         stats = pseudo_statistics(
             features,
-            weights=np.asarray(parent_weights, dtype=np.float64),
+            weights=np.asarray(round_one.weights, dtype=np.float64),
             missing=~np.asarray(labelled, dtype=bool),
-            tau=tau,
+            tau=round_one.refinement.tau,
             clip_norm=plan.dp.clip_norm,
             max_positive_labels=k,
         )
