@@ -34,9 +34,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from afl.client.config import load_client_config
-from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.ops.provisioning import ProvisionedFederation
 from afl.server.config import load_config, round_template
+from tests.helpers.caches import write_surrogate_cache
 from tests.helpers.federation import FederationSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,9 +208,9 @@ def lint_dockerfile(path: Path) -> list[str]:
                     problems.append(f"COPY source {source} does not exist in the repository")
     copied = {rest.split()[0] for word, rest in steps if word == "COPY"}
     missing = sorted(_package_folders() - copied)
-    if any(word == "RUN" and "pip install" in rest and " ." in rest for word, rest in steps):
-        if missing:
-            problems.append(f"pip install . without COPY of the package folders {missing}")
+    installs = any(word == "RUN" and "pip install" in rest and " ." in rest for word, rest in steps)
+    if installs and missing:
+        problems.append(f"pip install . without COPY of the package folders {missing}")
     users = [rest for word, rest in steps if word == "USER"]
     if not users or users[-1].split(":")[0] in ("root", "0"):
         problems.append("the image must switch to a non-root USER")
@@ -429,13 +429,9 @@ def test_three_clients_from_their_unit_complete_a_round(
     try:
         rng = np.random.default_rng(8)
         for site in SITES:
-            n = 40
-            labels = (rng.random((n, len(classes))) < 0.4).astype(np.int8)
-            labels[:2], labels[2:4] = 1, 0
-            meta = CacheMeta(n=n, d=d, classes=tuple(classes), source="test", surrogate=True)
-            ids = [f"{site}-{i}" for i in range(n)]
-            feats = rng.normal(size=(n, d))
-            write_cache(tmp_path / "data" / site, meta=meta, ids=ids, labels=labels, features=feats)
+            write_surrogate_cache(
+                tmp_path / "data" / site, site=site, classes=classes, d=d, rng=rng
+            )
             text = render("client.example.toml", federation, tmp_path, site=site)
             replaced = text.replace(f'backbone = "{EXAMPLE_BACKBONE}"', 'backbone = "surrogate"')
             assert replaced != text  # the example's backbone line is the one the test changes

@@ -40,10 +40,10 @@ import numpy as np
 import pytest
 import yaml
 
-from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.ops.provisioning import provision
 from afl.server.toml_text import dumps
 from tests.deploy.chart import ROOT, merge
+from tests.helpers.caches import write_surrogate_cache
 from tests.helpers.numeric import pooled_ridge, relative_error
 
 pytestmark = pytest.mark.slow
@@ -228,17 +228,7 @@ def _prepare(project: Path) -> None:
     )
     rng = np.random.default_rng(27)
     for site in SITES:
-        n = 40
-        labels = (rng.random((n, len(CLASSES))) < 0.4).astype(np.int8)
-        labels[:2], labels[2:4] = 1, 0
-        meta = CacheMeta(n=n, d=D, classes=tuple(CLASSES), source="test", surrogate=True)
-        write_cache(
-            project / "data" / site,
-            meta=meta,
-            ids=[f"{site}-{i}" for i in range(n)],
-            labels=labels,
-            features=rng.normal(size=(n, D)),
-        )
+        write_surrogate_cache(project / "data" / site, site=site, classes=CLASSES, d=D, rng=rng)
         config = federation.site_dirs[site] / "client.toml"
         doc = tomllib.loads(config.read_text())
         merge(doc, {"data": {"cache": "/data", "classes": CLASSES}})
