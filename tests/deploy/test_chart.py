@@ -441,8 +441,8 @@ def _check_pod_kit(party: str, kit_dir: Path) -> None:
         ca, cert, key = client.tls.ca_cert, client.tls.cert, client.tls.key
         state = client.state_dir
         assert client.identity_key_path.read_bytes().startswith(b"-----BEGIN")
-        if party == "site":
-            assert str(client.data.cache) == "/data/cache"
+        if party == "site":  # a Deployment's daemon stays up between runs
+            assert str(client.data.cache) == "/data/cache" and client.serve
     assert str(state) == "/var/lib/afl/state"
     findings = check_tls_kit(ca_cert=ca, cert=cert, key=key)
     assert not [f for f in findings if f.level == PROBLEM], findings
