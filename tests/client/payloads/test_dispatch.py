@@ -21,46 +21,21 @@ from afl.client.payloads.stats import (
     load_or_compute_stats,
     round_classes,
 )
-from afl.core.data.featurecache import CacheMeta, FeatureCache, write_cache
+from afl.core.data.featurecache import FeatureCache
 from afl.core.packing import unpack_upper
 from afl.core.refinement import RefinementParams, pseudo_label_projection
 from afl.core.stats import local_statistics
 from afl.proto.v1 import common_pb2 as cpb
-
-CLASSES = ("A", "B", "C")
-D = 4
+from tests.client.payloads.test_daemon_stats import CLASSES, D, _cache, _release
 
 
 def _site(root: Path) -> tuple[FeatureCache, RoundClasses]:
-    rng = np.random.default_rng(3)
-    n = 40
-    labels = rng.integers(0, 2, size=(n, 3)).astype(np.int8)
-    labels[:, 2] = -1  # the site does not label C
-    meta = CacheMeta(n=n, d=D, classes=CLASSES, source="test", surrogate=True)
-    cache = write_cache(
-        root / "cache",
-        meta=meta,
-        ids=[str(i) for i in range(n)],
-        labels=labels,
-        features=rng.normal(size=(n, D)).astype(np.float32),
-    )
+    """The cache of test_daemon_stats (the site labels A and B, not C) and its round view."""
+    cache = _cache(root / "cache")
     mask, _ = labelled_mask(cache, ())
     stats, _ = load_or_compute_stats(cache, active=mask, state_dir=root / "state")
     view = round_classes(stats, cache_classes=CLASSES, labelled=mask, round_classes=CLASSES)
     return cache, view
-
-
-def _release(name: str, kind: int, classes: list[str], shape: list[int]) -> cpb.Release:
-    packing = cpb.PACKING_UPPER_TRIANGLE if kind == cpb.STATISTIC_KIND_GRAM else cpb.PACKING_DENSE
-    return cpb.Release(
-        name=name,
-        member_site_ids=["me", "x", "y"],
-        kind=kind,  # type: ignore[arg-type]
-        class_names=classes,
-        shape=shape,
-        encoding=cpb.Encoding(dtype=cpb.DTYPE_FLOAT64_LE, packing=packing),
-        upload_name=name,
-    )
 
 
 def _payloads(
@@ -83,8 +58,8 @@ def _payloads(
 def test_a_round_one_plan_sends_the_exact_statistics(tmp_path: Path) -> None:
     plan = cpb.ReleasePlan(
         releases=[
-            _release("gram[all]", cpb.STATISTIC_KIND_GRAM, [], [D, D]),
-            _release("b[A]", cpb.STATISTIC_KIND_CLASS_VECTOR, ["A"], [D, 1]),
+            _release("gram[all]", cpb.STATISTIC_KIND_GRAM, [], [D, D], cpb.PACKING_UPPER_TRIANGLE),
+            _release("b[A]", cpb.STATISTIC_KIND_CLASS_VECTOR, ["A"], [D, 1], cpb.PACKING_DENSE),
         ]
     )
     assert not needs_parent_model(plan)
@@ -100,7 +75,11 @@ def test_a_round_two_plan_sends_round_one_s_pseudo_labels_and_needs_its_model(
     tmp_path: Path,
 ) -> None:
     plan = cpb.ReleasePlan(
-        releases=[_release("p[C]", cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, ["C"], [D, 1])]
+        releases=[
+            _release(
+                "p[C]", cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, ["C"], [D, 1], cpb.PACKING_DENSE
+            )
+        ]
     )
     assert needs_parent_model(plan)
     with pytest.raises(PayloadError, match="needs the verified round-1 model"):
@@ -117,7 +96,9 @@ def test_a_round_two_plan_sends_round_one_s_pseudo_labels_and_needs_its_model(
 
 def test_an_evaluation_plan_without_the_model_it_scores_is_refused(tmp_path: Path) -> None:
     spec = cpb.EvaluationSpec(model_sha256=b"\x01" * 32, score_bin_edges=[0.5])
-    release = _release("eval_hist[all]", cpb.STATISTIC_KIND_SCORE_HISTOGRAM, ["A"], [1, 2, 2])
+    release = _release(
+        "eval_hist[all]", cpb.STATISTIC_KIND_SCORE_HISTOGRAM, ["A"], [1, 2, 2], cpb.PACKING_DENSE
+    )
     release.evaluation.CopyFrom(spec)
     with pytest.raises(PayloadError, match="evaluation plan needs the verified model"):
         _payloads(tmp_path, cpb.ReleasePlan(releases=[release]))
