@@ -378,6 +378,8 @@ class FlowerSite(ClientDaemon, FlowerSteps):
         return RoundFailed(pb.CLIENT_OUTCOME_FAILED, str(exc))
 
     def _end_round(self, session: Session, failed: RoundFailed) -> Next:
+        """Report the round's end as the daemon does: aborted, the site waits for the next round
+        (the replacement); refused or failed, it takes part in nothing more of this run."""
         self._finish(_report(session), failed.outcome, failed.reason)
         session.secagg, session.round_id = None, ""
         if failed.outcome == pb.CLIENT_OUTCOME_ABORTED:
