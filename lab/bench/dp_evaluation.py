@@ -7,9 +7,10 @@ Gram and sums); the bins (:func:`afl.core.dp.evaluation.dp_score_bins`, B equal-
 N(0, s²) and the edge 0); then over ``trials`` draws:
 
 1. the test rows spread over the sites (row i at site i mod K, as ``afl bench calibration``); each
-   site's histogram plus its discrete Gaussian share σ/√K on the integer grid, drawn as the sites
-   draw it (:func:`afl.crypto.dgauss.discrete_gaussian`; σ = :func:`afl.core.dp.evaluation.
-   evaluation_sigma`, t = 0), summed; macro AUC of the noisy sums
+   site's histogram plus its discrete Gaussian share σ/√K, drawn as the sites draw it
+   (:func:`afl.crypto.dgauss.discrete_gaussian`; σ of the plan's ``eval_hist`` release,
+   :func:`afl.core.dp.evaluation.evaluation_noise`, t = 0: the evaluation round's ε split with
+   the confusion counts), summed; macro AUC of the noisy sums
    (:func:`afl.core.evaluation.federated.histogram_auc`, unclipped) against scikit-learn's exact
    macro AUC of the unbinned test scores;
 2. a Platt calibration fitted from the noisy sum of the sites' training-row histograms (negative
@@ -31,7 +32,7 @@ from scipy.special import expit
 from afl.core.aggregation import federated_solve
 from afl.core.data.assignment import missing_m_assignment
 from afl.core.data.nih import FEDMLP_PARTITION_SEED
-from afl.core.dp.evaluation import DP_EVALUATION_BINS, dp_score_bins, evaluation_sigma
+from afl.core.dp.evaluation import DP_EVALUATION_BINS, dp_score_bins, evaluation_noise
 from afl.core.evaluation.calibration import fit_class, reliability_curve
 from afl.core.evaluation.federated import evaluation_statistics, histogram_auc, sum_statistics
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
@@ -136,7 +137,15 @@ def run_dp_evaluation_bench(
     binned_ece = _macro_ece(np.sum(train_parts, axis=0), bins, test_z, test_y)
     rows: dict[str, Any] = {}
     for epsilon in epsilons:
-        sigma = evaluation_sigma(epsilon=epsilon, delta=delta, n_classes=len(classes))
+        sigma = evaluation_noise(
+            kind="hist",
+            epsilon=epsilon,
+            delta=delta,
+            n_classes=len(classes),
+            members=fed.num_sites,
+            tolerated=0,
+            local=False,
+        ).sigma
         auc = np.array([_macro_auc(_noisy_sum(test_parts, sigma)) for _ in range(trials)])
         ece = np.array(
             [
@@ -172,7 +181,7 @@ def run_dp_evaluation_bench(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", action="append", type=float, help="evaluation ε (0.5 1 2 4)")
-    p.add_argument("--bins", type=int, default=DP_EVALUATION_BINS, help="equal-mass bins (12)")
+    p.add_argument("--bins", type=int, default=DP_EVALUATION_BINS, help="equal-mass bins (24)")
     p.add_argument("--trials", type=int, default=50, help="noise draws per ε (50)")
     p.add_argument("--sites", type=int, default=8, help="number of sites (8)")
     p.add_argument("--d", type=int, default=1024, help="surrogate feature dimension (1024)")
