@@ -73,7 +73,7 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
 def test_row_bounds_leave_a_site_only_outside_dp_and_where_a_mode_needs_them(
     kit: Path, tmp_path: Path
 ) -> None:
-    """docs/protocol.md [M-125]: the declared row count and norm are a release outside any DP
+    """docs/protocol.md [M-127]: the declared row count and norm are a release outside any DP
     budget: a DP-requiring policy never sends them (and refuses to be told to), plaintext-only
     sites need none, mask/ckks sites without DP send them unless they opt out."""
 

@@ -102,7 +102,7 @@ def test_plaintext_noise_sized_for_the_sum_is_refused_naming_the_sites_epsilon()
 
 @pytest.mark.parametrize("mode", [cpb.AGGREGATION_MODE_MASK, cpb.AGGREGATION_MODE_CKKS])
 def test_a_plan_trusting_no_colluders_is_refused_by_the_sites_own_floor(mode: int) -> None:
-    # docs/protocol.md [M-124]: the plan says t = 0 and ε = 4 for n = 4; the site's own floor
+    # docs/protocol.md [M-126]: the plan says t = 0 and ε = 4 for n = 4; the site's own floor
     # (default dp_assumed_colluders 0.333: ⌈4/3⌉ = 2 colluders) leaves 2 honest shares of
     # σ/√4 each, so its real ε is that of σ/√2 (5.99 at δ = 1e-5), above max_epsilon 5.
     plan = _encoded(_plan(aggregation=mode, local=False))

@@ -146,7 +146,7 @@ def test_dp_with_mask_takes_n_from_the_config_or_the_sites_declarations(tmp_path
 
 
 def test_dp_with_mask_takes_n_from_the_dp_table_before_any_declaration(tmp_path: Path) -> None:
-    """docs/protocol.md [M-125]: a site whose policy requires DP declares no row bounds, so a DP
+    """docs/protocol.md [M-127]: a site whose policy requires DP declares no row bounds, so a DP
     MASK run takes N from [round.dp] max_samples when mask_max_samples is unset."""
     fed = provision(
         tmp_path / "f",
