@@ -181,7 +181,7 @@ def run_dp_evaluation_bench(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", action="append", type=float, help="evaluation ε (0.5 1 2 4)")
-    p.add_argument("--bins", type=int, default=DP_EVALUATION_BINS, help="equal-mass bins (24)")
+    p.add_argument("--bins", type=int, default=DP_EVALUATION_BINS, help="equal-mass bins (16)")
     p.add_argument("--trials", type=int, default=50, help="noise draws per ε (50)")
     p.add_argument("--sites", type=int, default=8, help="number of sites (8)")
     p.add_argument("--d", type=int, default=1024, help="surrogate feature dimension (1024)")
