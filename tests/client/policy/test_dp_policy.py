@@ -29,9 +29,15 @@ WITH_IDS = DpContext(has_patient_ids=True)
 
 
 def _plan(
-    *, aggregation: int, local: bool, epsilon: float = 4.0, delta: float = 1e-5
+    *,
+    aggregation: int,
+    local: bool,
+    epsilon: float = 4.0,
+    delta: float = 1e-5,
+    tolerated: int = 0,
 ) -> cpb.ReleasePlan:
-    """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or t = 0."""
+    """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or
+    t = ``tolerated`` (default 0)."""
     releases = dp_releases(
         classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=3
     )
@@ -40,7 +46,7 @@ def _plan(
         gram_scope="global", releases=releases,
     )  # fmt: skip
     plan.aggregation = aggregation  # type: ignore[assignment]
-    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0)
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0, tolerated=tolerated)
     apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=local))
     return plan
 
@@ -123,17 +129,8 @@ def test_a_plan_trusting_no_colluders_is_refused_by_the_sites_own_floor(mode: in
     refused = assess_plan(plan, site_id="a", policy=one, context=WITH_IDS)
     assert refused.epsilon == pytest.approx(one_real, rel=1e-6) and refused.refusal
     # A plan whose own t covers the floor costs what it states, and the floor never lowers it.
-    settings = DpSettings(epsilon=4.0, delta=1e-5, clip_norm=2.0, tolerated=2)
-    releases = dp_releases(
-        classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=3
-    )
-    honest = build_plan(
-        federation_id="f", round_id="r1", round_number=1, participants=SITES,
-        gram_scope="global", releases=releases,
-    )  # fmt: skip
-    honest.aggregation = mode  # type: ignore[assignment]
-    apply_dp(honest, calibrate(releases, settings, participants=SITES, plaintext=False))
-    ok = assess_plan(_encoded(honest), site_id="a", policy=policy, context=WITH_IDS)
+    honest = _encoded(_plan(aggregation=mode, local=False, tolerated=2))
+    ok = assess_plan(honest, site_id="a", policy=policy, context=WITH_IDS)
     assert ok.epsilon == pytest.approx(4.0, rel=1e-6) and ok.refusal == ""
 
 
