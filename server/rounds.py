@@ -53,6 +53,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
+from afl.core.row_bounds import RowBounds
 from afl.crypto.identity.signed_blobs import CANDIDATE_CONTEXT, MODEL_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -187,6 +188,10 @@ class RoundMachine:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return self.store.messages(round_id)
+
+    def row_bounds(self, site_id: str) -> RowBounds | None:
+        enrolment = self.store.enrolment(site_id)
+        return None if enrolment is None else enrolment.row_bounds
 
     # --- runs --------------------------------------------------------------------------------
 
