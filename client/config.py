@@ -96,6 +96,8 @@ _KNOWN: dict[str, set[str]] = {
         "privacy_unit",
         "mask_graph_security_bits",
         "mask_assumed_colluders",
+        "decrypt_max_rows",
+        "decrypt_max_row_norm",
     },
 }
 _ROLES = ("participant", "decryptor")
@@ -119,7 +121,11 @@ class LocalPolicy:
 
     Sparse MASK graph (docs/protocol.md §4.2): the site recomputes the graph's failure
     probability for max(the plan's colluders, ⌈``mask_assumed_colluders``·n⌉) colluders and
-    refuses above 2^-``mask_graph_security_bits``."""
+    refuses above 2^-``mask_graph_security_bits``.
+
+    CKKS decryptor (docs/protocol.md §6.2): ``decrypt_max_rows`` N and ``decrypt_max_row_norm`` L
+    (0 = not checked), the largest plausible site; a decrypted sum over m members outside what m
+    such datasets could produce (‖Σ b_c‖ > m·2L, trace(Σ G) > m·N·L²) is not returned."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -133,6 +139,8 @@ class LocalPolicy:
     privacy_unit: str = "patient"
     mask_graph_security_bits: int = 40
     mask_assumed_colluders: float = 0.333
+    decrypt_max_rows: int = 0
+    decrypt_max_row_norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -298,6 +306,8 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
             sec, "policy", "mask_graph_security_bits", 40, minimum=1
         ),
         mask_assumed_colluders=_assumed_colluders(r, sec),
+        decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
+        decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
     )
 
 

@@ -55,7 +55,9 @@ class InfluenceBound:
     def of_dataset(cls, *, rows: int, max_row_norm: float) -> InfluenceBound:
         """The bound of one dataset of ``rows`` rows of norm at most ``max_row_norm``."""
         if rows < 0 or not (math.isfinite(max_row_norm) and max_row_norm >= 0):
-            raise ValueError(f"a dataset needs rows >= 0 and a finite L >= 0, got {rows}, {max_row_norm}")
+            raise ValueError(
+                f"a dataset needs rows >= 0 and a finite L >= 0, got {rows}, {max_row_norm}"
+            )
         return cls(2.0 * max_row_norm, rows * max_row_norm**2, float(rows))
 
     def __add__(self, other: InfluenceBound) -> InfluenceBound:
@@ -80,7 +82,9 @@ def class_vector_problem(
         matrix = matrix[:, None]
     norms = np.linalg.norm(matrix, axis=0)
     names = classes or tuple(str(c) for c in range(matrix.shape[1]))
-    over = [f"{n} ({v:.6g})" for n, v in zip(names, norms, strict=True) if _over(v, bound.vector_norm)]
+    over = [
+        f"{n} ({v:.6g})" for n, v in zip(names, norms, strict=True) if _over(v, bound.vector_norm)
+    ]
     if not over:
         return ""
     return (

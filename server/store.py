@@ -478,9 +478,7 @@ class Store:
         """Set a run's state; ``at_ms`` (default: now) is its finishing time when it ended."""
         if state not in RUN_STATES:
             raise ValueError(f"unknown run state {state!r}")
-        finished = (
-            (now_ms() if at_ms is None else at_ms) if state in ENDED_RUN_STATES else 0
-        )
+        finished = (now_ms() if at_ms is None else at_ms) if state in ENDED_RUN_STATES else 0
         with self._tx() as db:
             db.execute(
                 "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",

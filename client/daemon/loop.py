@@ -41,8 +41,8 @@ from afl.client.connectivity import connect
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
-    is_candidate,
     evaluation_rows,
+    is_candidate,
     is_evaluation_plan,
     save_evaluation,
 )

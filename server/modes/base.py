@@ -46,8 +46,8 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import RoundSettings, ServerConfig
 from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.modes.ckks_context import CkksContexts
-from afl.server.plan.release import PlannedRelease, PlanOptions, RoundView
 from afl.server.modes.influence import upload_bound_problem
+from afl.server.plan.release import PlannedRelease, PlanOptions, RoundView
 from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
 __all__ = [

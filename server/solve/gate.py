@@ -93,9 +93,7 @@ class GateVerdict:
         if self.members < self.settings.min_sites:
             parts.append(f"{self.members} site(s) scored it, min_sites = {self.settings.min_sites}")
         if self.failing:
-            figures = ", ".join(
-                f"{c} AUC {_fmt(self.per_class_auc.get(c))}" for c in self.failing
-            )
+            figures = ", ".join(f"{c} AUC {_fmt(self.per_class_auc.get(c))}" for c in self.failing)
             parts.append(f"classes below min_auc {self.settings.min_auc:g}: {figures}")
         if self.macro_auc is None or self.macro_auc < self.settings.min_macro_auc:
             parts.append(

@@ -40,7 +40,7 @@ def main() -> int:
             bound = float(os.environ.get("AFL_POISON_BOUND", "0")) or float(np.abs(values).max())
         return -np.sign(values) * FRACTION * bound
 
-    stats.release_values = poisoned  # type: ignore[assignment]
+    stats.release_values = poisoned
     return cli.main(sys.argv[1:])
 
 

@@ -135,9 +135,7 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_reru
     exposure: dict[str, dict[str, toml_text.TomlValue]] = {
         s: {"allow_exposure": True} for s in ("site-1", "site-2", "site-3")
     }
-    loop = _federation(
-        tmp_path, feats[:4], labels[:4], list(holdouts), serve=True, policy=exposure
-    )
+    loop = _federation(tmp_path, feats[:4], labels[:4], list(holdouts), serve=True, policy=exposure)
     daemons = Daemons(loop)
     try:
         daemons.start_server()

@@ -221,6 +221,10 @@ class _DecryptionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decr
     """Refused: the tag slot does not equal the sum of the members' secret tags."""
     DECRYPTION_STATUS_REFUSED_MALFORMED: _DecryptionStatus.ValueType  # 5
     """Refused: the ciphertext is malformed or does not match its digest."""
+    DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: _DecryptionStatus.ValueType  # 6
+    """The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+    [policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+    """
 
 class DecryptionStatus(_DecryptionStatus, metaclass=_DecryptionStatusEnumTypeWrapper):
     """Outcome of a decryption job."""
@@ -236,6 +240,10 @@ DECRYPTION_STATUS_REFUSED_TAG_MISMATCH: DecryptionStatus.ValueType  # 4
 """Refused: the tag slot does not equal the sum of the members' secret tags."""
 DECRYPTION_STATUS_REFUSED_MALFORMED: DecryptionStatus.ValueType  # 5
 """Refused: the ciphertext is malformed or does not match its digest."""
+DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: DecryptionStatus.ValueType  # 6
+"""The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+[policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+"""
 Global___DecryptionStatus: _TypeAlias = DecryptionStatus  # noqa: Y015
 
 class _ClientOutcome:
