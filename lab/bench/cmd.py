@@ -22,6 +22,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "calibration",
         "calibration from masked score histograms: ECE before/after, federated evaluation, τ",
     ),
+    "gate": (
+        "gate",
+        "residual influence of one in-bound site on the default; the validation gate's cost",
+    ),
 }
 
 
