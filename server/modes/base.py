@@ -29,7 +29,7 @@ the sites whose uploads are complete.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -115,6 +115,13 @@ class RoundContext(Protocol):
 
     def row_bounds(self, site_id: str) -> RowBounds | None:
         """The N and L ``site_id`` declared at enrolment (None if it declared none)."""
+        ...
+
+    def exposes_history(
+        self, view: RoundView, releases: Sequence[PlannedRelease], members: Sequence[str]
+    ) -> str:
+        """The refusal when the releases, summed over ``members`` only, expose a site together
+        with the federation's earlier releases ("" when not; docs/protocol.md §6, M-124)."""
         ...
 
 

@@ -7,7 +7,9 @@ afl-server and afl-client processes over loopback mutual TLS in MASK mode, every
   fixed-point bound B masking enforces (tests/e2e/poisoning_client.py): every party completes the
   training round, but the candidate fails the gate, so no model is published; the run ends FAILED
   with the failing classes and the pooled AUCs in the audit log, in ``afl admin status`` and in
-  every site's report; the operator re-runs without that site and the model is published (the
+  every site's report. The candidate's sums were released, so they count in the federation's
+  history (M-124): a re-run on the same federation without that site would difference to its
+  statistics and is refused naming it; the same run over the three other sites publishes (the
   same ``Model`` bytes the sites scored as the candidate);
 * a site whose label column is inverted by mistake (its features carrying a stronger signal, so
   its vectors outweigh the others') is caught the same way;
@@ -53,7 +55,6 @@ def _federation(
     holdouts: list[tuple[NDArray[Any], NDArray[Any]] | None],
     *,
     serve: bool,
-    policy: dict[str, dict[str, toml_text.TomlValue]] | None = None,
 ) -> LoopbackFederation:
     sites = len(feats)
     loop = prepare_loopback(
@@ -66,7 +67,6 @@ def _federation(
         test_labels=labels[0][:20],
         round_settings={"aggregation": "mask", "upload_timeout_s": 120.0},
         client_settings={"serve": serve},
-        policy=policy,
     )
     doc = tomllib.loads(loop.server_config.read_text(encoding="utf-8"))
     doc["round"]["gate"] = dict(GATE)
@@ -124,18 +124,12 @@ def _round(info: apb.RunInfo, number: int) -> apb.RoundSummary:
     return [r for r in info.round_history if r.round_number == number][-1]
 
 
-def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_rerun_is(
+def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_run_without_it_is(
     tmp_path: Path,
 ) -> None:
     feats, labels = DATA.draw(9)  # four sites, their hold-outs, a spare block
     holdouts = [(feats[4 + k][:HOLDOUT_ROWS], labels[4 + k][:HOLDOUT_ROWS]) for k in range(4)]
-    # The re-run's gate, differenced with the failed one, determines site-4's hold-out label
-    # counts: the coordinator opens it only with operator_override, the sites only with
-    # allow_exposure (docs/protocol.md §6.2, "Re-running without a site").
-    exposure: dict[str, dict[str, toml_text.TomlValue]] = {
-        s: {"allow_exposure": True} for s in ("site-1", "site-2", "site-3")
-    }
-    loop = _federation(tmp_path, feats[:4], labels[:4], list(holdouts), serve=True, policy=exposure)
+    loop = _federation(tmp_path / "four", feats[:4], labels[:4], list(holdouts), serve=True)
     daemons = Daemons(loop)
     try:
         daemons.start_server()
@@ -171,33 +165,35 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_reru
             state = loop.client_configs[site].parent / "state"
             assert not list((state / "models").glob("*.signed-model.pb"))
             assert list((state / "candidates").glob("*.signed-model.pb"))
-        # The operator removes site-4 and runs again: the model is published.
-        rerun = (
-            'participants = ["site-1", "site-2", "site-3"]\noperator_override = true\n'
-            'override_reason = "site-4 removed: its candidate failed the gate"\n'
-        )
-        info = daemons.submit(rerun, name="rerun")
-        published = daemons.wait_run(info.run_id)
-        assert published.state == "published", (published.reason, daemons.log_tail())
-        signed = daemons.model(info.run_id)
-        digest = hashlib.sha256(signed.model).hexdigest()
-        assert published.model_sha256.hex() == digest
-        gate_round = _round(published, 2).round_id
-        for site in ("site-1", "site-2", "site-3"):
-            report = _report(loop, site, gate_round)
-            assert report["outcome"] == "COMPLETED", report
-            assert report["evaluation"]["gate"]["passed"] is True
-            # the model the site kept is the candidate it scored
-            assert report["evaluation"]["model_sha256"] == report["model"]["sha256"] == digest
-        store = _store(loop)
-        try:
-            records = _gate_records(store)
-            assert [r["passed"] for r in records] == [False, True]
-            assert all(a >= 0.5 for a in records[1]["per_class_auc"].values())
-        finally:
-            store.close()
+        # A re-run here without site-4 would difference to its statistics: refused, naming it.
+        info = daemons.submit('participants = ["site-1", "site-2", "site-3"]\n', name="rerun")
+        refused = daemons.wait_run(info.run_id)
+        assert refused.state == "aborted" and "M-124" in refused.reason, refused.reason
+        assert "site-4" in refused.reason
     finally:
         daemons.stop()
+    # The same run without the poisoning site (a federation of the three others) publishes.
+    loop = _federation(tmp_path / "three", feats[:3], labels[:3], list(holdouts[:3]), serve=False)
+    run = run_loopback(loop, timeout_s=300)
+    assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
+    store = _store(loop)
+    try:
+        (record,) = _gate_records(store)
+        assert record["passed"] is True and record["scored_by"] == 3
+        assert all(a >= 0.5 for a in record["per_class_auc"].values())
+        (run_row,) = store.runs()
+        published = store.model()
+        candidate = store.candidate(published[0]) if published is not None else None
+    finally:
+        store.close()
+    assert run_row.state == "published" and published is not None and candidate is not None
+    digest = hashlib.sha256(published[1]).hexdigest()
+    assert hashlib.sha256(candidate[0]).hexdigest() == digest  # the candidate, now signed "model"
+    for site in loop.site_ids:
+        (report,) = [r for r in run.reports[site].values() if "evaluation" in r]
+        assert report["outcome"] == "COMPLETED" and report["evaluation"]["gate"]["passed"]
+        # the model the site kept is the candidate it scored
+        assert report["evaluation"]["model_sha256"] == report["model"]["sha256"] == digest
 
 
 def test_a_site_with_inverted_labels_is_caught_by_the_gate(tmp_path: Path) -> None:
