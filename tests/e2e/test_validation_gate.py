@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.policy.ledger import DpLedger
 from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.lab.demo.federation import LoopbackFederation, prepare_loopback, run_loopback
 from afl.proto.v1 import admin_pb2 as apb
@@ -165,6 +166,11 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_run_
             state = loop.client_configs[site].parent / "state"
             assert not list((state / "models").glob("*.signed-model.pb"))
             assert list((state / "candidates").glob("*.signed-model.pb"))
+            entry = DpLedger(state / "dp-ledger").entry_for(gate_round)  # the gate's releases
+            assert entry is not None and {r["name"] for r in entry.releases} == {
+                "eval_hist[all]",
+                "eval_confusion[all]",
+            }
         # A re-run here without site-4 would difference to its statistics: refused, naming it.
         info = daemons.submit('participants = ["site-1", "site-2", "site-3"]\n', name="rerun")
         refused = daemons.wait_run(info.run_id)
@@ -190,7 +196,9 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_run_
     digest = hashlib.sha256(published[1]).hexdigest()
     assert hashlib.sha256(candidate[0]).hexdigest() == digest  # the candidate, now signed "model"
     for site in loop.site_ids:
-        (report,) = [r for r in run.reports[site].values() if "evaluation" in r]
+        (report,) = [  # the gate round's (a refused gate plan's replacement has another id)
+            r for r in run.reports[site].values() if r["round_id"] == record["gate_round_id"]
+        ]
         assert report["outcome"] == "COMPLETED" and report["evaluation"]["gate"]["passed"]
         # the model the site kept is the candidate it scored
         assert report["evaluation"]["model_sha256"] == report["model"]["sha256"] == digest
@@ -227,7 +235,9 @@ def test_a_site_with_inverted_labels_is_caught_by_the_gate(tmp_path: Path) -> No
     assert all("no hold-out rows to score the candidate" in why for why in decisions.values())
     for site in set(loop.site_ids) - refused:
         assert run.client_rcs[site] == 1  # FAILED: the gate refused the model
-        (report,) = [r for r in run.reports[site].values() if "evaluation" in r]
+        (report,) = [  # the gate round's (a refused gate plan's replacement has another id)
+            r for r in run.reports[site].values() if r["round_id"] == record["gate_round_id"]
+        ]
         assert report["outcome"] == "FAILED" and report["reason"] == record["reason"]
         (training,) = [r for r in run.reports[site].values() if "candidate" in r]
         assert "model" not in training  # the site kept the candidate only
