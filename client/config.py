@@ -102,6 +102,8 @@ _KNOWN: dict[str, set[str]] = {
         "mask_graph_security_bits",
         "mask_assumed_colluders",
         "dp_assumed_colluders",
+        "decrypt_max_rows",
+        "decrypt_max_row_norm",
     },
 }
 _ROLES = ("participant", "decryptor")
@@ -130,7 +132,11 @@ class LocalPolicy:
     DP colluder floor (docs/protocol.md §7): in MASK and CKKS the site computes its ε assuming
     max(the plan's t_r, ⌈``dp_assumed_colluders``·n_r⌉) of a release's n_r members collude with
     the coordinator (default ⌈n/3⌉, as for the sparse graph), so the plan's t = 0 is not taken on
-    trust."""
+    trust.
+
+    CKKS decryptor (docs/protocol.md §6.2): ``decrypt_max_rows`` N and ``decrypt_max_row_norm`` L
+    (0 = not checked), the largest plausible site; a decrypted sum over m members outside what m
+    such datasets could produce (‖Σ b_c‖ > m·2L, trace(Σ G) > m·N·L²) is not returned."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -145,6 +151,8 @@ class LocalPolicy:
     mask_graph_security_bits: int = 40
     mask_assumed_colluders: float = 0.333
     dp_assumed_colluders: float = 0.333
+    decrypt_max_rows: int = 0
+    decrypt_max_row_norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -313,6 +321,8 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         ),
         mask_assumed_colluders=_assumed_colluders(r, sec, "mask_assumed_colluders"),
         dp_assumed_colluders=_assumed_colluders(r, sec, "dp_assumed_colluders"),
+        decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
+        decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
     )
 
 

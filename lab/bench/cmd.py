@@ -28,6 +28,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "dp_evaluation",
         "federated macro AUC and ECE from DP score histograms vs exact, per evaluation ε",
     ),
+    "gate": (
+        "gate",
+        "residual influence of one in-bound site on the default; the validation gate's cost",
+    ),
 }
 
 
