@@ -2,7 +2,9 @@
 model (the steps are docs/architecture.md §3). It verifies and decides (:mod:`afl.client.daemon.
 verify`, :mod:`afl.client.policy.plan`), sends what :mod:`afl.client.payloads.dispatch` builds
 through the round's mode (:mod:`afl.client.modes`), and keeps a :class:`~afl.client.daemon.
-report.RoundReport` of each round.
+report.RoundReport` of each round. A run with a validation gate (docs/protocol.md §6.2) ends its
+final round VALIDATING: the site keeps the candidate, scores it in the evaluation round and keeps
+the published model only if the signed evaluation says the gate passed.
 
 Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
 was aborted and no replacement came (an aborted round is followed by waiting up to ``linger_s``
@@ -11,6 +13,7 @@ for the replacement round).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -25,6 +28,7 @@ from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
     evaluation_rows,
+    is_candidate,
     save_evaluation,
 )
 from afl.client.daemon.report import RoundReport
@@ -185,8 +189,16 @@ class ClientDaemon:
         return response
 
     def _model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes | None
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes | None,
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> tuple[VerifiedModel, int]:
+        """Fetch, verify and keep the round's model (``candidate``: the candidate of a round in
+        VALIDATING, kept apart; ``expect_sha256``: the model must be these ``Model`` bytes)."""
         assert self.stats is not None
         signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
         verified = verify_model(
@@ -197,8 +209,17 @@ class ClientDaemon:
             class_names=class_names,
             d=self.stats.d,
             plan_sha256=plan_sha256,
+            context=signed_blobs.CANDIDATE_CONTEXT if candidate else signed_blobs.MODEL_CONTEXT,
         )
-        self.store.save_model(round_id, signed, verified.weights)
+        if expect_sha256 and verified.model_sha256 != expect_sha256:
+            raise VerificationError(
+                f"round {round_id}: the published model (sha256 {verified.model_sha256[:16]}...) "
+                f"is not the candidate the gate scored ({expect_sha256[:16]}...)"
+            )
+        if candidate:
+            self.store.save_candidate(round_id, signed)
+        else:
+            self.store.save_model(round_id, signed, verified.weights)
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -235,7 +256,8 @@ class ClientDaemon:
             return PolicyDecision(False, str(exc)), None, b""
         problem = self._round_problems(cfg)
         if not problem and is_evaluation_plan(plan):  # only a model this site verified
-            problem = evaluation_problem(plan, **self._model_source())
+            has_holdout = self.config.data.holdout is not None
+            problem = evaluation_problem(plan, has_holdout=has_holdout, **self._model_source())
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         try:
@@ -305,7 +327,35 @@ class ClientDaemon:
         )
         files = save_evaluation(signed, evaluation, self.state / "evaluations")
         digest = signed_blobs.blob_sha256(signed.evaluation).hex()
-        return {"sha256": digest, "members": list(evaluation.members), "files": files}
+        result: dict[str, Any] = {
+            "sha256": digest, "members": list(evaluation.members), "files": files
+        }  # fmt: skip
+        gate = json.loads(evaluation.evaluation_json or b"{}").get("gate")
+        if gate is not None:  # the validation gate's verdict (docs/protocol.md §6.2)
+            result["gate"] = gate
+            result["model_round_id"] = evaluation.model_round_id
+        return result
+
+    def _gate_outcome(self, plan: cpb.ReleasePlan, report: RoundReport) -> None:
+        """After a gate's evaluation: keep the published model if the candidate passed (the same
+        ``Model`` bytes, now signed "model"); RoundFailed with the gate's reason if it failed."""
+        assert report.evaluation is not None
+        gate = report.evaluation.get("gate")
+        candidate = evaluated_model(plan, **self._model_source())
+        if gate is None or not is_candidate(candidate):
+            return
+        if not gate.get("passed"):
+            reason = str(gate.get("reason") or "validation gate failed")
+            log.error("site=%s: the candidate was not published: %s", self.site_id, reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_FAILED, reason)
+        round_id = check_round_id(str(report.evaluation["model_round_id"]))
+        self.receive_model(
+            round_id,
+            class_names=list(candidate.model.class_names),
+            plan_sha256=bytes(candidate.model.plan_sha256),
+            report=report,
+            expect_sha256=candidate.model_sha256,
+        )
 
     def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
         """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
@@ -481,14 +531,22 @@ class ClientDaemon:
         timings["upload"] = time.perf_counter() - t0
         report.sent(records)
         t0 = time.perf_counter()
-        self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
         if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
             assert report.evaluation is not None  # what it scored (self.payloads)
             evaluated = report.evaluation["model_sha256"]
             report.evaluation.update(self._evaluation_result(round_id, evaluated))
+            self._gate_outcome(plan, report)
             return
-        self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+        candidate = status.stage == pb.ROUND_STAGE_VALIDATING  # the gate scores it first
+        self.receive_model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha,
+            report=report,
+            candidate=candidate,
+        )
 
     def round_session(
         self,
@@ -514,12 +572,31 @@ class ClientDaemon:
         )
 
     def receive_model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: RoundReport
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes,
+        report: RoundReport,
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> None:
-        """Fetch the round's signed model, verify it against the accepted plan, keep it, and
-        note it in ``report``."""
-        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha256)
+        """Fetch the round's signed model (or its candidate), verify it against the accepted
+        plan, keep it, and note it in ``report``."""
+        model, nbytes = self._model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha256,
+            candidate=candidate,
+            expect_sha256=expect_sha256,
+        )
         report.bytes_received += nbytes
+        if candidate:
+            report.candidate = {
+                "sha256": model.model_sha256,
+                "note": "not published: the validation gate scores it first",
+            }
+            return
         report.model = {
             "sha256": model.model_sha256,
             "weights_sha256": model.weights_sha256,

@@ -21,7 +21,8 @@ class RoundReport:
     """What this site did in one round and how it ended. Optional parts are left out of the
     JSON while unset: the plan the site decided on (:func:`afl.client.daemon.state.plan_summary`),
     the class-list note, the evaluation an evaluation round scored, the DP report
-    (:func:`afl.client.policy.dp.dp_report`), the uploads, the verified model."""
+    (:func:`afl.client.policy.dp.dp_report`), the uploads, a gated run's candidate, the verified
+    model."""
 
     site_id: str
     federation_id: str
@@ -38,6 +39,7 @@ class RoundReport:
     round_warnings: list[str] = field(default_factory=list)  # this round's, besides the site's
     dp: dict[str, object] | None = None
     uploads: list[dict[str, Any]] | None = None
+    candidate: dict[str, Any] | None = None  # a gated run's final model, not yet published
     model: dict[str, Any] | None = None
     outcome: str = ""
     reason: str = ""
@@ -75,6 +77,7 @@ class RoundReport:
             "round_warnings": self.round_warnings or None,
             "dp": self.dp,
             "uploads": self.uploads,
+            "candidate": self.candidate,
             "model": self.model,
         }
         doc.update({key: value for key, value in optional.items() if value is not None})

@@ -23,8 +23,8 @@ rulebook :mod:`afl.core.dp.accounting`).
    MASK and CKKS: encodings that keep the noise grid exactly, checked before the site accepts
    the plan by :func:`afl.client.policy.dp.plan_problems`).
 
-The site's own accounting of a plan (μ, ε, the unit rules) is the policy's
-(:mod:`afl.client.policy.dp`); this module only builds what is sent.
+The site's own accounting of a plan (μ, ε with its colluder floor, the unit rules) is the
+policy's (:mod:`afl.client.policy.dp`); this module only builds what is sent.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 a plan costs this site, under the adversary that sees its upload, in its run and over its
 lifetime, from the site's own accounting (:func:`site_mu`: the sensitivity the plan's clip norm,
 unit bound m and label clipping k imply, the noise that protects its upload: its own share in
-PLAINTEXT, the n_r - t_r honest shares in MASK and CKKS), so a site never relies on the server's
-arithmetic. :func:`assess_plan` composes it with the run's earlier rounds and the lifetime ledger
-(:mod:`afl.client.policy.ledger`) and refuses above ``max_epsilon`` / ``lifetime_epsilon``; a plan
-without DP costs ε = ∞. The payload builder (:mod:`afl.client.payloads.dp`) imports the unit and
-noise rules from here.
+PLAINTEXT, the n_r - t'_r honest shares in MASK and CKKS with t'_r the larger of the plan's t_r
+and the site's own floor ``[policy] dp_assumed_colluders``), so a site never relies on the
+server's arithmetic. :func:`assess_plan` composes it with the run's earlier rounds and the
+lifetime ledger (:mod:`afl.client.policy.ledger`) and refuses above ``max_epsilon`` /
+``lifetime_epsilon``; a plan without DP costs ε = ∞. The payload builder
+(:mod:`afl.client.payloads.dp`) imports the unit and noise rules from here.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from afl.core.dp.accounting import (
     grid_inflation,
     mu_from_releases,
     rounded_coordinates,
+    site_colluders,
     site_view_releases,
     statistic_sensitivity,
 )
+from afl.core.dp.evaluation import evaluation_sensitivity
 from afl.crypto.ckks import params as cp
 from afl.proto.v1 import common_pb2 as cpb
-from afl.proto.wire import DP_STATISTIC_NAMES
+from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
 
 __all__ = [
     "MAX_FRAC_BITS",
@@ -71,7 +74,14 @@ def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     (:func:`afl.core.dp.accounting.statistic_sensitivity`) plus what rounding to the release's
     noise grid adds (:func:`afl.core.dp.accounting.grid_inflation`, √D·2^-f); another
     class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
-    no classes as 0."""
+    no classes as 0; an evaluation release's counts as m·√C
+    (:func:`afl.core.dp.evaluation.evaluation_sensitivity`)."""
+    if release.kind in EVALUATION_KINDS:  # integer counts: m·√C, no rounding
+        if not release.class_names:
+            return 0.0
+        return evaluation_sensitivity(
+            n_classes=len(release.class_names), rows_per_individual=images_per_patient(plan)
+        )
     kind = DP_STATISTIC_NAMES.get(int(release.kind), "t_sum")
     if kind != "gram" and not release.class_names:
         return 0.0
@@ -92,9 +102,11 @@ def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     )
 
 
-def site_mu(plan: cpb.ReleasePlan, site_id: str) -> float:
+def site_mu(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
     """μ (GDP) of ``site_id``'s releases in this plan under the adversary that sees its upload
-    (module docstring); inf without DP noise on one of them."""
+    (module docstring), assuming in MASK and CKKS max(the plan's t_r, ⌈``colluder_fraction``·n_r⌉)
+    colluders (:func:`afl.core.dp.accounting.site_colluders`; the site's ``[policy]
+    dp_assumed_colluders``); inf without DP noise on one of them."""
     if not plan.dp.enabled or not 0 < plan.dp.delta < 1 or not plan.dp.clip_norm > 0:
         return math.inf
     local = plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
@@ -107,12 +119,14 @@ def site_mu(plan: cpb.ReleasePlan, site_id: str) -> float:
             return math.inf
         sens = max(float(r.noise.sensitivity), _min_sensitivity(r, plan))
         stated.append((r.name, sens, float(r.noise.sigma), n, t))
-    return mu_from_releases(site_view_releases(stated, local=local))
+    return mu_from_releases(
+        site_view_releases(stated, local=local, colluder_fraction=colluder_fraction)
+    )
 
 
-def site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
+def site_epsilon(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
     """ε of ``site_id`` in this plan at the plan's δ (:func:`site_mu`; inf without DP)."""
-    mu = site_mu(plan, site_id)
+    mu = site_mu(plan, site_id, colluder_fraction=colluder_fraction)
     if math.isinf(mu):
         return math.inf
     return epsilon_from_mu(mu=mu, delta=plan.dp.delta)
@@ -191,6 +205,31 @@ def _unit_name(plan: cpb.ReleasePlan) -> str:
     return "patient" if patient_level(plan) else "image"
 
 
+def _view(plan: cpb.ReleasePlan, site_id: str, fraction: float) -> str:
+    """The adversary the site's ε is against, in words, for a refusal."""
+    if plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT:
+        return " against the coordinator that sees its upload alone (plaintext)"
+    mine = [r for r in plan.releases if site_id in r.member_site_ids]
+    stated = max((int(r.noise.assumed_colluders) for r in mine), default=0)
+    assumed = max(
+        (
+            site_colluders(
+                members=len(r.member_site_ids),
+                stated=min(int(r.noise.assumed_colluders), len(r.member_site_ids) - 1),
+                fraction=fraction,
+            )
+            for r in mine
+        ),
+        default=0,
+    )
+    if assumed <= stated:
+        return ""
+    return (
+        f" against the coordinator with {assumed} colluding member(s) (this site's floor, "
+        f"[policy] dp_assumed_colluders {fraction:g}; the plan assumes {stated})"
+    )
+
+
 def assess_plan(
     plan: cpb.ReleasePlan, *, site_id: str, policy: LocalPolicy, context: DpContext
 ) -> DpAssessment:
@@ -213,7 +252,7 @@ def assess_plan(
     # δ is the coordinator's choice as well: a plan's δ above the site's own (lifetime_delta)
     # would shrink every ε (ε → 0 as δ → 1); the site judges ε at the smaller of the two.
     delta = min(plan.dp.delta, policy.lifetime_delta)
-    mu = site_mu(plan, site_id)
+    mu = site_mu(plan, site_id, colluder_fraction=policy.dp_assumed_colluders)
     mu_run = compose_mu([context.run_mu, mu])
     eps, eps_run = _eps(mu, delta), _eps(mu_run, delta)
     life_mu = compose_mu(
@@ -241,11 +280,7 @@ def assess_plan(
         )
     worst = max(eps_run, stated)
     if worst > policy.max_epsilon:
-        view = (
-            " against the coordinator that sees its upload alone (plaintext)"
-            if plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
-            else ""
-        )
+        view = _view(plan, site_id, policy.dp_assumed_colluders)
         run = " over its run (this round and the earlier ones)" if context.run_mu > 0 else ""
         server = f"; the server states {stated:g}" if not math.isclose(stated, eps_run) else ""
         return verdict(
