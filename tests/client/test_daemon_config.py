@@ -131,13 +131,33 @@ def test_identity_key_must_match_public_key(kit: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_keys_warn_and_missing_file_errors(kit: Path, tmp_path: Path) -> None:
-    cfg = load_client_config(_rewrite(kit, tmp_path, policy={"min_cohrot": 1}))
-    assert any("min_cohrot" in w for w in cfg.warnings)
+    cfg = load_client_config(_rewrite(kit, tmp_path, data={"holdot": "x"}))
+    assert any("holdot (did you mean 'holdout'?)" in w for w in cfg.warnings)
     with pytest.raises(ConfigError, match="no such config file"):
         load_client_config(tmp_path / "nope.toml")
     (tmp_path / "bad.toml").write_text("[client\n")
     with pytest.raises(ConfigError, match="cannot read TOML"):
         load_client_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("min_cohrt", "min_cohort"), ("lifetime_epsilom", "lifetime_epsilon")]
+)
+def test_a_misspelt_policy_key_is_an_error_naming_the_key(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], typo: str, meant: str
+) -> None:
+    """issue 28 item 6: a site's protection settings are not left at their defaults by a typo."""
+    from afl.client.cli import main
+
+    path = _rewrite(kit, tmp_path, policy={typo: 5})
+    with pytest.raises(
+        ConfigError, match=f"unknown key \\[policy\\] {typo} \\(did you mean '{meant}'"
+    ):
+        load_client_config(path)
+    assert main(["doctor", "--config", str(path), "--no-connect"]) != 0
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert f"{typo} (did you mean '{meant}'?)" in text and "Traceback" not in text
 
 
 def test_run_subcommand_reports_config_errors(
