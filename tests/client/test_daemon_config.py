@@ -10,8 +10,7 @@ import pytest
 
 from afl.client.config import ConfigError, LocalPolicy, load_client_config
 from afl.ops.provisioning import ProvisionedFederation
-from afl.server import toml_text
-from tests.helpers.federation import FederationSpec
+from tests.helpers.federation import FederationSpec, rewrite_client_toml
 
 FEDERATION = FederationSpec(sites=["site-a", "site-b"], port=50999)
 
@@ -21,20 +20,7 @@ def kit(federation: ProvisionedFederation) -> Path:
     return federation.site_dirs["site-a"]
 
 
-def _rewrite(kit: Path, tmp: Path, **sections: dict[str, object]) -> Path:
-    doc = tomllib.loads((kit / "client.toml").read_text())
-    for name, values in sections.items():
-        doc.setdefault(name, {}).update(values)
-        for key, value in list(doc[name].items()):
-            if value is None:
-                del doc[name][key]
-    out = tmp / "kit"
-    out.mkdir(exist_ok=True)
-    for f in kit.iterdir():
-        if f.is_file() and f.name != "client.toml":
-            (out / f.name).write_bytes(f.read_bytes())
-    (out / "client.toml").write_text(toml_text.dumps(doc))
-    return out / "client.toml"
+_rewrite = rewrite_client_toml
 
 
 def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
