@@ -5,7 +5,6 @@ labels; the metrics are checked against scikit-learn on σ(H W) (an independent 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
