@@ -202,14 +202,15 @@ def manifest_source(
 ) -> SiteSource:
     """A hospital's own list: CSV with a path column and one column per class.
 
-    Paths are relative to the CSV's folder unless absolute. ``classes`` defaults to every other
-    column. Refused with the line and the cause: duplicate or unnamed columns, a requested class
-    without a column (with a did-you-mean hint), rows longer or shorter than the header, labels
-    outside 1/0/true/false/-1/empty. An empty cell is "not labelled"; -1 is "not labelled" too
-    unless ``uncertain_as`` says what an uncertain (CheXpert-style) -1 becomes. The source's
-    ``warnings`` name unused columns and columns that look like misspelt findings. A
-    ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
-    (the DP privacy unit; an empty cell is an error).
+        Paths are relative to the CSV's folder unless absolute. ``classes`` defaults to every other
+        column. Refused with the line and the cause: duplicate or unnamed columns, a requested class
+        without a column (with a did-you-mean hint), rows longer or shorter than the header, labels
+        outside 1/0/true/false/-1/empty, and (when ``classes`` is not given) a column that looks like a
+    misspelt finding (``Efusion``: its labels would never reach the federation's Effusion). An empty cell is "not labelled"; -1 is "not labelled" too
+        unless ``uncertain_as`` says what an uncertain (CheXpert-style) -1 becomes. The source's
+        ``warnings`` name unused columns and declared classes that look like misspelt findings. A
+        ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
+        (the DP privacy unit; an empty cell is an error).
     """
     table = Path(manifest)
     if uncertain_as not in UNCERTAIN_AS:
@@ -245,6 +246,11 @@ def manifest_source(
         for column in names:
             hint = did_you_mean(column, KNOWN_FINDINGS)
             if hint and column not in KNOWN_FINDINGS:
+                if classes is None:  # taken from the header: a typo would make a new class
+                    raise SiteDataError(
+                        f"{table}: column {column!r} is not a known finding{hint}: rename the "
+                        f"column, or list the classes with --classes to keep {column!r} as a class"
+                    )
                 warnings.append(f"{table}: column {column!r} is not a known finding{hint}")
         records = []
         for row in reader:

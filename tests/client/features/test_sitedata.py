@@ -129,8 +129,13 @@ def test_manifest_requested_class_without_a_column_is_refused_with_a_suggestion(
     ):
         manifest_source(tmp_path / "m.csv", classes=["Efusion", "Mass"])
     (tmp_path / "n.csv").write_text("path,Efusion,Mass\nx.png,1,0\n", encoding="utf-8")
-    misspelt = manifest_source(tmp_path / "n.csv")
-    assert misspelt.classes == ("Efusion", "Mass")  # a site's own class names are allowed...
+    with pytest.raises(  # issue 28 item 7: a misspelt column is not silently a new class
+        SiteDataError,
+        match=r"column 'Efusion' is not a known finding \(did you mean 'Effusion'\?\): rename",
+    ):
+        manifest_source(tmp_path / "n.csv")
+    misspelt = manifest_source(tmp_path / "n.csv", classes=["Efusion", "Mass"])
+    assert misspelt.classes == ("Efusion", "Mass")  # a site's own declared class names...
     assert any(
         "'Efusion' is not a known finding (did you mean 'Effusion'?)" in w
         for w in misspelt.warnings
