@@ -212,6 +212,24 @@ def _evaluation_metrics(paths: list[str], published: PublishedModel) -> dict[str
     return out
 
 
+def _mark_in_sample(metrics: dict[str, Any], *, state_dir: Path, site_id: str) -> None:
+    """A federated evaluation that does not say whether it is in-sample gets what this site's
+    report of that evaluation round says (``evaluation.in_sample``), as ``{site: bool}``: the
+    card and `afl report` then say so where the figures appear."""
+    for body in metrics.values():
+        if body.get("format") != FEDERATED_EVALUATION_FORMAT or "in_sample" in body:
+            continue
+        for path in sorted((state_dir / "reports").glob("*.json")):
+            try:
+                evaluation = json.loads(path.read_text(encoding="utf-8")).get("evaluation")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(evaluation, dict) and evaluation.get("model_sha256") == body.get(
+                "model_sha256"
+            ):
+                body["in_sample"] = {site_id: bool(evaluation.get("in_sample"))}
+
+
 def run(args: argparse.Namespace) -> int:
     """Verify, build and write the export; one line per known failure, exit status 2."""
     from afl.client.config import ConfigError as ClientConfigError
@@ -243,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
                 f"site's features were extracted with (sha256 {party.weights_sha256})"
             )
         metrics = {**party.metrics, **_evaluation_metrics(args.evaluation, published)}
+        if party.is_site:
+            _mark_in_sample(metrics, state_dir=party.site.state_dir, site_id=party.site.site_id)
         calibration = Calibration.load(args.calibration) if args.calibration else None
         card = export_classifier(
             published,

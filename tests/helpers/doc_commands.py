@@ -57,12 +57,13 @@ class Step:
     argument: str
     body: str
     line: int
+    document: str = "docs/operations.md"
 
     def where(self) -> str:
-        return f"docs/operations.md:{self.line} ({self.kind}: {self.party} {self.argument})"
+        return f"{self.document}:{self.line} ({self.kind}: {self.party} {self.argument})"
 
 
-def doc_steps(text: str) -> list[Step]:
+def doc_steps(text: str, *, document: str = "docs/operations.md") -> list[Step]:
     """Every marked step of the document, in order; ValueError naming the line of a bad mark."""
     lines = text.splitlines()
     steps = []
@@ -83,14 +84,14 @@ def doc_steps(text: str) -> list[Step]:
                 raise ValueError(f"line {i + 1}: {kind} mark without a fenced block after it")
             end = next(k for k in range(j + 1, len(lines)) if lines[k].strip() == "```")
             body = "\n".join(lines[j + 1 : end]) + "\n"
-        steps.append(Step(kind, party, argument.strip(), body, i + 1))
+        steps.append(Step(kind, party, argument.strip(), body, i + 1, document))
     return steps
 
 
 def variables_block(steps: list[Step]) -> set[str]:
     """The names the ``variables`` block assigns."""
     (block,) = [s for s in steps if s.kind == "variables"]
-    return set(re.findall(r"(?m)^([A-Z_][A-Z0-9_]*)=", block.body))
+    return set(re.findall(r"(?m)^(?:export )?([A-Z_][A-Z0-9_]*)=", block.body))
 
 
 def used_variables(step: Step) -> set[str]:
@@ -133,11 +134,19 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], log: Pa
     raise AssertionError(f"nothing listens on {host}:{port} after 180 s:\n{log.read_text()}")
 
 
+def _afl_server_address(party: Party) -> tuple[str, int] | None:
+    if party.name != "coordinator":
+        return None
+    return party.env["AFL_HOST"], int(party.env["AFL_PORT"])
+
+
 class StepRunner:
     """Carries out the steps for one operator, one coordinator and several sites.
 
     ``on_output(step, party, output)`` sees what every ``run`` block printed (the test reads the
-    published roster fingerprint from it, as the operator does)."""
+    published roster fingerprint from it, as the operator does). ``listens(party)``: where a
+    daemon the party starts listens, waited for before the next step (default: the coordinator's
+    ``$AFL_HOST:$AFL_PORT``; None: nothing to wait for)."""
 
     def __init__(
         self,
@@ -145,7 +154,9 @@ class StepRunner:
         *,
         logs: Path,
         on_output: Callable[[Step, Party, str], None] | None = None,
+        listens: Callable[[Party], tuple[str, int] | None] | None = None,
     ) -> None:
+        self.listens = listens or _afl_server_address
         self.parties = dict(parties)
         self.logs = logs
         self.on_output = on_output
@@ -207,9 +218,8 @@ class StepRunner:
             )
         )
         handle.close()
-        if party.name == "coordinator":
-            host, port = party.env["AFL_HOST"], int(party.env["AFL_PORT"])
-            _wait_listening(host, port, party.daemons[-1], log)
+        if (address := self.listens(party)) is not None:
+            _wait_listening(*address, party.daemons[-1], log)
 
     def _wait(self, step: Step, party: Party) -> None:
         for i, proc in enumerate(party.daemons):
@@ -225,7 +235,8 @@ class StepRunner:
     def _edit(self, step: Step, party: Party) -> None:
         path = party.cwd / _expand(step.argument, party.env)
         update = tomllib.loads(_expand(step.body, party.env))
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        path.parent.mkdir(parents=True, exist_ok=True)  # a person creates a file not there yet
+        doc = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
         _merge(doc, update)
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
 
