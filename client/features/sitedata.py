@@ -21,6 +21,7 @@ A file that cannot be read raises :class:`UnreadableImageError`; the extraction 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import gzip
 import os
 from collections.abc import Sequence
@@ -312,6 +313,12 @@ def missing_files(source: SiteSource) -> list[ImageRecord]:
 
 #: Photometric interpretations afl reads (grayscale radiographs).
 DICOM_PHOTOMETRIC = ("MONOCHROME1", "MONOCHROME2")
+#: The pydicom plugins for compressed transfer syntaxes (module, package; the ``client`` extra).
+_DECODERS = (
+    ("pylibjpeg", "pylibjpeg"),
+    ("libjpeg", "pylibjpeg-libjpeg"),
+    ("openjpeg", "pylibjpeg-openjpeg"),
+)
 
 
 def _lut_range(descriptor: Sequence[int]) -> tuple[float, float]:
@@ -363,13 +370,22 @@ def _dicom_pixels(ds: Any, path: Path) -> NDArray[Any]:
         meta = getattr(ds, "file_meta", None)
         syntax = meta.get("TransferSyntaxUID") if meta is not None else None
         name = getattr(syntax, "name", str(syntax))
+        cause = " ".join(str(exc).split())  # pydicom lists each plugin's error on its own line
         if syntax is not None and getattr(syntax, "is_compressed", False):
+            missing = [pkg for module, pkg in _DECODERS if importlib.util.find_spec(module) is None]
+            if missing:
+                raise UnreadableImageError(
+                    f"{path}: cannot decode transfer syntax {name!r}: the decoders "
+                    f"{', '.join(missing)} are not installed; `pip install 'afl[client]'` "
+                    f"installs them ({cause})"
+                ) from exc
             raise UnreadableImageError(
-                f"{path}: cannot decode transfer syntax {name!r} ({exc}); the decoders for "
-                "JPEG, JPEG-LS, JPEG 2000 and RLE come with `pip install 'afl[client]'` "
-                "(pylibjpeg, pylibjpeg-libjpeg, pylibjpeg-openjpeg)"
+                f"{path}: the installed decoders cannot decode its {name!r} data (the file's "
+                "compressed stream is damaged or a variant they do not handle); re-export it "
+                "from the PACS uncompressed or as JPEG 2000, JPEG-LS or RLE (supported "
+                f"syntaxes: docs/operations.md §5) ({cause})"
             ) from exc
-        raise UnreadableImageError(f"{path}: cannot decode the pixel data ({exc})") from exc
+        raise UnreadableImageError(f"{path}: cannot decode the pixel data ({cause})") from exc
 
 
 def _read_dicom(path: Path) -> NDArray[np.float32]:
@@ -381,6 +397,12 @@ def _read_dicom(path: Path) -> NDArray[np.float32]:
     from pydicom.pixels.processing import apply_modality_lut, apply_windowing
 
     ds = pydicom.dcmread(path)
+    if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
+        kind = getattr(ds.get("SOPClassUID"), "name", "") or str(ds.get("Modality", "")) or "DICOM"
+        raise UnreadableImageError(
+            f"{path}: no image in this file (a {kind} object without pixel data, such as a "
+            "Structured Report): list only image files in the manifest"
+        )
     photometric = str(ds.get("PhotometricInterpretation", ""))
     if photometric not in DICOM_PHOTOMETRIC:
         raise UnreadableImageError(
