@@ -21,8 +21,8 @@ A file that cannot be read raises :class:`UnreadableImageError`; the extraction 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import gzip
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace

@@ -8,8 +8,9 @@ A mark is an HTML comment on its own line (invisible when the Markdown is render
 * ``<!-- run: PARTY -->`` before a ```` ```sh ```` block: PARTY runs it, verbatim, in its shell
   (``site``: every site does);
 * ``<!-- start: PARTY -->`` before a block holding one command: PARTY starts it as a daemon;
-* ``<!-- edit: PARTY FILE -->`` before a ```` ```toml ```` block: PARTY writes those keys into
-  FILE (the tables are merged key by key, as a person edits the file);
+* ``<!-- edit: PARTY FILE -->`` before a ```` ```toml ```` block: PARTY appends those tables to
+  FILE (which must stay valid TOML: no table the file already has); ``<!-- edit: PARTY FILE
+  [table] -->``: PARTY changes those keys inside FILE's existing ``[table]``;
 * ``<!-- move: PARTY SRC -> PARTY DST -->``: a file or folder sent from one party to another
   (``DST`` ending in ``/`` is a folder to put it in);
 * ``<!-- wait: site -->``: the site daemons started so far have exited.
@@ -38,7 +39,15 @@ from typing import Any
 
 from afl.server import toml_text
 
-__all__ = ["Party", "Step", "StepRunner", "doc_steps", "used_variables", "variables_block"]
+__all__ = [
+    "Party",
+    "Step",
+    "StepRunner",
+    "doc_steps",
+    "edit_target",
+    "used_variables",
+    "variables_block",
+]
 
 KINDS = ("run", "start", "edit", "move", "wait", "variables")
 PARTIES = ("operator", "coordinator", "site")
@@ -86,6 +95,17 @@ def doc_steps(text: str, *, document: str = "docs/operations.md") -> list[Step]:
             body = "\n".join(lines[j + 1 : end]) + "\n"
         steps.append(Step(kind, party, argument.strip(), body, i + 1, document))
     return steps
+
+
+def edit_target(step: Step) -> tuple[str, tuple[str, ...]]:
+    """An edit mark's file and, for ``FILE [table.sub]``, the table its keys go into."""
+    target, _, table = step.argument.partition(" ")
+    table = table.strip()
+    if not table:
+        return target, ()
+    if not (table.startswith("[") and table.endswith("]")):
+        raise ValueError(f"{step.where()}: expected 'FILE [table]', got {step.argument!r}")
+    return target, tuple(table[1:-1].split("."))
 
 
 def variables_block(steps: list[Step]) -> set[str]:
@@ -233,10 +253,27 @@ class StepRunner:
             assert code == 0, f"{step.where()}: {party.name} exited {code}:\n{log.read_text()}"
 
     def _edit(self, step: Step, party: Party) -> None:
-        path = party.cwd / _expand(step.argument, party.env)
-        update = tomllib.loads(_expand(step.body, party.env))
+        target, table = edit_target(step)
+        path = party.cwd / _expand(target, party.env)
+        body = _expand(step.body, party.env)
         path.parent.mkdir(parents=True, exist_ok=True)  # a person creates a file not there yet
-        doc = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        update = tomllib.loads(body)
+        if table:  # keys to change inside a table the file already has
+            doc = tomllib.loads(text)
+            assert isinstance(doc.get(table[0]), dict), (
+                f"{step.where()}: {path} has no [{table[0]}] table to edit"
+            )
+            for name in reversed(table):
+                update = {name: update}
+        else:  # appended as shown: the document's TOML must not repeat a table the file has
+            try:
+                tomllib.loads(text + "\n" + body)
+            except tomllib.TOMLDecodeError as exc:
+                raise AssertionError(
+                    f"{step.where()}: appending the block as shown breaks {path}: {exc}"
+                ) from None
+            doc = tomllib.loads(text)
         _merge(doc, update)
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
 
