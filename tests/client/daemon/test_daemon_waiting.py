@@ -26,7 +26,7 @@ class _Script:
     def __init__(self, *answers: pb.StatusResponse) -> None:
         self.answers = list(answers)
 
-    def GetStatus(self, request: Any, **kw: Any) -> pb.StatusResponse:  # noqa: N802 (gRPC name)
+    def GetStatus(self, request: Any, **kw: Any) -> pb.StatusResponse:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
