@@ -33,6 +33,7 @@ from typing import Any
 from afl.client.model.model_card import TrainingFacts
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
 from afl.core.evaluation.federated import FEDERATED_EVALUATION_FORMAT
+from afl.core.progress import Progress
 
 __all__ = ["add_arguments", "run"]
 
@@ -240,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
     from afl.server.errors import ConfigError as ServerConfigError
     from afl.server.errors import StateError
 
+    progress = Progress("afl export")
     try:
+        progress("verifying the signed model")
         party = _Party(Path(args.config))
         published = load_published_model(
             args.model, server_public_key=party.server_key, federation_id=party.federation_id
@@ -254,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 "not a registry backbone (`afl-client backbones`); pass --backbone NAME to pair "
                 "its head with one (testing only: the card says so)"
             )
+        progress(f"loading the backbone {name} and checking its weights file")
         backbone = load_backbone(name, weights=args.weights, sha256=args.sha256)
         if party.weights_sha256 and backbone.weights_sha256 != party.weights_sha256:
             raise ExportError(
@@ -264,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         if party.is_site:
             _mark_in_sample(metrics, state_dir=party.site.state_dir, site_id=party.site.site_id)
         calibration = Calibration.load(args.calibration) if args.calibration else None
+        progress("tracing the classifier (TorchScript" + (")" if args.no_onnx else ", ONNX)"))
         card = export_classifier(
             published,
             backbone,

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from afl.core.progress import Progress
 from afl.lab.report.deployed import is_export_folder, write_deployed_report
 from afl.lab.report.simulation import ReportError, write_report
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         out = folder.with_name(folder.name + ".report.html")
     else:
         out = results.with_suffix(".html")
+    Progress("afl report")("rendering the plots and the page")
     try:
         if deployed:
             path = write_deployed_report(results, out, title=args.title)
