@@ -141,12 +141,13 @@ def _value(key: str, v: Any) -> str:
     return str(v)
 
 
-def _kv(rows: dict[str, Any], *, skip: tuple[str, ...] = ()) -> str:
-    return html_table(
-        ["", ""],
-        [(escape(_label(k)), escape(_value(k, v))) for k, v in rows.items() if k not in skip],
-        cls="kv",
+def _kv(rows: dict[str, Any]) -> str:
+    """A two-column table of labels and values in words (no header row)."""
+    cells = "\n".join(
+        f'<tr><td class="name">{escape(_label(k))}</td><td>{escape(_value(k, v))}</td></tr>'
+        for k, v in rows.items()
     )
+    return f'<table class="kv">\n{cells}\n</table>'
 
 
 def _in_sample(body: dict[str, Any]) -> tuple[bool | None, list[str]]:

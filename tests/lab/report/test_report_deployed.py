@@ -26,7 +26,14 @@ from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.report.cmd import add_arguments, run
 from afl.lab.report.deployed import render_deployed_report
 from afl.lab.report.simulation import ReportError
-from tests.helpers.browser import CHROMIUM, SKIP_REASON, headless_flags
+from tests.helpers.browser import (
+    CHROMIUM,
+    SKIP_REASON,
+    blank_tail_fraction,
+    full_page_screenshot,
+    headless_flags,
+    shot_path,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -174,3 +181,10 @@ def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path
     assert found is not None
     result = json.loads(found.group(1))
     assert result["n"] == result["ok"] == 4
+    plain = tmp_path / "deployed.html"
+    plain.write_text(render_deployed_report(folder), encoding="utf-8")
+    shot = full_page_screenshot(
+        CHROMIUM, plain, shot_path(tmp_path, "deployed-report.png"), profile=tmp_path / "shot"
+    )
+    assert shot.read_bytes().startswith(PNG_MAGIC)
+    assert blank_tail_fraction(shot) < 0.05  # the page ends where its content ends
