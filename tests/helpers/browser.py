@@ -75,4 +75,4 @@ def blank_tail_fraction(png: Path) -> float:
     inked = np.flatnonzero((gray < 245).any(axis=1))
     if inked.size == 0:
         return 1.0
-    return float(gray.shape[0] - 1 - inked[-1]) / gray.shape[0]
+    return float(gray.shape[0] - 1 - int(inked[-1])) / float(gray.shape[0])

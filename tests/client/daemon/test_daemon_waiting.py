@@ -30,7 +30,7 @@ class _Script:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
-def _round(stage: int, reason: str = "") -> pb.StatusResponse:
+def _round(stage: pb.RoundStage.ValueType, reason: str = "") -> pb.StatusResponse:
     r = pb.RoundStatus(round_id="r1", round_number=1, stage=stage, participants=SITES)
     r.abort_reason = reason
     return pb.StatusResponse(enrolled=True, round=r)

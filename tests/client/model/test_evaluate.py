@@ -5,6 +5,7 @@ labels; the metrics are checked against scikit-learn on σ(H W) (an independent 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,9 +53,10 @@ def site(federation: ProvisionedFederation, tmp_path_factory: pytest.TempPathFac
     return {"tmp": tmp, "config": config, "model": model, "w": w}
 
 
-def _report(site: dict) -> dict:
+def _report(site: dict[str, Any]) -> dict[str, Any]:
     path = site["tmp"] / "state" / "reports" / "r1-eval.json"
-    return json.loads(path.read_text())["local_evaluation"]
+    local: dict[str, Any] = json.loads(path.read_text())["local_evaluation"]
+    return local
 
 
 def test_evaluate_a_partial_label_site_on_its_cache(site, capsys) -> None:

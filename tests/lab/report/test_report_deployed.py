@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,7 +155,7 @@ def test_export_records_a_sites_in_sample_evaluation_round(tmp_path: Path) -> No
     (tmp_path / "reports").mkdir()
     report = {"evaluation": {"model_sha256": MODEL, "in_sample": True, "rows": 12}}
     (tmp_path / "reports" / "r2-eval.json").write_text(json.dumps(report))
-    metrics = {"federated evaluation": {"format": FEDERATED_EVALUATION_FORMAT,
+    metrics: dict[str, Any] = {"federated evaluation": {"format": FEDERATED_EVALUATION_FORMAT,
                                         "model_sha256": MODEL, "members": ["site-1", "site-2"]}}  # fmt: skip
     _mark_in_sample(metrics, state_dir=tmp_path, site_id="site-1")
     assert metrics["federated evaluation"]["in_sample"] == {"site-1": True}
