@@ -398,7 +398,12 @@ def _read_dicom(path: Path) -> NDArray[np.float32]:
 
     ds = pydicom.dcmread(path)
     if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
-        kind = getattr(ds.get("SOPClassUID"), "name", "") or str(ds.get("Modality", "")) or "DICOM"
+        kind = getattr(ds.get("SOPClassUID"), "name", "") or str(ds.get("Modality", ""))
+        if not kind:  # nothing says what it is: cut short or not a DICOM file at all
+            raise UnreadableImageError(
+                f"{path}: no image in this file (no pixel data and no SOP class: damaged, or not "
+                "a DICOM image)"
+            )
         raise UnreadableImageError(
             f"{path}: no image in this file (a {kind} object without pixel data, such as a "
             "Structured Report): list only image files in the manifest"
