@@ -43,6 +43,11 @@ Evaluation (docs/operations.md §6.1): with ``evaluate = true`` (not with [round
 releases carry no noise) the run's published model is evaluated in one more round under the run's
 protection, and a calibration is fitted from the summed histograms (``eval_calibration``).
 
+Validation gate (docs/protocol.md §6.2): an optional [round.gate] table (min_auc = 0.5,
+min_macro_auc = 0.5, min_sites = 2, require_every_class = true; :mod:`afl.server.solve.gate`)
+makes the run's evaluation round score the solved model as a candidate on the sites' hold-out rows
+BEFORE it is published; a candidate below the floor is not published and the run ends FAILED.
+
 Runs: [round] is the settings of the run the server creates at its first start; later runs are
 submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
 from this file). [admins] names = ["operator"] lists the admin certificates (URI SAN
@@ -77,6 +82,7 @@ from afl.crypto.secagg.graph_bounds import SECURITY_BITS
 from afl.server.errors import ConfigError
 from afl.server.limits import StreamLimits
 from afl.server.plan.dp import DpSettings, dp_settings_from_table
+from afl.server.solve.gate import GateSettings, gate_settings_from_table
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -250,6 +256,7 @@ class RoundSettings:
     evaluate: bool = False
     eval_calibration: str = "platt"
     eval_max_rows: int = 0
+    gate: GateSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -399,6 +406,16 @@ def _dp_settings(t: _Table) -> DpSettings | None:
         raise t.fail("dp", str(exc)) from exc
 
 
+def _gate_settings(t: _Table) -> GateSettings | None:
+    """The optional [round.gate] table (the validation gate, :mod:`afl.server.solve.gate`)."""
+    if "gate" not in t.data:
+        return None
+    try:
+        return gate_settings_from_table(t.get("gate", dict))
+    except ValueError as exc:
+        raise t.fail("gate", str(exc)) from exc
+
+
 def run_settings(
     table: Mapping[str, Any], *, source: str | Path, sites: Mapping[str, SiteEntry]
 ) -> RoundSettings:
@@ -450,6 +467,8 @@ def settings_table(settings: RoundSettings) -> dict[str, Any]:
         )
     if settings.dp is not None:
         table["dp"] = dataclasses.asdict(settings.dp)
+    if settings.gate is not None:
+        table["gate"] = dataclasses.asdict(settings.gate)
     return table
 
 
@@ -533,6 +552,13 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
             "a run with [round.dp] cannot evaluate its model: evaluation releases carry no DP "
             "noise (docs/protocol.md §6.1); evaluate in a run without DP, or set evaluate = false",
         )
+    gate = _gate_settings(t)
+    if gate is not None and dp is not None:
+        raise t.fail(
+            "gate",
+            "a run with [round.dp] cannot use the validation gate yet: the gate's evaluation "
+            "releases carry no DP noise (docs/protocol.md §6.2)",
+        )
     calibration = t.get("eval_calibration", str, "platt")
     if calibration not in EVAL_CALIBRATIONS:
         raise t.fail("eval_calibration", f"must be one of {EVAL_CALIBRATIONS}, got {calibration!r}")
@@ -568,8 +594,9 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry])
         evaluate=evaluate,
         eval_calibration=calibration,
         eval_max_rows=eval_max_rows,
+        gate=gate,
     )
-    t.refuse_unknown(known=[*round_template(), "dp"])
+    t.refuse_unknown(known=[*round_template(), "dp", "gate"])
     return settings
 
 

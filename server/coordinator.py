@@ -402,9 +402,18 @@ class Coordinator:
         )
 
     def model(self, site_id: str, round_id: str = "") -> pb.SignedModel:
+        """The signed model of ``round_id`` (the latest when ""); while the round is VALIDATING,
+        its candidate (signed with context "candidate-model") for the round's participants, who
+        score it in the validation gate (docs/protocol.md §6.2)."""
         self.require_enrolled(site_id)
         with self.lock:
             found = self.store.model(round_id or None)
+            if found is None and round_id:
+                view = self.machine.find(round_id)
+                candidate = self.store.candidate(round_id)
+                if view.stage == pb.ROUND_STAGE_VALIDATING and candidate is not None:
+                    self.machine.require_participant(view, site_id)
+                    return pb.SignedModel(model=candidate[0], signature=candidate[1])
         if found is None:
             raise WrongStageError(
                 "no model has been published" + (f" for round {round_id!r}" if round_id else "")

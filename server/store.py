@@ -6,7 +6,8 @@ run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, 
 ``site_declarations`` (what a site declared at enrolment beyond its identity, as JSON),
 ``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
 protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
-consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
+consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``candidates`` (a gated round's
+candidate model, signed as such), ``models`` (signed
 model bytes; also kept as the file ``models/<round>.signed-model.pb``, written before its row),
 ``evaluations`` (signed federated evaluations of evaluation rounds; also kept as the file
 ``evaluations/<round>.signed-evaluation.pb``, written before its row), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
@@ -55,6 +56,7 @@ from afl.server.errors import DiskFullError, StateError
 __all__ = [
     "ANCHOR_NAME",
     "DB_NAME",
+    "ENDED_RUN_STATES",
     "SCHEMA_VERSION",
     "EnrolmentRow",
     "MessageRow",
@@ -104,6 +106,9 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE TABLE IF NOT EXISTS models (
     round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS candidates (
+    round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
+    created_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS evaluations (
     round_id TEXT PRIMARY KEY, evaluation BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
@@ -117,7 +122,9 @@ CREATE TABLE IF NOT EXISTS audit_log (
 
 #: Run states: queued (submitted, waiting for the runs before it), active (its rounds are open),
 #: published (its final round's model is published), aborted (no model; the reason says why).
-RUN_STATES = ("queued", "active", "published", "aborted")
+RUN_STATES = ("queued", "active", "published", "aborted", "failed")  # failed: the gate
+#: The states of a run that ended.
+ENDED_RUN_STATES = ("published", "aborted", "failed")
 
 
 def now_ms() -> int:
@@ -471,9 +478,7 @@ class Store:
         """Set a run's state; ``at_ms`` (default: now) is its finishing time when it ended."""
         if state not in RUN_STATES:
             raise ValueError(f"unknown run state {state!r}")
-        finished = (
-            (now_ms() if at_ms is None else at_ms) if state in ("published", "aborted") else 0
-        )
+        finished = (now_ms() if at_ms is None else at_ms) if state in ENDED_RUN_STATES else 0
         with self._tx() as db:
             db.execute(
                 "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",
@@ -752,6 +757,24 @@ class Store:
         return self._put_signed(
             "models", path, signed, round_id=round_id, blob=model, sig=signature
         )
+
+    def put_candidate(self, round_id: str, *, model: bytes, signature: bytes) -> str:
+        """Commit the candidate of a gated round (signed with context "candidate-model"; a row
+        only, no file: it is not published, docs/protocol.md §6.2); the SHA-256 (hex) of
+        ``model``."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO candidates VALUES (?, ?, ?, ?)",
+                (round_id, model, signature, now_ms()),
+            )
+        return hashlib.sha256(model).hexdigest()
+
+    def candidate(self, round_id: str) -> tuple[bytes, bytes] | None:
+        """(model bytes, candidate signature) of a gated round, if it has one."""
+        row = self._db.execute(
+            "SELECT model, signature FROM candidates WHERE round_id = ?", (round_id,)
+        ).fetchone()
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""

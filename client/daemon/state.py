@@ -103,6 +103,18 @@ class DaemonState:
     def model_path(self, round_id: str) -> Path:
         return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"
 
+    def save_candidate(self, round_id: str, signed: pb.SignedModel) -> Path:
+        """Keep a verified candidate (signed "candidate-model", not published) as
+        ``candidates/<round>.signed-model.pb``: what this site may score in the gate."""
+        check_round_id(round_id)
+        folder = self.root / "candidates"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{round_id}.signed-model.pb"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(signed.SerializeToString())
+        tmp.replace(path)
+        return path
+
     def save_model(
         self, round_id: str, signed: pb.SignedModel, weights: NDArray[np.float64]
     ) -> Path:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon.main")
-ENDED = ("published", "aborted")
+ENDED = ("published", "aborted", "failed")
 
 
 class Daemons:
@@ -64,12 +64,15 @@ class Daemons:
         args = ["--config", str(self.loop.server_config), "--log-level", "INFO"]
         self.server = self._spawn(f"server-{self.servers_started}", [*program, *args])
 
-    def start_clients(self) -> None:
+    def start_clients(self, *, commands: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Start every site (``commands``: a site's program instead of ``afl-client``, taking
+        the same arguments, e.g. a patched, attacking site)."""
         configs = dict(self.loop.client_configs)
         if self.loop.decryptor_config is not None:
             configs["decryptor"] = self.loop.decryptor_config
         for site, config in configs.items():
-            argv = [*CLIENT_COMMAND, "run", "--config", str(config), "--log-level", "INFO"]
+            program = (commands or {}).get(site, CLIENT_COMMAND)
+            argv = [*program, "run", "--config", str(config), "--log-level", "INFO"]
             self.clients[site] = self._spawn(site, argv)
 
     def wait_server_exit(self, *, timeout_s: float = 300.0) -> int:

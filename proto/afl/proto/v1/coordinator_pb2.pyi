@@ -101,6 +101,11 @@ class _RoundStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoundStage
     """Model published; the round is closed."""
     ROUND_STAGE_ABORTED: _RoundStage.ValueType  # 11
     """Round aborted (see abort_reason); nothing released."""
+    ROUND_STAGE_VALIDATING: _RoundStage.ValueType  # 12
+    """Validation gate (docs/protocol.md §6.2): the solved model is a signed CANDIDATE (context
+    "candidate-model"), not published; the participants score it in the gate's evaluation round
+    and the round ends PUBLISHED (the candidate meets the run's floor) or ABORTED.
+    """
 
 class RoundStage(_RoundStage, metaclass=_RoundStageEnumTypeWrapper):
     """---------------------------------------------------------------------------------------------
@@ -132,6 +137,11 @@ ROUND_STAGE_PUBLISHED: RoundStage.ValueType  # 10
 """Model published; the round is closed."""
 ROUND_STAGE_ABORTED: RoundStage.ValueType  # 11
 """Round aborted (see abort_reason); nothing released."""
+ROUND_STAGE_VALIDATING: RoundStage.ValueType  # 12
+"""Validation gate (docs/protocol.md §6.2): the solved model is a signed CANDIDATE (context
+"candidate-model"), not published; the participants score it in the gate's evaluation round
+and the round ends PUBLISHED (the candidate meets the run's floor) or ABORTED.
+"""
 Global___RoundStage: _TypeAlias = RoundStage  # noqa: Y015
 
 class _ShareType:
@@ -211,6 +221,10 @@ class _DecryptionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decr
     """Refused: the tag slot does not equal the sum of the members' secret tags."""
     DECRYPTION_STATUS_REFUSED_MALFORMED: _DecryptionStatus.ValueType  # 5
     """Refused: the ciphertext is malformed or does not match its digest."""
+    DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: _DecryptionStatus.ValueType  # 6
+    """The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+    [policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+    """
 
 class DecryptionStatus(_DecryptionStatus, metaclass=_DecryptionStatusEnumTypeWrapper):
     """Outcome of a decryption job."""
@@ -226,6 +240,10 @@ DECRYPTION_STATUS_REFUSED_TAG_MISMATCH: DecryptionStatus.ValueType  # 4
 """Refused: the tag slot does not equal the sum of the members' secret tags."""
 DECRYPTION_STATUS_REFUSED_MALFORMED: DecryptionStatus.ValueType  # 5
 """Refused: the ciphertext is malformed or does not match its digest."""
+DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: DecryptionStatus.ValueType  # 6
+"""The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+[policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+"""
 Global___DecryptionStatus: _TypeAlias = DecryptionStatus  # noqa: Y015
 
 class _ClientOutcome:
@@ -1922,7 +1940,9 @@ class SignedModel(_message.Message):
     model: _builtins.bytes
     """Serialized Model; verify the signature over these exact bytes, then parse. [visible: all]"""
     signature: _builtins.bytes
-    """Server's identity signature, context "model", fields (model). [visible: all]"""
+    """Server's identity signature, context "model", fields (model); context "candidate-model"
+    for the candidate of a round in ROUND_STAGE_VALIDATING (not published). [visible: all]
+    """
     def __init__(
         self,
         *,
