@@ -20,8 +20,10 @@ site's report is FAILED with the gate's reason and no model is kept.
 An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
 ``linger_s`` for the replacement round the coordinator opens with the remaining sites.
 
-Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
-was aborted and no replacement came.
+Exit codes: 0 the last round completed (or nothing new to take part in), 1 failure, 3 this site
+refused the plan, 4 the last round was aborted and no replacement came (also when it was aborted
+before this site took part), 5 the run went on without this site (left out: the coordinator's
+note says why) and it took part in no round.
 """
 
 from __future__ import annotations
@@ -87,9 +89,17 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_LEFT_OUT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "ClientDaemon",
+    "RoundFailed",
+]
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED, EXIT_LEFT_OUT = 0, 1, 3, 4, 5
 _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
     pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
@@ -747,4 +757,16 @@ class ClientDaemon:
             self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
             rounds += 1
             code = EXIT_OK
+        return self._no_part(code) if rounds == 0 else code
+
+    def _no_part(self, code: int) -> int:
+        """Exit code of a daemon that took part in no round: a round that listed it was
+        aborted first (exit 4, as an aborted round), or the run went on without it (exit 5);
+        0 stays for a daemon with nothing new to do (e.g. restarted after its run published)."""
+        if code != EXIT_OK or not self.rpc.passed:
+            return code
+        aborted = [why for _, was_aborted, why in self.rpc.passed if was_aborted]
+        why = aborted[-1] if aborted else self.rpc.passed[-1][2]
+        code = EXIT_ABORTED if aborted else EXIT_LEFT_OUT
+        log.error("site=%s took part in no round: %s (exit status %d)", self.site_id, why, code)
         return code
