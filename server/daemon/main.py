@@ -85,6 +85,12 @@ class CoordinatorServer:
         try:
             self._metrics_http = self._bind_metrics() if config.metrics_port else None
             self.store = Store(config.state_dir, federation_id=config.federation_id)
+            if self.store.swept:
+                log.warning(
+                    "removed payload files an interrupted purge or upload left behind "
+                    "(audit record payloads-swept)",
+                    extra={"files": len(self.store.swept)},
+                )
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
         except BaseException:
             self._close_metrics()
