@@ -418,6 +418,34 @@ class Store:
                 "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
             )
 
+    # --- restores ----------------------------------------------------------------------------
+
+    def restores_acknowledged(self) -> int:
+        """How many restores from an older backup the operator acknowledged (GetStatus tells the
+        sites; docs/protocol.md M-142)."""
+        row = self._db.execute(
+            "SELECT value FROM meta WHERE key = 'restores_acknowledged'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def acknowledge_restore(self, *, by: str, reason: str, aborted_runs: Sequence[str]) -> int:
+        """Count the operator's confirmation that this state was restored from an older backup
+        and append its "restore-acknowledged" audit record (who, why, the runs aborted for it),
+        in ONE transaction; returns the new count."""
+        count = self.restores_acknowledged() + 1
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO meta VALUES ('restores_acknowledged', ?) ON CONFLICT(key) DO UPDATE "
+                "SET value = excluded.value",
+                (str(count),),
+            )
+            self._append_audit(
+                db,
+                "restore-acknowledged",
+                {"by": by, "reason": reason, "count": count, "aborted_runs": list(aborted_runs)},
+            )
+        return count
+
     # --- enrolment ---------------------------------------------------------------------------
 
     def put_enrolment(self, row: EnrolmentRow, *, software_version: str) -> None:
@@ -685,7 +713,7 @@ class Store:
         deletion of their messages) is committed in one transaction, then the files are
         unlinked. A crash between the two leaves files
         whose rows say purged; :meth:`sweep_payloads` removes them at the next start-up, so no
-        statistic outlives its purge (docs/protocol.md M-112)."""
+        statistic outlives its purge (docs/protocol.md M-140)."""
         paths: list[str] = []
         with self._tx() as db:  # the intent for every round at once: a kill leaves no round out
             for round_id in round_ids:
@@ -725,8 +753,7 @@ class Store:
         if not removed:
             return []
         purged = {
-            r[0]
-            for r in self._db.execute("SELECT path FROM uploads WHERE purged = 1").fetchall()
+            r[0] for r in self._db.execute("SELECT path FROM uploads WHERE purged = 1").fetchall()
         }
         for name in removed:
             (self.state_dir / name).unlink(missing_ok=True)

@@ -36,6 +36,7 @@ from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.daemon.observability import ServerMetrics, configure_logging, start_metrics_http
 from afl.server.daemon.ports import port_in_use
+from afl.server.daemon.refusal import serve_refusal
 from afl.server.errors import ConfigError, StateError
 from afl.server.limits import worker_threads
 from afl.server.servicer import AdminServicer, CoordinatorServicer
@@ -61,6 +62,29 @@ def load_identity_key(config: ServerConfig) -> Ed25519PrivateKey:
     if public_key_to_raw(key) != config.identity_public_key:
         raise ConfigError("[identity] public_key does not match the identity key file")
     return key
+
+
+def bind_listen(server: grpc.Server, config: ServerConfig, *, listen: str, insecure: bool) -> int:
+    """Bind ``listen`` on ``server`` (mTLS with the kit, or plaintext with ``insecure``); the
+    port, or :class:`ConfigError` naming why not."""
+    busy = port_in_use(listen)
+    if busy:
+        raise ConfigError(f"cannot listen on {listen}: {busy}")
+    try:
+        if insecure:
+            port = int(server.add_insecure_port(listen))
+        else:
+            credentials = grpc.ssl_server_credentials(
+                [(config.key.read_bytes(), config.cert.read_bytes())],
+                root_certificates=config.ca_cert.read_bytes(),
+                require_client_auth=True,
+            )
+            port = int(server.add_secure_port(listen, credentials))
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"cannot listen on {listen}")
+    return port
 
 
 class CoordinatorServer:
@@ -94,7 +118,7 @@ class CoordinatorServer:
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
         except BaseException:
             self._close_metrics()
-            self._grpc.stop(None)
+            self._grpc.stop(None).wait()  # the port is free again for the refusal
             raise
         self._stopped = threading.Event()
         self._health = health.HealthServicer()
@@ -109,24 +133,7 @@ class CoordinatorServer:
         self._ticker = threading.Thread(target=self._tick_loop, name="afl-ticker", daemon=True)
 
     def _bind(self, listen: str) -> int:
-        busy = port_in_use(listen)
-        if busy:
-            raise ConfigError(f"cannot listen on {listen}: {busy}")
-        try:
-            if self.insecure:
-                port = int(self._grpc.add_insecure_port(listen))
-            else:
-                credentials = grpc.ssl_server_credentials(
-                    [(self.config.key.read_bytes(), self.config.cert.read_bytes())],
-                    root_certificates=self.config.ca_cert.read_bytes(),
-                    require_client_auth=True,
-                )
-                port = int(self._grpc.add_secure_port(listen, credentials))
-        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
-        if port == 0:
-            raise ConfigError(f"cannot listen on {listen}")
-        return port
+        return bind_listen(self._grpc, self.config, listen=listen, insecure=self.insecure)
 
     def _bind_metrics(self) -> Any:
         where = f"{self.config.metrics_address}:{self.config.metrics_port}"
@@ -212,6 +219,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=None, help="override [server] listen (host:port)")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = off)")
     parser.add_argument("--metrics-address", default=None, help="override [server] metrics_address")
+    parser.add_argument(
+        "--refusal-serve-s",
+        type=float,
+        default=None,
+        help="override [server] refusal_serve_s: seconds a refused state is reported to the "
+        "sites before exit 2 (0 = exit at once)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return parser
 
@@ -224,6 +238,9 @@ def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
         parser.add_argument("--insecure", action="store_true", help="skip the TLS kit checks")
     if name == "backup":
         parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
+    if name == "ack-restore":
+        parser.add_argument("--by", required=True, help="who acknowledges (in the audit log)")
+        parser.add_argument("--reason", required=True, help="why the state was restored")
     return parser
 
 
@@ -236,7 +253,39 @@ _TOOLS = {
     "database by SQLite's online backup, the payloads it names, the CKKS context and a matching "
     "anchor. Restore by replacing the state folder with the copy while the server is stopped "
     "(docs/operations.md).",
+    "ack-restore": "Acknowledge that the state folder was restored from an older backup (the "
+    "server must be stopped): the runs still in flight in the restored state are aborted (submit "
+    "them again), the acknowledgement is recorded in the audit log, and sites that saw a later "
+    "state take part again (docs/operations.md §9).",
 }
+
+
+def _ack_restore(config: ServerConfig, *, by: str, reason: str) -> int:
+    """`afl-server ack-restore`: with the server stopped, abort the runs still in flight in the
+    restored state (the sites may have completed their rounds: no round id of them is offered
+    again), then count the acknowledgement with its audit record (docs/operations.md §9)."""
+    busy = port_in_use(config.listen)
+    if busy:
+        raise ConfigError(
+            f"cannot acknowledge a restore while afl-server runs on {config.listen} ({busy}): "
+            "stop it first"
+        )
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    try:
+        coordinator = Coordinator(config, store, load_identity_key(config))
+        why = f"the coordinator's state was restored from a backup: {reason}"
+        with coordinator.lock:
+            active = [r.run_id for r in store.runs() if r.state == "active"]
+            for run_id in active:
+                coordinator.machine.abort_run(run_id, reason=why, by=by)
+            count = store.acknowledge_restore(by=by, reason=reason, aborted_runs=active)
+    finally:
+        store.close()
+    print(
+        f"restore {count} acknowledged by {by} (audit record restore-acknowledged); runs "
+        f"aborted: {', '.join(active) or 'none'}"
+    )
+    return 0
 
 
 def _tool(name: str, argv: Sequence[str]) -> int:
@@ -250,6 +299,8 @@ def _tool(name: str, argv: Sequence[str]) -> int:
         if name == "status":
             print("\n".join(status_lines(config)))
             return 0
+        if name == "ack-restore":
+            return _ack_restore(config, by=args.by, reason=args.reason)
         if name == "backup":
             anchor = backup_state(config.state_dir, Path(args.out))
             print(
@@ -268,6 +319,35 @@ def _tool(name: str, argv: Sequence[str]) -> int:
     return 1 if problems else 0
 
 
+def _refuse(config: ServerConfig, reason: str, *, insecure: bool) -> None:
+    """Tell the sites why the state is refused (:mod:`afl.server.daemon.refusal`) for
+    ``refusal_serve_s`` seconds; not with port 0 (nothing can dial it) or when the address
+    cannot be bound."""
+    if config.refusal_serve_s <= 0 or config.listen.endswith(":0"):
+        return
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for attempt in range(20):  # the refused server's socket may take a moment to close
+        try:
+            serve_refusal(
+                lambda server: bind_listen(server, config, listen=config.listen, insecure=insecure),
+                reason,
+                seconds=config.refusal_serve_s,
+                stop=stop,
+                service_names=("", SERVICE_NAME),
+            )
+            return
+        except ConfigError as exc:
+            if attempt == 19 or stop.wait(0.25):
+                log.warning("cannot tell the sites the reason", extra={"reason": str(exc)})
+                return
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afl-server`` console script; returns the exit code."""
     given = list(sys.argv[1:] if argv is None else argv)
@@ -276,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(given)
     configure_logging(getattr(logging, args.log_level))
     map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
+    config: ServerConfig | None = None
     try:
         config = load_config(args.config)
         if args.listen:
@@ -287,8 +368,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.insecure:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
             log.warning(INSECURE_WARNING)
+        if args.refusal_serve_s is not None:
+            config = replace(config, refusal_serve_s=args.refusal_serve_s)
         server = CoordinatorServer(config, insecure=args.insecure)
-    except (ConfigError, StateError) as exc:
+    except StateError as exc:
+        print(f"afl-server: {exc}", file=sys.stderr, flush=True)
+        if config is not None:
+            _refuse(config, str(exc), insecure=args.insecure)
+        return 2
+    except ConfigError as exc:
         print(f"afl-server: {exc}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,13 +64,25 @@ class Daemons:
         args = ["--config", str(self.loop.server_config), "--log-level", "INFO"]
         self.server = self._spawn(f"server-{self.servers_started}", [*program, *args])
 
-    def start_clients(self) -> None:
+    def start_clients(self, *, crash_at: Mapping[str, str] | None = None) -> None:
+        """Start every site and the decryptor; ``crash_at`` maps a site (or "decryptor") to a
+        fault of tests/e2e/faults/faulty_client.py."""
+        for site in self._configs():
+            self.start_client(site, crash_at=(crash_at or {}).get(site))
+
+    def _configs(self) -> dict[str, Path]:
         configs = dict(self.loop.client_configs)
         if self.loop.decryptor_config is not None:
             configs["decryptor"] = self.loop.decryptor_config
-        for site, config in configs.items():
-            argv = [*CLIENT_COMMAND, "run", "--config", str(config), "--log-level", "INFO"]
-            self.clients[site] = self._spawn(site, argv)
+        return configs
+
+    def start_client(self, site: str, *, crash_at: str | None = None) -> None:
+        """(Re)start one site (or "decryptor"), with the fault ``crash_at`` if given."""
+        program: tuple[str, ...] = CLIENT_COMMAND
+        if crash_at is not None:
+            program = (sys.executable, str(HERE / "faults" / "faulty_client.py"), crash_at)
+        argv = [*program, "run", "--config", str(self._configs()[site]), "--log-level", "INFO"]
+        self.clients[site] = self._spawn(site, argv)
 
     def wait_server_exit(self, *, timeout_s: float = 300.0) -> int:
         """The running server's exit code (it must exit, e.g. killed by its crash point)."""

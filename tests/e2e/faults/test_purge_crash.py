@@ -1,7 +1,7 @@
 """A coordinator killed inside the end-of-run purge, after its record and before its unlinks,
 leaves no payload file once it restarts: the start-up sweep removes every file whose row says
 purged and records what it removed in the audit log (docs/operations.md §8, docs/protocol.md
-M-112)."""
+M-140)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def test_the_sweep_removes_an_upload_file_whose_row_was_never_committed(tmp_path
     state = tmp_path / "state"
     store = Store(state, federation_id="fed")
     data = b"live statistics" * 10
-    row = store.put_upload("r1-x", "site-a", "gram", data=data, sha256=hashlib.sha256(data).digest())
+    row = store.put_upload(
+        "r1-x", "site-a", "gram", data=data, sha256=hashlib.sha256(data).digest()
+    )
     store.close()
     orphan = state / "payloads" / "r1-x" / "site-b" / ("ab" * 32 + ".bin")
     orphan.parent.mkdir(parents=True)
