@@ -224,7 +224,6 @@ class Store:
         """``read_only`` (`afl-server status`): open an existing state without writing to it or
         checking its anchor, even while the server runs; :class:`StateError` when there is none."""
         self.state_dir, self.read_only = Path(state_dir), read_only
-        self.swept: list[str] = []
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
         if read_only:
@@ -262,7 +261,6 @@ class Store:
         self._check_anchor(anchor, federation_id)
         self._check_payloads()
         self._write_anchor()
-        self.swept = self.sweep_payloads()
 
     def close(self) -> None:
         """Close the database (pending transactions are already committed)."""
@@ -736,8 +734,9 @@ class Store:
         purge interrupted between its record and its unlinks, and files of an upload interrupted
         before its row was committed (and their ``.tmp`` leftovers). Appends one
         "payloads-swept" audit record listing what was removed (paths relative to the state
-        folder: round, site and SHA-256) when anything was; returns that list. Runs at every
-        start-up (never read-only)."""
+        folder: round, site and SHA-256) when anything was; returns that list. afl-server runs it
+        at every start, with its port bound (so no other server writes to the folder); never
+        call it beside a running server (its in-flight uploads have files before rows)."""
         root = self.state_dir / "payloads"
         if not root.is_dir():
             return []

@@ -36,7 +36,7 @@ from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.daemon.observability import ServerMetrics, configure_logging, start_metrics_http
 from afl.server.daemon.ports import port_in_use
-from afl.server.daemon.refusal import serve_refusal
+from afl.server.daemon.refusal import RefusedState, attach_refusal
 from afl.server.errors import ConfigError, StateError
 from afl.server.limits import worker_threads
 from afl.server.servicer import AdminServicer, CoordinatorServicer
@@ -64,29 +64,6 @@ def load_identity_key(config: ServerConfig) -> Ed25519PrivateKey:
     return key
 
 
-def bind_listen(server: grpc.Server, config: ServerConfig, *, listen: str, insecure: bool) -> int:
-    """Bind ``listen`` on ``server`` (mTLS with the kit, or plaintext with ``insecure``); the
-    port, or :class:`ConfigError` naming why not."""
-    busy = port_in_use(listen)
-    if busy:
-        raise ConfigError(f"cannot listen on {listen}: {busy}")
-    try:
-        if insecure:
-            port = int(server.add_insecure_port(listen))
-        else:
-            credentials = grpc.ssl_server_credentials(
-                [(config.key.read_bytes(), config.cert.read_bytes())],
-                root_certificates=config.ca_cert.read_bytes(),
-                require_client_auth=True,
-            )
-            port = int(server.add_secure_port(listen, credentials))
-    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise ConfigError(f"cannot listen on {listen}")
-    return port
-
-
 class CoordinatorServer:
     """One afl-server: gRPC server, coordinator, store, timeout ticker and metrics."""
 
@@ -109,16 +86,25 @@ class CoordinatorServer:
         try:
             self._metrics_http = self._bind_metrics() if config.metrics_port else None
             self.store = Store(config.state_dir, federation_id=config.federation_id)
-            if self.store.swept:
+            swept = self.store.sweep_payloads()  # the port is ours: no other server writes
+            if swept:
                 log.warning(
                     "removed payload files an interrupted purge or upload left behind "
                     "(audit record payloads-swept)",
-                    extra={"files": len(self.store.swept)},
+                    extra={"files": len(swept)},
                 )
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
+        except StateError as exc:
+            self._close_metrics()
+            if config.refusal_serve_s <= 0 or config.listen.endswith(":0"):
+                self._grpc.stop(None)
+                raise
+            # Tell the sites why, on the port already bound (afl.server.daemon.refusal).
+            attach_refusal(self._grpc, str(exc), service_names=("", SERVICE_NAME))
+            raise RefusedState(str(exc), server=self._grpc, port=self.port) from exc
         except BaseException:
             self._close_metrics()
-            self._grpc.stop(None).wait()  # the port is free again for the refusal
+            self._grpc.stop(None)
             raise
         self._stopped = threading.Event()
         self._health = health.HealthServicer()
@@ -133,7 +119,24 @@ class CoordinatorServer:
         self._ticker = threading.Thread(target=self._tick_loop, name="afl-ticker", daemon=True)
 
     def _bind(self, listen: str) -> int:
-        return bind_listen(self._grpc, self.config, listen=listen, insecure=self.insecure)
+        busy = port_in_use(listen)
+        if busy:
+            raise ConfigError(f"cannot listen on {listen}: {busy}")
+        try:
+            if self.insecure:
+                port = int(self._grpc.add_insecure_port(listen))
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.config.key.read_bytes(), self.config.cert.read_bytes())],
+                    root_certificates=self.config.ca_cert.read_bytes(),
+                    require_client_auth=True,
+                )
+                port = int(self._grpc.add_secure_port(listen, credentials))
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise ConfigError(f"cannot listen on {listen}: {exc}") from exc
+        if port == 0:
+            raise ConfigError(f"cannot listen on {listen}")
+        return port
 
     def _bind_metrics(self) -> Any:
         where = f"{self.config.metrics_address}:{self.config.metrics_port}"
@@ -319,12 +322,8 @@ def _tool(name: str, argv: Sequence[str]) -> int:
     return 1 if problems else 0
 
 
-def _refuse(config: ServerConfig, reason: str, *, insecure: bool) -> None:
-    """Tell the sites why the state is refused (:mod:`afl.server.daemon.refusal`) for
-    ``refusal_serve_s`` seconds; not with port 0 (nothing can dial it) or when the address
-    cannot be bound."""
-    if config.refusal_serve_s <= 0 or config.listen.endswith(":0"):
-        return
+def _refuse(refused: RefusedState, *, seconds: float) -> None:
+    """Serve the refusal for ``seconds`` (SIGTERM/SIGINT end it early)."""
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -332,20 +331,7 @@ def _refuse(config: ServerConfig, reason: str, *, insecure: bool) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for attempt in range(20):  # the refused server's socket may take a moment to close
-        try:
-            serve_refusal(
-                lambda server: bind_listen(server, config, listen=config.listen, insecure=insecure),
-                reason,
-                seconds=config.refusal_serve_s,
-                stop=stop,
-                service_names=("", SERVICE_NAME),
-            )
-            return
-        except ConfigError as exc:
-            if attempt == 19 or stop.wait(0.25):
-                log.warning("cannot tell the sites the reason", extra={"reason": str(exc)})
-                return
+    refused.serve(seconds=seconds, stop=stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = CoordinatorServer(config, insecure=args.insecure)
     except StateError as exc:
         print(f"afl-server: {exc}", file=sys.stderr, flush=True)
-        if config is not None:
-            _refuse(config, str(exc), insecure=args.insecure)
+        if isinstance(exc, RefusedState) and config is not None:
+            _refuse(exc, seconds=config.refusal_serve_s)
         return 2
     except ConfigError as exc:
         print(f"afl-server: {exc}", file=sys.stderr)

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.proto import wire
+from afl.server.errors import StateError
 
-__all__ = ["RefuseEverything", "refusal_message", "serve_refusal"]
+__all__ = ["RefuseEverything", "RefusedState", "attach_refusal", "refusal_message"]
 
 log = logging.getLogger("afl.server.daemon.refusal")
 
@@ -50,31 +50,34 @@ class RefuseEverything(grpc.GenericRpcHandler):  # type: ignore[misc]
         yield b""  # pragma: no cover (abort raises)
 
 
-def serve_refusal(
-    bind: Callable[[grpc.Server], int],
-    reason: str,
-    *,
-    seconds: float,
-    stop: threading.Event,
-    service_names: tuple[str, ...] = ("",),
-) -> int:
-    """Serve the refusal (module docstring) for ``seconds`` or until ``stop`` is set; ``bind``
-    binds the listen address on the server it is given and returns the port. Returns the port
-    it served on (0: not served)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    port = bind(server)
+def attach_refusal(
+    server: grpc.Server, reason: str, *, service_names: tuple[str, ...] = ("",)
+) -> None:
+    """Make the not yet started ``server`` answer every call with the refusal and its health
+    service NOT_SERVING for ``service_names``."""
     health_servicer = health.HealthServicer()
     for name in service_names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_generic_rpc_handlers((RefuseEverything(reason),))
-    server.start()
-    log.warning(
-        "refusing the state; answering every call with the reason",
-        extra={"port": port, "seconds": seconds, "reason": reason},
-    )
-    try:
-        stop.wait(seconds)
-    finally:
-        server.stop(1.0).wait()
-    return port
+
+
+class RefusedState(StateError):
+    """The state is refused; ``server`` (bound to the listen address, not started) carries the
+    refusal (:func:`attach_refusal`) for :meth:`serve`."""
+
+    def __init__(self, reason: str, *, server: grpc.Server, port: int) -> None:
+        super().__init__(reason)
+        self.server, self.port = server, port
+
+    def serve(self, *, seconds: float, stop: threading.Event) -> None:
+        """Answer the sites with the reason for ``seconds`` or until ``stop`` is set."""
+        self.server.start()
+        log.warning(
+            "refusing the state; answering every call with the reason",
+            extra={"port": self.port, "seconds": seconds, "reason": str(self)},
+        )
+        try:
+            stop.wait(seconds)
+        finally:
+            self.server.stop(1.0).wait()

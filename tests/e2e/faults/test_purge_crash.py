@@ -1,5 +1,6 @@
 """A coordinator killed inside the end-of-run purge, after its record and before its unlinks,
-leaves no payload file once it restarts: the start-up sweep removes every file whose row says
+leaves no payload file once it restarts: the start-up sweep (``Store.sweep_payloads``, which
+afl-server runs at every start) removes every file whose row says
 purged and records what it removed in the audit log (docs/operations.md §8, docs/protocol.md
 M-140)."""
 
@@ -40,6 +41,7 @@ def test_a_kill_between_the_purge_record_and_its_unlinks_leaves_no_payload_after
 
     store = Store(state, federation_id=purge_victim.FEDERATION)
     try:
+        assert store.sweep_payloads()  # what afl-server does at every start
         assert _payload_files(state) == []
         assert not (state / "payloads").exists() or not any((state / "payloads").iterdir())
         swept = [e for e in store.audit_entries() if e[1] == "payloads-swept"]
@@ -59,7 +61,7 @@ def test_a_kill_between_the_purge_record_and_its_unlinks_leaves_no_payload_after
     # A second start finds nothing more to sweep and writes no further record.
     again = Store(state, federation_id=purge_victim.FEDERATION)
     try:
-        assert again.swept == []
+        assert again.sweep_payloads() == []
         assert sum(e[1] == "payloads-swept" for e in again.audit_entries()) == 1
     finally:
         again.close()
@@ -82,7 +84,7 @@ def test_the_sweep_removes_an_upload_file_whose_row_was_never_committed(tmp_path
     leftover.write_bytes(b"half")
     reopened = Store(state, federation_id="fed")
     try:
-        assert sorted(reopened.swept) == sorted(
+        assert sorted(reopened.sweep_payloads()) == sorted(
             str(p.relative_to(state)) for p in (orphan, leftover)
         )
         assert row.path.read_bytes() == data

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -28,7 +27,7 @@ from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 from afl.server.daemon.observability import ServerMetrics
-from afl.server.daemon.refusal import serve_refusal
+from afl.server.daemon.refusal import RefusedState, attach_refusal
 from afl.server.errors import DiskFullError
 from afl.server.servicer import _Thin
 
@@ -107,25 +106,17 @@ def test_resource_exhausted_without_the_try_later_trailer_stays_final(
 
 def test_a_refused_state_stops_the_site_at_once_with_the_reason() -> None:
     reason = "state/server.sqlite3 holds 3 commits but state/anchor.json records 9"
-    bound: list[int] = []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    attach_refusal(server, reason, service_names=("", "afl.proto.v1.Coordinator"))
+    refused = RefusedState(reason, server=server, port=port)
     stop = threading.Event()
-
-    def bind(server: grpc.Server) -> int:
-        bound.append(int(server.add_insecure_port("127.0.0.1:0")))
-        return bound[0]
-
     thread = threading.Thread(
-        target=serve_refusal,
-        args=(bind, reason),
-        kwargs={"seconds": 120.0, "stop": stop, "service_names": ("", "afl.proto.v1.Coordinator")},
-        daemon=True,
+        target=refused.serve, kwargs={"seconds": 120.0, "stop": stop}, daemon=True
     )
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        while not bound and time.monotonic() < deadline:
-            time.sleep(0.05)
-        channel, rpc = _client(bound[0], PATIENT)  # a 600 s window: only the trailer stops it
+        channel, rpc = _client(port, PATIENT)  # a 600 s window: only the trailer stops it
         with channel:
             with pytest.raises(CoordinatorRefused, match=r"refuses to start: .*records 9"):
                 rpc.status()
