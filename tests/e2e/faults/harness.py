@@ -23,6 +23,8 @@ from afl.lab.demo.federation import (
 )
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e.loopback import SiteData, cached_statistics
+from tests.e2e.processes import Daemons
+from tests.helpers.numeric import relative_error
 
 CLASSES = ("A", "B", "C")
 DATA = SiteData(d=10, classes=len(CLASSES), rows=60, rows_step=10, positive_rate=0.4, seed=11)
@@ -33,17 +35,20 @@ def federation(
     mode: str = "plaintext",
     *,
     sites: int = 3,
+    data: SiteData = DATA,
     serve: bool = False,
+    evaluate: bool = False,
     round_settings: Mapping[str, Any] | None = None,
     server_tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> LoopbackFederation:
     """A loopback federation of ``sites`` sites in ``mode`` (the kits allow plaintext)."""
-    feats, labels = DATA.draw(sites)
+    feats, labels = data.draw(sites)
     settings: dict[str, Any] = {
         "gram_scope": "global",
         "aggregation": mode,
         "upload_timeout_s": 300.0,
         "enrol_timeout_s": 300.0,
+        "evaluate": evaluate,
         "min_participants": sites,
         **(round_settings or {}),
     }
@@ -82,6 +87,15 @@ def weights(signed: pb.SignedModel) -> NDArray[np.float64]:
 
 def contributors(signed: pb.SignedModel) -> list[str]:
     return sorted(pb.Model.FromString(signed.model).contributors)
+
+
+def assert_every_site_in_the_model(daemons: Daemons, run_id: str) -> None:
+    """``run_id`` published a model of every site whose W is the independent solve's."""
+    info = daemons.wait_run(run_id)
+    assert info.state == "published", (info, daemons.log_tail())
+    signed = daemons.model(run_id)
+    assert contributors(signed) == sorted(daemons.loop.site_ids)
+    assert relative_error(weights(signed), oracle(daemons.loop)) <= 1e-9
 
 
 def state_dir(loop: LoopbackFederation) -> Path:

@@ -17,17 +17,14 @@ import pytest
 
 from afl.proto.v1 import admin_pb2 as apb
 from tests.e2e.faults.harness import (
+    assert_every_site_in_the_model,
     audit_events,
-    contributors,
     federation,
-    oracle,
     site_state,
     state_dir,
     wait_for,
-    weights,
 )
 from tests.e2e.processes import SERVER_COMMAND, Daemons
-from tests.helpers.numeric import relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -105,11 +102,7 @@ def test_a_restored_old_backup_is_named_by_the_sites_and_refused_until_acknowled
         daemons.start_clients()
         assert daemons.call(daemons.admin.GetRun, apb.RunRef(run_id="run-1")).state == "aborted"
         run = daemons.submit(name="after the restore")
-        info = daemons.wait_run(run.run_id)
-        assert info.state == "published", (info, daemons.log_tail())
-        signed = daemons.model(run.run_id)
-        assert contributors(signed) == sorted(loop.site_ids)
-        assert relative_error(weights(signed), oracle(loop)) <= 1e-9
+        assert_every_site_in_the_model(daemons, run.run_id)
         rounds = {e[1]["round_id"] for e in audit_events(loop) if e[0] == "round-created"}
         assert round_id in rounds  # the restored round ...
         reused = [d for e, d in audit_events(loop) if e == "upload" and d["round_id"] == round_id]

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.faults.harness import contributors, federation, oracle, weights
+from tests.e2e.faults.harness import assert_every_site_in_the_model, federation
 from tests.e2e.processes import Daemons
-from tests.helpers.numeric import relative_error
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +32,7 @@ def test_a_killed_site_or_decryptor_restarts_and_the_run_has_every_site(
             raise AssertionError(f"{victim} was not killed\n{daemons.log_tail()}") from exc
         assert code == -9, (victim, code, daemons.log_tail())
         daemons.start_client(victim)
-        info = daemons.wait_run("run-1")
-        assert info.state == "published", (info, daemons.log_tail())
-        signed = daemons.model("run-1")
-        assert contributors(signed) == sorted(loop.site_ids)
-        assert relative_error(weights(signed), oracle(loop)) <= 1e-9
+        assert_every_site_in_the_model(daemons, "run-1")
         for site, proc in daemons.clients.items():
             assert proc.wait(timeout=300) == 0, (site, daemons.log_tail())
     finally:
