@@ -84,8 +84,11 @@ def test_a_full_disk_freed_within_the_retry_window_ends_with_every_site_in_the_m
         daemons.stop()
 
 
-def test_sites_stop_within_30_s_of_a_coordinator_that_refuses_its_state(tmp_path: Path) -> None:
-    loop = federation(tmp_path, server_tables={"server": {"refusal_serve_s": 45.0}})
+@pytest.mark.parametrize("mode", ["plaintext", "ckks"])  # ckks: the decryptor stops too
+def test_sites_stop_within_30_s_of_a_coordinator_that_refuses_its_state(
+    tmp_path: Path, mode: str
+) -> None:
+    loop = federation(tmp_path, mode, server_tables={"server": {"refusal_serve_s": 45.0}})
     daemons = Daemons(loop)
     try:
         daemons.start_server(crash_at=("upload:1", "run-1"))
