@@ -271,6 +271,12 @@ def open_channel(config: ClientConfig, *, insecure: bool = False) -> grpc.Channe
         # A channel of its own: sites hosted in one process (afl-client run-many) never share a
         # connection, so every call travels under its own site's certificate.
         ("grpc.use_local_subchannel_pool", 1),
+        # Reconnect to a restarted coordinator within seconds (gRPC's default backs off up to
+        # 120 s, so a site would keep failing fast long after the coordinator is back, or
+        # learn late that it refuses its state).
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 3000),
     ]
     if insecure:
         log.warning(
