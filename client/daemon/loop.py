@@ -64,6 +64,7 @@ from afl.client.daemon.verify import (
     verify_model,
     verify_round_config,
 )
+from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
 from afl.client.modes.registry import MODES
 from afl.client.payloads.dp import dp_round_payloads
@@ -143,6 +144,7 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
+        self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
@@ -701,6 +703,7 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
+            self.rpc.observe = self.witness.observe
             try:
                 self.enroll()
                 self.rpc.watch()
@@ -731,6 +734,7 @@ class ClientDaemon:
             }
             t1 = time.perf_counter()
             done.add(status.round_id)
+            self.witness.join(status)  # before the plan decision and the uploads leave
             lingering = True
             try:
                 try:
@@ -754,6 +758,7 @@ class ClientDaemon:
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue
             report["timings_s"]["round"] = time.perf_counter() - t1
+            self.witness.complete(status)  # before the report leaves
             self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
             rounds += 1
             code = EXIT_OK

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -170,6 +170,9 @@ class CoordinatorClient:
         self.watcher: RoundWatcher | None = None
         #: Rounds that went by without this site: (round id, aborted, why), oldest first.
         self.passed: list[tuple[str, bool, str]] = []
+        # Checks every status answer before it is used (the site's Witness: a restored
+        # coordinator is refused); None: no check.
+        self.observe: Callable[[pb.StatusResponse], None] | None = None
 
     def watch(self) -> RoundWatcher:
         """Subscribe to round events (call after enrolling); :meth:`close` ends it."""
@@ -293,6 +296,8 @@ class CoordinatorClient:
 
     def status(self, round_id: str = "") -> pb.StatusResponse:
         status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
+        if self.observe is not None:
+            self.observe(status)
         return status
 
     def _pause(self, delay: float, *, cap: float | None = None) -> float:
