@@ -38,8 +38,9 @@ without the key gets ``["mask", "ckks"]``: a site uploads plaintext statistics o
 in with "plaintext"), and ``ckks_decryptor`` pins the site id (key: its [peers] entry) of the
 only decryptor the site seals tags to and encrypts for (``afl provision`` writes both).
 
-Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
-are checked strictly for type and range).
+Unknown keys are reported as warnings, except in ``[policy]``: there an unknown key is an error
+naming the key and the nearest known one (a misspelt protection setting would otherwise leave the
+site at the default it meant to change); the policy keys are also checked for type and range.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ _KNOWN: dict[str, set[str]] = {
         "decrypt_max_row_norm",
     },
 }
+#: Sections whose unknown keys are errors, not warnings: a misspelt protection setting
+#: (``min_cohrt``) would otherwise leave the site at the default it meant to change.
+_STRICT_SECTIONS = frozenset({"policy"})
 _ROLES = ("participant", "decryptor")
 #: Aggregation modes a site's policy can allow (docs/protocol.md §4), and the default.
 AGGREGATION_NAMES = ("plaintext", "mask", "ckks")
@@ -226,6 +230,11 @@ class _Reader:
         known = _KNOWN.get(name, set(raw))
         for key in sorted(set(raw) - known):
             hint = did_you_mean(key, known)
+            if name in _STRICT_SECTIONS:  # a typo must not leave a protection at its default
+                raise ConfigError(
+                    f"{self.path}: unknown key [{name}] {key}{hint}: fix the key (the site's "
+                    f"protection settings are not guessed; known keys: {', '.join(sorted(known))})"
+                )
             self.warnings.append(f"{self.path}: unknown key [{name}] {key}{hint} (ignored)")
         return raw
 

@@ -55,8 +55,9 @@ from this file). [admins] names = ["operator"] lists the admin certificates (URI
 payloads of a finished run that many days (0: deleted when the run ends; models, reports and the
 audit log are kept).
 
-Optional: [server] metrics_port (Prometheus; 0/absent = off) and metrics_address (default
-127.0.0.1), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
+Optional: [server] metrics_port (Prometheus; 0/absent = off), metrics_address (default
+127.0.0.1) and refusal_serve_s (60: how long a server that refuses its state answers the sites
+with its reason before it exits 2; 0 = exit at once), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
 :class:`afl.server.limits.StreamLimits` (watch_streams_per_site = 2, uploads_per_site = 2,
 downloads_per_site = 2, upload_idle_timeout_s = 60, worker_threads = 0: sized from the sites).
 Relative paths are resolved against the file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
@@ -282,6 +283,12 @@ class ServerConfig:
     admins: tuple[str, ...] = ()
     payload_retention_days: float = 0.0
     limits: StreamLimits = field(default_factory=StreamLimits)
+    # Seconds a server that refuses its state keeps answering sites with the reason before it
+    # exits 2 (afl.server.daemon.refusal); 0: exit at once.
+    refusal_serve_s: float = 60.0
+    # Seconds a stage stays open after an upload refused for a full disk (the sites retry it for
+    # their retry_window_s, default 180).
+    full_disk_hold_s: float = 180.0
 
 
 class _Table:
@@ -638,6 +645,12 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
     if not 0 <= metrics_port <= 65535:
         raise server.fail("metrics_port", f"must be in 0..65535, got {metrics_port}")
     metrics_address = server.get("metrics_address", str, "127.0.0.1")
+    refusal_serve_s = float(server.get("refusal_serve_s", (int, float), 60.0))
+    if refusal_serve_s < 0:
+        raise server.fail("refusal_serve_s", f"must be >= 0, got {refusal_serve_s:g}")
+    full_disk_hold_s = float(limits.get("full_disk_hold_s", (int, float), 180.0))
+    if full_disk_hold_s < 0:
+        raise limits.fail("full_disk_hold_s", f"must be >= 0, got {full_disk_hold_s:g}")
     max_chunk = limits.get("max_chunk_bytes", int, DEFAULT_MAX_CHUNK_BYTES)
     max_upload = limits.get("max_upload_bytes", int, DEFAULT_MAX_UPLOAD_BYTES)
     if max_chunk < 1 or max_upload < max_chunk:
@@ -670,6 +683,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         max_upload_bytes=max_upload,
         ckks_public_context=ckks_context,
         limits=_stream_limits(limits),
+        refusal_serve_s=refusal_serve_s,
+        full_disk_hold_s=full_disk_hold_s,
     )
     for table in (server, tls, identity, limits, ckks, admins_table, retention):
         table.refuse_unknown()

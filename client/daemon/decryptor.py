@@ -52,6 +52,7 @@ from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
+    CoordinatorRefused,
     DaemonError,
     retry_policy,
 )
@@ -489,6 +490,8 @@ class DecryptorDaemon:
                         self.enroll_and_publish()
                         published = True
                     handled = self.serve_once()
+                except CoordinatorRefused:
+                    raise  # the coordinator refuses its state: stop with its reason (M-143)
                 except DaemonError as exc:
                     log.warning("decryptor: %s (retrying)", exc)
                 if handled:

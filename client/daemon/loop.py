@@ -6,9 +6,11 @@ report.RoundReport` of each round. A run with a validation gate (docs/protocol.m
 final round VALIDATING: the site keeps the candidate, scores it in the evaluation round and keeps
 the published model only if the signed evaluation says the gate passed.
 
-Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
-was aborted and no replacement came (an aborted round is followed by waiting up to ``linger_s``
-for the replacement round).
+Exit codes: 0 the last round completed (or nothing new to take part in), 1 failure, 3 this site
+refused the plan, 4 the last round was aborted and no replacement came (also when it was aborted
+before this site took part; an aborted round is followed by waiting up to ``linger_s`` for the
+replacement round), 5 the run went on without this site (left out: the coordinator's note says
+why) and it took part in no round.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from afl.client.daemon.verify import (
     verify_model,
     verify_round_config,
 )
+from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
 from afl.client.modes.registry import MODES
 from afl.client.payloads.dispatch import (
@@ -77,9 +80,17 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_LEFT_OUT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "ClientDaemon",
+    "RoundFailed",
+]
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED, EXIT_LEFT_OUT = 0, 1, 3, 4, 5
 _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
     pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
@@ -122,6 +133,7 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
+        self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
@@ -670,6 +682,7 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
+            self.rpc.observe = self.witness.observe
             try:
                 self.enroll()
                 self.rpc.watch()
@@ -694,6 +707,7 @@ class ClientDaemon:
             report.timings_s["wait_round"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             done.add(status.round_id)
+            self.witness.join(status)  # before the plan decision and the uploads leave
             lingering = True
             try:
                 try:
@@ -717,7 +731,20 @@ class ClientDaemon:
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue
             report.timings_s["round"] = time.perf_counter() - t1
+            self.witness.complete(status)  # before the report leaves
             self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
             rounds += 1
             code = EXIT_OK
+        return self._no_part(code) if rounds == 0 else code
+
+    def _no_part(self, code: int) -> int:
+        """Exit code of a daemon that took part in no round: a round that listed it was
+        aborted first (exit 4, as an aborted round), or the run went on without it (exit 5);
+        0 stays for a daemon with nothing new to do (e.g. restarted after its run published)."""
+        if code != EXIT_OK or not self.rpc.passed:
+            return code
+        aborted = [why for _, was_aborted, why in self.rpc.passed if was_aborted]
+        why = aborted[-1] if aborted else self.rpc.passed[-1][2]
+        code = EXIT_ABORTED if aborted else EXIT_LEFT_OUT
+        log.error("site=%s took part in no round: %s (exit status %d)", self.site_id, why, code)
         return code

@@ -8,6 +8,8 @@ after a crash).
       models/<round>.signed-model.pb  the verified SignedModel as received
       models/<round>.weights.npy      its W (float64, d x C)
       reports/<round>.json            the local report of each round (what was sent, timings...)
+      witness.json                    what this site has seen of the coordinator's state
+                                      (afl.client.daemon.witness: a restored backup is noticed)
 
 Every file is written atomically (temporary file + rename).
 """

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from afl.core.progress import Progress
+
 # suite name -> (module under afl.lab.bench, one-line help). Modules expose add_arguments and run.
 SUITES: dict[str, tuple[str, str]] = {
     "extract": ("extract", "feature-extraction images/s: full pipeline vs pure forward pass"),
@@ -63,5 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    Progress("afl bench")(f"running the {args.suite} suite (its JSON is written at the end)")
     code: int = args.suite_run(args)
     return code

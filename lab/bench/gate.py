@@ -52,8 +52,7 @@ from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.core.metrics import evaluate, predict_proba
 from afl.core.row_bounds import measure
 from afl.core.stats import LocalStats, local_statistics
-from afl.lab.bench.common import emit_json
-from afl.lab.bench.machine_info import describe_machine
+from afl.lab.bench.common import describe_machine, emit_json
 from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 from afl.lab.simulate.dataset import default_dataset
 from afl.server import toml_text

@@ -541,6 +541,7 @@ class StatusResponse(_message.Message):
     LATEST_MODEL_ROUND_ID_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    RESTORES_ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     federation_id: _builtins.str
     """Federation id. [visible: all]"""
     site_id: _builtins.str
@@ -554,6 +555,12 @@ class StatusResponse(_message.Message):
     note: _builtins.str
     """Why the caller takes no part in the current round, when it does not (e.g. its declared
     backbone differs from the run's). [visible: the caller]
+    """
+    restores_acknowledged: _builtins.int
+    """How many restores of this coordinator's state from an older backup its operator has
+    acknowledged (`afl-server ack-restore`, in the audit log). A site that has seen a later state
+    than the coordinator now claims takes part again only once this count grows (protocol.md
+    M-142). [visible: all]
     """
     @_builtins.property
     def round(self) -> Global___RoundStatus:
@@ -569,10 +576,11 @@ class StatusResponse(_message.Message):
         latest_model_round_id: _builtins.str = ...,
         server_version: _builtins.str = ...,
         note: _builtins.str = ...,
+        restores_acknowledged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "note", b"note", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "note", b"note", "restores_acknowledged", b"restores_acknowledged", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
