@@ -12,6 +12,9 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
     wall_seconds         the whole run, process start-up included
     decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding)
     download_seconds     CKKS only: the decryptor fetching the homomorphic sums
+    server_peak_rss_mib  afl-server's peak resident memory (the kernel's VmHWM; Linux, else null)
+    site_peak_rss_mib    the largest peak resident memory of the K site daemons
+    decryptor_peak_rss_mib  CKKS only: the decryptor daemon's
 
 and the ratios to plaintext (same run, same machine), plus the max relative W difference.
 Pure per-site encryption time is measured in-process by ``afl bench ckks`` (no transport).
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from afl.lab.bench.scaling_e2e import PeakMemory
 from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
@@ -36,15 +40,17 @@ from afl.lab.demo.federation import (
     run_loopback,
 )
 
-__all__ = ["MODES", "round_figures", "run_e2e_bench"]
+__all__ = ["MODES", "memory_summary", "round_figures", "run_e2e_bench"]
 
 CLASSES = ("A", "B", "C", "D", "E", "F", "G", "H")
 MODES = ("plaintext", "ckks", "mask")
 _KEYS = ("round_seconds", "exchange_seconds", "bytes_sent_per_site", "wall_seconds")
 
 
-def round_figures(run: LoopbackRun, loop: LoopbackFederation) -> dict[str, Any]:
-    """The figures of one run from its sites' reports (module docstring)."""
+def round_figures(
+    run: LoopbackRun, loop: LoopbackFederation, memory: PeakMemory | None = None
+) -> dict[str, Any]:
+    """The figures of one run from its sites' reports and ``memory``'s peaks (module docstring)."""
     finals = [run.final_report(s) for s in loop.site_ids]
     if any(r.get("outcome") != "COMPLETED" for r in finals):
         raise RuntimeError(f"the federation failed: {[r.get('reason') for r in finals]}")
@@ -55,6 +61,12 @@ def round_figures(run: LoopbackRun, loop: LoopbackFederation) -> dict[str, Any]:
         "wall_seconds": run.wall_s,
         "weights": np.load(finals[0]["model"]["path"]),
     }
+    if memory is not None:
+        sites = [v for name, v in memory.peaks.items() if name not in ("server", "decryptor")]
+        out["server_peak_rss_mib"] = memory.peaks.get("server")
+        out["site_peak_rss_mib"] = max(sites) if sites else None
+        if "decryptor" in memory.peaks:
+            out["decryptor_peak_rss_mib"] = memory.peaks["decryptor"]
     if loop.decryptor_config is not None:
         jobs_file = loop.decryptor_config.parent / "state" / "ckks" / "decryptions.jsonl"
         jobs = [json.loads(x) for x in jobs_file.read_text().splitlines() if x.strip()]
@@ -63,6 +75,25 @@ def round_figures(run: LoopbackRun, loop: LoopbackFederation) -> dict[str, Any]:
         out["aggregate_bytes"] = int(sum(j["size"] for j in jobs))
         out["jobs"] = len(jobs)
     return out
+
+
+def memory_summary(row: dict[str, Any]) -> str:
+    """One line of the peak resident memory per mode and daemon, e.g. ``peak RSS MiB: plaintext
+    server 120 site 150; ckks server 160 site 200 decryptor 250``."""
+
+    def mib(value: Any) -> str:
+        return "?" if value is None else f"{value:.0f}"
+
+    parts = []
+    for mode in MODES:
+        if isinstance(row.get(mode), dict):
+            figures = row[mode]
+            text = f"{mode} server {mib(figures.get('server_peak_rss_mib'))}"
+            text += f" site {mib(figures.get('site_peak_rss_mib'))}"
+            if "decryptor_peak_rss_mib" in figures:
+                text += f" decryptor {mib(figures['decryptor_peak_rss_mib'])}"
+            parts.append(text)
+    return "peak RSS MiB: " + "; ".join(parts)
 
 
 def run_e2e_bench(
@@ -100,7 +131,12 @@ def run_e2e_bench(
                 decryptor=mode == "ckks",
                 allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
             )
-            out[mode] = round_figures(run_loopback(loop, timeout_s=timeout_s), loop)
+            memory = PeakMemory()
+            try:
+                run = run_loopback(loop, timeout_s=timeout_s, on_started=memory.watch)
+            finally:
+                memory.stop()
+            out[mode] = round_figures(run, loop, memory)
     w_plain = out["plaintext"].pop("weights")
     for mode in modes:
         if mode == "plaintext":

@@ -408,7 +408,8 @@ def run_loopback(
     start a coordinator patched at run time). ``sites_per_process`` > 1 hosts that many sites per
     ``afl-client run-many`` process (sites with a custom command still run alone); a site's exit
     code is then the one its host reports. ``on_started`` gets the process ids ("server", and
-    each client process by its first site) once everything is started (memory sampling)."""
+    each client process by its first site, and "decryptor") once everything is started (memory
+    sampling)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -452,7 +453,10 @@ def run_loopback(
                 env=env,
             )
         if on_started is not None:
-            on_started({"server": server.pid, **{s: p.pid for s, p in clients.items()}})
+            decryptor = {"decryptor": helpers[0].pid} if helpers else {}
+            on_started(
+                {"server": server.pid, **decryptor, **{s: p.pid for s, p in clients.items()}}
+            )
         deadline = time.monotonic() + timeout_s
         ended: dict[str, int] = {}
         # Wait for every client; give up at the deadline or when the server dies first.
