@@ -22,6 +22,7 @@ SUITES: dict[str, tuple[str, str]] = {
         "calibration",
         "calibration from masked score histograms: ECE before/after, federated evaluation, τ",
     ),
+    "startup": ("startup", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 
 

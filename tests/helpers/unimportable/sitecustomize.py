@@ -37,4 +37,4 @@ class _Unimportable:
 
 
 if _BLOCKED:
-    sys.meta_path.insert(0, _Unimportable())  # type: ignore[arg-type]
+    sys.meta_path.insert(0, _Unimportable())
