@@ -40,8 +40,8 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -65,7 +65,14 @@ from afl.server.modes.base import AggregationMode, ModeEnvironment, Transition
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.registry import mode_for
 from afl.server.plan.dp import apply_dp, audit_dp_plan, calibrate, dp_releases
+from afl.server.plan.history import (
+    ReleasedRound,
+    history_exposures,
+    history_refusal,
+    released_history,
+)
 from afl.server.plan.release import (
+    PlannedRelease,
     RoundView,
     audit_plan,
     build_plan,
@@ -120,6 +127,11 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.row.run_id
+
+
+#: Statistic kinds that are a function of a site's data alone, so every run releases the same
+#: per-site values (round 2's pseudo-label vectors depend on the run's model, evaluations on theirs).
+_DATA_KINDS = frozenset({cpb.STATISTIC_KIND_GRAM, cpb.STATISTIC_KIND_CLASS_VECTOR})
 
 
 class RoundMachine:
@@ -555,6 +567,8 @@ class RoundMachine:
             )
             report = audit_plan(releases, participants)
         self.store.audit("plan-audit", {"round_id": view.round_id, **report.to_dict()})
+        if not evaluation and dp is None and self._exposes_history(view, releases, participants):
+            return
         calibration = None
         if dp is not None:
             try:
@@ -629,6 +643,52 @@ class RoundMachine:
             "plan-published", {"round_id": view.round_id, "releases": [r.name for r in releases]}
         )
         self._emit(view.round_id)
+
+    def released_history(
+        self, *, exclude_round: str = ""
+    ) -> list[tuple[str, list[PlannedRelease]]]:
+        """Every published training round's data releases (Gram, class vectors: the statistics
+        of a site's data that every run sums alike), cut to the model's contributors."""
+        released: list[ReleasedRound] = []
+        for row in self.store.rounds():
+            if row.stage != Stage.PUBLISHED or not row.plan or row.round_id == exclude_round:
+                continue
+            releases = [r for r in self.view(row).releases if r.kind in _DATA_KINDS]
+            model = self.store.model(row.round_id)
+            if not releases or model is None:
+                continue
+            contributors = tuple(pb.Model.FromString(model[1]).contributors)
+            released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
+        return released_history(released)
+
+    def exposes_history(
+        self, view: RoundView, releases: Sequence[PlannedRelease], members: Sequence[str]
+    ) -> str:
+        """The refusal (one line) when ``releases`` over ``members``, differenced with what the
+        federation already released, expose any site; "" when they do not (M-124)."""
+        history = self.released_history(exclude_round=view.round_id)
+        if not history:
+            return ""
+        summed = frozenset(members)
+        releases = [
+            replace(r, members=tuple(m for m in r.members if m in summed)) for r in releases
+        ]
+        report, exposed = history_exposures(releases, members, history=history)
+        if not exposed:
+            return ""
+        self.store.audit(
+            "plan-audit-history",
+            {"round_id": view.round_id, "members": list(members), **report.to_dict()},
+        )
+        return history_refusal(exposed, round_id=view.round_id)
+
+    def _exposes_history(
+        self, view: RoundView, releases: Sequence[PlannedRelease], participants: Sequence[str]
+    ) -> bool:
+        reason = self.exposes_history(view, releases, participants)
+        if reason:
+            self._abort(view, reason)
+        return bool(reason)
 
     def _parent_plan(self, view: RoundView) -> cpb.ReleasePlan | None:
         """Round 1's signed plan, for round 2 of a run (None in round 1)."""
