@@ -20,6 +20,7 @@ the default γ = 1); the sites' request fingerprints as the operator's `afl ca s
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 import tomllib
@@ -48,7 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The operator and the coordinator install the server dependencies only (§1): their commands run
 # with the client's and the lab's packages unimportable (tests/helpers/unimportable).
 SERVER_ONLY = {
-    "PYTHONPATH": str(ROOT / "tests" / "helpers" / "unimportable"),
+    "PYTHONPATH": os.pathsep.join(
+        p
+        for p in (str(ROOT / "tests" / "helpers" / "unimportable"), os.environ.get("PYTHONPATH"))
+        if p
+    ),
     "AFL_TEST_UNIMPORTABLE": "torch,torchvision,torchxrayvision,matplotlib,sklearn,PIL,pydicom",
 }
 DOC = ROOT / "docs" / "operations.md"
