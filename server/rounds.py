@@ -19,6 +19,10 @@ Rounds of the active run:
     PUBLISHED (final round, evaluate = true) --> the evaluation round (number rounds + 1) opens
         in PLAN_REVIEW over the model's contributors; its SOLVING publishes the signed
         evaluation instead of a model (:mod:`afl.server.solve.evaluation`)
+    SOLVING (final round, [round.gate]) --> VALIDATING (the model signed as a candidate, not
+        published) and the evaluation round scores the candidate; its SOLVING decides the gate
+        (:mod:`afl.server.solve.gate`): the final round ends PUBLISHED (the model signed and
+        stored) or ABORTED, and the run PUBLISHED or FAILED with the gate's reason
 
 A refusal of the plan ABORTS the round and, when at least ``min_participants`` sites remain,
 opens a replacement round with them and a new plan; at the plan deadline, sites that never
@@ -49,6 +53,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
+from afl.core.row_bounds import RowBounds
+from afl.crypto.identity.signed_blobs import CANDIDATE_CONTEXT, MODEL_CONTEXT, sign_blob
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
@@ -89,6 +95,7 @@ from afl.server.solve.evaluation import (
     evaluation_result,
     published_detail,
 )
+from afl.server.solve.gate import GateVerdict, gate_verdict
 from afl.server.solve.model import (
     SOLVE_ERRORS,
     build_signed_model,
@@ -96,7 +103,15 @@ from afl.server.solve.model import (
     solve_round_one,
     solve_round_two,
 )
-from afl.server.store import EnrolmentRow, MessageRow, RoundRow, RunRow, Store, UploadRow
+from afl.server.store import (
+    ENDED_RUN_STATES,
+    EnrolmentRow,
+    MessageRow,
+    RoundRow,
+    RunRow,
+    Store,
+    UploadRow,
+)
 
 __all__ = ["RoundMachine", "RoundView", "Run", "Stage"]
 
@@ -113,6 +128,7 @@ class Stage:
     SOLVING = pb.ROUND_STAGE_SOLVING
     PUBLISHED = pb.ROUND_STAGE_PUBLISHED
     ABORTED = pb.ROUND_STAGE_ABORTED
+    VALIDATING = pb.ROUND_STAGE_VALIDATING
     FINAL = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)
 
 
@@ -184,6 +200,10 @@ class RoundMachine:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return self.store.messages(round_id)
+
+    def row_bounds(self, site_id: str) -> RowBounds | None:
+        enrolment = self.store.enrolment(site_id)
+        return None if enrolment is None else enrolment.row_bounds
 
     # --- runs --------------------------------------------------------------------------------
 
@@ -258,7 +278,7 @@ class RoundMachine:
     def abort_run(self, run_id: str, *, reason: str, by: str) -> Run:
         """Abort a queued or active run (its open round releases nothing)."""
         run = self.run(run_id)
-        if run.row.state in ("published", "aborted"):
+        if run.row.state in ENDED_RUN_STATES:
             raise WrongStageError(f"run {run_id!r} already ended ({run.row.state})")
         why = f"aborted by admin {by}: {reason}" if reason else f"aborted by admin {by}"
         if run.row.state == "queued":
@@ -337,7 +357,7 @@ class RoundMachine:
         self._next_purge_ms = now + 60_000
         keep_ms = self.config.payload_retention_days * _DAY_MS
         for row in self.store.runs():
-            if row.state in ("published", "aborted") and row.finished_ms + keep_ms <= now:
+            if row.state in ENDED_RUN_STATES and row.finished_ms + keep_ms <= now:
                 self._purge(row.run_id)
 
     def run_model(self, run_id: str) -> tuple[str, bytes, bytes] | None:
@@ -497,7 +517,11 @@ class RoundMachine:
         self._set_stage(view, Stage.ABORTED, reason=reason)
         self.metrics.rounds.labels(outcome="aborted").inc()
         run.mode.forget(view.round_id)
-        if replan_with is not None and len(replan_with) >= run.settings.min_participants:
+        gated = self._gated(view, run)
+        needed = run.settings.min_participants
+        if gated and run.settings.gate is not None:  # the gate's own rule ([round.gate] min_sites)
+            needed = run.settings.gate.min_sites
+        if replan_with is not None and len(replan_with) >= needed:
             replacement = self._new_round(
                 run,
                 number=view.row.number,
@@ -512,7 +536,11 @@ class RoundMachine:
                 "round aborted; too few sites remain for a replacement round",
                 extra={"round_id": view.round_id, "remaining": len(replan_with)},
             )
-        if view.row.number > run.settings.rounds:  # the evaluation round: the model stays
+        if gated:  # the candidate was never published: the gate could not decide
+            admin = reason.startswith("aborted by admin")
+            why = reason if admin else f"validation gate could not score the candidate: {reason}"
+            self._end_candidate(view, run, None, why, state="aborted" if admin else "failed")
+        elif view.row.number > run.settings.rounds:  # the evaluation round: the model stays
             self._finish_run(run.run_id, "published", f"evaluation aborted: {reason}")
         else:
             self._finish_run(run.run_id, "aborted", reason)
@@ -527,12 +555,11 @@ class RoundMachine:
         dp = settings.dp
         evaluation = view.row.number > settings.rounds
         if evaluation:  # the run's evaluation round (afl.server.solve.evaluation)
-            model = self.store.model(view.row.parent_round_id)
-            assert model is not None, "an evaluation round follows a published model"
+            evaluated = self._evaluated_model(view)
             releases = evaluation_releases(
                 classes=settings.classes,
                 participants=participants,
-                model_sha256=hashlib.sha256(model[1]).digest(),
+                model_sha256=hashlib.sha256(evaluated).digest(),
             )
             history = earlier_evaluations(
                 [(r.round_id, self.view(r).releases) for r in self.store.rounds()
@@ -648,16 +675,20 @@ class RoundMachine:
         self, *, exclude_round: str = ""
     ) -> list[tuple[str, list[PlannedRelease]]]:
         """Every published training round's data releases (Gram, class vectors: the statistics
-        of a site's data that every run sums alike), cut to the model's contributors."""
+        of a site's data that every run sums alike), cut to the model's contributors; a gated
+        round's too, whatever the gate decided (its sums were released to solve the candidate)."""
         released: list[ReleasedRound] = []
         for row in self.store.rounds():
-            if row.stage != Stage.PUBLISHED or not row.plan or row.round_id == exclude_round:
+            if not row.plan or row.round_id == exclude_round:
                 continue
+            model = self.store.model(row.round_id) if row.stage == Stage.PUBLISHED else None
+            solved = model[1] if model is not None else None
+            if solved is None and (candidate := self.store.candidate(row.round_id)) is not None:
+                solved = candidate[0]
             releases = [r for r in self.view(row).releases if r.kind in _DATA_KINDS]
-            model = self.store.model(row.round_id)
-            if not releases or model is None:
+            if not releases or solved is None:
                 continue
-            contributors = tuple(pb.Model.FromString(model[1]).contributors)
+            contributors = tuple(pb.Model.FromString(solved).contributors)
             released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
         return released_history(released)
 
@@ -828,6 +859,7 @@ class RoundMachine:
             self._abort(view, f"solve failed: {exc}")
             return
         assert view.row.plan is not None
+        gated = settings.gate is not None and view.row.number == settings.rounds
         signed = build_signed_model(
             weights,
             identity_key=self._key,
@@ -839,7 +871,23 @@ class RoundMachine:
             backbone=settings.backbone,
             contributors=run.mode.contributors(view),
             plan_bytes=view.row.plan,
+            context=CANDIDATE_CONTEXT if gated else MODEL_CONTEXT,
         )
+        if gated:  # not published: the gate's evaluation round scores it first
+            digest = self.store.put_candidate(
+                view.round_id, model=signed.model, signature=signed.signature
+            )
+            self._set_stage(view, Stage.VALIDATING, detail={"candidate_sha256": digest})
+            sites = tuple(sorted(run.mode.contributors(view)))
+            gate = self._new_round(
+                run,
+                number=view.row.number + 1,
+                parent=view.round_id,
+                participants=sites,
+                timeout_s=settings.upload_timeout_s,
+            )
+            self._open(gate, sites)
+            return
         digest = self.store.put_model(view.round_id, model=signed.model, signature=signed.signature)
         self._set_stage(view, Stage.PUBLISHED, detail={"model_sha256": digest})
         self.metrics.rounds.labels(outcome="published").inc()
@@ -879,6 +927,10 @@ class RoundMachine:
             log.error("evaluation failed", extra={"round_id": view.round_id, "reason": str(exc)})
             self._abort(view, f"evaluation failed: {exc}")
             return
+        verdict = None
+        if settings.gate is not None and self._gated(view, run):
+            verdict = gate_verdict(result.stats, members=len(members), settings=settings.gate)
+            result.evaluation["gate"] = verdict.to_json()  # every scoring site receives it
         signed = build_signed_evaluation(
             result,
             identity_key=self._key,
@@ -892,9 +944,66 @@ class RoundMachine:
         self.store.put_evaluation(
             view.round_id, evaluation=signed.evaluation, signature=signed.signature
         )
+        if verdict is not None:  # the model's round ends first: a restart here decides again
+            self._end_candidate(view, run, verdict, verdict.reason())
         self._set_stage(view, Stage.PUBLISHED, detail=published_detail(signed))
         self.metrics.rounds.labels(outcome="published").inc()
-        self._finish_run(run.run_id, "published", "")
+        if verdict is None:
+            self._finish_run(run.run_id, "published", "")
+        else:
+            reason = verdict.reason()
+            self._finish_run(run.run_id, "published" if verdict.passed else "failed", reason)
+
+    # --- the validation gate (afl.server.solve.gate) -------------------------------------------
+
+    def _gated(self, view: RoundView, run: Run) -> bool:
+        """Whether ``view`` is the evaluation round of a run's validation gate."""
+        return run.settings.gate is not None and view.row.number == run.settings.rounds + 1
+
+    def _evaluated_model(self, view: RoundView) -> bytes:
+        """The ``Model`` bytes an evaluation round scores: the published model of its parent
+        round, or (the gate) the parent's candidate."""
+        parent = view.row.parent_round_id
+        model = self.store.model(parent)
+        if model is not None:
+            return model[1]
+        candidate = self.store.candidate(parent)
+        assert candidate is not None, "an evaluation round follows a model or a candidate"
+        return candidate[0]
+
+    def _end_candidate(
+        self,
+        view: RoundView,
+        run: Run,
+        verdict: GateVerdict | None,
+        reason: str,
+        *,
+        state: str = "failed",
+    ) -> None:
+        """Decide the candidate of the gate round ``view``'s parent: publish it (``verdict``
+        passed: the same ``Model`` bytes signed with context "model") or ABORT its round with
+        ``reason``, recording the gate's figures in the audit log; a run that ends without a
+        verdict finishes here (with ``state``)."""
+        parent = self.find(view.row.parent_round_id)
+        detail = verdict.to_json() if verdict is not None else {"passed": False, "reason": reason}
+        if parent.stage in Stage.FINAL:  # decided before a restart
+            return
+        self.store.audit("gate", {"round_id": parent.round_id, "gate_round_id": view.round_id,
+                                  **detail})  # fmt: skip
+        if verdict is not None and verdict.passed:
+            candidate = self.store.candidate(parent.round_id)
+            assert candidate is not None
+            model = candidate[0]
+            signature = sign_blob(self._key, context=MODEL_CONTEXT, blob=model)
+            digest = self.store.put_model(parent.round_id, model=model, signature=signature)
+            self._set_stage(parent, Stage.PUBLISHED, detail={"model_sha256": digest, "gate": True})
+            self.metrics.rounds.labels(outcome="published").inc()
+            return
+        log.error("validation gate failed", extra={"round_id": parent.round_id, "reason": reason})
+        self._set_stage(parent, Stage.ABORTED, reason=reason)
+        self.metrics.rounds.labels(outcome="aborted").inc()
+        if verdict is None:
+            self._finish_run(run.run_id, state, reason)
 
     def _weights(
         self,

@@ -39,6 +39,7 @@ from tests.helpers.doc_commands import (
     StepRunner,
     base_environment,
     doc_steps,
+    edit_target,
     used_variables,
     variables_block,
 )
@@ -114,6 +115,34 @@ def test_the_documented_path_is_marked_and_self_contained() -> None:
     assert {s.party for s in edits} == {"site", "coordinator"}
     for step in edits:
         tomllib.loads(step.body)  # the TOML a person writes is valid as shown
+
+
+def test_edit_blocks_fit_the_templates_as_shown() -> None:
+    """issue 28 item 11: a block appended as shown does not repeat a table the provisioned
+    template already has (TOML: "Cannot declare ('client',) twice"); a block marked with a table
+    changes keys of a table the template has."""
+    from afl.ops.provisioning import _client_toml, _server_toml
+
+    key, peers = b"\x01" * 32, {"s1": b"\x02" * 32}
+    templates = {  # what the production bundle writes (the site's has no [policy])
+        "$KIT/client.toml": _client_toml(
+            site_id="s1", federation_id="f", server_address="localhost:1", role="participant",
+            site_public=peers["s1"], server_public=key, peers=peers, policy=None,
+        ),
+        "$SERVER_KIT/server.toml": _server_toml(
+            federation_id="f", listen="[::]:1", server_public=key, peers=peers,
+            roles={"s1": "participant"}, round_settings=None,
+        ),
+    }  # fmt: skip
+    edits = [s for s in _steps() if s.kind == "edit"]
+    assert {edit_target(s)[1] for s in edits} >= {("client",), ("data",), ("server",), ("round",)}
+    for step in edits:
+        target, table = edit_target(step)
+        text = templates[target]
+        if table:
+            assert table[0] in tomllib.loads(text), f"{step.where()}: no [{table[0]}] in {target}"
+        else:
+            tomllib.loads(text + "\n" + step.body)  # appending as shown keeps the file valid
 
 
 def _stand_in_weights(folder: Path) -> Path:

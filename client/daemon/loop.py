@@ -11,16 +11,24 @@ signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitRe
 (pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way,
 and so is a run's evaluation round (:mod:`afl.client.daemon.evaluation`: the model the site
 verified, its hold-out or training rows; the signed result is kept under ``state_dir/evaluations``).
+A run with a validation gate (docs/protocol.md §6.2) ends its final round VALIDATING: the site
+keeps the CANDIDATE (signed "candidate-model", bound to the round and the plan it accepted), scores
+it on its hold-out rows in the evaluation round and then, if the signed evaluation says the gate
+passed, fetches the published model (the same ``Model`` bytes signed "model"); if it failed, the
+site's report is FAILED with the gate's reason and no model is kept.
 
 An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
 ``linger_s`` for the replacement round the coordinator opens with the remaining sites.
 
-Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
-was aborted and no replacement came.
+Exit codes: 0 the last round completed (or nothing new to take part in), 1 failure, 3 this site
+refused the plan, 4 the last round was aborted and no replacement came (also when it was aborted
+before this site took part), 5 the run went on without this site (left out: the coordinator's
+note says why) and it took part in no round.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -36,6 +44,7 @@ from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
     evaluation_rows,
+    is_candidate,
     is_evaluation_plan,
     save_evaluation,
 )
@@ -55,6 +64,7 @@ from afl.client.daemon.verify import (
     verify_model,
     verify_round_config,
 )
+from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
 from afl.client.modes.registry import MODES
 from afl.client.payloads.dp import dp_round_payloads
@@ -80,9 +90,17 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_LEFT_OUT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "ClientDaemon",
+    "RoundFailed",
+]
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED, EXIT_LEFT_OUT = 0, 1, 3, 4, 5
 _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
     pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
@@ -126,6 +144,7 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
+        self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
@@ -193,8 +212,16 @@ class ClientDaemon:
         return response
 
     def _model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes | None
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes | None,
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> tuple[VerifiedModel, int]:
+        """Fetch, verify and keep the round's model (``candidate``: the candidate of a round in
+        VALIDATING, kept apart; ``expect_sha256``: the model must be these ``Model`` bytes)."""
         assert self.stats is not None
         signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
         verified = verify_model(
@@ -205,8 +232,17 @@ class ClientDaemon:
             class_names=class_names,
             d=self.stats.d,
             plan_sha256=plan_sha256,
+            context=signed_blobs.CANDIDATE_CONTEXT if candidate else signed_blobs.MODEL_CONTEXT,
         )
-        self.store.save_model(round_id, signed, verified.weights)
+        if expect_sha256 and verified.model_sha256 != expect_sha256:
+            raise VerificationError(
+                f"round {round_id}: the published model (sha256 {verified.model_sha256[:16]}...) "
+                f"is not the candidate the gate scored ({expect_sha256[:16]}...)"
+            )
+        if candidate:
+            self.store.save_candidate(round_id, signed)
+        else:
+            self.store.save_model(round_id, signed, verified.weights)
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -243,7 +279,8 @@ class ClientDaemon:
             return PolicyDecision(False, str(exc)), None, b""
         problem = self._round_problems(cfg)
         if not problem and is_evaluation_plan(plan):  # only a model this site verified
-            problem = evaluation_problem(plan, **self._model_source())
+            has_holdout = self.config.data.holdout is not None
+            problem = evaluation_problem(plan, has_holdout=has_holdout, **self._model_source())
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         try:
@@ -313,7 +350,34 @@ class ClientDaemon:
         )
         files = save_evaluation(signed, evaluation, self.state / "evaluations")
         digest = signed_blobs.blob_sha256(signed.evaluation).hex()
-        return {"sha256": digest, "members": list(evaluation.members), "files": files}
+        result: dict[str, Any] = {
+            "sha256": digest, "members": list(evaluation.members), "files": files
+        }  # fmt: skip
+        gate = json.loads(evaluation.evaluation_json or b"{}").get("gate")
+        if gate is not None:  # the validation gate's verdict (docs/protocol.md §6.2)
+            result["gate"] = gate
+            result["model_round_id"] = evaluation.model_round_id
+        return result
+
+    def _gate_outcome(self, plan: cpb.ReleasePlan, report: dict[str, Any]) -> None:
+        """After a gate's evaluation: keep the published model if the candidate passed (the same
+        ``Model`` bytes, now signed "model"); RoundFailed with the gate's reason if it failed."""
+        gate = report["evaluation"].get("gate")
+        candidate = evaluated_model(plan, **self._model_source())
+        if gate is None or not is_candidate(candidate):
+            return
+        if not gate.get("passed"):
+            reason = str(gate.get("reason") or "validation gate failed")
+            log.error("site=%s: the candidate was not published: %s", self.site_id, reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_FAILED, reason)
+        round_id = check_round_id(str(report["evaluation"]["model_round_id"]))
+        self.receive_model(
+            round_id,
+            class_names=list(candidate.model.class_names),
+            plan_sha256=bytes(candidate.model.plan_sha256),
+            report=report,
+            expect_sha256=candidate.model_sha256,
+        )
 
     def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
         """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
@@ -512,14 +576,22 @@ class ClientDaemon:
         report["uploads"] = [r.to_json() for r in records]
         report["bytes_sent"] = sum(r.bytes for r in records)
         t0 = time.perf_counter()
-        self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
         if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
             evaluated = report["evaluation"]["model_sha256"]
             result = self._evaluation_result(round_id, evaluated)
             report["evaluation"].update(result)
+            self._gate_outcome(plan, report)
             return
-        self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+        candidate = status.stage == pb.ROUND_STAGE_VALIDATING  # the gate scores it first
+        self.receive_model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha,
+            report=report,
+            candidate=candidate,
+        )
 
     def round_session(
         self,
@@ -545,12 +617,31 @@ class ClientDaemon:
         )
 
     def receive_model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: dict[str, Any]
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes,
+        report: dict[str, Any],
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> None:
-        """Fetch the round's signed model, verify it against the accepted plan, keep it, and
-        note it in ``report``."""
-        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha256)
+        """Fetch the round's signed model (or its candidate), verify it against the accepted
+        plan, keep it, and note it in ``report``."""
+        model, nbytes = self._model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha256,
+            candidate=candidate,
+            expect_sha256=expect_sha256,
+        )
         report["bytes_received"] += nbytes
+        if candidate:
+            report["candidate"] = {
+                "sha256": model.model_sha256,
+                "note": "not published: the validation gate scores it first",
+            }
+            return
         report["model"] = {
             "sha256": model.model_sha256,
             "weights_sha256": model.weights_sha256,
@@ -612,6 +703,7 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
+            self.rpc.observe = self.witness.observe
             try:
                 self.enroll()
                 self.rpc.watch()
@@ -642,6 +734,7 @@ class ClientDaemon:
             }
             t1 = time.perf_counter()
             done.add(status.round_id)
+            self.witness.join(status)  # before the plan decision and the uploads leave
             lingering = True
             try:
                 try:
@@ -665,7 +758,20 @@ class ClientDaemon:
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue
             report["timings_s"]["round"] = time.perf_counter() - t1
+            self.witness.complete(status)  # before the report leaves
             self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
             rounds += 1
             code = EXIT_OK
+        return self._no_part(code) if rounds == 0 else code
+
+    def _no_part(self, code: int) -> int:
+        """Exit code of a daemon that took part in no round: a round that listed it was
+        aborted first (exit 4, as an aborted round), or the run went on without it (exit 5);
+        0 stays for a daemon with nothing new to do (e.g. restarted after its run published)."""
+        if code != EXIT_OK or not self.rpc.passed:
+            return code
+        aborted = [why for _, was_aborted, why in self.rpc.passed if was_aborted]
+        why = aborted[-1] if aborted else self.rpc.passed[-1][2]
+        code = EXIT_ABORTED if aborted else EXIT_LEFT_OUT
+        log.error("site=%s took part in no round: %s (exit status %d)", self.site_id, why, code)
         return code

@@ -8,6 +8,8 @@ after a crash).
       models/<round>.signed-model.pb  the verified SignedModel as received
       models/<round>.weights.npy      its W (float64, d x C)
       reports/<round>.json            the local report of each round (what was sent, timings...)
+      witness.json                    what this site has seen of the coordinator's state
+                                      (afl.client.daemon.witness: a restored backup is noticed)
 
 Every file is written atomically (temporary file + rename).
 """
@@ -102,6 +104,18 @@ class DaemonState:
 
     def model_path(self, round_id: str) -> Path:
         return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"
+
+    def save_candidate(self, round_id: str, signed: pb.SignedModel) -> Path:
+        """Keep a verified candidate (signed "candidate-model", not published) as
+        ``candidates/<round>.signed-model.pb``: what this site may score in the gate."""
+        check_round_id(round_id)
+        folder = self.root / "candidates"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{round_id}.signed-model.pb"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(signed.SerializeToString())
+        tmp.replace(path)
+        return path
 
     def save_model(
         self, round_id: str, signed: pb.SignedModel, weights: NDArray[np.float64]

@@ -38,7 +38,7 @@ import scipy.linalg
 from numpy.typing import NDArray
 
 from afl.core.stats import local_statistics
-from afl.lab.bench.machine_info import describe_machine
+from afl.lab.bench.common import describe_machine
 from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
