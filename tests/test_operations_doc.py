@@ -20,6 +20,7 @@ the default γ = 1); the sites' request fingerprints as the operator's `afl ca s
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 import tomllib
@@ -46,6 +47,16 @@ from tests.helpers.numeric import pooled_ridge, relative_error
 from tests.helpers.pipeline import weights_file
 
 ROOT = Path(__file__).resolve().parents[1]
+# The operator and the coordinator install the server dependencies only (§1): their commands run
+# with the client's and the lab's packages unimportable (tests/helpers/unimportable).
+SERVER_ONLY = {
+    "PYTHONPATH": os.pathsep.join(
+        p
+        for p in (str(ROOT / "tests" / "helpers" / "unimportable"), os.environ.get("PYTHONPATH"))
+        if p
+    ),
+    "AFL_TEST_UNIMPORTABLE": "torch,torchvision,torchxrayvision,matplotlib,sklearn,PIL,pydicom",
+}
 DOC = ROOT / "docs" / "operations.md"
 BACKBONE = "xrv-densenet121-all"
 # The classes of the document's server.toml, and what each hospital labels (its manifest's columns).
@@ -156,13 +167,14 @@ def _parties(tmp: Path, weights: Path) -> dict[str, Party]:
     everyone["WEIGHTS_SHA256"] = digest
     parties = {
         "operator": Party(
-            "operator", tmp / "operator", dict(everyone), stdin="correct horse\n" * 2
+            "operator", tmp / "operator", {**everyone, **SERVER_ONLY}, stdin="correct horse\n" * 2
         ),
         "coordinator": Party(
             "coordinator",
             tmp / "coordinator" / "home",
             {
                 **everyone,
+                **SERVER_ONLY,
                 "SERVER_KIT": str(tmp / "coordinator" / "etc" / "server"),
                 "SERVER_STATE": str(tmp / "coordinator" / "var" / "afl-server"),
                 "WEIGHTS": str(weights),

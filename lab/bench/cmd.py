@@ -34,6 +34,7 @@ SUITES: dict[str, tuple[str, str]] = {
         "gate",
         "residual influence of one in-bound site on the default; the validation gate's cost",
     ),
+    "startup": ("e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 
 

@@ -186,14 +186,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench.e2e import run_e2e_bench
+        from afl.lab.bench.e2e import memory_summary, run_e2e_bench
 
         row = run_e2e_bench(
             num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=("plaintext", "mask")
         )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "
-            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}",
+            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}; {memory_summary(row)}",
             file=sys.stderr,
         )
         emit_json({"benchmark": "secagg-e2e", "results": [row]}, args.out)

@@ -409,8 +409,8 @@ def run_loopback(
     start a coordinator patched at run time). ``sites_per_process`` > 1 hosts that many sites per
     ``afl-client run-many`` process (sites with a custom command still run alone); a site's exit
     code is then the one its host reports. ``on_started`` gets the process ids ("server", and
-    each client process by its first site) once everything is started (memory sampling);
-    ``on_wait`` is called about once a second while the clients run (progress)."""
+    each client process by its first site, and "decryptor") once everything is started (memory
+    sampling); ``on_wait`` is called about once a second while the clients run (progress)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -454,7 +454,10 @@ def run_loopback(
                 env=env,
             )
         if on_started is not None:
-            on_started({"server": server.pid, **{s: p.pid for s, p in clients.items()}})
+            decryptor = {"decryptor": helpers[0].pid} if helpers else {}
+            on_started(
+                {"server": server.pid, **decryptor, **{s: p.pid for s, p in clients.items()}}
+            )
         deadline = time.monotonic() + timeout_s
         next_wait = time.monotonic()
         ended: dict[str, int] = {}
