@@ -54,14 +54,8 @@ __all__ = [
     "evaluation_problem",
     "evaluation_rows",
     "is_candidate",
-    "is_evaluation_plan",
     "save_evaluation",
 ]
-
-
-def is_evaluation_plan(plan: cpb.ReleasePlan) -> bool:
-    """Whether ``plan`` is an evaluation round's (it holds an evaluation release)."""
-    return any(r.kind in EVALUATION_KINDS for r in plan.releases)
 
 
 def _model_digest(plan: cpb.ReleasePlan) -> str:

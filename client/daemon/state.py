@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import check_round_id
 from afl.client.payloads.stats import dump_json
 from afl.client.policy.plan import PolicyDecision, audit_view
@@ -133,11 +134,11 @@ class DaemonState:
         path.with_name(path.name + ".tmp").replace(path)
         return path
 
-    def write_report(self, report: dict[str, Any]) -> Path:
+    def write_report(self, report: RoundReport) -> Path:
         """reports/<round>.json (``no-round.json`` when no round was reached)."""
-        name = check_round_id(report["round_id"]) if report.get("round_id") else "no-round"
+        name = check_round_id(report.round_id) if report.round_id else "no-round"
         path = self.root / "reports" / f"{name}.json"
-        dump_json(path, report)
+        dump_json(path, report.to_json())
         return path
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "RemoteCallError",
     "RetryPolicy",
     "UploadError",
+    "check_receipt",
     "check_round_id",
     "download_payload",
     "open_channel",
@@ -224,13 +225,21 @@ def upload_payload(
                 f"release of round {round_id} ({exc.details})"
             ) from exc
         raise
-    if receipt.sha256 != digest or receipt.bytes_received != len(payload):
+    check_receipt(receipt, release_name=release_name, sha256=digest, size=len(payload))
+    return receipt
+
+
+def check_receipt(
+    receipt: pb.UploadReceipt, *, release_name: str, sha256: bytes, size: int
+) -> None:
+    """:class:`UploadError` unless the coordinator's receipt is for what was sent: ``size`` bytes
+    with SHA-256 ``sha256``."""
+    if receipt.sha256 != sha256 or receipt.bytes_received != size:
         raise UploadError(
             f"upload {release_name}: receipt does not match the payload sent "
-            f"({receipt.bytes_received} bytes received of {len(payload)}, digest "
-            f"{'ok' if receipt.sha256 == digest else 'differs'})"
+            f"({receipt.bytes_received} bytes received of {size}, digest "
+            f"{'ok' if receipt.sha256 == sha256 else 'differs'})"
         )
-    return receipt
 
 
 def download_payload(

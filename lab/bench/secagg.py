@@ -28,9 +28,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.crypto.identity.signatures import generate_identity_key
-from afl.crypto.secagg.client import ClientStage
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg.local import run_local_round
+from afl.crypto.secagg.messages import Stage
 from afl.lab.bench.common import emit_json
 
 __all__ = ["add_arguments", "run", "run_secagg_bench"]
@@ -112,7 +112,7 @@ def run_secagg_bench(
         for s in ids
     }
     keys = {s: generate_identity_key() for s in ids}
-    drops = {s: ClientStage.MASKED_INPUT for s in ids[:dropouts]}
+    drops = {s: Stage.MASKED_INPUT for s in ids[:dropouts]}
     masked_runs: list[dict[str, float]] = []
     plain_runs: list[dict[str, float]] = []
     rel_err = 0.0

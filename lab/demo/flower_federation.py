@@ -33,7 +33,7 @@ __all__ = ["APP_DIR", "ENGINES", "SuperLink", "flower_run_config", "run_flower",
 
 ENGINES = ("python", "simulation", "deployment")
 #: The Flower App of afl (what ``flwr run`` builds and submits).
-APP_DIR = Path(__file__).resolve().parents[1] / "flower" / "app"
+APP_DIR = Path(__file__).resolve().parents[2] / "flower" / "app"
 
 
 def site_kits(fed: LoopbackFederation) -> dict[str, Path]:
