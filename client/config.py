@@ -1,46 +1,12 @@
-"""``client.toml``: the afl-client daemon's configuration, as written by ``afl provision``
-(:mod:`afl.ops.provisioning`) and completed by the site's IT (docs/operations.md).
+"""``client.toml``: the afl-client daemon's configuration, written by ``afl provision`` or
+``afl-client init --import`` (:mod:`afl.ops.provisioning`) and completed by the site's IT.
 
-Sections (paths are relative to the file's own folder)::
-
-    [client]   site_id, federation_id, server ("host:port"), role, state_dir,
-               poll_interval_s (0.2), max_poll_interval_s (2.0), rpc_timeout_s (30),
-               upload_timeout_s (600), max_wait_s (86400), linger_s (5), retry_attempts (8),
-               retry_window_s (180: a call is retried for at least this long, so a daemon outlasts
-               a coordinator restart), serve (false: true = keep taking part in new runs until
-               stopped, as under systemd)
-    [tls]      ca_cert, cert, key                       (the kit's ca.pem, site.pem, site.key)
-    [identity] key, public_key (hex), server_public_key (hex)
-    [peers]    <site id> = <identity public key, hex>
-    [data]     cache (alias: cache_dir)  path to an afl feature cache (afl.core.data.featurecache)
-               classes   classes this site labels; [] = every cache column without -1 labels
-               backbone  feature extractor id (default: the cache's "backbone"/"surrogate")
-               holdout   optional feature cache of held-out labelled images: what the site
-                         evaluates a model on in a run's evaluation round (without it: the
-                         training cache, flagged in-sample; docs/operations.md §6.1)
-    [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
-               disclose_row_bounds (declare N and the largest row norm, each rounded up to a
-               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2; a
-               release outside any DP budget: default on only when the policy accepts plans
-               without DP and allows mask or ckks, and an error with a finite max_epsilon or
-               lifetime_epsilon),
-               allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds),
-               lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient"),
-               mask_graph_security_bits (40), mask_assumed_colluders (0.333): a sparse masking
-               graph is accepted only if it fails with probability <= 2^-bits for that fraction
-               of the participants colluding (docs/protocol.md §4.2 "Sparse graph"),
-               dp_assumed_colluders (0.333): in mask and ckks the site's ε assumes
-               max(the plan's t, ⌈fraction·n⌉) colluding members (docs/protocol.md §7)
-
-``[policy]`` is what the site requires whatever the coordinator chooses (docs/protocol.md §2):
-``allowed_aggregation`` lists the protections the site accepts (a hand-written client.toml
-without the key gets ``["mask", "ckks"]``: a site uploads plaintext statistics only when it opts
-in with "plaintext"), and ``ckks_decryptor`` pins the site id (key: its [peers] entry) of the
-only decryptor the site seals tags to and encrypts for (``afl provision`` writes both).
-
-Unknown keys are reported as warnings, except in ``[policy]``: there an unknown key is an error
-naming the key and the nearest known one (a misspelt protection setting would otherwise leave the
-site at the default it meant to change); the policy keys are also checked for type and range.
+Every table and key, with its default and meaning, is in ``deploy/client.example.toml`` (loaded
+by this module in ``tests/test_deploy_files.py``); what a hospital sets and why is in
+docs/operations.md §3, the protocol rules each ``[policy]`` key enforces in docs/protocol.md §2
+and §6-§7. Unknown keys are warnings, except in ``[policy]``, where an unknown key is an error
+naming the nearest known one (a misspelt protection setting would otherwise leave the site at the
+default it meant to change), and policy keys are checked for type and range.
 """
 
 from __future__ import annotations

@@ -1,67 +1,10 @@
-"""server.toml: load and validate the afl-server configuration (docs/operations.md).
+"""server.toml: load and validate the afl-server configuration.
 
-``afl provision`` writes [server], [tls], [identity] and [sites]; it also writes a [round] table
-from :func:`round_template` that the coordinator completes (the class names and d at least)::
-
-    [round]
-    classes = ["Atelectasis", "Effusion", ...]   # model column order
-    feature_dim = 1024                           # d
-    backbone = ""                                # feature extractor id ("" = not checked)
-    backbone_sha256 = ""                         # pinned weights digest ("" = not pinned)
-    allow_random_init = false                    # a test federation: accept RANDOM-INIT caches
-    gamma = 1.0                                  # ridge γ, added once by the server
-    gram_scope = "global"                        # or "per-class" (docs/protocol.md §6)
-    aggregation = "plaintext"
-    rounds = 1                                   # 2 = pseudo-label refinement (paper eq. 16-22)
-    tau = 0.7; alpha = 0.5; delta_pos = 5; delta_neg = 50
-    min_participants = 3                         # default min(3, participants)
-    participants = []                            # expected site ids ([] = every provisioned site)
-    enrol_timeout_s = 600.0; upload_timeout_s = 600.0
-    operator_override = false; override_reason = ""   # accept a per-class plan failing the audit
-    mask_feature_norm = 0.0; mask_max_samples = 0     # aggregation = "mask": operator bounds,
-    mask_gram_bound = 0.0; mask_vector_bound = 0.0    # 0 = from the sites' declared maxima
-    mask_threshold = 0                                # (docs/protocol.md §4.2)
-    mask_graph = "full"                               # or "sparse" (SecAgg+, global scope):
-    mask_colluder_fraction = 0.333; mask_dropout_fraction = 0.05; mask_security_bits = 40
-    evaluate = false          # after the model: a federated evaluation round (docs/protocol.md §6.1)
-    eval_calibration = "platt"                   # fitted from its sums: "platt", "isotonic", "none"
-    eval_max_rows = 0         # bound on a site's evaluated rows (0 = the rows the sites declared)
-
-CKKS mode (docs/protocol.md §4.3): ``aggregation = "ckks"``, ``ckks_gram_bound`` and ``ckks_vector_bound``
-(declared bounds on |entry| of one site's Gram and class vectors; they set the plan's
-pre-scales), and optionally ``[ckks] public_context``
-(the decryptor's PUBLIC context file; a context holding a secret key makes the server refuse to
-start). The decryptor-role site is never a participant.
-
-DP mode (docs/protocol.md §7): an optional [round.dp] table (epsilon, delta, clip_norm, tolerated,
-unit, images_per_patient, max_positive_labels, max_samples; :mod:`afl.server.plan.dp`), with
-rounds = 1 or 2 (the budget covers both rounds); with aggregation = "mask" N bounds the masked
-statistics (:mod:`afl.server.plan.dp_mask`): mask_max_samples, or else the largest row count the
-participants declared; with "ckks" it is [round.dp] max_samples (:mod:`afl.server.plan.dp_ckks`).
-
-Evaluation (docs/operations.md §6.1): with ``evaluate = true`` (not with [round.dp]: evaluation
-releases carry no noise) the run's published model is evaluated in one more round under the run's
-protection, and a calibration is fitted from the summed histograms (``eval_calibration``).
-
-Validation gate (docs/protocol.md §6.2): an optional [round.gate] table (min_auc = 0.5,
-min_macro_auc = 0.5, min_sites = 2, require_every_class = true; :mod:`afl.server.solve.gate`)
-makes the run's evaluation round score the solved model as a candidate on the sites' hold-out rows
-BEFORE it is published; a candidate below the floor is not published and the run ends FAILED.
-
-Runs: [round] is the settings of the run the server creates at its first start; later runs are
-submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
-from this file). [admins] names = ["operator"] lists the admin certificates (URI SAN
-``afl-admin:<name>``) allowed to use the Admin service; [retention] payload_days = 0 keeps the
-payloads of a finished run that many days (0: deleted when the run ends; models, reports and the
-audit log are kept).
-
-Optional: [server] metrics_port (Prometheus; 0/absent = off), metrics_address (default
-127.0.0.1) and refusal_serve_s (60: how long a server that refuses its state answers the sites
-with its reason before it exits 2; 0 = exit at once), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
-:class:`afl.server.limits.StreamLimits` (watch_streams_per_site = 2, uploads_per_site = 2,
-downloads_per_site = 2, upload_idle_timeout_s = 60, worker_threads = 0: sized from the sites).
-Relative paths are resolved against the file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
-never silently leaves a protection at its default).
+Every table and key, with its default and meaning, is in ``deploy/server.example.toml`` (loaded
+by this module in ``tests/test_deploy_files.py``); what an operator sets and why is in
+docs/operations.md, and the protocol each setting drives in docs/protocol.md. A key or table this
+loader does not read is refused with a did-you-mean hint, so a typo never silently leaves a
+protection at its default; relative paths are resolved against the file's folder.
 """
 
 from __future__ import annotations

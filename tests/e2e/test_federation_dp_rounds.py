@@ -145,6 +145,10 @@ def test_two_round_dp_run_composes_and_a_restarted_site_keeps_its_ledger(
     # Restart: a fresh coordinator, the same sites' state; site-1's lifetime budget is below
     # what another run would bring it to.
     shutil.rmtree(loop.server_config.parent / "state")
+    for site_config in loop.client_configs.values():
+        # A new coordinator for the federation, not a restored one: without this the sites'
+        # witness of the old coordinator refuses it (tests/e2e/faults/test_restore.py).
+        (site_config.parent / "state" / "witness.json").unlink(missing_ok=True)
     config = loop.client_configs["site-1"]
     doc = tomllib.loads(config.read_text(encoding="utf-8"))
     doc["policy"] = {**doc.get("policy", {}), "lifetime_epsilon": 1.5 * EPSILON}
