@@ -26,6 +26,7 @@ from afl.proto.wire import stage_name
 from afl.server.config import ServerConfig, merged_run_table
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
+from afl.server.events import RoundEvents
 from afl.server.modes.base import AggregationMode, Transition
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.plan.open import open_plan
@@ -71,7 +72,8 @@ class RoundMachine:
         self.runs = Runs(config, store, self.ckks_contexts)
         self.solver = Solver(identity_key, config.federation_id, self)
         self.lock = threading.Condition()
-        self.events: list[pb.RoundEvent] = []
+        self.announcer = RoundEvents(store, self.lock, metrics, self.now_ms)
+        self.events = self.announcer.events  # what WatchRound streams
         self.notes: dict[str, str] = {}  # site -> why it takes no part in the current round
         with self.lock:
             self.runs.bootstrap()
@@ -147,14 +149,15 @@ class RoundMachine:
         run = self.runs.next_queued()
         if run is None:
             return
-        self.runs.start(run)
-        self._new_round(
-            run,
-            number=1,
-            parent="",
-            participants=run.settings.participants,
-            timeout_s=run.settings.enrol_timeout_s,
-        )
+        with self.announcer.transition():  # a run is never active without its round 1
+            self.runs.start(run)
+            self._new_round(
+                run,
+                number=1,
+                parent="",
+                participants=run.settings.participants,
+                timeout_s=run.settings.enrol_timeout_s,
+            )
 
     def _finish_run(self, run_id: str, state: str, reason: str) -> None:
         self.runs.finish(run_id, state, reason, at_ms=self.now_ms())
@@ -262,7 +265,7 @@ class RoundMachine:
     ) -> RoundView:
         prefix = "e" if number > run.settings.rounds else "r"  # e: the evaluation round
         round_id = f"{prefix}{number}-{secrets.token_hex(8)}"
-        with self.store.transaction():
+        with self.announcer.transition():
             self.store.create_round(
                 round_id=round_id,
                 run_id=run.run_id,
@@ -281,20 +284,12 @@ class RoundMachine:
                     "participants": list(participants),
                 },
             )
+            self._emit(round_id)
         log.info("round created", extra={"round_id": round_id, "number": number})
-        self._emit(round_id)
         return self.find(round_id)
 
     def _emit(self, round_id: str) -> None:
-        view = self.find(round_id)
-        self.metrics.set_stage(view.stage)
-        event = pb.RoundEvent(
-            sequence=len(self.events) + 1,
-            time_unix_ms=self.now_ms(),
-            status=self.status(view, ""),
-        )
-        self.events.append(event)
-        self.lock.notify_all()
+        self.announcer.emit(self.status(self.find(round_id), ""))
 
     def _set_stage(
         self,
@@ -307,7 +302,7 @@ class RoundMachine:
     ) -> None:
         """Move ``view`` to ``stage``; a PUBLISHED round's ``publication`` is stored in the same
         transaction and its digests go into the stage record."""
-        with self.store.transaction():
+        with self.announcer.transition():
             detail = publication.store(self.store) if publication is not None else {}
             self.store.update_round(
                 view.round_id,
@@ -319,11 +314,11 @@ class RoundMachine:
                 "stage",
                 {"round_id": view.round_id, "stage": stage_name(stage), "reason": reason, **detail},
             )
+            self._emit(view.round_id)
         log.info(
             "round stage",
             extra={"round_id": view.round_id, "stage": stage_name(stage), "reason": reason},
         )
-        self._emit(view.round_id)
 
     def _abort(
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None
@@ -331,18 +326,21 @@ class RoundMachine:
         """ABORT ``view``; with ``replan_with``, open a replacement round with those sites when
         they are at least ``min_participants``; otherwise the run ends (:meth:`_close`)."""
         run = self.run_of(view)
-        self._set_stage(view, Stage.ABORTED, reason=reason)
+        sites = replan_with if len(replan_with or ()) >= run.settings.min_participants else None
+        with self.announcer.transition():  # the aborted round and its replacement
+            self._set_stage(view, Stage.ABORTED, reason=reason)
+            if sites is not None:
+                replacement = self._new_round(
+                    run,
+                    number=view.row.number,
+                    parent=view.row.parent_round_id,
+                    participants=sites,
+                    timeout_s=run.settings.upload_timeout_s,
+                )
         self.metrics.rounds.labels(outcome="aborted").inc()
         run.mode.forget(view.round_id)
-        if replan_with is not None and len(replan_with) >= run.settings.min_participants:
-            replacement = self._new_round(
-                run,
-                number=view.row.number,
-                parent=view.row.parent_round_id,
-                participants=replan_with,
-                timeout_s=run.settings.upload_timeout_s,
-            )
-            self._open(replacement, replan_with)
+        if sites is not None:
+            self._open(replacement, sites)
             return
         if replan_with is not None:
             log.warning(
@@ -389,7 +387,7 @@ class RoundMachine:
             view=view,
             participants=participants,
         )
-        with self.store.transaction():
+        with self.announcer.transition():
             for event, detail in opened.audits:
                 self.store.audit(event, detail)
             if not opened.refusal:
@@ -405,10 +403,9 @@ class RoundMachine:
                     "plan-published",
                     {"round_id": view.round_id, "releases": list(opened.releases)},
                 )
+                self._emit(view.round_id)
         if opened.refusal:
             self._abort(view, opened.refusal)
-        else:
-            self._emit(view.round_id)
 
     def _wait(self, view: RoundView, run: Run, now: int) -> None:
         enrolments = self.store.enrolments()
