@@ -3,7 +3,8 @@ PY ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.afl-installed
-# torch is pinned to the build this workplace serves from local disk (docs/architecture.md §1).
+# torch and torchvision are pinned to the builds the test suite runs on (CHANGELOG.md); override
+# TORCH_PINS to install others (for example a CUDA build at a site with a GPU).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: venv install demo test test-all lint typecheck proto proto-check clean

@@ -372,7 +372,13 @@ def add_init_arguments(p: argparse.ArgumentParser) -> None:
         "--roster-fingerprint",
         metavar="HEX",
         help="step 2: the roster fingerprint the operator published out of band; the import is "
-        "refused if the roster differs",
+        "refused if the roster differs, or if none is given (the roster names every peer's "
+        "identity key: a roster nobody checked can give a peer's place to the operator)",
+    )
+    p.add_argument(
+        "--unverified-roster",
+        action="store_true",
+        help="step 2, development only: import without comparing the roster fingerprint",
     )
 
 
@@ -386,6 +392,12 @@ def run_init(args: argparse.Namespace) -> int:
             print(f"  request for the operator: {path}")
             print(f"  fingerprint (read it to the operator): {request.fingerprint}")
             return 0
+        if args.roster_fingerprint is None and not args.unverified_roster:
+            raise KitError(
+                "--roster-fingerprint is required: give the roster fingerprint the operator "
+                "published out of band (docs/operations.md §2); --unverified-roster skips the "
+                "check (development only)"
+            )
         imported = import_bundle(args.kit, args.bundle, roster_fingerprint=args.roster_fingerprint)
     except KitError as exc:
         print(f"afl-client init: error: {exc}", file=sys.stderr)
@@ -396,7 +408,9 @@ def run_init(args: argparse.Namespace) -> int:
     )
     print(f"  coordinator: {roster.server_address}")
     print(f"  sites: {', '.join(f'{s} ({e.role})' for s, e in sorted(roster.sites.items()))}")
-    checked = "matches" if args.roster_fingerprint else "COMPARE it with the operator's"
+    checked = (
+        "matches" if args.roster_fingerprint else "NOT CHECKED: compare it with the operator's"
+    )
     print(f"  roster fingerprint: {roster.fingerprint}  ({checked})")
     if imported.config_is_new:
         print(

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from afl.core.about import afl_version
 from afl.core.row_bounds import RowBounds
 from afl.core.suggest import unknown_names
 from afl.crypto.errors import CryptoError
@@ -57,7 +58,7 @@ from afl.server.store import EnrolmentRow, Store
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
 
-SERVER_VERSION = "afl-server/0.1.0"
+SERVER_VERSION = f"afl-server/{afl_version()}"
 ENROL_CHALLENGE_TTL_S = 300.0
 MAX_OPEN_CHALLENGES = 4
 _ROLES = {"participant": pb.SITE_ROLE_PARTICIPANT, "decryptor": pb.SITE_ROLE_DECRYPTOR}

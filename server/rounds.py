@@ -29,11 +29,12 @@ from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.events import RoundEvents
 from afl.server.modes.base import AggregationMode, Transition
 from afl.server.modes.ckks_context import CkksContexts
+from afl.server.modes.context import StoreContext
 from afl.server.plan.open import open_plan
 from afl.server.plan.release import RoundView, releases_from_plan
 from afl.server.runs import Run, Runs
 from afl.server.solve.publish import Publication, SolveFailed, Solver
-from afl.server.store import MessageRow, RoundRow, Store, UploadRow
+from afl.server.store import RoundRow, Store
 
 __all__ = ["RoundMachine", "RoundView", "Stage"]
 
@@ -52,7 +53,7 @@ class Stage:
     FINAL = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)
 
 
-class RoundMachine:
+class RoundMachine(StoreContext):
     """The transitions of the active run's rounds; :class:`afl.server.coordinator.Coordinator`
     adds the requests."""
 
@@ -78,31 +79,6 @@ class RoundMachine:
         with self.lock:
             self.runs.bootstrap()
             self._activate_next()
-
-    # --- RoundContext (what modes read and journal) -------------------------------------------
-
-    def now_ms(self) -> int:
-        return int(self.clock() * 1000)
-
-    def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]:
-        return self.store.decisions(round_id)
-
-    def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
-        return self.store.uploads(round_id)
-
-    def site_uploads(self, round_id: str, site_id: str) -> dict[str, UploadRow]:
-        return self.store.site_uploads(round_id, site_id)
-
-    def read_payload(self, row: UploadRow) -> bytes:
-        return self.store.read_payload(row)
-
-    def put_message(
-        self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
-    ) -> None:
-        self.store.put_message(round_id, stage=stage, site_id=site_id, kind=kind, data=data)
-
-    def messages(self, round_id: str) -> list[MessageRow]:
-        return self.store.messages(round_id)
 
     # --- runs (afl.server.runs) --------------------------------------------------------------
 

@@ -29,7 +29,7 @@ the sites whose uploads are complete.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -111,6 +111,13 @@ class RoundContext(Protocol):
     ) -> None: ...
 
     def messages(self, round_id: str) -> list[MessageRow]: ...
+
+    def exposes_history(
+        self, view: RoundView, releases: Sequence[PlannedRelease], members: Sequence[str]
+    ) -> str:
+        """The refusal when the releases, summed over ``members`` only, expose a site together
+        with the federation's earlier releases ("" when not; docs/protocol.md §6, M-124)."""
+        ...
 
 
 class RoundAccess(Protocol):

@@ -344,6 +344,11 @@ class MaskMode:
                 self._keep_result(view, state)
         except RoundAbortedError as exc:
             return self._abort(view, str(exc))
+        if following == pb.ROUND_STAGE_CONSISTENCY_CHECK:  # survivors known, nothing unmasked yet
+            assert state.survivors is not None
+            refusal = ctx.exposes_history(view, view.releases, state.survivors)
+            if refusal:
+                return self._abort(view, f"before unmasking: {refusal}")
         if following != pb.ROUND_STAGE_SOLVING:
             return Transition(following, timeout_s=self._timeout_s)
         del self.rounds[view.round_id]

@@ -16,6 +16,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.modes.base import Declared
 from afl.server.plan.dp import DpCalibration, apply_dp, audit_dp_plan, calibrate, dp_releases
+from afl.server.plan.history import history_audit
 from afl.server.plan.release import (
     PlannedRelease,
     RoundView,
@@ -78,6 +79,14 @@ class _Opening:
         opened = OpenedPlan(
             audits=[("plan-audit", {"round_id": view.round_id, **report.to_dict()})]
         )
+        if view.row.number <= settings.rounds and settings.dp is None:  # M-124
+            opened.refusal, detail = history_audit(
+                self.store, round_id=view.round_id, releases=releases, members=self.participants
+            )
+            if detail is not None:
+                opened.audits.append(("plan-audit-history", detail))
+            if opened.refusal:
+                return opened
         calibration = None
         if settings.dp is not None:
             try:

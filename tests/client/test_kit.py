@@ -181,9 +181,21 @@ def test_cli_init_then_import(
     assert "already holds" in capsys.readouterr().err
     fingerprint = setup.signed.roster.fingerprint
     argv = ["init", "--kit", str(setup.kit), "--import", str(setup.bundle)]
+    assert client_main(argv) == 1  # no fingerprint: nothing compared, nothing installed
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--roster-fingerprint is required" in err
+    assert not (setup.kit / "roster.json").exists()
     assert client_main([*argv, "--roster-fingerprint", "ab" * 16]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "do not use this bundle" in err
     assert client_main([*argv, "--roster-fingerprint", fingerprint]) == 0
     assert f"{fingerprint}  (matches)" in capsys.readouterr().out
     assert json.loads((setup.kit / "roster.json").read_text())["fingerprint"] == fingerprint
+
+
+def test_an_unverified_roster_is_imported_only_on_request_and_said_so(
+    setup: Setup, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["init", "--kit", str(setup.kit), "--import", str(setup.bundle)]
+    assert client_main([*argv, "--unverified-roster"]) == 0
+    assert "NOT CHECKED" in capsys.readouterr().out

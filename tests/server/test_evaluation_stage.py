@@ -151,21 +151,23 @@ def test_an_evaluation_the_earlier_ones_would_expose_is_not_opened(
     coordinator, admin, _ = _trained(federation, tmp_path / "state")
     _evaluate(coordinator, federation, dict.fromkeys(SITES, _counts(7)))
     assert admin.get("operator", "run-1").evaluation_round_id
-    # run-2 over p1, p2 only: its label counts minus run-1's would be p3's
+    # run-2 over p1, p2 only: its label counts minus run-1's would be p3's, and before that its
+    # training sums minus run-1's would be p3's statistics: the run is refused at its first plan
+    # (M-124), so neither its training nor its evaluation is ever opened.
     request = apb.SubmitRunRequest(settings_toml='participants = ["p1", "p2"]')
     assert admin.submit("operator", request).run_id == "run-2"
-    _train(coordinator, federation)
+    coordinator.advance()
     info = admin.get("operator", "run-2")
-    assert info.state == "published" and info.model_round_id and not info.evaluation_round_id
-    assert info.reason.startswith("evaluation aborted: the evaluation plan, with the federation's")
-    assert "fails the leakage audit" in info.reason
+    assert info.state == "aborted" and not info.model_round_id and not info.evaluation_round_id
+    assert "M-124" in info.reason and "p3" in info.reason, info.reason
     (audit,) = [
         d
         for _, event, d, _, _ in coordinator.store.audit_entries()
-        if event == "plan-audit" and d["round_id"] == info.round_history[-1].round_id
+        if event == "plan-audit-history" and d["round_id"] == info.round_history[-1].round_id
     ]
     exposed: list[dict[str, Any]] = audit["exposed_sites"]  # type: ignore[assignment]
     assert {s for e in exposed for s in e["sites"]} == {"p3"}
+    assert coordinator.store.uploads(info.round_history[-1].round_id) == {}
     with pytest.raises(WrongStageError, match="published no evaluation"):
         admin.evaluation("operator", "run-2")
 

@@ -5,6 +5,7 @@ UPLOAD stage, and a masked input the protocol refuses is the uploader's error, n
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -101,6 +102,9 @@ class _Context:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return list(self.journal)
+
+    def exposes_history(self, view: Any, releases: Any, members: Any) -> str:
+        return ""  # no earlier runs in these unit tests
 
 
 def _view(plan: cpb.ReleasePlan, stage: int) -> RoundView:

@@ -1,0 +1,134 @@
+"""What the coordinator has already learned, for auditing a new training plan with it
+(docs/protocol.md §6, M-124): every training release of every run whose sums were released, over
+the sites whose data the sums actually contain.
+
+Runs of one federation sum the same per-site statistics (a site's Gram matrix and class vectors
+come from its feature cache), so a release of a new run can be differenced with the releases of
+earlier runs: run 1 over five sites and run 2 over four of them give the fifth site's statistics.
+Each run alone passes the audit; only the whole history shows the exposure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from afl.core.leakage import Exposure, LeakageReport
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.plan.release import PlannedRelease, audit_plan, releases_from_plan
+from afl.server.store import Store
+
+__all__ = [
+    "ReleasedRound",
+    "history_audit",
+    "history_exposures",
+    "history_refusal",
+    "released_history",
+    "stored_history",
+]
+
+
+@dataclass(frozen=True)
+class ReleasedRound:
+    """A round whose sums the coordinator decoded: its releases and the sites in those sums."""
+
+    round_id: str
+    run_id: str
+    releases: Sequence[PlannedRelease]
+    contributors: Collection[str]
+
+
+def released_history(
+    rounds: Iterable[ReleasedRound], *, exclude_run: str = ""
+) -> list[tuple[str, list[PlannedRelease]]]:
+    """(round id, releases) of every released round outside ``exclude_run``, each release's
+    members cut to the round's contributors (a member that dropped out is not in the sum)."""
+    history: list[tuple[str, list[PlannedRelease]]] = []
+    for released in rounds:
+        if exclude_run and released.run_id == exclude_run:
+            continue
+        contributors = frozenset(released.contributors)
+        cut = [
+            replace(r, members=tuple(m for m in r.members if m in contributors))
+            for r in released.releases
+        ]
+        history.append((released.round_id, [r for r in cut if r.members]))
+    return history
+
+
+def history_exposures(
+    releases: Sequence[PlannedRelease],
+    participants: Sequence[str],
+    *,
+    history: Sequence[tuple[str, Sequence[PlannedRelease]]],
+) -> tuple[LeakageReport, list[Exposure]]:
+    """The audit of the plan with the history, and the exposures that need an earlier release
+    (their certificate names a release of ``history``): what this plan adds to what is known."""
+    report = audit_plan(releases, participants, history=history)
+    earlier = {f"{rid}/" for rid, _ in history}
+    found = [
+        e
+        for e in (*report.exposed_sites, *report.small_groups)
+        if any(name.startswith(tuple(earlier)) for name, _ in e.certificate)
+    ]
+    return report, found
+
+
+def history_refusal(exposures: Sequence[Exposure], *, round_id: str) -> str:
+    """One line: which sites the plan would expose, through which earlier releases, and what the
+    operator can do instead."""
+    sites = sorted({str(s) for e in exposures for s in e.sites})
+    earlier = sorted(
+        {name.split("#")[0] for e in exposures for name, _ in e.certificate if "/" in name}
+    )
+    quantities = sorted({e.quantity for e in exposures})
+    shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+    return (
+        f"the plan of round {round_id}, differenced with earlier released sums ({shown}), would "
+        f"expose the {'/'.join(quantities)} statistics of {', '.join(sites)} "
+        "(docs/protocol.md §6, M-124): keep those sites in the run, wait until more sites join "
+        "so that no difference isolates one, or re-train with DP ([round.dp]) covering the "
+        "difference"
+    )
+
+
+#: Statistic kinds that are a function of a site's data alone, so every run releases the same
+#: per-site values (round 2's pseudo-label vectors depend on the run's model, evaluations on theirs).
+_DATA_KINDS = frozenset({cpb.STATISTIC_KIND_GRAM, cpb.STATISTIC_KIND_CLASS_VECTOR})
+
+
+def stored_history(
+    store: Store, *, exclude_round: str = ""
+) -> list[tuple[str, list[PlannedRelease]]]:
+    """Every published training round's data releases (Gram, class vectors: the statistics of a
+    site's data that every run sums alike), cut to the model's contributors."""
+    released: list[ReleasedRound] = []
+    for row in store.rounds():
+        if row.stage != pb.ROUND_STAGE_PUBLISHED or not row.plan or row.round_id == exclude_round:
+            continue
+        releases = [r for r in releases_from_plan(row.plan) if r.kind in _DATA_KINDS]
+        model = store.model(row.round_id)
+        if not releases or model is None:
+            continue
+        contributors = tuple(pb.Model.FromString(model[1]).contributors)
+        released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
+    return released_history(released)
+
+
+def history_audit(
+    store: Store, *, round_id: str, releases: Sequence[PlannedRelease], members: Sequence[str]
+) -> tuple[str, dict[str, object] | None]:
+    """The refusal (one line) when ``releases`` summed over ``members`` only, differenced with
+    what the federation already released, expose a site, and the detail of its
+    "plan-audit-history" audit record; ("", None) when they do not (M-124)."""
+    history = stored_history(store, exclude_round=round_id)
+    if not history:
+        return "", None
+    summed = frozenset(members)
+    releases = [replace(r, members=tuple(m for m in r.members if m in summed)) for r in releases]
+    report, exposed = history_exposures(releases, members, history=history)
+    if not exposed:
+        return "", None
+    detail = {"round_id": round_id, "members": list(members), **report.to_dict()}
+    return history_refusal(exposed, round_id=round_id), detail

@@ -1,0 +1,109 @@
+"""The coordinator audits every training plan with everything the federation already released
+(docs/protocol.md §6, M-124), through the real daemons and an honest operator:
+
+* a run over four of the five sites of a published run would give the fifth site's statistics
+  as the difference of the two sums: refused at plan time, nothing uploaded;
+* a run over all five in which one site drops out after ShareKeys would unmask the same
+  difference over the survivors: refused before anything is unmasked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from afl.core.aggregation import federated_solve
+from afl.lab.demo.federation import mask_round_settings, prepare_labelled_everywhere
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.store import Store
+from tests.e2e import vanishing_client
+from tests.e2e.loopback import SiteData, cached_statistics
+from tests.e2e.processes import Daemons
+from tests.helpers.numeric import relative_error
+
+CLASSES = ("A", "B", "C")
+DATA = SiteData(d=10, classes=len(CLASSES), rows=80, rows_step=10, positive_rate=0.4, seed=23)
+FOUR = ["site-1", "site-2", "site-3", "site-4"]
+
+
+def _federation(root: Path) -> Any:
+    feats, labels = DATA.draw(5)
+    settings: dict[str, Any] = {
+        "gram_scope": "global",
+        "upload_timeout_s": 300.0,
+        **mask_round_settings(feats),
+    }
+    return prepare_labelled_everywhere(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        test_rows=20,
+        round_settings=settings,
+        client_settings={"serve": True},  # the daemons stay for the next run
+    )
+
+
+def _released_rounds(loop: Any, run_id: str) -> tuple[list[str], int]:
+    """The rounds of ``run_id`` and how many uploads the coordinator stored for them."""
+    store = Store(loop.server_config.parent / "state", federation_id=loop.provisioned.federation_id)
+    rounds = [r.round_id for r in store.rounds(run_id)]
+    return rounds, sum(len(store.uploads(r)) for r in rounds)
+
+
+def test_runs_that_difference_to_one_site_are_refused_before_anything_is_released(
+    tmp_path: Path,
+) -> None:
+    loop = _federation(tmp_path)
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server()
+        daemons.start_clients()
+        first = daemons.wait_run("run-1")
+        assert first.state == "published", daemons.log_tail()
+
+        # Attack 1: site-5 leaves, the operator re-trains over the other four.
+        four = "[round]\nparticipants = [" + ", ".join(f'"{s}"' for s in FOUR) + "]\n"
+        daemons.submit(four, name="without site-5")
+        second = daemons.wait_run("run-2")
+        assert second.state == "aborted", second
+        assert "site-5" in second.reason and "M-124" in second.reason, second.reason
+        assert "keep those sites in the run" in second.reason
+
+        # Attack 3: site-5 takes part and vanishes after ShareKeys; the survivors' sums would
+        # be run 1's minus site-5.
+        daemons.clients["site-5"].terminate()
+        daemons.clients["site-5"].wait(timeout=60)
+        config = loop.client_configs["site-5"]
+        argv = [*vanishing_client.command("share-keys"), "run", "--config", str(config)]
+        daemons.clients["site-5"] = daemons._spawn(
+            "site-5-vanishing", [*argv, "--log-level", "INFO"]
+        )
+        daemons.submit("[round]\nupload_timeout_s = 60.0\n", name="site-5 drops out")
+        third = daemons.wait_run("run-3")
+        assert third.state == "aborted", third
+        assert "before unmasking" in third.reason and "site-5" in third.reason, third.reason
+        assert daemons.clients["site-5"].wait(timeout=120) == vanishing_client.EXIT_CODE
+    finally:
+        daemons.stop()
+
+    # Nothing of run 2 reached the coordinator; run 3's masked inputs did, but no sum was formed
+    # and no model exists for either.
+    assert _released_rounds(loop, "run-2")[1] == 0
+    store = Store(loop.server_config.parent / "state", federation_id=loop.provisioned.federation_id)
+    for run_id in ("run-2", "run-3"):
+        assert all(store.model(r) is None for r in _released_rounds(loop, run_id)[0])
+    events = [event for _, _, event, *_ in store.audit_records(after_seq=0, limit=10_000)]
+    assert events.count("plan-audit-history") == 2
+
+    # Run 1's model is the five sites' (the oracle: a plaintext solve of their statistics).
+    stats, _ = cached_statistics(loop, list(loop.site_ids))
+    w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    model = store.model(_released_rounds(loop, "run-1")[0][-1])
+    assert model is not None
+    published = pb.Model.FromString(model[1])
+    assert sorted(published.contributors) == sorted(loop.site_ids)
+    w = np.frombuffer(published.weights.data, dtype="<f8").reshape(w_ref.shape)
+    assert relative_error(w, w_ref) <= 1e-9
