@@ -1,35 +1,9 @@
-"""The coordinator's durable state: SQLite plus payload files plus an anchor (docs/architecture.md
-§8, docs/operations.md "Backup and restore").
-
-Tables: ``meta`` (schema version, federation id, commit counter), ``enrolments``, ``runs`` (each
-run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, deadline),
-``site_declarations`` (what a site declared at enrolment beyond its identity, as JSON),
-``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
-protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
-consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``models`` (signed
-model bytes; also kept as the file ``models/<round>.signed-model.pb``, written before its row),
-``evaluations`` (signed federated evaluations of evaluation rounds; also kept as the file
-``evaluations/<round>.signed-evaluation.pb``, written before its row), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
-``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
-
-Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
-before it returns), and every write is one transaction. Payloads live under
-``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600; rows hold the path relative to
-the state folder, so a folder restored elsewhere works), written atomically BEFORE their row is
-committed, so a row always names a complete file. :func:`backup_state` copies a running server's
-state consistently.
-
-Rollback detection: every transaction increments the commit counter, and after each commit the
-counter, the audit log's length and its head hash are written (atomically, fsync'd) to
-``<state_dir>/anchor.json``, outside the database. On open the store refuses with a one-line
-:class:`StateError` (the daemon exits 2) when the database is missing while the anchor exists,
-holds fewer commits than the anchor (a deleted or truncated WAL, an old copy), has an audit chain
-that does not pass through the anchored head, is malformed, or names a payload file that is
-missing or has the wrong size. It never silently starts fresh.
-The state folder and every folder under it are mode 0700; the database (and so its
-``-wal`` and ``-shm``) and every file are 0600.
-
-Not thread-safe by itself: the coordinator serialises calls with its own lock.
+"""The coordinator's durable state: SQLite (WAL, ``synchronous = FULL``), payload files written
+before their rows, and ``anchor.json`` outside the database so that a rolled-back, truncated or
+damaged state is refused at start-up (:class:`StateError`), never silently started fresh. Every
+write is one transaction; :meth:`Store.transaction` (re-entrant) makes a transition's state and
+its hash-chained audit record one. Tables, files and the anchor: docs/architecture.md §8;
+backups: docs/operations.md. Not thread-safe by itself: the coordinator serialises calls.
 """
 
 from __future__ import annotations
@@ -126,7 +100,8 @@ def now_ms() -> int:
 
 
 def audit_hash(prev: bytes, *, time_ms: int, event: str, detail: str) -> bytes:
-    """One link of the audit chain (module docstring)."""
+    """One link of the audit chain: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event,
+    detail))`` with ``hash_0`` all zeros (verified independently by :mod:`afl.ops.verify_log`)."""
     return hashlib.sha256(prev + canonical_encode([time_ms, event, detail])).digest()
 
 
