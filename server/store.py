@@ -367,11 +367,17 @@ class Store:
         """One transaction (re-entrant): every write inside it, the audit records included,
         commits together with one commit-counter increment and one anchor write, or none does.
         A transition writes its state and its audit record in one ``with store.transaction():``."""
-        if self._depth:
+        if self._depth:  # nested: a savepoint, so a failing inner block undoes only itself
             self._depth += 1
+            savepoint = f"nested_{self._depth}"
+            self._db.execute(f"SAVEPOINT {savepoint}")
             try:
                 yield self._db
+            except BaseException:
+                self._db.execute(f"ROLLBACK TO {savepoint}")
+                raise
             finally:
+                self._db.execute(f"RELEASE {savepoint}")
                 self._depth -= 1
             return
         self._db.execute("BEGIN IMMEDIATE")

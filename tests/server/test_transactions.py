@@ -147,6 +147,14 @@ def test_a_nested_transaction_commits_once_or_not_at_all(tmp_path: Path) -> None
         raise RuntimeError("dies before the commit")
     assert store.runs()[0].state == "queued" and len(store.audit_entries()) == 1
     assert store.anchor() == anchor
+    with store.transaction():  # an inner block that fails undoes only itself
+        store.audit("kept", {})
+        with pytest.raises(TypeError), store.transaction():
+            store.update_run("run-1", state="active")
+            store.audit("never", {"x": {1j}})  # a detail JSON cannot hold
+    assert store.runs()[0].state == "queued"
+    assert [e[1] for e in store.audit_entries()] == ["run-submitted", "kept"]
+    assert store.anchor()["commits"] == commits + 2
     store.close()
 
 
