@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afl-installed
 # TORCH_PINS to install others (for example a CUDA build at a site with a GPU).
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: venv install demo test test-all lint typecheck proto proto-check clean
+.PHONY: venv install demo test test-all lint typecheck proto proto-check clean images test-deploy
 
 venv: $(STAMP)
 
@@ -44,6 +44,24 @@ test: lint typecheck
 
 test-all: lint typecheck
 	$(BIN)/pytest -q
+
+# Container images from deploy/ (podman; docs/operations.md "Local federation with Docker
+# Compose"): the base from Debian's packages when absent (mmdebstrap), then the coordinator's and
+# the site's. CLIENT_BUILD_ARGS="--build-arg AFL_EXTRAS= --build-arg TORCH_INDEX=" builds the
+# daemon-only site image (no torch).
+BASE_IMAGE ?= localhost/afl-base:bookworm
+CLIENT_BUILD_ARGS ?=
+images:
+	podman image exists $(BASE_IMAGE) || deploy/images/build-base.sh $(BASE_IMAGE)
+	podman build --build-arg BASE_IMAGE=$(BASE_IMAGE) --ignorefile deploy/Dockerfile.server.dockerignore \
+		-f deploy/Dockerfile.server -t afl-server:0.1.0 .
+	podman build --build-arg BASE_IMAGE=$(BASE_IMAGE) $(CLIENT_BUILD_ARGS) \
+		--ignorefile deploy/Dockerfile.client.dockerignore -f deploy/Dockerfile.client -t afl-client:0.1.0 .
+
+# deploy/: the chart rendered and checked (docs/operations.md §15), then the images built and a
+# masked federation run in them (slow; podman as root).
+test-deploy: install
+	$(BIN)/pytest -q tests/test_deploy_files.py tests/deploy
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

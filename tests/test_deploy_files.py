@@ -34,9 +34,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from afl.client.config import load_client_config
-from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.ops.provisioning import ProvisionedFederation
 from afl.server.config import load_config, round_template
+from tests.helpers.caches import write_surrogate_cache
 from tests.helpers.federation import FederationSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,15 +174,27 @@ def _instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+def _package_folders() -> set[str]:
+    """The top-level folders pyproject.toml's package-dir maps into the afl package."""
+    import tomllib
+
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {folder.split("/")[0] for folder in dirs.values()}
+
+
 def lint_dockerfile(path: Path) -> list[str]:
     """Problems found by the checks named in the module docstring (empty when clean)."""
     problems = []
     steps = _instructions(path)
+    defaults: dict[str, str] = {}  # ARGs before the first FROM (they parameterise FROM only)
+    while steps and steps[0][0] == "ARG":
+        name, _, default = steps.pop(0)[1].partition("=")
+        defaults[name.strip()] = default.strip().strip('"')
     if not steps or steps[0][0] != "FROM":
         problems.append("the first instruction must be FROM")
     for word, rest in steps:
         if word == "FROM":
-            image = rest.split()[0]
+            image = re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m[1], ""), rest.split()[0])
             tag = image.rpartition(":")[2] if ":" in image.split("/")[-1] else ""
             if not tag or tag == "latest":
                 problems.append(f"FROM {image}: pin an explicit tag (not latest)")
@@ -194,6 +206,11 @@ def lint_dockerfile(path: Path) -> list[str]:
             for source in rest.split()[:-1]:
                 if not (ROOT / source).exists():
                     problems.append(f"COPY source {source} does not exist in the repository")
+    copied = {rest.split()[0] for word, rest in steps if word == "COPY"}
+    missing = sorted(_package_folders() - copied)
+    installs = any(word == "RUN" and "pip install" in rest and " ." in rest for word, rest in steps)
+    if installs and missing:
+        problems.append(f"pip install . without COPY of the package folders {missing}")
     users = [rest for word, rest in steps if word == "USER"]
     if not users or users[-1].split(":")[0] in ("root", "0"):
         problems.append("the image must switch to a non-root USER")
@@ -212,6 +229,13 @@ def test_the_lint_catches_bad_dockerfiles(tmp_path: Path) -> None:
     problems = " | ".join(lint_dockerfile(bad))
     for expected in ("first instruction", "latest", "ADD of a URL", "exec", "non-root"):
         assert expected in problems
+    # A base image from a build argument is judged by its default; every package folder is copied.
+    bad.write_text(
+        "ARG BASE_IMAGE=python:latest\nFROM ${BASE_IMAGE}\nCOPY core ./core\n"
+        "RUN pip install . && true\nUSER afl\n"
+    )
+    problems = " | ".join(lint_dockerfile(bad))
+    assert "FROM python:latest" in problems and "'ops'" in problems and "'server'" in problems
 
 
 # --- systemd units ----------------------------------------------------------------------------------
@@ -405,13 +429,9 @@ def test_three_clients_from_their_unit_complete_a_round(
     try:
         rng = np.random.default_rng(8)
         for site in SITES:
-            n = 40
-            labels = (rng.random((n, len(classes))) < 0.4).astype(np.int8)
-            labels[:2], labels[2:4] = 1, 0
-            meta = CacheMeta(n=n, d=d, classes=tuple(classes), source="test", surrogate=True)
-            ids = [f"{site}-{i}" for i in range(n)]
-            feats = rng.normal(size=(n, d))
-            write_cache(tmp_path / "data" / site, meta=meta, ids=ids, labels=labels, features=feats)
+            write_surrogate_cache(
+                tmp_path / "data" / site, site=site, classes=classes, d=d, rng=rng
+            )
             text = render("client.example.toml", federation, tmp_path, site=site)
             replaced = text.replace(f'backbone = "{EXAMPLE_BACKBONE}"', 'backbone = "surrogate"')
             assert replaced != text  # the example's backbone line is the one the test changes

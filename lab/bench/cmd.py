@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+from collections.abc import Callable
 
 # suite name -> (module under afl.lab.bench, one-line help). Modules expose add_arguments and run.
 SUITES: dict[str, tuple[str, str]] = {
@@ -25,11 +27,29 @@ SUITES: dict[str, tuple[str, str]] = {
 }
 
 
+def _missing(name: str, exc: ModuleNotFoundError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"afl bench {name}: needs the Python module {exc.name!r}, which is not installed "
+            "(install afl with the extras of docs/benchmarks.md, e.g. pip install 'afl[client,lab]')",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, (module_name, help_text) in SUITES.items():
-        module = importlib.import_module(f"afl.lab.bench.{module_name}")
         sp = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(f"afl.lab.bench.{module_name}")
+        except ModuleNotFoundError as exc:  # an image without torch still runs `afl admin`
+            if (exc.name or "").startswith("afl"):
+                raise
+            sp.set_defaults(suite_run=_missing(name, exc))
+            continue
         module.add_arguments(sp)
         sp.set_defaults(suite_run=module.run)
 

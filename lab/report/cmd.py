@@ -8,9 +8,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from afl.lab.report.deployed import is_export_folder, write_deployed_report
-from afl.lab.report.simulation import ReportError, write_report
-
 __all__ = ["add_arguments", "run"]
 
 
@@ -33,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Render the report; exit status 2 with one line when the input is not a results JSON."""
+    # Imported here: they need matplotlib (the `lab` extra), which the `afl` command of a
+    # coordinator image (`afl admin`, `afl verify-log`) does not have.
+    from afl.lab.report.deployed import is_export_folder, write_deployed_report
+    from afl.lab.report.simulation import ReportError, write_report
+
     results = Path(args.results)
     deployed = is_export_folder(results)
     if args.out:

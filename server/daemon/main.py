@@ -5,7 +5,8 @@ Mutual TLS by default (the kit's ca.pem, server.pem, server.key; clients must pr
 certificate of the federation CA); ``--insecure`` serves plaintext gRPC for development only and
 prints a loud warning (the caller's site id then comes from a metadata header). Also serves the
 gRPC health service, Prometheus metrics on ``[server] metrics_port`` (or ``--metrics-port``),
-JSON-lines logs on stderr, and stops gracefully on SIGTERM/SIGINT. State lives in
+optionally the health service alone on a plaintext port (``--health-port``: the kubelet's gRPC
+probes speak no TLS; nothing but ``grpc.health.v1.Health`` is served there), JSON-lines logs on stderr, and stops gracefully on SIGTERM/SIGINT. State lives in
 ``[server] state_dir``; a restarted server resumes the open round.
 """
 
@@ -67,7 +68,12 @@ class CoordinatorServer:
     """One afl-server: gRPC server, coordinator, store, timeout ticker and metrics."""
 
     def __init__(
-        self, config: ServerConfig, *, insecure: bool = False, tick_s: float = 0.5
+        self,
+        config: ServerConfig,
+        *,
+        insecure: bool = False,
+        tick_s: float = 0.5,
+        health_listen: str = "",
     ) -> None:
         self.config, self.insecure, self._tick_s = config, insecure, tick_s
         key = load_identity_key(config)
@@ -82,16 +88,22 @@ class CoordinatorServer:
         )
         self.port = self._bind(config.listen)
         self._metrics_http: Any = None
+        self._health = health.HealthServicer()
+        self._health_grpc: Any = None
+        self.health_port = 0
         try:
+            if health_listen:
+                self._health_grpc, self.health_port = self._bind_health(health_listen)
             self._metrics_http = self._bind_metrics() if config.metrics_port else None
             self.store = Store(config.state_dir, federation_id=config.federation_id)
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
         except BaseException:
             self._close_metrics()
+            if self._health_grpc is not None:
+                self._health_grpc.stop(None)
             self._grpc.stop(None)
             raise
         self._stopped = threading.Event()
-        self._health = health.HealthServicer()
         servicer = CoordinatorServicer(
             self.coordinator, insecure=insecure, stopping=self._stopped.is_set
         )
@@ -121,6 +133,23 @@ class CoordinatorServer:
         if port == 0:
             raise ConfigError(f"cannot listen on {listen}")
         return port
+
+    def _bind_health(self, listen: str) -> tuple[Any, int]:
+        """A plaintext gRPC server with the health service only (for the kubelet's probes)."""
+        busy = port_in_use(listen)
+        if busy:
+            raise ConfigError(f"cannot serve health checks on {listen}: {busy}")
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)]
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = int(server.add_insecure_port(listen))
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot serve health checks on {listen}: {exc}") from exc
+        if port == 0:
+            raise ConfigError(f"cannot serve health checks on {listen}")
+        return server, port
 
     def _bind_metrics(self) -> Any:
         where = f"{self.config.metrics_address}:{self.config.metrics_port}"
@@ -152,6 +181,8 @@ class CoordinatorServer:
     def start(self) -> int:
         """Start serving; returns the bound port."""
         self._grpc.start()
+        if self._health_grpc is not None:
+            self._health_grpc.start()
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._ticker.start()
@@ -172,6 +203,8 @@ class CoordinatorServer:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
+        if self._health_grpc is not None:
+            self._health_grpc.stop(None)
         if self._ticker.is_alive():
             self._ticker.join(timeout=5)
         self._close_metrics()
@@ -206,6 +239,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=None, help="override [server] listen (host:port)")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = off)")
     parser.add_argument("--metrics-address", default=None, help="override [server] metrics_address")
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="also serve the gRPC health service alone, in plaintext, on this port (Kubernetes "
+        "gRPC probes; 0 = off)",
+    )
+    parser.add_argument(
+        "--health-address", default="0.0.0.0", help="address of --health-port (default 0.0.0.0)"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     return parser
 
@@ -281,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.insecure:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
             log.warning(INSECURE_WARNING)
-        server = CoordinatorServer(config, insecure=args.insecure)
+        health_listen = f"{args.health_address}:{args.health_port}" if args.health_port else ""
+        server = CoordinatorServer(config, insecure=args.insecure, health_listen=health_listen)
     except (ConfigError, StateError) as exc:
         print(f"afl-server: {exc}", file=sys.stderr)
         return 2

@@ -202,6 +202,45 @@ def test_insecure_mode_warns_and_takes_the_site_from_metadata(
     assert "NO TLS" in daemon.INSECURE_WARNING
 
 
+def test_health_port_serves_the_health_service_alone_in_plaintext(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    """--health-port (Kubernetes gRPC probes speak no TLS): SERVING in plaintext there, NOT_SERVING
+    after a stop begins, and the Coordinator service is not reachable through it."""
+    from dataclasses import replace
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from afl.proto.v1 import coordinator_pb2_grpc
+
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, listen="127.0.0.1:0", state_dir=tmp_path / "state")
+    server = daemon.CoordinatorServer(config, health_listen="127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=daemon.SERVICE_NAME), timeout=10
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                coordinator_pb2_grpc.CoordinatorStub(channel).GetStatus(
+                    coordinator_pb2.StatusRequest(), timeout=10
+                )
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop(None)
+    busy = daemon.CoordinatorServer(replace(config, state_dir=tmp_path / "s2"))
+    try:
+        with pytest.raises(ConfigError, match="cannot serve health checks"):
+            daemon.CoordinatorServer(
+                replace(config, listen="127.0.0.1:0", state_dir=tmp_path / "s3"),
+                health_listen=f"127.0.0.1:{busy.port}",
+            )
+    finally:
+        busy.stop(None)
+
+
 def test_afl_server_process_stops_gracefully_on_sigterm(
     federation: ProvisionedFederation, tmp_path: Path
 ) -> None:
