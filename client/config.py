@@ -19,13 +19,18 @@ Sections (paths are relative to the file's own folder)::
                          evaluates a model on in a run's evaluation round (without it: the
                          training cache, flagged in-sample; docs/operations.md §6.1)
     [policy]   min_cohort (3), allow_exposure (false), max_epsilon (inf), disclose_coverage (false),
-               disclose_row_bounds (true: declare N and the largest row norm, each rounded up to a
-               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2),
+               disclose_row_bounds (declare N and the largest row norm, each rounded up to a
+               power of two, so masked rounds need no hand-set bounds; docs/protocol.md §4.2; a
+               release outside any DP budget: default on only when the policy accepts plans
+               without DP and allows mask or ckks, and an error with a finite max_epsilon or
+               lifetime_epsilon),
                allowed_aggregation (["mask", "ckks"]), ckks_decryptor (none: no CKKS rounds),
                lifetime_epsilon (inf), lifetime_delta (1e-5), privacy_unit ("patient"),
                mask_graph_security_bits (40), mask_assumed_colluders (0.333): a sparse masking
                graph is accepted only if it fails with probability <= 2^-bits for that fraction
-               of the participants colluding (docs/protocol.md §4.2 "Sparse graph")
+               of the participants colluding (docs/protocol.md §4.2 "Sparse graph"),
+               dp_assumed_colluders (0.333): in mask and ckks the site's ε assumes
+               max(the plan's t, ⌈fraction·n⌉) colluding members (docs/protocol.md §7)
 
 ``[policy]`` is what the site requires whatever the coordinator chooses (docs/protocol.md §2):
 ``allowed_aggregation`` lists the protections the site accepts (a hand-written client.toml
@@ -96,6 +101,7 @@ _KNOWN: dict[str, set[str]] = {
         "privacy_unit",
         "mask_graph_security_bits",
         "mask_assumed_colluders",
+        "dp_assumed_colluders",
     },
 }
 _ROLES = ("participant", "decryptor")
@@ -119,7 +125,12 @@ class LocalPolicy:
 
     Sparse MASK graph (docs/protocol.md §4.2): the site recomputes the graph's failure
     probability for max(the plan's colluders, ⌈``mask_assumed_colluders``·n⌉) colluders and
-    refuses above 2^-``mask_graph_security_bits``."""
+    refuses above 2^-``mask_graph_security_bits``.
+
+    DP colluder floor (docs/protocol.md §7): in MASK and CKKS the site computes its ε assuming
+    max(the plan's t_r, ⌈``dp_assumed_colluders``·n_r⌉) of a release's n_r members collude with
+    the coordinator (default ⌈n/3⌉, as for the sparse graph), so the plan's t = 0 is not taken on
+    trust."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -133,6 +144,7 @@ class LocalPolicy:
     privacy_unit: str = "patient"
     mask_graph_security_bits: int = 40
     mask_assumed_colluders: float = 0.333
+    dp_assumed_colluders: float = 0.333
 
 
 @dataclass(frozen=True)
@@ -283,28 +295,52 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
                 "policy.ckks_decryptor",
                 f"{decryptor!r} has no identity key in [peers]; the pinned decryptor must be one",
             )
+    max_epsilon = r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0)
+    lifetime_epsilon = r.number(sec, "policy", "lifetime_epsilon", math.inf, minimum=0.0)
     return LocalPolicy(
         min_cohort=r.integer(sec, "policy", "min_cohort", 3, minimum=1),
         allow_exposure=r.boolean(sec, "policy", "allow_exposure", False),
-        max_epsilon=r.number(sec, "policy", "max_epsilon", math.inf, minimum=0.0),
+        max_epsilon=max_epsilon,
         disclose_coverage=r.boolean(sec, "policy", "disclose_coverage", False),
-        disclose_row_bounds=r.boolean(sec, "policy", "disclose_row_bounds", True),
+        disclose_row_bounds=_row_bounds(r, sec, modes, dp=min(max_epsilon, lifetime_epsilon)),
         allowed_aggregation=tuple(modes),
         ckks_decryptor=decryptor,
-        lifetime_epsilon=r.number(sec, "policy", "lifetime_epsilon", math.inf, minimum=0.0),
+        lifetime_epsilon=lifetime_epsilon,
         lifetime_delta=_lifetime_delta(r, sec),
         privacy_unit=_privacy_unit(r, sec),
         mask_graph_security_bits=r.integer(
             sec, "policy", "mask_graph_security_bits", 40, minimum=1
         ),
-        mask_assumed_colluders=_assumed_colluders(r, sec),
+        mask_assumed_colluders=_assumed_colluders(r, sec, "mask_assumed_colluders"),
+        dp_assumed_colluders=_assumed_colluders(r, sec, "dp_assumed_colluders"),
     )
 
 
-def _assumed_colluders(r: _Reader, sec: Mapping[str, Any]) -> float:
-    value = r.number(sec, "policy", "mask_assumed_colluders", 0.333, minimum=0.0)
+def _row_bounds(r: _Reader, sec: Mapping[str, Any], modes: list[str], *, dp: float) -> bool:
+    """``disclose_row_bounds`` (docs/protocol.md §4.2 "Declared bounds"): the row count and the
+    largest row norm at enrolment, rounded up to powers of two, are a release outside any DP
+    budget, so a site whose policy requires DP (a finite ``max_epsilon`` or
+    ``lifetime_epsilon``: it refuses every plan without DP, and a DP plan takes N from
+    ``[round.dp] max_samples``) never sends them: without the key they are off, and ``true`` is
+    an error. Otherwise, without the key, they are sent only when the site allows ``mask`` or
+    ``ckks`` (the modes whose plans are sized by them); ``plaintext`` needs none."""
+    if "disclose_row_bounds" not in sec:
+        return math.isinf(dp) and any(m in PROTECTED_AGGREGATION for m in modes)
+    value = r.boolean(sec, "policy", "disclose_row_bounds", False)
+    if value and math.isfinite(dp):
+        raise r.error(
+            "policy.disclose_row_bounds",
+            "must be false when max_epsilon or lifetime_epsilon is finite: the row count and "
+            "largest row norm would leave the site outside its DP budget (a DP run takes N from "
+            "the server's [round.dp] max_samples)",
+        )
+    return value
+
+
+def _assumed_colluders(r: _Reader, sec: Mapping[str, Any], key: str) -> float:
+    value = r.number(sec, "policy", key, 0.333, minimum=0.0)
     if not value < 1:
-        raise r.error("policy.mask_assumed_colluders", f"must lie in [0, 1), got {value}")
+        raise r.error(f"policy.{key}", f"must lie in [0, 1), got {value}")
     return value
 
 

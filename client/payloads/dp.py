@@ -27,7 +27,9 @@ arithmetic: the sensitivity of each release is at least what the declared clip n
 and label clipping k imply (:func:`afl.core.dp.accounting.statistic_sensitivity`), and the noise
 is the noise that protects this site's upload from the adversary that sees it
 (:func:`afl.core.dp.accounting.site_view_releases`): in PLAINTEXT its own share alone, in MASK and
-CKKS the n_r - t_r honest shares.
+CKKS the honest shares: n_r - t'_r of them, t'_r the larger of the plan's t_r and the site's own
+colluder floor (``[policy] dp_assumed_colluders``, ⌈n_r/3⌉ by default): a site never takes the
+plan's colluder count on trust.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from afl.core.dp.accounting import (
     site_view_releases,
     statistic_sensitivity,
 )
+from afl.core.dp.evaluation import evaluation_sensitivity
 from afl.core.dp.stats import (
     SufficientStatistics,
     clip_rows,
@@ -64,7 +67,7 @@ from afl.core.refinement import pseudo_labels
 from afl.crypto.ckks import params as cp
 from afl.crypto.dgauss import discrete_gaussian
 from afl.proto.v1 import common_pb2 as cpb
-from afl.proto.wire import DP_STATISTIC_NAMES
+from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
 
 __all__ = [
     "dp_round_payloads",
@@ -272,7 +275,14 @@ def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     (:func:`afl.core.dp.accounting.statistic_sensitivity`) plus what rounding to the release's
     noise grid adds (:func:`afl.core.dp.accounting.grid_inflation`, √D·2^-f); another
     class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
-    no classes as 0."""
+    no classes as 0; an evaluation release's counts as m·√C
+    (:func:`afl.core.dp.evaluation.evaluation_sensitivity`)."""
+    if release.kind in EVALUATION_KINDS:  # integer counts: m·√C, no rounding
+        if not release.class_names:
+            return 0.0
+        return evaluation_sensitivity(
+            n_classes=len(release.class_names), rows_per_individual=images_per_patient(plan)
+        )
     kind = DP_STATISTIC_NAMES.get(int(release.kind), "t_sum")
     if kind != "gram" and not release.class_names:
         return 0.0
@@ -293,9 +303,11 @@ def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
     )
 
 
-def site_mu(plan: cpb.ReleasePlan, site_id: str) -> float:
+def site_mu(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
     """μ (GDP) of ``site_id``'s releases in this plan under the adversary that sees its upload
-    (module docstring); inf without DP noise on one of them."""
+    (module docstring), assuming in MASK and CKKS max(the plan's t_r, ⌈``colluder_fraction``·n_r⌉)
+    colluders (:func:`afl.core.dp.accounting.site_colluders`; the site's ``[policy]
+    dp_assumed_colluders``); inf without DP noise on one of them."""
     if not plan.dp.enabled or not 0 < plan.dp.delta < 1 or not plan.dp.clip_norm > 0:
         return math.inf
     local = plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
@@ -308,12 +320,14 @@ def site_mu(plan: cpb.ReleasePlan, site_id: str) -> float:
             return math.inf
         sens = max(float(r.noise.sensitivity), _min_sensitivity(r, plan))
         stated.append((r.name, sens, float(r.noise.sigma), n, t))
-    return mu_from_releases(site_view_releases(stated, local=local))
+    return mu_from_releases(
+        site_view_releases(stated, local=local, colluder_fraction=colluder_fraction)
+    )
 
 
-def site_epsilon(plan: cpb.ReleasePlan, site_id: str) -> float:
+def site_epsilon(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
     """ε of ``site_id`` in this plan at the plan's δ (:func:`site_mu`; inf without DP)."""
-    mu = site_mu(plan, site_id)
+    mu = site_mu(plan, site_id, colluder_fraction=colluder_fraction)
     if math.isinf(mu):
         return math.inf
     return epsilon_from_mu(mu=mu, delta=plan.dp.delta)

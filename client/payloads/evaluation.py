@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.payloads.dp import dp_rows, noisy_values
 from afl.client.payloads.stats import PayloadError, SlotPayload, encode_slots
 from afl.core.data.featurecache import FeatureCache
 from afl.core.evaluation.federated import EvaluationStats, evaluation_statistics
@@ -45,11 +46,14 @@ def evaluation_values(
     model_classes: Sequence[str],
     model_sha256: str,
     memo: dict[tuple[object, ...], EvaluationStats] | None = None,
+    rows: NDArray[np.int64] | None = None,
 ) -> NDArray[np.float64]:
     """The site's flat float64 contribution to one evaluation release (module docstring).
 
     ``labelled`` is over the cache's columns; ``weights`` (d, C) follows ``model_classes``;
-    ``memo`` reuses statistics between releases with the same classes, bins and threshold."""
+    ``memo`` reuses statistics between releases with the same classes, bins and threshold;
+    ``rows`` (DP: the unit's rows, :func:`afl.client.payloads.dp.dp_rows`) the cache rows
+    evaluated (default all)."""
     try:
         spec = read_evaluation(release)
     except WireError as exc:
@@ -72,9 +76,10 @@ def evaluation_values(
         # A class the cache does not hold reads column 0 but is not labelled: zeros.
         cache_cols = [names.index(c) if c in names else 0 for c in spec.classes]
         model_cols = [list(model_classes).index(c) for c in spec.classes]
+        take = slice(None) if rows is None else rows
         stats = evaluation_statistics(
-            cache.features,
-            np.asarray(cache.labels[:, cache_cols]),
+            np.asarray(cache.features[take]),
+            np.asarray(cache.labels[take][:, cache_cols]),
             weights=np.ascontiguousarray(weights[:, model_cols]),
             classes=spec.classes,
             bins=spec.bins,
@@ -100,22 +105,31 @@ def evaluation_slot_payloads(
     model_sha256: str,
     encode: Callable[[cpb.Release, NDArray[np.float64]], bytes],
 ) -> list[SlotPayload]:
-    """One encoded payload per upload slot of the plan's evaluation releases the site is in."""
+    """One encoded payload per upload slot of the plan's evaluation releases the site is in.
+
+    Under DP (``plan.dp.enabled``, docs/protocol.md §6.1) the site evaluates the unit's rows only
+    (the first m images of each patient, as in training: the sensitivity m·√C assumes it) and
+    adds its discrete Gaussian share to each release (:func:`afl.client.payloads.dp.
+    noisy_values`), fresh per release."""
     memo: dict[tuple[object, ...], EvaluationStats] = {}
+    rows = dp_rows(plan, n=cache.meta.n, patients=cache.patients) if plan.dp.enabled else None
+
+    def values(release: cpb.Release) -> NDArray[np.float64]:
+        exact = evaluation_values(
+            release,
+            cache=cache,
+            labelled=labelled,
+            weights=weights,
+            model_classes=model_classes,
+            model_sha256=model_sha256,
+            memo=memo,
+            rows=rows,
+        )
+        return noisy_values(release, exact) if plan.dp.enabled else exact
+
     return encode_slots(
         (
-            (
-                r,
-                evaluation_values(
-                    r,
-                    cache=cache,
-                    labelled=labelled,
-                    weights=weights,
-                    model_classes=model_classes,
-                    model_sha256=model_sha256,
-                    memo=memo,
-                ),
-            )
+            (r, values(r))
             for r in plan.releases
             if site_id in r.member_site_ids and r.kind in EVALUATION_KINDS
         ),

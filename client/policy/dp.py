@@ -9,7 +9,9 @@ For a plan with DP the site
   refuses an image-level plan);
 * computes μ of its own releases from the share it adds and the sensitivity implied by the
   plan's clip norm, unit bound m and label clipping k (:func:`afl.client.payloads.dp.site_mu`):
-  in plaintext the coordinator sees its upload alone, so only its own share counts;
+  in plaintext the coordinator sees its upload alone, so only its own share counts; in mask and
+  ckks the honest shares that protect it are n_r - t'_r, t'_r = max(the plan's t_r, its own
+  floor ⌈``dp_assumed_colluders``·n_r⌉) (the plan's t is the coordinator's word, default 0);
 * composes it with the earlier rounds of the same run (round 1 for a round-2 plan) and refuses
   when that ε (at the plan's δ, or at ``lifetime_delta`` when that is smaller: δ is the
   coordinator's choice too), or the server's stated one if larger, exceeds ``max_epsilon``;
@@ -29,7 +31,7 @@ from typing import Any
 from afl.client.config import LocalPolicy
 from afl.client.payloads.dp import guarantee, patient_level, plan_problems, site_mu
 from afl.client.policy.ledger import LedgerSpend
-from afl.core.dp.accounting import compose_mu, epsilon_from_mu
+from afl.core.dp.accounting import compose_mu, epsilon_from_mu, site_colluders
 from afl.proto.v1 import common_pb2 as cpb
 
 __all__ = ["DpAssessment", "DpContext", "assess_plan", "dp_report"]
@@ -72,6 +74,31 @@ def _unit_name(plan: cpb.ReleasePlan) -> str:
     return "patient" if patient_level(plan) else "image"
 
 
+def _view(plan: cpb.ReleasePlan, site_id: str, fraction: float) -> str:
+    """The adversary the site's ε is against, in words, for a refusal."""
+    if plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT:
+        return " against the coordinator that sees its upload alone (plaintext)"
+    mine = [r for r in plan.releases if site_id in r.member_site_ids]
+    stated = max((int(r.noise.assumed_colluders) for r in mine), default=0)
+    assumed = max(
+        (
+            site_colluders(
+                members=len(r.member_site_ids),
+                stated=min(int(r.noise.assumed_colluders), len(r.member_site_ids) - 1),
+                fraction=fraction,
+            )
+            for r in mine
+        ),
+        default=0,
+    )
+    if assumed <= stated:
+        return ""
+    return (
+        f" against the coordinator with {assumed} colluding member(s) (this site's floor, "
+        f"[policy] dp_assumed_colluders {fraction:g}; the plan assumes {stated})"
+    )
+
+
 def assess_plan(
     plan: cpb.ReleasePlan, *, site_id: str, policy: LocalPolicy, context: DpContext
 ) -> DpAssessment:
@@ -94,7 +121,7 @@ def assess_plan(
     # δ is the coordinator's choice as well: a plan's δ above the site's own (lifetime_delta)
     # would shrink every ε (ε → 0 as δ → 1); the site judges ε at the smaller of the two.
     delta = min(plan.dp.delta, policy.lifetime_delta)
-    mu = site_mu(plan, site_id)
+    mu = site_mu(plan, site_id, colluder_fraction=policy.dp_assumed_colluders)
     mu_run = compose_mu([context.run_mu, mu])
     eps, eps_run = _eps(mu, delta), _eps(mu_run, delta)
     life_mu = compose_mu(
@@ -122,11 +149,7 @@ def assess_plan(
         )
     worst = max(eps_run, stated)
     if worst > policy.max_epsilon:
-        view = (
-            " against the coordinator that sees its upload alone (plaintext)"
-            if plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
-            else ""
-        )
+        view = _view(plan, site_id, policy.dp_assumed_colluders)
         run = " over its run (this round and the earlier ones)" if context.run_mu > 0 else ""
         server = f"; the server states {stated:g}" if not math.isclose(stated, eps_run) else ""
         return verdict(

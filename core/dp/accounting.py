@@ -41,7 +41,8 @@ members adds a share of standard deviation σ_r/√(n_r - t_r) (:func:`noise_sha
 (mask, ckks) the coordinator sees sums only: a site's contribution is protected by the shares of
 the n_r - t_r honest members, σ_r. In plaintext the coordinator sees the upload alone: only the
 site's own share protects it. A site computes its ε from the share it adds itself, under that
-view (:func:`site_view_releases`), never from the noise the coordinator says the sum carries.
+view (:func:`site_view_releases`), never from the noise the coordinator says the sum carries,
+and with at least its own number of colluders (:func:`site_colluders`), never only the plan's t_r.
 
 **Lifetime** (:func:`compose_mu`). Every release a site takes part in is μ-GDP for the unit; its
 releases over rounds and runs compose exactly into μ² = Σ μ_i² (adaptive composition of GDP),
@@ -663,20 +664,43 @@ def calibrate_releases(
     return NoiseCalibration(z, noise, eps)
 
 
+def site_colluders(*, members: int, stated: int, fraction: float) -> int:
+    """t'_r = min(n_r - 1, max(t_r, ⌈fraction·n_r⌉)): the colluders a site assumes among the
+    n_r members of a release, its own floor (a ``fraction`` of the members, ⌈n/3⌉ by default at
+    the site, docs/protocol.md §7) or the plan's t_r, whichever is larger. ``fraction·n`` is
+    rounded to 9 decimals before the ceiling (0.3·10 is 3.0000000000000004 in binary64)."""
+    if members < 1 or stated < 0:
+        raise AccountingError(f"need members >= 1 and stated >= 0 (got {members}, {stated})")
+    if not 0.0 <= fraction < 1.0:
+        raise AccountingError(f"a colluder fraction lies in [0, 1), got {fraction!r}")
+    return min(members - 1, max(stated, math.ceil(round(fraction * members, 9))))
+
+
 def site_view_releases(
-    releases: Sequence[tuple[str, float, float, int, int]], *, local: bool
+    releases: Sequence[tuple[str, float, float, int, int]],
+    *,
+    local: bool,
+    colluder_fraction: float = 0.0,
 ) -> list[GaussianRelease]:
     """A site's own accounting of the releases it contributes to, under the view of the
     adversary that sees its upload (:func:`protecting_sigma`).
 
     ``releases``: (name, sensitivity Δ_r, guaranteed σ_r, members n_r, assumed colluders t_r)
-    as the plan states them; the site adds the share σ_r/√(n_r - t_r) itself. Returns one
-    :class:`GaussianRelease` per release with the protecting σ (compose with
-    :func:`mu_from_releases` or :func:`epsilon_for_releases`).
+    as the plan states them; the site adds the share σ_s = σ_r/√(n_r - t_r) itself. Under
+    secure aggregation the site does not take t_r on trust: it assumes
+    t'_r = :func:`site_colluders` (its own ``colluder_fraction`` of the members, or t_r if
+    larger), so the shares that protect it are n_r - t'_r and the protecting σ is
+    σ_s·√(n_r - t'_r) ≤ σ_r. Returns one :class:`GaussianRelease` per release with the
+    protecting σ (compose with :func:`mu_from_releases` or :func:`epsilon_for_releases`).
     """
     out = []
     for name, sensitivity, sigma, members, colluders in releases:
         share = noise_share(sigma, members=members, colluders=colluders)
-        protect = protecting_sigma(share, members=members, colluders=colluders, local=local)
+        assumed = (
+            colluders
+            if local
+            else site_colluders(members=members, stated=colluders, fraction=colluder_fraction)
+        )
+        protect = protecting_sigma(share, members=members, colluders=assumed, local=local)
         out.append(GaussianRelease(name, sensitivity, protect))
     return out

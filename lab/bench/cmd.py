@@ -24,6 +24,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "calibration",
         "calibration from masked score histograms: ECE before/after, federated evaluation, τ",
     ),
+    "dp-evaluation": (
+        "dp_evaluation",
+        "federated macro AUC and ECE from DP score histograms vs exact, per evaluation ε",
+    ),
 }
 
 

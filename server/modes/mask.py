@@ -256,8 +256,11 @@ class MaskMode:
 
     def dp_encodings(self, plan: cpb.ReleasePlan, *, declared: Declared | None = None) -> None:
         """Bounds, f and t_R of the noised statistics (:mod:`afl.server.plan.dp_mask`); N is
-        ``mask_max_samples``, else the largest row count the participants declared."""
-        samples = self.mask.max_samples
+        ``mask_max_samples``, else ``[round.dp] max_samples``, else the largest row count the
+        participants declared (a site whose policy requires DP declares none)."""
+        settings: RoundSettings | None = getattr(self, "settings", None)
+        dp = settings.dp if settings is not None else None
+        samples = self.mask.max_samples or (dp.max_samples if dp is not None else 0)
         if not samples:
             bounds = dict(declared or {})
             participants = tuple(plan.participants)

@@ -11,6 +11,7 @@ Configured by an optional ``[round.dp]`` table of server.toml (:class:`DpSetting
     images_per_patient = 1     # m: the most images a site keeps per patient (unit = "patient")
     max_positive_labels = 1    # k: label clipping (0 = off)
     max_samples = 0            # N, the largest site's rows: bounds the mask/ckks encodings
+    eval_epsilon = 0.0         # per site, the evaluation round's ε (0: the run cannot evaluate)
 
 Every formula is the rulebook's (:mod:`afl.core.dp.accounting`); this module maps it onto the
 plan's protobuf releases. Round 1: instead of balanced b (its scale 1/N+ is data dependent),
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from afl.core.dp.accounting import (
@@ -62,6 +63,7 @@ from afl.core.dp.accounting import (
     ReleaseNoise,
     StatisticKind,
     StatisticRelease,
+    calibrate_noise_multiplier,
     calibrate_releases,
     global_gram_release,
     noise_share,
@@ -70,6 +72,7 @@ from afl.core.dp.accounting import (
     release_groups,
     site_epsilons,
 )
+from afl.core.dp.evaluation import evaluation_noise
 from afl.core.leakage import LeakageReport, Release, audit_releases
 from afl.proto.v1 import common_pb2
 from afl.proto.wire import DP_STATISTIC_NAMES
@@ -83,6 +86,7 @@ __all__ = [
     "apply_dp",
     "audit_dp_plan",
     "calibrate",
+    "calibrate_evaluation",
     "dp_releases",
     "dp_settings_from_table",
     "plan_noise",
@@ -92,7 +96,7 @@ __all__ = [
 _PREFIX: dict[int, StatisticKind] = dict(DP_STATISTIC_NAMES)
 DP_KINDS: dict[StatisticKind, int] = {k: v for v, k in DP_STATISTIC_NAMES.items()}
 _INT_KEYS = ("tolerated", "images_per_patient", "max_positive_labels", "max_samples")
-_DP_KEYS = {"epsilon", "delta", "clip_norm", "unit", *_INT_KEYS}
+_DP_KEYS = {"epsilon", "delta", "clip_norm", "unit", "eval_epsilon", *_INT_KEYS}
 _UNITS = {"patient": common_pb2.PRIVACY_UNIT_PATIENT, "image": common_pb2.PRIVACY_UNIT_IMAGE}
 _MAX_FRAC_BITS = 40  # the integer grid's range on the wire (afl.client.payloads.dp)
 
@@ -109,6 +113,7 @@ class DpSettings:
     images_per_patient: int = 1
     max_positive_labels: int = 1
     max_samples: int = 0
+    eval_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
@@ -125,6 +130,8 @@ class DpSettings:
             raise ValueError("tolerated, max_positive_labels and max_samples must be >= 0")
         if self.images_per_patient < 1:
             raise ValueError("images_per_patient must be >= 1")
+        if not (self.eval_epsilon >= 0 and math.isfinite(self.eval_epsilon)):
+            raise ValueError(f"eval_epsilon must be finite and >= 0, got {self.eval_epsilon}")
 
     @property
     def mechanism(self) -> Mechanism:
@@ -357,6 +364,48 @@ def calibrate(
         run_rounds=run_rounds,
         site_epsilon_run=cal.site_epsilon,
     )
+
+
+def calibrate_evaluation(
+    releases: Sequence[PlannedRelease],
+    settings: DpSettings,
+    *,
+    participants: Sequence[str],
+    plaintext: bool,
+) -> DpCalibration:
+    """σ of an evaluation round's releases (``eval_hist``, ``eval_confusion``) and each
+    member's ε = ``eval_epsilon`` over the round (:func:`afl.core.dp.evaluation.evaluation_noise`:
+    Δ = m·√C, the split of :data:`~afl.core.dp.evaluation.EVALUATION_SPLIT`, t_r as the training
+    releases'); the calibration's ``epsilon`` is the evaluation's. ValueError without an
+    ``eval_epsilon`` or with another release kind."""
+    if not settings.eval_epsilon > 0:
+        raise ValueError("[round.dp] eval_epsilon is not set: a DP run cannot evaluate without it")
+    kinds: dict[int, str] = {
+        common_pb2.STATISTIC_KIND_SCORE_HISTOGRAM: "hist",
+        common_pb2.STATISTIC_KIND_CONFUSION_COUNTS: "confusion",
+    }
+    noise: dict[str, ReleaseNoise] = {}
+    for r in releases:
+        kind = kinds.get(int(r.kind))
+        if kind is None:
+            raise ValueError(f"release {r.name}: kind {r.kind} is not an evaluation statistic")
+        noise[r.name] = evaluation_noise(
+            kind=kind,
+            epsilon=settings.eval_epsilon,
+            delta=settings.delta,
+            n_classes=len(r.class_names),
+            members=len(r.members),
+            tolerated=settings.tolerated,
+            local=plaintext,
+            rows_per_individual=settings.images_per_patient,
+        )
+    stats = [
+        StatisticRelease(r.name, "counts", tuple(r.members), len(r.class_names), r.shape)
+        for r in releases
+    ]
+    eps = site_epsilons(stats, noise, sites=participants, delta=settings.delta)
+    z = calibrate_noise_multiplier(epsilon=settings.eval_epsilon, delta=settings.delta)
+    return DpCalibration(replace(settings, epsilon=settings.eval_epsilon), noise, eps, z)
 
 
 def apply_dp(plan: common_pb2.ReleasePlan, calibration: DpCalibration) -> None:

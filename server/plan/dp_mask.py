@@ -36,7 +36,12 @@ _SUMS = (
     cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM,
     cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM,
 )
-_COUNTS = (cpb.STATISTIC_KIND_COUNT, cpb.STATISTIC_KIND_PSEUDO_COUNT)
+_COUNTS = (
+    cpb.STATISTIC_KIND_COUNT,
+    cpb.STATISTIC_KIND_PSEUDO_COUNT,
+    cpb.STATISTIC_KIND_SCORE_HISTOGRAM,  # an evaluation round's counts (|count| <= N)
+    cpb.STATISTIC_KIND_CONFUSION_COUNTS,
+)
 
 
 def dp_mask_bound(release: cpb.Release, *, max_samples: int, clip_norm: float) -> float:

@@ -66,8 +66,34 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
     assert cfg.data.backbone == "x"
     assert cfg.policy == LocalPolicy(
         min_cohort=5, allow_exposure=True, max_epsilon=2.5, lifetime_epsilon=8.0,
-        lifetime_delta=1e-6, privacy_unit="image",
+        lifetime_delta=1e-6, privacy_unit="image", disclose_row_bounds=False,
     )  # fmt: skip
+
+
+def test_row_bounds_leave_a_site_only_outside_dp_and_where_a_mode_needs_them(
+    kit: Path, tmp_path: Path
+) -> None:
+    """docs/protocol.md [M-127]: the declared row count and norm are a release outside any DP
+    budget: a DP-requiring policy never sends them (and refuses to be told to), plaintext-only
+    sites need none, mask/ckks sites without DP send them unless they opt out."""
+
+    def declared(**policy: object) -> bool:
+        return load_client_config(_rewrite(kit, tmp_path, policy=policy)).policy.disclose_row_bounds
+
+    assert declared(disclose_row_bounds=None) is True  # mask and ckks, no DP: sized by them
+    assert declared(disclose_row_bounds=None, max_epsilon=4.0) is False
+    assert declared(disclose_row_bounds=None, lifetime_epsilon=10.0) is False
+    assert declared(disclose_row_bounds=None, allowed_aggregation=["plaintext"]) is False
+    assert declared(disclose_row_bounds=False) is False
+    with pytest.raises(ConfigError, match="disclose_row_bounds: must be false when max_epsilon"):
+        declared(disclose_row_bounds=True, max_epsilon=4.0)
+
+
+def test_the_dp_colluder_floor_is_a_fraction_of_the_members(kit: Path, tmp_path: Path) -> None:
+    path = _rewrite(kit, tmp_path, policy={"dp_assumed_colluders": 0.5})
+    assert load_client_config(path).policy.dp_assumed_colluders == 0.5
+    with pytest.raises(ConfigError, match="dp_assumed_colluders: must lie in"):
+        load_client_config(_rewrite(kit, tmp_path, policy={"dp_assumed_colluders": 1.0}))
 
 
 @pytest.mark.parametrize(

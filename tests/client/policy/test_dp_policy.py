@@ -6,6 +6,7 @@ accountant of tests/helpers/dp_oracle.py on the plan's (Δ, σ) and the site's o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from afl.core.dp.accounting import statistic_sensitivity
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.wire import DP_STATISTIC_NAMES
 from afl.server.plan.dp import DpSettings, apply_dp, calibrate, dp_releases
+from afl.server.plan.dp_ckks import dp_ckks_encodings
 from afl.server.plan.dp_mask import dp_mask_encodings
 from afl.server.plan.release import PlanOptions, build_plan
 from tests.helpers import dp_oracle
@@ -27,9 +29,15 @@ WITH_IDS = DpContext(has_patient_ids=True)
 
 
 def _plan(
-    *, aggregation: int, local: bool, epsilon: float = 4.0, delta: float = 1e-5
+    *,
+    aggregation: int,
+    local: bool,
+    epsilon: float = 4.0,
+    delta: float = 1e-5,
+    tolerated: int = 0,
 ) -> cpb.ReleasePlan:
-    """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or t = 0."""
+    """A DP plan calibrated with t = n - 1 (``local``, the honest plaintext plan) or
+    t = ``tolerated`` (default 0)."""
     releases = dp_releases(
         classes=CLASSES, participants=SITES, coverage={}, gram_scope="global", d=3
     )
@@ -38,19 +46,33 @@ def _plan(
         gram_scope="global", releases=releases,
     )  # fmt: skip
     plan.aggregation = aggregation  # type: ignore[assignment]
-    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0)
+    settings = DpSettings(epsilon=epsilon, delta=delta, clip_norm=2.0, tolerated=tolerated)
     apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=local))
     return plan
 
 
-def _oracle_epsilon(plan: cpb.ReleasePlan, *, own_share_only: bool) -> float:
-    """ε of site a from the plan's (Δ, σ): σ itself, or the site's share σ/√(n - t)."""
+def _oracle_epsilon(plan: cpb.ReleasePlan, *, own_share_only: bool, colluders: int = 0) -> float:
+    """ε of site a from the plan's (Δ, σ): σ itself, the site's share σ/√(n - t) alone, or
+    (``colluders`` c > t) the n - c honest shares σ/√(n - t)·√(n - c)."""
     pairs = []
     for r in plan.releases:
         n, t = len(r.member_site_ids), r.noise.assumed_colluders
-        sigma = r.noise.sigma / math.sqrt(n - t) if own_share_only else r.noise.sigma
+        share = r.noise.sigma / math.sqrt(n - t)
+        sigma = share if own_share_only else share * math.sqrt(n - max(t, colluders))
         pairs.append((r.noise.sensitivity, sigma))
     return dp_oracle.epsilon(dp_oracle.composed_mu(pairs), 1e-5)
+
+
+TRUSTING = 0.0  # [policy] dp_assumed_colluders = 0: the site takes the plan's t on trust
+
+
+def _encoded(plan: cpb.ReleasePlan) -> cpb.ReleasePlan:
+    """The plan with its mode's DP encodings (mask fixed point, or CKKS pre-scale and grid)."""
+    if plan.aggregation == cpb.AGGREGATION_MODE_MASK:
+        dp_mask_encodings(plan, max_samples=1000)
+    else:
+        dp_ckks_encodings(plan, max_samples=1000)
+    return plan
 
 
 def test_plaintext_noise_sized_for_the_sum_is_refused_naming_the_sites_epsilon() -> None:
@@ -71,15 +93,45 @@ def test_plaintext_noise_sized_for_the_sum_is_refused_naming_the_sites_epsilon()
     )
     assert "the server states 4" in decision.reason and "max_epsilon 5" in decision.reason
     # The honest plaintext plan (every site adds the full σ) and a mask plan with t = 0 (the
-    # coordinator sees sums only) both cost exactly the stated ε = 4 and are accepted.
+    # coordinator sees sums only) both cost exactly the stated ε = 4 and are accepted by a site
+    # that takes the plan's colluder count on trust.
+    trusting = LocalPolicy(max_epsilon=5.0, dp_assumed_colluders=TRUSTING)
     for plan in (
         _plan(aggregation=cpb.AGGREGATION_MODE_PLAINTEXT, local=True),
         _plan(aggregation=cpb.AGGREGATION_MODE_MASK, local=False),
     ):
-        ok = assess_plan(plan, site_id="a", policy=LocalPolicy(max_epsilon=5.0), context=WITH_IDS)
+        ok = assess_plan(plan, site_id="a", policy=trusting, context=WITH_IDS)
         assert ok.refusal == "" or "mask encoding" in ok.refusal  # mask: encodings unset here
         assert ok.epsilon == pytest.approx(_oracle_epsilon(plan, own_share_only=False), rel=1e-6)
         assert ok.epsilon == pytest.approx(4.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", [cpb.AGGREGATION_MODE_MASK, cpb.AGGREGATION_MODE_CKKS])
+def test_a_plan_trusting_no_colluders_is_refused_by_the_sites_own_floor(mode: int) -> None:
+    # docs/protocol.md [M-126]: the plan says t = 0 and ε = 4 for n = 4; the site's own floor
+    # (default dp_assumed_colluders 0.333: ⌈4/3⌉ = 2 colluders) leaves 2 honest shares of
+    # σ/√4 each, so its real ε is that of σ/√2 (5.99 at δ = 1e-5), above max_epsilon 5.
+    plan = _encoded(_plan(aggregation=mode, local=False))
+    assert all(r.noise.assumed_colluders == 0 for r in plan.releases)
+    assert all(b.epsilon == pytest.approx(4.0, rel=1e-6) for b in plan.budgets)
+    assert LocalPolicy().dp_assumed_colluders == pytest.approx(0.333)
+    real = _oracle_epsilon(plan, own_share_only=False, colluders=math.ceil(len(SITES) / 3))
+    assert real == pytest.approx(5.99, abs=0.01)
+    policy = LocalPolicy(max_epsilon=5.0, allowed_aggregation=("mask", "ckks"))
+    dp = assess_plan(plan, site_id="a", policy=policy, context=WITH_IDS)
+    assert dp.epsilon == pytest.approx(real, rel=1e-6)
+    assert f"ε = {real:g}" in dp.refusal and "> policy max_epsilon 5" in dp.refusal
+    assert "2 colluding member(s)" in dp.refusal and "dp_assumed_colluders" in dp.refusal
+    # One colluder assumed (fraction 0.25): 4.72 (the issue's figure), still refused at 4.5.
+    one = replace(policy, dp_assumed_colluders=0.25, max_epsilon=4.5)
+    one_real = _oracle_epsilon(plan, own_share_only=False, colluders=1)
+    assert one_real == pytest.approx(4.72, abs=0.01)
+    refused = assess_plan(plan, site_id="a", policy=one, context=WITH_IDS)
+    assert refused.epsilon == pytest.approx(one_real, rel=1e-6) and refused.refusal
+    # A plan whose own t covers the floor costs what it states, and the floor never lowers it.
+    honest = _encoded(_plan(aggregation=mode, local=False, tolerated=2))
+    ok = assess_plan(honest, site_id="a", policy=policy, context=WITH_IDS)
+    assert ok.epsilon == pytest.approx(4.0, rel=1e-6) and ok.refusal == ""
 
 
 def test_the_unit_the_site_can_honour() -> None:

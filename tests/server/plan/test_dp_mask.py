@@ -143,3 +143,26 @@ def test_dp_with_mask_takes_n_from_the_config_or_the_sites_declarations(tmp_path
     path.write_text(toml_text.dumps(doc), encoding="utf-8")
     config = load_config(path)
     assert config.round.mask is not None and config.round.mask.max_samples == 50
+
+
+def test_dp_with_mask_takes_n_from_the_dp_table_before_any_declaration(tmp_path: Path) -> None:
+    """docs/protocol.md [M-127]: a site whose policy requires DP declares no row bounds, so a DP
+    MASK run takes N from [round.dp] max_samples when mask_max_samples is unset."""
+    fed = provision(
+        tmp_path / "f",
+        sites=SITES,
+        round_settings={"classes": CLASSES, "feature_dim": D, "min_participants": 3},
+    )
+    doc = tomllib.loads((fed.server_dir / "server.toml").read_text(encoding="utf-8"))
+    doc["round"].update(aggregation="mask")
+    doc["round"]["dp"] = {"epsilon": 2.0, "clip_norm": 1.0, "max_samples": 128}
+    path = fed.server_dir / "dpmask.toml"
+    path.write_text(toml_text.dumps(doc), encoding="utf-8")
+    config = load_config(path)
+    assert config.round.mask == MaskSettings()
+    plan = _plan(n_max=128, clip=1.0, epsilon=2.0, tolerated=0)
+    expected = [cpb.Encoding() for _ in plan.releases]
+    for out, r in zip(expected, plan.releases, strict=True):
+        out.CopyFrom(r.encoding)
+    MaskMode(MaskSettings(), identities={}, settings=config.round).dp_encodings(plan, declared={})
+    assert [r.encoding for r in plan.releases] == expected
