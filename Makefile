@@ -39,11 +39,13 @@ proto: install
 typecheck: install
 	$(BIN)/mypy core crypto client server ops flower lab tests proto/afl/proto/wire.py
 
+# -n auto: one pytest worker per CPU (pytest-xdist); --dist loadfile keeps a module's tests, and
+# the federation its module-scoped fixtures provision once, on one worker.
 test: lint typecheck
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -q -n auto --dist loadfile
 
 test-all: lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile
 
 # Container images from deploy/ (podman; docs/operations.md "Local federation with Docker
 # Compose"): the base from Debian's packages when absent (mmdebstrap), then the coordinator's and

@@ -712,7 +712,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (*known, *more, UnreadableImageError, WeightsError) as exc:
         print(f"afl-client {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (128 + SIGINT, as a shell does)
+        print(f"\nafl-client {args.command}: stopped (Ctrl-C){_RESUMES.get(args.command, '')}",
+              file=sys.stderr)  # fmt: skip
+        return 130
     return code
+
+
+#: What a command stopped by Ctrl-C keeps, and how to go on.
+_RESUMES = {
+    "extract": "; the images extracted so far are kept: run the same command again to resume "
+    "where it stopped",
+}
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ without the key gets ``["mask", "ckks"]``: a site uploads plaintext statistics o
 in with "plaintext"), and ``ckks_decryptor`` pins the site id (key: its [peers] entry) of the
 only decryptor the site seals tags to and encrypts for (``afl provision`` writes both).
 
-Unknown keys are reported as warnings (a typo never silently changes a policy: the policy keys
-are checked strictly for type and range).
+Unknown keys are reported as warnings, except in ``[policy]``: there an unknown key is an error
+naming the key and the nearest known one (a misspelt protection setting would otherwise leave the
+site at the default it meant to change); the policy keys are also checked for type and range.
 """
 
 from __future__ import annotations
@@ -102,8 +103,13 @@ _KNOWN: dict[str, set[str]] = {
         "mask_graph_security_bits",
         "mask_assumed_colluders",
         "dp_assumed_colluders",
+        "decrypt_max_rows",
+        "decrypt_max_row_norm",
     },
 }
+#: Sections whose unknown keys are errors, not warnings: a misspelt protection setting
+#: (``min_cohrt``) would otherwise leave the site at the default it meant to change.
+_STRICT_SECTIONS = frozenset({"policy"})
 _ROLES = ("participant", "decryptor")
 #: Aggregation modes a site's policy can allow (docs/protocol.md §4), and the default.
 AGGREGATION_NAMES = ("plaintext", "mask", "ckks")
@@ -130,7 +136,11 @@ class LocalPolicy:
     DP colluder floor (docs/protocol.md §7): in MASK and CKKS the site computes its ε assuming
     max(the plan's t_r, ⌈``dp_assumed_colluders``·n_r⌉) of a release's n_r members collude with
     the coordinator (default ⌈n/3⌉, as for the sparse graph), so the plan's t = 0 is not taken on
-    trust."""
+    trust.
+
+    CKKS decryptor (docs/protocol.md §6.2): ``decrypt_max_rows`` N and ``decrypt_max_row_norm`` L
+    (0 = not checked), the largest plausible site; a decrypted sum over m members outside what m
+    such datasets could produce (‖Σ b_c‖ > m·2L, trace(Σ G) > m·N·L²) is not returned."""
 
     min_cohort: int = 3
     allow_exposure: bool = False
@@ -145,6 +155,8 @@ class LocalPolicy:
     mask_graph_security_bits: int = 40
     mask_assumed_colluders: float = 0.333
     dp_assumed_colluders: float = 0.333
+    decrypt_max_rows: int = 0
+    decrypt_max_row_norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,11 @@ class _Reader:
         known = _KNOWN.get(name, set(raw))
         for key in sorted(set(raw) - known):
             hint = did_you_mean(key, known)
+            if name in _STRICT_SECTIONS:  # a typo must not leave a protection at its default
+                raise ConfigError(
+                    f"{self.path}: unknown key [{name}] {key}{hint}: fix the key (the site's "
+                    f"protection settings are not guessed; known keys: {', '.join(sorted(known))})"
+                )
             self.warnings.append(f"{self.path}: unknown key [{name}] {key}{hint} (ignored)")
         return raw
 
@@ -313,6 +330,8 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         ),
         mask_assumed_colluders=_assumed_colluders(r, sec, "mask_assumed_colluders"),
         dp_assumed_colluders=_assumed_colluders(r, sec, "dp_assumed_colluders"),
+        decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
+        decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
     )
 
 

@@ -121,13 +121,12 @@ def _cache(config: ClientConfig) -> tuple[list[Finding], FeatureCache | None]:
     try:
         cache = open_cache(config.data.cache)
     except FeatureCacheError as exc:
-        return [
-            Finding(
-                PROBLEM,
-                f"[data] cache {config.data.cache}: {exc} (run `afl-client extract --out "
-                f"{config.data.cache} ...` first)",
-            )
-        ], None
+        first = (  # a damaged cache's message names its own fix
+            ""
+            if (Path(config.data.cache) / "meta.json").exists()
+            else f" (run `afl-client extract --out {config.data.cache} ...` first)"
+        )
+        return [Finding(PROBLEM, f"[data] cache {config.data.cache}: {exc}{first}")], None
     meta = cache.meta
     digest = meta.extra.get("weights_sha256") or "none"
     out = [
@@ -277,7 +276,11 @@ def status_lines(config: ClientConfig, *, insecure: bool = False) -> list[str]:
         if report.get("reason"):
             lines.append(f"last error: {report['reason']}")
     models = sorted(
-        (config.state_dir / "models").glob("*.weights.npy"), key=lambda p: p.stat().st_mtime
+        (config.state_dir / "models").glob("*.signed-model.pb"), key=lambda p: p.stat().st_mtime
     )
-    lines.append(f"last model: {models[-1]}" if models else "last model: none received yet")
+    lines.append(  # the signed file is what `afl export --model` and `evaluate --model` take
+        f"last model: {models[-1]} (signed; `afl export --model` takes this file)"
+        if models
+        else "last model: none received yet"
+    )
     return lines

@@ -19,7 +19,6 @@ from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import LinAlgError, cho_factor, cho_solve
 
 from afl.core.stats import LocalStats
 
@@ -106,6 +105,8 @@ def factor_regularised(
     gram_sum: NDArray[np.float64], gamma: float
 ) -> tuple[NDArray[np.float64], bool]:
     """Cholesky factor of Σ G + γI (float64; never an explicit inverse)."""
+    from scipy.linalg import LinAlgError, cho_factor  # on demand: `afl --help` never loads scipy
+
     a = gram_sum + gamma * np.eye(gram_sum.shape[0])
     if not np.all(np.isfinite(a)):
         raise AggregationError("Σ G + γI has NaN or infinite entries (overflow?); cannot solve")
@@ -139,6 +140,8 @@ def solve_from_sums(
         )
     if not np.all(np.isfinite(b_sums)):
         raise AggregationError("the class vector sums hold NaN or infinite values; cannot solve")
+    from scipy.linalg import cho_solve
+
     weights = np.zeros((d, num_classes), dtype=np.float64)
     for cover in plan.gram_releases:
         if cover not in gram_sums:

@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.special import expit
-from sklearn.metrics import average_precision_score, roc_auc_score
 
 THRESHOLD = 0.5
 
@@ -28,6 +26,8 @@ def predict_proba(
     features: NDArray[np.floating], weights: NDArray[np.float64], *, batch_size: int = 8192
 ) -> NDArray[np.float64]:
     """σ(H W) for a (memory-mapped) feature matrix, in row blocks."""
+    from scipy.special import expit  # on demand: importing afl.core loads neither scipy nor sklearn
+
     out = np.empty((features.shape[0], weights.shape[1]), dtype=np.float64)
     for start in range(0, features.shape[0], batch_size):
         block = np.asarray(features[start : start + batch_size], dtype=np.float64)
@@ -107,6 +107,8 @@ def class_metrics(
     positive: NDArray[np.bool_], probabilities: NDArray[np.float64], *, threshold: float = THRESHOLD
 ) -> tuple[float, float, float]:
     """(BACC at ``p > threshold``, ROC AUC, AP) of one class; needs both labels present."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
     pred = probabilities > threshold
     bacc = 0.5 * (pred[positive].mean() + (~pred[~positive]).mean())
     auc = roc_auc_score(positive, probabilities)

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import cho_solve
-from scipy.special import expit
 
 from afl.core.aggregation import AggregationError, factor_regularised
 from afl.core.evaluation.calibration import Calibration
@@ -71,6 +69,8 @@ def pseudo_labels(
     (module docstring)."""
     scores = h @ weights
     if calibration is None:
+        from scipy.special import expit  # on demand (scipy is not loaded by importing afl.core)
+
         prob = expit(scores)
     else:
         cols = list(range(weights.shape[1])) if columns is None else list(columns)
@@ -139,6 +139,8 @@ def solve_round2(
         raise AggregationError(
             f"shape mismatch: Gram {gram_total.shape}, b {b_real.shape}, b_pseudo {b_pseudo.shape}"
         )
+    from scipy.linalg import cho_solve
+
     factor = factor_regularised(np.asarray(gram_total, dtype=np.float64), gamma)
     solved: NDArray[np.float64] = cho_solve(factor, b_real + alpha * b_pseudo, check_finite=True)
     return solved

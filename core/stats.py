@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import blas
 
 from afl.core.labels import ABSENT, LabelError, usable_classes
 
@@ -93,6 +92,8 @@ class StatsAccumulator:
             raise LabelError("labels must be -1 (not labelled), 0 or 1")
         if h.shape[0] == 0:
             return
+        from scipy.linalg import blas  # on demand: importing afl.core loads no scipy
+
         # h.T is Fortran-contiguous (d, n): dsyrk computes h.T @ h.T.T = HᵀH, upper triangle.
         self._gram_upper = blas.dsyrk(
             1.0, h.T, beta=1.0, c=self._gram_upper, trans=0, lower=0, overwrite_c=1

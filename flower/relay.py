@@ -402,7 +402,7 @@ class Relay:
             progressed |= bool(ready)
             state, reason = self._run_state(run_id)
             now = self._clock()
-            if state in ("published", "aborted"):
+            if state in ("published", "aborted", "failed"):
                 ended_at = now if ended_at is None else ended_at
                 busy = [n for n in self.nodes.values() if n.inflight and not n.dead]
                 if not busy or now - ended_at > grace_s:

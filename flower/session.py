@@ -18,8 +18,9 @@ sees ciphertext; a blob opens only for the federation and site it was sealed for
 authenticated before anything in it is decoded. ``state`` is a pickle that holds no long-term key
 (the identity key is a persistent reference, taken from the site's kit again when the blob is
 opened; peers' identity keys and the ephemeral X25519 keys are kept as raw bytes), and the
-unpickler builds only classes of :mod:`afl.crypto` and :mod:`afl.flower`, numpy arrays and
-builtin containers: :class:`SessionError` for anything else.
+unpickler builds only classes of :mod:`afl.crypto` and :mod:`afl.flower`, the site's round report
+(:class:`afl.client.daemon.report.RoundReport`), numpy arrays and builtin containers:
+:class:`SessionError` for anything else.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _ALLOWED = frozenset(
     {
         ("copyreg", "_reconstructor"),
         ("builtins", "object"),
+        ("afl.client.daemon.report", "RoundReport"),  # the Flower site's report so far
         ("numpy", "dtype"),
         ("numpy", "ndarray"),
         ("numpy._core.multiarray", "_reconstruct"),

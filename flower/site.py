@@ -1,36 +1,14 @@
-"""The site's side of the Flower app: afl-client's round, one stage per Flower message
-(docs/flower.md §3, docs/architecture.md §1).
+"""The site's side of the Flower app: afl-client's round, one step per Flower message
+(docs/flower.md §3 lists the steps; docs/architecture.md §3 the round at a site).
 
-:class:`FlowerSite` is the site daemon (:class:`~afl.client.daemon.loop.ClientDaemon`: its kit, feature
-cache and statistics, state folder, DP ledger and policy) taking part in rounds through the
-relay's messages instead of its own gRPC calls. Each message runs one step, and the reply says
-when the next is due (:mod:`afl.flower.envelope`):
-
-    hello     say which site this is; read an enrolment challenge
-    enrol     Enroll (identity key, proof over the challenge and every declared field);
-              wait for a round this site takes part in
-    plan      check the enrolment reply; verify the signed plan and check it against the site's
-              [policy] (the daemon's own ``_decide``), answer it signed; wait for the mode's
-              first stage
-    exchange  the DP ledger entry, then the payloads (``round_payloads``) and the mode's
-              exchange: plaintext and ckks send everything now (``mode.exchange``), mask the
-              first of :data:`afl.client.modes.mask.MASK_STEPS`
-    mask      the next of MASK_STEPS, one per stage of the masked exchange
-    model     verify the signed model against the accepted plan, keep it, write and send the
-              report; wait for the next round
-
-Calls go through the daemon's own code with a :class:`RelayStub` in place of the gRPC stub:
-requests are recorded for the reply; reads are answered from what came with this message (the
-previous step asked for them, with the gate that said when). What the coordinator refused comes
-back as the call's error with the next message and fails the round — or aborts it, when the
-round was aborted meanwhile — as a refused RPC does in the daemon; so does an upload receipt that
-does not match what was sent. Outcomes end like the daemon's: completed or aborted, the site
-waits for the next round; refused or failed, it takes part in nothing more of this run.
-
-A CKKS round's decryptor site is :class:`FlowerDecryptor` (``role = "decryptor"``), the
-decryptor daemon served the same way; :func:`open_site` opens either from a client.toml.
-
-Between messages the site keeps a :class:`Session`, sealed (:mod:`afl.flower.session`).
+:class:`FlowerSite` is the site daemon and :class:`FlowerDecryptor` the CKKS decryptor daemon,
+both taking part through the relay's messages instead of their own gRPC calls, with one template
+of a step (:class:`FlowerSteps`). Calls go through the daemons' own code with a
+:class:`RelayStub` in place of the gRPC stub: requests are recorded for the reply; reads are
+answered from what came with this message (the previous step asked for them, with the gate that
+said when); results — refusals, the enrolment reply, upload receipts — come with the next message
+(:func:`check_results`). Between messages the site keeps a :class:`Session`, sealed
+(:mod:`afl.flower.session`); :func:`open_site` opens either site from a client.toml.
 """
 
 from __future__ import annotations
@@ -48,8 +26,8 @@ from google.protobuf.message import DecodeError, Message
 
 from afl.client.config import ClientConfig
 from afl.client.daemon.decryptor import DecryptorDaemon
-from afl.client.daemon.evaluation import is_evaluation_plan
 from afl.client.daemon.loop import ClientDaemon
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed, check_enrolment
 from afl.client.daemon.state import plan_summary
 from afl.client.daemon.transport import (
@@ -57,12 +35,13 @@ from afl.client.daemon.transport import (
     RemoteCallError,
     RetryPolicy,
     UploadError,
+    check_receipt,
     check_round_id,
 )
 from afl.client.daemon.verify import VerificationError, verify_round_config
-from afl.client.modes.base import AggregationMode, RoundSession, UploadRecord
+from afl.client.modes.base import AggregationMode, RoundSession
 from afl.client.modes.mask import MASK_STEPS, MaskMode
-from afl.client.policy.dp import dp_report
+from afl.client.payloads.evaluation import is_evaluation_plan
 from afl.client.policy.plan import PolicyDecision
 from afl.crypto.errors import CryptoError
 from afl.crypto.secagg.client import SecAggClient
@@ -74,6 +53,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 __all__ = [
     "FlowerDecryptor",
     "FlowerSite",
+    "FlowerSteps",
     "RelayStub",
     "Session",
     "check_results",
@@ -103,6 +83,10 @@ ANSWERED = frozenset(
         "Download",
     }
 )
+
+
+#: A step's answer: the gate of the next message and the reads to answer with it.
+Next = tuple[Gate, tuple[Call, ...]]
 
 
 def _response_class(method: str) -> type[Message]:
@@ -197,7 +181,7 @@ class Session:
     round_id: str = ""
     config: bytes = b""
     floors: dict[str, int] = field(default_factory=dict)
-    report: dict[str, Any] = field(default_factory=dict)
+    report: RoundReport | None = None
     started: float = 0.0
     exchange_started: float = 0.0
     sent: list[tuple[str, bytes, int]] = field(default_factory=list)
@@ -205,22 +189,44 @@ class Session:
     secagg: SecAggClient | None = None
 
 
-def _next_round(session: Session) -> tuple[Gate, tuple[Call, ...]]:
+def _report(session: Session) -> RoundReport:
+    """The report of the round ``session`` takes part in (made when its plan came)."""
+    if session.report is None:
+        raise DaemonError("the session holds no report of its round")
+    return session.report
+
+
+def _next_round(session: Session) -> Next:
     session.step = "plan"
     gets = (get("GetStatus", pb.StatusRequest()), get("GetRoundConfig", cpb.RoundRef()))
     return Gate("round", done=tuple(session.done)), gets
 
 
-def _await(rid: str, stage: int, *reads: Call) -> tuple[Gate, tuple[Call, ...]]:
+def _await(rid: str, stage: int, *reads: Call) -> Next:
     return Gate("stage", rid, stage), (get("GetStatus", pb.StatusRequest(round_id=rid)), *reads)
+
+
+def _response(result: Answer) -> bytes:
+    if len(result.response) != 1:
+        raise DaemonError(f"{result.method}: expected one reply, got {len(result.response)}")
+    return result.response[0]
 
 
 def check_results(message: ToSite, session: Session, config: ClientConfig) -> None:
     """The results of the site's previous calls (module docstring): the enrolment reply checked
-    against the kit, each upload receipt against what was sent; the first refusal raised."""
+    against the kit, each upload receipt against what was sent; the first refusal raised. A
+    result the message should carry and does not (the enrolment reply, a receipt) fails the
+    check: what the coordinator received is never taken on trust."""
     sent, session.sent = session.sent, []
     refused: list[Answer] = []
     for result in message.results:
+        if result.method == "Upload":
+            if not sent:
+                raise UploadError("a receipt for an upload this site did not send")
+            name, digest, size = sent.pop(0)
+            if not result.error:
+                receipt = pb.UploadReceipt.FromString(_response(result))
+                check_receipt(receipt, release_name=name, sha256=digest, size=size)
         if result.method == "SubmitReport":
             if result.error:
                 log.warning("site=%s could not submit its report: %s", config.site_id, result.error)
@@ -230,25 +236,18 @@ def check_results(message: ToSite, session: Session, config: ClientConfig) -> No
             continue
         if result.method == "Enroll" and not session.enrolled:
             check_enrolment(
-                pb.EnrollResponse.FromString(result.response[0]),
+                pb.EnrollResponse.FromString(_response(result)),
                 site_id=config.site_id,
                 federation_id=config.federation_id,
                 server_public_key=config.server_public_key,
             )
             session.enrolled = True
-        if result.method == "Upload" and sent:
-            name, digest, size = sent.pop(0)
-            receipt = pb.UploadReceipt.FromString(result.response[0])
-            if receipt.sha256 != digest or receipt.bytes_received != size:
-                raise UploadError(
-                    f"upload {name}: receipt does not match the payload sent "
-                    f"({receipt.bytes_received} bytes received of {size})"
-                )
     if refused:
-        first = refused[0]
-        if first.method == "Enroll":
-            session.round_id = ""
-        raise remote_error(first.method, first.error)
+        raise remote_error(refused[0].method, refused[0].error)
+    if not session.enrolled:
+        raise DaemonError("the coordinator's message carries no reply to this site's Enroll")
+    if sent:
+        raise UploadError(f"upload {sent[0][0]}: the coordinator's message carries no receipt")
 
 
 def _relay_client(
@@ -279,7 +278,57 @@ def _foreign(message: ToSite, config: ClientConfig) -> bool:
     return True
 
 
-class FlowerSite(ClientDaemon):
+class FlowerSteps:
+    """The template of a step, for both Flower sites (module docstring): each message gets the
+    daemon's coordinator client over a :class:`RelayStub`, runs the step the session is at and is
+    answered with the calls the step made. ``hello`` (ask for a challenge) and ``enrol`` are
+    shared, then every step first checks the results of the previous one (:func:`check_results`);
+    a site fills in :meth:`_enrol`, :meth:`_next` (its own steps) and :meth:`_stop` (what an error
+    ends), and which errors a step may end with (``STOPS``)."""
+
+    config: ClientConfig
+    retry: RetryPolicy
+    rpc: Any  # the daemon's CoordinatorClient (the decryptor's is Optional until it connects)
+    STOPS: tuple[type[Exception], ...] = (DaemonError, VerificationError, ValueError)
+
+    def step(self, message: ToSite, session: Session) -> FromSite:
+        """Run the step ``session`` is at with ``message``; the reply (module docstring)."""
+        site_id = self.config.site_id
+        stub, self.rpc = _relay_client(message, self.config, self.retry)
+        if _foreign(message, self.config):
+            return FromSite(site_id, (), Gate("end"), ())
+        try:
+            gate, gets = self._dispatch(message, session)
+        except self.STOPS as exc:
+            gate, gets = self._stop(exc, session)
+        session.sent += stub.uploads
+        return FromSite(site_id, tuple(stub.calls), gate, gets)
+
+    def _dispatch(self, message: ToSite, session: Session) -> Next:
+        if session.step == "hello":
+            session.step = "enrol"
+            return Gate("now"), (get("GetEnrolChallenge", pb.EnrolChallengeRequest()),)
+        if session.step == "enrol":
+            return self._enrol(session)
+        if session.step == "end":
+            return Gate("end"), ()
+        check_results(message, session, self.config)
+        return self._next(session)
+
+    def _enrol(self, session: Session) -> Next:
+        """Enrol (its reply is checked with the next message); the next gate."""
+        raise NotImplementedError
+
+    def _next(self, session: Session) -> Next:
+        """The site's own step ``session.step``, the previous results checked."""
+        raise NotImplementedError
+
+    def _stop(self, exc: Exception, session: Session) -> Next:
+        """What ``exc``, raised by a step, ends; the next gate."""
+        raise NotImplementedError
+
+
+class FlowerSite(ClientDaemon, FlowerSteps):
     """A site taking part in rounds through Flower messages (module docstring)."""
 
     def __init__(self, config: ClientConfig) -> None:
@@ -288,35 +337,18 @@ class FlowerSite(ClientDaemon):
         super().__init__(config)
         self.prepare()
 
-    def step(self, message: ToSite, session: Session) -> FromSite:
-        """Run the step ``session`` is at with ``message``; the reply (module docstring)."""
-        stub, self.rpc = _relay_client(message, self.config, self.retry)
-        if _foreign(message, self.config):
-            return FromSite(self.site_id, (), Gate("end"), ())
-        try:
-            gate, gets = self._dispatch(message, session, stub)
-        except (DaemonError, VerificationError, ValueError) as exc:
-            if not session.round_id:  # enrolment failed: no round to report
-                log.error("site=%s cannot take part: %s", self.site_id, exc)
-                session.step = "end"
-                gate, gets = Gate("end"), ()
-            else:
-                gate, gets = self._end_round(session, self._failure(exc, session))
-        session.sent += stub.uploads
-        return FromSite(self.site_id, tuple(stub.calls), gate, gets)
+    def _enrol(self, session: Session) -> Next:
+        self.enroll()
+        return _next_round(session)
 
-    def _dispatch(
-        self, message: ToSite, session: Session, stub: RelayStub
-    ) -> tuple[Gate, tuple[Call, ...]]:
-        if session.step == "hello":
-            session.step = "enrol"
-            return Gate("now"), (get("GetEnrolChallenge", pb.EnrolChallengeRequest()),)
-        if session.step == "enrol":
-            self.enroll()
-            return _next_round(session)
-        if session.step == "end":
+    def _stop(self, exc: Exception, session: Session) -> Next:
+        if not session.round_id:  # enrolment failed: no round to report
+            log.error("site=%s cannot take part: %s", self.site_id, exc)
+            session.step = "end"
             return Gate("end"), ()
-        check_results(message, session, self.config)
+        return self._end_round(session, self._failure(exc, session))
+
+    def _next(self, session: Session) -> Next:
         if session.step == "plan":
             return self._plan(session)
         status = self.rpc.status(session.round_id).round
@@ -345,8 +377,10 @@ class FlowerSite(ClientDaemon):
                 )
         return RoundFailed(pb.CLIENT_OUTCOME_FAILED, str(exc))
 
-    def _end_round(self, session: Session, failed: RoundFailed) -> tuple[Gate, tuple[Call, ...]]:
-        self._finish(session.report, failed.outcome, failed.reason)
+    def _end_round(self, session: Session, failed: RoundFailed) -> Next:
+        """Report the round's end as the daemon does: aborted, the site waits for the next round
+        (the replacement); refused or failed, it takes part in nothing more of this run."""
+        self._finish(_report(session), failed.outcome, failed.reason)
         session.secagg, session.round_id = None, ""
         if failed.outcome == pb.CLIENT_OUTCOME_ABORTED:
             return _next_round(session)  # the replacement round, if one opens
@@ -364,7 +398,7 @@ class FlowerSite(ClientDaemon):
         )
         return cfg, plan, plan_sha, self.modes[plan.aggregation]
 
-    def _plan(self, session: Session) -> tuple[Gate, tuple[Call, ...]]:
+    def _plan(self, session: Session) -> Next:
         status = self.rpc.status().round
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef())
         rid = check_round_id(status.round_id)  # it names files, as in the daemon
@@ -380,27 +414,18 @@ class FlowerSite(ClientDaemon):
             return Gate("end"), ()
         session.round_id, session.started = rid, time.time()
         session.done.append(rid)
-        report: dict[str, Any] = {
-            "site_id": self.site_id,
-            "federation_id": self.config.federation_id,
-            "run_id": status.run_id,
-            "round_id": rid,
-            "round_number": cfg.round_number,
-            "bytes_sent": 0,
-            "bytes_received": cfg.ByteSize(),
-            "timings_s": dict(self.timings),
-            "transport": "flower",
-        }
+        report = self._new_report(run_id=status.run_id, round_id=rid, round_number=cfg.round_number)
+        report.bytes_received, report.transport = cfg.ByteSize(), "flower"
         session.report = report
         if cfg.round_id != rid:
             raise DaemonError(f"the round configuration is of {cfg.round_id!r}, not {rid!r}")
         decision, plan, plan_sha = self._decide(cfg, round_id=rid)
         if decision.accept and plan is not None:
             decision = within_the_app(plan, decision)
-        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        report.plan = plan_summary(cfg, plan, decision, plan_sha)
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             self._respond(rid, decision, plan_sha)
-        report["timings_s"]["plan_check"] = time.time() - session.started
+        report.timings_s["plan_check"] = time.time() - session.started
         if not decision.accept:
             log.warning("site=%s REFUSED round %s: %s", self.site_id, rid, decision.reason)
             raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, decision.reason)
@@ -422,17 +447,15 @@ class FlowerSite(ClientDaemon):
             session.round_id, plan=plan, plan_sha256=plan_sha, survivor_floors=session.floors
         )
 
-    def _exchange(self, session: Session, status: pb.RoundStatus) -> tuple[Gate, tuple[Call, ...]]:
+    def _exchange(self, session: Session, status: pb.RoundStatus) -> Next:
         cfg, plan, plan_sha, mode = self._round(session)
-        report = session.report
-        report["timings_s"]["wait_upload_stage"] = time.time() - session.started
-        payloads = self.round_payloads(cfg, plan, mode, report)
-        dp = self._record(cfg, plan, plan_sha)  # the ledger, before any upload leaves
-        if plan.dp.enabled:
-            report["dp"] = dp_report(plan, self.site_id, dp)
+        report = _report(session)
+        report.timings_s["wait_upload_stage"] = time.time() - session.started
+        payloads = self.payloads(cfg, plan, mode, report)
+        self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
         session.exchange_started = time.time()
         round_session = self._session(session, plan, plan_sha)
-        report["uploads"] = []
+        report.uploads = []
         if isinstance(mode, MaskMode):
             session.secagg = mode.secagg_client(round_session, payloads)
             session.mask_step, session.step = 0, "mask"
@@ -440,15 +463,10 @@ class FlowerSite(ClientDaemon):
         records = mode.exchange(
             round_session, payloads, already_complete=set(status.caller_uploads_complete)
         )
-        self._sent(report, records)
+        report.sent(records)
         return self._await_model(session)
 
-    @staticmethod
-    def _sent(report: dict[str, Any], records: list[UploadRecord]) -> None:
-        report["uploads"] += [r.to_json() for r in records]
-        report["bytes_sent"] += sum(r.bytes for r in records)
-
-    def _mask(self, session: Session) -> tuple[Gate, tuple[Call, ...]]:
+    def _mask(self, session: Session) -> Next:
         _, plan, plan_sha, _ = self._round(session)
         rid, client = session.round_id, session.secagg
         if client is None:
@@ -459,7 +477,7 @@ class FlowerSite(ClientDaemon):
             records = step.act(self._session(session, plan, plan_sha), client, answer)
         except CryptoError as exc:  # the state machine refused a server message
             raise DaemonError(f"masked exchange refused: {exc}") from exc
-        self._sent(session.report, records)
+        _report(session).sent(records)
         session.mask_step += 1
         if session.mask_step == len(MASK_STEPS):
             session.secagg = None  # the round's secrets are not kept past its last message
@@ -467,22 +485,22 @@ class FlowerSite(ClientDaemon):
         following = MASK_STEPS[session.mask_step]
         return _await(rid, following.stage, get(following.get, cpb.RoundRef(round_id=rid)))
 
-    def _await_model(self, session: Session) -> tuple[Gate, tuple[Call, ...]]:
+    def _await_model(self, session: Session) -> Next:
         session.step = "model"
         rid = session.round_id
         return _await(rid, pb.ROUND_STAGE_PUBLISHED, get("GetModel", pb.ModelRequest(round_id=rid)))
 
-    def _model_step(self, session: Session) -> tuple[Gate, tuple[Call, ...]]:
+    def _model_step(self, session: Session) -> Next:
         cfg, _, plan_sha, _ = self._round(session)
-        report = session.report
-        report["timings_s"]["upload"] = time.time() - session.exchange_started
+        report = _report(session)
+        report.timings_s["upload"] = time.time() - session.exchange_started
         self.receive_model(
             session.round_id,
             class_names=list(cfg.class_names),
             plan_sha256=plan_sha,
             report=report,
         )
-        report["timings_s"]["round"] = time.time() - session.started
+        report.timings_s["round"] = time.time() - session.started
         self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
         session.round_id = ""
         return _next_round(session)
@@ -502,7 +520,7 @@ def within_the_app(plan: cpb.ReleasePlan, decision: PolicyDecision) -> PolicyDec
     return PolicyDecision(False, reason, audit=decision.audit)
 
 
-class FlowerDecryptor(DecryptorDaemon):
+class FlowerDecryptor(DecryptorDaemon, FlowerSteps):
     """The CKKS decryptor site through Flower messages: enrol and publish the public context,
     then serve each round's decryption jobs with the daemon's own code (``serve_once``: the
     signed plan checked, the sealed tags opened, each aggregate decrypted and the signed outcome
@@ -516,34 +534,23 @@ class FlowerDecryptor(DecryptorDaemon):
         decrypt  ``serve_once`` on them; wait for jobs not yet handled (a ``jobs`` gate)
     """
 
+    STOPS = (*FlowerSteps.STOPS, CryptoError)
+
     @property
     def site_id(self) -> str:
         return self.config.site_id
 
-    def step(self, message: ToSite, session: Session) -> FromSite:
-        """Run the step ``session`` is at with ``message``; the reply."""
-        stub, self.rpc = _relay_client(message, self.config, self.retry)
-        if _foreign(message, self.config):
-            return FromSite(self.site_id, (), Gate("end"), ())
-        try:
-            gate, gets = self._dispatch(message, session)
-        except (DaemonError, VerificationError, CryptoError, ValueError) as exc:
-            log.error("decryptor=%s stops: %s", self.site_id, exc)
-            session.step, gate, gets = "end", Gate("end"), ()
-        session.sent += stub.uploads
-        return FromSite(self.site_id, tuple(stub.calls), gate, gets)
+    def _enrol(self, session: Session) -> Next:
+        self.enroll_and_publish()
+        session.step = "serve"
+        return _await_jobs(session)
 
-    def _dispatch(self, message: ToSite, session: Session) -> tuple[Gate, tuple[Call, ...]]:
-        if session.step == "hello":
-            session.step = "enrol"
-            return Gate("now"), (get("GetEnrolChallenge", pb.EnrolChallengeRequest()),)
-        if session.step == "enrol":
-            self.enroll_and_publish()
-            session.step = "serve"
-            return _await_jobs(session)
-        if session.step == "end":
-            return Gate("end"), ()
-        check_results(message, session, self.config)
+    def _stop(self, exc: Exception, session: Session) -> Next:
+        log.error("decryptor=%s stops: %s", self.site_id, exc)
+        session.step = "end"
+        return Gate("end"), ()
+
+    def _next(self, session: Session) -> Next:
         jobs: pb.DecryptionJobs = self._rpc().call("GetDecryptionJobs", cpb.RoundRef())
         rid = jobs.round_id
         if session.step == "serve":
@@ -572,7 +579,7 @@ class FlowerDecryptor(DecryptorDaemon):
         raise DaemonError(f"unknown step {session.step!r} in the decryptor's session")
 
 
-def _await_jobs(session: Session) -> tuple[Gate, tuple[Call, ...]]:
+def _await_jobs(session: Session) -> Next:
     return Gate("jobs", done=tuple(session.done)), (get("GetDecryptionJobs", cpb.RoundRef()),)
 
 

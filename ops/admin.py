@@ -32,8 +32,6 @@ from typing import Any
 
 import grpc
 
-from afl.client.daemon.evaluation import save_evaluation
-from afl.client.daemon.verify import VerificationError, verify_evaluation
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import signatures, signed_blobs
 from afl.crypto.identity.pki import write_private_file
@@ -207,6 +205,10 @@ def _act(args: argparse.Namespace, kit: AdminKit, stub: Any, metadata: tuple[Any
             f"signature verified"
         )
     elif args.action == "download-evaluation":
+        # On demand: the other actions need none of the client's evaluation code.
+        from afl.client.daemon.evaluation import save_evaluation
+        from afl.client.daemon.verify import VerificationError, verify_evaluation
+
         signed_eval = stub.GetRunEvaluation(apb.RunRef(run_id=args.run_id), **call)
         try:
             key = signatures.load_public_key_raw(kit.server_public_key)

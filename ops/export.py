@@ -33,6 +33,7 @@ from typing import Any
 from afl.client.model.model_card import TrainingFacts
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
 from afl.core.evaluation.federated import FEDERATED_EVALUATION_FORMAT
+from afl.core.progress import Progress
 
 __all__ = ["add_arguments", "run"]
 
@@ -212,6 +213,24 @@ def _evaluation_metrics(paths: list[str], published: PublishedModel) -> dict[str
     return out
 
 
+def _mark_in_sample(metrics: dict[str, Any], *, state_dir: Path, site_id: str) -> None:
+    """A federated evaluation that does not say whether it is in-sample gets what this site's
+    report of that evaluation round says (``evaluation.in_sample``), as ``{site: bool}``: the
+    card and `afl report` then say so where the figures appear."""
+    for body in metrics.values():
+        if body.get("format") != FEDERATED_EVALUATION_FORMAT or "in_sample" in body:
+            continue
+        for path in sorted((state_dir / "reports").glob("*.json")):
+            try:
+                evaluation = json.loads(path.read_text(encoding="utf-8")).get("evaluation")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(evaluation, dict) and evaluation.get("model_sha256") == body.get(
+                "model_sha256"
+            ):
+                body["in_sample"] = {site_id: bool(evaluation.get("in_sample"))}
+
+
 def run(args: argparse.Namespace) -> int:
     """Verify, build and write the export; one line per known failure, exit status 2."""
     from afl.client.config import ConfigError as ClientConfigError
@@ -222,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
     from afl.server.errors import ConfigError as ServerConfigError
     from afl.server.errors import StateError
 
+    progress = Progress("afl export")
     try:
+        progress("verifying the signed model")
         party = _Party(Path(args.config))
         published = load_published_model(
             args.model, server_public_key=party.server_key, federation_id=party.federation_id
@@ -236,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 "not a registry backbone (`afl-client backbones`); pass --backbone NAME to pair "
                 "its head with one (testing only: the card says so)"
             )
+        progress(f"loading the backbone {name} and checking its weights file")
         backbone = load_backbone(name, weights=args.weights, sha256=args.sha256)
         if party.weights_sha256 and backbone.weights_sha256 != party.weights_sha256:
             raise ExportError(
@@ -243,7 +265,10 @@ def run(args: argparse.Namespace) -> int:
                 f"site's features were extracted with (sha256 {party.weights_sha256})"
             )
         metrics = {**party.metrics, **_evaluation_metrics(args.evaluation, published)}
+        if party.is_site:
+            _mark_in_sample(metrics, state_dir=party.site.state_dir, site_id=party.site.site_id)
         calibration = Calibration.load(args.calibration) if args.calibration else None
+        progress("tracing the classifier (TorchScript" + (")" if args.no_onnx else ", ONNX)"))
         card = export_classifier(
             published,
             backbone,

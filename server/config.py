@@ -43,6 +43,11 @@ Evaluation (docs/operations.md §6.1): with ``evaluate = true`` (not with [round
 releases carry no noise) the run's published model is evaluated in one more round under the run's
 protection, and a calibration is fitted from the summed histograms (``eval_calibration``).
 
+Validation gate (docs/protocol.md §6.2): an optional [round.gate] table (min_auc = 0.5,
+min_macro_auc = 0.5, min_sites = 2, require_every_class = true; :mod:`afl.server.solve.gate`)
+makes the run's evaluation round score the solved model as a candidate on the sites' hold-out rows
+BEFORE it is published; a candidate below the floor is not published and the run ends FAILED.
+
 Runs: [round] is the settings of the run the server creates at its first start; later runs are
 submitted with ``afl admin submit`` (their settings: the keys of [round], the ones left out taken
 from this file). [admins] names = ["operator"] lists the admin certificates (URI SAN
@@ -50,8 +55,9 @@ from this file). [admins] names = ["operator"] lists the admin certificates (URI
 payloads of a finished run that many days (0: deleted when the run ends; models, reports and the
 audit log are kept).
 
-Optional: [server] metrics_port (Prometheus; 0/absent = off) and metrics_address (default
-127.0.0.1), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
+Optional: [server] metrics_port (Prometheus; 0/absent = off), metrics_address (default
+127.0.0.1) and refusal_serve_s (60: how long a server that refuses its state answers the sites
+with its reason before it exits 2; 0 = exit at once), [limits] max_chunk_bytes, max_upload_bytes, and the per-site stream limits of
 :class:`afl.server.limits.StreamLimits` (watch_streams_per_site = 2, uploads_per_site = 2,
 downloads_per_site = 2, upload_idle_timeout_s = 60, worker_threads = 0: sized from the sites).
 Relative paths are resolved against the file's folder. A key or table this loader does not read is refused with a did-you-mean hint (a typo
@@ -78,6 +84,7 @@ from afl.crypto.secagg.graph_bounds import SECURITY_BITS
 from afl.server.errors import ConfigError
 from afl.server.limits import StreamLimits
 from afl.server.plan.dp import DpSettings, dp_settings_from_table
+from afl.server.solve.gate import GateSettings, gate_settings_from_table
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -242,6 +249,7 @@ class RoundSettings:
     evaluate: bool = False
     eval_calibration: str = "platt"
     eval_max_rows: int = 0
+    gate: GateSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,12 @@ class ServerConfig:
     admins: tuple[str, ...] = ()
     payload_retention_days: float = 0.0
     limits: StreamLimits = field(default_factory=StreamLimits)
+    # Seconds a server that refuses its state keeps answering sites with the reason before it
+    # exits 2 (afl.server.daemon.refusal); 0: exit at once.
+    refusal_serve_s: float = 60.0
+    # Seconds a stage stays open after an upload refused for a full disk (the sites retry it for
+    # their retry_window_s, default 180).
+    full_disk_hold_s: float = 180.0
 
 
 class _Table:
@@ -391,6 +405,16 @@ def _dp_settings(t: _Table) -> DpSettings | None:
         raise t.fail("dp", str(exc)) from exc
 
 
+def _gate_settings(t: _Table) -> GateSettings | None:
+    """The optional [round.gate] table (the validation gate, :mod:`afl.server.solve.gate`)."""
+    if "gate" not in t.data:
+        return None
+    try:
+        return gate_settings_from_table(t.get("gate", dict))
+    except ValueError as exc:
+        raise t.fail("gate", str(exc)) from exc
+
+
 def run_settings(
     table: Mapping[str, Any], *, source: str | Path, sites: Mapping[str, RosterSite]
 ) -> RoundSettings:
@@ -442,6 +466,8 @@ def settings_table(settings: RoundSettings) -> dict[str, Any]:
         )
     if settings.dp is not None:
         table["dp"] = dataclasses.asdict(settings.dp)
+    if settings.gate is not None:
+        table["gate"] = dataclasses.asdict(settings.gate)
     return table
 
 
@@ -525,6 +551,13 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]
             "a run with [round.dp] cannot evaluate its model: evaluation releases carry no DP "
             "noise (docs/protocol.md §6.1); evaluate in a run without DP, or set evaluate = false",
         )
+    gate = _gate_settings(t)
+    if gate is not None and dp is not None:
+        raise t.fail(
+            "gate",
+            "a run with [round.dp] cannot use the validation gate yet: the gate's evaluation "
+            "releases carry no DP noise (docs/protocol.md §6.2)",
+        )
     calibration = t.get("eval_calibration", str, "platt")
     if calibration not in EVAL_CALIBRATIONS:
         raise t.fail("eval_calibration", f"must be one of {EVAL_CALIBRATIONS}, got {calibration!r}")
@@ -560,8 +593,9 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]
         evaluate=evaluate,
         eval_calibration=calibration,
         eval_max_rows=eval_max_rows,
+        gate=gate,
     )
-    t.refuse_unknown(known=[*round_template(), "dp"])
+    t.refuse_unknown(known=[*round_template(), "dp", "gate"])
     return settings
 
 
@@ -603,6 +637,12 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
     if not 0 <= metrics_port <= 65535:
         raise server.fail("metrics_port", f"must be in 0..65535, got {metrics_port}")
     metrics_address = server.get("metrics_address", str, "127.0.0.1")
+    refusal_serve_s = float(server.get("refusal_serve_s", (int, float), 60.0))
+    if refusal_serve_s < 0:
+        raise server.fail("refusal_serve_s", f"must be >= 0, got {refusal_serve_s:g}")
+    full_disk_hold_s = float(limits.get("full_disk_hold_s", (int, float), 180.0))
+    if full_disk_hold_s < 0:
+        raise limits.fail("full_disk_hold_s", f"must be >= 0, got {full_disk_hold_s:g}")
     max_chunk = limits.get("max_chunk_bytes", int, DEFAULT_MAX_CHUNK_BYTES)
     max_upload = limits.get("max_upload_bytes", int, DEFAULT_MAX_UPLOAD_BYTES)
     if max_chunk < 1 or max_upload < max_chunk:
@@ -635,6 +675,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         max_upload_bytes=max_upload,
         ckks_public_context=ckks_context,
         limits=_stream_limits(limits),
+        refusal_serve_s=refusal_serve_s,
+        full_disk_hold_s=full_disk_hold_s,
     )
     for table in (server, tls, identity, limits, ckks, admins_table, retention):
         table.refuse_unknown()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from afl.server.config import ServerConfig
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import (
     ConflictError,
+    DiskFullError,
     InvalidRequestError,
     NotPermittedError,
     WrongStageError,
@@ -234,6 +236,7 @@ class Coordinator:
                 enrolled=enrolled,
                 latest_model_round_id=latest[0] if latest else "",
                 server_version=SERVER_VERSION,
+                restores_acknowledged=self.store.restores_acknowledged(),
             )
             note = self.machine.notes.get(site_id, "") if enrolled else ""
             if note:
@@ -368,26 +371,57 @@ class Coordinator:
             self.machine.mode_of(view).check_upload(
                 view, self.machine, site_id=site_id, release=release, data=upload.data
             )
-            self.store.put_upload(
-                view.round_id,
-                site_id,
-                release.name,
-                data=upload.data,
-                sha256=upload.sha256,
-                audit={
-                    "round_id": view.round_id,
-                    "site_id": site_id,
-                    "release": release.name,
-                    "sha256": upload.sha256.hex(),
-                    "bytes": len(upload.data),
-                },
-            )
+            try:
+                self.store.put_upload(
+                    view.round_id,
+                    site_id,
+                    release.name,
+                    data=upload.data,
+                    sha256=upload.sha256,
+                    audit={
+                        "round_id": view.round_id,
+                        "site_id": site_id,
+                        "release": release.name,
+                        "sha256": upload.sha256.hex(),
+                        "bytes": len(upload.data),
+                    },
+                )
+            except DiskFullError:
+                self.metrics.uploads.labels(outcome="disk-full").inc()
+                self._hold_open(view, site_id)
+                raise
             self.metrics.uploads.labels(outcome="stored").inc()
             self.metrics.upload_bytes.inc(len(upload.data))
             self.machine.advance()
             return self._receipt(
                 view, release.name, upload.sha256, len(upload.data), duplicate=False
             )
+
+    def _hold_open(self, view: RoundView, site_id: str) -> None:
+        """A site's upload was refused for a full disk and the site retries it (a "try later"
+        status): keep the stage open for ``[limits] full_disk_hold_s`` more seconds, so that space
+        freed within the sites' retry window lets every site in (docs/protocol.md M-141). When
+        even that small write fails, the deadline stays as it was."""
+        until = self.machine.now_ms() + int(self.config.full_disk_hold_s * 1000)
+        if view.row.deadline_ms >= until:
+            return
+        try:
+            self.store.update_round(
+                view.round_id,
+                stage=view.stage,
+                deadline_ms=until,
+                abort_reason=view.row.abort_reason,
+            )
+        except (sqlite3.Error, OSError) as exc:
+            log.warning(
+                "the disk is full; the stage deadline could not be extended",
+                extra={"round_id": view.round_id, "reason": str(exc)},
+            )
+            return
+        log.warning(
+            "the disk is full: an upload was refused (the site retries); the stage stays open",
+            extra={"round_id": view.round_id, "site_id": site_id, "deadline_ms": until},
+        )
 
     @staticmethod
     def _receipt(
@@ -402,9 +436,18 @@ class Coordinator:
         )
 
     def model(self, site_id: str, round_id: str = "") -> pb.SignedModel:
+        """The signed model of ``round_id`` (the latest when ""); while the round is VALIDATING,
+        its candidate (signed with context "candidate-model") for the round's participants, who
+        score it in the validation gate (docs/protocol.md §6.2)."""
         self.require_enrolled(site_id)
         with self.lock:
             found = self.store.model(round_id or None)
+            if found is None and round_id:
+                view = self.machine.find(round_id)
+                candidate = self.store.candidate(round_id)
+                if view.stage == pb.ROUND_STAGE_VALIDATING and candidate is not None:
+                    self.machine.require_participant(view, site_id)
+                    return pb.SignedModel(model=candidate[0], signature=candidate[1])
         if found is None:
             raise WrongStageError(
                 "no model has been published" + (f" for round {round_id!r}" if round_id else "")

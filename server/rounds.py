@@ -6,6 +6,10 @@ run queue is :mod:`afl.server.runs`, opening a plan :mod:`afl.server.plan.open`,
 transition commits its state and its audit record in ONE :meth:`Store.transaction`, then
 announces a round event, so a restarted coordinator resumes the open round. The machine is the
 modes' :class:`~afl.server.modes.base.RoundContext`; call every method with :attr:`lock` held.
+
+Under a validation gate ([round.gate], :mod:`afl.server.solve.gate`) the final round stores a
+candidate and waits in VALIDATING while the evaluation round scores it; that round publishes
+the candidate or ABORTS its round, and the run ends PUBLISHED or FAILED with the gate's reason.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from afl.server.modes.context import StoreContext
 from afl.server.plan.open import open_plan
 from afl.server.plan.release import RoundView, releases_from_plan
 from afl.server.runs import Run, Runs
+from afl.server.solve.gate import GateVerdict
 from afl.server.solve.publish import Publication, SolveFailed, Solver
-from afl.server.store import RoundRow, Store
+from afl.server.store import ENDED_RUN_STATES, RoundRow, Store
 
 __all__ = ["RoundMachine", "RoundView", "Stage"]
 
@@ -50,6 +55,7 @@ class Stage:
     SOLVING = pb.ROUND_STAGE_SOLVING
     PUBLISHED = pb.ROUND_STAGE_PUBLISHED
     ABORTED = pb.ROUND_STAGE_ABORTED
+    VALIDATING = pb.ROUND_STAGE_VALIDATING
     FINAL = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)
 
 
@@ -106,7 +112,7 @@ class RoundMachine(StoreContext):
     def abort_run(self, run_id: str, *, reason: str, by: str) -> Run:
         """Abort a queued or active run (its open round releases nothing)."""
         run = self.run(run_id)
-        if run.row.state in ("published", "aborted"):
+        if run.row.state in ENDED_RUN_STATES:
             raise WrongStageError(f"run {run_id!r} already ended ({run.row.state})")
         why = f"aborted by admin {by}: {reason}" if reason else f"aborted by admin {by}"
         if run.row.state == "queued":
@@ -209,6 +215,8 @@ class RoundMachine(StoreContext):
         if stage in Stage.FINAL:
             if run.row.state == "active":
                 self._close(view, run)
+        elif stage == Stage.VALIDATING:  # the gate round opens
+            self._close(view, run)
         elif stage == Stage.WAITING:
             self._wait(view, run, now)
         elif stage == Stage.PLAN_REVIEW:
@@ -300,9 +308,11 @@ class RoundMachine(StoreContext):
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None
     ) -> None:
         """ABORT ``view``; with ``replan_with``, open a replacement round with those sites when
-        they are at least ``min_participants``; otherwise the run ends (:meth:`_close`)."""
+        they are at least ``min_participants`` (the gate round: [round.gate] min_sites);
+        otherwise the run ends (:meth:`_close`)."""
         run = self.run_of(view)
-        sites = replan_with if len(replan_with or ()) >= run.settings.min_participants else None
+        enough = len(replan_with or ()) >= run.min_sites(view.row.number)
+        sites = replan_with if enough else None
         with self.announcer.transition():  # the aborted round and its replacement
             self._set_stage(view, Stage.ABORTED, reason=reason)
             if sites is not None:
@@ -327,16 +337,32 @@ class RoundMachine(StoreContext):
 
     def _close(self, ended: RoundView, run: Run) -> None:
         """After the active run's last round ended: open its next round (round 2, or the
-        evaluation round over the model's contributors), or end the run. An aborted
-        evaluation round ends the run published: its model stays."""
+        evaluation round over the model's contributors, or the gate round after VALIDATING), or
+        end the run. An aborted evaluation round ends the run published: its model stays; an
+        aborted gate round ends it FAILED (its candidate's round aborted), or ABORTED by an
+        admin. After the gate round the run ends as its candidate's round did."""
         settings, number = run.settings, ended.row.number
+        gated = run.gated(number)
         if ended.stage == Stage.ABORTED:
             reason = ended.row.abort_reason
-            if number > settings.rounds:
+            if gated:  # the candidate was never published: the gate could not decide
+                admin = reason.startswith("aborted by admin")
+                why = (
+                    reason if admin else f"validation gate could not score the candidate: {reason}"
+                )
+                self._end_candidate(ended, None, why)
+                self._finish_run(run.run_id, "aborted" if admin else "failed", why)
+            elif number > settings.rounds:
                 self._finish_run(run.run_id, "published", f"evaluation aborted: {reason}")
             else:
                 self._finish_run(run.run_id, "aborted", reason)
-        elif number < settings.rounds + int(settings.evaluate):
+        elif gated:  # the gate decided: its candidate's round is PUBLISHED or ABORTED
+            parent = self.find(ended.row.parent_round_id)
+            failed = parent.stage == Stage.ABORTED
+            self._finish_run(
+                run.run_id, "failed" if failed else "published", parent.row.abort_reason
+            )
+        elif ended.stage == Stage.VALIDATING or number < settings.rounds + int(settings.evaluate):
             sites = ended.row.participants
             if number == settings.rounds:  # the evaluation round: the model's contributors
                 sites = tuple(sorted(run.mode.contributors(ended)))
@@ -437,5 +463,37 @@ class RoundMachine(StoreContext):
         if isinstance(outcome, SolveFailed):
             self._abort(view, outcome.reason)
         elif outcome is not None:
-            self._set_stage(view, Stage.PUBLISHED, publication=outcome)
-            self.metrics.rounds.labels(outcome="published").inc()
+            with self.announcer.transition():  # the gate's decision and its evaluation: one
+                if outcome.verdict is not None:
+                    self._end_candidate(view, outcome.verdict, outcome.verdict.reason())
+                stage = Stage.VALIDATING if outcome.candidate else Stage.PUBLISHED
+                self._set_stage(view, stage, publication=outcome)
+            if not outcome.candidate:
+                self.metrics.rounds.labels(outcome="published").inc()
+
+    # --- the validation gate (afl.server.solve.gate) -------------------------------------------
+
+    def _end_candidate(self, gate: RoundView, verdict: GateVerdict | None, reason: str) -> None:
+        """Decide the candidate of the gate round's parent: publish it (``verdict`` passed: the
+        same ``Model`` bytes signed "model") or ABORT its round with ``reason``; the gate's
+        figures go into the audit log (event "gate") in the same transaction."""
+        parent = self.find(gate.row.parent_round_id)
+        if parent.stage in Stage.FINAL:  # decided before a restart
+            return
+        detail = verdict.to_json() if verdict is not None else {"passed": False, "reason": reason}
+        passed = verdict is not None and verdict.passed
+        with self.announcer.transition():
+            self.store.audit(
+                "gate", {"round_id": parent.round_id, "gate_round_id": gate.round_id, **detail}
+            )
+            if passed:
+                candidate = self.store.candidate(parent.round_id)
+                assert candidate is not None, "a VALIDATING round has a candidate"
+                published = self.solver.publish_candidate(parent.round_id, candidate[0])
+                self._set_stage(parent, Stage.PUBLISHED, publication=published)
+            else:
+                log.error(
+                    "validation gate failed", extra={"round_id": parent.round_id, "reason": reason}
+                )
+                self._set_stage(parent, Stage.ABORTED, reason=reason)
+        self.metrics.rounds.labels(outcome="published" if passed else "aborted").inc()

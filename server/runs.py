@@ -17,7 +17,7 @@ from afl.server.errors import WrongStageError
 from afl.server.modes.base import AggregationMode, ModeEnvironment
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.registry import mode_for
-from afl.server.store import EnrolmentRow, RunRow, Store
+from afl.server.store import ENDED_RUN_STATES, EnrolmentRow, RunRow, Store
 
 __all__ = ["Run", "Runs"]
 
@@ -36,6 +36,20 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.row.run_id
+
+    def gated(self, number: int) -> bool:
+        """Whether round ``number`` is the evaluation round of the run's validation gate."""
+        return self.settings.gate is not None and number == self.settings.rounds + 1
+
+    def min_sites(self, number: int) -> int:
+        """The fewest sites a replacement of round ``number`` needs: [round]
+        min_participants, or in the gate round [round.gate] min_sites."""
+        gate = self.settings.gate
+        return (
+            gate.min_sites
+            if gate is not None and self.gated(number)
+            else self.settings.min_participants
+        )
 
     def refuses(self, enrolment: EnrolmentRow) -> str:
         """Why an enrolled site cannot take part in this run ("" if it can): its declared
@@ -147,7 +161,7 @@ class Runs:
         log.info("run started", extra={"run_id": run.run_id})
 
     def finish(self, run_id: str, state: str, reason: str, *, at_ms: int) -> None:
-        """End a run PUBLISHED or ABORTED; its mode forgets its rounds, and with no payload
+        """End a run PUBLISHED, ABORTED or FAILED (the validation gate); its mode forgets its rounds, and with no payload
         retention its payloads are deleted at once."""
         model = self.published(run_id)
         detail = {
@@ -198,5 +212,5 @@ class Runs:
         self._next_purge_ms = now_ms + 60_000
         keep_ms = self.config.payload_retention_days * _DAY_MS
         for row in self.store.runs():
-            if row.state in ("published", "aborted") and row.finished_ms + keep_ms <= now_ms:
+            if row.state in ENDED_RUN_STATES and row.finished_ms + keep_ms <= now_ms:
                 self._purge(row.run_id)

@@ -14,7 +14,8 @@ naming a round of another mode is FAILED_PRECONDITION. The Admin service (:class
 (``x-afl-admin`` header with ``--insecure``); site certificates never open it.
 
 Long-lived streams (``WatchRounds``, ``Upload``, ``Download``) each hold one of the caller's
-per-site slots (:class:`afl.server.limits.SiteStreams`; the excess is RESOURCE_EXHAUSTED), and an
+per-site slots (:class:`afl.server.limits.SiteStreams`; the excess is RESOURCE_EXHAUSTED, marked
+"try later" like a full disk: trailing metadata ``wire.TRY_LATER_TRAILER``), and an
 upload whose next chunk does not come within ``[limits] upload_idle_timeout_s`` is closed with
 DEADLINE_EXCEEDED (:func:`afl.server.limits.idle_limited`).
 """
@@ -73,6 +74,11 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
+#: Refusals that pass once the coordinator recovers (free disk space, a stream slot): sent with
+#: the trailing metadata ``wire.TRY_LATER_TRAILER`` so that sites retry them with back-off.
+_TRY_LATER: tuple[type[Exception], ...] = (DiskFullError, LimitExceededError)
+
+
 def status_for(error: Exception) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and message for an exception raised while serving a request.
 
@@ -106,6 +112,8 @@ class _Thin:
                     "request refused",
                     extra={"method": method, "code": code.name, "reason": message},
                 )
+            if isinstance(exc, _TRY_LATER):
+                context.set_trailing_metadata(((wire.TRY_LATER_TRAILER, "1"),))
             context.abort(code, message)
             raise AssertionError("unreachable") from exc  # context.abort raises
 

@@ -3,7 +3,9 @@ before their rows, and ``anchor.json`` outside the database so that a rolled-bac
 damaged state is refused at start-up (:class:`StateError`), never silently started fresh. Every
 write is one transaction; :meth:`Store.transaction` (re-entrant) makes a transition's state and
 its hash-chained audit record one. Tables, files and the anchor: docs/architecture.md §8;
-backups: docs/operations.md. Not thread-safe by itself: the coordinator serialises calls.
+backups: docs/operations.md. A purge commits its intent before it unlinks, and
+:meth:`Store.sweep_payloads` removes what an interrupted purge or upload left at start-up.
+Not thread-safe by itself: the coordinator serialises calls.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from afl.server.errors import DiskFullError, StateError
 __all__ = [
     "ANCHOR_NAME",
     "DB_NAME",
+    "ENDED_RUN_STATES",
     "SCHEMA_VERSION",
     "EnrolmentRow",
     "MessageRow",
@@ -78,6 +81,9 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE TABLE IF NOT EXISTS models (
     round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS candidates (
+    round_id TEXT PRIMARY KEY, model BLOB NOT NULL, signature BLOB NOT NULL,
+    created_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS evaluations (
     round_id TEXT PRIMARY KEY, evaluation BLOB NOT NULL, signature BLOB NOT NULL,
     created_ms INTEGER NOT NULL);
@@ -91,7 +97,9 @@ CREATE TABLE IF NOT EXISTS audit_log (
 
 #: Run states: queued (submitted, waiting for the runs before it), active (its rounds are open),
 #: published (its final round's model is published), aborted (no model; the reason says why).
-RUN_STATES = ("queued", "active", "published", "aborted")
+RUN_STATES = ("queued", "active", "published", "aborted", "failed")  # failed: the gate
+#: The states of a run that ended.
+ENDED_RUN_STATES = ("published", "aborted", "failed")
 
 
 def now_ms() -> int:
@@ -246,6 +254,8 @@ class Store:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
+            # Deleted rows (purged messages) are overwritten, not left in free pages.
+            self._db.execute("PRAGMA secure_delete=ON")
             self._check_integrity()
             self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:
@@ -435,6 +445,34 @@ class Store:
                 "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),)
             )
 
+    # --- restores ----------------------------------------------------------------------------
+
+    def restores_acknowledged(self) -> int:
+        """How many restores from an older backup the operator acknowledged (GetStatus tells the
+        sites; docs/protocol.md M-142)."""
+        row = self._db.execute(
+            "SELECT value FROM meta WHERE key = 'restores_acknowledged'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def acknowledge_restore(self, *, by: str, reason: str, aborted_runs: Sequence[str]) -> int:
+        """Count the operator's confirmation that this state was restored from an older backup
+        and append its "restore-acknowledged" audit record (who, why, the runs aborted for it),
+        in ONE transaction; returns the new count."""
+        count = self.restores_acknowledged() + 1
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO meta VALUES ('restores_acknowledged', ?) ON CONFLICT(key) DO UPDATE "
+                "SET value = excluded.value",
+                (str(count),),
+            )
+            self._append_audit(
+                db,
+                "restore-acknowledged",
+                {"by": by, "reason": reason, "count": count, "aborted_runs": list(aborted_runs)},
+            )
+        return count
+
     # --- enrolment ---------------------------------------------------------------------------
 
     def put_enrolment(self, row: EnrolmentRow, *, software_version: str) -> None:
@@ -492,9 +530,7 @@ class Store:
         """Set a run's state; ``at_ms`` (default: now) is its finishing time when it ended."""
         if state not in RUN_STATES:
             raise ValueError(f"unknown run state {state!r}")
-        finished = (
-            (now_ms() if at_ms is None else at_ms) if state in ("published", "aborted") else 0
-        )
+        finished = (now_ms() if at_ms is None else at_ms) if state in ENDED_RUN_STATES else 0
         with self._tx() as db:
             db.execute(
                 "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",
@@ -692,25 +728,72 @@ class Store:
 
     def purge_payloads(self, round_ids: Sequence[str]) -> int:
         """Delete the payload files of ``round_ids`` (retention); their rows stay, marked purged.
-        Returns the number of files deleted."""
-        deleted = 0
-        for round_id in round_ids:
-            rows = self._db.execute(
-                "SELECT path FROM uploads WHERE round_id = ? AND purged = 0", (round_id,)
-            ).fetchall()
-            with self._tx() as db:
+        Returns the number of files deleted.
+
+        Record the intent, then delete: ``purged = 1`` for every row of ``round_ids`` (and the
+        deletion of their messages) is committed in one transaction, then the files are
+        unlinked. A crash between the two leaves files
+        whose rows say purged; :meth:`sweep_payloads` removes them at the next start-up, so no
+        statistic outlives its purge (docs/protocol.md M-140)."""
+        assert not self._depth, "a purge commits its intent before it unlinks: never nested"
+        paths: list[str] = []
+        with self._tx() as db:  # the intent for every round at once: a kill leaves no round out
+            for round_id in round_ids:
+                paths += [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT path FROM uploads WHERE round_id = ? AND purged = 0", (round_id,)
+                    ).fetchall()
+                ]
                 db.execute("UPDATE uploads SET purged = 1 WHERE round_id = ?", (round_id,))
                 db.execute("DELETE FROM messages WHERE round_id = ?", (round_id,))
-            for (path_text,) in rows:
-                self._payload_path(path_text).unlink(missing_ok=True)
-                deleted += 1
-            folder = self.state_dir / "payloads" / round_id
-            for sub in sorted(folder.glob("*"), reverse=True):
-                if sub.is_dir() and not any(sub.iterdir()):
-                    sub.rmdir()
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
-        return deleted
+        for path_text in paths:
+            self._payload_path(path_text).unlink(missing_ok=True)
+        for round_id in round_ids:
+            _remove_empty_folders(self.state_dir / "payloads" / round_id)
+        return len(paths)
+
+    def sweep_payloads(self) -> list[str]:
+        """Remove every file under ``payloads/`` that no unpurged upload row names: files of a
+        purge interrupted between its record and its unlinks, and files of an upload interrupted
+        before its row was committed (and their ``.tmp`` leftovers). Appends one
+        "payloads-swept" audit record listing what was removed (paths relative to the state
+        folder: round, site and SHA-256) when anything was; returns that list. afl-server runs it
+        at every start, with its port bound (so no other server writes to the folder); never
+        call it beside a running server (its in-flight uploads have files before rows)."""
+        root = self.state_dir / "payloads"
+        if not root.is_dir():
+            return []
+        kept = {
+            self._payload_path(r[0]).resolve()
+            for r in self._db.execute("SELECT path FROM uploads WHERE purged = 0").fetchall()
+        }
+        removed = sorted(
+            str(path.relative_to(self.state_dir))
+            for path in root.rglob("*")
+            if (path.is_file() or path.is_symlink()) and path.resolve() not in kept
+        )
+        if not removed:
+            return []
+        purged = {
+            r[0] for r in self._db.execute("SELECT path FROM uploads WHERE purged = 1").fetchall()
+        }
+        for name in removed:
+            (self.state_dir / name).unlink(missing_ok=True)
+        for folder in sorted(root.iterdir()):
+            if folder.is_dir():
+                _remove_empty_folders(folder)
+        with self._tx() as db:
+            self._append_audit(
+                db,
+                "payloads-swept",
+                {
+                    "removed": removed,
+                    "purged_rows": sum(name in purged for name in removed),
+                    "reason": "files left by an interrupted purge or upload",
+                },
+            )
+        return removed
 
     def put_message(
         self, round_id: str, *, stage: int, site_id: str, kind: str, data: bytes
@@ -769,6 +852,24 @@ class Store:
         return self._put_signed(
             "models", path, signed, round_id=round_id, blob=model, sig=signature
         )
+
+    def put_candidate(self, round_id: str, *, model: bytes, signature: bytes) -> str:
+        """Commit the candidate of a gated round (signed with context "candidate-model"; a row
+        only, no file: it is not published, docs/protocol.md §6.2); the SHA-256 (hex) of
+        ``model``."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO candidates VALUES (?, ?, ?, ?)",
+                (round_id, model, signature, now_ms()),
+            )
+        return hashlib.sha256(model).hexdigest()
+
+    def candidate(self, round_id: str) -> tuple[bytes, bytes] | None:
+        """(model bytes, candidate signature) of a gated round, if it has one."""
+        row = self._db.execute(
+            "SELECT model, signature FROM candidates WHERE round_id = ?", (round_id,)
+        ).fetchone()
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def model(self, round_id: str | None = None) -> tuple[str, bytes, bytes] | None:
         """(round id, model bytes, signature) of ``round_id``, or the latest when None."""
@@ -886,6 +987,17 @@ class Store:
             if int(seq) == at_seq:
                 found = prev
         return valid, found
+
+
+def _remove_empty_folders(folder: Path) -> None:
+    """Remove ``folder`` and its sub-folders that hold no file (deepest first)."""
+    if not folder.is_dir():
+        return
+    for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if sub.is_dir() and not any(sub.iterdir()):
+            sub.rmdir()
+    if not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:

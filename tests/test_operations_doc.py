@@ -20,6 +20,7 @@ the default γ = 1); the sites' request fingerprints as the operator's `afl ca s
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sys
 import tomllib
@@ -38,6 +39,7 @@ from tests.helpers.doc_commands import (
     StepRunner,
     base_environment,
     doc_steps,
+    edit_target,
     used_variables,
     variables_block,
 )
@@ -45,6 +47,16 @@ from tests.helpers.numeric import pooled_ridge, relative_error
 from tests.helpers.pipeline import weights_file
 
 ROOT = Path(__file__).resolve().parents[1]
+# The operator and the coordinator install the server dependencies only (§1): their commands run
+# with the client's and the lab's packages unimportable (tests/helpers/unimportable).
+SERVER_ONLY = {
+    "PYTHONPATH": os.pathsep.join(
+        p
+        for p in (str(ROOT / "tests" / "helpers" / "unimportable"), os.environ.get("PYTHONPATH"))
+        if p
+    ),
+    "AFL_TEST_UNIMPORTABLE": "torch,torchvision,torchxrayvision,matplotlib,sklearn,PIL,pydicom",
+}
 DOC = ROOT / "docs" / "operations.md"
 BACKBONE = "xrv-densenet121-all"
 # The classes of the document's server.toml, and what each hospital labels (its manifest's columns).
@@ -105,6 +117,34 @@ def test_the_documented_path_is_marked_and_self_contained() -> None:
         tomllib.loads(step.body)  # the TOML a person writes is valid as shown
 
 
+def test_edit_blocks_fit_the_templates_as_shown() -> None:
+    """issue 28 item 11: a block appended as shown does not repeat a table the provisioned
+    template already has (TOML: "Cannot declare ('client',) twice"); a block marked with a table
+    changes keys of a table the template has."""
+    from afl.ops.provisioning import _client_toml, _server_toml
+
+    key, peers = b"\x01" * 32, {"s1": b"\x02" * 32}
+    templates = {  # what the production bundle writes (the site's has no [policy])
+        "$KIT/client.toml": _client_toml(
+            site_id="s1", federation_id="f", server_address="localhost:1", role="participant",
+            site_public=peers["s1"], server_public=key, peers=peers, policy=None,
+        ),
+        "$SERVER_KIT/server.toml": _server_toml(
+            federation_id="f", listen="[::]:1", server_public=key, peers=peers,
+            roles={"s1": "participant"}, round_settings=None,
+        ),
+    }  # fmt: skip
+    edits = [s for s in _steps() if s.kind == "edit"]
+    assert {edit_target(s)[1] for s in edits} >= {("client",), ("data",), ("server",), ("round",)}
+    for step in edits:
+        target, table = edit_target(step)
+        text = templates[target]
+        if table:
+            assert table[0] in tomllib.loads(text), f"{step.where()}: no [{table[0]}] in {target}"
+        else:
+            tomllib.loads(text + "\n" + step.body)  # appending as shown keeps the file valid
+
+
 def _stand_in_weights(folder: Path) -> Path:
     """A state dict of the backbone's architecture under the published file's name; the final
     BatchNorm is scaled by 1e-3 so that its ReLU features (exactly proportional) have row norms
@@ -127,13 +167,14 @@ def _parties(tmp: Path, weights: Path) -> dict[str, Party]:
     everyone["WEIGHTS_SHA256"] = digest
     parties = {
         "operator": Party(
-            "operator", tmp / "operator", dict(everyone), stdin="correct horse\n" * 2
+            "operator", tmp / "operator", {**everyone, **SERVER_ONLY}, stdin="correct horse\n" * 2
         ),
         "coordinator": Party(
             "coordinator",
             tmp / "coordinator" / "home",
             {
                 **everyone,
+                **SERVER_ONLY,
                 "SERVER_KIT": str(tmp / "coordinator" / "etc" / "server"),
                 "SERVER_STATE": str(tmp / "coordinator" / "var" / "afl-server"),
                 "WEIGHTS": str(weights),

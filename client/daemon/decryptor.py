@@ -42,18 +42,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from google.protobuf.message import DecodeError
+from numpy.typing import NDArray
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
+    CoordinatorRefused,
     DaemonError,
     retry_policy,
 )
 from afl.client.daemon.verify import VerificationError, verify_signed_plan
+from afl.core.influence import InfluenceBound, class_vector_problem, gram_problem
+from afl.core.packing import unpack_upper
 from afl.crypto import kdf
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.decrypt import CkksRelease, Decryptor
@@ -179,6 +184,7 @@ class RoundDecryptor:
         federation_id: str,
         peers: Mapping[str, bytes],
         ledger: DecryptionLedger | None = None,
+        site_bound: InfluenceBound | None = None,
     ) -> None:
         try:
             plan, plan_sha = verify_signed_plan(
@@ -214,6 +220,7 @@ class RoundDecryptor:
             else lambda name, digest: ledger.record(round_id, name, digest),
         )
         self.senders: set[str] = set()
+        self.site_bound = site_bound  # one member's dataset bound (None: not checked)
 
     def add_tags(self, sealed: pb.SealedMessage) -> None:
         """Open one site's sealed AggregateTags and register them (each sender once); a
@@ -263,7 +270,46 @@ class RoundDecryptor:
             return _STATUS[type(exc)], str(exc), b""
         except CryptoError as exc:
             return pb.DECRYPTION_STATUS_REFUSED_MALFORMED, str(exc), b""
+        problem = self._bound_problem(job.release_name, values, members=len(job.member_site_ids))
+        if problem:
+            return pb.DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND, problem, b""
         return pb.DECRYPTION_STATUS_DECRYPTED, "", values.astype("<f8").tobytes()
+
+    def _bound_problem(self, name: str, values: NDArray[np.float64], *, members: int) -> str:
+        """Why the decrypted sum of ``name`` over ``members`` sites lies outside what that many
+        datasets within :attr:`site_bound` could produce ("" if it does not, or unchecked: no
+        bound, DP noise, other statistics; :mod:`afl.core.influence`)."""
+        release = self.releases.get(name)
+        if self.site_bound is None or release is None or self.plan.dp.enabled:
+            return ""
+        total = InfluenceBound(0.0, 0.0, 0.0)
+        for _ in range(members):
+            total = total + self.site_bound
+        if release.kind == cpb.STATISTIC_KIND_GRAM:
+            gram = values
+            if release.encoding.packing == cpb.PACKING_UPPER_TRIANGLE:
+                gram = unpack_upper(values)
+            problem = gram_problem(gram.reshape(tuple(release.shape)), bound=total)
+        elif release.kind == cpb.STATISTIC_KIND_CLASS_VECTOR:
+            vectors = values.reshape(tuple(release.shape))
+            problem = class_vector_problem(vectors, bound=total, classes=tuple(release.class_names))
+        else:
+            return ""
+        if not problem:
+            return ""
+        return (
+            f"release {name!r}, the sum of {members} member(s): {problem} (per member N <= "
+            f"{self.site_bound.count:g}, 2L = {self.site_bound.vector_norm:g}: this decryptor's "
+            "[policy] decrypt_max_rows and decrypt_max_row_norm)"
+        )
+
+
+def _site_bound(config: ClientConfig) -> InfluenceBound | None:
+    """One member's dataset bound from the decryptor's [policy] (None when not set)."""
+    rows, norm = config.policy.decrypt_max_rows, config.policy.decrypt_max_row_norm
+    if rows <= 0 or norm <= 0:
+        return None
+    return InfluenceBound.of_dataset(rows=rows, max_row_norm=norm)
 
 
 class DecryptorDaemon:
@@ -339,6 +385,7 @@ class DecryptorDaemon:
                 federation_id=self.config.federation_id,
                 peers=self.config.peers,
                 ledger=self.ledger,
+                site_bound=_site_bound(self.config),
             )
             if work.plan.round_id != jobs.round_id:
                 raise DaemonError(
@@ -443,6 +490,8 @@ class DecryptorDaemon:
                         self.enroll_and_publish()
                         published = True
                     handled = self.serve_once()
+                except CoordinatorRefused:
+                    raise  # the coordinator refuses its state: stop with its reason (M-143)
                 except DaemonError as exc:
                     log.warning("decryptor: %s (retrying)", exc)
                 if handled:

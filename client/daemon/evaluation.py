@@ -16,6 +16,11 @@ survivor floors; an evaluation plan that determines ANY site's counts by differe
   equals the plan's. A coordinator can sign any W with its key; a site never scores its rows with
   a W it did not receive as the published result of a round it accepted (a crafted W, e.g. a unit
   vector, would release the histogram of one feature);
+* the validation gate (docs/protocol.md §6.2): the model may instead be a CANDIDATE the site
+  kept at the end of a round it took part in (``state_dir/candidates/<round>.signed-model.pb``,
+  signed with context "candidate-model", its ``Model`` bound to that round and to the plan the
+  site accepted); a site without ``[data] holdout`` refuses to score a candidate, saying so (the
+  gate uses the other sites);
 * :func:`evaluation_rows`: which rows it evaluates on, the site's choice: the feature cache of
   ``[data] holdout`` (held-out labelled images, same d and class names) when configured, else its
   training cache, flagged in-sample in its report and in the warnings of the report it sends;
@@ -38,6 +43,7 @@ from afl.client.model.published import ModelFileError, PublishedModel, load_publ
 from afl.client.payloads.stats import PayloadError, labelled_mask
 from afl.core.data.featurecache import FeatureCache, FeatureCacheError, open_cache
 from afl.crypto.identity.pki import write_private_file
+from afl.crypto.identity.signed_blobs import CANDIDATE_CONTEXT, MODEL_CONTEXT
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import EVALUATION_KINDS, WireError, read_evaluation
@@ -47,14 +53,9 @@ __all__ = [
     "evaluated_model",
     "evaluation_problem",
     "evaluation_rows",
-    "is_evaluation_plan",
+    "is_candidate",
     "save_evaluation",
 ]
-
-
-def is_evaluation_plan(plan: cpb.ReleasePlan) -> bool:
-    """Whether ``plan`` is an evaluation round's (it holds an evaluation release)."""
-    return any(r.kind in EVALUATION_KINDS for r in plan.releases)
 
 
 def _model_digest(plan: cpb.ReleasePlan) -> str:
@@ -73,30 +74,44 @@ def _model_digest(plan: cpb.ReleasePlan) -> str:
 def evaluated_model(
     plan: cpb.ReleasePlan, *, state_dir: Path, server_public_key: bytes, federation_id: str
 ) -> PublishedModel:
-    """The model the plan evaluates, from this site's own verified models (module docstring);
-    ValueError naming the problem otherwise."""
+    """The model the plan evaluates, from this site's own verified models or candidates (module
+    docstring; :func:`is_candidate` tells which); ValueError naming the problem otherwise."""
     digest = _model_digest(plan)
-    for path in sorted((state_dir / "models").glob("*.signed-model.pb")):
-        try:
-            model = load_published_model(
-                path, server_public_key=server_public_key, federation_id=federation_id
-            )
-        except ModelFileError:
-            continue
-        if model.model_sha256 == digest:
-            return model
+    for folder, context in (("models", MODEL_CONTEXT), ("candidates", CANDIDATE_CONTEXT)):
+        for path in sorted((state_dir / folder).glob("*.signed-model.pb")):
+            try:
+                model = load_published_model(
+                    path,
+                    server_public_key=server_public_key,
+                    federation_id=federation_id,
+                    context=context,
+                )
+            except ModelFileError:
+                continue
+            if model.model_sha256 == digest:
+                return model
     raise ValueError(
         f"the plan evaluates model {digest[:16]}…, which this site has not verified (no model it "
         "received at the end of a round it took part in has this digest)"
     )
 
 
+def is_candidate(model: PublishedModel) -> bool:
+    """Whether ``model`` (from :func:`evaluated_model`) is a candidate the gate scores."""
+    return model.path.parent.name == "candidates"
+
+
 def evaluation_problem(
-    plan: cpb.ReleasePlan, *, state_dir: Path, server_public_key: bytes, federation_id: str
+    plan: cpb.ReleasePlan,
+    *,
+    state_dir: Path,
+    server_public_key: bytes,
+    federation_id: str,
+    has_holdout: bool = True,
 ) -> str:
     """Why this site refuses an evaluation plan ("" if it does not; module docstring)."""
     try:
-        evaluated_model(
+        model = evaluated_model(
             plan,
             state_dir=state_dir,
             server_public_key=server_public_key,
@@ -104,6 +119,11 @@ def evaluation_problem(
         )
     except ValueError as exc:
         return str(exc)
+    if is_candidate(model) and not has_holdout:
+        return (
+            "this site has no hold-out rows to score the candidate model in the validation gate "
+            "(set [data] holdout in client.toml); the gate uses the other sites"
+        )
     return ""
 
 

@@ -1,26 +1,21 @@
-"""The afl-client daemon loop (docs/architecture.md §3; contract in the module docs of
-:mod:`afl.client.daemon.rpc`, :mod:`afl.client.daemon.verify`, :mod:`afl.client.policy.plan` and
-:mod:`afl.client.modes.base`).
+"""The afl-client daemon loop: one site taking part in rounds, from enrolment to the verified
+model (the steps are docs/architecture.md §3). It verifies and decides (:mod:`afl.client.daemon.
+verify`, :mod:`afl.client.policy.plan`), sends what :mod:`afl.client.payloads.dispatch` builds
+through the round's mode (:mod:`afl.client.modes`), and keeps a :class:`~afl.client.daemon.
+report.RoundReport` of each round. A run with a validation gate (docs/protocol.md §6.2) ends its
+final round VALIDATING: the site keeps the candidate, scores it in the evaluation round and keeps
+the published model only if the signed evaluation says the gate passed.
 
-One run: statistics from the feature cache (read back from ``state_dir`` when already computed)
--> Enroll (identity key + proof of possession) -> poll GetStatus with back-off until a round the
-site takes part in opens -> GetRoundConfig, verify the server's signature on the release plan,
-check it against the local policy -> RespondToPlan (signed) -> when the round collects uploads,
-the mode's exchange (:mod:`afl.client.modes.registry`; plaintext: one chunked Upload per slot) -> wait for the model, verify its
-signature -> local JSON report (``state_dir/reports/<round>.json``) and SubmitReport. A round 2
-(pseudo-label refinement, paper eq. 16-22) opened within ``linger_s`` is taken part in the same way,
-and so is a run's evaluation round (:mod:`afl.client.daemon.evaluation`: the model the site
-verified, its hold-out or training rows; the signed result is kept under ``state_dir/evaluations``).
-
-An aborted round (e.g. another site refused the plan) is reported, then the daemon waits up to
-``linger_s`` for the replacement round the coordinator opens with the remaining sites.
-
-Exit codes: 0 the last round completed, 1 failure, 3 this site refused the plan, 4 the last round
-was aborted and no replacement came.
+Exit codes: 0 the last round completed (or nothing new to take part in), 1 failure, 3 this site
+refused the plan, 4 the last round was aborted and no replacement came (also when it was aborted
+before this site took part; an aborted round is followed by waiting up to ``linger_s`` for the
+replacement round), 5 the run went on without this site (left out: the coordinator's note says
+why) and it took part in no round.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -28,7 +23,6 @@ from importlib import metadata
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
@@ -36,9 +30,10 @@ from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
     evaluation_rows,
-    is_evaluation_plan,
+    is_candidate,
     save_evaluation,
 )
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
 from afl.client.daemon.transport import (
@@ -55,19 +50,24 @@ from afl.client.daemon.verify import (
     verify_model,
     verify_round_config,
 )
+from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
 from afl.client.modes.registry import MODES
-from afl.client.payloads.dp import dp_round_payloads
-from afl.client.payloads.evaluation import evaluation_slot_payloads
+from afl.client.payloads.dispatch import (
+    ROUND_TWO_KINDS,
+    Scoring,
+    needs_parent_model,
+    round_payloads,
+)
+from afl.client.payloads.evaluation import is_evaluation_plan
 from afl.client.payloads.stats import (
+    RoundOne,
     SlotPayload,
     labelled_mask,
-    load_or_compute_pseudo,
     load_or_compute_stats,
     round_classes,
-    slot_payloads,
 )
-from afl.client.policy.dp import DpAssessment, DpContext, assess_plan, dp_report
+from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
 from afl.client.policy.plan import PolicyDecision, check_plan
 from afl.core.data.featurecache import FeatureCache, open_cache
@@ -80,9 +80,17 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-__all__ = ["EXIT_ABORTED", "EXIT_FAILED", "EXIT_OK", "EXIT_REFUSED", "ClientDaemon", "RoundFailed"]
+__all__ = [
+    "EXIT_ABORTED",
+    "EXIT_FAILED",
+    "EXIT_LEFT_OUT",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "ClientDaemon",
+    "RoundFailed",
+]
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED = 0, 1, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_ABORTED, EXIT_LEFT_OUT = 0, 1, 3, 4, 5
 _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_COMPLETED: EXIT_OK,
     pb.CLIENT_OUTCOME_REFUSED_PLAN: EXIT_REFUSED,
@@ -90,8 +98,7 @@ _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_FAILED: EXIT_FAILED,
 }
 log = logging.getLogger("afl.client")
-_ROUND_TWO = (cpb.STATISTIC_KIND_PSEUDO_CLASS_VECTOR, cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM)
-_PSEUDO = (*_ROUND_TWO, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
+_PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
 def _version() -> str:
@@ -126,6 +133,7 @@ class ClientDaemon:
         )
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
+        self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
@@ -193,8 +201,16 @@ class ClientDaemon:
         return response
 
     def _model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes | None
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes | None,
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> tuple[VerifiedModel, int]:
+        """Fetch, verify and keep the round's model (``candidate``: the candidate of a round in
+        VALIDATING, kept apart; ``expect_sha256``: the model must be these ``Model`` bytes)."""
         assert self.stats is not None
         signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
         verified = verify_model(
@@ -205,8 +221,17 @@ class ClientDaemon:
             class_names=class_names,
             d=self.stats.d,
             plan_sha256=plan_sha256,
+            context=signed_blobs.CANDIDATE_CONTEXT if candidate else signed_blobs.MODEL_CONTEXT,
         )
-        self.store.save_model(round_id, signed, verified.weights)
+        if expect_sha256 and verified.model_sha256 != expect_sha256:
+            raise VerificationError(
+                f"round {round_id}: the published model (sha256 {verified.model_sha256[:16]}...) "
+                f"is not the candidate the gate scored ({expect_sha256[:16]}...)"
+            )
+        if candidate:
+            self.store.save_candidate(round_id, signed)
+        else:
+            self.store.save_model(round_id, signed, verified.weights)
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -243,7 +268,8 @@ class ClientDaemon:
             return PolicyDecision(False, str(exc)), None, b""
         problem = self._round_problems(cfg)
         if not problem and is_evaluation_plan(plan):  # only a model this site verified
-            problem = evaluation_problem(plan, **self._model_source())
+            has_holdout = self.config.data.holdout is not None
+            problem = evaluation_problem(plan, has_holdout=has_holdout, **self._model_source())
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         try:
@@ -313,7 +339,35 @@ class ClientDaemon:
         )
         files = save_evaluation(signed, evaluation, self.state / "evaluations")
         digest = signed_blobs.blob_sha256(signed.evaluation).hex()
-        return {"sha256": digest, "members": list(evaluation.members), "files": files}
+        result: dict[str, Any] = {
+            "sha256": digest, "members": list(evaluation.members), "files": files
+        }  # fmt: skip
+        gate = json.loads(evaluation.evaluation_json or b"{}").get("gate")
+        if gate is not None:  # the validation gate's verdict (docs/protocol.md §6.2)
+            result["gate"] = gate
+            result["model_round_id"] = evaluation.model_round_id
+        return result
+
+    def _gate_outcome(self, plan: cpb.ReleasePlan, report: RoundReport) -> None:
+        """After a gate's evaluation: keep the published model if the candidate passed (the same
+        ``Model`` bytes, now signed "model"); RoundFailed with the gate's reason if it failed."""
+        assert report.evaluation is not None
+        gate = report.evaluation.get("gate")
+        candidate = evaluated_model(plan, **self._model_source())
+        if gate is None or not is_candidate(candidate):
+            return
+        if not gate.get("passed"):
+            reason = str(gate.get("reason") or "validation gate failed")
+            log.error("site=%s: the candidate was not published: %s", self.site_id, reason)
+            raise RoundFailed(pb.CLIENT_OUTCOME_FAILED, reason)
+        round_id = check_round_id(str(report.evaluation["model_round_id"]))
+        self.receive_model(
+            round_id,
+            class_names=list(candidate.model.class_names),
+            plan_sha256=bytes(candidate.model.plan_sha256),
+            report=report,
+            expect_sha256=candidate.model_sha256,
+        )
 
     def _dp_context(self, cfg: pb.RoundConfig) -> DpContext:
         """Patient ids, the lifetime ledger without this round, and μ of the run's round 1."""
@@ -326,8 +380,11 @@ class ClientDaemon:
             run_mu=first.mu_for(unit) if first is not None else 0.0,
         )
 
-    def _record(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> DpAssessment:
-        """Write the plan's ledger entry (before any upload leaves); the assessment it holds."""
+    def _record(
+        self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
+    ) -> None:
+        """Write the plan's ledger entry (before any upload leaves); a DP plan's assessment goes
+        into ``report``."""
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
@@ -349,7 +406,8 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
-        return dp
+        if plan.dp.enabled:
+            report.dp = dp_report(plan, self.site_id, dp)
 
     def _respond(
         self, round_id: str, decision: PolicyDecision, plan_sha: bytes, *, graph_nonce: bytes = b""
@@ -381,19 +439,14 @@ class ClientDaemon:
         )
         self.rpc.call("RespondToPlan", request)
 
-    def round_payloads(
-        self,
-        cfg: pb.RoundConfig,
-        plan: cpb.ReleasePlan,
-        mode: AggregationMode,
-        report: dict[str, Any],
+    def payloads(
+        self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, mode: AggregationMode, report: RoundReport
     ) -> list[SlotPayload]:
-        """This site's payloads for an accepted plan, each release encoded by ``mode``: the
-        statistics in the round's class view; round 2 first fetches and verifies round 1's model
-        and computes the pseudo-labels; DP: the unit's rows, clipped, with the noise share."""
+        """This site's payloads for an accepted plan (:func:`afl.client.payloads.dispatch.
+        round_payloads`), after fetching what they need from outside its data: round 1's model
+        for a round 2 (fetched and verified), the model an evaluation round scores (one this
+        site verified) and the rows it scores."""
         assert self.stats is not None and self.cache is not None
-        timings: dict[str, float] = report["timings_s"]
-        round_id = cfg.round_id
         class_names = list(cfg.class_names)
         view = round_classes(
             self.stats,
@@ -402,81 +455,62 @@ class ClientDaemon:
             round_classes=class_names,
         )
         if view.note:
-            log.warning("site=%s round %s: %s", self.site_id, round_id, view.note)
-            report["classes_note"] = view.note
-        stats = view.stats
-        pseudo, parent_weights = None, None
-        if any(r.kind in _ROUND_TWO for r in plan.releases):
-            t0 = time.perf_counter()
+            log.warning("site=%s round %s: %s", self.site_id, cfg.round_id, view.note)
+            report.classes_note = view.note
+        t0 = time.perf_counter()
+        round_one = None
+        if needs_parent_model(plan):
             parent, nbytes = self._model(
                 cfg.parent_round_id, class_names=class_names, plan_sha256=None
             )
-            report["bytes_received"] += nbytes
+            report.bytes_received += nbytes
             ref = cfg.refinement
             params = RefinementParams(
                 tau=ref.tau, alpha=ref.alpha, delta_pos=ref.delta_pos, delta_neg=ref.delta_neg
             )
-            missing: NDArray[np.bool_] = ~view.labelled
-            parent_weights = parent.weights
-            if not plan.dp.enabled:
-                pseudo, _ = load_or_compute_pseudo(
-                    self.cache, weights=parent.weights, missing=missing, params=params,
-                    state_dir=self.state,
-                )  # fmt: skip
-            timings["pseudo_labels"] = time.perf_counter() - t0
-        evaluated = None
+            round_one = RoundOne(weights=parent.weights, refinement=params)
+        scoring = None
         if is_evaluation_plan(plan):  # the run's evaluation round (docs/protocol.md §6.1)
             evaluated = evaluated_model(plan, **self._model_source())
             rows = evaluation_rows(self.config.data, training=self.cache, labelled=self.labelled)
-            report["evaluation"] = {"model_sha256": evaluated.model_sha256, **rows.to_json()}
+            report.evaluation = {"model_sha256": evaluated.model_sha256, **rows.to_json()}
             if rows.in_sample:
-                report["round_warnings"] = [
+                report.round_warnings = [
                     "evaluated on the training cache (in-sample): set [data] holdout"
                 ]
-            payloads = evaluation_slot_payloads(
-                plan,
-                site_id=self.site_id,
+            scoring = Scoring(
+                weights=evaluated.weights,
+                classes=evaluated.classes,
+                model_sha256=evaluated.model_sha256,
                 cache=rows.cache,
                 labelled=rows.labelled,
-                weights=evaluated.weights,
-                model_classes=evaluated.classes,
-                model_sha256=evaluated.model_sha256,
-                encode=mode.encode,
             )
-        elif plan.dp.enabled:  # DP (docs/protocol.md §7): the unit's rows, clipped, noise share
-            payloads = dp_round_payloads(
-                plan,
-                site_id=self.site_id,
-                cache=self.cache,
-                class_names=class_names,
-                labels=view.labels(self.cache.labels),
-                labelled=view.labelled,
-                encode=mode.encode,
-                parent_weights=parent_weights,
-                tau=cfg.refinement.tau,
-            )
-        else:
-            payloads = slot_payloads(
-                plan,
-                site_id=self.site_id,
-                class_names=class_names,
-                stats=stats,
-                pseudo=pseudo,
-                encode=mode.encode,
-            )
+        payloads = round_payloads(
+            plan,
+            site_id=self.site_id,
+            cache=self.cache,
+            view=view,
+            class_names=class_names,
+            encode=mode.encode,
+            state_dir=self.state,
+            round_one=round_one,
+            scoring=scoring,
+        )
+        if round_one is not None:  # round 1's model, the pseudo-labels, the payloads
+            report.timings_s["pseudo_labels"] = time.perf_counter() - t0
         return payloads
 
-    def run_round(self, status: pb.RoundStatus, report: dict[str, Any]) -> None:
+    def run_round(self, status: pb.RoundStatus, report: RoundReport) -> None:
         """Take part in one round; fills ``report``; raises :class:`RoundFailed` if no model."""
         assert self.stats is not None and self.cache is not None
-        timings: dict[str, float] = report["timings_s"]
+        timings = report.timings_s
         round_id = status.round_id
         start = time.perf_counter()
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
-        report["bytes_received"] += cfg.ByteSize()
-        report["round_number"] = cfg.round_number
+        report.bytes_received += cfg.ByteSize()
+        report.round_number = cfg.round_number
         decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
-        report["plan"] = plan_summary(cfg, plan, decision, plan_sha)
+        report.plan = plan_summary(cfg, plan, decision, plan_sha)
         graph_nonce = b""
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
@@ -490,13 +524,11 @@ class ClientDaemon:
         self.store.remember(plan)
         mode = self.modes[plan.aggregation]
         class_names = list(cfg.class_names)
-        payloads = self.round_payloads(cfg, plan, mode, report)
+        payloads = self.payloads(cfg, plan, mode, report)
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
-        dp = self._record(cfg, plan, plan_sha)  # the ledger, before any upload leaves
-        if plan.dp.enabled:
-            report["dp"] = dp_report(plan, self.site_id, dp)
+        self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
         t0 = time.perf_counter()
         session = self.round_session(
             round_id,
@@ -509,17 +541,24 @@ class ClientDaemon:
             session, payloads, already_complete=set(status.caller_uploads_complete)
         )
         timings["upload"] = time.perf_counter() - t0
-        report["uploads"] = [r.to_json() for r in records]
-        report["bytes_sent"] = sum(r.bytes for r in records)
+        report.sent(records)
         t0 = time.perf_counter()
-        self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         timings["wait_model"] = time.perf_counter() - t0
         if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
-            evaluated = report["evaluation"]["model_sha256"]
-            result = self._evaluation_result(round_id, evaluated)
-            report["evaluation"].update(result)
+            assert report.evaluation is not None  # what it scored (self.payloads)
+            evaluated = report.evaluation["model_sha256"]
+            report.evaluation.update(self._evaluation_result(round_id, evaluated))
+            self._gate_outcome(plan, report)
             return
-        self.receive_model(round_id, class_names=class_names, plan_sha256=plan_sha, report=report)
+        candidate = status.stage == pb.ROUND_STAGE_VALIDATING  # the gate scores it first
+        self.receive_model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha,
+            report=report,
+            candidate=candidate,
+        )
 
     def round_session(
         self,
@@ -545,13 +584,32 @@ class ClientDaemon:
         )
 
     def receive_model(
-        self, round_id: str, *, class_names: list[str], plan_sha256: bytes, report: dict[str, Any]
+        self,
+        round_id: str,
+        *,
+        class_names: list[str],
+        plan_sha256: bytes,
+        report: RoundReport,
+        candidate: bool = False,
+        expect_sha256: str = "",
     ) -> None:
-        """Fetch the round's signed model, verify it against the accepted plan, keep it, and
-        note it in ``report``."""
-        model, nbytes = self._model(round_id, class_names=class_names, plan_sha256=plan_sha256)
-        report["bytes_received"] += nbytes
-        report["model"] = {
+        """Fetch the round's signed model (or its candidate), verify it against the accepted
+        plan, keep it, and note it in ``report``."""
+        model, nbytes = self._model(
+            round_id,
+            class_names=class_names,
+            plan_sha256=plan_sha256,
+            candidate=candidate,
+            expect_sha256=expect_sha256,
+        )
+        report.bytes_received += nbytes
+        if candidate:
+            report.candidate = {
+                "sha256": model.model_sha256,
+                "note": "not published: the validation gate scores it first",
+            }
+            return
+        report.model = {
             "sha256": model.model_sha256,
             "weights_sha256": model.weights_sha256,
             "shape": list(model.weights.shape),
@@ -571,26 +629,38 @@ class ClientDaemon:
             return RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
         return None
 
-    def _finish(self, report: dict[str, Any], outcome: int, reason: str = "") -> int:
+    def _new_report(self, *, run_id: str, round_id: str, round_number: int) -> RoundReport:
+        """The report of a round this site starts taking part in."""
+        return RoundReport(
+            site_id=self.site_id,
+            federation_id=self.config.federation_id,
+            run_id=run_id,
+            round_id=round_id,
+            round_number=round_number,
+            timings_s=dict(self.timings),
+        )
+
+    def _finish(self, report: RoundReport, outcome: int, reason: str = "") -> int:
+        """End the round: its report written (the one place) and sent; the exit code."""
         name = pb.ClientOutcome.Name(outcome)  # type: ignore[arg-type]
-        report["outcome"] = name.removeprefix("CLIENT_OUTCOME_")
-        report["reason"] = reason
-        report["warnings"] = [*self.warnings, *report.get("round_warnings", [])]
+        report.outcome = name.removeprefix("CLIENT_OUTCOME_")
+        report.reason = reason
+        report.warnings = [*self.warnings, *report.round_warnings]
         if self.rpc.watcher is not None:
-            report["round_events_by_stream"] = self.rpc.watcher.events_received
+            report.round_events_by_stream = self.rpc.watcher.events_received
         path = self.store.write_report(report)
-        log.info("site=%s round %s %s; report %s", self.site_id, report["round_id"],
-                 report["outcome"], path)  # fmt: skip
-        if report["round_id"]:
+        log.info("site=%s round %s %s; report %s", self.site_id, report.round_id,
+                 report.outcome, path)  # fmt: skip
+        if report.round_id:
             message = pb.ClientReport(
-                round_id=report["round_id"],
+                round_id=report.round_id,
                 outcome=outcome,  # type: ignore[arg-type]
                 reason=reason,
-                warnings=report["warnings"],
-                bytes_sent=report["bytes_sent"],
-                bytes_received=report["bytes_received"],
-                timings_s=report["timings_s"],
-                model_signature_valid="model" in report or "sha256" in report.get("evaluation", {}),
+                warnings=report.warnings,
+                bytes_sent=report.bytes_sent,
+                bytes_received=report.bytes_received,
+                timings_s=report.timings_s,
+                model_signature_valid=report.verified,
                 software_version=_version(),
             )
             try:
@@ -612,6 +682,7 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
+            self.rpc.observe = self.witness.observe
             try:
                 self.enroll()
                 self.rpc.watch()
@@ -630,18 +701,13 @@ class ClientDaemon:
             if status is None:
                 break
             check_round_id(status.round_id)  # it names the round's report, model and ledger entry
-            report: dict[str, Any] = {
-                "site_id": self.site_id,
-                "federation_id": self.config.federation_id,
-                "run_id": status.run_id,
-                "round_id": status.round_id,
-                "round_number": status.round_number,
-                "bytes_sent": 0,
-                "bytes_received": 0,
-                "timings_s": {**self.timings, "wait_round": time.perf_counter() - t0},
-            }
+            report = self._new_report(
+                run_id=status.run_id, round_id=status.round_id, round_number=status.round_number
+            )
+            report.timings_s["wait_round"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             done.add(status.round_id)
+            self.witness.join(status)  # before the plan decision and the uploads leave
             lingering = True
             try:
                 try:
@@ -664,8 +730,21 @@ class ClientDaemon:
                     raise
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue
-            report["timings_s"]["round"] = time.perf_counter() - t1
+            report.timings_s["round"] = time.perf_counter() - t1
+            self.witness.complete(status)  # before the report leaves
             self._finish(report, pb.CLIENT_OUTCOME_COMPLETED)
             rounds += 1
             code = EXIT_OK
+        return self._no_part(code) if rounds == 0 else code
+
+    def _no_part(self, code: int) -> int:
+        """Exit code of a daemon that took part in no round: a round that listed it was
+        aborted first (exit 4, as an aborted round), or the run went on without it (exit 5);
+        0 stays for a daemon with nothing new to do (e.g. restarted after its run published)."""
+        if code != EXIT_OK or not self.rpc.passed:
+            return code
+        aborted = [why for _, was_aborted, why in self.rpc.passed if was_aborted]
+        why = aborted[-1] if aborted else self.rpc.passed[-1][2]
+        code = EXIT_ABORTED if aborted else EXIT_LEFT_OUT
+        log.error("site=%s took part in no round: %s (exit status %d)", self.site_id, why, code)
         return code

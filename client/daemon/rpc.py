@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -132,6 +132,24 @@ class RoundWatcher:
         self._event.clear()
 
 
+#: How often a site waiting for a round logs what it waits for (seconds).
+WAIT_LOG_INTERVAL_S = 60.0
+
+
+def _waiting_for(r: pb.RoundStatus | None, note: str) -> str:
+    """What a waiting site waits for, in words."""
+    if note:
+        return f"left out of the current run ({note})"
+    if r is None:
+        return "no round is open yet (the coordinator starts one when its run's sites enrol)"
+    if r.stage in (pb.ROUND_STAGE_UNSPECIFIED, pb.ROUND_STAGE_WAITING_FOR_PARTICIPANTS):
+        return (
+            f"round {r.round_id} is waiting for its participants to enrol "
+            f"({', '.join(r.participants) or 'none listed yet'})"
+        )
+    return f"round {r.round_id} is at stage {pb.RoundStage.Name(r.stage)}"
+
+
 class CoordinatorClient:
     """RPCs of one site with its deadline, retry policy and (insecure mode) metadata."""
 
@@ -150,6 +168,11 @@ class CoordinatorClient:
         self.retry = retry
         self.metadata = metadata
         self.watcher: RoundWatcher | None = None
+        #: Rounds that went by without this site: (round id, aborted, why), oldest first.
+        self.passed: list[tuple[str, bool, str]] = []
+        # Checks every status answer before it is used (the site's Witness: a restored
+        # coordinator is refused); None: no check.
+        self.observe: Callable[[pb.StatusResponse], None] | None = None
 
     def watch(self) -> RoundWatcher:
         """Subscribe to round events (call after enrolling); :meth:`close` ends it."""
@@ -273,6 +296,8 @@ class CoordinatorClient:
 
     def status(self, round_id: str = "") -> pb.StatusResponse:
         status: pb.StatusResponse = self.call("GetStatus", pb.StatusRequest(round_id=round_id))
+        if self.observe is not None:
+            self.observe(status)
         return status
 
     def _pause(self, delay: float, *, cap: float | None = None) -> float:
@@ -287,11 +312,15 @@ class CoordinatorClient:
         self, done: set[str], *, lingering: bool, forever: bool = False
     ) -> pb.RoundStatus | None:
         """The next round this site takes part in, or None after ``linger_s`` without one
-        (``forever``: no time limit)."""
+        (``forever``: no time limit). A round that listed this site and was aborted before it
+        took part starts the ``linger_s`` wait for a replacement; :attr:`passed` records why
+        each round went by without it. While it waits, the site logs what it waits for when it
+        starts and every :data:`WAIT_LOG_INTERVAL_S` seconds."""
         t = self.timing
         start = time.monotonic()
         delay = t.poll_interval_s
         noted = ""
+        next_log = start
         while True:
             status = self.status()
             if status.note and status.note != noted:
@@ -309,9 +338,28 @@ class CoordinatorClient:
                 if not waiting and (self.site_id not in r.participants or missed):
                     log.info("site=%s takes no part in round %s", self.site_id, r.round_id)
                     done.add(r.round_id)
+                    if r.stage == pb.ROUND_STAGE_ABORTED and self.site_id in r.participants:
+                        why = f"round {r.round_id} was aborted before this site took part: {r.abort_reason}"
+                        self.passed.append((r.round_id, True, why))
+                        lingering, start = True, time.monotonic()  # wait for a replacement
+                    else:
+                        self.passed.append(
+                            (
+                                r.round_id,
+                                False,
+                                status.note or f"not a participant of round {r.round_id}",
+                            )
+                        )
                 elif not waiting and r.stage != pb.ROUND_STAGE_ABORTED:
                     return r
-            elapsed = time.monotonic() - start
+            now = time.monotonic()
+            if now >= next_log:
+                log.info(
+                    "site=%s waiting for a round it takes part in: %s (%.0f s so far)",
+                    self.site_id, _waiting_for(r, status.note), now - start,
+                )  # fmt: skip
+                next_log = now + WAIT_LOG_INTERVAL_S
+            elapsed = now - start
             if not forever and lingering and elapsed > t.linger_s:
                 return None
             if not forever and elapsed > t.max_wait_s:

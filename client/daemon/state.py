@@ -8,6 +8,8 @@ after a crash).
       models/<round>.signed-model.pb  the verified SignedModel as received
       models/<round>.weights.npy      its W (float64, d x C)
       reports/<round>.json            the local report of each round (what was sent, timings...)
+      witness.json                    what this site has seen of the coordinator's state
+                                      (afl.client.daemon.witness: a restored backup is noticed)
 
 Every file is written atomically (temporary file + rename).
 """
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import check_round_id
 from afl.client.payloads.stats import dump_json
 from afl.client.policy.plan import PolicyDecision, audit_view
@@ -103,6 +106,18 @@ class DaemonState:
     def model_path(self, round_id: str) -> Path:
         return self.root / "models" / f"{check_round_id(round_id)}.weights.npy"
 
+    def save_candidate(self, round_id: str, signed: pb.SignedModel) -> Path:
+        """Keep a verified candidate (signed "candidate-model", not published) as
+        ``candidates/<round>.signed-model.pb``: what this site may score in the gate."""
+        check_round_id(round_id)
+        folder = self.root / "candidates"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{round_id}.signed-model.pb"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(signed.SerializeToString())
+        tmp.replace(path)
+        return path
+
     def save_model(
         self, round_id: str, signed: pb.SignedModel, weights: NDArray[np.float64]
     ) -> Path:
@@ -119,11 +134,11 @@ class DaemonState:
         path.with_name(path.name + ".tmp").replace(path)
         return path
 
-    def write_report(self, report: dict[str, Any]) -> Path:
+    def write_report(self, report: RoundReport) -> Path:
         """reports/<round>.json (``no-round.json`` when no round was reached)."""
-        name = check_round_id(report["round_id"]) if report.get("round_id") else "no-round"
+        name = check_round_id(report.round_id) if report.round_id else "no-round"
         path = self.root / "reports" / f"{name}.json"
-        dump_json(path, report)
+        dump_json(path, report.to_json())
         return path
 
 

@@ -1,10 +1,16 @@
 """The afl-client's side of the wire: mTLS channel, retries with back-off, chunked uploads and
 downloads (docs/protocol.md §3; proto/afl/proto/v1/coordinator.proto).
 
-Retries: a call failing with UNAVAILABLE or DEADLINE_EXCEEDED is retried after
-``min(max_s, initial_s · multiplier^i) · U(0.5, 1)`` seconds (exponential back-off with jitter),
-at least ``attempts`` times in all and for at least ``window_s`` seconds (default 180 s, longer
-than a coordinator restart takes); every other status is final. Uploads are idempotent on the
+Retries: a call failing with UNAVAILABLE or DEADLINE_EXCEEDED, or with a status the coordinator
+marks "try later" (RESOURCE_EXHAUSTED with the trailing metadata
+:data:`afl.proto.wire.TRY_LATER_TRAILER`: its disk is full, a per-site stream limit is reached),
+is retried after ``min(max_s, initial_s · multiplier^i) · U(0.5, 1)`` seconds (exponential
+back-off with jitter), at least ``attempts`` times in all and for at least ``window_s`` seconds
+(default 180 s, longer than a coordinator restart takes); each retry is logged with its cause.
+Every other status is final, and so is any answer carrying
+:data:`afl.proto.wire.REFUSAL_TRAILER` (a coordinator that refuses its state,
+:mod:`afl.server.daemon.refusal`): :class:`CoordinatorRefused` names the coordinator's reason at
+once instead of retrying for the whole window. Uploads are idempotent on the
 server by (round, site, release, SHA-256), so a retried upload never counts twice.
 
 Framing of uploads and downloads: :mod:`afl.proto.wire` (chunks of at most 1 MiB, the header on
@@ -30,10 +36,12 @@ from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "RETRYABLE_CODES",
+    "CoordinatorRefused",
     "DaemonError",
     "RemoteCallError",
     "RetryPolicy",
     "UploadError",
+    "check_receipt",
     "check_round_id",
     "download_payload",
     "open_channel",
@@ -80,6 +88,13 @@ class RemoteCallError(DaemonError):
         self.details = details
 
 
+class CoordinatorRefused(RemoteCallError):
+    """The coordinator answers that it refuses its state (module docstring): final."""
+
+    def __init__(self, what: str, details: str) -> None:
+        super().__init__(what, grpc.StatusCode.UNAVAILABLE, details)
+
+
 class UploadError(DaemonError):
     """An upload was rejected, or its receipt does not match what was sent."""
 
@@ -123,6 +138,16 @@ def _details(exc: BaseException) -> str:
     return str(details()) if callable(details) else str(exc)
 
 
+def _trailers(exc: BaseException) -> dict[str, str]:
+    """The trailing metadata of a failed call ({} when it has none)."""
+    trailing = getattr(exc, "trailing_metadata", None)
+    try:
+        items = trailing() if callable(trailing) else None
+    except Exception:  # a call object that cannot give them
+        items = None
+    return {str(k): str(v) for k, v in items or ()}
+
+
 def with_retry(
     call: Callable[[], T],
     *,
@@ -130,7 +155,8 @@ def with_retry(
     policy: RetryPolicy,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
-    """Run ``call``; retry on UNAVAILABLE/DEADLINE_EXCEEDED (module docstring);
+    """Run ``call``; retry on UNAVAILABLE/DEADLINE_EXCEEDED and "try later" (module docstring);
+    :class:`CoordinatorRefused` at once when the coordinator refuses its state;
     :class:`RemoteCallError` otherwise or when the retry budget is spent."""
     start = time.monotonic()
     attempt = 0
@@ -139,12 +165,22 @@ def with_retry(
             return call()
         except grpc.RpcError as exc:
             code = status_code(exc)
+            trailers = _trailers(exc)
+            if wire.REFUSAL_TRAILER in trailers:
+                raise CoordinatorRefused(what, _details(exc)) from exc
+            later = (
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED and wire.TRY_LATER_TRAILER in trailers
+            )
             attempt += 1
             spent = attempt >= policy.attempts and time.monotonic() - start >= policy.window_s
-            if code not in RETRYABLE_CODES or spent:
+            if not (code in RETRYABLE_CODES or later) or spent:
                 raise RemoteCallError(what, code, _details(exc)) from exc
             pause = policy.delay(min(attempt - 1, 30))
-            log.info("%s: %s, retrying in %.2f s", what, code.name if code else "?", pause)
+            name = code.name if code else "?"
+            if later:
+                log.warning("%s: %s: %s; retrying in %.2f s", what, name, _details(exc), pause)
+            else:
+                log.info("%s: %s, retrying in %.2f s", what, name, pause)
             sleep(pause)
 
 
@@ -189,13 +225,21 @@ def upload_payload(
                 f"release of round {round_id} ({exc.details})"
             ) from exc
         raise
-    if receipt.sha256 != digest or receipt.bytes_received != len(payload):
+    check_receipt(receipt, release_name=release_name, sha256=digest, size=len(payload))
+    return receipt
+
+
+def check_receipt(
+    receipt: pb.UploadReceipt, *, release_name: str, sha256: bytes, size: int
+) -> None:
+    """:class:`UploadError` unless the coordinator's receipt is for what was sent: ``size`` bytes
+    with SHA-256 ``sha256``."""
+    if receipt.sha256 != sha256 or receipt.bytes_received != size:
         raise UploadError(
             f"upload {release_name}: receipt does not match the payload sent "
-            f"({receipt.bytes_received} bytes received of {len(payload)}, digest "
-            f"{'ok' if receipt.sha256 == digest else 'differs'})"
+            f"({receipt.bytes_received} bytes received of {size}, digest "
+            f"{'ok' if receipt.sha256 == sha256 else 'differs'})"
         )
-    return receipt
 
 
 def download_payload(
@@ -236,6 +280,12 @@ def open_channel(config: ClientConfig, *, insecure: bool = False) -> grpc.Channe
         # A channel of its own: sites hosted in one process (afl-client run-many) never share a
         # connection, so every call travels under its own site's certificate.
         ("grpc.use_local_subchannel_pool", 1),
+        # Reconnect to a restarted coordinator within seconds (gRPC's default backs off up to
+        # 120 s, so a site would keep failing fast long after the coordinator is back, or
+        # learn late that it refuses its state).
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 3000),
     ]
     if insecure:
         log.warning(

@@ -124,11 +124,13 @@ def verify_model(
     class_names: list[str],
     d: int,
     plan_sha256: bytes | None,
+    context: str = signed_blobs.MODEL_CONTEXT,
 ) -> VerifiedModel:
-    """Check the model's signature and binding (module docstring); return W as float64."""
+    """Check the model's signature (``context`` "model", or "candidate-model" for the candidate
+    a validation gate scores) and binding (module docstring); return W as float64."""
     _require_server_signature(
         server_key,
-        context=signed_blobs.MODEL_CONTEXT,
+        context=context,
         blob=signed.model,
         signature=signed.signature,
         what=f"round {round_id}: the model",

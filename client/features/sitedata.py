@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -202,14 +203,15 @@ def manifest_source(
 ) -> SiteSource:
     """A hospital's own list: CSV with a path column and one column per class.
 
-    Paths are relative to the CSV's folder unless absolute. ``classes`` defaults to every other
-    column. Refused with the line and the cause: duplicate or unnamed columns, a requested class
-    without a column (with a did-you-mean hint), rows longer or shorter than the header, labels
-    outside 1/0/true/false/-1/empty. An empty cell is "not labelled"; -1 is "not labelled" too
-    unless ``uncertain_as`` says what an uncertain (CheXpert-style) -1 becomes. The source's
-    ``warnings`` name unused columns and columns that look like misspelt findings. A
-    ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
-    (the DP privacy unit; an empty cell is an error).
+        Paths are relative to the CSV's folder unless absolute. ``classes`` defaults to every other
+        column. Refused with the line and the cause: duplicate or unnamed columns, a requested class
+        without a column (with a did-you-mean hint), rows longer or shorter than the header, labels
+        outside 1/0/true/false/-1/empty, and (when ``classes`` is not given) a column that looks like a
+    misspelt finding (``Efusion``: its labels would never reach the federation's Effusion). An empty cell is "not labelled"; -1 is "not labelled" too
+        unless ``uncertain_as`` says what an uncertain (CheXpert-style) -1 becomes. The source's
+        ``warnings`` name unused columns and declared classes that look like misspelt findings. A
+        ``patient_column`` (default ``patient``), when the CSV has it, gives every row's patient id
+        (the DP privacy unit; an empty cell is an error).
     """
     table = Path(manifest)
     if uncertain_as not in UNCERTAIN_AS:
@@ -245,6 +247,11 @@ def manifest_source(
         for column in names:
             hint = did_you_mean(column, KNOWN_FINDINGS)
             if hint and column not in KNOWN_FINDINGS:
+                if classes is None:  # taken from the header: a typo would make a new class
+                    raise SiteDataError(
+                        f"{table}: column {column!r} is not a known finding{hint}: rename the "
+                        f"column, or list the classes with --classes to keep {column!r} as a class"
+                    )
                 warnings.append(f"{table}: column {column!r} is not a known finding{hint}")
         records = []
         for row in reader:
@@ -306,6 +313,12 @@ def missing_files(source: SiteSource) -> list[ImageRecord]:
 
 #: Photometric interpretations afl reads (grayscale radiographs).
 DICOM_PHOTOMETRIC = ("MONOCHROME1", "MONOCHROME2")
+#: The pydicom plugins for compressed transfer syntaxes (module, package; the ``client`` extra).
+_DECODERS = (
+    ("pylibjpeg", "pylibjpeg"),
+    ("libjpeg", "pylibjpeg-libjpeg"),
+    ("openjpeg", "pylibjpeg-openjpeg"),
+)
 
 
 def _lut_range(descriptor: Sequence[int]) -> tuple[float, float]:
@@ -357,13 +370,22 @@ def _dicom_pixels(ds: Any, path: Path) -> NDArray[Any]:
         meta = getattr(ds, "file_meta", None)
         syntax = meta.get("TransferSyntaxUID") if meta is not None else None
         name = getattr(syntax, "name", str(syntax))
+        cause = " ".join(str(exc).split())  # pydicom lists each plugin's error on its own line
         if syntax is not None and getattr(syntax, "is_compressed", False):
+            missing = [pkg for module, pkg in _DECODERS if importlib.util.find_spec(module) is None]
+            if missing:
+                raise UnreadableImageError(
+                    f"{path}: cannot decode transfer syntax {name!r}: the decoders "
+                    f"{', '.join(missing)} are not installed; `pip install 'afl[client]'` "
+                    f"installs them ({cause})"
+                ) from exc
             raise UnreadableImageError(
-                f"{path}: cannot decode transfer syntax {name!r} ({exc}); the decoders for "
-                "JPEG, JPEG-LS, JPEG 2000 and RLE come with `pip install 'afl[client]'` "
-                "(pylibjpeg, pylibjpeg-libjpeg, pylibjpeg-openjpeg)"
+                f"{path}: the installed decoders cannot decode its {name!r} data (the file's "
+                "compressed stream is damaged or a variant they do not handle); re-export it "
+                "from the PACS uncompressed or as JPEG 2000, JPEG-LS or RLE (supported "
+                f"syntaxes: docs/operations.md §5) ({cause})"
             ) from exc
-        raise UnreadableImageError(f"{path}: cannot decode the pixel data ({exc})") from exc
+        raise UnreadableImageError(f"{path}: cannot decode the pixel data ({cause})") from exc
 
 
 def _read_dicom(path: Path) -> NDArray[np.float32]:
@@ -375,6 +397,17 @@ def _read_dicom(path: Path) -> NDArray[np.float32]:
     from pydicom.pixels.processing import apply_modality_lut, apply_windowing
 
     ds = pydicom.dcmread(path)
+    if "PixelData" not in ds and "FloatPixelData" not in ds and "DoubleFloatPixelData" not in ds:
+        kind = getattr(ds.get("SOPClassUID"), "name", "") or str(ds.get("Modality", ""))
+        if not kind:  # nothing says what it is: cut short or not a DICOM file at all
+            raise UnreadableImageError(
+                f"{path}: no image in this file (no pixel data and no SOP class: damaged, or not "
+                "a DICOM image)"
+            )
+        raise UnreadableImageError(
+            f"{path}: no image in this file (a {kind} object without pixel data, such as a "
+            "Structured Report): list only image files in the manifest"
+        )
     photometric = str(ds.get("PhotometricInterpretation", ""))
     if photometric not in DICOM_PHOTOMETRIC:
         raise UnreadableImageError(

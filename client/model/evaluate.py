@@ -9,8 +9,9 @@ into a temporary cache). Without either, the site's ``[data] holdout`` cache whe
 rows a run's evaluation round uses, docs/operations.md §6.1), else its training cache (``[data]
 cache``), flagged ``in_sample`` (optimistic: the model was fitted on those rows).
 
-Classes evaluated: the model's classes the site labels (``[data] classes``; when empty, every
-model class with labelled rows in the hold-out). Metrics and bootstrap intervals:
+Classes evaluated: the model's classes the hold-out has a column for (a site labelling only some
+of the federation's classes evaluates those; a manifest needs no column for the others) and the
+site labels (``[data] classes``; when empty, every such class with labelled rows in the hold-out). Metrics and bootstrap intervals:
 :func:`afl.core.evaluation.local.bootstrap_evaluation`. The result goes into the site's report of
 the model's round (``state_dir/reports/<round>.json``, key ``local_evaluation``), written
 atomically; nothing is sent anywhere.
@@ -18,10 +19,12 @@ atomically; nothing is sent anywhere.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +91,22 @@ def _extract_holdout(
         raise ModelFileError(
             f"backbone {name} gives d = {bb.dim}, the model needs d = {model.weights.shape[0]}"
         )
-    source = manifest_source(manifest, classes=model.classes)
+    with open(manifest, newline="", encoding="utf-8-sig") as fh:
+        header = next(csv.reader(fh), [])
+    classes = [c for c in model.classes if c in header]
+    source = manifest_source(manifest, classes=classes)
     return extract_features(source, bb, workdir / "holdout", workers=0, progress=True).cache
+
+
+def _evaluated_classes(
+    model_classes: Sequence[str], data_classes: Sequence[str], site_classes: Sequence[str]
+) -> list[str]:
+    """The model's classes (in its order) that the hold-out has a column for and, when the site
+    lists the classes it labels (``[data] classes``), that the site labels: a site labelling only
+    some of the federation's classes evaluates those."""
+    return [
+        c for c in model_classes if c in data_classes and (not site_classes or c in site_classes)
+    ]
 
 
 def evaluate_model(
@@ -123,23 +140,30 @@ def evaluate_model(
         else:
             data = open_cache(config.data.cache)
             description, in_sample = f"training cache {config.data.cache} (in-sample)", True
-        missing = [c for c in model.classes if c not in data.meta.classes]
-        if missing or data.meta.d != model.weights.shape[0]:
+        if data.meta.d != model.weights.shape[0]:
             raise ModelFileError(
-                f"{description}: classes {missing} missing or d = {data.meta.d} differs from the "
-                f"model's {model.weights.shape[0]}"
+                f"{description}: d = {data.meta.d} differs from the model's "
+                f"{model.weights.shape[0]}: extract the hold-out with the model's backbone "
+                f"({model.model.backbone})"
             )
-        cols = [data.meta.classes.index(c) for c in model.classes]
-        labels = np.asarray(data.labels[:, cols])
+        names = _evaluated_classes(model.classes, data.meta.classes, config.data.classes)
+        if not names:
+            raise ModelFileError(
+                f"{description}: none of the model's classes {list(model.classes)} is labelled "
+                f"there (its classes: {list(data.meta.classes)}): give a hold-out with a column "
+                "for at least one class this site labels"
+            )
+        model_cols = [model.classes.index(c) for c in names]
+        labels = np.asarray(data.labels[:, [data.meta.classes.index(c) for c in names]])
         if config.data.classes:
-            labelled = np.array([c in config.data.classes for c in model.classes])
+            labelled = np.ones(len(names), dtype=bool)
         else:
             labelled = np.asarray((labels >= 0).any(axis=0), dtype=bool)
-        probs = predict_proba(data.features, model.weights)
+        probs = predict_proba(data.features, model.weights)[:, model_cols]
         result = bootstrap_evaluation(
             probs,
             labels,
-            classes=model.classes,
+            classes=names,
             labelled=labelled,
             threshold=model.model.decision_threshold or 0.5,
             n_boot=n_boot,

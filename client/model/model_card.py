@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMAT", "TrainingFacts", "card_markdown", "limitations", "model_card"]
+__all__ = [
+    "FORMAT",
+    "TrainingFacts",
+    "card_markdown",
+    "dp_description",
+    "limitations",
+    "model_card",
+]
 
 FORMAT = "afl-model-card"
 
@@ -126,6 +133,14 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def dp_description(dp: Mapping[str, Any] | None) -> str:
+    """The card's ``training.differential_privacy`` in words, the same wherever it is shown
+    (the Markdown card, `afl report`'s deployed view)."""
+    if not dp:
+        return "none (no differential privacy)"
+    return f"ε = {_fmt(dp.get('epsilon'))}, δ = {_fmt(dp.get('delta'))} per site (round)"
+
+
 def _metrics_md(metrics: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
     for title, body in metrics.items():
@@ -136,6 +151,13 @@ def _metrics_md(metrics: Mapping[str, Any]) -> list[str]:
         source = body.get("source")
         if source:
             lines += [f"Source: {source}", ""]
+        flag = body.get("in_sample")
+        if flag is True or (isinstance(flag, Mapping) and any(flag.values())):
+            lines += [
+                "**IN-SAMPLE: computed on the images the model was trained on (optimistic; not "
+                "a measure of performance on new patients).**",
+                "",
+            ]
         lines += ["| class | BACC | AUC | AP |", "|---|---|---|---|"]
         for name, row in per_class.items():
             cells = []
@@ -179,12 +201,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     ):
         lines.append(f"| {key} | {_fmt(m.get(key))} |")
     lines += ["", "## Training", "", "| field | value |", "|---|---|"]
-    dp = t.get("differential_privacy")
-    dp_text = (
-        "none (no differential privacy)"
-        if not dp
-        else f"ε = {_fmt(dp.get('epsilon'))}, δ = {_fmt(dp.get('delta'))} per site (round)"
-    )
+    dp_text = dp_description(t.get("differential_privacy"))
     images = t["training_images"]
     lines += [
         f"| facts from | {_fmt(t.get('facts_from'))} |",

@@ -84,7 +84,7 @@ def predict_images(
     *,
     calibration: Calibration | None = None,
     progress: bool = True,
-    errors: TextIO | None = sys.stderr,
+    errors: TextIO | Literal["stderr"] | None = "stderr",
 ) -> PredictionRun:
     """Run the exported classifier on every image (module docstring)."""
     if calibration is not None:
@@ -100,8 +100,9 @@ def predict_images(
             image = read_image(path)
         except UnreadableImageError as exc:
             run.unreadable.append((image_id, str(path), str(exc)))
-            if errors is not None:
-                print(f"afl-client predict: skipped unreadable image: {exc}", file=errors)
+            if errors is not None:  # "stderr": the stream of the moment, not of the import
+                stream = sys.stderr if errors == "stderr" else errors
+                print(f"afl-client predict: skipped unreadable image: {exc}", file=stream)
             continue
         probs, logits = model(image)
         calibrated = None

@@ -62,7 +62,11 @@ class PublishedModel:
 
 
 def load_published_model(
-    path: str | os.PathLike[str], *, server_public_key: bytes, federation_id: str
+    path: str | os.PathLike[str],
+    *,
+    server_public_key: bytes,
+    federation_id: str,
+    context: str = signed_blobs.MODEL_CONTEXT,
 ) -> PublishedModel:
     """Read ``<round>.signed-model.pb`` (a SignedModel), verify the coordinator's signature over
     the exact bytes, then its content (:func:`afl.client.daemon.verify.verify_model`)."""
@@ -76,7 +80,7 @@ def load_published_model(
     key = signatures.load_public_key_raw(server_public_key)
     try:
         signed_blobs.verify_blob(
-            key, context=signed_blobs.MODEL_CONTEXT, blob=signed.model, signature=signed.signature
+            key, context=context, blob=signed.model, signature=signed.signature
         )
     except SignatureError as exc:
         raise ModelFileError(
@@ -96,6 +100,7 @@ def load_published_model(
             class_names=list(model.class_names),
             d=int(model.weights.shape[0]) if model.weights.shape else 0,
             plan_sha256=None,
+            context=context,
         )
     except VerificationError as exc:
         raise ModelFileError(f"{file}: {exc}") from exc

@@ -20,41 +20,30 @@ rulebook :mod:`afl.core.dp.accounting`).
    post-processing), then packed.
 3. The result is sent in the round's mode encoding (PLAINTEXT: float64, exact because every
    value is an integer multiple of 2^-(f+1) below 2^52 grid steps; larger values are refused;
-   MASK and CKKS: encodings that keep the noise grid exactly, checked by :func:`plan_problems`).
+   MASK and CKKS: encodings that keep the noise grid exactly, checked before the site accepts
+   the plan by :func:`afl.client.policy.dp.plan_problems`).
 
-:func:`site_mu` is the site's own accounting of a plan, so a site never relies on the server's
-arithmetic: the sensitivity of each release is at least what the declared clip norm, unit bound m
-and label clipping k imply (:func:`afl.core.dp.accounting.statistic_sensitivity`), and the noise
-is the noise that protects this site's upload from the adversary that sees it
-(:func:`afl.core.dp.accounting.site_view_releases`): in PLAINTEXT its own share alone, in MASK and
-CKKS the honest shares: n_r - t'_r of them, t'_r the larger of the plan's t_r and the site's own
-colluder floor (``[policy] dp_assumed_colluders``, ⌈n_r/3⌉ by default): a site never takes the
-plan's colluder count on trust.
+The site's own accounting of a plan (μ, ε with its colluder floor, the unit rules) is the
+policy's (:mod:`afl.client.policy.dp`); this module only builds what is sent.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
-from afl.client.payloads.stats import PayloadError, SlotPayload
-from afl.core.data.featurecache import FeatureCache
-from afl.core.dp.accounting import (
-    AccountingError,
-    base_kind,
-    epsilon_from_mu,
-    grid_inflation,
-    mu_from_releases,
-    noise_share,
-    rounded_coordinates,
-    site_view_releases,
-    statistic_sensitivity,
+from afl.client.payloads.stats import PayloadError, RoundOne, SlotPayload
+from afl.client.policy.dp import (
+    MAX_FRAC_BITS,
+    NOISED_MECHANISMS,
+    images_per_patient,
+    patient_level,
 )
-from afl.core.dp.evaluation import evaluation_sensitivity
+from afl.core.data.featurecache import FeatureCache
+from afl.core.dp.accounting import AccountingError, base_kind, noise_share
 from afl.core.dp.stats import (
     SufficientStatistics,
     clip_rows,
@@ -64,43 +53,21 @@ from afl.core.dp.stats import (
 )
 from afl.core.packing import pack_upper
 from afl.core.refinement import pseudo_labels
-from afl.crypto.ckks import params as cp
 from afl.crypto.dgauss import discrete_gaussian
 from afl.proto.v1 import common_pb2 as cpb
-from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
+from afl.proto.wire import DP_STATISTIC_NAMES
 
 __all__ = [
     "dp_round_payloads",
     "dp_rows",
     "dp_slot_payloads",
     "dp_statistics",
-    "guarantee",
     "noisy_values",
-    "plan_problems",
     "pseudo_statistics",
-    "site_epsilon",
-    "site_mu",
 ]
 
 FloatArray = NDArray[np.float64]
 _LIMIT = float(2**52)
-_NOISED = (cpb.NOISE_MECHANISM_DISCRETE_GAUSSIAN, cpb.NOISE_MECHANISM_GAUSSIAN)
-_MAX_FRAC_BITS = 60
-
-
-def patient_level(plan: cpb.ReleasePlan) -> bool:
-    """True when the plan's unit of privacy is one patient."""
-    return bool(plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT)
-
-
-def images_per_patient(plan: cpb.ReleasePlan) -> int:
-    """m: the rows one unit may own (1 for an image-level plan)."""
-    return max(1, int(plan.dp.images_per_patient)) if patient_level(plan) else 1
-
-
-def guarantee(plan: cpb.ReleasePlan) -> str:
-    """``patient-level (ε, δ)`` or ``image-level (ε, δ)``."""
-    return f"{'patient' if patient_level(plan) else 'image'}-level (ε, δ)"
 
 
 def dp_rows(plan: cpb.ReleasePlan, *, n: int, patients: Sequence[str] | None) -> NDArray[np.int64]:
@@ -197,11 +164,11 @@ def _to_grid(x: FloatArray, scale: float, what: str) -> NDArray[np.int64]:
 def noisy_values(release: cpb.Release, values: FloatArray) -> FloatArray:
     """Step 2 for one release: ``values`` in the release's logical shape, noise share added."""
     f = int(release.noise.frac_bits)
-    if f > _MAX_FRAC_BITS:
+    if f > MAX_FRAC_BITS:
         raise PayloadError(f"release {release.name}: frac_bits {f} is out of range")
     scale = float(2**f)
     sigma_int = _share_sigma(release) * scale
-    if release.noise.mechanism not in _NOISED:
+    if release.noise.mechanism not in NOISED_MECHANISMS:
         raise PayloadError(f"release {release.name}: a DP plan must noise every release")
     grid = _to_grid(values, scale, f"release {release.name}")
     if release.kind == cpb.STATISTIC_KIND_GRAM:
@@ -270,105 +237,6 @@ def dp_slot_payloads(
     return out
 
 
-def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
-    """The release's sensitivity at the plan's clip norm, unit bound m and label clipping k
-    (:func:`afl.core.dp.accounting.statistic_sensitivity`) plus what rounding to the release's
-    noise grid adds (:func:`afl.core.dp.accounting.grid_inflation`, √D·2^-f); another
-    class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
-    no classes as 0; an evaluation release's counts as m·√C
-    (:func:`afl.core.dp.evaluation.evaluation_sensitivity`)."""
-    if release.kind in EVALUATION_KINDS:  # integer counts: m·√C, no rounding
-        if not release.class_names:
-            return 0.0
-        return evaluation_sensitivity(
-            n_classes=len(release.class_names), rows_per_individual=images_per_patient(plan)
-        )
-    kind = DP_STATISTIC_NAMES.get(int(release.kind), "t_sum")
-    if kind != "gram" and not release.class_names:
-        return 0.0
-    k = int(plan.dp.max_positive_labels)
-    n_classes = len(release.class_names)
-    rounding = grid_inflation(
-        coordinates=rounded_coordinates(
-            kind, shape=tuple(release.shape), n_classes=n_classes, max_positive_labels=k
-        ),
-        frac_bits=min(int(release.noise.frac_bits), _MAX_FRAC_BITS),
-    )
-    return rounding + statistic_sensitivity(
-        kind,
-        clip_norm=plan.dp.clip_norm,
-        n_classes=n_classes,
-        rows_per_individual=images_per_patient(plan),
-        max_positive_labels=k,
-    )
-
-
-def site_mu(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
-    """μ (GDP) of ``site_id``'s releases in this plan under the adversary that sees its upload
-    (module docstring), assuming in MASK and CKKS max(the plan's t_r, ⌈``colluder_fraction``·n_r⌉)
-    colluders (:func:`afl.core.dp.accounting.site_colluders`; the site's ``[policy]
-    dp_assumed_colluders``); inf without DP noise on one of them."""
-    if not plan.dp.enabled or not 0 < plan.dp.delta < 1 or not plan.dp.clip_norm > 0:
-        return math.inf
-    local = plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
-    stated = []
-    for r in plan.releases:
-        if site_id not in r.member_site_ids:
-            continue
-        n, t = len(r.member_site_ids), int(r.noise.assumed_colluders)
-        if r.noise.mechanism not in _NOISED or not r.noise.sigma > 0 or not 0 <= t < n:
-            return math.inf
-        sens = max(float(r.noise.sensitivity), _min_sensitivity(r, plan))
-        stated.append((r.name, sens, float(r.noise.sigma), n, t))
-    return mu_from_releases(
-        site_view_releases(stated, local=local, colluder_fraction=colluder_fraction)
-    )
-
-
-def site_epsilon(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
-    """ε of ``site_id`` in this plan at the plan's δ (:func:`site_mu`; inf without DP)."""
-    mu = site_mu(plan, site_id, colluder_fraction=colluder_fraction)
-    if math.isinf(mu):
-        return math.inf
-    return epsilon_from_mu(mu=mu, delta=plan.dp.delta)
-
-
-def plan_problems(plan: cpb.ReleasePlan, site_id: str) -> str:
-    """Why this site cannot take part in a DP plan's releases as encoded ("" when it can): each
-    release it is in must carry noise on a grid of at most 40 bits, and in MASK mode encode the
-    half noise grid exactly and unmask no sum of fewer than n - t members (docs/protocol.md
-    [M-84]), in CKKS mode have the half noise grid as the decryptor's grid with a pre-scale fine
-    enough to recover the noisy sum exactly (:mod:`afl.server.plan.dp_ckks`)."""
-    for r in plan.releases:
-        if site_id not in r.member_site_ids:
-            continue
-        n, t, f = len(r.member_site_ids), int(r.noise.assumed_colluders), int(r.noise.frac_bits)
-        if r.noise.mechanism not in _NOISED or not r.noise.sigma > 0:
-            return f"release {r.name} carries no DP noise"
-        if not 0 <= t < n or f > 40:
-            return f"release {r.name}: assumed colluders {t} or noise grid 2^-{f} out of range"
-        if plan.aggregation == cpb.AGGREGATION_MODE_MASK:
-            fp = r.encoding.fixed_point
-            if fp.frac_bits < f + 1 or fp.min_survivors < n - t:
-                return (
-                    f"release {r.name}: the mask encoding ({fp.frac_bits} fractional bits, "
-                    f"{fp.min_survivors} survivors) does not keep the noise of {n - t} members "
-                    f"on the grid 2^-{f + 1}"
-                )
-        if plan.aggregation == cpb.AGGREGATION_MODE_CKKS:
-            ck = r.encoding.ckks
-            try:
-                finest = cp.min_grid(prescale=ck.prescale, num_summands=n)
-            except ValueError as exc:
-                return f"release {r.name}: {exc}"
-            if ck.grid_step != 2.0 ** -(f + 1) or not 2.0 * finest <= ck.grid_step:
-                return (
-                    f"release {r.name}: the CKKS grid {ck.grid_step:g} (pre-scale "
-                    f"{ck.prescale:g}) does not recover the noisy sum on the grid 2^-{f + 1}"
-                )
-    return ""
-
-
 def dp_round_payloads(
     plan: cpb.ReleasePlan,
     *,
@@ -378,25 +246,24 @@ def dp_round_payloads(
     labels: NDArray[np.int8],
     labelled: NDArray[np.bool_],
     encode: Callable[[cpb.Release, FloatArray], bytes],
-    parent_weights: NDArray[np.float64] | None = None,
-    tau: float = 0.7,
+    round_one: RoundOne | None = None,
 ) -> list[SlotPayload]:
     """Steps 0-3 for one round from the site's feature cache: the unit's rows, the round's
-    statistics (round 2: of the rows the round-1 model ``parent_weights`` pseudo-labels for the
-    classes the site does not label, ``labelled`` False) and a noisy payload per release.
+    statistics (round 2: of the rows the round-1 model of ``round_one`` pseudo-labels at its τ
+    for the classes the site does not label, ``labelled`` False) and a noisy payload per release.
     ``labels`` (n, C_round) and ``labelled`` (C_round) are the cache's in the round's class order
     ``class_names`` (:class:`afl.client.payloads.stats.RoundClasses`)."""
     rows = dp_rows(plan, n=cache.meta.n, patients=cache.patients)
     features = np.asarray(cache.features[rows], dtype=np.float64)
     k = int(plan.dp.max_positive_labels)
     if any(r.kind == cpb.STATISTIC_KIND_PSEUDO_POSITIVE_SUM for r in plan.releases):
-        if parent_weights is None:
+        if round_one is None:
             raise PayloadError("a round-2 DP plan needs the verified round-1 model")
         stats = pseudo_statistics(
             features,
-            weights=np.asarray(parent_weights, dtype=np.float64),
+            weights=np.asarray(round_one.weights, dtype=np.float64),
             missing=~np.asarray(labelled, dtype=bool),
-            tau=tau,
+            tau=round_one.refinement.tau,
             clip_norm=plan.dp.clip_norm,
             max_positive_labels=k,
         )

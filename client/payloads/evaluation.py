@@ -34,7 +34,12 @@ from afl.core.evaluation.federated import EvaluationStats, evaluation_statistics
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.wire import EVALUATION_KINDS, WireError, read_evaluation
 
-__all__ = ["evaluation_slot_payloads", "evaluation_values"]
+__all__ = ["evaluation_slot_payloads", "evaluation_values", "is_evaluation_plan"]
+
+
+def is_evaluation_plan(plan: cpb.ReleasePlan) -> bool:
+    """Whether ``plan`` is an evaluation round's (it holds an evaluation release)."""
+    return any(r.kind in EVALUATION_KINDS for r in plan.releases)
 
 
 def evaluation_values(

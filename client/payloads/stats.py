@@ -39,6 +39,7 @@ from afl.proto.v1 import common_pb2 as cpb
 __all__ = [
     "PayloadError",
     "RoundClasses",
+    "RoundOne",
     "SlotPayload",
     "cache_fingerprint",
     "dump_json",
@@ -279,6 +280,15 @@ def labelled_mask(
     if partial:
         raise PayloadError(f"[data] classes {partial} have unlabelled (-1) rows in the cache")
     return mask, [c for c in names if c in classes]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundOne:
+    """What a round 2 computes its pseudo-labels from: round 1's verified W and the round's
+    refinement parameters (τ, α, δ)."""
+
+    weights: NDArray[np.float64]
+    refinement: RefinementParams
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,13 @@
-"""The DP part of a site's plan check (docs/protocol.md §6, §7): what the plan costs this site,
-under the adversary that sees its upload, in its run and over its lifetime.
-
-For a plan with DP the site
-
-* checks the releases it is in are noised and encoded so the noise survives
-  (:func:`afl.client.payloads.dp.plan_problems`), and that it can honour the unit (a patient-level
-  plan needs the cache's patient ids; a site whose policy asks for ``privacy_unit = "patient"``
-  refuses an image-level plan);
-* computes μ of its own releases from the share it adds and the sensitivity implied by the
-  plan's clip norm, unit bound m and label clipping k (:func:`afl.client.payloads.dp.site_mu`):
-  in plaintext the coordinator sees its upload alone, so only its own share counts; in mask and
-  ckks the honest shares that protect it are n_r - t'_r, t'_r = max(the plan's t_r, its own
-  floor ⌈``dp_assumed_colluders``·n_r⌉) (the plan's t is the coordinator's word, default 0);
-* composes it with the earlier rounds of the same run (round 1 for a round-2 plan) and refuses
-  when that ε (at the plan's δ, or at ``lifetime_delta`` when that is smaller: δ is the
-  coordinator's choice too), or the server's stated one if larger, exceeds ``max_epsilon``;
-* composes it with everything in its lifetime ledger (:mod:`afl.client.policy.ledger`) and refuses
-  when that ε at ``lifetime_delta`` exceeds ``lifetime_epsilon``.
-
-A plan without DP costs ε = ∞: it passes only with ``max_epsilon = inf`` and
-``lifetime_epsilon = inf`` (the defaults; docs/operations.md says how to set them).
+"""The DP part of a site's plan check (docs/protocol.md §6, §7; docs/architecture.md §3): what
+a plan costs this site, under the adversary that sees its upload, in its run and over its
+lifetime, from the site's own accounting (:func:`site_mu`: the sensitivity the plan's clip norm,
+unit bound m and label clipping k imply, the noise that protects its upload: its own share in
+PLAINTEXT, the n_r - t'_r honest shares in MASK and CKKS with t'_r the larger of the plan's t_r
+and the site's own floor ``[policy] dp_assumed_colluders``), so a site never relies on the
+server's arithmetic. :func:`assess_plan` composes it with the run's earlier rounds and the
+lifetime ledger (:mod:`afl.client.policy.ledger`) and refuses above ``max_epsilon`` /
+``lifetime_epsilon``; a plan without DP costs ε = ∞. The payload builder
+(:mod:`afl.client.payloads.dp`) imports the unit and noise rules from here.
 """
 
 from __future__ import annotations
@@ -29,12 +17,155 @@ from dataclasses import dataclass
 from typing import Any
 
 from afl.client.config import LocalPolicy
-from afl.client.payloads.dp import guarantee, patient_level, plan_problems, site_mu
 from afl.client.policy.ledger import LedgerSpend
-from afl.core.dp.accounting import compose_mu, epsilon_from_mu, site_colluders
+from afl.core.dp.accounting import (
+    compose_mu,
+    epsilon_from_mu,
+    grid_inflation,
+    mu_from_releases,
+    rounded_coordinates,
+    site_colluders,
+    site_view_releases,
+    statistic_sensitivity,
+)
+from afl.core.dp.evaluation import evaluation_sensitivity
+from afl.crypto.ckks import params as cp
 from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.wire import DP_STATISTIC_NAMES, EVALUATION_KINDS
 
-__all__ = ["DpAssessment", "DpContext", "assess_plan", "dp_report"]
+__all__ = [
+    "MAX_FRAC_BITS",
+    "NOISED_MECHANISMS",
+    "DpAssessment",
+    "DpContext",
+    "assess_plan",
+    "dp_report",
+    "guarantee",
+    "images_per_patient",
+    "patient_level",
+    "plan_problems",
+    "site_epsilon",
+    "site_mu",
+]
+
+#: The mechanisms that noise a DP release.
+NOISED_MECHANISMS = (cpb.NOISE_MECHANISM_DISCRETE_GAUSSIAN, cpb.NOISE_MECHANISM_GAUSSIAN)
+#: The finest noise grid 2^-f a payload is computed on (the wire allows at most 40 bits).
+MAX_FRAC_BITS = 60
+
+
+def patient_level(plan: cpb.ReleasePlan) -> bool:
+    """True when the plan's unit of privacy is one patient."""
+    return bool(plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT)
+
+
+def images_per_patient(plan: cpb.ReleasePlan) -> int:
+    """m: the rows one unit may own (1 for an image-level plan)."""
+    return max(1, int(plan.dp.images_per_patient)) if patient_level(plan) else 1
+
+
+def guarantee(plan: cpb.ReleasePlan) -> str:
+    """``patient-level (ε, δ)`` or ``image-level (ε, δ)``."""
+    return f"{'patient' if patient_level(plan) else 'image'}-level (ε, δ)"
+
+
+def _min_sensitivity(release: cpb.Release, plan: cpb.ReleasePlan) -> float:
+    """The release's sensitivity at the plan's clip norm, unit bound m and label clipping k
+    (:func:`afl.core.dp.accounting.statistic_sensitivity`) plus what rounding to the release's
+    noise grid adds (:func:`afl.core.dp.accounting.grid_inflation`, √D·2^-f); another
+    class-vector kind is taken as a d x C_r sum of rows like ``t_sum``, and a vector release with
+    no classes as 0; an evaluation release's counts as m·√C
+    (:func:`afl.core.dp.evaluation.evaluation_sensitivity`)."""
+    if release.kind in EVALUATION_KINDS:  # integer counts: m·√C, no rounding
+        if not release.class_names:
+            return 0.0
+        return evaluation_sensitivity(
+            n_classes=len(release.class_names), rows_per_individual=images_per_patient(plan)
+        )
+    kind = DP_STATISTIC_NAMES.get(int(release.kind), "t_sum")
+    if kind != "gram" and not release.class_names:
+        return 0.0
+    k = int(plan.dp.max_positive_labels)
+    n_classes = len(release.class_names)
+    rounding = grid_inflation(
+        coordinates=rounded_coordinates(
+            kind, shape=tuple(release.shape), n_classes=n_classes, max_positive_labels=k
+        ),
+        frac_bits=min(int(release.noise.frac_bits), MAX_FRAC_BITS),
+    )
+    return rounding + statistic_sensitivity(
+        kind,
+        clip_norm=plan.dp.clip_norm,
+        n_classes=n_classes,
+        rows_per_individual=images_per_patient(plan),
+        max_positive_labels=k,
+    )
+
+
+def site_mu(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
+    """μ (GDP) of ``site_id``'s releases in this plan under the adversary that sees its upload
+    (module docstring), assuming in MASK and CKKS max(the plan's t_r, ⌈``colluder_fraction``·n_r⌉)
+    colluders (:func:`afl.core.dp.accounting.site_colluders`; the site's ``[policy]
+    dp_assumed_colluders``); inf without DP noise on one of them."""
+    if not plan.dp.enabled or not 0 < plan.dp.delta < 1 or not plan.dp.clip_norm > 0:
+        return math.inf
+    local = plan.aggregation == cpb.AGGREGATION_MODE_PLAINTEXT
+    stated = []
+    for r in plan.releases:
+        if site_id not in r.member_site_ids:
+            continue
+        n, t = len(r.member_site_ids), int(r.noise.assumed_colluders)
+        if r.noise.mechanism not in NOISED_MECHANISMS or not r.noise.sigma > 0 or not 0 <= t < n:
+            return math.inf
+        sens = max(float(r.noise.sensitivity), _min_sensitivity(r, plan))
+        stated.append((r.name, sens, float(r.noise.sigma), n, t))
+    return mu_from_releases(
+        site_view_releases(stated, local=local, colluder_fraction=colluder_fraction)
+    )
+
+
+def site_epsilon(plan: cpb.ReleasePlan, site_id: str, *, colluder_fraction: float = 0.0) -> float:
+    """ε of ``site_id`` in this plan at the plan's δ (:func:`site_mu`; inf without DP)."""
+    mu = site_mu(plan, site_id, colluder_fraction=colluder_fraction)
+    if math.isinf(mu):
+        return math.inf
+    return epsilon_from_mu(mu=mu, delta=plan.dp.delta)
+
+
+def plan_problems(plan: cpb.ReleasePlan, site_id: str) -> str:
+    """Why this site cannot take part in a DP plan's releases as encoded ("" when it can): each
+    release it is in must carry noise on a grid of at most 40 bits, and in MASK mode encode the
+    half noise grid exactly and unmask no sum of fewer than n - t members (docs/protocol.md
+    [M-84]), in CKKS mode have the half noise grid as the decryptor's grid with a pre-scale fine
+    enough to recover the noisy sum exactly (:mod:`afl.server.plan.dp_ckks`)."""
+    for r in plan.releases:
+        if site_id not in r.member_site_ids:
+            continue
+        n, t, f = len(r.member_site_ids), int(r.noise.assumed_colluders), int(r.noise.frac_bits)
+        if r.noise.mechanism not in NOISED_MECHANISMS or not r.noise.sigma > 0:
+            return f"release {r.name} carries no DP noise"
+        if not 0 <= t < n or f > 40:
+            return f"release {r.name}: assumed colluders {t} or noise grid 2^-{f} out of range"
+        if plan.aggregation == cpb.AGGREGATION_MODE_MASK:
+            fp = r.encoding.fixed_point
+            if fp.frac_bits < f + 1 or fp.min_survivors < n - t:
+                return (
+                    f"release {r.name}: the mask encoding ({fp.frac_bits} fractional bits, "
+                    f"{fp.min_survivors} survivors) does not keep the noise of {n - t} members "
+                    f"on the grid 2^-{f + 1}"
+                )
+        if plan.aggregation == cpb.AGGREGATION_MODE_CKKS:
+            ck = r.encoding.ckks
+            try:
+                finest = cp.min_grid(prescale=ck.prescale, num_summands=n)
+            except ValueError as exc:
+                return f"release {r.name}: {exc}"
+            if ck.grid_step != 2.0 ** -(f + 1) or not 2.0 * finest <= ck.grid_step:
+                return (
+                    f"release {r.name}: the CKKS grid {ck.grid_step:g} (pre-scale "
+                    f"{ck.prescale:g}) does not recover the noisy sum on the grid 2^-{f + 1}"
+                )
+    return ""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ prints the head digest (:meth:`DpLedger.head`).
 
 An entry holds what the accountant needs and nothing about the data: the round, its run (the
 round-1 id of a round 2), the plan's SHA-256, the unit (``patient`` with m images, or ``image``),
-δ, μ (this site's releases under the adversary view of :func:`afl.client.payloads.dp.site_mu`;
+δ, μ (this site's releases under the adversary view of :func:`afl.client.policy.dp.site_mu`;
 inf for a plan without DP) and ε at δ, and each release's name, Δ and protecting σ.
 
 Composition (:func:`afl.core.dp.accounting.compose_mu`): the μ-GDP releases of all entries

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
+
+_T = TypeVar("_T")
 
 FORMAT = "afl-feature-cache"
 VERSION = 1
@@ -210,6 +212,23 @@ class FeatureCache:
         return self.rows_done == self.meta.n
 
 
+def _read_part(file: Path, read: Callable[[Path], _T]) -> _T:
+    """One file of a cache, or a one-line error naming it and the fix (a truncated copy gives
+    numpy's "mmap length is greater than file size")."""
+    try:
+        return read(file)
+    except FileNotFoundError as exc:
+        raise FeatureCacheError(
+            f"{file} is missing: the cache is incomplete; delete {file.parent} and run "
+            "`afl-client extract` again"
+        ) from exc
+    except (OSError, ValueError, EOFError) as exc:
+        raise FeatureCacheError(
+            f"{file} is damaged ({exc}; a copy cut short?): delete {file.parent} and run "
+            "`afl-client extract` again, or copy the cache again"
+        ) from exc
+
+
 def open_cache(root: str | os.PathLike[str], *, allow_partial: bool = False) -> FeatureCache:
     """Open a cache; refuse an incomplete one unless ``allow_partial``."""
     path = Path(root)
@@ -219,10 +238,9 @@ def open_cache(root: str | os.PathLike[str], *, allow_partial: bool = False) -> 
         raise FeatureCacheError(f"{path} is not a feature cache (no meta.json)") from exc
     except (ValueError, KeyError) as exc:
         raise FeatureCacheError(f"{path}/meta.json is malformed ({exc})") from exc
-    ids_text = (path / "ids.txt").read_text(encoding="utf-8")
-    ids = tuple(ids_text.splitlines())
-    labels = np.load(path / "labels.npy")
-    features = np.load(path / "features.npy", mmap_mode="r")
+    ids = tuple(_read_part(path / "ids.txt", lambda f: f.read_text(encoding="utf-8")).splitlines())
+    labels = _read_part(path / "labels.npy", np.load)
+    features = _read_part(path / "features.npy", lambda f: np.load(f, mmap_mode="r"))
     if len(ids) != meta.n or labels.shape != (meta.n, len(meta.classes)):
         raise FeatureCacheError(f"{path}: ids/labels do not match n={meta.n}")
     if features.shape != (meta.n, meta.d) or features.dtype != np.float32:

@@ -57,9 +57,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from scipy import optimize
-from scipy.stats import norm
-
 Backend = Literal["auto", "opacus", "scipy"]
 
 _OPACUS_MAX_EPS = 500.0  # opacus brackets its root search in [0, 500]
@@ -113,13 +110,19 @@ def delta_for_epsilon(*, epsilon: float, mu: float) -> float:
         return 0.0
     if math.isinf(mu):
         return 1.0
+    # Φ and log Φ are scipy.special's ndtr and log_ndtr (what scipy.stats.norm calls, without
+    # importing scipy.stats: on demand, so that importing afl.proto.wire stays light).
+    from scipy.special import log_ndtr, ndtr
+
     a = -epsilon / mu + mu / 2
     b = -epsilon / mu - mu / 2
     # e^ε Φ(b) evaluated in log space: e^ε overflows long before the product does.
-    return max(0.0, float(norm.cdf(a) - math.exp(epsilon + float(norm.logcdf(b)))))
+    return max(0.0, float(ndtr(a) - math.exp(epsilon + float(log_ndtr(b)))))
 
 
 def _eps_scipy(mu: float, delta: float) -> float:
+    from scipy import optimize
+
     hi = 1.0
     while delta_for_epsilon(epsilon=hi, mu=mu) > delta:
         hi *= 2.0

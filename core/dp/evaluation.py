@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.stats import norm
 
 from afl.core.dp.accounting import (
     AccountingError,
@@ -93,7 +92,11 @@ def dp_score_bins(*, scale: float, num_bins: int = DP_EVALUATION_BINS) -> ScoreB
     N(0, s²) (module docstring)."""
     if not (scale > 0 and math.isfinite(scale)) or num_bins < 2:
         raise AccountingError(f"need scale > 0 and num_bins >= 2 (got {scale}, {num_bins})")
-    edges = norm.ppf(np.arange(1, num_bins) / num_bins) * scale
+    # Φ⁻¹ is scipy.special.ndtri (what scipy.stats.norm.ppf calls), imported on demand: importing
+    # afl.core (as `afl ca` and the coordinator do) loads no scipy.
+    from scipy.special import ndtri
+
+    edges = ndtri(np.arange(1, num_bins) / num_bins) * scale
     return ScoreBins.from_edges(np.unique(np.concatenate([edges, [0.0]])))
 
 

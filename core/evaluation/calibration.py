@@ -41,9 +41,6 @@ from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.optimize import minimize
-from scipy.special import expit, log_expit
-from sklearn.isotonic import IsotonicRegression
 
 from afl.core.evaluation.federated import EvaluationStats
 from afl.core.evaluation.scorebins import ScoreBins
@@ -91,6 +88,8 @@ class ClassCalibration:
         if not self.fitted:
             return np.full(z.shape, np.nan)
         if self.method == "platt":
+            from scipy.special import expit  # on demand: importing afl.core loads no scipy
+
             out: NDArray[np.float64] = expit(self.slope * z + self.intercept)
             return out
         interpolated: NDArray[np.float64] = np.interp(z, np.asarray(self.x), np.asarray(self.y))
@@ -227,6 +226,8 @@ def _platt(
     if spread == 0.0:
         raise CalibrationError("every score falls into one bin: Platt scaling is undefined")
     u = (reps - mean) / spread
+    from scipy.optimize import minimize
+    from scipy.special import expit, log_expit
 
     def nll(theta: NDArray[np.float64]) -> float:
         t = theta[0] * u + theta[1]
@@ -276,6 +277,8 @@ def fit_class(
     if method == "platt":
         slope, intercept = _platt(reps, pos, neg)
         return ClassCalibration(name, method, True, n_pos, n_neg, slope, intercept)
+    from sklearn.isotonic import IsotonicRegression  # on demand: only an isotonic fit needs it
+
     iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
     iso.fit(reps, pos / (pos + neg), sample_weight=pos + neg)
     x = tuple(float(v) for v in iso.X_thresholds_)
@@ -382,6 +385,8 @@ def calibration_document(
     """The calibration file's content: the fit (:meth:`Calibration.to_json`) and, per class,
     the reliability and ECE of σ(z) and of the calibrated probabilities on the (summed)
     histograms it was fitted from: in-sample, but computable from the sums alone."""
+    from scipy.special import expit
+
     reps = stats.bins.representatives()
     per_class: dict[str, Any] = {}
     for c, fitted in enumerate(calibration.classes):

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.special import expit
 
 from afl.core.evaluation.scorebins import ScoreBins
 from afl.core.metrics import THRESHOLD, Metrics
@@ -175,6 +174,8 @@ def evaluation_statistics(
             f"features {features.shape}, labels {labels.shape}, W {weights.shape} and "
             f"{num_classes} classes do not fit together"
         )
+    from scipy.special import expit  # on demand: importing afl.core loads no scipy
+
     mask = np.ones(num_classes, bool) if labelled is None else np.asarray(labelled, bool)
     hist = np.zeros((num_classes, 2, bins.num_bins), dtype=np.int64)
     conf = np.zeros((num_classes, 4), dtype=np.int64)

@@ -33,8 +33,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import tenseal as ts
-import tenseal.sealapi  # registers SEAL's types (e.g. Modulus) with pybind for check_parameters
 from numpy.typing import ArrayLike
 
 from afl.crypto.ckks import params as cp
@@ -66,12 +64,22 @@ MAX_CIPHERTEXT_BYTES = 1 << 20
 _RECORD = struct.Struct("<I")
 
 
+def _tenseal() -> Any:
+    """TenSEAL, imported on first use: importing this module (as every coordinator and site
+    daemon does) loads no TenSEAL, so only a CKKS federation's processes pay for it."""
+    import tenseal
+    import tenseal.sealapi  # registers SEAL's types (e.g. Modulus) with pybind for check_parameters
+
+    return tenseal
+
+
 def create_private_context(*, n_threads: int | None = None) -> Any:
     """New ASYMMETRIC (public-key) CKKS context with the vetted parameters; holds the secret key.
 
     Only the decryptor site calls this. Its secret key never leaves it (see
     ``public_context_bytes``).
     """
+    ts = _tenseal()
     ctx = ts.context(
         ts.SCHEME_TYPE.CKKS,
         poly_modulus_degree=cp.POLY_MODULUS_DEGREE,
@@ -88,6 +96,7 @@ def create_private_context(*, n_threads: int | None = None) -> Any:
 def check_parameters(ctx: Any) -> None:
     """Raise ``CkksContextError`` unless ``ctx`` is a CKKS context with the vetted N and moduli
     and a public key (a context from elsewhere might be weaker or lack public-key encryption)."""
+    ts = _tenseal()
     if not isinstance(ctx, ts.Context):
         raise CkksContextError(f"expected a tenseal.Context, got {type(ctx).__name__}")
     seal_ctx = ctx.seal_context().data
@@ -163,7 +172,7 @@ def _load_context(data: bytes) -> Any:
     if not isinstance(data, bytes) or not data:
         raise CkksContextError("a serialized CKKS context must be non-empty bytes")
     try:
-        ctx = ts.context_from(data)
+        ctx = _tenseal().context_from(data)
     except (ValueError, RuntimeError, TypeError) as exc:
         raise CkksContextError("bytes are not a serialized TenSEAL context") from exc
     check_parameters(ctx)
@@ -246,6 +255,7 @@ def encrypt_block(
     t = float(tag)
     if not math.isfinite(t) or abs(t) > bound:
         raise CkksRangeError(f"tag must be finite with |tag| <= {bound:.6g}")
+    ts = _tenseal()
     out: list[Any] = []
     step = cp.DATA_SLOTS_PER_CIPHERTEXT
     for index, start in enumerate(range(0, x.size, step)):
@@ -266,6 +276,7 @@ def check_ciphertexts(vectors: Sequence[Any], *, length: int) -> None:
     """Raise ``CkksMalformedError`` unless ``vectors`` is the layout of a block of ``length``
     values: right count and sizes, one 2-polynomial ciphertext each, NOT transparent, at the data
     level and at exactly scale Δ (a rescaled or plaintext-multiplied ciphertext fails)."""
+    ts = _tenseal()
     sizes = _expected_sizes(length)
     if len(vectors) != len(sizes):
         raise CkksMalformedError(f"expected {len(sizes)} ciphertexts, got {len(vectors)}")
@@ -296,7 +307,7 @@ def deserialize_ciphertexts(ctx: Any, blobs: Sequence[bytes], *, length: int) ->
         if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_CIPHERTEXT_BYTES:
             raise CkksMalformedError(f"ciphertext {i} must be 1..{MAX_CIPHERTEXT_BYTES} bytes")
         try:
-            out.append(ts.CKKSVector.load(ctx, blob))
+            out.append(_tenseal().CKKSVector.load(ctx, blob))
         except (ValueError, RuntimeError, TypeError) as exc:
             raise CkksMalformedError(f"ciphertext {i} does not parse") from exc
     check_ciphertexts(out, length=length)

@@ -7,7 +7,8 @@ BEFORE parsing:
 
     signature = Ed25519(server identity key, canonical(DOMAIN_TAG, context, blob))
 
-with ``context`` = ``"release-plan"``, ``"model"`` or ``"evaluation"``. The two site-signed
+with ``context`` = ``"release-plan"``, ``"model"``, ``"candidate-model"`` (a model solved but
+not yet published: the validation gate scores it, docs/protocol.md §6.2) or ``"evaluation"``. The two site-signed
 messages of the plaintext flow have their field tuples here too, so both sides build them the
 same way:
 
@@ -33,6 +34,7 @@ from afl.crypto.canonical import Field, canonical_encode
 from afl.crypto.identity.signatures import load_public_key_raw, sign_fields, verify_fields
 
 __all__ = [
+    "CANDIDATE_CONTEXT",
     "ENROL_CONTEXT",
     "EVALUATION_CONTEXT",
     "MODEL_CONTEXT",
@@ -47,6 +49,7 @@ __all__ = [
 
 PLAN_CONTEXT = "release-plan"
 MODEL_CONTEXT = "model"
+CANDIDATE_CONTEXT = "candidate-model"
 EVALUATION_CONTEXT = "evaluation"
 ENROL_CONTEXT = "enrol"
 PLAN_DECISION_CONTEXT = "plan-decision"

@@ -33,7 +33,6 @@ same peer, across its whole lifetime.
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Mapping
 
@@ -77,6 +76,7 @@ from afl.crypto.secagg.messages import (
     RevealedShare,
     RoutedShares,
     ShareKeysUpload,
+    Stage,
     UnmaskRequest,
     UnmaskResponse,
     advert_fields,
@@ -87,19 +87,7 @@ from afl.crypto.secagg.messages import (
 )
 from afl.crypto.shamir import Share, split_secret_at
 
-__all__ = ["ClientStage", "SecAggClient"]
-
-
-class ClientStage(enum.Enum):
-    """Stages of the client state machine (the stage whose message the client sends next)."""
-
-    ADVERTISE = "advertise-keys"
-    SHARE_KEYS = "share-keys"
-    MASKED_INPUT = "masked-input"
-    CONSISTENCY = "consistency-check"
-    UNMASK = "unmask"
-    DONE = "done"
-    ABORTED = "aborted"
+__all__ = ["SecAggClient"]
 
 
 class SecAggClient:
@@ -150,7 +138,7 @@ class SecAggClient:
                     f"got {x.shape}"
                 )
             self._encoded[release.name] = release.codec().encode(x)  # rejects |x| > bound
-        self.stage = ClientStage.ADVERTISE
+        self.stage = Stage.ADVERTISE
         self._enc_key = generate_agreement_key()
         self._mask_key = generate_agreement_key()
         self._self_seeds = {r.name: os.urandom(SEED_BYTES) for r in self._releases}
@@ -162,7 +150,7 @@ class SecAggClient:
         self._revealed: dict[str, str] = {}  # owner -> kind revealed (never both)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _expect(self, stage: ClientStage, round_id: str) -> None:
+    def _expect(self, stage: Stage, round_id: str) -> None:
         if self.stage is not stage:
             raise StageError(
                 f"client {self.site_id!r} is in stage {self.stage.value}, not {stage.value}"
@@ -173,7 +161,7 @@ class SecAggClient:
             )
 
     def _abort(self, error: ProtocolError) -> ProtocolError:
-        self.stage = ClientStage.ABORTED
+        self.stage = Stage.ABORTED
         return error
 
     def _need_t(self, what: str, count: int) -> None:
@@ -204,7 +192,7 @@ class SecAggClient:
     def advertise_keys(self, commitments: Mapping[str, bytes] | None = None) -> AdvertiseKeys:
         """Stage 0: sign and send (c_pk, s_pk); with a sparse graph also the nonce ρ, bound to the
         digest of ``commitments`` (every participant's graph commitment, already verified)."""
-        self._expect(ClientStage.ADVERTISE, self.config.round_id)
+        self._expect(Stage.ADVERTISE, self.config.round_id)
         if self.config.graph is not None:
             self._take_commitments(commitments)
         elif commitments:
@@ -219,7 +207,7 @@ class SecAggClient:
             graph_nonce=self._graph_nonce,
         )
         signature = sign_fields(self._identity, context=ADVERTISE_CONTEXT, fields=fields)
-        self.stage = ClientStage.SHARE_KEYS
+        self.stage = Stage.SHARE_KEYS
         return AdvertiseKeys(
             self.config.round_id,
             self.site_id,
@@ -290,7 +278,7 @@ class SecAggClient:
     # -- stage 1 -------------------------------------------------------------------------------
     def share_keys(self, directory: KeyDirectory) -> ShareKeysUpload:
         """Stage 1: verify U1's adverts, then Shamir-share s_sk and each b_{u,R} to U1."""
-        self._expect(ClientStage.SHARE_KEYS, directory.round_id)
+        self._expect(Stage.SHARE_KEYS, directory.round_id)
         peers: dict[str, tuple[bytes, bytes]] = {}
         adverts: dict[str, AdvertiseKeys] = {}
         for advert in directory.adverts:
@@ -346,7 +334,7 @@ class SecAggClient:
                 round_id=self.config.round_id,
             )
             sealed.append(EncryptedShare(self.site_id, v, blob))
-        self.stage = ClientStage.MASKED_INPUT
+        self.stage = Stage.MASKED_INPUT
         return ShareKeysUpload(self.config.round_id, self.site_id, tuple(sealed))
 
     def _share_key(self, *, sender: str, recipient: str) -> bytes:
@@ -367,7 +355,7 @@ class SecAggClient:
     # -- stage 2 -------------------------------------------------------------------------------
     def masked_input(self, routed: RoutedShares) -> MaskedInputUpload:
         """Stage 2: open the shares from U2, then mask every release among M_R ∩ U2."""
-        self._expect(ClientStage.MASKED_INPUT, routed.round_id)
+        self._expect(Stage.MASKED_INPUT, routed.round_id)
         if routed.recipient != self.site_id:
             raise self._abort(ProtocolError("routed shares are addressed to another client"))
         my_index = self.config.share_index(self.site_id)
@@ -428,13 +416,13 @@ class SecAggClient:
             )
             vectors.append((release.name, y))
         self._encoded.clear()  # the plaintext encoding is no longer needed
-        self.stage = ClientStage.CONSISTENCY
+        self.stage = Stage.CONSISTENCY
         return MaskedInputUpload(self.config.round_id, self.site_id, tuple(vectors))
 
     # -- stage 3 -------------------------------------------------------------------------------
     def consistency_check(self, request: ConsistencyRequest) -> ConsistencySignature:
         """Stage 3: sign the survivor list U3 (once), after checking U3 ⊆ U2, |U3| ≥ t, u ∈ U3."""
-        self._expect(ClientStage.CONSISTENCY, request.round_id)
+        self._expect(Stage.CONSISTENCY, request.round_id)
         u3 = tuple(sorted(set(request.survivors)))
         local = self._neighbours | {self.site_id}
         if (
@@ -449,19 +437,19 @@ class SecAggClient:
         fields = consistency_fields(self.config, site_id=self.site_id, survivors=u3)
         signature = sign_fields(self._identity, context=CONSISTENCY_CONTEXT, fields=fields)
         self._signed_u3 = u3
-        self.stage = ClientStage.UNMASK
+        self.stage = Stage.UNMASK
         return ConsistencySignature(self.config.round_id, self.site_id, signature)
 
     # -- stage 4 -------------------------------------------------------------------------------
     def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Stage 4: reveal b-shares of survivors (requested releases) and s_sk-shares of dropped
         sites, after the safety checks of the module docstring."""
-        self._expect(ClientStage.UNMASK, request.round_id)
+        self._expect(Stage.UNMASK, request.round_id)
         try:
             shares = self._check_and_collect(request)
         except UnmaskRefusedError as exc:
             raise self._abort(exc) from None
-        self.stage = ClientStage.DONE
+        self.stage = Stage.DONE
         return UnmaskResponse(self.config.round_id, self.site_id, shares)
 
     def _refuse(self, reason: str) -> UnmaskRefusedError:

@@ -21,10 +21,10 @@ from typing import TypeVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import ArrayLike
 
-from afl.crypto.secagg.client import ClientStage, SecAggClient
+from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.config import RoundConfig
 from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
-from afl.crypto.secagg.messages import ClientMessage
+from afl.crypto.secagg.messages import ClientMessage, Stage
 from afl.crypto.secagg.server import SecAggResult, SecAggServer
 
 __all__ = ["LocalRoundReport", "run_local_round"]
@@ -49,7 +49,7 @@ def run_local_round(
     config: RoundConfig,
     identity_keys: Mapping[str, Ed25519PrivateKey],
     inputs: Mapping[str, Mapping[str, ArrayLike]],
-    drop_before: Mapping[str, ClientStage] | None = None,
+    drop_before: Mapping[str, Stage] | None = None,
     count_bytes: bool = True,
 ) -> LocalRoundReport:
     """Run one round over ``config.cohort`` and return the server's result with costs.
@@ -86,8 +86,8 @@ def run_local_round(
             report_times[site] += elapsed
         return out
 
-    def alive(site: str, stage: ClientStage) -> bool:
-        order = list(ClientStage)
+    def alive(site: str, stage: Stage) -> bool:
+        order = list(Stage)
         return site not in drops or order.index(stage) < order.index(drops[site])
 
     def size(message: object) -> int:
@@ -113,30 +113,30 @@ def run_local_round(
         timed(None, partial(server.receive, message, sender=site))
 
     for site in config.cohort:
-        if alive(site, ClientStage.ADVERTISE):
+        if alive(site, Stage.ADVERTISE):
             advertise = partial(clients[site].advertise_keys, commitments if sparse else None)
             upload(site, timed(site, advertise))
     directory = timed(None, server.close_advertise)
     for advert in directory.adverts:
         site = advert.site_id
         down[site] += size(directory)
-        if alive(site, ClientStage.SHARE_KEYS):
+        if alive(site, Stage.SHARE_KEYS):
             upload(site, timed(site, partial(clients[site].share_keys, directory)))
     routed = timed(None, server.close_share_keys)
     for site, bundle in routed.items():
         down[site] += size(bundle)
-        if alive(site, ClientStage.MASKED_INPUT):
+        if alive(site, Stage.MASKED_INPUT):
             upload(site, timed(site, partial(clients[site].masked_input, bundle)))
     request = timed(None, server.close_masked_input)
     for site in request.survivors:
         down[site] += size(request)
-        if alive(site, ClientStage.CONSISTENCY):
+        if alive(site, Stage.CONSISTENCY):
             upload(site, timed(site, partial(clients[site].consistency_check, request)))
     unmask = timed(None, server.close_consistency)
     for signature in unmask.signatures:
         site = signature.site_id
         down[site] += size(unmask)
-        if alive(site, ClientStage.UNMASK):
+        if alive(site, Stage.UNMASK):
             upload(site, timed(site, partial(clients[site].unmask, unmask)))
     result = timed(None, server.close_unmask)
     return LocalRoundReport(

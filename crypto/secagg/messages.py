@@ -16,12 +16,16 @@ digest (which covers the round id, round salt, cohort, threshold and release pla
                  with the full graph; :mod:`afl.crypto.secagg.graph`)
     consistency: ("consistency-check", digest, round_id, salt, site, |U3|, *sorted(U3))
 
+The stages themselves are :class:`Stage`, one enum for both state machines (the client's: the
+stage whose message it sends next; the server's: the messages it accepts).
+
 Every message has ``to_bytes()``: its canonical encoding (:mod:`afl.crypto.canonical`), used for
 byte accounting; the wire mapping (protobuf) is a separate layer.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -48,6 +52,7 @@ __all__ = [
     "RevealedShare",
     "RoutedShares",
     "ShareKeysUpload",
+    "Stage",
     "UnmaskRequest",
     "UnmaskResponse",
     "advert_fields",
@@ -56,6 +61,19 @@ __all__ = [
     "signed_advert_fields",
     "unpack_share_bundle",
 ]
+
+
+class Stage(enum.Enum):
+    """Stages of a round, in order, for the client and the server state machine alike."""
+
+    ADVERTISE = "advertise-keys"
+    SHARE_KEYS = "share-keys"
+    MASKED_INPUT = "masked-input"
+    CONSISTENCY = "consistency-check"
+    UNMASK = "unmask"
+    DONE = "done"
+    ABORTED = "aborted"
+
 
 ADVERTISE_CONTEXT = "advertise-keys"
 CONSISTENCY_CONTEXT = "consistency-check"

@@ -33,7 +33,6 @@ the neighbourhood threshold t_N.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -68,6 +67,7 @@ from afl.crypto.secagg.messages import (
     MaskedInputUpload,
     RoutedShares,
     ShareKeysUpload,
+    Stage,
     UnmaskRequest,
     UnmaskResponse,
     consistency_fields,
@@ -81,27 +81,15 @@ from afl.crypto.secagg.unmask import (
     release_sum,
 )
 
-__all__ = ["SecAggResult", "SecAggServer", "ServerStage"]
+__all__ = ["SecAggResult", "SecAggServer"]
 
 
-class ServerStage(enum.Enum):
-    """Stages of the server state machine (the client messages it accepts)."""
-
-    ADVERTISE = "advertise-keys"
-    SHARE_KEYS = "share-keys"
-    MASKED_INPUT = "masked-input"
-    CONSISTENCY = "consistency-check"
-    UNMASK = "unmask"
-    DONE = "done"
-    ABORTED = "aborted"
-
-
-_MESSAGE_STAGE: dict[type, ServerStage] = {
-    AdvertiseKeys: ServerStage.ADVERTISE,
-    ShareKeysUpload: ServerStage.SHARE_KEYS,
-    MaskedInputUpload: ServerStage.MASKED_INPUT,
-    ConsistencySignature: ServerStage.CONSISTENCY,
-    UnmaskResponse: ServerStage.UNMASK,
+_MESSAGE_STAGE: dict[type, Stage] = {
+    AdvertiseKeys: Stage.ADVERTISE,
+    ShareKeysUpload: Stage.SHARE_KEYS,
+    MaskedInputUpload: Stage.MASKED_INPUT,
+    ConsistencySignature: Stage.CONSISTENCY,
+    UnmaskResponse: Stage.UNMASK,
 }
 
 
@@ -138,7 +126,7 @@ class SecAggServer:
         self._commitments = dict(commitments or {}) if config.graph is not None else {}
         self._digest = commitments_digest(self._commitments) if self._commitments else b""
         self.neighbours: dict[str, frozenset[str]] | None = None  # None: the full graph
-        self.stage = ServerStage.ADVERTISE
+        self.stage = Stage.ADVERTISE
         self.abort_reason: str | None = None
         self._live: tuple[str, ...] = config.cohort  # senders allowed in the current stage
         self._inbox: dict[str, ClientMessage] = {}
@@ -153,7 +141,7 @@ class SecAggServer:
     # -- receiving -----------------------------------------------------------------------------
     def receive(self, message: ClientMessage, *, sender: str) -> None:
         """Accept one client message; ``sender`` is the transport-authenticated site id."""
-        if self.stage in (ServerStage.DONE, ServerStage.ABORTED):
+        if self.stage in (Stage.DONE, Stage.ABORTED):
             raise StageError(f"the round is {self.stage.value}; no message is accepted")
         if message.round_id != self.config.round_id:
             raise RoundMismatchError(
@@ -264,7 +252,7 @@ class SecAggServer:
                 )
 
     # -- closing stages ------------------------------------------------------------------------
-    def _close(self, stage: ServerStage, following: ServerStage) -> tuple[str, ...]:
+    def _close(self, stage: Stage, following: Stage) -> tuple[str, ...]:
         if self.stage is not stage:
             raise StageError(f"cannot close stage {stage.value} in stage {self.stage.value}")
         arrived = tuple(sorted(self._inbox))
@@ -281,7 +269,7 @@ class SecAggServer:
 
     def _abort(self, reason: str) -> None:
         self.abort_reason = reason
-        self.stage = ServerStage.ABORTED
+        self.stage = Stage.ABORTED
         self._sums.clear()
         raise RoundAbortedError(reason)
 
@@ -289,12 +277,12 @@ class SecAggServer:
         """End AdvertiseKeys: U1 = the sites whose signed adverts arrived (sparse graph: every
         participant, else the round aborts; then the graph is derived)."""
         silent = sorted(set(self.config.cohort) - set(self._inbox))
-        if self.config.graph is not None and silent and self.stage is ServerStage.ADVERTISE:
+        if self.config.graph is not None and silent and self.stage is Stage.ADVERTISE:
             self._abort(
                 f"advertise-keys: no advert (graph nonce) from {', '.join(silent)}; the sparse "
                 "graph is drawn from every participant's nonce; round aborted, nothing released"
             )
-        u1 = self._close(ServerStage.ADVERTISE, ServerStage.SHARE_KEYS)
+        u1 = self._close(Stage.ADVERTISE, Stage.SHARE_KEYS)
         self._adverts = {s: m for s, m in self._inbox.items() if isinstance(m, AdvertiseKeys)}
         self._inbox = {}
         if self.config.graph is not None:
@@ -310,7 +298,7 @@ class SecAggServer:
 
     def close_share_keys(self) -> dict[str, RoutedShares]:
         """End ShareKeys: U2 = senders; route each bundle from U2 to its recipient in U2."""
-        u2 = self._close(ServerStage.SHARE_KEYS, ServerStage.MASKED_INPUT)
+        u2 = self._close(Stage.SHARE_KEYS, Stage.MASKED_INPUT)
         self._u2 = u2
         routed: dict[str, list[EncryptedShare]] = {v: [] for v in u2}
         for sender in u2:
@@ -326,14 +314,14 @@ class SecAggServer:
 
     def close_masked_input(self) -> ConsistencyRequest:
         """End MaskedInput: U3 = sites whose masked uploads arrived (only these are stored)."""
-        u3 = self._close(ServerStage.MASKED_INPUT, ServerStage.CONSISTENCY)
+        u3 = self._close(Stage.MASKED_INPUT, Stage.CONSISTENCY)
         self._u3 = u3
         self._inbox = {}
         return ConsistencyRequest(self.config.round_id, u3)
 
     def close_consistency(self) -> UnmaskRequest:
         """End ConsistencyCheck: U4 = signers; decide which releases are released."""
-        self._close(ServerStage.CONSISTENCY, ServerStage.UNMASK)
+        self._close(Stage.CONSISTENCY, Stage.UNMASK)
         signatures = tuple(
             m for _, m in sorted(self._inbox.items()) if isinstance(m, ConsistencySignature)
         )
@@ -357,7 +345,7 @@ class SecAggServer:
 
     def close_unmask(self) -> SecAggResult:
         """End Unmask: reconstruct dropped mask keys and survivors' self masks; decode sums."""
-        u5 = self._close(ServerStage.UNMASK, ServerStage.DONE)
+        u5 = self._close(Stage.UNMASK, Stage.DONE)
         assert self._request is not None
         responses = {s: m for s, m in self._inbox.items() if isinstance(m, UnmaskResponse)}
         self._inbox = {}
@@ -389,7 +377,7 @@ class SecAggServer:
                 )
                 contributors[name] = survivors
         except (ProtocolError, MaskingError) as exc:
-            self.stage = ServerStage.ABORTED
+            self.stage = Stage.ABORTED
             self.abort_reason = f"unmask failed: {exc}"
             raise RoundAbortedError(self.abort_reason) from exc
         finally:

@@ -51,8 +51,7 @@ from afl.core.stats import local_statistics
 from afl.crypto.identity.signatures import generate_identity_key
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg.local import run_local_round
-from afl.lab.bench.common import emit_json
-from afl.lab.bench.machine_info import describe_machine
+from afl.lab.bench.common import describe_machine, emit_json
 from afl.lab.simulate.dataset import FederatedDataset, default_dataset
 
 __all__ = ["add_arguments", "masked_sum", "run", "run_calibration_bench"]

@@ -252,13 +252,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench.e2e import MODES, run_e2e_bench
+        from afl.lab.bench.e2e import MODES, memory_summary, run_e2e_bench
 
         modes = [m for m in MODES if not (args.no_mask and m == "mask")]
         row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=modes)
         print(
             f"e2e K={row['num_sites']} d={row['d']}: ckks round x{row['ckks_round_seconds_ratio']:.2f}"
-            f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.1f} vs plaintext",
+            f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.1f} vs plaintext; "
+            f"{memory_summary(row)}",
             file=sys.stderr,
         )
         emit_json({"benchmark": "ckks-e2e", "results": [row]}, args.out)

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+from afl.core.progress import Progress
+
 # suite name -> (module under afl.lab.bench, one-line help). Modules expose add_arguments and run.
 SUITES: dict[str, tuple[str, str]] = {
     "extract": ("extract", "feature-extraction images/s: full pipeline vs pure forward pass"),
@@ -28,6 +30,11 @@ SUITES: dict[str, tuple[str, str]] = {
         "dp_evaluation",
         "federated macro AUC and ECE from DP score histograms vs exact, per evaluation ε",
     ),
+    "gate": (
+        "gate",
+        "residual influence of one in-bound site on the default; the validation gate's cost",
+    ),
+    "startup": ("e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 
 
@@ -59,5 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    Progress("afl bench")(f"running the {args.suite} suite (its JSON is written at the end)")
     code: int = args.suite_run(args)
     return code

@@ -39,8 +39,7 @@ from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
 from afl.core.metrics import evaluate
 from afl.core.stats import local_statistics
 from afl.crypto.dgauss import discrete_gaussian
-from afl.lab.bench.common import emit_json
-from afl.lab.bench.machine_info import describe_machine
+from afl.lab.bench.common import describe_machine, emit_json
 from afl.lab.simulate.dataset import FederatedDataset, default_dataset
 
 __all__ = ["add_arguments", "run", "run_dp_evaluation_bench"]

@@ -17,7 +17,7 @@ d = 1024 and 8 classes). afl's round time is the slowest site's, plan check to v
 (its report); Flower's is the server's fit round (the workflow's fit phase, configuration to
 aggregate) of its second round (the first also starts the engine's Ray workers, which afl's
 timed span — plan check on — does not include). Ratios are to each system's own plaintext round. Random benchmark features (numpy
-RNG: data, not secrets). The JSON records the machine (:mod:`afl.lab.bench.machine_info`).
+RNG: data, not secrets). The JSON records the machine (:mod:`afl.lab.bench.common`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from afl.lab.bench.common import emit_json
+from afl.lab.bench.common import describe_machine, emit_json, format_machine
 from afl.lab.bench.e2e import round_figures
-from afl.lab.bench.machine_info import describe_machine, format_machine
 from afl.lab.demo.federation import (
     mask_round_settings,
     prepare_labelled_everywhere,

@@ -33,8 +33,14 @@ from numpy.typing import NDArray
 from afl.core.aggregation import Cover, GramScope, plan_aggregation, solve_from_sums
 from afl.core.data.assignment import missing_m_assignment
 from afl.core.stats import local_statistics
-from afl.lab.bench.common import add_blas_threads_argument, blas_threads, line_plot, write_json
-from afl.lab.bench.machine_info import describe_machine, format_machine
+from afl.lab.bench.common import (
+    add_blas_threads_argument,
+    blas_threads,
+    describe_machine,
+    format_machine,
+    line_plot,
+    write_json,
+)
 
 __all__ = ["add_arguments", "run", "run_scaling_bench", "scaling_point"]
 

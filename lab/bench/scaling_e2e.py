@@ -38,7 +38,7 @@ import scipy.linalg
 from numpy.typing import NDArray
 
 from afl.core.stats import local_statistics
-from afl.lab.bench.machine_info import describe_machine
+from afl.lab.bench.common import describe_machine
 from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
@@ -59,7 +59,8 @@ FIGURES = ("round_seconds", "exchange_seconds", "wall_seconds", "bytes_sent_per_
 
 
 class PeakMemory:
-    """Peak resident memory (VmRSS, MiB) of processes, sampled every ``interval_s``."""
+    """Peak resident memory (MiB) of processes: the kernel's high-water mark VmHWM (the true
+    peak, not a sample), read every ``interval_s`` while each process lives."""
 
     def __init__(self, interval_s: float = 0.25) -> None:
         self.interval_s = interval_s
@@ -87,14 +88,16 @@ class PeakMemory:
 
 
 def rss_mib(pid: int) -> float | None:
-    """VmRSS of ``pid`` in MiB (None when it is gone or /proc is missing)."""
+    """The peak resident memory of ``pid`` so far in MiB: VmHWM (VmRSS where the kernel does not
+    report it); None when the process is gone or /proc is missing."""
     try:
         text = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    for name in ("VmHWM", "VmRSS"):
+        if name in fields:
+            return int(fields[name].split()[0]) / 1024.0
     return None
 
 
@@ -141,7 +144,7 @@ def _figures(
     if any(r.get("outcome") != "COMPLETED" for r in finals):
         raise RuntimeError(f"the federation failed: {failed[:3]} (logs: {loop.root / 'logs'})")
     graph = finals[0]["plan"].get("mask_graph", {})
-    hosts = [v for name, v in memory.peaks.items() if name != "server"]
+    hosts = [v for name, v in memory.peaks.items() if name not in ("server", "decryptor")]
     return {
         "round_seconds": max(r["timings_s"]["round"] for r in finals),
         "exchange_seconds": max(r["timings_s"]["upload"] for r in finals),

@@ -28,9 +28,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.crypto.identity.signatures import generate_identity_key
-from afl.crypto.secagg.client import ClientStage
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg.local import run_local_round
+from afl.crypto.secagg.messages import Stage
 from afl.lab.bench.common import emit_json
 
 __all__ = ["add_arguments", "run", "run_secagg_bench"]
@@ -112,7 +112,7 @@ def run_secagg_bench(
         for s in ids
     }
     keys = {s: generate_identity_key() for s in ids}
-    drops = {s: ClientStage.MASKED_INPUT for s in ids[:dropouts]}
+    drops = {s: Stage.MASKED_INPUT for s in ids[:dropouts]}
     masked_runs: list[dict[str, float]] = []
     plain_runs: list[dict[str, float]] = []
     rel_err = 0.0
@@ -186,14 +186,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench.e2e import run_e2e_bench
+        from afl.lab.bench.e2e import memory_summary, run_e2e_bench
 
         row = run_e2e_bench(
             num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=("plaintext", "mask")
         )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "
-            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}",
+            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}; {memory_summary(row)}",
             file=sys.stderr,
         )
         emit_json({"benchmark": "secagg-e2e", "results": [row]}, args.out)

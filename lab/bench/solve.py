@@ -35,10 +35,11 @@ from afl.lab.bench.common import (
     add_blas_threads_argument,
     best_seconds,
     blas_threads,
+    describe_machine,
+    format_machine,
     line_plot,
     write_json,
 )
-from afl.lab.bench.machine_info import describe_machine, format_machine
 
 __all__ = ["add_arguments", "coverage_with_sets", "run", "run_solve_bench"]
 

@@ -25,8 +25,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.core.stats import LocalStats, StatsAccumulator
-from afl.lab.bench.common import add_blas_threads_argument, best_seconds, blas_threads, write_json
-from afl.lab.bench.machine_info import describe_machine, format_machine
+from afl.lab.bench.common import (
+    add_blas_threads_argument,
+    best_seconds,
+    blas_threads,
+    describe_machine,
+    format_machine,
+    write_json,
+)
 
 __all__ = ["add_arguments", "run", "run_stats_bench"]
 

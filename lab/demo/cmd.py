@@ -29,6 +29,7 @@ import argparse
 import json
 import re
 import shutil
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -39,13 +40,16 @@ import numpy as np
 from afl.core.data.assignment import missing_m_assignment
 from afl.core.data.featurecache import open_cache
 from afl.core.metrics import Metrics, evaluate, predict_proba
+from afl.core.progress import Progress
 from afl.lab.demo.federation import (
+    LoopbackFederation,
     LoopbackRun,
     ckks_round_settings,
     prepare_loopback,
     run_loopback,
 )
 from afl.lab.simulate.dataset import default_dataset
+from afl.proto.v1 import coordinator_pb2 as pb
 
 ASSIGNMENT_SEED = 1037
 _SETTING = re.compile(r"^missing-(\d+)$")
@@ -78,6 +82,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add the run's federated evaluation and calibration round (docs/operations.md §6.1)",
     )
+
+
+def federation_stage(loop: LoopbackFederation) -> str:
+    """Where the coordinator's run is, from its state (read-only, as `afl-server status`)."""
+    from afl.proto.wire import stage_name
+    from afl.server.config import load_config
+    from afl.server.errors import StateError
+    from afl.server.store import Store
+
+    config = load_config(loop.server_config)
+    try:
+        store = Store(config.state_dir, federation_id=config.federation_id, read_only=True)
+    except (StateError, sqlite3.Error):
+        return "starting the coordinator and the sites"
+    try:
+        rounds = store.rounds()
+        enrolled = len(store.enrolments())
+    except sqlite3.Error:
+        return "starting the coordinator and the sites"
+    finally:
+        store.close()
+    if not rounds:
+        return f"{enrolled} of {len(loop.site_ids)} sites enrolled"
+    r = rounds[-1]
+    stage = stage_name(r.stage).removeprefix("ROUND_STAGE_").replace("_", " ").lower()
+    if r.stage == pb.ROUND_STAGE_WAITING_FOR_PARTICIPANTS:
+        stage += f" ({enrolled} of {len(loop.site_ids)} sites enrolled)"
+    return f"round {r.number} ({r.round_id}): {stage}"
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -215,7 +247,10 @@ def run(args: argparse.Namespace) -> int:
             allow_plaintext=args.aggregation == "plaintext",
         )
         _say(args, f"afl demo: provisioned {args.sites} sites under {root}; starting daemons ...")
-        result = run_loopback(loop, timeout_s=args.timeout)
+        progress = Progress("afl demo", enabled=None if not args.quiet else False)
+        result = run_loopback(
+            loop, timeout_s=args.timeout, on_wait=lambda: progress(federation_stage(loop))
+        )
         if any(rc != 0 for rc in result.client_rcs.values()):
             print(_failure(result))
             return 1

@@ -399,6 +399,7 @@ def run_loopback(
     server_command: Sequence[str] | None = None,
     sites_per_process: int = 1,
     on_started: Callable[[Mapping[str, int]], None] | None = None,
+    on_wait: Callable[[], None] | None = None,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
@@ -408,7 +409,8 @@ def run_loopback(
     start a coordinator patched at run time). ``sites_per_process`` > 1 hosts that many sites per
     ``afl-client run-many`` process (sites with a custom command still run alone); a site's exit
     code is then the one its host reports. ``on_started`` gets the process ids ("server", and
-    each client process by its first site) once everything is started (memory sampling)."""
+    each client process by its first site, and "decryptor") once everything is started (memory
+    sampling); ``on_wait`` is called about once a second while the clients run (progress)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -452,8 +454,12 @@ def run_loopback(
                 env=env,
             )
         if on_started is not None:
-            on_started({"server": server.pid, **{s: p.pid for s, p in clients.items()}})
+            decryptor = {"decryptor": helpers[0].pid} if helpers else {}
+            on_started(
+                {"server": server.pid, **decryptor, **{s: p.pid for s, p in clients.items()}}
+            )
         deadline = time.monotonic() + timeout_s
+        next_wait = time.monotonic()
         ended: dict[str, int] = {}
         # Wait for every client; give up at the deadline or when the server dies first.
         while len(ended) < len(clients) and time.monotonic() < deadline:
@@ -464,6 +470,9 @@ def run_loopback(
                 time.sleep(1.0)  # let clients that already finished write their reports
                 break
             time.sleep(0.1)
+            if on_wait is not None and time.monotonic() >= next_wait:
+                on_wait()
+                next_wait = time.monotonic() + 1.0
         rcs: dict[str, int] = {}
         for group in groups:
             proc = clients[group[0]]

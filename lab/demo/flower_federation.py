@@ -33,7 +33,7 @@ __all__ = ["APP_DIR", "ENGINES", "SuperLink", "flower_run_config", "run_flower",
 
 ENGINES = ("python", "simulation", "deployment")
 #: The Flower App of afl (what ``flwr run`` builds and submits).
-APP_DIR = Path(__file__).resolve().parents[1] / "flower" / "app"
+APP_DIR = Path(__file__).resolve().parents[2] / "flower" / "app"
 
 
 def site_kits(fed: LoopbackFederation) -> dict[str, Path]:
@@ -157,11 +157,10 @@ def local_superlink(root: Path, *, simulation: bool) -> Iterator[SuperLink]:
         encoding="utf-8",
     )
     args = ["flower-superlink", "--insecure", "--isolation", "subprocess"]
-    # Flower's in-memory state (its default name ":flwr-in-memory:"; any other is a SQLite file).
+    # One HTTP address, --host:--port, serves the Control, Fleet and runtime APIs (flwr 1.42;
+    # docs/flower.md §4). Flower's in-memory state (its default name ":flwr-in-memory:").
     args += ["--host", "127.0.0.1", "--port", str(port), "--database", ":flwr-in-memory:"]
     args += ["--health-server-address", f"127.0.0.1:{free_port()}"]
-    args += ["--control-api-address", f"127.0.0.1:{free_port()}"]
-    args += ["--fleet-api-address", f"127.0.0.1:{free_port()}"]
     args += ["--simulation"] if simulation else []
     log = root / "logs" / "superlink.log"
     log.parent.mkdir(parents=True, exist_ok=True)

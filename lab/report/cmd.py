@@ -8,6 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from afl.core.progress import Progress
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         out = folder.with_name(folder.name + ".report.html")
     else:
         out = results.with_suffix(".html")
+    Progress("afl report")("rendering the plots and the page")
     try:
         if deployed:
             path = write_deployed_report(results, out, title=args.title)

@@ -29,6 +29,7 @@ __all__ = [
     "calibration_map_plot",
     "data_uri",
     "evaluation_plot",
+    "macro_figure",
     "macro_plot",
     "per_class_plot",
     "reliability_plot",
@@ -50,28 +51,58 @@ def _value(x: Any) -> float:
 
 
 def macro_plot(results: dict[str, Any]) -> str:
-    """Macro BACC and AUC of every method across the settings (heterogeneity on the x axis)."""
+    """:func:`macro_figure` as a PNG data URI."""
+    return data_uri(macro_figure(results))
+
+
+def macro_figure(results: dict[str, Any]) -> Figure:
+    """Macro BACC and AUC of every method across the settings (heterogeneity on the x axis), on a
+    0-100 % axis; with one setting, a bar per method (two points on an autoscaled axis would
+    make a difference of a fraction of a point look like a gap)."""
     settings = list(results["settings"])
     methods: dict[str, dict[str, dict[str, Any]]] = {}
     for name in settings:
         for row in results["settings"][name]["rows"]:
             methods.setdefault(row["method"], {})[name] = row["macro"]
-    fig = Figure(figsize=(11, 4))
+    central = results.get("centralised")
+    if len(settings) == 1:
+        names = list(methods)
+        fig = Figure(figsize=(11, 0.42 * len(names) + 1.3))
+        axes = fig.subplots(1, 2, sharey=True)
+        for ax, (key, label) in zip(axes, METRICS, strict=True):
+            values = [100 * _value(methods[m].get(settings[0], {}).get(key)) for m in names]
+            ax.barh(range(len(names)), values, color=[f"C{i % 10}" for i in range(len(names))])
+            for i, v in enumerate(values):
+                ax.text(min(v, 100) + 0.8, i, f"{v:.1f}", va="center", fontsize=9)
+            if central:
+                ax.axvline(
+                    100 * _value(central["macro"][key]), color="k", linestyle=":",
+                    label="centralised",
+                )  # fmt: skip
+                ax.legend(fontsize=9, loc="lower right")
+            ax.set_xlim(0, 100)
+            ax.set_xlabel(f"macro {label} (%), {settings[0]}", fontsize=10)
+            ax.grid(axis="x", alpha=0.3)
+        axes[0].set_yticks(range(len(names)), names, fontsize=9)
+        axes[0].invert_yaxis()
+        fig.tight_layout()
+        return fig
+    fig = Figure(figsize=(11, 4.5))
     axes = fig.subplots(1, 2)
     for ax, (key, label) in zip(axes, METRICS, strict=True):
         for method, by_setting in methods.items():
             ys = [_value(by_setting.get(s, {}).get(key)) for s in settings]
             ax.plot(settings, [100 * y for y in ys], marker="o", label=method)
-        central = results.get("centralised")
         if central:
             ax.axhline(
                 100 * _value(central["macro"][key]), color="k", linestyle=":", label="centralised"
             )
-        ax.set_ylabel(f"macro {label} (%)")
+        ax.set_ylim(0, 100)
+        ax.set_ylabel(f"macro {label} (%)", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="best")
+    axes[1].legend(fontsize=9, loc="lower left")
     fig.tight_layout()
-    return data_uri(fig)
+    return fig
 
 
 def per_class_plot(results: dict[str, Any], setting: str) -> str:
@@ -94,7 +125,7 @@ def per_class_plot(results: dict[str, Any], setting: str) -> str:
         ax.grid(axis="y", alpha=0.3)
     axes[1].set_xticks(x, classes, rotation=30, ha="right", fontsize=8)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", fontsize=7, ncol=3)
+    fig.legend(handles, labels, loc="lower center", fontsize=9, ncol=3)
     fig.suptitle(f"Per-class metrics, {setting}", fontsize=9)
     fig.subplots_adjust(left=0.07, right=0.98, top=0.94, bottom=(legend_h + 0.55) / (6 + legend_h))
     return data_uri(fig)
@@ -127,7 +158,9 @@ def _resolve(path: str, base_dir: Path | None) -> Path:
 def _roc_figure(setting: str, curves: dict[str, Any], classes: list[str]) -> str:
     cols = min(4, len(classes))
     nrows = math.ceil(len(classes) / cols)
-    fig = Figure(figsize=(3.0 * cols, 2.8 * nrows + 0.25 * len(curves) + 0.5))
+    legend_h = 0.34 * math.ceil(len(curves) / 2) + 0.5  # readable legend: 10 pt, 2 columns
+    height = 2.8 * nrows + legend_h + 0.4
+    fig = Figure(figsize=(3.0 * cols, height))
     axes = fig.subplots(nrows, cols, squeeze=False)
     handles: dict[str, Any] = {}
     for c, name in enumerate(classes):
@@ -137,24 +170,20 @@ def _roc_figure(setting: str, curves: dict[str, Any], classes: list[str]) -> str
             if y.all() or not y.any():
                 continue
             fpr, tpr, _ = roc_curve(y, probs[:, c])
-            (line,) = ax.plot(fpr, tpr, linewidth=1, color=f"C{i % 10}")
+            (line,) = ax.plot(fpr, tpr, linewidth=1.2, color=f"C{i % 10}")
             handles.setdefault(method, line)
         ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
-        ax.set_title(name, fontsize=8)
-        ax.tick_params(labelsize=6)
+        ax.set_title(name, fontsize=10)
+        ax.tick_params(labelsize=8)
     for c in range(len(classes), nrows * cols):
         axes[c // cols][c % cols].axis("off")
-    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=7, ncol=2)
-    fig.suptitle(f"ROC curves per class, {setting} (false vs true positive rate)", fontsize=9)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=10, ncol=2)
+    fig.suptitle(f"ROC curves per class, {setting} (false vs true positive rate)", fontsize=11)
     fig.subplots_adjust(
-        left=0.06,
-        right=0.98,
-        top=0.93,
-        hspace=0.35,
-        wspace=0.25,
-        bottom=(0.25 * len(curves) / 2 + 0.5) / (2.8 * nrows + 0.25 * len(curves) + 0.5),
-    )
-    return data_uri(fig, dpi=80)
+        left=0.06, right=0.98, top=1 - 0.7 / height, hspace=0.4, wspace=0.25,
+        bottom=(legend_h + 0.2) / height,
+    )  # fmt: skip
+    return data_uri(fig, dpi=90)
 
 
 def roc_figures(results: dict[str, Any], *, base_dir: Path | None = None) -> RocFigures:

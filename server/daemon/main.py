@@ -37,6 +37,7 @@ from afl.server.config import ServerConfig, load_config
 from afl.server.coordinator import Coordinator
 from afl.server.daemon.observability import ServerMetrics, configure_logging, start_metrics_http
 from afl.server.daemon.ports import port_in_use
+from afl.server.daemon.refusal import RefusedState, attach_refusal
 from afl.server.errors import ConfigError, StateError
 from afl.server.limits import worker_threads
 from afl.server.servicer import AdminServicer, CoordinatorServicer
@@ -96,7 +97,24 @@ class CoordinatorServer:
                 self._health_grpc, self.health_port = self._bind_health(health_listen)
             self._metrics_http = self._bind_metrics() if config.metrics_port else None
             self.store = Store(config.state_dir, federation_id=config.federation_id)
+            swept = self.store.sweep_payloads()  # the port is ours: no other server writes
+            if swept:
+                log.warning(
+                    "removed payload files an interrupted purge or upload left behind "
+                    "(audit record payloads-swept)",
+                    extra={"files": len(swept)},
+                )
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
+        except StateError as exc:
+            self._close_metrics()
+            if self._health_grpc is not None:
+                self._health_grpc.stop(None)  # the probes fail: the pod does not serve
+            if config.refusal_serve_s <= 0 or config.listen.endswith(":0"):
+                self._grpc.stop(None)
+                raise
+            # Tell the sites why, on the port already bound (afl.server.daemon.refusal).
+            attach_refusal(self._grpc, str(exc), service_names=("", SERVICE_NAME))
+            raise RefusedState(str(exc), server=self._grpc, port=self.port) from exc
         except BaseException:
             self._close_metrics()
             if self._health_grpc is not None:
@@ -240,6 +258,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = off)")
     parser.add_argument("--metrics-address", default=None, help="override [server] metrics_address")
     parser.add_argument(
+        "--refusal-serve-s",
+        type=float,
+        default=None,
+        help="override [server] refusal_serve_s: seconds a refused state is reported to the "
+        "sites before exit 2 (0 = exit at once)",
+    )
+    parser.add_argument(
         "--health-port",
         type=int,
         default=0,
@@ -261,6 +286,9 @@ def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
         parser.add_argument("--insecure", action="store_true", help="skip the TLS kit checks")
     if name == "backup":
         parser.add_argument("--out", required=True, help="a new, empty folder for the copy")
+    if name == "ack-restore":
+        parser.add_argument("--by", required=True, help="who acknowledges (in the audit log)")
+        parser.add_argument("--reason", required=True, help="why the state was restored")
     return parser
 
 
@@ -273,7 +301,39 @@ _TOOLS = {
     "database by SQLite's online backup, the payloads it names, the CKKS context and a matching "
     "anchor. Restore by replacing the state folder with the copy while the server is stopped "
     "(docs/operations.md).",
+    "ack-restore": "Acknowledge that the state folder was restored from an older backup (the "
+    "server must be stopped): the runs still in flight in the restored state are aborted (submit "
+    "them again), the acknowledgement is recorded in the audit log, and sites that saw a later "
+    "state take part again (docs/operations.md §9).",
 }
+
+
+def _ack_restore(config: ServerConfig, *, by: str, reason: str) -> int:
+    """`afl-server ack-restore`: with the server stopped, abort the runs still in flight in the
+    restored state (the sites may have completed their rounds: no round id of them is offered
+    again), then count the acknowledgement with its audit record (docs/operations.md §9)."""
+    busy = port_in_use(config.listen)
+    if busy:
+        raise ConfigError(
+            f"cannot acknowledge a restore while afl-server runs on {config.listen} ({busy}): "
+            "stop it first"
+        )
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    try:
+        coordinator = Coordinator(config, store, load_identity_key(config))
+        why = f"the coordinator's state was restored from a backup: {reason}"
+        with coordinator.lock:
+            active = [r.run_id for r in store.runs() if r.state == "active"]
+            for run_id in active:
+                coordinator.machine.abort_run(run_id, reason=why, by=by)
+            count = store.acknowledge_restore(by=by, reason=reason, aborted_runs=active)
+    finally:
+        store.close()
+    print(
+        f"restore {count} acknowledged by {by} (audit record restore-acknowledged); runs "
+        f"aborted: {', '.join(active) or 'none'}"
+    )
+    return 0
 
 
 def _tool(name: str, argv: Sequence[str]) -> int:
@@ -287,6 +347,8 @@ def _tool(name: str, argv: Sequence[str]) -> int:
         if name == "status":
             print("\n".join(status_lines(config)))
             return 0
+        if name == "ack-restore":
+            return _ack_restore(config, by=args.by, reason=args.reason)
         if name == "backup":
             anchor = backup_state(config.state_dir, Path(args.out))
             print(
@@ -305,6 +367,18 @@ def _tool(name: str, argv: Sequence[str]) -> int:
     return 1 if problems else 0
 
 
+def _refuse(refused: RefusedState, *, seconds: float) -> None:
+    """Serve the refusal for ``seconds`` (SIGTERM/SIGINT end it early)."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    refused.serve(seconds=seconds, stop=stop)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afl-server`` console script; returns the exit code."""
     given = list(sys.argv[1:] if argv is None else argv)
@@ -313,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(given)
     configure_logging(getattr(logging, args.log_level))
     map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
+    config: ServerConfig | None = None
     try:
         config = load_config(args.config)
         if args.listen:
@@ -324,9 +399,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.insecure:
             print(INSECURE_WARNING, file=sys.stderr, flush=True)
             log.warning(INSECURE_WARNING)
+        if args.refusal_serve_s is not None:
+            config = replace(config, refusal_serve_s=args.refusal_serve_s)
         health_listen = f"{args.health_address}:{args.health_port}" if args.health_port else ""
         server = CoordinatorServer(config, insecure=args.insecure, health_listen=health_listen)
-    except (ConfigError, StateError) as exc:
+    except StateError as exc:
+        print(f"afl-server: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, RefusedState) and config is not None:
+            _refuse(exc, seconds=config.refusal_serve_s)
+        return 2
+    except ConfigError as exc:
         print(f"afl-server: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,9 @@
 """`afl-server status --config server.toml`: the coordinator's state on one screen, read from its
 state folder without writing to it (safe while the server runs): enrolment of every provisioned
-site, the current round and its stage, decisions and uploads, the last model, and the last error
-(an abort reason, a refusal, or a site's failure report).
+site, the current round and its stage, decisions and uploads (those whose payload files retention
+deleted counted apart), the last model, and the last error since the last published round (an
+abort reason, a refusal, or a site's failure report; an abort before a later publication is
+history, not the current error).
 """
 
 from __future__ import annotations
@@ -81,15 +83,19 @@ def status_lines(config: ServerConfig, *, now: Callable[[], float] | None = None
                     if decision is None
                     else ("accepted" if decision[0] else "REFUSED")
                 )
-                count = sum(1 for s, _ in uploads if s == site)
-                lines.append(f"  {site:<20} {said}; {count} upload(s) stored")
+                rows = [row for (s, _), row in uploads.items() if s == site]
+                kept = sum(1 for row in rows if row.path.exists())
+                gone = (  # retention ([retention] payload_days) deleted the payload files
+                    f"; {len(rows) - kept} deleted by retention" if len(rows) > kept else ""
+                )
+                lines.append(f"  {site:<20} {said}; {kept} upload(s) stored{gone}")
         lines.append(f"last model: round {model[0]}" if model else "last model: none published yet")
         errors: list[str] = []
-        for past in reversed(rounds):
+        for past in reversed(rounds):  # back to the last published round, not beyond it
             errors = _site_failures(store, past)
             if past.stage == pb.ROUND_STAGE_ABORTED:
                 errors.insert(0, f"round {past.round_id} ABORTED: {past.abort_reason}")
-            if errors:
+            if errors or past.stage == pb.ROUND_STAGE_PUBLISHED:
                 break
         lines.append("last error: " + ("; ".join(errors) if errors else "none"))
         return lines

@@ -46,6 +46,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import RoundSettings, ServerConfig
 from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.modes.ckks_context import CkksContexts
+from afl.server.modes.influence import upload_bound_problem
 from afl.server.plan.release import PlannedRelease, PlanOptions, RoundView
 from afl.server.store import EnrolmentRow, MessageRow, Store, UploadRow
 
@@ -111,6 +112,10 @@ class RoundContext(Protocol):
     ) -> None: ...
 
     def messages(self, round_id: str) -> list[MessageRow]: ...
+
+    def row_bounds(self, site_id: str) -> RowBounds | None:
+        """The N and L ``site_id`` declared at enrolment (None if it declared none)."""
+        ...
 
     def exposes_history(
         self, view: RoundView, releases: Sequence[PlannedRelease], members: Sequence[str]
@@ -319,7 +324,12 @@ class PlaintextMode(PlainUploadStage):
         data: bytes,
     ) -> None:
         self.require_accepting(view)
-        decode_float64(data, length=release.length, what=f"release {release.name!r}")
+        values = decode_float64(data, length=release.length, what=f"release {release.name!r}")
+        declared = ctx.row_bounds(site_id)
+        if declared is not None and self.settings.dp is None:  # bounded influence (§6.2)
+            problem = upload_bound_problem(release, shaped(release, values), declared=declared)
+            if problem:
+                raise InvalidRequestError(problem)
 
     def sums(self, view: RoundView, ctx: RoundContext) -> dict[str, FloatArray]:
         uploads = ctx.uploads(view.round_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from afl.core.row_bounds import RowBounds
 from afl.server.plan.history import history_audit
 from afl.server.plan.release import PlannedRelease, RoundView
 from afl.server.store import MessageRow, Store, UploadRow
@@ -43,6 +44,10 @@ class StoreContext:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return self.store.messages(round_id)
+
+    def row_bounds(self, site_id: str) -> RowBounds | None:
+        enrolment = self.store.enrolment(site_id)
+        return None if enrolment is None else enrolment.row_bounds
 
     def exposes_history(
         self, view: RoundView, releases: Sequence[PlannedRelease], members: Sequence[str]

@@ -102,16 +102,20 @@ def stored_history(
     store: Store, *, exclude_round: str = ""
 ) -> list[tuple[str, list[PlannedRelease]]]:
     """Every published training round's data releases (Gram, class vectors: the statistics of a
-    site's data that every run sums alike), cut to the model's contributors."""
+    site's data that every run sums alike), cut to the model's contributors; a gated round's
+    too, whatever the gate decided (its sums were released to solve the candidate)."""
     released: list[ReleasedRound] = []
     for row in store.rounds():
-        if row.stage != pb.ROUND_STAGE_PUBLISHED or not row.plan or row.round_id == exclude_round:
+        if not row.plan or row.round_id == exclude_round:
             continue
+        model = store.model(row.round_id) if row.stage == pb.ROUND_STAGE_PUBLISHED else None
+        solved = model[1] if model is not None else None
+        if solved is None and (candidate := store.candidate(row.round_id)) is not None:
+            solved = candidate[0]
         releases = [r for r in releases_from_plan(row.plan) if r.kind in _DATA_KINDS]
-        model = store.model(row.round_id)
-        if not releases or model is None:
+        if not releases or solved is None:
             continue
-        contributors = tuple(pb.Model.FromString(model[1]).contributors)
+        contributors = tuple(pb.Model.FromString(solved).contributors)
         released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
     return released_history(released)
 

@@ -121,12 +121,10 @@ class _Opening:
         settings, view, participants = self.run.settings, self.view, self.participants
         coverage = {s: e.labelled_classes for s, e in enrolments.items()}
         if view.row.number > settings.rounds:  # the run's evaluation round
-            model = self.store.model(view.row.parent_round_id)
-            assert model is not None, "an evaluation round follows a published model"
             releases = evaluation_releases(
                 classes=settings.classes,
                 participants=participants,
-                model_sha256=hashlib.sha256(model[1]).digest(),
+                model_sha256=hashlib.sha256(self._evaluated_model()).digest(),
             )
             history = earlier_evaluations(
                 [(r.round_id, tuple(releases_from_plan(r.plan)) if r.plan else ())
@@ -159,6 +157,17 @@ class _Opening:
                 classes=settings.classes, participants=participants, d=settings.feature_dim
             )
         return releases, audit_plan(releases, participants)
+
+    def _evaluated_model(self) -> bytes:
+        """The ``Model`` bytes an evaluation round scores: the published model of its parent
+        round, or (the validation gate) the parent's candidate."""
+        parent = self.view.row.parent_round_id
+        model = self.store.model(parent)
+        if model is not None:
+            return model[1]
+        candidate = self.store.candidate(parent)
+        assert candidate is not None, "an evaluation round follows a model or a candidate"
+        return candidate[0]
 
     def _audit_refusal(self, report: LeakageReport, calibration: DpCalibration | None) -> str:
         """Why a plan that fails the leakage audit cannot be opened ("" when it can)."""

@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import cho_factor, cho_solve
 
 from afl.core.aggregation import AggregationError
 from afl.core.dp.stats import (
@@ -102,9 +101,18 @@ def _groups(
     return out
 
 
+def _cho_solve(factor: tuple[FloatArray, bool], rhs: FloatArray) -> FloatArray:
+    from scipy.linalg import cho_solve
+
+    solved: FloatArray = cho_solve(factor, rhs)
+    return solved
+
+
 def _factor(
     gram: FloatArray, *, gamma: float, sigma_gram: float, name: str
 ) -> tuple[FloatArray, bool]:
+    from scipy.linalg import cho_factor  # on demand: importing the coordinator loads no scipy
+
     ridge = gamma + noise_ridge(sigma_gram=sigma_gram, d=gram.shape[0])
     a = regularised_gram(gram + (ridge - gamma) * np.eye(gram.shape[0]), gamma=gamma)
     try:
@@ -143,7 +151,7 @@ def solve_dp_round(
     for gram, group, stats in groups:
         sigma = 0.0 if sigmas is None else sigmas[gram.name]
         factor = _factor(stats.gram, gamma=gamma, sigma_gram=sigma, name=gram.name)
-        w = cho_solve(factor, balanced_targets(stats, min_count=1.0))
+        w = _cho_solve(factor, balanced_targets(stats, min_count=1.0))
         for j, cls in enumerate(group):
             weights[:, list(classes).index(cls)] = w[:, j]
     return weights
@@ -176,7 +184,7 @@ def solve_dp_round_two(
         if keep[j]:
             b_pseudo[:, list(classes).index(cls)] = b[:, j]
     factor = _factor(gram, gamma=gamma, sigma_gram=first_sigmas[GLOBAL_GRAM], name=GLOBAL_GRAM)
-    weights: FloatArray = cho_solve(factor, b_real + refinement.alpha * b_pseudo)
+    weights: FloatArray = _cho_solve(factor, b_real + refinement.alpha * b_pseudo)
     return weights
 
 

@@ -151,8 +151,10 @@ def build_signed_model(
     backbone: str,
     contributors: Sequence[str],
     plan_bytes: bytes,
+    context: str = MODEL_CONTEXT,
 ) -> coordinator_pb2.SignedModel:
-    """Serialize the Model once and sign those bytes (context "model")."""
+    """Serialize the Model once and sign those bytes (``context`` "model", or "candidate-model"
+    for a candidate the validation gate scores before it is published)."""
     w = np.ascontiguousarray(weights, dtype="<f8")
     model = coordinator_pb2.Model(
         version=1,
@@ -175,5 +177,5 @@ def build_signed_model(
     )
     blob = model.SerializeToString()
     return coordinator_pb2.SignedModel(
-        model=blob, signature=sign_blob(identity_key, context=MODEL_CONTEXT, blob=blob)
+        model=blob, signature=sign_blob(identity_key, context=context, blob=blob)
     )

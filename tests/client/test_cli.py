@@ -41,6 +41,51 @@ def test_errors_exit_one_with_message(tmp_path, capsys):
     assert "shard" in capsys.readouterr().err
 
 
+def test_a_misspelt_manifest_column_is_refused_unless_declared(tmp_path, capsys):
+    """issue 28 item 7: a column ``Efusion`` would make a class whose labels never reach the
+    federation's Effusion; declared with --classes it is the site's own class name."""
+    manifest = make_site(tmp_path, 2, size=32)
+    lines = manifest.read_text().splitlines()
+    manifest.write_text("\n".join([lines[0].replace(",A", ",Efusion"), *lines[1:]]) + "\n")
+    assert "Efusion" in manifest.read_text()
+    args = ["extract", "--manifest", str(manifest), *COMMON, "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "column 'Efusion' is not a known finding (did you mean 'Effusion'?)" in err
+    assert "--classes" in err and not (tmp_path / "c").exists()
+    assert main([*args, "--out", str(tmp_path / "d"), "--classes", "Efusion"]) == 0
+    assert open_cache(tmp_path / "d").meta.classes == ("Efusion",)
+
+
+def test_ctrl_c_during_extract_says_a_rerun_resumes(tmp_path, capsys, monkeypatch):
+    """issue 28 item 9: Ctrl-C after the first batch: one line (stopped, rerun resumes), exit
+    130, no traceback; the rerun completes with the features of an uninterrupted run."""
+    from afl.core.data.featurecache import FeatureCacheWriter
+
+    manifest = str(make_site(tmp_path, 8, size=32))
+    args = ["extract", "--manifest", manifest, *COMMON, "--no-progress", "--classes", "B"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    original = FeatureCacheWriter.write_rows
+
+    def then_ctrl_c(self, *a, **k):
+        original(self, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FeatureCacheWriter, "write_rows", then_ctrl_c)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "c")]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "afl-client extract: stopped (Ctrl-C); the images extracted so far are kept: run the "
+        "same command again to resume where it stopped"
+    )
+    monkeypatch.setattr(FeatureCacheWriter, "write_rows", original)
+    assert main([*args, "--out", str(tmp_path / "c")]) == 0
+    whole, resumed = open_cache(tmp_path / "whole"), open_cache(tmp_path / "c")
+    assert resumed.features.tobytes() == whole.features.tobytes()
+
+
 def test_usage_and_backbone_list(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["extract", "--backbone", "resnet18", "--out", "x"])

@@ -10,8 +10,7 @@ import pytest
 
 from afl.client.config import ConfigError, LocalPolicy, load_client_config
 from afl.ops.provisioning import ProvisionedFederation
-from afl.server import toml_text
-from tests.helpers.federation import FederationSpec
+from tests.helpers.federation import FederationSpec, rewrite_client_toml
 
 FEDERATION = FederationSpec(sites=["site-a", "site-b"], port=50999)
 
@@ -21,20 +20,7 @@ def kit(federation: ProvisionedFederation) -> Path:
     return federation.site_dirs["site-a"]
 
 
-def _rewrite(kit: Path, tmp: Path, **sections: dict[str, object]) -> Path:
-    doc = tomllib.loads((kit / "client.toml").read_text())
-    for name, values in sections.items():
-        doc.setdefault(name, {}).update(values)
-        for key, value in list(doc[name].items()):
-            if value is None:
-                del doc[name][key]
-    out = tmp / "kit"
-    out.mkdir(exist_ok=True)
-    for f in kit.iterdir():
-        if f.is_file() and f.name != "client.toml":
-            (out / f.name).write_bytes(f.read_bytes())
-    (out / "client.toml").write_text(toml_text.dumps(doc))
-    return out / "client.toml"
+_rewrite = rewrite_client_toml
 
 
 def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
@@ -157,13 +143,33 @@ def test_identity_key_must_match_public_key(kit: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_keys_warn_and_missing_file_errors(kit: Path, tmp_path: Path) -> None:
-    cfg = load_client_config(_rewrite(kit, tmp_path, policy={"min_cohrot": 1}))
-    assert any("min_cohrot" in w for w in cfg.warnings)
+    cfg = load_client_config(_rewrite(kit, tmp_path, data={"holdot": "x"}))
+    assert any("holdot (did you mean 'holdout'?)" in w for w in cfg.warnings)
     with pytest.raises(ConfigError, match="no such config file"):
         load_client_config(tmp_path / "nope.toml")
     (tmp_path / "bad.toml").write_text("[client\n")
     with pytest.raises(ConfigError, match="cannot read TOML"):
         load_client_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("min_cohrt", "min_cohort"), ("lifetime_epsilom", "lifetime_epsilon")]
+)
+def test_a_misspelt_policy_key_is_an_error_naming_the_key(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], typo: str, meant: str
+) -> None:
+    """issue 28 item 6: a site's protection settings are not left at their defaults by a typo."""
+    from afl.client.cli import main
+
+    path = _rewrite(kit, tmp_path, policy={typo: 5})
+    with pytest.raises(
+        ConfigError, match=f"unknown key \\[policy\\] {typo} \\(did you mean '{meant}'"
+    ):
+        load_client_config(path)
+    assert main(["doctor", "--config", str(path), "--no-connect"]) != 0
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert f"{typo} (did you mean '{meant}'?)" in text and "Traceback" not in text
 
 
 def test_run_subcommand_reports_config_errors(

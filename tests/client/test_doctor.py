@@ -11,6 +11,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,6 +140,60 @@ def test_each_problem_is_named(
     assert any("connection refused by localhost:1" in m for m in _messages(doctor(away), PROBLEM))
 
 
+def _write_toml(
+    config: ClientConfig, tmp_path: Path, **data: object
+) -> tuple[Path, dict[str, Any]]:
+    """``config`` as a client.toml in ``tmp_path`` (with its kit's files), ``data`` added to
+    [data]."""
+    doc = tomllib.loads(config.path.read_text())
+    doc["client"].update(server=config.server_address, state_dir=str(config.state_dir))
+    doc["data"] = {"cache": str(config.data.cache), "classes": [], **data}
+    path = tmp_path / "client.toml"
+    for name in ("ca.pem", "site.pem", "site.key", "identity.key"):
+        (tmp_path / name).write_bytes((config.path.parent / name).read_bytes())
+    path.write_text(toml_text.dumps(doc))
+    return path, doc
+
+
+def test_doctor_names_a_truncated_feature_file_and_the_fix(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """issue 28 item 3: a features.npy cut short (an interrupted copy) is a PROBLEM line, not
+    numpy's traceback."""
+    config = _site(federation, server, tmp_path, features)
+    path, _ = _write_toml(config, tmp_path)
+    npy = config.data.cache / "features.npy"
+    npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])
+    assert client_main(["doctor", "--config", str(path), "--no-connect"]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    problem = [line for line in captured.out.splitlines() if str(npy) in line]
+    assert len(problem) == 1 and "PROBLEM" in problem[0]
+    assert "damaged" in problem[0] and "run `afl-client extract` again" in problem[0]
+
+
+def test_status_names_the_signed_model_file_export_takes(
+    federation: ProvisionedFederation,
+    server: CoordinatorServer,
+    tmp_path: Path,
+    features: np.ndarray,
+) -> None:
+    """issue 28 item 12: `afl-client status` names the file `afl export --model` needs."""
+    config = _site(federation, server, tmp_path, features)
+    models = config.state_dir / "models"
+    models.mkdir(parents=True)
+    (models / "r1.weights.npy").write_bytes(b"w")
+    (models / "r1.signed-model.pb").write_bytes(b"m")
+    last = [line for line in status_lines(config) if line.startswith("last model:")]
+    assert last == [
+        f"last model: {models / 'r1.signed-model.pb'} (signed; `afl export --model` takes this file)"
+    ]
+
+
 def test_cli_exit_codes_and_status(
     federation: ProvisionedFederation,
     server: CoordinatorServer,
@@ -147,13 +202,7 @@ def test_cli_exit_codes_and_status(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     config = _site(federation, server, tmp_path, features)
-    doc = tomllib.loads(config.path.read_text())
-    doc["client"].update(server=config.server_address, state_dir=str(config.state_dir))
-    doc["data"] = {"cache": str(config.data.cache), "classes": [], "clases": []}
-    path = tmp_path / "client.toml"
-    for name in ("ca.pem", "site.pem", "site.key", "identity.key"):
-        (tmp_path / name).write_bytes((config.path.parent / name).read_bytes())
-    path.write_text(toml_text.dumps(doc))
+    path, doc = _write_toml(config, tmp_path, clases=[])
     assert client_main(["doctor", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "unknown key [data] clases (did you mean 'classes'?)" in out and "ready:" in out

@@ -12,6 +12,9 @@ it holds only in memory, when POINT is
 * ``upload:N``: once the N-th payload of RUN_ID's rounds is stored;
 * ``decryption``: once the decryptor's first signed outcome of RUN_ID is journaled;
 
+with POINT ``disk-full`` the RUN_ID argument is a flag file: while it exists, writing a payload
+fails with ENOSPC (a full disk; the rest of the state folder stays writable); with POINT
+``purge`` it dies between the commit that marks RUN_ID's payloads purged and their first unlink;
 and with POINT ``no-watch-rounds`` (RUN_ID ignored) it answers ``WatchRounds`` UNIMPLEMENTED,
 like a server without round streams. The faults are injected here, around the real daemon, so no
 product code path knows them.
@@ -19,14 +22,17 @@ product code path knows them.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server import store as store_module
 from afl.server.daemon import main as daemon
 from afl.server.servicer import CoordinatorServicer
 from afl.server.store import Store
@@ -80,6 +86,31 @@ def install(point: str, run_id: str) -> None:
             return row
 
         Store.put_upload = patched_put_upload  # type: ignore[method-assign]
+    elif point == "disk-full":
+        flag, write = Path(run_id), getattr(store_module, "write_private_file")  # noqa: B009
+
+        def full_disk_write(path: Path, data: bytes) -> Path:
+            if "payloads" in Path(path).parts and flag.exists():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return Path(write(path, data))
+
+        setattr(store_module, "write_private_file", full_disk_write)  # noqa: B010
+    elif point == "purge":
+        purge, unlink = Store.purge_payloads, Path.unlink
+
+        def patched_purge(self: Store, round_ids: Any) -> int:
+            if not any(_run_of(self, r) == run_id for r in round_ids):
+                return purge(self, round_ids)
+
+            def killed_unlink(path: Path, missing_ok: bool = False) -> None:
+                if "payloads" in path.parts:
+                    _kill()
+                unlink(path, missing_ok=missing_ok)
+
+            setattr(Path, "unlink", killed_unlink)  # noqa: B010
+            return purge(self, round_ids)
+
+        Store.purge_payloads = patched_purge  # type: ignore[method-assign]
     elif point == "no-watch-rounds":
 
         def unimplemented(self: Any, request: Any, context: grpc.ServicerContext) -> Any:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent
 SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon.main")
-ENDED = ("published", "aborted")
+ENDED = ("published", "aborted", "failed")
 
 
 class Daemons:
@@ -64,13 +64,36 @@ class Daemons:
         args = ["--config", str(self.loop.server_config), "--log-level", "INFO"]
         self.server = self._spawn(f"server-{self.servers_started}", [*program, *args])
 
-    def start_clients(self) -> None:
+    def start_clients(
+        self,
+        *,
+        commands: Mapping[str, Sequence[str]] | None = None,
+        crash_at: Mapping[str, str] | None = None,
+    ) -> None:
+        """Start every site and the decryptor; ``commands`` maps a site to a program run instead
+        of ``afl-client`` with the same arguments (e.g. a patched, attacking site), ``crash_at``
+        a site (or "decryptor") to a fault of tests/e2e/faults/faulty_client.py."""
+        for site in self._configs():
+            self.start_client(
+                site, crash_at=(crash_at or {}).get(site), command=(commands or {}).get(site)
+            )
+
+    def _configs(self) -> dict[str, Path]:
         configs = dict(self.loop.client_configs)
         if self.loop.decryptor_config is not None:
             configs["decryptor"] = self.loop.decryptor_config
-        for site, config in configs.items():
-            argv = [*CLIENT_COMMAND, "run", "--config", str(config), "--log-level", "INFO"]
-            self.clients[site] = self._spawn(site, argv)
+        return configs
+
+    def start_client(
+        self, site: str, *, crash_at: str | None = None, command: Sequence[str] | None = None
+    ) -> None:
+        """(Re)start one site (or "decryptor"), with the fault ``crash_at`` or the program
+        ``command`` if given."""
+        program: tuple[str, ...] = tuple(command) if command is not None else CLIENT_COMMAND
+        if crash_at is not None:
+            program = (sys.executable, str(HERE / "faults" / "faulty_client.py"), crash_at)
+        argv = [*program, "run", "--config", str(self._configs()[site]), "--log-level", "INFO"]
+        self.clients[site] = self._spawn(site, argv)
 
     def wait_server_exit(self, *, timeout_s: float = 300.0) -> int:
         """The running server's exit code (it must exit, e.g. killed by its crash point)."""

@@ -19,14 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from afl.core.aggregation import federated_solve
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
-from afl.lab.demo.federation import ckks_round_settings, mask_round_settings, prepare_loopback
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import coordinator_pb2 as pb
+from tests.e2e.faults.harness import federation, weights
 from tests.e2e.loopback import SiteData, cached_statistics
 from tests.e2e.processes import Daemons
 from tests.helpers.evaluation_oracle import pooled_metrics_oracle, pooled_rows
@@ -52,37 +51,7 @@ CRASH_POINTS = {
 
 
 def _federation(root: Path, mode: str, *, evaluate: bool = False) -> Any:
-    feats, labels = DATA.draw(SITES)
-    settings: dict[str, Any] = {
-        "gram_scope": "global",
-        "aggregation": mode,
-        "upload_timeout_s": 300.0,
-        "enrol_timeout_s": 300.0,
-        "evaluate": evaluate,
-    }
-    if mode == "mask":
-        settings.update(mask_round_settings(feats))
-    if mode == "ckks":
-        settings.update(ckks_round_settings(feats))
-    return prepare_loopback(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((SITES, len(CLASSES)), dtype=bool),
-        test_features=feats[0][:20],
-        test_labels=labels[0][:20],
-        round_settings=settings,
-        decryptor=mode == "ckks",
-        client_settings={"serve": True},
-        allow_plaintext=mode == "plaintext",  # the sites opt in to plaintext uploads
-    )
-
-
-def _weights(signed: pb.SignedModel) -> np.ndarray:
-    model = pb.Model.FromString(signed.model)
-    shape = tuple(model.weights.shape)
-    return np.frombuffer(model.weights.data, dtype="<f8").reshape(shape)
+    return federation(root, mode, sites=SITES, data=DATA, serve=True, evaluate=evaluate)
 
 
 def _killed_runs(daemons: Daemons, points: list[str]) -> Iterator[tuple[str, apb.RunInfo]]:
@@ -114,11 +83,11 @@ def test_killed_coordinator_resumes_every_stage_and_the_next_run_completes(
     daemons = Daemons(loop)
     try:
         for point, info in _killed_runs(daemons, CRASH_POINTS[mode]):
-            assert relative_error(_weights(daemons.model(info.run_id)), oracle) <= 1e-9, point
+            assert relative_error(weights(daemons.model(info.run_id)), oracle) <= 1e-9, point
         last = daemons.submit(name="after every restart")
         info = daemons.wait_run(last.run_id)
         assert info.state == "published", (info, daemons.log_tail())
-        assert relative_error(_weights(daemons.model(last.run_id)), oracle) <= 1e-9
+        assert relative_error(weights(daemons.model(last.run_id)), oracle) <= 1e-9
     finally:
         server_code = daemons.stop()
     assert server_code == 0, daemons.log_tail()  # the last server was never killed
@@ -145,7 +114,7 @@ def test_killed_coordinator_resumes_the_evaluation_round(tmp_path: Path) -> None
             oracle = pooled_metrics_oracle(
                 feats,
                 labels,
-                weights=_weights(daemons.model(info.run_id)),
+                weights=weights(daemons.model(info.run_id)),
                 classes=CLASSES,
                 edges=DEFAULT_SCORE_BINS.array,
             )

@@ -273,3 +273,30 @@ def test_a_round_replayed_to_a_site_that_took_part_is_refused(tmp_path: Path) ->
     assert not [c for c in reply.calls if c.method in ("RespondToPlan", "Upload")], reply
     after = _final(site_reports(fed), "site-1")
     assert after["outcome"] == "COMPLETED" and after["round_id"] == before["round_id"]
+
+
+class _DroppingReceipts:
+    """A transport that drops the coordinator's upload receipts on their way to a site."""
+
+    def __init__(self, node: SiteNode) -> None:
+        self.node = node
+
+    def __call__(self, message: ToSite) -> FromSite:
+        results = tuple(r for r in message.results if r.method != "Upload")
+        return self.node(ToSite(message.federation_id, results, message.answers))
+
+
+def test_a_site_whose_upload_receipts_are_dropped_fails_its_round(tmp_path: Path) -> None:
+    """The site cannot tell what the coordinator received: it does not report the round as
+    completed (the others, whose receipts came, do)."""
+    fed = _federation(tmp_path, mode="plaintext", allow_plaintext=True)
+    nodes = site_nodes(fed)
+    nodes[1] = _DroppingReceipts(SiteNode(fed.client_configs["site-1"]))
+    outcome, _ = serve(fed, nodes)
+    assert outcome.state == "published", outcome
+    reports = site_reports(fed)
+    failed = _final(reports, "site-1")
+    assert failed["outcome"] == "FAILED" and "model" not in failed
+    assert "the coordinator's message carries no receipt" in failed["reason"]
+    for site in fed.site_ids[1:]:
+        assert _final(reports, site)["outcome"] == "COMPLETED"

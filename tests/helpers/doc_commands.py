@@ -8,8 +8,9 @@ A mark is an HTML comment on its own line (invisible when the Markdown is render
 * ``<!-- run: PARTY -->`` before a ```` ```sh ```` block: PARTY runs it, verbatim, in its shell
   (``site``: every site does);
 * ``<!-- start: PARTY -->`` before a block holding one command: PARTY starts it as a daemon;
-* ``<!-- edit: PARTY FILE -->`` before a ```` ```toml ```` block: PARTY writes those keys into
-  FILE (the tables are merged key by key, as a person edits the file);
+* ``<!-- edit: PARTY FILE -->`` before a ```` ```toml ```` block: PARTY appends those tables to
+  FILE (which must stay valid TOML: no table the file already has); ``<!-- edit: PARTY FILE
+  [table] -->``: PARTY changes those keys inside FILE's existing ``[table]``;
 * ``<!-- move: PARTY SRC -> PARTY DST -->``: a file or folder sent from one party to another
   (``DST`` ending in ``/`` is a folder to put it in);
 * ``<!-- wait: site -->``: the site daemons started so far have exited.
@@ -38,7 +39,15 @@ from typing import Any
 
 from afl.server import toml_text
 
-__all__ = ["Party", "Step", "StepRunner", "doc_steps", "used_variables", "variables_block"]
+__all__ = [
+    "Party",
+    "Step",
+    "StepRunner",
+    "doc_steps",
+    "edit_target",
+    "used_variables",
+    "variables_block",
+]
 
 KINDS = ("run", "start", "edit", "move", "wait", "variables")
 PARTIES = ("operator", "coordinator", "site")
@@ -57,12 +66,13 @@ class Step:
     argument: str
     body: str
     line: int
+    document: str = "docs/operations.md"
 
     def where(self) -> str:
-        return f"docs/operations.md:{self.line} ({self.kind}: {self.party} {self.argument})"
+        return f"{self.document}:{self.line} ({self.kind}: {self.party} {self.argument})"
 
 
-def doc_steps(text: str) -> list[Step]:
+def doc_steps(text: str, *, document: str = "docs/operations.md") -> list[Step]:
     """Every marked step of the document, in order; ValueError naming the line of a bad mark."""
     lines = text.splitlines()
     steps = []
@@ -83,14 +93,25 @@ def doc_steps(text: str) -> list[Step]:
                 raise ValueError(f"line {i + 1}: {kind} mark without a fenced block after it")
             end = next(k for k in range(j + 1, len(lines)) if lines[k].strip() == "```")
             body = "\n".join(lines[j + 1 : end]) + "\n"
-        steps.append(Step(kind, party, argument.strip(), body, i + 1))
+        steps.append(Step(kind, party, argument.strip(), body, i + 1, document))
     return steps
+
+
+def edit_target(step: Step) -> tuple[str, tuple[str, ...]]:
+    """An edit mark's file and, for ``FILE [table.sub]``, the table its keys go into."""
+    target, _, table = step.argument.partition(" ")
+    table = table.strip()
+    if not table:
+        return target, ()
+    if not (table.startswith("[") and table.endswith("]")):
+        raise ValueError(f"{step.where()}: expected 'FILE [table]', got {step.argument!r}")
+    return target, tuple(table[1:-1].split("."))
 
 
 def variables_block(steps: list[Step]) -> set[str]:
     """The names the ``variables`` block assigns."""
     (block,) = [s for s in steps if s.kind == "variables"]
-    return set(re.findall(r"(?m)^([A-Z_][A-Z0-9_]*)=", block.body))
+    return set(re.findall(r"(?m)^(?:export )?([A-Z_][A-Z0-9_]*)=", block.body))
 
 
 def used_variables(step: Step) -> set[str]:
@@ -133,11 +154,19 @@ def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], log: Pa
     raise AssertionError(f"nothing listens on {host}:{port} after 180 s:\n{log.read_text()}")
 
 
+def _afl_server_address(party: Party) -> tuple[str, int] | None:
+    if party.name != "coordinator":
+        return None
+    return party.env["AFL_HOST"], int(party.env["AFL_PORT"])
+
+
 class StepRunner:
     """Carries out the steps for one operator, one coordinator and several sites.
 
     ``on_output(step, party, output)`` sees what every ``run`` block printed (the test reads the
-    published roster fingerprint from it, as the operator does)."""
+    published roster fingerprint from it, as the operator does). ``listens(party)``: where a
+    daemon the party starts listens, waited for before the next step (default: the coordinator's
+    ``$AFL_HOST:$AFL_PORT``; None: nothing to wait for)."""
 
     def __init__(
         self,
@@ -145,7 +174,9 @@ class StepRunner:
         *,
         logs: Path,
         on_output: Callable[[Step, Party, str], None] | None = None,
+        listens: Callable[[Party], tuple[str, int] | None] | None = None,
     ) -> None:
+        self.listens = listens or _afl_server_address
         self.parties = dict(parties)
         self.logs = logs
         self.on_output = on_output
@@ -207,9 +238,8 @@ class StepRunner:
             )
         )
         handle.close()
-        if party.name == "coordinator":
-            host, port = party.env["AFL_HOST"], int(party.env["AFL_PORT"])
-            _wait_listening(host, port, party.daemons[-1], log)
+        if (address := self.listens(party)) is not None:
+            _wait_listening(*address, party.daemons[-1], log)
 
     def _wait(self, step: Step, party: Party) -> None:
         for i, proc in enumerate(party.daemons):
@@ -223,9 +253,27 @@ class StepRunner:
             assert code == 0, f"{step.where()}: {party.name} exited {code}:\n{log.read_text()}"
 
     def _edit(self, step: Step, party: Party) -> None:
-        path = party.cwd / _expand(step.argument, party.env)
-        update = tomllib.loads(_expand(step.body, party.env))
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        target, table = edit_target(step)
+        path = party.cwd / _expand(target, party.env)
+        body = _expand(step.body, party.env)
+        path.parent.mkdir(parents=True, exist_ok=True)  # a person creates a file not there yet
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        update = tomllib.loads(body)
+        if table:  # keys to change inside a table the file already has
+            doc = tomllib.loads(text)
+            assert isinstance(doc.get(table[0]), dict), (
+                f"{step.where()}: {path} has no [{table[0]}] table to edit"
+            )
+            for name in reversed(table):
+                update = {name: update}
+        else:  # appended as shown: the document's TOML must not repeat a table the file has
+            try:
+                tomllib.loads(text + "\n" + body)
+            except tomllib.TOMLDecodeError as exc:
+                raise AssertionError(
+                    f"{step.where()}: appending the block as shown breaks {path}: {exc}"
+                ) from None
+            doc = tomllib.loads(text)
         _merge(doc, update)
         path.write_text(toml_text.dumps(doc), encoding="utf-8")
 

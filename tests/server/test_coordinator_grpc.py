@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 
 from afl.core.aggregation import GramScope, class_b_sums, federated_solve, plan_aggregation
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
+from afl.core.row_bounds import measure
 from afl.core.stats import LocalStats, local_statistics
 from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.proto.v1 import common_pb2, coordinator_pb2
@@ -417,3 +418,51 @@ def test_watch_rounds_streams_stage_changes(
             stream.cancel()
             break
     assert coordinator_pb2.ROUND_STAGE_PLAN_REVIEW in stages
+
+
+def test_a_plaintext_upload_no_dataset_of_the_declared_size_could_produce_is_refused(
+    federation: ProvisionedFederation,
+    make_server: Callable[..., CoordinatorServer],
+    data: dict[str, tuple[NDArray[np.float64], NDArray[np.int64]]],
+    stats: dict[str, LocalStats],
+) -> None:
+    """Bounded influence in plaintext (docs/protocol.md §6.2, M-134): the coordinator refuses a
+    class vector longer than 2L (the in-bound mask attack −sign(b)·0.99·2L per entry) and a Gram
+    whose trace exceeds N·L², for the N and L the site declared; honest uploads pass and the
+    round completes."""
+    server = make_server()
+    key = server_key(federation)
+    sites = connect(federation, server.port)
+    declared = {s: measure(h).declared() for s, (h, _) in data.items()}
+    for s, site in sites.items():
+        bounds = declared[s]
+        site.enroll(
+            COVERAGE[s], D, declared_rows=bounds.rows, declared_max_row_norm=bounds.max_row_norm
+        )
+    config = sites["s1"].config()
+    plan = sites["s1"].verified_plan(config, key)
+    for site in sites.values():
+        site.decide(site.config(), accept=True)
+    rid, bound = config.round_id, declared["s1"]
+    vector = next(
+        r for r in plan.releases
+        if r.kind == common_pb2.STATISTIC_KIND_CLASS_VECTOR and "s1" in r.member_site_ids
+    )  # fmt: skip
+    honest = np.frombuffer(payload(vector, stats["s1"], CLASSES), dtype="<f8")
+    attack = -np.sign(honest) * 0.99 * bound.vector_bound  # within mask's per-entry bound
+    with pytest.raises(grpc.RpcError) as info:
+        sites["s1"].send(chunks(rid, vector.upload_name, attack.tobytes()))
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert "class vector norm above 2L" in str(info.value.details())
+    gram = next(r for r in plan.releases if r.kind == common_pb2.STATISTIC_KIND_GRAM)
+    inflated = np.frombuffer(payload(gram, stats["s1"], CLASSES), dtype="<f8") * (
+        1.01 * bound.gram_bound / np.trace(stats["s1"].gram)
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        sites["s1"].send(chunks(rid, gram.upload_name, inflated.tobytes()))
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert "Gram trace" in str(info.value.details())
+    for s, site in sites.items():
+        site.upload_all(config, plan, stats[s])
+    _, weights = sites["s1"].model(key)
+    assert np.isfinite(weights).all()

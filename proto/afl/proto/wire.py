@@ -69,6 +69,8 @@ __all__ = [
     "EVALUATION_KINDS",
     "MAX_CHUNK_BYTES",
     "PROTOCOL_VERSION",
+    "REFUSAL_TRAILER",
+    "TRY_LATER_TRAILER",
     "AssembledPayload",
     "ChunkAssembler",
     "EvaluationRelease",
@@ -107,6 +109,12 @@ __all__ = [
 PROTOCOL_VERSION = 1
 #: Largest chunk of an Upload or Download stream.
 MAX_CHUNK_BYTES = 1 << 20
+#: Trailing-metadata key of a status that means "try later" (a full disk, a per-site stream
+#: limit): the site retries it with back-off within its retry window (docs/protocol.md §3).
+TRY_LATER_TRAILER = "afl-try-later"
+#: Trailing-metadata key of every answer of a coordinator that refuses its state (UNAVAILABLE,
+#: the details name the reason): the site stops at once with that reason instead of retrying.
+REFUSAL_TRAILER = "afl-coordinator-refuses"
 
 _SHARE_TYPES: dict[int, Literal["self-mask", "mask-key"]] = {
     pb.SHARE_TYPE_SELF_MASK_SEED: KIND_SELF_MASK,

@@ -23,6 +23,7 @@ from afl.client.daemon.decryptor import (
     load_or_create_keys,
 )
 from afl.client.daemon.transport import DaemonError
+from afl.core.influence import InfluenceBound
 from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
 from afl.crypto.ckks import params as cp
@@ -443,3 +444,33 @@ def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_li
     with pytest.raises(CryptoError, match="AggregateTags"):
         work.add_tags(envelope)
     assert work.senders == set()
+
+
+def test_a_sum_no_members_datasets_could_produce_is_not_returned(keys: DecryptorKeys) -> None:
+    """Bounded influence in ckks (docs/protocol.md §6.2, M-134): the decryptor sees only sums,
+    and refuses to return one outside what m datasets within its [policy] decrypt_max_rows and
+    decrypt_max_row_norm could produce (‖Σ b_c‖ ≤ m·2L, trace(Σ G) ≤ m·N·L²), naming the bound."""
+    fed = Federation(keys)
+    vector = next(r for r in fed.plan.releases if r.kind == cpb.STATISTIC_KIND_CLASS_VECTOR)
+    data = fed.aggregate(vector.name)
+    summed = sum(fed.values[(s, vector.name)] for s in SITES)
+    norm = float(np.linalg.norm(summed))
+    # L such that 3 members' 2L sit just above, then just below, the sum's norm
+    for factor, expected in ((1.01, pb.DECRYPTION_STATUS_DECRYPTED), (0.9, None)):
+        work = fed.decryptor(keys)
+        work.site_bound = InfluenceBound.of_dataset(
+            rows=10**6, max_row_norm=factor * norm / (2 * len(SITES))
+        )
+        status, reason, values = work.decrypt(_job(vector.name, data), data)
+        if expected is not None:
+            assert status == expected and values, reason
+            continue
+        assert status == pb.DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND and values == b""
+        assert "class vector norm above 2L" in reason and "decrypt_max_row_norm" in reason
+    gram = next(r for r in fed.plan.releases if r.kind == cpb.STATISTIC_KIND_GRAM)
+    data = fed.aggregate(gram.name)
+    work = fed.decryptor(keys)
+    work.site_bound = InfluenceBound.of_dataset(rows=1, max_row_norm=1.0)
+    status, reason, values = work.decrypt(_job(gram.name, data), data)
+    assert status == pb.DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND and values == b""
+    assert "Gram" in reason

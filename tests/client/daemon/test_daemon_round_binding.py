@@ -19,6 +19,7 @@ import pytest
 
 from afl.client.config import DataConfig, LocalPolicy, load_client_config
 from afl.client.daemon.loop import ClientDaemon, RoundFailed
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import DaemonError
 from afl.client.model.evaluate import evaluate_model, write_local_evaluation
 from afl.client.model.published import ModelFileError
@@ -170,8 +171,8 @@ def site(
     return daemon, coordinator, state
 
 
-def _report() -> dict[str, Any]:
-    return {"bytes_sent": 0, "bytes_received": 0, "timings_s": {}}
+def _report() -> RoundReport:
+    return RoundReport("s1", "fed", "run", "", 0)
 
 
 def _files_outside(root: Path, inside: Path) -> list[Path]:

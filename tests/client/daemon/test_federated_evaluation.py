@@ -19,11 +19,12 @@ from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
     evaluation_rows,
-    is_evaluation_plan,
     save_evaluation,
 )
+from afl.client.daemon.report import RoundReport
 from afl.client.daemon.state import DaemonState
 from afl.client.daemon.verify import VerificationError, verify_evaluation
+from afl.client.payloads.evaluation import is_evaluation_plan
 from afl.client.payloads.stats import PayloadError
 from afl.client.policy.plan import audit_view, check_plan
 from afl.core.data.featurecache import CacheMeta, open_cache, write_cache
@@ -221,6 +222,13 @@ def _masked_evaluation_plan(digest: str, sites: list[str]) -> cpb.ReleasePlan:
     )  # fmt: skip
 
 
+def _aborted(round_id: str, *, bytes_sent: int) -> RoundReport:
+    """A site's report of a round aborted after ``bytes_sent`` bytes left it."""
+    report = RoundReport("s1", FEDERATION, "run", round_id, 1, bytes_sent=bytes_sent)
+    report.outcome = "ABORTED"
+    return report
+
+
 def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> None:
     """What the site checks itself, whatever the coordinator chose: the survivor floor of each
     evaluation release, the min cohort, and differencing against the evaluations it took part
@@ -269,7 +277,7 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
     # s4 refused, released nothing, and its re-plan without s4 exposes no one
     store = DaemonState(tmp_path / "site-state")
     store.remember(honest)
-    store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 0})
+    store.write_report(_aborted("e2-m", bytes_sent=0))
     assert store.uploaded_rounds() == set()
     peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
     everything = store.history(exclude_round="e2-n")  # what the site's own exposure is audited with
@@ -283,7 +291,7 @@ def test_a_masked_evaluation_plan_meets_the_sites_own_policy(tmp_path: Path) -> 
         supported_modes=mask,
     )
     assert replan.accept, replan.reason
-    store.write_report({"round_id": "e2-m", "outcome": "ABORTED", "bytes_sent": 4096})
+    store.write_report(_aborted("e2-m", bytes_sent=4096))
     assert store.uploaded_rounds() == {"e2-m"}  # e.g. aborted after the exchange
     peers = store.history(exclude_round="e2-n", only=store.uploaded_rounds())
     decision = check_plan(

@@ -1,7 +1,7 @@
 """A site's DP-mode payloads (afl.client.payloads.dp): clipped additive statistics, the noise
-share's scale and symmetry, the grid, the site's own ε recomputation, and that a DP round run
-through the real Coordinator in-process releases a W equal to the pooled non-DP solve when ε is
-huge (the noise then is far below the tolerance derived below)."""
+share's scale and symmetry, the grid, the site's own ε recomputation (afl.client.policy.dp),
+and that a DP round run through the real Coordinator in-process releases a W equal to the pooled
+non-DP solve when ε is huge (the noise then is far below the tolerance derived below)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,8 @@ import pytest
 from numpy.typing import NDArray
 
 from afl.client.modes.base import PlaintextMode
-from afl.client.payloads.dp import (
-    dp_slot_payloads,
-    dp_statistics,
-    noisy_values,
-    site_epsilon,
-)
+from afl.client.payloads.dp import dp_slot_payloads, dp_statistics, noisy_values
+from afl.client.policy.dp import site_epsilon
 from afl.core.dp.stats import SufficientStatistics, clip_rows, sufficient_statistics
 from afl.crypto.identity import signatures
 from afl.crypto.identity.signed_blobs import (

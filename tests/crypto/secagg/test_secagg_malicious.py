@@ -10,13 +10,14 @@ from dataclasses import dataclass, replace
 import pytest
 
 from afl.crypto.errors import ProtocolError, RoundAbortedError, StageError, UnmaskRefusedError
-from afl.crypto.secagg.client import ClientStage, SecAggClient
+from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.config import ReleaseSpec
 from afl.crypto.secagg.messages import (
     ConsistencyRequest,
     EncryptedShare,
     KeyDirectory,
     RoutedShares,
+    Stage,
     UnmaskRequest,
 )
 from afl.crypto.secagg.server import SecAggServer
@@ -84,7 +85,7 @@ def test_request_for_both_shares_of_one_peer_is_refused() -> None:
     client = run.clients["site-00"]
     with pytest.raises(UnmaskRefusedError, match=r"both shares of \['site-01'\]"):
         client.unmask(evil)
-    assert client.stage is ClientStage.ABORTED
+    assert client.stage is Stage.ABORTED
     with pytest.raises(StageError):  # no second chance, not even for the honest request
         client.unmask(run.request)
 
@@ -194,7 +195,7 @@ def test_client_rejects_forged_directory_and_tampered_shares() -> None:
     )
     with pytest.raises(ProtocolError, match="share bundle"):
         clients["site-01"].masked_input(RoutedShares("round-0001", "site-01", (bad, to_one[1])))
-    assert clients["site-01"].stage is ClientStage.ABORTED
+    assert clients["site-01"].stage is Stage.ABORTED
     # A survivor list that omits a client which uploaded is refused at ConsistencyCheck.
     c2 = clients["site-02"]
     to_two = tuple(e for u in uploads.values() for e in u.shares if e.recipient == "site-02")

@@ -19,7 +19,7 @@ from afl.crypto.errors import (
     StageError,
     UnknownParticipantError,
 )
-from afl.crypto.secagg.client import ClientStage, SecAggClient
+from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, default_threshold
 from afl.crypto.secagg.local import run_local_round
 from afl.crypto.secagg.messages import (
@@ -27,8 +27,9 @@ from afl.crypto.secagg.messages import (
     KeyDirectory,
     MaskedInputUpload,
     RoutedShares,
+    Stage,
 )
-from afl.crypto.secagg.server import SecAggServer, ServerStage
+from afl.crypto.secagg.server import SecAggServer
 from tests.crypto.secagg_helpers import (
     Federation,
     assert_sum_matches,
@@ -51,7 +52,7 @@ def test_full_round_sums_equal_plaintext_sums() -> None:
         assert_sum_matches(
             result.sums[name], exact_sum(fed.inputs, name, spec.members), spec.codec()
         )
-    assert report.server.stage is ServerStage.DONE
+    assert report.server.stage is Stage.DONE
     assert all(v > 0 for v in report.bytes_up.values())
 
 
@@ -150,7 +151,7 @@ def test_dropped_site_cannot_rejoin_and_bad_signature_is_rejected() -> None:
     with pytest.raises(UnknownParticipantError, match="dropped out"):
         server.receive(replace(uploads["site-00"], site_id="site-03"), sender="site-03")
     server.receive(uploads["site-00"], sender="site-00")
-    assert clients["site-00"].stage is ClientStage.MASKED_INPUT
+    assert clients["site-00"].stage is Stage.MASKED_INPUT
     assert fed.config.t == 3
 
 

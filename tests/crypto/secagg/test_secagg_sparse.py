@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from afl.crypto.errors import ProtocolError, RoundAbortedError, SecAggConfigError
 from afl.crypto.identity.signatures import sign_fields
-from afl.crypto.secagg.client import ClientStage, SecAggClient
+from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, SparseGraph
 from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
 from afl.crypto.secagg.local import run_local_round
-from afl.crypto.secagg.messages import ADVERTISE_CONTEXT, KeyDirectory, signed_advert_fields
+from afl.crypto.secagg.messages import ADVERTISE_CONTEXT, KeyDirectory, Stage, signed_advert_fields
 from afl.crypto.secagg.server import SecAggServer
 from afl.crypto.secagg.unmask import expected_reveals
 from tests.crypto.secagg_helpers import (
@@ -31,10 +31,10 @@ from tests.crypto.secagg_helpers import (
 )
 
 AFTER_ADVERTISE = (
-    ClientStage.SHARE_KEYS,
-    ClientStage.MASKED_INPUT,
-    ClientStage.CONSISTENCY,
-    ClientStage.UNMASK,
+    Stage.SHARE_KEYS,
+    Stage.MASKED_INPUT,
+    Stage.CONSISTENCY,
+    Stage.UNMASK,
 )
 
 
@@ -89,7 +89,7 @@ def test_property_sparse_masked_sums_equal_the_plaintext_survivor_sums(data: st.
     report = run_local_round(
         config=fed.config, identity_keys=fed.keys, inputs=fed.inputs, drop_before=drops
     )
-    uploaded = (ClientStage.CONSISTENCY, ClientStage.UNMASK)
+    uploaded = (Stage.CONSISTENCY, Stage.UNMASK)
     survivors = [s for s in fed.config.cohort if s not in drops or drops[s] in uploaded]
     assert list(report.result.survivors) == survivors
     for name in ("gram", "b"):
@@ -100,7 +100,7 @@ def test_property_sparse_masked_sums_equal_the_plaintext_survivor_sums(data: st.
 
 
 @pytest.mark.parametrize("stage", AFTER_ADVERTISE, ids=lambda s: s.value)
-def test_one_dropout_past_the_bound_aborts_with_nothing_released(stage: ClientStage) -> None:
+def test_one_dropout_past_the_bound_aborts_with_nothing_released(stage: Stage) -> None:
     fed = _sparse(12, k=6, dropouts=2)
     drops = dict.fromkeys(site_ids(12)[:3], stage)  # D + 1
     with pytest.raises(
@@ -136,7 +136,7 @@ def test_a_missing_advert_aborts_the_sparse_round() -> None:
     client = alone.clients["site-01"]
     with pytest.raises(RoundAbortedError, match="no graph nonce from \\['site-00'\\]"):
         client.share_keys(KeyDirectory(alone.fed.config.round_id, tuple(adverts[1:])))
-    assert client.stage is ClientStage.ABORTED
+    assert client.stage is Stage.ABORTED
 
 
 def test_every_party_derives_one_graph_and_shares_and_masks_stay_in_it() -> None:
@@ -209,7 +209,7 @@ def test_shares_withheld_from_a_site_make_it_abort_before_masking() -> None:
     assert len(routed[victim].shares) == 4
     with pytest.raises(RoundAbortedError, match="fewer than k - D = 3"):
         parties.clients[victim].masked_input(replace(routed[victim], shares=()))
-    assert parties.clients[victim].stage is ClientStage.ABORTED
+    assert parties.clients[victim].stage is Stage.ABORTED
     # k - D = 3 of the 4 neighbours (one dropped out): the site masks.
     three = replace(routed[other], shares=routed[other].shares[:3])
     assert parties.clients[other].masked_input(three).vectors
@@ -238,7 +238,7 @@ def test_a_nonce_that_does_not_open_its_commitment_is_refused() -> None:
     )
     with pytest.raises(ProtocolError, match=f"nonce of '{colluder}' does not open"):
         parties.clients[victim].share_keys(forged)
-    assert parties.clients[victim].stage is ClientStage.ABORTED
+    assert parties.clients[victim].stage is Stage.ABORTED
 
 
 def test_adverts_made_for_another_commitment_list_are_refused() -> None:

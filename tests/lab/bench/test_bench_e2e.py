@@ -1,11 +1,18 @@
 """`afl bench ckks --e2e` on a tiny federation: both modes complete, the CKKS W matches the
-plaintext W, ciphertexts cost more bytes than float64, and the decryptor's timings are read."""
+plaintext W, ciphertexts cost more bytes than float64, and the decryptor's timings and every
+daemon's peak memory are read; the peak is the kernel's high-water mark, not a sample."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from afl.lab.bench.e2e import run_e2e_bench
+from afl.lab.bench.e2e import memory_summary, run_e2e_bench
+from afl.lab.bench.scaling_e2e import PeakMemory, rss_mib
 
 
 @pytest.mark.slow
@@ -16,6 +23,13 @@ def test_e2e_bench_row_is_complete_and_consistent() -> None:
     assert row["ckks"]["jobs"] == 1 + 8  # gram[all] and one b[c] per class
     assert row["ckks"]["decrypt_seconds"] > 0
     assert "mask" not in row
+    for mode in ("plaintext", "ckks"):  # every daemon's peak resident memory is reported
+        assert row[mode]["server_peak_rss_mib"] > 0 and row[mode]["site_peak_rss_mib"] > 0
+    assert (
+        row["ckks"]["decryptor_peak_rss_mib"] > 0
+        and "decryptor_peak_rss_mib" not in row["plaintext"]
+    )
+    assert "ckks server" in memory_summary(row) and "decryptor" in memory_summary(row)
 
 
 def test_e2e_bench_needs_plaintext_and_another_mode() -> None:
@@ -23,3 +37,29 @@ def test_e2e_bench_needs_plaintext_and_another_mode() -> None:
         run_e2e_bench(num_sites=3, d=4, modes=("ckks",))
     with pytest.raises(ValueError, match="plaintext and another mode"):
         run_e2e_bench(num_sites=3, d=4, modes=("plaintext",))
+
+
+def test_peak_memory_is_the_high_water_mark_not_a_sample() -> None:
+    """A process that touched 256 MiB and freed it before it is watched: its peak still shows
+    them (VmHWM), though its resident memory is back down."""
+    code = (
+        "import sys, numpy as np; a = np.ones(32 * 1024 * 1024); del a; "
+        "print('freed', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "freed"
+        memory = PeakMemory(interval_s=0.05)
+        memory.watch({"probe": proc.pid})
+        while "probe" not in memory.peaks:
+            time.sleep(0.05)
+        memory.stop()
+        status = Path(f"/proc/{proc.pid}/status").read_text(encoding="ascii")
+        resident = int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1])
+        assert memory.peaks["probe"] >= 256 > resident / 1024
+        assert rss_mib(proc.pid) == memory.peaks["probe"]
+    finally:
+        proc.communicate("", timeout=60)
+    assert rss_mib(proc.pid) is None  # gone: nothing to read

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from afl.lab.bench import cmd as bench_cmd
-from afl.lab.bench.machine_info import describe_machine, format_machine
+from afl.lab.bench.common import describe_machine, format_machine
 from afl.lab.bench.scaling import run_scaling_bench
 from afl.lab.bench.solve import coverage_with_sets, run_solve_bench
 from afl.lab.bench.stats import run_stats_bench

@@ -21,10 +21,18 @@ import pytest
 from numpy.typing import NDArray
 
 from afl.lab.report.cmd import add_arguments, run
+from afl.lab.report.plots import macro_figure
 from afl.lab.report.simulation import ReportError, render_report, write_report
 from afl.lab.simulate.dataset import save_dataset
 from afl.lab.simulate.grid import SimulationConfig, missing_settings, simulate
-from tests.helpers.browser import CHROMIUM, SKIP_REASON, headless_flags
+from tests.helpers.browser import (
+    CHROMIUM,
+    SKIP_REASON,
+    blank_tail_fraction,
+    full_page_screenshot,
+    headless_flags,
+    shot_path,
+)
 from tests.lab.synthetic import small_federation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -174,11 +182,34 @@ def test_report_renders_in_headless_chromium(
     assert probe["tableRows"] == 2 + len(methods) + 1  # two header rows, methods, centralised
     assert probe["images"] == len(_pngs(html)) > 0
     assert probe["decoded"] == probe["images"]
-    shot = tmp_path / "shot.png"
-    subprocess.run(
-        [CHROMIUM, *flags, f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
+    shot = full_page_screenshot(
+        CHROMIUM, _plain_page(tmp_path, html), shot_path(tmp_path, "simulation-report.png"),
+        profile=tmp_path / "profile",
+    )  # fmt: skip
     assert shot.read_bytes().startswith(PNG_MAGIC)
+    assert blank_tail_fraction(shot) < 0.05  # the page ends where its content ends
+
+
+def _plain_page(tmp: Path, html: str) -> Path:
+    page = tmp / "report.html"
+    page.write_text(html, encoding="utf-8")
+    return page
+
+
+def test_one_setting_is_drawn_on_a_full_axis_and_the_oracle_row_is_explained(
+    saved_run: tuple[Path, dict[str, Any]], saved_html: str
+) -> None:
+    """issue 28 item 10: with one setting, a bar per method on 0-100 % (not two dots on an
+    autoscaled axis); several settings are drawn on 0-100 % too; the oracle row's difference
+    from the global-scope rows is explained."""
+    _, results = saved_run
+    first = next(iter(results["settings"]))
+    one = {**results, "settings": {first: results["settings"][first]}}
+    fig = macro_figure(one)
+    methods = {r["method"] for r in one["settings"][first]["rows"]}
+    for ax in fig.axes:
+        assert ax.get_xlim() == (0.0, 100.0)
+        assert len(ax.patches) == len(methods)  # one bar per method
+    assert all(ax.get_ylim() == (0.0, 100.0) for ax in macro_figure(results).axes)
+    assert "the oracle is a correctness check, not an upper bound" in saved_html
+    assert "<code>gram_scope = global</code>" in saved_html

@@ -10,19 +10,31 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from afl.client.model.model_card import TrainingFacts, model_card
+from afl.client.model.model_card import TrainingFacts, card_markdown, model_card
 from afl.core.evaluation.calibration import calibration_document, fit_calibration
-from afl.core.evaluation.federated import evaluation_statistics, federated_evaluation_document
+from afl.core.evaluation.federated import (
+    FEDERATED_EVALUATION_FORMAT,
+    evaluation_statistics,
+    federated_evaluation_document,
+)
 from afl.core.evaluation.local import bootstrap_evaluation
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.report.cmd import add_arguments, run
 from afl.lab.report.deployed import render_deployed_report
 from afl.lab.report.simulation import ReportError
-from tests.helpers.browser import CHROMIUM, SKIP_REASON, headless_flags
+from tests.helpers.browser import (
+    CHROMIUM,
+    SKIP_REASON,
+    blank_tail_fraction,
+    full_page_screenshot,
+    headless_flags,
+    shot_path,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -48,13 +60,21 @@ def _export_folder(root: Path) -> Path:
     federated = federated_evaluation_document(stats, model_sha256=MODEL)
     card = model_card(
         model={"federation_id": "fed", "round_id": "r1-x", "model_sha256": MODEL,
-               "contributors": ["a", "b", "c"], "decision_threshold": 0.5},
+               "contributors": ["a", "b", "c"], "decision_threshold": 0.5,
+               "created_unix_ms": 1795716651548, "shape": [4, 2]},
         classes=CLASSES,
-        facts=TrainingFacts(source="test", aggregation="mask", surrogate=True),
-        backbone={"name": "resnet18", "trained_on": "surrogate"},
+        facts=TrainingFacts(
+            source="test", aggregation="mask", surrogate=True, training_images={"a": 12}
+        ),
+        backbone={"name": "resnet18", "trained_on": "surrogate", "random_init": True,
+                  "preprocessing": "Preprocessor(kind='xrv', crop_size=224, resize_size=224, "
+                  "interpolation='bilinear')"},
         files={"torchscript": "model.ts", "calibration": "calibration.json"},
         metrics={
-            "local evaluation (site-1)": {**local.to_json(), "model_sha256": MODEL},
+            "local evaluation (site-1)": {
+                **local.to_json(), "model_sha256": MODEL, "in_sample": True,
+                "data": "training cache /srv/site-1/cache (in-sample)",
+            },
             "federated evaluation": federated,
         },
         calibration={"method": "platt", "file": "calibration.json"},
@@ -102,6 +122,45 @@ def test_report_command_dispatches_on_an_export_folder(folder: Path, tmp_path: P
     assert run(p.parse_args([str(bad)])) == 2
 
 
+def test_deployed_view_speaks_to_a_clinician(folder: Path) -> None:
+    """issue 28 item 4: in-sample figures are marked where they appear, an evaluation that does
+    not say is marked as not shown to be out-of-sample, DP reads as the Markdown card says, and
+    dates, names and units replace field names and raw JSON."""
+    html = render_deployed_report(folder)
+    text = re.sub(r"<[^>]+>", " ", re.sub(r'src="data:[^"]+"', "", html))
+    local = html.split("Local evaluation (site-1)")[1].split("<h3>")[0]
+    assert "IN-SAMPLE FIGURES: computed on the same images the model was trained on" in local
+    assert "NOT a measure of how the model performs on new patients" in local
+    federated = html.split("Federated evaluation")[1].split("<h2>")[0]
+    assert "NOT SHOWN TO BE OUT-OF-SAMPLE" in federated
+    assert "RANDOM (UNTRAINED) BACKBONE WEIGHTS" in html
+    markdown = card_markdown(json.loads((folder / "model_card.json").read_text()))
+    assert "| differential privacy | none (no differential privacy) |" in markdown
+    row = '<td class="name">Differential privacy</td><td>none (no differential privacy)</td>'
+    assert row in html  # as the Markdown card says it, not "unknown"
+    assert "IN-SAMPLE" in markdown
+    assert "Published" in text and "November 2026" in text  # 1795716651548 ms = 26 Nov 2026
+    assert "4 features × 2 classes" in text and "12 images" in text
+    assert "224 × 224 pixels" in text
+    for raw in ("created_unix_ms", "training_images", "Preprocessor(", "differential_privacy",
+                '{"', "model_sha256", "surrogate_features"):  # fmt: skip
+        assert raw not in text, raw
+
+
+def test_export_records_a_sites_in_sample_evaluation_round(tmp_path: Path) -> None:
+    """A site's export marks a federated evaluation with what its report of that evaluation
+    round says (the figures are in-sample where it evaluated its training cache)."""
+    from afl.ops.export import _mark_in_sample
+
+    (tmp_path / "reports").mkdir()
+    report = {"evaluation": {"model_sha256": MODEL, "in_sample": True, "rows": 12}}
+    (tmp_path / "reports" / "r2-eval.json").write_text(json.dumps(report))
+    metrics: dict[str, Any] = {"federated evaluation": {"format": FEDERATED_EVALUATION_FORMAT,
+                                        "model_sha256": MODEL, "members": ["site-1", "site-2"]}}  # fmt: skip
+    _mark_in_sample(metrics, state_dir=tmp_path, site_id="site-1")
+    assert metrics["federated evaluation"]["in_sample"] == {"site-1": True}
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path) -> None:
     assert CHROMIUM is not None
@@ -123,3 +182,10 @@ def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path
     assert found is not None
     result = json.loads(found.group(1))
     assert result["n"] == result["ok"] == 4
+    plain = tmp_path / "deployed.html"
+    plain.write_text(render_deployed_report(folder), encoding="utf-8")
+    shot = full_page_screenshot(
+        CHROMIUM, plain, shot_path(tmp_path, "deployed-report.png"), profile=tmp_path / "shot"
+    )
+    assert shot.read_bytes().startswith(PNG_MAGIC)
+    assert blank_tail_fraction(shot) < 0.05  # the page ends where its content ends

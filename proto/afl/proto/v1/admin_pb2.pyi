@@ -173,7 +173,7 @@ class RunInfo(_message.Message):
     run_id: _builtins.str
     name: _builtins.str
     state: _builtins.str
-    """queued | active | published | aborted"""
+    """queued | active | published | aborted | failed (the validation gate refused its model)"""
     reason: _builtins.str
     """Why the run was aborted ("" otherwise)."""
     submitted_by: _builtins.str

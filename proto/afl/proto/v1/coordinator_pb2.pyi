@@ -101,6 +101,11 @@ class _RoundStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoundStage
     """Model published; the round is closed."""
     ROUND_STAGE_ABORTED: _RoundStage.ValueType  # 11
     """Round aborted (see abort_reason); nothing released."""
+    ROUND_STAGE_VALIDATING: _RoundStage.ValueType  # 12
+    """Validation gate (docs/protocol.md §6.2): the solved model is a signed CANDIDATE (context
+    "candidate-model"), not published; the participants score it in the gate's evaluation round
+    and the round ends PUBLISHED (the candidate meets the run's floor) or ABORTED.
+    """
 
 class RoundStage(_RoundStage, metaclass=_RoundStageEnumTypeWrapper):
     """---------------------------------------------------------------------------------------------
@@ -132,6 +137,11 @@ ROUND_STAGE_PUBLISHED: RoundStage.ValueType  # 10
 """Model published; the round is closed."""
 ROUND_STAGE_ABORTED: RoundStage.ValueType  # 11
 """Round aborted (see abort_reason); nothing released."""
+ROUND_STAGE_VALIDATING: RoundStage.ValueType  # 12
+"""Validation gate (docs/protocol.md §6.2): the solved model is a signed CANDIDATE (context
+"candidate-model"), not published; the participants score it in the gate's evaluation round
+and the round ends PUBLISHED (the candidate meets the run's floor) or ABORTED.
+"""
 Global___RoundStage: _TypeAlias = RoundStage  # noqa: Y015
 
 class _ShareType:
@@ -211,6 +221,10 @@ class _DecryptionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decr
     """Refused: the tag slot does not equal the sum of the members' secret tags."""
     DECRYPTION_STATUS_REFUSED_MALFORMED: _DecryptionStatus.ValueType  # 5
     """Refused: the ciphertext is malformed or does not match its digest."""
+    DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: _DecryptionStatus.ValueType  # 6
+    """The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+    [policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+    """
 
 class DecryptionStatus(_DecryptionStatus, metaclass=_DecryptionStatusEnumTypeWrapper):
     """Outcome of a decryption job."""
@@ -226,6 +240,10 @@ DECRYPTION_STATUS_REFUSED_TAG_MISMATCH: DecryptionStatus.ValueType  # 4
 """Refused: the tag slot does not equal the sum of the members' secret tags."""
 DECRYPTION_STATUS_REFUSED_MALFORMED: DecryptionStatus.ValueType  # 5
 """Refused: the ciphertext is malformed or does not match its digest."""
+DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: DecryptionStatus.ValueType  # 6
+"""The decrypted sum lies outside what its members' datasets could produce (the decryptor's
+[policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+"""
 Global___DecryptionStatus: _TypeAlias = DecryptionStatus  # noqa: Y015
 
 class _ClientOutcome:
@@ -523,6 +541,7 @@ class StatusResponse(_message.Message):
     LATEST_MODEL_ROUND_ID_FIELD_NUMBER: _builtins.int
     SERVER_VERSION_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
+    RESTORES_ACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     federation_id: _builtins.str
     """Federation id. [visible: all]"""
     site_id: _builtins.str
@@ -536,6 +555,12 @@ class StatusResponse(_message.Message):
     note: _builtins.str
     """Why the caller takes no part in the current round, when it does not (e.g. its declared
     backbone differs from the run's). [visible: the caller]
+    """
+    restores_acknowledged: _builtins.int
+    """How many restores of this coordinator's state from an older backup its operator has
+    acknowledged (`afl-server ack-restore`, in the audit log). A site that has seen a later state
+    than the coordinator now claims takes part again only once this count grows (protocol.md
+    M-142). [visible: all]
     """
     @_builtins.property
     def round(self) -> Global___RoundStatus:
@@ -551,10 +576,11 @@ class StatusResponse(_message.Message):
         latest_model_round_id: _builtins.str = ...,
         server_version: _builtins.str = ...,
         note: _builtins.str = ...,
+        restores_acknowledged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "note", b"note", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enrolled", b"enrolled", "federation_id", b"federation_id", "latest_model_round_id", b"latest_model_round_id", "note", b"note", "restores_acknowledged", b"restores_acknowledged", "round", b"round", "server_version", b"server_version", "site_id", b"site_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1922,7 +1948,9 @@ class SignedModel(_message.Message):
     model: _builtins.bytes
     """Serialized Model; verify the signature over these exact bytes, then parse. [visible: all]"""
     signature: _builtins.bytes
-    """Server's identity signature, context "model", fields (model). [visible: all]"""
+    """Server's identity signature, context "model", fields (model); context "candidate-model"
+    for the candidate of a round in ROUND_STAGE_VALIDATING (not published). [visible: all]
+    """
     def __init__(
         self,
         *,
