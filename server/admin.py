@@ -21,7 +21,7 @@ from afl.server import toml_text
 from afl.server.config import settings_table
 from afl.server.coordinator import Coordinator
 from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError, WrongStageError
-from afl.server.rounds import Run
+from afl.server.runs import Run
 
 __all__ = ["AdminRequests", "parse_run_settings"]
 
@@ -58,8 +58,8 @@ class AdminRequests:
     def _info(self, run: Run) -> apb.RunInfo:
         row, settings = run.row, run.settings
         rounds = self.coordinator.store.rounds(run.run_id)
-        model = self.machine.run_model(run.run_id)
-        evaluation = self.machine.run_evaluation(run.run_id)
+        model = self.machine.runs.published(run.run_id)
+        evaluation = self.machine.runs.published(run.run_id, evaluation=True)
         return apb.RunInfo(
             run_id=row.run_id,
             name=row.name,
@@ -162,7 +162,7 @@ class AdminRequests:
         self.require_admin(admin)
         with self.coordinator.lock:
             self.machine.run(run_id)
-            found = self.machine.run_model(run_id)
+            found = self.machine.runs.published(run_id)
         if found is None:
             raise WrongStageError(f"run {run_id!r} has published no model")
         return pb.SignedModel(model=found[1], signature=found[2])
@@ -171,7 +171,7 @@ class AdminRequests:
         self.require_admin(admin)
         with self.coordinator.lock:
             self.machine.run(run_id)
-            found = self.machine.run_evaluation(run_id)
+            found = self.machine.runs.published(run_id, evaluation=True)
         if found is None:
             raise WrongStageError(
                 f"run {run_id!r} has published no evaluation (its settings need evaluate = true)"

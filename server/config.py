@@ -22,6 +22,7 @@ from afl.core.aggregation import GRAM_SCOPES, GramScope
 from afl.core.refinement import RefinementParams
 from afl.core.suggest import did_you_mean
 from afl.crypto.identity import pki
+from afl.crypto.identity.custody import RosterSite
 from afl.crypto.secagg.graph_bounds import SECURITY_BITS
 from afl.server.errors import ConfigError
 from afl.server.limits import StreamLimits
@@ -34,7 +35,6 @@ __all__ = [
     "MaskSettings",
     "RoundSettings",
     "ServerConfig",
-    "SiteEntry",
     "load_config",
     "merged_run_table",
     "round_template",
@@ -97,14 +97,6 @@ def round_template(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]
             raise ConfigError(f"unknown [round] setting {key!r}; known: {', '.join(table)}")
         table[key] = list(value) if isinstance(value, tuple) else value
     return table
-
-
-@dataclass(frozen=True)
-class SiteEntry:
-    """A provisioned site: its Ed25519 identity public key (raw) and role."""
-
-    identity_public_key: bytes
-    role: str
 
 
 @dataclass(frozen=True)
@@ -216,7 +208,7 @@ class ServerConfig:
     key: Path
     identity_key: Path
     identity_public_key: bytes
-    sites: Mapping[str, SiteEntry]
+    sites: Mapping[str, RosterSite]
     round: RoundSettings
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
@@ -324,11 +316,11 @@ def _hex_key(table: _Table, key: str) -> bytes:
     return raw
 
 
-def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
+def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, RosterSite]:
     raw = doc.get("sites")
     if not isinstance(raw, dict) or not raw:
         raise ConfigError(f"{source}: [sites] must list at least one provisioned site")
-    sites: dict[str, SiteEntry] = {}
+    sites: dict[str, RosterSite] = {}
     for site_id, entry in raw.items():
         try:
             pki.validate_site_id(site_id)
@@ -340,7 +332,7 @@ def _sites(doc: Mapping[str, Any], source: Path) -> dict[str, SiteEntry]:
         role = table.get("role", str, "participant")
         if role not in ROLES:
             raise table.fail("role", f"must be one of {ROLES}, got {role!r}")
-        sites[site_id] = SiteEntry(_hex_key(table, "identity_public_key"), role)
+        sites[site_id] = RosterSite(_hex_key(table, "identity_public_key"), role)
         table.refuse_unknown()
     return sites
 
@@ -367,7 +359,7 @@ def _gate_settings(t: _Table) -> GateSettings | None:
 
 
 def run_settings(
-    table: Mapping[str, Any], *, source: str | Path, sites: Mapping[str, SiteEntry]
+    table: Mapping[str, Any], *, source: str | Path, sites: Mapping[str, RosterSite]
 ) -> RoundSettings:
     """Validate the settings of one run: the keys of a [round] table (server.toml's, or a table
     submitted with ``afl admin submit``); :class:`ConfigError` names the key and the problem."""
@@ -435,7 +427,7 @@ def merged_run_table(base: RoundSettings, overrides: Mapping[str, Any]) -> dict[
     return table
 
 
-def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, SiteEntry]) -> RoundSettings:
+def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]) -> RoundSettings:
     t = _table(doc, "round", source)
     classes = t.strings("classes")
     if not classes:

@@ -1,36 +1,11 @@
-"""The coordinator's durable state: SQLite plus payload files plus an anchor (docs/architecture.md
-§8, docs/operations.md "Backup and restore").
-
-Tables: ``meta`` (schema version, federation id, commit counter), ``enrolments``, ``runs`` (each
-run's submitted settings and its outcome), ``rounds`` (run, stage, signed plan, deadline),
-``site_declarations`` (what a site declared at enrolment beyond its identity, as JSON),
-``decisions`` (plan accept/refuse), ``uploads`` (digest, size, payload file), ``messages`` (the
-protocol messages a secure mode must replay after a restart: MASK key adverts, routed shares,
-consistency signatures, unmask responses; CKKS tags and decryption outcomes), ``candidates`` (a gated round's
-candidate model, signed as such), ``models`` (signed
-model bytes; also kept as the file ``models/<round>.signed-model.pb``, written before its row),
-``evaluations`` (signed federated evaluations of evaluation rounds; also kept as the file
-``evaluations/<round>.signed-evaluation.pb``, written before its row), ``reports`` (client reports) and ``audit_log`` (append-only, hash-chained:
-``hash_i = SHA-256(hash_{i-1} || canonical(time, event, detail))``).
-
-Durability: the database runs in WAL mode with ``synchronous = FULL`` (every commit is on disk
-before it returns), and every write is one transaction. Payloads live under
-``<state_dir>/payloads/<round>/<site>/<sha256>.bin`` (mode 0600; rows hold the path relative to
-the state folder, so a folder restored elsewhere works), written atomically BEFORE their row is
-committed, so a row always names a complete file. :func:`backup_state` copies a running server's
-state consistently.
-
-Rollback detection: every transaction increments the commit counter, and after each commit the
-counter, the audit log's length and its head hash are written (atomically, fsync'd) to
-``<state_dir>/anchor.json``, outside the database. On open the store refuses with a one-line
-:class:`StateError` (the daemon exits 2) when the database is missing while the anchor exists,
-holds fewer commits than the anchor (a deleted or truncated WAL, an old copy), has an audit chain
-that does not pass through the anchored head, is malformed, or names a payload file that is
-missing or has the wrong size. It never silently starts fresh.
-The state folder and every folder under it are mode 0700; the database (and so its
-``-wal`` and ``-shm``) and every file are 0600.
-
-Not thread-safe by itself: the coordinator serialises calls with its own lock.
+"""The coordinator's durable state: SQLite (WAL, ``synchronous = FULL``), payload files written
+before their rows, and ``anchor.json`` outside the database so that a rolled-back, truncated or
+damaged state is refused at start-up (:class:`StateError`), never silently started fresh. Every
+write is one transaction; :meth:`Store.transaction` (re-entrant) makes a transition's state and
+its hash-chained audit record one. Tables, files and the anchor: docs/architecture.md §8;
+backups: docs/operations.md. A purge commits its intent before it unlinks, and
+:meth:`Store.sweep_payloads` removes what an interrupted purge or upload left at start-up.
+Not thread-safe by itself: the coordinator serialises calls.
 """
 
 from __future__ import annotations
@@ -133,7 +108,8 @@ def now_ms() -> int:
 
 
 def audit_hash(prev: bytes, *, time_ms: int, event: str, detail: str) -> bytes:
-    """One link of the audit chain (module docstring)."""
+    """One link of the audit chain: ``hash_i = SHA-256(hash_{i-1} || canonical(time, event,
+    detail))`` with ``hash_0`` all zeros (verified independently by :mod:`afl.ops.verify_log`)."""
     return hashlib.sha256(prev + canonical_encode([time_ms, event, detail])).digest()
 
 
@@ -224,6 +200,27 @@ def _enrolment_row(r: Sequence[Any]) -> EnrolmentRow:
     )
 
 
+def _round_row(r: Sequence[Any]) -> RoundRow:
+    """A round row of :data:`Store._ROUND_QUERY` (the participants are JSON)."""
+    return RoundRow(
+        r[0],
+        int(r[1]),
+        r[2],
+        int(r[3]),
+        tuple(json.loads(r[4])),
+        None if r[5] is None else bytes(r[5]),
+        None if r[6] is None else bytes(r[6]),
+        int(r[7]),
+        r[8],
+        r[9],
+    )
+
+
+def _run_row(r: Sequence[Any]) -> RunRow:
+    """A run row of :data:`Store._RUN_QUERY` (the settings are JSON)."""
+    return RunRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], int(r[6]), int(r[7]))
+
+
 class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing and unanchored)."""
 
@@ -231,6 +228,7 @@ class Store:
         """``read_only`` (`afl-server status`): open an existing state without writing to it or
         checking its anchor, even while the server runs; :class:`StateError` when there is none."""
         self.state_dir, self.read_only = Path(state_dir), read_only
+        self._federation_id, self._depth = federation_id, 0
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
         if read_only:
@@ -304,13 +302,16 @@ class Store:
         return int(row[0]) if row else 0
 
     def _audit_tail(self) -> tuple[int, bytes]:
+        """(seq, hash) of the last audit record: the log only grows and ``seq`` counts from 1
+        (AUTOINCREMENT, rolled back with its transaction), so ``seq`` is the record count."""
         row = self._db.execute(
             "SELECT seq, hash FROM audit_log ORDER BY seq DESC LIMIT 1"
         ).fetchone()
-        count = self._db.execute("SELECT COUNT(*) FROM audit_log").fetchone()[0]
-        return int(count), bytes(row[1]) if row else GENESIS
+        return (int(row[0]), bytes(row[1])) if row else (0, GENESIS)
 
     def _check_anchor(self, anchor: Mapping[str, object] | None, federation_id: str) -> None:
+        """The database holds at least the anchored commits, and the audit log is one valid hash
+        chain through the anchored head (read once)."""
         if anchor is None:
             return
         if anchor["federation_id"] != federation_id:
@@ -328,13 +329,13 @@ class Store:
             )
         count = int(str(anchor["audit_count"]))
         head = bytes.fromhex(str(anchor["audit_head"]))
-        entries = self.audit_entries()
-        if len(entries) < count or (count and entries[count - 1][4] != head):
+        valid, found = self._walk_audit_chain(at_seq=count)
+        if found != head:
             raise StateError(
                 f"the audit log in {self.path} does not pass through the head recorded in "
                 f"{self.anchor_path} ({count} records): it was truncated or rewritten"
             )
-        if not self.verify_audit_chain():
+        if not valid:
             raise StateError(f"the audit log in {self.path} is not a valid hash chain")
 
     def _check_payloads(self) -> None:
@@ -354,12 +355,12 @@ class Store:
                     "state folder from a backup (docs/operations.md)"
                 )
 
-    def _write_anchor(self) -> None:
+    def _write_anchor(self, commits: int | None = None) -> None:
+        """Write the anchor: ``commits`` (read from meta when None), the last audit record."""
         count, head = self._audit_tail()
-        row = self._db.execute("SELECT value FROM meta WHERE key = 'federation_id'").fetchone()
         anchor = {
-            "federation_id": row[0] if row else "",
-            "commits": self._commits(),
+            "federation_id": self._federation_id,
+            "commits": self._commits() if commits is None else commits,
             "audit_count": count,
             "audit_head": head.hex(),
         }
@@ -372,19 +373,40 @@ class Store:
         return anchor
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One transaction (re-entrant): every write inside it, the audit records included,
+        commits together with one commit-counter increment and one anchor write, or none does.
+        A transition writes its state and its audit record in one ``with store.transaction():``."""
+        if self._depth:  # nested: a savepoint, so a failing inner block undoes only itself
+            self._depth += 1
+            savepoint = f"nested_{self._depth}"
+            self._db.execute(f"SAVEPOINT {savepoint}")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute(f"ROLLBACK TO {savepoint}")
+                raise
+            finally:
+                self._db.execute(f"RELEASE {savepoint}")
+                self._depth -= 1
+            return
         self._db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
         try:
             yield self._db
-            self._db.execute(
+            commits = self._db.execute(
                 "INSERT INTO meta VALUES ('commits', '1') ON CONFLICT(key) DO UPDATE SET "
-                "value = CAST(value AS INTEGER) + 1"
-            )
+                "value = CAST(value AS INTEGER) + 1 RETURNING value"
+            ).fetchall()[0][0]
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+        finally:
+            self._depth = 0
         self._db.execute("COMMIT")
-        self._write_anchor()
+        self._write_anchor(int(commits))
+
+    _tx = transaction
 
     def _check_meta(self, federation_id: str) -> None:
         rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
@@ -515,16 +537,24 @@ class Store:
                 (state, reason, finished, run_id),
             )
 
-    def runs(self) -> list[RunRow]:
-        """Every run, oldest first."""
-        rows = self._db.execute(
-            "SELECT run_id, name, settings, state, reason, submitted_by, created_ms, finished_ms "
-            "FROM runs ORDER BY ordinal"
-        ).fetchall()
-        return [
-            RunRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], int(r[6]), int(r[7]))
-            for r in rows
-        ]
+    _RUN_QUERY = (
+        "SELECT run_id, name, settings, state, reason, submitted_by, created_ms, finished_ms "
+        "FROM runs"
+    )
+
+    def runs(self, *, state: str | None = None) -> list[RunRow]:
+        """Every run (in ``state``, when given), oldest first."""
+        where, params = ("", ()) if state is None else (" WHERE state = ?", (state,))
+        rows = self._db.execute(f"{self._RUN_QUERY}{where} ORDER BY ordinal", params).fetchall()
+        return [_run_row(r) for r in rows]
+
+    def run_row(self, run_id: str) -> RunRow | None:
+        """One run's row (a request about one run reads one row, not the table)."""
+        row = self._db.execute(f"{self._RUN_QUERY} WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None else _run_row(row)
+
+    def run_count(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
 
     def attach_rounds(self, run_id: str) -> None:
         """Give rounds without a run (a migrated schema-1 state) to ``run_id``."""
@@ -587,33 +617,21 @@ class Store:
                     (plan, plan_signature, round_id),
                 )
 
+    _ROUND_QUERY = (
+        "SELECT round_id, number, parent_round_id, stage, participants, plan, plan_signature, "
+        "deadline_ms, abort_reason, run_id FROM rounds"
+    )
+
     def rounds(self, run_id: str | None = None) -> list[RoundRow]:
         """Every round (of ``run_id``, when given), oldest first."""
-        select = (
-            "SELECT round_id, number, parent_round_id, stage, participants, plan, plan_signature, "
-            "deadline_ms, abort_reason, run_id FROM rounds"
-        )
-        if run_id is None:
-            rows = self._db.execute(f"{select} ORDER BY ordinal").fetchall()
-        else:
-            rows = self._db.execute(
-                f"{select} WHERE run_id = ? ORDER BY ordinal", (run_id,)
-            ).fetchall()
-        return [
-            RoundRow(
-                r[0],
-                int(r[1]),
-                r[2],
-                int(r[3]),
-                tuple(json.loads(r[4])),
-                None if r[5] is None else bytes(r[5]),
-                None if r[6] is None else bytes(r[6]),
-                int(r[7]),
-                r[8],
-                r[9],
-            )
-            for r in rows
-        ]
+        where, params = ("", ()) if run_id is None else (" WHERE run_id = ?", (run_id,))
+        rows = self._db.execute(f"{self._ROUND_QUERY}{where} ORDER BY ordinal", params).fetchall()
+        return [_round_row(r) for r in rows]
+
+    def round(self, round_id: str) -> RoundRow | None:
+        """One round's row."""
+        row = self._db.execute(f"{self._ROUND_QUERY} WHERE round_id = ?", (round_id,)).fetchone()
+        return None if row is None else _round_row(row)
 
     # --- decisions, uploads and messages -----------------------------------------------------
 
@@ -717,6 +735,7 @@ class Store:
         unlinked. A crash between the two leaves files
         whose rows say purged; :meth:`sweep_payloads` removes them at the next start-up, so no
         statistic outlives its purge (docs/protocol.md M-140)."""
+        assert not self._depth, "a purge commits its intent before it unlinks: never nested"
         paths: list[str] = []
         with self._tx() as db:  # the intent for every round at once: a kill leaves no round out
             for round_id in round_ids:
@@ -952,16 +971,22 @@ class Store:
 
     def verify_audit_chain(self) -> bool:
         """True iff every entry's hash chains from its predecessor."""
-        prev = GENESIS
+        return self._walk_audit_chain()[0]
+
+    def _walk_audit_chain(self, *, at_seq: int = 0) -> tuple[bool, bytes | None]:
+        """(whether every record chains from its predecessor, the hash of record ``at_seq``:
+        the zero hash for 0, None when there is no such record), in one read of the log."""
+        valid, prev, found = True, GENESIS, GENESIS if at_seq == 0 else None
         rows = self._db.execute(
-            "SELECT time_ms, event, detail, prev_hash, hash FROM audit_log ORDER BY seq"
-        ).fetchall()
-        for stamp, event, text, prev_hash, digest in rows:
+            "SELECT seq, time_ms, event, detail, prev_hash, hash FROM audit_log ORDER BY seq"
+        )
+        for seq, stamp, event, text, prev_hash, digest in rows:
             want = audit_hash(prev, time_ms=int(stamp), event=event, detail=text)
-            if bytes(prev_hash) != prev or bytes(digest) != want:
-                return False
+            valid = valid and bytes(prev_hash) == prev and bytes(digest) == want
             prev = bytes(digest)
-        return True
+            if int(seq) == at_seq:
+                found = prev
+        return valid, found
 
 
 def _remove_empty_folders(folder: Path) -> None:

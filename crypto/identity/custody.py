@@ -315,7 +315,8 @@ def request_from_json(text: str) -> KeyRequest:
 
 @dataclass(frozen=True)
 class RosterSite:
-    """A site of the roster: its identity public key (raw) and role."""
+    """A provisioned site, as the roster and server.toml's [sites] list it: its Ed25519 identity
+    public key (raw) and role."""
 
     identity_public_key: bytes
     role: str

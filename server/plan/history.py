@@ -14,9 +14,19 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from afl.core.leakage import Exposure, LeakageReport
-from afl.server.plan.release import PlannedRelease, audit_plan
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.plan.release import PlannedRelease, audit_plan, releases_from_plan
+from afl.server.store import Store
 
-__all__ = ["ReleasedRound", "history_exposures", "history_refusal", "released_history"]
+__all__ = [
+    "ReleasedRound",
+    "history_audit",
+    "history_exposures",
+    "history_refusal",
+    "released_history",
+    "stored_history",
+]
 
 
 @dataclass(frozen=True)
@@ -81,3 +91,48 @@ def history_refusal(exposures: Sequence[Exposure], *, round_id: str) -> str:
         "so that no difference isolates one, or re-train with DP ([round.dp]) covering the "
         "difference"
     )
+
+
+#: Statistic kinds that are a function of a site's data alone, so every run releases the same
+#: per-site values (round 2's pseudo-label vectors depend on the run's model, evaluations on theirs).
+_DATA_KINDS = frozenset({cpb.STATISTIC_KIND_GRAM, cpb.STATISTIC_KIND_CLASS_VECTOR})
+
+
+def stored_history(
+    store: Store, *, exclude_round: str = ""
+) -> list[tuple[str, list[PlannedRelease]]]:
+    """Every published training round's data releases (Gram, class vectors: the statistics of a
+    site's data that every run sums alike), cut to the model's contributors; a gated round's
+    too, whatever the gate decided (its sums were released to solve the candidate)."""
+    released: list[ReleasedRound] = []
+    for row in store.rounds():
+        if not row.plan or row.round_id == exclude_round:
+            continue
+        model = store.model(row.round_id) if row.stage == pb.ROUND_STAGE_PUBLISHED else None
+        solved = model[1] if model is not None else None
+        if solved is None and (candidate := store.candidate(row.round_id)) is not None:
+            solved = candidate[0]
+        releases = [r for r in releases_from_plan(row.plan) if r.kind in _DATA_KINDS]
+        if not releases or solved is None:
+            continue
+        contributors = tuple(pb.Model.FromString(solved).contributors)
+        released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
+    return released_history(released)
+
+
+def history_audit(
+    store: Store, *, round_id: str, releases: Sequence[PlannedRelease], members: Sequence[str]
+) -> tuple[str, dict[str, object] | None]:
+    """The refusal (one line) when ``releases`` summed over ``members`` only, differenced with
+    what the federation already released, expose a site, and the detail of its
+    "plan-audit-history" audit record; ("", None) when they do not (M-124)."""
+    history = stored_history(store, exclude_round=round_id)
+    if not history:
+        return "", None
+    summed = frozenset(members)
+    releases = [replace(r, members=tuple(m for m in r.members if m in summed)) for r in releases]
+    report, exposed = history_exposures(releases, members, history=history)
+    if not exposed:
+        return "", None
+    detail = {"round_id": round_id, "members": list(members), **report.to_dict()}
+    return history_refusal(exposed, round_id=round_id), detail

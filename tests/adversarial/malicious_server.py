@@ -58,11 +58,11 @@ from afl.crypto.secagg.messages import ADVERTISE_CONTEXT, advert_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server import rounds
 from afl.server.daemon import main as daemon
 from afl.server.errors import InvalidRequestError
 from afl.server.modes.ckks import CkksMode, CkksRequests
 from afl.server.modes.mask import MaskMode, MaskRequests
+from afl.server.plan import open as plan_open
 from afl.server.solve.model import build_signed_model
 
 VICTIM = "site-1"
@@ -246,7 +246,7 @@ def _swap_keys(loot: Path) -> None:
 
 def _evaluate_unverified() -> None:
     """The evaluation plan names a crafted model that no round published."""
-    original = vars(rounds)["evaluation_releases"]  # the name the round machine calls
+    original = vars(plan_open)["evaluation_releases"]  # the name open_plan calls
 
     def crafted(*, classes: Any, participants: Any, model_sha256: bytes, **kw: Any) -> Any:
         weights = np.zeros((FORGED_D, len(classes)))
@@ -266,13 +266,13 @@ def _evaluate_unverified() -> None:
         digest = hashlib.sha256(forged.model).digest()
         return original(classes=classes, participants=participants, model_sha256=digest, **kw)
 
-    vars(rounds)["evaluation_releases"] = crafted
+    vars(plan_open)["evaluation_releases"] = crafted
 
 
 def _isolate_site() -> None:
     """An extra histogram over all participants but the first; the coordinator's audit of it
     is patched away (the honest coordinator would not open such a plan)."""
-    original, audit = vars(rounds)["evaluation_releases"], vars(rounds)["audit_plan"]
+    original, audit = vars(plan_open)["evaluation_releases"], vars(plan_open)["audit_plan"]
 
     def isolating(*, classes: Any, participants: Any, model_sha256: bytes, **kw: Any) -> Any:
         releases = original(
@@ -285,8 +285,8 @@ def _isolate_site() -> None:
     def looking_away(releases: Any, participants: Any, **kw: Any) -> Any:
         return audit([r for r in releases if r.name != ISOLATING], participants, **kw)
 
-    vars(rounds)["evaluation_releases"] = isolating
-    vars(rounds)["audit_plan"] = looking_away
+    vars(plan_open)["evaluation_releases"] = isolating
+    vars(plan_open)["audit_plan"] = looking_away
 
 
 def _weaken_graph() -> None:

@@ -5,7 +5,7 @@ Usage: ``python t0_coordinator.py <afl-server arguments>``. In plaintext mode th
 every site's upload alone, so an honest plan makes each site add the full σ (t = n - 1 assumed
 colluders). This coordinator calibrates as if it saw only the sum (t = 0): each site adds σ/√n,
 while the plan's budgets still state the target ε. The patch is applied here, around the real
-daemon's round machine, so no product code path knows about it.
+daemon's plan opening (afl.server.plan.open), so no product code path knows about it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from afl.server import rounds
 from afl.server.daemon import main as daemon
 from afl.server.plan import dp as dp_plan
+from afl.server.plan import open as plan_open
 
 
 def command() -> tuple[str, ...]:
@@ -28,7 +28,7 @@ def main() -> int:
         kwargs["plaintext"] = False  # noise split over n shares: t = min(tolerated, n - 1) = 0
         return dp_plan.calibrate(*args, **kwargs)
 
-    setattr(rounds, "calibrate", t0_calibrate)  # noqa: B010 (the name rounds imported)
+    setattr(plan_open, "calibrate", t0_calibrate)  # noqa: B010 (the name open_plan calls)
     return daemon.main(sys.argv[1:])
 
 

@@ -12,12 +12,13 @@ from sklearn.metrics import roc_auc_score
 
 from afl.core.evaluation.federated import evaluation_statistics
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
-from afl.server.config import SiteEntry, run_settings
+from afl.crypto.identity.custody import RosterSite
+from afl.server.config import run_settings
 from afl.server.errors import ConfigError
 from afl.server.solve.gate import GateSettings, gate_settings_from_table, gate_verdict
 
 CLASSES = ("A", "B", "C")
-SITES = {f"s{k}": SiteEntry(bytes(32), "participant") for k in range(3)}
+SITES = {f"s{k}": RosterSite(bytes(32), "participant") for k in range(3)}
 
 
 def _rows(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -130,7 +130,7 @@ def test_overflowing_sums_abort_the_round_and_a_restarted_server_starts(
     sites = _connect(federation, servers[-1].port, SITES)
     config, plan = _open_round(sites, _key(federation))
     target = next(r for r in plan.releases if r.name == "b[a]")
-    caplog.set_level(logging.ERROR, logger="afl.server.rounds")
+    caplog.set_level(logging.ERROR, logger="afl.server.solve")
     for s, site in sites.items():
         for release in plan.releases:
             data = payload(release, stats[s], CLASSES)

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from afl.client.modes.mask import MaskMode as ClientMask
 from afl.client.payloads.stats import PayloadError
+from afl.crypto.identity.custody import RosterSite
 from afl.crypto.identity.signatures import public_key_to_raw
 from afl.crypto.secagg.graph_bounds import choose_graph
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.config import MaskSettings, SiteEntry, round_template, run_settings, settings_table
+from afl.server.config import MaskSettings, round_template, run_settings, settings_table
 from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.modes.mask import MaskMode
 from afl.server.plan.release import RoundView, build_plan, releases_from_plan, round1_releases
@@ -202,7 +203,7 @@ def test_a_sparse_plan_carries_the_chosen_graph_and_t_equals_n_minus_d() -> None
 
 
 def test_sparse_graph_settings_are_checked() -> None:
-    sites = {s: SiteEntry(bytes(32), "participant") for s in SITES}
+    sites = {s: RosterSite(bytes(32), "participant") for s in SITES}
     base = round_template(
         {"classes": ["A"], "feature_dim": 4, "aggregation": "mask", "mask_gram_bound": 1.0}
     )
