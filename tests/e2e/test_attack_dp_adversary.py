@@ -29,7 +29,7 @@ SITES = ["site-1", "site-2", "site-3", "site-4"]
 def test_sites_refuse_plaintext_noise_sized_for_the_sum(tmp_path: Path) -> None:
     policy = {site: {"max_epsilon": 5.0} for site in SITES}
     loop = dp_federation(tmp_path, len(SITES), dp={"epsilon": 4.0}, policy=policy)
-    run = run_loopback(loop, timeout_s=180, server_command=t0_coordinator.command())
+    run = run_loopback(loop, timeout_s=600, server_command=t0_coordinator.command())
 
     plans = signed_plans(loop.server_config)  # a refusal aborts; the others get a new plan
     for plan in plans.values():
