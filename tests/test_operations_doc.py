@@ -118,7 +118,7 @@ def test_the_documented_path_is_marked_and_self_contained() -> None:
 
 
 def test_edit_blocks_fit_the_templates_as_shown() -> None:
-    """issue 28 item 11: a block appended as shown does not repeat a table the provisioned
+    """a block appended as shown does not repeat a table the provisioned
     template already has (TOML: "Cannot declare ('client',) twice"); a block marked with a table
     changes keys of a table the template has."""
     from afl.ops.provisioning import _client_toml, _server_toml

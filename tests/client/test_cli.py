@@ -42,7 +42,7 @@ def test_errors_exit_one_with_message(tmp_path, capsys):
 
 
 def test_a_misspelt_manifest_column_is_refused_unless_declared(tmp_path, capsys):
-    """issue 28 item 7: a column ``Efusion`` would make a class whose labels never reach the
+    """a column ``Efusion`` would make a class whose labels never reach the
     federation's Effusion; declared with --classes it is the site's own class name."""
     manifest = make_site(tmp_path, 2, size=32)
     lines = manifest.read_text().splitlines()
@@ -59,7 +59,7 @@ def test_a_misspelt_manifest_column_is_refused_unless_declared(tmp_path, capsys)
 
 
 def test_ctrl_c_during_extract_says_a_rerun_resumes(tmp_path, capsys, monkeypatch):
-    """issue 28 item 9: Ctrl-C after the first batch: one line (stopped, rerun resumes), exit
+    """Ctrl-C after the first batch: one line (stopped, rerun resumes), exit
     130, no traceback; the rerun completes with the features of an uninterrupted run."""
     from afl.core.data.featurecache import FeatureCacheWriter
 

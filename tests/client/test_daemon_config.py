@@ -158,7 +158,7 @@ def test_unknown_keys_warn_and_missing_file_errors(kit: Path, tmp_path: Path) ->
 def test_a_misspelt_policy_key_is_an_error_naming_the_key(
     kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], typo: str, meant: str
 ) -> None:
-    """issue 28 item 6: a site's protection settings are not left at their defaults by a typo."""
+    """a site's protection settings are not left at their defaults by a typo."""
     from afl.client.cli import main
 
     path = _rewrite(kit, tmp_path, policy={typo: 5})

@@ -162,7 +162,7 @@ def test_doctor_names_a_truncated_feature_file_and_the_fix(
     features: np.ndarray,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """issue 28 item 3: a features.npy cut short (an interrupted copy) is a PROBLEM line, not
+    """a features.npy cut short (an interrupted copy) is a PROBLEM line, not
     numpy's traceback."""
     config = _site(federation, server, tmp_path, features)
     path, _ = _write_toml(config, tmp_path)
@@ -182,7 +182,7 @@ def test_status_names_the_signed_model_file_export_takes(
     tmp_path: Path,
     features: np.ndarray,
 ) -> None:
-    """issue 28 item 12: `afl-client status` names the file `afl export --model` needs."""
+    """`afl-client status` names the file `afl export --model` needs."""
     config = _site(federation, server, tmp_path, features)
     models = config.state_dir / "models"
     models.mkdir(parents=True)

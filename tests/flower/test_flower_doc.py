@@ -1,4 +1,4 @@
-"""docs/flower.md's `flwr run` works as written against the pinned flwr (issue 28 item 2): its
+"""docs/flower.md's `flwr run` works as written against the pinned flwr: its
 marked blocks (tests/helpers/doc_commands.py) run verbatim — Flower's connection in
 ``$FLWR_HOME/config.toml``, ``flower-superlink`` on the simulation engine, ``flwr run`` with the
 federation's server.toml and client.toml paths — on a loopback federation of three sites and one

@@ -1,4 +1,4 @@
-"""`afl-server status` (afl.server.daemon.status) after what an operator did (issue 28 item 12):
+"""`afl-server status` (afl.server.daemon.status) after what an operator did:
 a deliberate abort followed by a run that published is history, not the last error; uploads
 whose payload files retention deleted are not counted as stored."""
 

@@ -1,4 +1,4 @@
-"""A site waiting after "enrolled" (issue 28 item 13): it logs what it waits for, a round that
+"""A site waiting after "enrolled": it logs what it waits for, a round that
 listed it and was aborted before it took part ends its wait after ``linger_s`` (no day-long
 wait), and the daemon then exits 4 (aborted) or 5 (left out), never 0 ("published and
 verified"). The coordinator is a stub answering GetStatus from a script."""

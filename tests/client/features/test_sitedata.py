@@ -129,7 +129,7 @@ def test_manifest_requested_class_without_a_column_is_refused_with_a_suggestion(
     ):
         manifest_source(tmp_path / "m.csv", classes=["Efusion", "Mass"])
     (tmp_path / "n.csv").write_text("path,Efusion,Mass\nx.png,1,0\n", encoding="utf-8")
-    with pytest.raises(  # issue 28 item 7: a misspelt column is not silently a new class
+    with pytest.raises(  # a misspelt column is not silently a new class
         SiteDataError,
         match=r"column 'Efusion' is not a known finding \(did you mean 'Effusion'\?\): rename",
     ):
@@ -231,7 +231,7 @@ def _pydicom_file(name: str) -> str:
 
 
 def test_12_bit_jpeg_extended_reads_and_a_stream_no_decoder_takes_is_named(monkeypatch):
-    """issue 28 items 8 and 13: 12-bit JPEG Extended decodes (pylibjpeg-libjpeg); pydicom's
+    """12-bit JPEG Extended decodes (pylibjpeg-libjpeg); pydicom's
     ``JPEG-lossy.dcm``, whose stream every installed decoder refuses, is named with the advice
     to re-export it, never to install the decoders that are installed; when one is missing, the
     message says which and how to install it."""
@@ -256,7 +256,7 @@ def test_12_bit_jpeg_extended_reads_and_a_stream_no_decoder_takes_is_named(monke
 
 
 def test_a_dicom_structured_report_has_no_image(tmp_path):
-    """issue 28 item 13: an SR is "no image in this file", not a photometric complaint."""
+    """an SR is "no image in this file", not a photometric complaint."""
     with pytest.raises(UnreadableImageError) as exc:
         read_image(_pydicom_file("test-SR.dcm"))
     assert "no image in this file" in str(exc.value)

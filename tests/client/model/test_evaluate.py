@@ -1,5 +1,5 @@
-"""`afl-client evaluate` at a site that labels only some of the federation's classes (issue 28
-item 1): the documented commands (``--cache`` and ``--manifest``) evaluate the classes the site
+"""`afl-client evaluate` at a site that labels only some of the federation's classes: the
+documented commands (``--cache`` and ``--manifest``) evaluate the classes the site
 labels; the metrics are checked against scikit-learn on σ(H W) (an independent oracle)."""
 
 from __future__ import annotations

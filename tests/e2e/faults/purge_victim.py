@@ -1,5 +1,5 @@
 """A process that stores uploads and is killed (SIGKILL) inside the purge, between the commit
-that marks them purged and the first unlink of a payload file (the fault of issue 30's first
+that marks them purged and the first unlink of a payload file (the first
 item). Usage: ``python purge_victim.py STATE_DIR``; it never returns normally.
 
 The fault is injected here, around the real :class:`Store`, so no product code path knows it.

@@ -1,4 +1,4 @@
-"""Faults of the coordinator, through the daemons (docs/operations.md §8; issue 30):
+"""Faults of the coordinator, through the daemons (docs/operations.md §8):
 
 * killed between the end-of-run purge's record and its unlinks: after the restart no payload file
   is left and the audit log lists what the start-up sweep removed;

@@ -1,4 +1,4 @@
-"""A restored old backup is noticed (docs/operations.md §9, docs/protocol.md M-142; issue 30):
+"""A restored old backup is noticed (docs/operations.md §9, docs/protocol.md M-142):
 after a completed run the coordinator's state folder is replaced by a backup taken before that run
 ended; every site names the regression in one line and refuses to take part; once the operator
 acknowledges the restore (``afl-server ack-restore``, in the audit log) the run in flight in the

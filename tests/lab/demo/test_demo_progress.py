@@ -1,4 +1,4 @@
-"""`afl demo`'s progress (issue 28 item 10): the stage of the federation read from the
+"""`afl demo`'s progress: the stage of the federation read from the
 coordinator's state, as the demo prints it on a terminal while the daemons run."""
 
 from __future__ import annotations

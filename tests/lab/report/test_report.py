@@ -199,7 +199,7 @@ def _plain_page(tmp: Path, html: str) -> Path:
 def test_one_setting_is_drawn_on_a_full_axis_and_the_oracle_row_is_explained(
     saved_run: tuple[Path, dict[str, Any]], saved_html: str
 ) -> None:
-    """issue 28 item 10: with one setting, a bar per method on 0-100 % (not two dots on an
+    """with one setting, a bar per method on 0-100 % (not two dots on an
     autoscaled axis); several settings are drawn on 0-100 % too; the oracle row's difference
     from the global-scope rows is explained."""
     _, results = saved_run

@@ -123,7 +123,7 @@ def test_report_command_dispatches_on_an_export_folder(folder: Path, tmp_path: P
 
 
 def test_deployed_view_speaks_to_a_clinician(folder: Path) -> None:
-    """issue 28 item 4: in-sample figures are marked where they appear, an evaluation that does
+    """in-sample figures are marked where they appear, an evaluation that does
     not say is marked as not shown to be out-of-sample, DP reads as the Markdown card says, and
     dates, names and units replace field names and raw JSON."""
     html = render_deployed_report(folder)
