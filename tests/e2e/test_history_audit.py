@@ -15,35 +15,21 @@ from typing import Any
 import numpy as np
 
 from afl.core.aggregation import federated_solve
-from afl.lab.demo.federation import mask_round_settings, prepare_labelled_everywhere
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.store import Store
 from tests.e2e import vanishing_client
-from tests.e2e.loopback import SiteData, cached_statistics
+from tests.e2e.faults.harness import federation
+from tests.e2e.loopback import cached_statistics
 from tests.e2e.processes import Daemons
 from tests.helpers.numeric import relative_error
 
-CLASSES = ("A", "B", "C")
-DATA = SiteData(d=10, classes=len(CLASSES), rows=80, rows_step=10, positive_rate=0.4, seed=23)
 FOUR = ["site-1", "site-2", "site-3", "site-4"]
+#: Run 2 plans four sites: the audit, not the participant count, must be what refuses it.
+SETTINGS = {"min_participants": 3}
 
 
 def _federation(root: Path) -> Any:
-    feats, labels = DATA.draw(5)
-    settings: dict[str, Any] = {
-        "gram_scope": "global",
-        "upload_timeout_s": 300.0,
-        **mask_round_settings(feats),
-    }
-    return prepare_labelled_everywhere(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        test_rows=20,
-        round_settings=settings,
-        client_settings={"serve": True},  # the daemons stay for the next run
-    )
+    return federation(root, "mask", sites=5, serve=True, round_settings=SETTINGS)
 
 
 def _released_rounds(loop: Any, run_id: str) -> tuple[list[str], int]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_l
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e import vanishing_client
 from tests.e2e.loopback import SiteData, cached_statistics
-from tests.e2e.processes import Daemons
+from tests.e2e.processes import Daemons, admin_cli
 from tests.helpers.numeric import relative_error
 
 CLASSES = ("A", "B", "C")
@@ -47,14 +45,6 @@ def _federation(root: Path, sites: int, *, serve: bool = True, **round_settings:
     )
 
 
-def _admin(loop: Any, *args: str) -> str:
-    kit = loop.provisioned.root / "admins" / "operator" / "admin.toml"
-    cmd = [sys.executable, "-m", "afl.lab.cli", "admin", "--config", str(kit), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
 def test_three_runs_through_afl_admin_without_restarting_a_daemon(tmp_path: Path) -> None:
     loop = _federation(tmp_path, 3)
     stats, _ = cached_statistics(loop, list(loop.site_ids))
@@ -65,23 +55,23 @@ def test_three_runs_through_afl_admin_without_restarting_a_daemon(tmp_path: Path
         assert daemons.wait_run("run-1").state == "published"
         second = tmp_path / "second.toml"
         second.write_text('classes = ["A", "B"]\n', encoding="utf-8")
-        assert "submitted run-2" in _admin(loop, "submit", str(second), "--name", "two classes")
+        assert "submitted run-2" in admin_cli(loop, "submit", str(second), "--name", "two classes")
         third = tmp_path / "third.toml"
         third.write_text("[round]\nrounds = 2\n", encoding="utf-8")
-        assert "submitted run-3" in _admin(loop, "submit", str(third), "--name", "refined")
+        assert "submitted run-3" in admin_cli(loop, "submit", str(third), "--name", "refined")
         for run_id in ("run-2", "run-3"):
             assert daemons.wait_run(run_id).state == "published", daemons.log_tail()
-        listing = _admin(loop, "ls").splitlines()
+        listing = admin_cli(loop, "ls").splitlines()
         assert len(listing) == 3 and all(" published " in line for line in listing), listing
         for run_id, line in zip(("run-1", "run-2", "run-3"), listing, strict=True):
             digest = hashlib.sha256(
                 pb.Model.FromString(daemons.model(run_id).model).SerializeToString()
             )
             assert line.startswith(run_id) and f"sha256:{digest.hexdigest()[:16]}" in line
-        status = _admin(loop, "status", "run-3")
+        status = admin_cli(loop, "status", "run-3")
         assert "round 1" in status and "round 2" in status and "PUBLISHED" in status
         out = tmp_path / "run-2.model"
-        assert "signature verified" in _admin(loop, "download-model", "run-2", "--out", str(out))
+        assert "signature verified" in admin_cli(loop, "download-model", "run-2", "--out", str(out))
         model = pb.Model.FromString(pb.SignedModel.FromString(out.read_bytes()).model)
         assert list(model.class_names) == ["A", "B"]
         w = np.frombuffer(model.weights.data, dtype="<f8").reshape(tuple(model.weights.shape))
@@ -93,7 +83,9 @@ def test_three_runs_through_afl_admin_without_restarting_a_daemon(tmp_path: Path
         ]
         oracle, _ = federated_solve(two, gamma=1.0, gram_scope="global")
         assert relative_error(w, oracle) <= 1e-9
-        logs = [json.loads(line) for line in _admin(loop, "logs", "run-2", "--json").splitlines()]
+        logs = [
+            json.loads(line) for line in admin_cli(loop, "logs", "run-2", "--json").splitlines()
+        ]
         rounds = {r.round_id for r in daemons.wait_run("run-2").round_history}
         assert logs and all(
             r["detail"].get("run_id") == "run-2" or r["detail"].get("round_id") in rounds

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -41,7 +39,7 @@ from afl.server.config import load_config
 from afl.server.store import Store
 from tests.e2e import poisoning_client
 from tests.e2e.loopback import SiteData
-from tests.e2e.processes import Daemons
+from tests.e2e.processes import Daemons, admin_cli
 
 CLASSES = ("A", "B", "C")
 DATA = SiteData(d=8, classes=3, rows=80, rows_step=15, positive_rate=0.35, seed=31)
@@ -89,14 +87,6 @@ def _federation(
         doc["data"]["holdout"] = str(folder)
         config.write_text(toml_text.dumps(doc), encoding="utf-8")
     return loop
-
-
-def _admin(loop: LoopbackFederation, *args: str) -> str:
-    kit = loop.provisioned.root / "admins" / "operator" / "admin.toml"
-    cmd = [sys.executable, "-m", "afl.lab.cli", "admin", "--config", str(kit), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
 
 
 def _store(loop: LoopbackFederation) -> Store:
@@ -154,7 +144,7 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_run_
             store.close()
         config = load_config(loop.server_config)
         assert not list((config.state_dir / "models").glob("*.signed-model.pb"))
-        status = _admin(loop, "status", "run-1")
+        status = admin_cli(loop, "status", "run-1")
         assert "failed" in status and "VALIDATING" not in status
         assert all(f"{c} AUC" in status for c in CLASSES), status
         gate_round = _round(failed, 2).round_id
