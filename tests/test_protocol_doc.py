@@ -4,13 +4,11 @@ test the table names exists (collected by pytest itself) — and no table row na
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.doc_tests import ROOT, collected_node_ids
+
 DOC = ROOT / "docs" / "protocol.md"
 ROW = re.compile(r"^\| (M-\d{2,3}) \| (.+) \|$")
 
@@ -28,15 +26,7 @@ def must_table() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def collected() -> set[str]:
-    files = sorted({n.split("::")[0] for nodes in must_table().values() for n in nodes})
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return {line.split("[")[0] for line in result.stdout.splitlines() if "::" in line}
+    return collected_node_ids(n for nodes in must_table().values() for n in nodes)
 
 
 def test_every_must_has_an_id_and_a_row() -> None:

@@ -8,11 +8,14 @@ round, then the evaluation round), payloads kept 30 days so that the finished st
 * M-104: the retention purge of the finished run (the coordinator's own, at ``payload_days``)
   deletes the payload files AND the stored protocol messages of the secure mode (key adverts,
   sealed share bundles, consistency signatures, unmask responses), keeps the upload rows
-  (digest, size), the model, the evaluation and the audit log, and records what it deleted.
+  (digest, size), the model, the evaluation and the audit log, and records what it deleted;
+* pseudonymisation (docs/compliance.md): no row id and no patient id of any site's cache appears
+  in any file of the coordinator's state (database, WAL, payloads, models, evaluations).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -39,6 +42,9 @@ KEEP_DAYS = 30.0
 def finished(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("compliance")
     feats, labels = DATA.draw(SITES)
+    patients = [
+        [f"patient-{k}-{i // 2:04d}-x7q" for i in range(len(f))] for k, f in enumerate(feats)
+    ]
     loop = prepare_labelled_everywhere(
         root,
         classes=CLASSES,
@@ -48,10 +54,16 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # mask bounds from the sites' declarations; the run ends with its evaluation round
         round_settings={"aggregation": "mask", "evaluate": True, "upload_timeout_s": 120.0},
         server_tables={"retention": {"payload_days": KEEP_DAYS}},
+        site_patients=patients,
     )
     run = run_loopback(loop, timeout_s=300)
     assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
-    return {"loop": loop, "run": run, "config": load_config(loop.server_config)}
+    return {
+        "loop": loop,
+        "run": run,
+        "config": load_config(loop.server_config),
+        "patients": patients,
+    }
 
 
 def _records(store: Store) -> list[tuple[str, dict[str, object]]]:
@@ -153,3 +165,16 @@ def test_retention_deletes_the_payloads_and_the_protocol_messages_of_a_finished_
     # in the database file or its WAL
     raw = _raw_database(state)
     assert not [b for b in bodies if b in raw]
+
+
+def test_no_row_or_patient_id_reaches_the_coordinators_state(finished: dict[str, Any]) -> None:
+    loop, config = finished["loop"], finished["config"]
+    stored = b"".join(p.read_bytes() for p in sorted(config.state_dir.rglob("*")) if p.is_file())
+    assert b"site-1" in stored  # the scan reads what the coordinator keeps (site ids are there)
+    caches = cached_statistics(loop, list(loop.site_ids))[1]
+    row_ids = [str(i) for cache in caches for i in cache.ids]
+    assert all(re.fullmatch(r"site-\d+-\d+", i) for i in row_ids)  # the pattern searched below
+    assert re.search(rb"site-\d+-\d+", stored) is None
+    patients = {p for cache in caches for p in cache.patients or ()}
+    assert patients == {p for rows in finished["patients"] for p in rows}
+    assert not [p for p in patients if p.encode() in stored]
