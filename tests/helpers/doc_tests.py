@@ -9,14 +9,21 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["ROOT", "collected_node_ids", "node_ids_in"]
+__all__ = ["DOCS", "ROOT", "collected_node_ids", "documented_node_ids", "node_ids_in"]
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The documents whose named tests must exist.
+DOCS = (ROOT / "docs" / "protocol.md", ROOT / "docs" / "compliance.md")
 
 
 def node_ids_in(text: str) -> list[str]:
     """Every `tests/...::name` node id quoted in backticks in ``text``."""
     return re.findall(r"`(tests/[^`]+::[^`]+)`", text)
+
+
+def documented_node_ids() -> list[str]:
+    """Every node id :data:`DOCS` name."""
+    return [n for doc in DOCS for n in node_ids_in(doc.read_text(encoding="utf-8"))]
 
 
 def collected_node_ids(node_ids: Iterable[str]) -> set[str]:
