@@ -20,6 +20,7 @@ from afl.proto.v1 import admin_pb2, admin_pb2_grpc, coordinator_pb2, coordinator
 from afl.server.config import load_config
 from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
+from tests.ops.test_provisioning import _channel  # a channel with a given client certificate
 
 SITE = "site.m"
 FEDERATION = FederationSpec(
@@ -41,16 +42,6 @@ def daemon(
     server.start()
     yield server
     server.stop(None)
-
-
-def _channel(port: int, ca_pem: bytes, key: bytes | None, cert: bytes | None) -> grpc.Channel:
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=ca_pem, private_key=key, certificate_chain=cert
-    )
-    # Dial 127.0.0.1, verify the server certificate for "localhost" (in its SAN).
-    return grpc.secure_channel(
-        f"127.0.0.1:{port}", credentials, options=[("grpc.ssl_target_name_override", "localhost")]
-    )
 
 
 def _calls(channel: grpc.Channel) -> dict[str, object]:

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from afl.client.daemon.loop import ClientDaemon, RoundFailed
-from afl.client.daemon.report import RoundReport
 from afl.client.policy.ledger import DpLedger
 from afl.crypto.errors import SignatureError
 from afl.crypto.identity import signatures
@@ -44,16 +43,13 @@ from tests.client.daemon.test_daemon_round_binding import (  # the scripted coor
     D,
     _b,
     _gram,
+    _report,
     site,
 )
 
 __all__ = ["FEDERATION", "site"]  # the module's federation and the daemon fixture it uses
 
 Site = tuple[ClientDaemon, Coordinator, Path]
-
-
-def _report() -> RoundReport:
-    return RoundReport(SITE, "fed", "run", "", 0)
 
 
 def _history_on_disk(state: Path) -> dict[str, list[str]]:
