@@ -64,6 +64,7 @@ __all__ = [
     "mask_threshold_problem",
     "release_quantities",
     "survivor_floors",
+    "survivor_problem",
 ]
 
 _MODE_NAMES = {
@@ -295,6 +296,60 @@ def check_plan(
         min_cohort=policy.min_cohort,
     )
     return PolicyDecision(not problem, problem, audit, floors)
+
+
+def survivor_problem(
+    plan: cpb.ReleasePlan,
+    *,
+    site_id: str,
+    policy: LocalPolicy,
+    survivors: Collection[str],
+    history: Sequence[leakage.Release],
+    planned_history: Sequence[leakage.Release],
+    covered: bool = False,
+) -> str:
+    """Why this site must not help unmask ``plan``'s releases over ``survivors`` ("" when it
+    may; docs/protocol.md §6, M-205): checked once the site learns the survivor set (MASK:
+    the survivor list it is asked to sign), before it signs it or sends any unmask share.
+
+    Each release is summed over its members among ``survivors``; earlier releases over the
+    survivors they were unmasked over (``history``; ``planned_history``: the same releases over
+    their planned members). Refused when, with the actual sums, a site's (or a group smaller
+    than ``min_cohort``'s) contribution is determined by differencing that the planned sums did
+    not determine: e.g. two releases over the same members, one of which a member dropped out
+    of after ShareKeys, difference to that member. Also refused when this site itself is
+    exposed. DP that covers the site (``covered``) or ``allow_exposure`` waive it, as at plan
+    time."""
+    if policy.allow_exposure or covered:
+        return ""
+    alive = set(survivors)
+    planned = audit_view(list(plan.releases))
+    actual = [
+        leakage.Release(r.name, frozenset(m for m in r.members if m in alive), r.quantity)
+        for r in planned
+    ]
+    everyone = {*plan.participants, *(s for r in (*history, *planned_history) for s in r.members)}
+    universe = sorted(everyone, key=str)
+
+    def found(releases: Sequence[leakage.Release]) -> list[leakage.Exposure]:
+        kept = [r for r in releases if r.members]
+        report = leakage.audit_releases(kept, universe, min_cohort=policy.min_cohort)
+        return [*report.exposed_sites, *report.small_groups]
+
+    before = {(e.sites, e.quantity) for e in found([*planned_history, *planned])}
+    for exposure in found([*history, *actual]):
+        if (exposure.sites, exposure.quantity) in before and site_id not in exposure.sites:
+            continue
+        who = ",".join(sorted(str(s) for s in exposure.sites))
+        dropped = sorted(set(plan.participants) - alive)
+        cert = " ".join(f"{'+' if c > 0 else '-'}{abs(c)}*{n}" for n, c in exposure.certificate)
+        return (
+            f"unmasked over the survivors {{{','.join(sorted(alive))}}} (dropped: "
+            f"{','.join(dropped) or 'none'}), the releases determine the {exposure.quantity} of "
+            f"{{{who}}} by differencing ({cert}): this site sends no unmask share; policy "
+            "allow_exposure = false"
+        )
+    return ""
 
 
 def _exposed_metrics(

@@ -1,0 +1,111 @@
+"""The survivors a release was actually unmasked over (docs/protocol.md M-204, M-205): a site
+records them in its history (afl.client.daemon.state) and audits them before it signs the
+survivor list or sends an unmask share (afl.client.policy.plan.survivor_problem), so two
+releases that differ only by a member who dropped out after ShareKeys are refused. The oracle
+of each exposure is the difference written out by hand (numpy), not the audit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from afl.client.config import LocalPolicy
+from afl.client.daemon.state import DaemonState
+from afl.client.policy.plan import survivor_problem
+from afl.core import leakage
+from afl.proto.v1 import common_pb2 as cpb
+
+FIVE = ["s1", "s2", "s3", "s4", "s5"]
+POLICY = LocalPolicy(allowed_aggregation=("mask",))
+
+
+def _plan(round_id: str, members: list[str]) -> cpb.ReleasePlan:
+    gram = cpb.Release(
+        name="gram[all]", member_site_ids=members, kind=cpb.STATISTIC_KIND_GRAM, shape=[3, 3]
+    )
+    return cpb.ReleasePlan(
+        round_id=round_id,
+        participants=members,
+        aggregation=cpb.AGGREGATION_MODE_MASK,
+        releases=[gram],
+    )
+
+
+def _history(state: DaemonState, round_id: str) -> dict[str, list[leakage.Release]]:
+    return {
+        "history": state.history(exclude_round=round_id),
+        "planned_history": state.history(exclude_round=round_id, planned=True),
+    }
+
+
+def test_the_history_keeps_the_survivors_and_a_replanned_round_keeps_them(
+    tmp_path: Path,
+) -> None:
+    state = DaemonState(tmp_path)
+    state.remember(_plan("r1", FIVE))
+    state.record_survivors("r1", ["s1", "s2", "s3", "s4", "sX"])  # sX: not a member
+    (actual,) = state.history(exclude_round="")
+    (planned,) = state.history(exclude_round="", planned=True)
+    assert actual.members == frozenset(FIVE[:4]) and planned.members == frozenset(FIVE)
+    state.remember(_plan("r1", FIVE))  # accepted again (a resumed round)
+    assert state.history(exclude_round="")[0].members == frozenset(FIVE[:4])
+    assert DaemonState(tmp_path).history(exclude_round="r1") == []
+
+
+def test_a_member_dropping_after_share_keys_in_a_second_run_is_refused(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    grams = {s: rng.normal(size=(3, 3)) for s in FIVE}
+    state = DaemonState(tmp_path)
+    state.remember(_plan("run1-r1", FIVE))
+    state.record_survivors("run1-r1", FIVE)
+    second = _plan("run2-r1", FIVE)
+    state.remember(second)
+    # What the coordinator would hold: run 1 over five, run 2 unmasked over four.
+    run1 = sum(grams[s] for s in FIVE)
+    run2 = sum(grams[s] for s in FIVE[:4])
+    assert np.allclose(run1 - run2, grams["s5"])  # the leak the audit must see
+    why = survivor_problem(
+        second,
+        site_id="s1",
+        policy=POLICY,
+        survivors=FIVE[:4],
+        **_history(state, "run2-r1"),
+    )
+    assert "{s5}" in why and "dropped: s5" in why and "no unmask share" in why, why
+    assert "\n" not in why
+    everyone = survivor_problem(
+        second, site_id="s1", policy=POLICY, survivors=FIVE, **_history(state, "run2-r1")
+    )
+    assert everyone == ""  # the same five: the two sums are equal, nothing to difference
+
+
+def test_a_drop_out_recorded_in_an_earlier_round_is_caught_at_the_next_unmask(
+    tmp_path: Path,
+) -> None:
+    """Run 1 lost s5 after ShareKeys (unmasked over four), run 2 has all five: planned members
+    alone show two equal releases; the recorded survivors show s5's Gram."""
+    state = DaemonState(tmp_path)
+    state.remember(_plan("run1-r1", FIVE))
+    state.record_survivors("run1-r1", FIVE[:4])
+    second = _plan("run2-r1", FIVE)
+    why = survivor_problem(
+        second, site_id="s2", policy=POLICY, survivors=FIVE, **_history(state, "run2-r1")
+    )
+    assert "{s5}" in why and "dropped: none" in why, why
+
+
+def test_dp_cover_and_allow_exposure_waive_it_and_a_first_run_passes(tmp_path: Path) -> None:
+    state = DaemonState(tmp_path)
+    state.remember(_plan("run1-r1", FIVE))
+    state.record_survivors("run1-r1", FIVE)
+    second = _plan("run2-r1", FIVE)
+    kw = _history(state, "run2-r1")
+    assert survivor_problem(second, site_id="s1", policy=POLICY, survivors=FIVE[:4], covered=True, **kw) == ""  # fmt: skip
+    lenient = LocalPolicy(allowed_aggregation=("mask",), allow_exposure=True)
+    assert survivor_problem(second, site_id="s1", policy=lenient, survivors=FIVE[:4], **kw) == ""
+    first = survivor_problem(
+        _plan("r1", FIVE), site_id="s1", policy=POLICY, survivors=FIVE[:4], history=[],
+        planned_history=[],
+    )  # fmt: skip
+    assert first == ""  # one release over four survivors determines no one
