@@ -13,7 +13,6 @@ import numpy as np
 from afl.client.config import LocalPolicy
 from afl.client.daemon.state import DaemonState
 from afl.client.policy.plan import survivor_problem
-from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
 
 FIVE = ["s1", "s2", "s3", "s4", "s5"]
@@ -32,11 +31,25 @@ def _plan(round_id: str, members: list[str]) -> cpb.ReleasePlan:
     )
 
 
-def _history(state: DaemonState, round_id: str) -> dict[str, list[leakage.Release]]:
-    return {
-        "history": state.history(exclude_round=round_id),
-        "planned_history": state.history(exclude_round=round_id, planned=True),
-    }
+def _check(
+    state: DaemonState,
+    plan: cpb.ReleasePlan,
+    *,
+    site_id: str,
+    survivors: list[str],
+    policy: LocalPolicy = POLICY,
+    covered: bool = False,
+) -> str:
+    """The site's check with its history as the daemon reads it (actual and planned)."""
+    return survivor_problem(
+        plan,
+        site_id=site_id,
+        policy=policy,
+        survivors=survivors,
+        history=state.history(exclude_round=plan.round_id),
+        planned_history=state.history(exclude_round=plan.round_id, planned=True),
+        covered=covered,
+    )
 
 
 def test_the_history_keeps_the_survivors_and_a_replanned_round_keeps_them(
@@ -65,18 +78,10 @@ def test_a_member_dropping_after_share_keys_in_a_second_run_is_refused(tmp_path:
     run1 = sum(grams[s] for s in FIVE)
     run2 = sum(grams[s] for s in FIVE[:4])
     assert np.allclose(run1 - run2, grams["s5"])  # the leak the audit must see
-    why = survivor_problem(
-        second,
-        site_id="s1",
-        policy=POLICY,
-        survivors=FIVE[:4],
-        **_history(state, "run2-r1"),
-    )
+    why = _check(state, second, site_id="s1", survivors=FIVE[:4])
     assert "{s5}" in why and "dropped: s5" in why and "no unmask share" in why, why
     assert "\n" not in why
-    everyone = survivor_problem(
-        second, site_id="s1", policy=POLICY, survivors=FIVE, **_history(state, "run2-r1")
-    )
+    everyone = _check(state, second, site_id="s1", survivors=FIVE)
     assert everyone == ""  # the same five: the two sums are equal, nothing to difference
 
 
@@ -89,9 +94,7 @@ def test_a_drop_out_recorded_in_an_earlier_round_is_caught_at_the_next_unmask(
     state.remember(_plan("run1-r1", FIVE))
     state.record_survivors("run1-r1", FIVE[:4])
     second = _plan("run2-r1", FIVE)
-    why = survivor_problem(
-        second, site_id="s2", policy=POLICY, survivors=FIVE, **_history(state, "run2-r1")
-    )
+    why = _check(state, second, site_id="s2", survivors=FIVE)
     assert "{s5}" in why and "dropped: none" in why, why
 
 
@@ -100,10 +103,9 @@ def test_dp_cover_and_allow_exposure_waive_it_and_a_first_run_passes(tmp_path: P
     state.remember(_plan("run1-r1", FIVE))
     state.record_survivors("run1-r1", FIVE)
     second = _plan("run2-r1", FIVE)
-    kw = _history(state, "run2-r1")
-    assert survivor_problem(second, site_id="s1", policy=POLICY, survivors=FIVE[:4], covered=True, **kw) == ""  # fmt: skip
+    assert _check(state, second, site_id="s1", survivors=FIVE[:4], covered=True) == ""
     lenient = LocalPolicy(allowed_aggregation=("mask",), allow_exposure=True)
-    assert survivor_problem(second, site_id="s1", policy=lenient, survivors=FIVE[:4], **kw) == ""
+    assert _check(state, second, site_id="s1", survivors=FIVE[:4], policy=lenient) == ""
     first = survivor_problem(
         _plan("r1", FIVE), site_id="s1", policy=POLICY, survivors=FIVE[:4], history=[],
         planned_history=[],

@@ -26,7 +26,9 @@ FIRST = [_payload("gram[all]", b"first noise G"), _payload("b[A]", b"first noise
 FRESH = [_payload("gram[all]", b"other noise G"), _payload("b[A]", b"other noise b")]
 
 
-def _claim(register: UploadRegister, payloads: list[SlotPayload], **kw: object) -> list[SlotPayload]:
+def _claim(
+    register: UploadRegister, payloads: list[SlotPayload], **kw: object
+) -> list[SlotPayload]:
     fields: dict[str, object] = {
         "federation_id": "fed",
         "run_id": "run-1",
