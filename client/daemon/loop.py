@@ -289,6 +289,7 @@ class ClientDaemon:
             peer_history=self.store.history(
                 exclude_round=cfg.round_id, only=self.store.uploaded_rounds()
             ),
+            planned_history=self.store.history(exclude_round=cfg.round_id, planned=True),
         )
         return decision, plan, plan_sha
 
@@ -636,12 +637,14 @@ class ClientDaemon:
     def _survivors_check(
         self, plan: cpb.ReleasePlan, *, covered: bool
     ) -> Callable[[Sequence[str]], None]:
-        """MASK: record the survivors in the history, then refuse (RoundFailed) when unmasking
-        over them would expose a site by differencing (:func:`afl.client.policy.plan.
-        survivor_problem`), before this site signs them or sends an unmask share."""
+        """MASK: refuse (RoundFailed) when unmasking over the survivors would expose a site by
+        differencing (:func:`afl.client.policy.plan.survivor_problem`), else record them in the
+        history; both before this site signs them or sends an unmask share. A refused survivor
+        set is not recorded: with every honest survivor refusing, nothing is unmasked over it,
+        and recording it would make every later plan over the planned members look like a
+        difference."""
 
         def check(survivors: Sequence[str]) -> None:
-            self.store.record_survivors(plan.round_id, survivors)
             problem = survivor_problem(
                 plan,
                 site_id=self.site_id,
@@ -654,6 +657,7 @@ class ClientDaemon:
             if problem:
                 log.warning("site=%s REFUSED round %s: %s", self.site_id, plan.round_id, problem)
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
+            self.store.record_survivors(plan.round_id, survivors)
 
         return check
 

@@ -205,6 +205,7 @@ def check_plan(
     history: Sequence[leakage.Release] = (),
     dp_context: DpContext | None = None,
     peer_history: Sequence[leakage.Release] | None = None,
+    planned_history: Sequence[leakage.Release] | None = None,
 ) -> PolicyDecision:
     """Accept or refuse ``plan`` for ``site_id`` under ``policy`` (rules in the module docstring).
 
@@ -214,7 +215,11 @@ def check_plan(
     ``peer_history`` (default: ``history``) the releases of the rounds whose sums may have been
     released (the site uploaded to them): what an evaluation plan's exposure of OTHER sites is
     audited with (:func:`_exposed_metrics`; a plan accepted, then aborted before anyone uploaded,
-    released nothing, and its re-plan without the site that refused exposes no one).
+    released nothing, and its re-plan without the site that refused exposes no one);
+    ``planned_history`` the releases of ``history`` over their planned members where ``history``
+    has them over the survivors they were unmasked over: a plan that, with the survivors, exposes
+    a site the planned members did not (a drop-out recorded in an earlier round) is refused
+    before any key is exchanged (:func:`survivor_problem` with every participant surviving).
     """
     participants = list(plan.participants)
     if site_id not in participants:
@@ -288,6 +293,18 @@ def check_plan(
                 f"smaller than min cohort {policy.min_cohort}; policy allow_exposure = false",
                 audit,
             )
+    if planned_history is not None:
+        problem = survivor_problem(
+            plan,
+            site_id=site_id,
+            policy=policy,
+            survivors=participants,
+            history=history,
+            planned_history=planned_history,
+            at_plan=True,
+        )
+        if problem:
+            return PolicyDecision(False, problem, audit, floors)
     problem = _exposed_metrics(
         releases,
         current,
@@ -307,6 +324,7 @@ def survivor_problem(
     history: Sequence[leakage.Release],
     planned_history: Sequence[leakage.Release],
     covered: bool = False,
+    at_plan: bool = False,
 ) -> str:
     """Why this site must not help unmask ``plan``'s releases over ``survivors`` ("" when it
     may; docs/protocol.md §6, M-205): checked once the site learns the survivor set (MASK:
@@ -319,7 +337,7 @@ def survivor_problem(
     not determine: e.g. two releases over the same members, one of which a member dropped out
     of after ShareKeys, difference to that member. Also refused when this site itself is
     exposed. DP that covers the site (``covered``) or ``allow_exposure`` waive it, as at plan
-    time."""
+    time. ``at_plan``: the plan decision's check (every participant surviving), worded so."""
     if policy.allow_exposure or covered:
         return ""
     alive = set(survivors)
@@ -343,11 +361,16 @@ def survivor_problem(
         who = ",".join(sorted(str(s) for s in exposure.sites))
         dropped = sorted(set(plan.participants) - alive)
         cert = " ".join(f"{'+' if c > 0 else '-'}{abs(c)}*{n}" for n, c in exposure.certificate)
+        what = f"the {exposure.quantity} of {{{who}}} by differencing ({cert})"
+        if at_plan:
+            return (
+                f"with the survivors earlier releases were unmasked over, the plan determines "
+                f"{what}; policy allow_exposure = false"
+            )
         return (
             f"unmasked over the survivors {{{','.join(sorted(alive))}}} (dropped: "
-            f"{','.join(dropped) or 'none'}), the releases determine the {exposure.quantity} of "
-            f"{{{who}}} by differencing ({cert}): this site sends no unmask share; policy "
-            "allow_exposure = false"
+            f"{','.join(dropped) or 'none'}), the releases determine {what}: this site sends "
+            "no unmask share; policy allow_exposure = false"
         )
     return ""
 

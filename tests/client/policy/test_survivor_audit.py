@@ -12,21 +12,23 @@ import numpy as np
 
 from afl.client.config import LocalPolicy
 from afl.client.daemon.state import DaemonState
-from afl.client.policy.plan import survivor_problem
+from afl.client.policy.plan import check_plan, survivor_problem
 from afl.proto.v1 import common_pb2 as cpb
 
 FIVE = ["s1", "s2", "s3", "s4", "s5"]
 POLICY = LocalPolicy(allowed_aggregation=("mask",))
 
 
-def _plan(round_id: str, members: list[str]) -> cpb.ReleasePlan:
+def _plan(
+    round_id: str, members: list[str], aggregation: int = cpb.AGGREGATION_MODE_MASK
+) -> cpb.ReleasePlan:
     gram = cpb.Release(
         name="gram[all]", member_site_ids=members, kind=cpb.STATISTIC_KIND_GRAM, shape=[3, 3]
     )
     return cpb.ReleasePlan(
         round_id=round_id,
         participants=members,
-        aggregation=cpb.AGGREGATION_MODE_MASK,
+        aggregation=aggregation,  # type: ignore[arg-type]
         releases=[gram],
     )
 
@@ -111,3 +113,31 @@ def test_dp_cover_and_allow_exposure_waive_it_and_a_first_run_passes(tmp_path: P
         planned_history=[],
     )  # fmt: skip
     assert first == ""  # one release over four survivors determines no one
+
+
+def test_the_plan_decision_already_refuses_a_drop_out_recorded_earlier(tmp_path: Path) -> None:
+    """At the plan decision, before any key is exchanged: run 1 was unmasked over four of its five members, run 2
+    plans all five (check_plan with the planned and the actual history)."""
+    state = DaemonState(tmp_path)
+    state.remember(_plan("run1-r1", FIVE))
+    state.record_survivors("run1-r1", FIVE[:4])
+    second = _plan("run2-r1", FIVE, cpb.AGGREGATION_MODE_PLAINTEXT)  # the audit is the same
+    policy = LocalPolicy(allowed_aggregation=("plaintext",))
+    decision = check_plan(
+        second,
+        site_id="s1",
+        policy=policy,
+        history=state.history(exclude_round="run2-r1"),
+        planned_history=state.history(exclude_round="run2-r1", planned=True),
+    )
+    assert not decision.accept
+    assert "survivors earlier releases were unmasked over" in decision.reason
+    assert "{s5}" in decision.reason, decision.reason
+    unrecorded = check_plan(  # without the survivors (planned members only) nothing shows
+        second,
+        site_id="s1",
+        policy=policy,
+        history=state.history(exclude_round="run2-r1", planned=True),
+        planned_history=state.history(exclude_round="run2-r1", planned=True),
+    )
+    assert unrecorded.accept, unrecorded.reason

@@ -2,8 +2,9 @@
 the surviving sites before they sign the survivor list or send an unmask share (docs/protocol.md
 M-204, M-205), even when the coordinator skips its own audit before unmasking (M-124): the
 patched coordinator here would unmask run 2 over four sites, whose difference with run 1's sum
-over five is site-5's Gram and class vectors. Each survivor records the survivors in its
-history and refuses in one line naming site-5; nothing is unmasked and no model is published.
+over five is site-5's Gram and class vectors. Each survivor refuses in one line naming site-5
+(its history records the survivors of run 1, all five, and not the refused set of run 2);
+nothing is unmasked and no model is published.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def test_a_drop_out_after_share_keys_in_a_second_run_is_refused_by_the_survivors
         assert "survivors {site-1,site-2,site-3,site-4}" in reason and "dropped: site-5" in reason
         assert "{site-5} by differencing" in reason and "no unmask share" in reason, reason
         rows = json.loads((site_state(loop, site) / "history.json").read_text())["releases"]
-        second_rows = [r for r in rows if r["round_id"] == round_id]
-        assert second_rows and all(r["survivors"] == FOUR for r in second_rows), second_rows
-        assert all("survivors" in r for r in rows)  # run 1's: the five that were unmasked
+        refused = [r for r in rows if r["round_id"] == round_id]
+        assert refused and not any("survivors" in r for r in refused)  # not unmasked over them
+        earlier = [r for r in rows if r["round_id"] != round_id]
+        assert earlier and all(r["survivors"] == sorted(loop.site_ids) for r in earlier), earlier
     assert store.model(round_id) is None
