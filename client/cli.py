@@ -694,6 +694,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "insecure", False):
+        from afl.core.devmode import insecure_refusal
+
+        refusal = insecure_refusal(f"afl-client {args.command}")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
     if args.command in _LIGHT:  # they handle their errors; no torch import on their path
         code: int = args.handler(args)
         return code

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.core.about import afl_version
+from afl.core.devmode import insecure_refusal
 from afl.core.memory import map_large_blocks
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.identity.signatures import load_private_key_pem, public_key_to_raw
@@ -342,6 +343,10 @@ def _tool(name: str, argv: Sequence[str]) -> int:
     from afl.server.daemon.status import status_lines
 
     args = _tool_parser(name, _TOOLS[name]).parse_args(argv)
+    refusal = insecure_refusal(f"afl-server {name}") if getattr(args, "insecure", False) else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         if name == "status":
@@ -385,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given and given[0] in _TOOLS:
         return _tool(given[0], given[1:])
     args = _parser().parse_args(given)
+    refusal = insecure_refusal("afl-server") if args.insecure else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     configure_logging(getattr(logging, args.log_level))
     map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
     config: ServerConfig | None = None
