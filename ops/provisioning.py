@@ -197,6 +197,8 @@ def _client_toml(
     }
     if policy is not None:
         document["policy"] = {
+            # Demo and tests: permissive (no DP budget, bounds disclosed); doctor lists it.
+            "profile": "development",
             "min_cohort": 3,
             "allow_exposure": False,
             "max_epsilon": math.inf,
@@ -207,6 +209,11 @@ def _client_toml(
         "Paths are relative to this file's folder. site.key and identity.key are secrets.\n"
         "Site IT: set [data] (feature cache, the classes this site labels); review or add [policy]."
     )
+    if policy is not None:
+        header += (
+            "\nDEVELOPMENT KIT (afl provision, demo and tests): its [policy] is permissive (no DP "
+            "budget, row bounds disclosed); never use it with real data."
+        )
     return toml_text.dumps(document, header=header)
 
 
