@@ -618,7 +618,7 @@ def add_offboard_arguments(p: argparse.ArgumentParser) -> None:
         "This site leaves the federation: erase (overwrite, then unlink) its statistics "
         "(state_dir/stats/) and its feature caches ([data] cache and holdout), and write a record "
         "of every file deleted (SHA-256, size) to state_dir/offboarding/. The DP ledger, history, "
-        "reports, models and the kit are kept (docs/operations.md §10.2). Stop the daemon first."
+        "reports, models and the kit are kept (docs/operations.md §10.1). Stop the daemon first."
     )
     p.add_argument("--config", required=True, help="client.toml of the site")
     p.add_argument("--keep-cache", action="store_true", help="keep the feature caches")

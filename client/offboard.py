@@ -1,5 +1,5 @@
 """`afl-client offboard`: a site leaving the federation deletes what it computed for it
-(docs/operations.md §10.2, docs/protocol.md M-177).
+(docs/operations.md §10.1, docs/protocol.md M-177).
 
 Deleted (overwritten with zeros, then unlinked: :mod:`afl.core.erase`), each file listed with its
 SHA-256 and size in a record ``state_dir/offboarding/<UTC time>.json`` (0600) written before the

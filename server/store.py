@@ -766,7 +766,7 @@ class Store:
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def purge_site(self, site_id: str, *, by: str, reason: str) -> dict[str, object]:
-        """Offboarding (docs/operations.md §10.2, M-176): delete everything the coordinator holds
+        """Offboarding (docs/operations.md §10.1, M-176): delete everything the coordinator holds
         FROM ``site_id`` — its unpurged payload files, its protocol messages, its reports and its
         declared row bounds and coverage — and record what was deleted, by digest, in one
         "site-offboarded" audit record committed with the deletions; then erase the files and

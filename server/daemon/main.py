@@ -314,12 +314,12 @@ _TOOLS = {
     "certificate first with `afl ca revoke`): delete every payload file, protocol message, "
     "report and declaration the coordinator holds from it, record what was deleted by SHA-256 in "
     "the audit record site-offboarded, and leave no deleted byte in the database files. Its "
-    "enrolment, plan decisions and audit records stay (docs/operations.md §10.2).",
+    "enrolment, plan decisions and audit records stay (docs/operations.md §10.1).",
 }
 
 
 def _offboard(config: ServerConfig, *, site: str, by: str, reason: str) -> int:
-    """`afl-server offboard` (docs/operations.md §10.2): with the server stopped and no run in
+    """`afl-server offboard` (docs/operations.md §10.1): with the server stopped and no run in
     flight, :meth:`Store.purge_site` the site; print what was deleted."""
     busy = port_in_use(config.listen)
     if busy:

@@ -1,4 +1,4 @@
-"""`afl-client offboard` (docs/operations.md §10.2, docs/protocol.md M-177): a site leaving erases
+"""`afl-client offboard` (docs/operations.md §10.1, docs/protocol.md M-177): a site leaving erases
 its statistics and feature caches and keeps a record of every file deleted, with the SHA-256
 computed here from the bytes before deletion (the oracle); the DP ledger, history, reports and
 models stay. Without --yes it only lists; a [data] cache that is not a feature cache is refused
