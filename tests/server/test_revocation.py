@@ -2,7 +2,8 @@
 on a loopback port, `afl ca revoke SITE` adds the site's certificate to the CA-signed revocation
 list the coordinator's server.toml names, and from the next call on the coordinator refuses that
 certificate (no restart) while the other sites go on; an admin certificate is revoked the same
-way. A revocation list the CA did not sign refuses everyone (fail closed)."""
+way. A revocation list the CA did not sign refuses everyone (fail closed), and `afl-server check`
+calls it a PROBLEM."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from afl.crypto.identity.kit_check import OK, PROBLEM
 from afl.lab.cli import main as afl_main
 from afl.ops.provisioning import ProvisionedFederation
 from afl.proto.v1 import admin_pb2, admin_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
+from afl.server.daemon.check import check_server
 from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
 from tests.server.fakeclient import FakeSite
@@ -110,10 +113,15 @@ def test_a_list_the_federation_ca_did_not_sign_refuses_everyone(
     shutil.copyfile(crl, saved)
     other = pki.create_ca(common_name=f"afl federation CA {federation.federation_id}")
     crl.write_bytes(issue_crl(other, revoked={}))  # same name, another key: not the CA's
+    config = load_config(federation.server_dir / "server.toml")
     site = FakeSite("s1", federation.site_dirs["s1"], server)
     try:
         assert _status(site) == grpc.StatusCode.PERMISSION_DENIED
+        (found,) = [f for f in check_server(config) if "revocation list" in f.message]
+        assert found.level == PROBLEM and "every call would be refused" in found.message
         shutil.copyfile(saved, crl)
         assert _status(site) is None
+        (found,) = [f for f in check_server(config) if "revocation list" in f.message]
+        assert found.level == OK, found.message
     finally:
         site.close()
