@@ -416,6 +416,11 @@ def run_init(args: argparse.Namespace) -> int:
         print(
             f"  {imported.config.name}: the operator's template (client.toml kept; merge by hand)"
         )
+    else:
+        print(
+            "  client.toml: [policy] written with the production defaults (DP required, "
+            "lifetime ε 10; docs/operations.md §3.4)"
+        )
     print("  next: set [data] in client.toml and review [policy] (docs/operations.md §3)")
     return 0
 
