@@ -3,7 +3,9 @@
 * ``federation``: a provisioned federation (CA, server and site kits), built once per module from
   the module's ``FEDERATION`` (a :class:`tests.helpers.federation.FederationSpec`).
 * ``documented_tests``: the node ids collected from the test files the docs name
-  (tests/test_protocol_doc.py, tests/test_compliance_doc.py), collected once per session.
+  (tests/test_protocol_doc.py, tests/test_compliance_doc.py), once per session: the ids this
+  session itself collected from those files when it collected all of them in full (the suite
+  does), else a ``pytest --collect-only`` subprocess.
 * ``private_ctx`` / ``public_ctx``: one CKKS context with the vetted parameters and its public
   copy (no secret key), built once per session because key generation is slow. Tests only read
   them (encrypt, decrypt, serialize); none may change them.
@@ -29,6 +31,28 @@ pytest.register_assert_rewrite(
 )
 
 
+# Test file -> the node ids (parameters stripped) this session collected from it, for every test
+# file collected in full; filled as pytest collects, so ``-m``/``-k`` deselection does not touch it.
+_COLLECTED: dict[str, set[str]] = {}
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.passed and report.nodeid.endswith(".py") and "::" not in report.nodeid:
+        _COLLECTED.setdefault(report.nodeid, set())
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    _COLLECTED.setdefault(item.nodeid.split("::")[0], set()).add(item.nodeid.split("[")[0])
+
+
+def _collected_in_full(config: pytest.Config) -> dict[str, set[str]] | None:
+    """:data:`_COLLECTED`, or None where this session may have collected only part of a file
+    (a ``file::name`` argument, ``--lf``/``--ff`` narrowing what is collected)."""
+    narrowed = any("::" in str(a) for a in config.args)
+    narrowed |= bool(config.getoption("lf", False) or config.getoption("failedfirst", False))
+    return None if narrowed else _COLLECTED
+
+
 @pytest.fixture(scope="module")
 def federation(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -46,12 +70,12 @@ def federation(
 
 
 @pytest.fixture(scope="session")
-def documented_tests() -> set[str]:
+def documented_tests(request: pytest.FixtureRequest) -> set[str]:
     """The node ids pytest collects from every test file docs/protocol.md or docs/compliance.md
-    names: one collection for both documents' tests."""
+    names: one collection for both documents' tests (this session's own where it has one)."""
     from tests.helpers.doc_tests import collected_node_ids, documented_node_ids
 
-    return collected_node_ids(documented_node_ids())
+    return collected_node_ids(documented_node_ids(), session=_collected_in_full(request.config))
 
 
 @pytest.fixture(scope="session")
