@@ -321,5 +321,6 @@ class StepRunner:
 
 def base_environment() -> dict[str, str]:
     """The test's own environment for the parties' shells (PATH finds the afl commands)."""
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+    keep = ["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV"]
+    keep += ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"]  # tests/conftest.py
     return {k: os.environ[k] for k in keep if k in os.environ}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from afl.lab.bench import cmd as bench_cmd
 from afl.lab.bench.common import describe_machine, format_machine
@@ -159,7 +160,10 @@ def test_suites_are_registered_and_write_json_and_png(
     parser = argparse.ArgumentParser()
     bench_cmd.add_arguments(parser)
     args = parser.parse_args([suite, *argv, "--out-dir", str(tmp_path)])
-    assert bench_cmd.run(args) == 0
+    # The suite runs with one BLAS thread (tests/conftest.py): allow two, so that the
+    # --blas-threads 1 check below sees the bench's own limit at work.
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert bench_cmd.run(args) == 0
     for name in files:
         assert (tmp_path / name).stat().st_size > 0
     text = (tmp_path / files[0]).read_text(encoding="utf-8")
