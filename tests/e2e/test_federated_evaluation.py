@@ -30,6 +30,7 @@ import pytest
 
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
+from afl.client.model.model_card import TrainingFacts, card_markdown, model_card
 from afl.client.payloads.evaluation import evaluation_values
 from afl.core.data.featurecache import CacheMeta, open_cache, write_cache
 from afl.core.evaluation.calibration import Calibration, fit_calibration
@@ -38,6 +39,7 @@ from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.crypto.identity import signatures
 from afl.lab.cli import main as lab_main
 from afl.lab.demo.federation import prepare_loopback, run_loopback
+from afl.lab.report.deployed import render_deployed_report
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -115,7 +117,7 @@ def _pooled(evaluated: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
-    evaluated: dict[str, Any], tmp_path: Path
+    evaluated: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     evaluation, loop, run = evaluated["evaluation"], evaluated["loop"], evaluated["run"]
     document = json.loads(evaluation.evaluation_json)
@@ -184,9 +186,13 @@ def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
         served = daemons.call(daemons.admin.GetRunEvaluation, apb.RunRef(run_id="run-1"))
         assert served == evaluated["signed"]
         argv = ["admin", "--config", str(admin), "download-evaluation", "run-1", "--out", str(out)]
+        capsys.readouterr()
         assert lab_main(argv) == 0
+        said = capsys.readouterr().out
     finally:
         assert daemons.stop() == 0
+    # afl admin says which figures are in-sample (site-1 alone scored a hold-out)
+    assert "IN-SAMPLE FIGURES at site-2, site-3, site-4" in said, said
     stem = evaluation.model_round_id
     assert (out / f"{stem}.evaluation.json").read_bytes() == evaluation.evaluation_json
     assert (out / f"{stem}.calibration.json").read_bytes() == evaluation.calibration_json
@@ -328,3 +334,52 @@ def test_the_other_modes_release_the_exact_pooled_counts(tmp_path: Path, mode: s
         assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
         for metric in ("auc", "ap", "bacc"):
             assert abs(got[metric] - expected[metric]) <= 1e-9, (name, metric)
+
+
+def test_the_signed_evaluation_marks_each_members_rows_and_the_report_shows_them(
+    evaluated: dict[str, Any], tmp_path: Path
+) -> None:
+    """M-210: each member's signed acceptance states the rows it scores; the signed evaluation
+    carries them per member, and the card (Markdown) and `afl report`'s HTML mark the
+    in-sample figures in words a clinician cannot miss."""
+    evaluation = evaluated["evaluation"]
+    document = json.loads(evaluation.evaluation_json)
+    assert document["in_sample"] == {
+        "site-1": False,
+        "site-2": True,
+        "site-3": True,
+        "site-4": True,
+    }
+    assert "IN-SAMPLE: site-2, site-3, site-4 scored the images" in document["warning"]
+    # the journaled decisions the flags come from carry the sites' signatures
+    store = Store(evaluated["server"].state_dir, federation_id=evaluated["server"].federation_id)
+    try:
+        decisions = [
+            pb.PlanDecision.FromString(m.data)
+            for m in store.messages(evaluation.round_id)
+            if m.kind == "plan-decision"
+        ]
+    finally:
+        store.close()
+    assert sorted(d.evaluation_rows for d in decisions) == ["held-out", *["in-sample"] * 3]
+    card = model_card(
+        model={"federation_id": "fed", "round_id": evaluation.model_round_id,
+               "model_sha256": evaluated["model_sha256"], "contributors": list(CLASSES),
+               "decision_threshold": 0.5, "created_unix_ms": 1795716651548, "shape": [8, 3]},
+        classes=CLASSES,
+        facts=TrainingFacts(
+            source="test", aggregation="mask", surrogate=True, training_images={"site-1": 80}
+        ),
+        backbone={"name": "resnet18", "trained_on": "surrogate", "random_init": True},
+        files={},
+        metrics={"federated evaluation": document},
+    )  # fmt: skip
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model_card.json").write_text(json.dumps(card))
+    (folder / "SHA256SUMS").write_text("00  model.ts\n")
+    html = render_deployed_report(folder)
+    federated = html.split("Federated evaluation")[1].split("<h2>")[0]
+    assert "IN-SAMPLE FIGURES (at site-2, site-3, site-4)" in federated
+    assert "NOT a measure of how the model performs on new patients" in federated
+    assert "IN-SAMPLE: computed on the images the model was trained on" in card_markdown(card)
