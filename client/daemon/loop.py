@@ -493,6 +493,7 @@ class ClientDaemon:
                 model_sha256=evaluated.model_sha256,
                 cache=rows.cache,
                 labelled=rows.labelled,
+                min_mass=self.config.policy.min_cohort,  # without DP (docs/protocol.md §6.1)
             )
         payloads = round_payloads(
             plan,

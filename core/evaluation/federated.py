@@ -307,13 +307,14 @@ def coarsen_histograms(
 ) -> NDArray[np.int64]:
     """A site's histograms [C, 2, B] with every bin 0 or ≥ ``min_count`` rows' worth of mass
     (docs/protocol.md §6.1, the rule without DP). Per class and label row, on each side of the
-    decision edge ``edge`` (:func:`decision_edge`) separately, bins are swept upwards and merged
-    into the bin that completes a group of ≥ k rows; a remainder of fewer than k joins the
-    side's last group. A side with fewer than k rows in all joins the other side's group next to
+    decision edge ``edge`` (:func:`decision_edge`) separately, the rows are swept upwards in bin
+    order into groups that close as soon as they hold ≥ k rows (a remainder of fewer than k
+    joins the side's last group), and each group is released in the bin of its median row (the
+    lower median: both labels' rows move towards their group's middle, so neither label's
+    scores are pushed up against the other's). A side with fewer than k rows in all joins the other side's group next to
     the edge (those rows cross the decision); a row of fewer than k rows in all is released as
     zeros (the class's label at this site is left out). Every row stays within the span of its
-    group (bins merge upwards; a side's remainder joins the side's last group), so the order of
-    the scores is kept up to the groups."""
+    group, so the order of the scores is kept up to the groups."""
     h = np.asarray(hist, dtype=np.int64)
     if min_count <= 1:
         return h.copy()
@@ -345,15 +346,18 @@ def _coarsen_single_sides(
     """Both sides of ``row`` hold 0 or ≥ k rows: coarsen each (see :func:`coarsen_histograms`)."""
     out = np.zeros_like(row)
     for lo, hi in ((0, edge), (edge, bins)):
-        acc, last = 0, -1
+        groups: list[list[int]] = []  # each group's rows, as their bins in increasing order
+        current: list[int] = []
         for j in range(lo, hi):
-            acc += int(row[j])
-            if acc >= k:
-                out[j] += acc
-                acc, last = 0, j
-        if acc:
-            assert last >= 0, "a side holds 0 or at least k rows"
-            out[last] += acc
+            current += [j] * int(row[j])
+            if len(current) >= k:
+                groups.append(current)
+                current = []
+        if current:
+            assert groups, "a side holds 0 or at least k rows"
+            groups[-1] += current
+        for group in groups:
+            out[group[(len(group) - 1) // 2]] += len(group)
     return out
 
 

@@ -34,8 +34,8 @@ from afl.client.model.model_card import TrainingFacts, card_markdown, model_card
 from afl.client.payloads.evaluation import evaluation_values
 from afl.core.data.featurecache import CacheMeta, open_cache, write_cache
 from afl.core.evaluation.calibration import Calibration, fit_calibration
-from afl.core.evaluation.federated import evaluation_statistics
-from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
+from afl.core.evaluation.federated import EvaluationStats
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
 from afl.crypto.identity import signatures
 from afl.lab.cli import main as lab_main
 from afl.lab.demo.federation import prepare_loopback, run_loopback
@@ -49,7 +49,7 @@ from afl.server.coordinator import Coordinator
 from afl.server.store import Store
 from tests.e2e.loopback import SiteData
 from tests.e2e.processes import Daemons
-from tests.helpers.evaluation_oracle import pooled_metrics_oracle, pooled_rows
+from tests.helpers.evaluation_oracle import coarsened_bins, pooled_metrics_oracle, pooled_rows
 
 CLASSES = ("A", "B", "C")
 DATA = SiteData(d=8, classes=3, rows=80, rows_step=15, positive_rate=0.35, seed=23)
@@ -111,9 +111,15 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _pooled(evaluated: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    caches = evaluated["rows"].values()
-    return pooled_rows([(c.features, c.labels) for c in caches])
+#: The sites' [policy] min_cohort (the default): every bin they release holds 0 or ≥ 3 rows.
+MIN_COHORT = 3
+
+
+def _pooled(evaluated: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pooled evaluated rows and each row's site (0, 1, ...)."""
+    caches = list(evaluated["rows"].values())
+    feats, labels = pooled_rows([(c.features, c.labels) for c in caches])
+    return feats, labels, np.repeat(np.arange(len(caches)), [c.meta.n for c in caches])
 
 
 def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
@@ -123,11 +129,12 @@ def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
     document = json.loads(evaluation.evaluation_json)
     assert document["model_sha256"] == evaluated["model_sha256"] == evaluation.model_sha256.hex()
     assert document["members"] == list(evaluation.members) == list(loop.site_ids)
-    feats, labels = _pooled(evaluated)
+    feats, labels, sites = _pooled(evaluated)
     edges = np.asarray(_plan(evaluated).releases[0].evaluation.score_bin_edges)
     oracle = pooled_metrics_oracle(
-        feats, labels, weights=evaluated["weights"], classes=CLASSES, edges=edges
-    )
+        feats, labels, weights=evaluated["weights"], classes=CLASSES, edges=edges,
+        sites=sites, min_cohort=MIN_COHORT,
+    )  # fmt: skip
     for name, expected in oracle.items():
         got = document["per_class"][name]
         assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
@@ -209,16 +216,37 @@ def _plan(evaluated: dict[str, Any]) -> cpb.ReleasePlan:
 
 def test_federated_calibration_equals_the_pooled_fit(evaluated: dict[str, Any]) -> None:
     federated = Calibration.from_json(json.loads(evaluated["evaluation"].calibration_json))
-    feats, labels = _pooled(evaluated)
-    pooled = evaluation_statistics(
-        feats, labels, weights=evaluated["weights"], classes=CLASSES, bins=federated.bins
-    )
+    feats, labels, sites = _pooled(evaluated)
+    pooled = _coarsened_pooled(feats, labels, sites, evaluated["weights"], federated.bins)
     refit = fit_calibration(pooled, model_sha256=evaluated["model_sha256"], method="platt")
     assert federated.method == "platt" and federated.model_sha256 == evaluated["model_sha256"]
     for fed, ref in zip(federated.classes, refit.classes, strict=True):
         assert fed.fitted and ref.fitted and (fed.n_pos, fed.n_neg) == (ref.n_pos, ref.n_neg)
         assert abs(fed.slope - ref.slope) <= 1e-9 * max(1.0, abs(ref.slope))
         assert abs(fed.intercept - ref.intercept) <= 1e-9 * max(1.0, abs(ref.intercept))
+
+
+def _coarsened_pooled(
+    feats: np.ndarray, labels: np.ndarray, sites: np.ndarray, w: np.ndarray, bins: ScoreBins
+) -> EvaluationStats:
+    """The pooled histograms of the rows each site released, in the bins the oracle moves them
+    to (tests/helpers/evaluation_oracle.py), and the confusion counts they determine."""
+    edge = int(np.searchsorted(bins.array, 0.0, side="left")) + 1
+    z = feats @ w
+    hist = np.zeros((len(CLASSES), 2, bins.num_bins), dtype=np.int64)
+    for c in range(len(CLASSES)):
+        index = bins.index(z[:, c])
+        for site in np.unique(sites):
+            for label in (0, 1):
+                pick = (sites == site) & (labels[:, c] == label)
+                moved = coarsened_bins(index[pick], k=MIN_COHORT, edge=edge)
+                hist[c, label] += np.bincount(moved[moved >= 0], minlength=bins.num_bins)
+    pos, neg = hist[:, 1], hist[:, 0]
+    conf = np.stack(
+        [pos[:, edge:].sum(1), pos[:, :edge].sum(1), neg[:, edge:].sum(1), neg[:, :edge].sum(1)],
+        axis=1,
+    )
+    return EvaluationStats(CLASSES, bins, 0.5, hist, conf)
 
 
 def _stored_values(state: Path) -> list[bytes]:
@@ -266,6 +294,7 @@ def test_the_coordinator_stores_no_single_sites_counts(
                 weights=evaluated["weights"],
                 model_classes=CLASSES,
                 model_sha256=evaluated["model_sha256"],
+                min_mass=cfg.policy.min_cohort,
             )
             for r in plan.releases
         }
@@ -326,9 +355,11 @@ def test_the_other_modes_release_the_exact_pooled_counts(tmp_path: Path, mode: s
     weights = np.frombuffer(model.weights.data, dtype="<f8").reshape(tuple(model.weights.shape))
     caches = [open_cache(tmp_path / "data" / s) for s in loop.site_ids]
     pooled = pooled_rows([(c.features, c.labels) for c in caches])
+    sites = np.repeat(np.arange(len(caches)), [c.meta.n for c in caches])
     oracle = pooled_metrics_oracle(
-        *pooled, weights=weights, classes=CLASSES, edges=DEFAULT_SCORE_BINS.array
-    )
+        *pooled, weights=weights, classes=CLASSES, edges=DEFAULT_SCORE_BINS.array, sites=sites,
+        min_cohort=MIN_COHORT,
+    )  # fmt: skip
     for name, expected in oracle.items():
         got = document["per_class"][name]
         assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])

@@ -33,9 +33,9 @@ def pooled_rows(
 def coarsened_bins(bins: NDArray[np.int64], *, k: int, edge: int) -> NDArray[np.int64]:
     """The bin each of one site's rows (one class, one label) is released in, -1 for none: with
     fewer than k rows none is released; a side of the decision edge with fewer than k rows moves
-    next to the edge on the other side (upwards on a tie); then on each side the rows, in bin
-    order, fill groups that close at the first bin where a group reaches k rows, and the rows
-    left over after the side's last group join it."""
+    next to the edge on the other side (upwards on a tie); then on each side the rows, a bin at a
+    time in bin order, fill groups that close once they hold k rows (the rows left over join the
+    side's last group), each released in the bin of its lower-median row."""
     out = np.asarray(bins, dtype=np.int64).copy()
     if k <= 1:
         return out
@@ -50,16 +50,18 @@ def coarsened_bins(bins: NDArray[np.int64], *, k: int, edge: int) -> NDArray[np.
     result = out.copy()
     for side in (out < edge, out >= edge):
         rows = np.flatnonzero(side)
-        if rows.size == 0:
-            continue
+        groups: list[list[int]] = []
         pending: list[int] = []
-        last = -1
-        for b in sorted(set(out[rows].tolist())):
+        for b in sorted(set(out[rows].tolist())):  # a bin's rows stay together
             pending += [int(i) for i in rows[out[rows] == b]]
             if len(pending) >= k:
-                result[pending] = b
-                pending, last = [], b
-        result[pending] = last
+                groups.append(pending)
+                pending = []
+        if pending:
+            groups[-1] += pending
+        for group in groups:
+            ordered = sorted(group, key=lambda i: int(out[i]))
+            result[group] = out[ordered[(len(ordered) - 1) // 2]]
     return result
 
 
