@@ -30,7 +30,6 @@ from sklearn.metrics import roc_auc_score
 
 from afl.client.config import load_client_config
 from afl.client.policy.ledger import DpLedger
-from afl.core.data.featurecache import open_cache
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.lab.demo.federation import (
     LoopbackFederation,
@@ -51,7 +50,7 @@ from tests.e2e.dp_scenario import (
     IMAGES_PER_PATIENT,
     D,
     add_dp_table,
-    kept_rows,
+    kept_unit_rows,
     signed_plans,
 )
 from tests.helpers import dp_oracle
@@ -135,13 +134,7 @@ def dp_evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 def _unit_rows(root: Path) -> tuple[NDArray[np.float64], NDArray[np.int8]]:
     """The rows the sites evaluate under DP: the first m images of every patient, pooled."""
-    hs, ys = [], []
-    for site in SITES:
-        cache = open_cache(root / "data" / site)
-        keep = kept_rows(cache.meta.n)
-        hs.append(np.asarray(cache.features, dtype=np.float64)[keep])
-        ys.append(np.asarray(cache.labels)[keep])
-    return np.vstack(hs), np.vstack(ys)
+    return kept_unit_rows(root, SITES)
 
 
 def _binned_auc(neg: NDArray[np.float64], pos: NDArray[np.float64]) -> float:
