@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.rpc import STAGE_POLL_CAP_S
 from afl.client.daemon.transport import DaemonError, RemoteCallError
 from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
 from afl.client.payloads.stats import PayloadError, SlotPayload, encode_float64
@@ -65,7 +66,7 @@ def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnn
             if time.monotonic() - start > deadline_s:
                 raise DaemonError("the decryptor published no CKKS context in time") from exc
             time.sleep(delay)
-            delay = min(2 * delay, 2.0)
+            delay = min(2 * delay, STAGE_POLL_CAP_S)  # the decryptor is usually moments away
 
 
 def fetch_public_context(
