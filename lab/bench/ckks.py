@@ -257,7 +257,10 @@ def run(args: argparse.Namespace) -> int:
         row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=modes)
         print(
             f"e2e K={row['num_sites']} d={row['d']}: ckks round x{row['ckks_round_seconds_ratio']:.2f}"
-            f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.1f} vs plaintext; "
+            f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.2f}"
+            f", all processes' CPU x{row['ckks_cpu_seconds_ratio']:.2f} vs plaintext"
+            + (f"; mask round x{row['mask_round_seconds_ratio']:.2f}" if "mask" in row else "")
+            + "; "
             f"{memory_summary(row)}",
             file=sys.stderr,
         )

@@ -9,6 +9,7 @@ step g; it is not tuned to these tests. Oracle: the float64 sum of the same vect
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,26 @@ def _round_trip(
         grid=g,
     )
     return out, s, g
+
+
+def _releaser(
+    private_ctx: ts.Context, tags: list[float], *, length: int, prescale: float
+) -> Callable[[list[Any]], np.ndarray]:
+    """The decryptor's release of a sum of ``len(tags)`` members at the default grid."""
+    k = len(tags)
+
+    def release(summed: list[Any]) -> np.ndarray:
+        return decrypt_release(
+            private_ctx,
+            summed,
+            member_tags=tags,
+            length=length,
+            prescale=prescale,
+            num_summands=k,
+            grid=cp.default_grid(prescale=prescale, num_summands=k),
+        )
+
+    return release
 
 
 # --- contexts -----------------------------------------------------------------------------------
@@ -275,16 +296,7 @@ def test_tag_check_refuses_one_site_presented_as_sum(
         for r in tags
     ]
 
-    def release(summed: list[Any]) -> np.ndarray:
-        return decrypt_release(
-            private_ctx,
-            summed,
-            member_tags=tags,
-            length=n,
-            prescale=s,
-            num_summands=k,
-            grid=cp.default_grid(prescale=s, num_summands=k),
-        )
+    release = _releaser(private_ctx, tags, length=n, prescale=s)
 
     with pytest.raises(CkksTagMismatchError):  # a single site's ciphertext as the 3-site sum
         release(ckks.serialize_ciphertexts(uploads[0]))
@@ -362,16 +374,7 @@ def test_both_lanes_of_a_slot_carry_data_and_the_imaginary_tag_is_checked(
     assert np.all(np.abs(lanes[7:]) < 1e-4)  # padding
     total = ckks.sum_ciphertexts(public_ctx, uploads, length=n)
 
-    def release(summed: list[Any]) -> np.ndarray:
-        return decrypt_release(
-            private_ctx,
-            summed,
-            member_tags=tags,
-            length=n,
-            prescale=1.0,
-            num_summands=k,
-            grid=cp.default_grid(prescale=1.0, num_summands=k),
-        )
+    release = _releaser(private_ctx, tags, length=n, prescale=1.0)
 
     out = release(total)
     assert np.max(np.abs(out - 2 * x)) <= cp.error_bound(
