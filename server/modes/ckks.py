@@ -25,7 +25,8 @@ Flow of the RPCs (:class:`CkksRequests`): the decryptor uploads its public conte
 kind CKKS_PUBLIC_CONTEXT) and signs an announcement (``PublishCkksContext``; verified with the
 decryptor's provisioned identity key); sites fetch it (``GetCkksContext`` + ``Download``), send
 their aggregate tags sealed to the decryptor (``SendAggregateTags``) and upload ciphertexts; once
-every upload is in (SOLVING), the decryptor polls ``GetDecryptionJobs`` (one job per planned
+every upload is in (SOLVING), the decryptor, woken by its ``WatchRounds`` stream, asks
+``GetDecryptionJobs`` (one job per planned
 release without an outcome, with the signed plan), downloads each homomorphic sum (``Download``
 kind CKKS_AGGREGATE), uploads the decrypted, grid-rounded result (kind DECRYPTED_AGGREGATE) and
 signs the outcome (``ReportDecryption``). Only the decryptor-role site may fetch tags, jobs and
