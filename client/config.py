@@ -71,6 +71,7 @@ _KNOWN: dict[str, set[str]] = {
         "dp_assumed_colluders",
         "decrypt_max_rows",
         "decrypt_max_row_norm",
+        "profile",
     },
 }
 #: Sections whose unknown keys are errors, not warnings: a misspelt protection setting
@@ -123,6 +124,9 @@ class LocalPolicy:
     dp_assumed_colluders: float = 0.333
     decrypt_max_rows: int = 0
     decrypt_max_row_norm: float = 0.0
+    #: "production" (written by ``afl-client init --import``), "development" (``afl provision``
+    #: demo kits) or "" (not said); informational: `afl-client doctor` prints it.
+    profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,17 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         dp_assumed_colluders=_assumed_colluders(r, sec, "dp_assumed_colluders"),
         decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
         decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
+        profile=_profile(r, sec),
     )
+
+
+def _profile(r: _Reader, sec: Mapping[str, Any]) -> str:
+    if "profile" not in sec:
+        return ""
+    value = r.string(sec, "policy", "profile")
+    if value not in ("production", "development"):
+        raise r.error("policy.profile", f"must be 'production' or 'development', got {value!r}")
+    return value
 
 
 def _row_bounds(r: _Reader, sec: Mapping[str, Any], modes: list[str], *, dp: float) -> bool:
