@@ -56,6 +56,7 @@ from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundC
 from afl.server.plan.release import RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
+from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
@@ -309,13 +310,20 @@ class Coordinator:
                         accept=decision.accept,
                         plan_sha256=decision.plan_sha256,
                         graph_commitment=decision.graph_commitment,
+                        evaluation_rows=decision.evaluation_rows,
                     ),
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
+            if decision.evaluation_rows not in EVALUATION_ROWS:
+                raise InvalidRequestError(
+                    f"evaluation_rows must be one of {sorted(EVALUATION_ROWS)}, got "
+                    f"{decision.evaluation_rows[:40]!r}"
+                )
             if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
-            if decision.accept and decision.graph_commitment:  # sparse MASK graph: kept signed
+            # sparse MASK graph, or the rows an evaluation scores: kept signed
+            if decision.accept and (decision.graph_commitment or decision.evaluation_rows):
                 self.store.put_message(
                     view.round_id,
                     stage=int(view.stage),
@@ -341,6 +349,15 @@ class Coordinator:
         self.require_enrolled(site_id)
         if upload.kind not in (pb.PAYLOAD_KIND_UNSPECIFIED, pb.PAYLOAD_KIND_STATISTIC):
             raise InvalidRequestError("sites upload STATISTIC payloads only")
+        with self.lock:
+            view = self.machine.find(upload.round_id or "-")
+            mode = self.machine.mode_of(view)
+            planned = next((r for r in view.releases if r.name == upload.release_name), None)
+        if planned is not None and site_id in planned.members:
+            # The payload's own checks (CKKS: parsing every ciphertext) hold up no other call.
+            mode.prepare_upload(
+                site_id=site_id, release=planned, data=upload.data, sha256=upload.sha256
+            )
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
             self.machine.require_participant(view, site_id)
@@ -495,13 +512,15 @@ class Coordinator:
     def events_after(
         self, site_id: str, sequence: int, *, timeout_s: float
     ) -> tuple[list[pb.RoundEvent], int]:
-        """Round events numbered above ``sequence`` of rounds ``site_id`` takes part in, waiting
-        up to ``timeout_s`` for any event; also returns the last sequence number looked at."""
+        """Round events numbered above ``sequence`` of rounds ``site_id`` takes part in (the
+        CKKS decryptor: of every round, since it serves them all), waiting up to ``timeout_s``
+        for any event; also returns the last sequence number looked at."""
         self.require_enrolled(site_id)
+        every = self.config.sites[site_id].role == "decryptor"
         with self.lock:
             self.lock.wait_for(lambda: len(self.machine.events) > sequence, timeout=timeout_s)
             events = self.machine.events[sequence:]
-            mine = [e for e in events if site_id in e.status.participants]
+            mine = [e for e in events if every or site_id in e.status.participants]
             return mine, len(self.machine.events)
 
     def rounds_up_to(self, round_id: str) -> set[str]:
