@@ -166,7 +166,6 @@ class AdminRequests:
                         )
                         if len(records) == limit:
                             break
-            anchor = store.anchor()
             self._record(
                 admin,
                 "GetLogs",
@@ -174,8 +173,8 @@ class AdminRequests:
                 after_seq=int(request.after_seq),
                 records=len(records),
                 last_seq=records[-1].seq if records else 0,
-                head=str(anchor["audit_head"]),
             )
+            anchor = store.anchor()  # the log's count and head, this call's record included
             return apb.LogRecords(
                 records=records,
                 count=int(str(anchor["audit_count"])),

@@ -500,9 +500,10 @@ class Coordinator:
                     self.machine.require_participant(view, site_id)
                     signed, candidate = stored, True
             if signed is None:
-                raise WrongStageError(
-                    "no model has been published" + (f" for round {round_id!r}" if round_id else "")
-                )
+                where = f" for round {round_id!r}" if round_id else ""
+                if not round_id and self.store.model() is not None:
+                    where = f" of a run site {site_id!r} took part in (need-to-know)"
+                raise WrongStageError(f"no model has been published{where}")
             self.store.audit(
                 "model-read",
                 {
