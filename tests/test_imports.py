@@ -4,9 +4,9 @@ Each entry point runs in its own Python process exactly as its console script ru
 the process writes the names in ``sys.modules``, and the test checks that none of the heavy
 packages a command does not need was loaded: torch, torchvision, scikit-learn, scipy, matplotlib
 and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``,
-``afl audit-export``) and status commands; torch, torchvision, scikit-learn, matplotlib and TenSEAL for the coordinator
-daemon of a federation that does not use CKKS (scipy solves its rounds, TenSEAL only serves CKKS).
-A module-level import of any of them on one of these paths fails here, naming the command.
+``afl audit-export``) and status commands; torch, torchvision, scikit-learn, matplotlib and
+TenSEAL for the coordinator daemon of a federation that does not use CKKS (scipy solves its
+rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of these paths fails here, naming the command.
 """
 
 from __future__ import annotations
