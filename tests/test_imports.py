@@ -6,7 +6,8 @@ packages a command does not need was loaded: torch, torchvision, scikit-learn, s
 and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``,
 ``afl audit-export``) and status commands; torch, torchvision, scikit-learn, matplotlib and
 TenSEAL for the coordinator daemon of a federation that does not use CKKS (scipy solves its
-rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of these paths fails here, naming the command.
+rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of these paths
+fails here, naming the command.
 """
 
 from __future__ import annotations
