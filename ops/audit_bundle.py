@@ -42,15 +42,13 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto.errors import CryptoError
-from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
 from afl.crypto.identity.signed_blobs import (
     EVALUATION_CONTEXT,
     MODEL_CONTEXT,
     PLAN_CONTEXT,
-    PLAN_DECISION_CONTEXT,
-    plan_decision_fields,
     sign_blob,
     verify_blob,
+    verify_plan_decision,
 )
 from afl.ops.verify_log import LogFormatError, LogRecord, export_jsonl, read_jsonl, verify_chain
 from afl.proto.v1 import common_pb2 as cpb
@@ -423,16 +421,13 @@ def _round(
         if _verify(
             problems,
             what,
-            verify_fields,
-            load_public_key_raw(sites[site]),
+            verify_plan_decision,
+            sites[site],
             decision.signature,
-            context=PLAN_DECISION_CONTEXT,
-            fields=plan_decision_fields(
-                round_id=decision.round_id,
-                accept=decision.accept,
-                plan_sha256=decision.plan_sha256,
-                graph_commitment=decision.graph_commitment,
-            ),
+            round_id=decision.round_id,
+            accept=decision.accept,
+            plan_sha256=decision.plan_sha256,
+            graph_commitment=decision.graph_commitment,
         ):
             out["consents"][site] = "accepted" if decision.accept else "refused"
     for name, message, context, attr in (

@@ -18,17 +18,9 @@ import argparse
 import json
 import sys
 
+from afl.ops.verify_log_cmd import hex32
+
 __all__ = ["add_arguments", "run"]
-
-
-def _key(text: str) -> bytes:
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError("must be 64 hex digits") from exc
-    if len(raw) != 32:
-        raise argparse.ArgumentTypeError("must be 64 hex digits (an Ed25519 public key)")
-    return raw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="", metavar="RUN_ID", help="one run (default: all)")
     parser.add_argument("--verify", metavar="BUNDLE", help="verify a bundle offline instead")
     parser.add_argument(
-        "--server-key", type=_key, default=None, metavar="HEX", help="coordinator key to pin"
+        "--server-key", type=hex32, default=None, metavar="HEX", help="coordinator key to pin"
     )
     parser.add_argument("--json", action="store_true", help="print the verification as JSON")
 

@@ -188,40 +188,32 @@ class AdminRequests:
         self.machine.run(run_id)  # WrongStageError for an unknown run
         return {run_id, *(r.round_id for r in self.coordinator.store.rounds(run_id))}
 
-    def model(self, admin: str, run_id: str) -> pb.SignedModel:
-        self.require_admin(admin, "GetRunModel")
+    def _published(self, admin: str, run_id: str, rpc: str) -> tuple[str, bytes, bytes]:
+        """(round id, signed bytes, signature) of the run's model or (GetRunEvaluation) its
+        evaluation, recorded as sent to ``admin``."""
+        self.require_admin(admin, rpc)
+        evaluation = rpc == "GetRunEvaluation"
         with self.coordinator.lock:
             self.machine.run(run_id)
-            found = self.machine.runs.published(run_id)
-            if found is None:
-                raise WrongStageError(f"run {run_id!r} has published no model")
-            self._record(
-                admin,
-                "GetRunModel",
-                run_id=run_id,
-                round_id=found[0],
-                sha256=hashlib.sha256(found[1]).hexdigest(),
-            )
-        return pb.SignedModel(model=found[1], signature=found[2])
-
-    def evaluation(self, admin: str, run_id: str) -> pb.SignedEvaluation:
-        self.require_admin(admin, "GetRunEvaluation")
-        with self.coordinator.lock:
-            self.machine.run(run_id)
-            found = self.machine.runs.published(run_id, evaluation=True)
+            found = self.machine.runs.published(run_id, evaluation=evaluation)
             if found is None:
                 raise WrongStageError(
                     f"run {run_id!r} has published no evaluation (its settings need "
                     "evaluate = true)"
+                    if evaluation
+                    else f"run {run_id!r} has published no model"
                 )
-            self._record(
-                admin,
-                "GetRunEvaluation",
-                run_id=run_id,
-                round_id=found[0],
-                sha256=hashlib.sha256(found[1]).hexdigest(),
-            )
-        return pb.SignedEvaluation(evaluation=found[1], signature=found[2])
+            digest = hashlib.sha256(found[1]).hexdigest()
+            self._record(admin, rpc, run_id=run_id, round_id=found[0], sha256=digest)
+        return found
+
+    def model(self, admin: str, run_id: str) -> pb.SignedModel:
+        _, model, signature = self._published(admin, run_id, "GetRunModel")
+        return pb.SignedModel(model=model, signature=signature)
+
+    def evaluation(self, admin: str, run_id: str) -> pb.SignedEvaluation:
+        _, evaluation, signature = self._published(admin, run_id, "GetRunEvaluation")
+        return pb.SignedEvaluation(evaluation=evaluation, signature=signature)
 
 
 def _names_run(detail: Mapping[str, object], wanted: set[str]) -> bool:

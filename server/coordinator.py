@@ -37,9 +37,8 @@ from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
 from afl.crypto.identity.signed_blobs import (
     ENROL_CONTEXT,
-    PLAN_DECISION_CONTEXT,
     blob_sha256,
-    plan_decision_fields,
+    verify_plan_decision,
 )
 from afl.proto import wire
 from afl.proto.v1 import common_pb2
@@ -301,16 +300,13 @@ class Coordinator:
             if view.stage not in accepting:
                 raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
             try:
-                verify_fields(
-                    load_public_key_raw(enrolment.identity_public_key),
+                verify_plan_decision(
+                    enrolment.identity_public_key,
                     decision.signature,
-                    context=PLAN_DECISION_CONTEXT,
-                    fields=plan_decision_fields(
-                        round_id=view.round_id,
-                        accept=decision.accept,
-                        plan_sha256=decision.plan_sha256,
-                        graph_commitment=decision.graph_commitment,
-                    ),
+                    round_id=view.round_id,
+                    accept=decision.accept,
+                    plan_sha256=decision.plan_sha256,
+                    graph_commitment=decision.graph_commitment,
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc

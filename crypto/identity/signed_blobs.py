@@ -45,6 +45,7 @@ __all__ = [
     "plan_decision_fields",
     "sign_blob",
     "verify_blob",
+    "verify_plan_decision",
 ]
 
 PLAN_CONTEXT = "release-plan"
@@ -130,3 +131,25 @@ def plan_decision_fields(
     of a sparse-graph MASK plan also signs the site's graph commitment."""
     fields: list[Field] = [round_id, 1 if accept else 0, plan_sha256]
     return [*fields, graph_commitment] if graph_commitment else fields
+
+
+def verify_plan_decision(
+    public_key: Ed25519PublicKey | bytes,
+    signature: bytes,
+    *,
+    round_id: str,
+    accept: bool,
+    plan_sha256: bytes,
+    graph_commitment: bytes = b"",
+) -> None:
+    """Return None if ``signature`` is the site's over its plan decision (context
+    :data:`PLAN_DECISION_CONTEXT`, :func:`plan_decision_fields`); raises
+    :class:`afl.crypto.errors.SignatureError` or :class:`afl.crypto.errors.KeyFormatError`."""
+    key = load_public_key_raw(public_key) if isinstance(public_key, bytes) else public_key
+    fields = plan_decision_fields(
+        round_id=round_id,
+        accept=accept,
+        plan_sha256=plan_sha256,
+        graph_commitment=graph_commitment,
+    )
+    verify_fields(key, signature, context=PLAN_DECISION_CONTEXT, fields=fields)

@@ -23,8 +23,7 @@ import pytest
 
 from afl.client.config import load_client_config
 from afl.client.daemon.transport import open_channel
-from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
-from afl.crypto.identity.signed_blobs import PLAN_DECISION_CONTEXT, plan_decision_fields
+from afl.crypto.identity.signed_blobs import verify_plan_decision
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -182,13 +181,12 @@ def test_signed_consents_are_kept_after_the_payloads_are_purged(
             assert decision.accept and decision.plan_sha256 == hashlib.sha256(row.plan).digest()
             key = store.enrolment(site)
             assert key is not None
-            verify_fields(  # raises when the kept consent is not the site's signature
-                load_public_key_raw(key.identity_public_key),
+            verify_plan_decision(  # raises when the kept consent is not the site's signature
+                key.identity_public_key,
                 decision.signature,
-                context=PLAN_DECISION_CONTEXT,
-                fields=plan_decision_fields(
-                    round_id=summary.round_id, accept=True, plan_sha256=decision.plan_sha256
-                ),
+                round_id=summary.round_id,
+                accept=True,
+                plan_sha256=decision.plan_sha256,
             )
 
 
