@@ -61,6 +61,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", "afl.ops.verify_log_cmd"),
     (
+        "audit-export",
+        "an offline-verifiable audit bundle of a coordinator (who received what), or --verify one",
+        "afl.ops.audit_export",
+    ),
+    (
         "report",
         "a self-contained HTML report: `afl simulate` results, or an `afl export` folder",
         "afl.lab.report.cmd",

@@ -31,7 +31,12 @@ from afl.server.config import ServerConfig, merged_run_table
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.events import RoundEvents
-from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, Transition
+from afl.server.modes.base import (
+    DECISION_JOURNAL_KIND,
+    AggregationMode,
+    Transition,
+    decoded_releases,
+)
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.context import StoreContext
 from afl.server.plan.open import open_plan
@@ -171,8 +176,21 @@ class RoundMachine(StoreContext):
         return self.view(row)
 
     def sums(self, view: RoundView) -> Mapping[str, NDArray[np.float64]] | None:
-        """The released sums of ``view`` (None while the mode still waits for them)."""
-        return self.mode_of(view).sums(view, self)
+        """The released sums of ``view`` (None while the mode still waits for them); when they
+        are there, the "sums-decoded" audit record names each release and the SHA-256 of its
+        decoded values, and the sites they contain (docs/protocol.md M-163)."""
+        mode = self.mode_of(view)
+        sums = mode.sums(view, self)
+        if sums is not None:
+            self.store.audit(
+                "sums-decoded",
+                {
+                    "round_id": view.round_id,
+                    "releases": decoded_releases(sums),
+                    "contributors": sorted(mode.contributors(view)),
+                },
+            )
+        return sums
 
     def evaluation_rows(self, round_id: str) -> dict[str, str]:
         """Each site's ``evaluation_rows`` from its journaled, signed acceptance of the plan."""

@@ -46,6 +46,7 @@ __all__ = [
     "plan_decision_fields",
     "sign_blob",
     "verify_blob",
+    "verify_plan_decision",
 ]
 
 PLAN_CONTEXT = "release-plan"
@@ -141,3 +142,27 @@ def plan_decision_fields(
     if evaluation_rows:
         fields.append(f"rows:{evaluation_rows}")
     return fields
+
+
+def verify_plan_decision(
+    public_key: Ed25519PublicKey | bytes,
+    signature: bytes,
+    *,
+    round_id: str,
+    accept: bool,
+    plan_sha256: bytes,
+    graph_commitment: bytes = b"",
+    evaluation_rows: str = "",
+) -> None:
+    """Return None if ``signature`` is the site's over its plan decision (context
+    :data:`PLAN_DECISION_CONTEXT`, :func:`plan_decision_fields`); raises
+    :class:`afl.crypto.errors.SignatureError` or :class:`afl.crypto.errors.KeyFormatError`."""
+    key = load_public_key_raw(public_key) if isinstance(public_key, bytes) else public_key
+    fields = plan_decision_fields(
+        round_id=round_id,
+        accept=accept,
+        plan_sha256=plan_sha256,
+        graph_commitment=graph_commitment,
+        evaluation_rows=evaluation_rows,
+    )
+    verify_fields(key, signature, context=PLAN_DECISION_CONTEXT, fields=fields)

@@ -608,6 +608,8 @@ class CkksRequests:
                     "release": release.name,
                     "status": pb.DecryptionStatus.Name(request.status),
                     "reason": request.reason[:300],
+                    "members": list(release.members),
+                    "result_sha256": request.result_sha256.hex(),
                 },
             )
             self.access.advance()

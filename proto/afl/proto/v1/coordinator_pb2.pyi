@@ -373,6 +373,7 @@ class EnrollRequest(_message.Message):
     fixed-point bound from its members' values (docs/protocol.md §4.2). [visible: server]
     """
     declared_max_row_norm: _builtins.float
+    """L above, rounded up to a power of two (0 = not declared). [visible: server]"""
     weights_sha256: _builtins.str
     """Hex SHA-256 of the backbone weights file the site's features were extracted with ("" for
     surrogate or random-init features); the server may pin it ([round] backbone_sha256).
@@ -2020,9 +2021,11 @@ class Evaluation(_message.Message):
     run_id: _builtins.str
     """The run and its evaluation round. [visible: all]"""
     round_id: _builtins.str
+    """[visible: all]"""
     model_round_id: _builtins.str
     """The evaluated model: its round and the SHA-256 of its signed Model bytes. [visible: all]"""
     model_sha256: _builtins.bytes
+    """[visible: all]"""
     plan_sha256: _builtins.bytes
     """SHA-256 of the evaluation round's release plan. [visible: all]"""
     evaluation_json: _builtins.bytes
