@@ -52,7 +52,7 @@ _KNOWN: dict[str, set[str]] = {
         "retry_window_s",
         "serve",
     },
-    "tls": {"ca_cert", "cert", "key"},
+    "tls": {"ca_cert", "cert", "key", "crl"},
     "identity": {"key", "public_key", "server_public_key"},
     "data": {"cache", "cache_dir", "classes", "backbone", "holdout"},
     "policy": {
@@ -134,6 +134,8 @@ class TlsPaths:
     ca_cert: Path
     cert: Path
     key: Path
+    #: the federation CA's revocation list; a plan with a revoked peer is refused (M-178)
+    crl: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -437,6 +439,7 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
             ca_cert=r.file(tls, "tls", "ca_cert"),
             cert=r.file(tls, "tls", "cert"),
             key=r.file(tls, "tls", "key"),
+            crl=r.path.parent / r.string(tls, "tls", "crl") if "crl" in tls else None,
         ),
         identity_key_path=identity_key_path,
         identity_public_key=public,
