@@ -70,6 +70,7 @@ from afl.client.payloads.stats import (
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
+from afl.client.retention import enforce_retention
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
@@ -764,11 +765,20 @@ class ClientDaemon:
                 self.rpc.call("SubmitReport", message)
             except RemoteCallError as exc:
                 log.warning("site=%s could not submit its report: %s", self.site_id, exc)
+        self.retain()
         return _OUTCOME_EXIT[outcome]
+
+    def retain(self) -> None:
+        """Apply ``[retention]`` (afl.client.retention, M-179): at start-up and after each
+        round; what it erased is listed, by SHA-256, in ``state_dir/retention/``."""
+        record = enforce_retention(self.state, self.config.retention, site_id=self.site_id)
+        if record is not None:
+            log.info("site=%s retention erased expired files; record %s", self.site_id, record)
 
     def run(self) -> int:
         """Prepare, enroll, take part in rounds until none is left (or, serving, until the
         process is stopped); the exit code."""
+        self.retain()  # before the statistics are loaded: expired ones are recomputed
         if self.stats is None:
             self.prepare()
         with connect(self.config, insecure=self.insecure) as channel:
