@@ -258,20 +258,12 @@ def test_a_full_disk_is_resource_exhausted_with_a_reason(
     assert coordinator.store.uploads(view.round_id) == {}
 
 
-@pytest.mark.parametrize("days", [0.0, 7.0])
-def test_payloads_of_a_finished_run_follow_the_retention_setting(
-    federation: Any, tmp_path: Path, days: float
-) -> None:
-    now = [1_000_000.0]
-    config = load_config(federation.server_dir / "server.toml")
-    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=days)
+def _published_run(federation: Any, config: Any, now: list[float]) -> tuple[Coordinator, Any]:
+    """A coordinator on ``config`` whose clock reads ``now[0]``, and the round of its run, which
+    every site accepted and uploaded to (published)."""
     key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
-    coordinator = Coordinator(
-        config,
-        Store(config.state_dir, federation_id=config.federation_id),
-        key,
-        clock=lambda: now[0],
-    )
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    coordinator = Coordinator(config, store, key, clock=lambda: now[0])
     for site in SITES:
         enrol(coordinator, federation, site)
     view = coordinator.find("")
@@ -280,7 +272,18 @@ def test_payloads_of_a_finished_run_follow_the_retention_setting(
     for site in SITES:
         for release in coordinator.find("").releases:
             _upload(coordinator, site, view.round_id, release.name, bytes(8 * release.length))
-    assert coordinator.store.runs()[0].state == "published"
+    assert store.runs()[0].state == "published"
+    return coordinator, view
+
+
+@pytest.mark.parametrize("days", [0.0, 7.0])
+def test_payloads_of_a_finished_run_follow_the_retention_setting(
+    federation: Any, tmp_path: Path, days: float
+) -> None:
+    now = [1_000_000.0]
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=days)
+    coordinator, view = _published_run(federation, config, now)
     folder = config.state_dir / "payloads" / view.round_id
     assert folder.exists() == (days > 0)
     now[0] += days * 86400 + 120
@@ -353,18 +356,8 @@ def test_reports_of_a_finished_run_are_erased_after_reports_days_with_their_dige
     now = [1_000_000.0]
     config = load_config(federation.server_dir / "server.toml")
     config = replace(config, state_dir=tmp_path / "state", report_retention_days=7.0)
-    key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
-    store = Store(config.state_dir, federation_id=config.federation_id)
-    coordinator = Coordinator(config, store, key, clock=lambda: now[0])
-    for site in SITES:
-        enrol(coordinator, federation, site)
-    view = coordinator.find("")
-    for site in SITES:
-        accept_plan(coordinator, federation, site, view)
-    for site in SITES:
-        for release in coordinator.find("").releases:
-            _upload(coordinator, site, view.round_id, release.name, bytes(8 * release.length))
-    assert store.runs()[0].state == "published"
+    coordinator, view = _published_run(federation, config, now)
+    store = coordinator.store
     reports = {site: f"round report of {site}: MARKER-{site}-0123456789".encode() for site in SITES}
     for site, report in reports.items():
         store.put_report(view.round_id, site, report, audit={"site_id": site})
