@@ -493,11 +493,12 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]
             "encrypted DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
         )
     evaluate = t.get("evaluate", bool, False)
-    if evaluate and dp is not None:
+    if evaluate and dp is not None and not dp.eval_epsilon > 0:
         raise t.fail(
             "evaluate",
-            "a run with [round.dp] cannot evaluate its model: evaluation releases carry no DP "
-            "noise (docs/protocol.md §6.1); evaluate in a run without DP, or set evaluate = false",
+            "a run with [round.dp] evaluates its model only under DP: set [round.dp] "
+            "eval_epsilon (the evaluation round's ε per site, docs/protocol.md §6.1), or set "
+            "evaluate = false",
         )
     gate = _gate_settings(t)
     if gate is not None and dp is not None:

@@ -56,6 +56,7 @@ from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundC
 from afl.server.plan.release import RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
+from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
@@ -309,13 +310,20 @@ class Coordinator:
                         accept=decision.accept,
                         plan_sha256=decision.plan_sha256,
                         graph_commitment=decision.graph_commitment,
+                        evaluation_rows=decision.evaluation_rows,
                     ),
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
+            if decision.evaluation_rows not in EVALUATION_ROWS:
+                raise InvalidRequestError(
+                    f"evaluation_rows must be one of {sorted(EVALUATION_ROWS)}, got "
+                    f"{decision.evaluation_rows[:40]!r}"
+                )
             if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
-            if decision.accept and decision.graph_commitment:  # sparse MASK graph: kept signed
+            # sparse MASK graph, or the rows an evaluation scores: kept signed
+            if decision.accept and (decision.graph_commitment or decision.evaluation_rows):
                 self.store.put_message(
                     view.round_id,
                     stage=int(view.stage),

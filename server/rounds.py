@@ -31,7 +31,7 @@ from afl.server.config import ServerConfig, merged_run_table
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.events import RoundEvents
-from afl.server.modes.base import AggregationMode, Transition
+from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, Transition
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.context import StoreContext
 from afl.server.plan.open import open_plan
@@ -173,6 +173,14 @@ class RoundMachine(StoreContext):
     def sums(self, view: RoundView) -> Mapping[str, NDArray[np.float64]] | None:
         """The released sums of ``view`` (None while the mode still waits for them)."""
         return self.mode_of(view).sums(view, self)
+
+    def evaluation_rows(self, round_id: str) -> dict[str, str]:
+        """Each site's ``evaluation_rows`` from its journaled, signed acceptance of the plan."""
+        out = {}
+        for message in self.store.messages(round_id):
+            if message.kind == DECISION_JOURNAL_KIND:
+                out[message.site_id] = pb.PlanDecision.FromString(message.data).evaluation_rows
+        return out
 
     def require_participant(self, view: RoundView, site_id: str) -> None:
         if site_id not in view.row.participants:
@@ -388,6 +396,7 @@ class RoundMachine(StoreContext):
             run=run,
             view=view,
             participants=participants,
+            sums=lambda round_id: self.sums(self.find(round_id)),
         )
         with self.announcer.transition():
             for event, detail in opened.audits:

@@ -17,7 +17,8 @@ same way:
                      canonical(labelled_classes), backbone, feature_dim, software_version,
                      protocol_version)
     plan decision:  ("plan-decision", round_id, 1 if accept else 0, sha256(plan bytes)
-                     [, graph commitment: sparse-graph MASK plans])
+                     [, graph commitment: sparse-graph MASK plans]
+                     [, "rows:held-out" | "rows:in-sample": evaluation plans])
 
 Pure functions over bytes: this module imports nothing of afl outside :mod:`afl.crypto`, so the
 client can verify without importing :mod:`afl.server`.
@@ -124,9 +125,19 @@ def enrol_fields(
 
 
 def plan_decision_fields(
-    *, round_id: str, accept: bool, plan_sha256: bytes, graph_commitment: bytes = b""
+    *,
+    round_id: str,
+    accept: bool,
+    plan_sha256: bytes,
+    graph_commitment: bytes = b"",
+    evaluation_rows: str = "",
 ) -> list[Field]:
     """Fields of a site's plan decision (context :data:`PLAN_DECISION_CONTEXT`); an acceptance
-    of a sparse-graph MASK plan also signs the site's graph commitment."""
+    of a sparse-graph MASK plan also signs the site's graph commitment, an acceptance of an
+    evaluation plan the rows it scores (``"rows:held-out"`` or ``"rows:in-sample"``)."""
     fields: list[Field] = [round_id, 1 if accept else 0, plan_sha256]
-    return [*fields, graph_commitment] if graph_commitment else fields
+    if graph_commitment:
+        fields.append(graph_commitment)
+    if evaluation_rows:
+        fields.append(f"rows:{evaluation_rows}")
+    return fields

@@ -152,7 +152,10 @@ class MaskMode:
         if settings is not None:
             self.settings = settings
         self._timeout_s = settings.upload_timeout_s if settings is not None else 600.0
-        self._eval_rows = settings.eval_max_rows if settings is not None else 0
+        self._eval_rows = 0
+        if settings is not None:  # under DP (no declared rows, M-127): [round.dp] max_samples
+            dp_rows = settings.dp.max_samples if settings.dp is not None else 0
+            self._eval_rows = settings.eval_max_rows or dp_rows
         self._identities = {s: load_public_key_raw(k) for s, k in identities.items()}
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}

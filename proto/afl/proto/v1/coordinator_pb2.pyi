@@ -880,6 +880,7 @@ class PlanDecision(_message.Message):
     PLAN_SHA256_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
     GRAPH_COMMITMENT_FIELD_NUMBER: _builtins.int
+    EVALUATION_ROWS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: server]"""
     accept: _builtins.bool
@@ -898,6 +899,12 @@ class PlanDecision(_message.Message):
     """MASK mode with a sparse graph, on acceptance: SHA-256 commitment to the site's graph nonce
     (afl.crypto.secagg_graph.graph_commitment). [visible: participants]
     """
+    evaluation_rows: _builtins.str
+    """An evaluation round, on acceptance: which rows the site scores, "held-out" (its [data]
+    holdout cache) or "in-sample" (its training cache); signed with the decision and written
+    per member into the signed evaluation (docs/protocol.md §6.1). [visible: server; all via the
+    evaluation]
+    """
     def __init__(
         self,
         *,
@@ -907,10 +914,11 @@ class PlanDecision(_message.Message):
         plan_sha256: _builtins.bytes = ...,
         signature: _builtins.bytes = ...,
         graph_commitment: _builtins.bytes = ...,
+        evaluation_rows: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "graph_commitment", b"graph_commitment", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "evaluation_rows", b"evaluation_rows", "graph_commitment", b"graph_commitment", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
