@@ -30,6 +30,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "LocalPolicy",
+    "RetentionConfig",
     "TimingConfig",
     "TlsPaths",
     "load_client_config",
@@ -52,7 +53,7 @@ _KNOWN: dict[str, set[str]] = {
         "retry_window_s",
         "serve",
     },
-    "tls": {"ca_cert", "cert", "key"},
+    "tls": {"ca_cert", "cert", "key", "crl"},
     "identity": {"key", "public_key", "server_public_key"},
     "data": {"cache", "cache_dir", "classes", "backbone", "holdout"},
     "policy": {
@@ -73,10 +74,11 @@ _KNOWN: dict[str, set[str]] = {
         "decrypt_max_row_norm",
         "profile",
     },
+    "retention": {"stats_days", "reports_days", "models_keep"},
 }
 #: Sections whose unknown keys are errors, not warnings: a misspelt protection setting
 #: (``min_cohrt``) would otherwise leave the site at the default it meant to change.
-_STRICT_SECTIONS = frozenset({"policy"})
+_STRICT_SECTIONS = frozenset({"policy", "retention"})
 _ROLES = ("participant", "decryptor")
 #: Aggregation modes a site's policy can allow (docs/protocol.md §4), and the default.
 AGGREGATION_NAMES = ("plaintext", "mask", "ckks")
@@ -134,6 +136,8 @@ class TlsPaths:
     ca_cert: Path
     cert: Path
     key: Path
+    #: the federation CA's revocation list; a plan with a revoked peer is refused (M-178)
+    crl: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,20 @@ class TimingConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """``[retention]`` (docs/operations.md §10, M-179): how long the site keeps what it can
+    recompute or no longer needs; None keeps it. Enforced by the daemon at start-up and after
+    each round (:mod:`afl.client.retention`)."""
+
+    #: days a file in ``state_dir/stats/`` (its own G and b, recomputed when needed) is kept
+    stats_days: float | None = None
+    #: days a round report in ``state_dir/reports/`` is kept (the upload register stays)
+    reports_days: float | None = None
+    #: how many verified models (newest first) ``state_dir/models/`` keeps
+    models_keep: int | None = None
+
+
+@dataclass(frozen=True)
 class ClientConfig:
     """A validated client.toml (paths resolved against the file's folder)."""
 
@@ -176,6 +194,7 @@ class ClientConfig:
     data: DataConfig
     policy: LocalPolicy = field(default_factory=LocalPolicy)
     timing: TimingConfig = field(default_factory=TimingConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     warnings: tuple[str, ...] = ()
     serve: bool = False
 
@@ -395,6 +414,18 @@ def _timing(r: _Reader, sec: Mapping[str, Any]) -> TimingConfig:
     )
 
 
+def _retention(r: _Reader) -> RetentionConfig:
+    sec = r.section("retention", required=False)
+    days = {
+        key: r.number(sec, "retention", key, 0.0, minimum=0.0) if key in sec else None
+        for key in ("stats_days", "reports_days")
+    }
+    keep = (
+        r.integer(sec, "retention", "models_keep", 1, minimum=1) if "models_keep" in sec else None
+    )
+    return RetentionConfig(days["stats_days"], days["reports_days"], keep)
+
+
 def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
     """Read and validate ``client.toml``; :class:`ConfigError` names the offending key."""
     p = Path(path)
@@ -437,6 +468,7 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
             ca_cert=r.file(tls, "tls", "ca_cert"),
             cert=r.file(tls, "tls", "cert"),
             key=r.file(tls, "tls", "key"),
+            crl=r.path.parent / r.string(tls, "tls", "crl") if "crl" in tls else None,
         ),
         identity_key_path=identity_key_path,
         identity_public_key=public,
@@ -446,6 +478,7 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         data=_data(r) if role == "participant" or "data" in doc else DataConfig(r.path.parent),
         policy=_policy(r, peers),
         timing=_timing(r, client),
+        retention=_retention(r),
         serve=r.boolean(client, "client", "serve", False),
     )
     return ClientConfig(**{**config.__dict__, "warnings": tuple(r.warnings)})

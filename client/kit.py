@@ -41,6 +41,7 @@ from afl.client.config import ClientConfig, ConfigError, TlsPaths, load_client_c
 from afl.client.policy.defaults import production_policy_toml
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import custody, pki, signatures
+from afl.crypto.identity.revocation import CRL_NAME, load_crl
 
 __all__ = ["ImportedKit", "KitError", "import_bundle", "init_site_kit", "request_path"]
 
@@ -48,7 +49,7 @@ ROSTER = "roster.json"
 _KEYS = ("site.key", "identity.key")
 _BUNDLE = ("ca.pem", "site.pem", ROSTER, "client.toml")
 # ClientConfig fields the site owns (set by its IT after import) and the fields the import checks.
-_SITE_OWNED = {"path", "state_dir", "data", "policy", "timing", "serve", "warnings"}
+_SITE_OWNED = {"path", "state_dir", "data", "policy", "timing", "serve", "warnings", "retention"}
 _CHECKED = {
     "site_id",
     "federation_id",
@@ -198,7 +199,12 @@ def _check_template(
         "federation_id": roster.federation_id,
         "server_address": roster.server_address,
         "role": request.role,
-        "tls": TlsPaths(root / "ca.pem", root / "site.pem", root / "site.key"),
+        "tls": TlsPaths(
+            root / "ca.pem",
+            root / "site.pem",
+            root / "site.key",
+            root / CRL_NAME if config.tls.crl is not None else None,
+        ),
         "identity_key_path": root / "identity.key",
         "identity_public_key": request.identity_public_key,
         "server_public_key": roster.server_identity_public_key,
@@ -247,6 +253,13 @@ def import_bundle(
 
     for name in ("ca.pem", "site.pem"):  # checked above; the loader needs them in place
         _write_public(kit / name, _read(bundle / name))
+    if (bundle / CRL_NAME).is_file():  # the CA's revocation list: only one the CA signed
+        crl_pem = _read(bundle / CRL_NAME)
+        try:
+            load_crl(crl_pem, ca_certificate=pki.load_certificate_pem(roster.ca_certificate_pem))
+        except pki.PkiError as exc:
+            raise KitError(f"{bundle / CRL_NAME}: {exc}") from exc
+        _write_public(kit / CRL_NAME, crl_pem)
     staged = kit / ".client.toml.import"
     _write_public(staged, template)
     try:

@@ -158,7 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Add the certificate of SITE (OUT/sites/SITE/site.pem) or of --cert FILE to "
         "OUT/server/crl.pem, signed again with the CA key (entries already listed stay). Copy "
         "crl.pem into the coordinator's kit: from then on every call with that certificate is "
-        "refused (no restart needed). Offboarding and rotation: docs/operations.md §12.",
+        "refused (no restart needed). The same list is written into every OUT/sites/*/ bundle: send "
+        "it to the sites (their kit's crl.pem), which then refuse plans with the revoked site as "
+        "a peer. Offboarding and rotation: docs/operations.md §12.",
     )
     revoke.add_argument("site", nargs="?", default=None, metavar="SITE", help="the site id")
     revoke.add_argument("--cert", default=None, metavar="FILE", help="a certificate file instead")

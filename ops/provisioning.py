@@ -17,7 +17,8 @@ Production (M-70): every party makes its own keys where it runs and the operator
                                 every site's identity key and role (afl.crypto.identity.custody.Roster)
        server/                  ca.pem, server.pem, server.toml ([sites] from the requests), roster.json,
                                 crl.pem (the CA's revocation list: empty, or kept from before)
-       sites/<id>/              ca.pem, site.pem, client.toml (template, no [policy]), roster.json
+       sites/<id>/              ca.pem, site.pem, client.toml (template, no [policy]), roster.json,
+                                crl.pem (the same list: sites refuse a revoked peer, M-178)
 
    The operator copies ``server/`` into the coordinator's kit and sends each site its folder;
    ``afl-client init --import`` checks it against the site's own keys and the roster fingerprint.
@@ -34,7 +35,7 @@ Layout written under ``out_dir``::
                              roster.json, crl.pem
     admins/<name>/   0700    ca.pem, admin.pem, admin.key (0600), admin.toml (for `afl admin`)
     sites/<id>/      0700    ca.pem, site.pem, site.key (0600), identity.key (0600), client.toml,
-                             roster.json
+                             roster.json, crl.pem
 
 TLS keys are ECDSA P-256 (:mod:`afl.crypto.identity.pki`); identity keys are Ed25519
 (:mod:`afl.crypto.identity.signatures`): the server's signs release plans and models, a site's signs its
@@ -55,10 +56,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
 from afl.crypto.identity import custody, pki
-from afl.crypto.identity.revocation import CRL_NAME, issue_crl, load_crl, revoked_serials
+from afl.crypto.identity.revocation import (
+    CRL_NAME,
+    issue_crl,
+    load_crl,
+    revoked_peers,
+    revoked_serials,
+)
 from afl.server import toml_text
 from afl.server.config import round_template
 
@@ -193,7 +201,8 @@ def _client_toml(
             "role": role,
             "state_dir": "state",
         },
-        "tls": {"ca_cert": "ca.pem", "cert": "site.pem", "key": "site.key"},
+        # crl: the CA's revocation list; a plan with a revoked peer is refused (M-178).
+        "tls": {"ca_cert": "ca.pem", "cert": "site.pem", "key": "site.key", "crl": CRL_NAME},
         "identity": {
             "key": "identity.key",
             "public_key": site_public.hex(),
@@ -370,11 +379,13 @@ def _write_site_files(
     site_id: str,
     *,
     policy: Mapping[str, toml_text.TomlValue] | None,
+    crl_pem: bytes,
 ) -> None:
     roster = issued.roster
     entry = roster.sites[site_id]
     _mkdir_private(folder)
     _write_public(folder / "ca.pem", issued.ca_pem)
+    _write_public(folder / CRL_NAME, crl_pem)
     _write_public(folder / "site.pem", issued.site_certificates_pem[site_id])
     _write_public(folder / ROSTER, roster.to_json().encode())
     text = _client_toml(
@@ -592,17 +603,16 @@ def sign_requests(
         raise ProvisioningError(str(exc)) from exc
     root = Path(out_dir)
     _refuse_existing(root, (ROSTER, "server", "sites"), force, "signed material")
-    revoked = _revoked(root / "server" / CRL_NAME, ca)  # a re-signing keeps every revocation
+    revoked, peers = _revoked(root / "server" / CRL_NAME, ca)  # a re-signing keeps them all
+    crl_pem = issue_crl(ca, revoked=revoked, peers=peers)
     _mkdir_private(root)
     _write_public(root / ROSTER, issued.roster.to_json().encode())
-    _write_server_files(
-        root / "server", issued, round_settings, admins, crl_pem=issue_crl(ca, revoked=revoked)
-    )
+    _write_server_files(root / "server", issued, round_settings, admins, crl_pem=crl_pem)
     site_dirs = {}
     for site_id in issued.roster.sites:
         site_dirs[site_id] = root / "sites" / site_id
         _mkdir_private(root / "sites")
-        _write_site_files(site_dirs[site_id], issued, site_id, policy=None)
+        _write_site_files(site_dirs[site_id], issued, site_id, policy=None, crl_pem=crl_pem)
     return SignedFederation(
         root=root,
         roster=issued.roster,
@@ -612,15 +622,34 @@ def sign_requests(
     )
 
 
-def _revoked(crl_path: Path, ca: pki.CertifiedKey) -> dict[int, dt.datetime]:
-    """The entries of the CA's existing revocation list at ``crl_path`` (none if absent)."""
+def _revoked(
+    crl_path: Path, ca: pki.CertifiedKey
+) -> tuple[dict[int, dt.datetime], dict[int, tuple[str, bytes]]]:
+    """The entries of the CA's existing revocation list at ``crl_path`` (none if absent): serial
+    -> time, and serial -> (site id, identity key) of those that name a site."""
     if not crl_path.is_file():
-        return {}
+        return {}, {}
     try:
         crl = load_crl(_read(crl_path, "the revocation list"), ca_certificate=ca.certificate)
     except pki.PkiError as exc:
         raise ProvisioningError(f"{crl_path}: {exc}") from exc
-    return revoked_serials(crl)
+    peers = {s: (p.site_id, p.identity_key) for s, p in revoked_peers(crl).items()}
+    return revoked_serials(crl), peers
+
+
+def _signed_roster(root: Path) -> custody.Roster | None:
+    """The roster of a signed folder (None when it has none or it does not parse)."""
+    try:
+        return custody.roster_from_json((root / ROSTER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, custody.CustodyError):
+        return None
+
+
+def _certificate_site(leaf: x509.Certificate) -> str:
+    try:
+        return pki.site_id_from_certificate(leaf)
+    except pki.PkiError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -660,9 +689,17 @@ def revoke_certificate(
     except (pki.PkiError, ValueError, TypeError, InvalidSignature) as exc:
         raise ProvisioningError(f"{path} is not a certificate of this federation's CA") from exc
     crl_path = root / "server" / CRL_NAME
-    revoked = _revoked(crl_path, ca)
+    revoked, peers = _revoked(crl_path, ca)
     revoked.setdefault(leaf.serial_number, dt.datetime.now(dt.UTC))
-    _write_public(crl_path, issue_crl(ca, revoked=revoked))
+    roster = _signed_roster(root)
+    named = _certificate_site(leaf)
+    if roster is not None and named in roster.sites:  # a site's: its peers refuse its key (M-178)
+        peers[leaf.serial_number] = (named, roster.sites[named].identity_public_key)
+    crl_pem = issue_crl(ca, revoked=revoked, peers=peers)
+    _write_public(crl_path, crl_pem)
+    for folder in sorted((root / "sites").glob("*")) if (root / "sites").is_dir() else []:
+        if folder.is_dir():  # every site's bundle carries the new list
+            _write_public(folder / CRL_NAME, crl_pem)
     return Revocation(crl_path, leaf.serial_number, leaf.subject.rfc4514_string(), len(revoked))
 
 
@@ -756,9 +793,8 @@ def provision(
     _write_public(root / "ca.pem", issued.ca_pem)
     _write_public(root / ROSTER, issued.roster.to_json().encode())
     server_dir = root / "server"
-    _write_server_files(
-        server_dir, issued, round_settings, admins, crl_pem=issue_crl(ca, revoked={})
-    )
+    crl_pem = issue_crl(ca, revoked={})
+    _write_server_files(server_dir, issued, round_settings, admins, crl_pem=crl_pem)
     _write_private_keys(server_dir, server_keys, tls_name="server.key")
     for name in admins:
         write_admin_kit(root / "admins" / name, ca=ca, name=name, roster=issued.roster)
@@ -771,7 +807,7 @@ def provision(
     for site_id in site_ids:
         _mkdir_private(root / "sites")
         kit = root / "sites" / site_id
-        _write_site_files(kit, issued, site_id, policy=kit_policy)
+        _write_site_files(kit, issued, site_id, policy=kit_policy, crl_pem=crl_pem)
         _write_private_keys(kit, site_keys[site_id], tls_name="site.key")
         site_dirs[site_id] = kit
     _write_public(root / "federation.toml", _manifest(issued))

@@ -230,6 +230,9 @@ class ServerConfig:
     #: [tls] crl: the federation CA's revocation list (afl ca revoke); None: nothing revoked.
     crl: Path | None = None
     payload_retention_days: float = 0.0
+    #: [retention] reports_days: the sites' round reports of a run that ended that many days
+    #: ago are erased (their digests stay in the audit log); None keeps them (M-174).
+    report_retention_days: float | None = None
     limits: StreamLimits = field(default_factory=StreamLimits)
     # Seconds a server that refuses its state keeps answering sites with the reason before it
     # exits 2 (afl.server.daemon.refusal); 0: exit at once.
@@ -559,10 +562,10 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]
     return settings
 
 
-def _retention_days(table: _Table) -> float:
-    days = table.number("payload_days", 0.0, positive=False)
+def _retention_days(table: _Table, key: str = "payload_days") -> float:
+    days = table.number(key, 0.0, positive=False)
     if days < 0:
-        raise table.fail("payload_days", f"must be >= 0, got {days}")
+        raise table.fail(key, f"must be >= 0, got {days}")
     return days
 
 
@@ -631,6 +634,11 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         round=_round(doc, source, sites),
         admins=admins,
         payload_retention_days=_retention_days(retention),
+        report_retention_days=(
+            _retention_days(retention, "reports_days")
+            if "reports_days" in doc.get("retention", {})
+            else None
+        ),
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         max_chunk_bytes=max_chunk,

@@ -230,7 +230,7 @@ class RoundMachine(StoreContext):
             self._step(before)
             if self.current().row == before.row:
                 break
-        if self.config.payload_retention_days > 0:
+        if self.config.payload_retention_days > 0 or self.config.report_retention_days:
             self.runs.purge_due(self.now_ms())
 
     def _step(self, view: RoundView) -> None:

@@ -180,6 +180,8 @@ class Runs:
             run.mode.forget(row.round_id)
         if self.config.payload_retention_days <= 0:
             self._purge(run_id)
+        if self.config.report_retention_days == 0:
+            self._purge_reports(run_id)
 
     def published(
         self, run_id: str, *, evaluation: bool = False
@@ -205,12 +207,25 @@ class Runs:
             [r.round_id for r in self.store.rounds(run_id)], audit={"run_id": run_id}
         )
 
+    def _purge_reports(self, run_id: str) -> None:
+        days = self.config.report_retention_days
+        self.store.purge_reports(
+            [r.round_id for r in self.store.rounds(run_id)],
+            reason=f"[retention] reports_days = {days}: run {run_id} ended",
+        )
+
     def purge_due(self, now_ms: int) -> None:
-        """Delete the payloads of runs that ended more than ``payload_days`` ago (retention)."""
+        """Delete the payloads of runs that ended more than ``payload_days`` ago and the reports
+        of those that ended more than ``reports_days`` ago (retention)."""
         if now_ms < self._next_purge_ms:
             return
         self._next_purge_ms = now_ms + 60_000
         keep_ms = self.config.payload_retention_days * _DAY_MS
+        reports = self.config.report_retention_days
         for row in self.store.runs():
-            if row.state in ENDED_RUN_STATES and row.finished_ms + keep_ms <= now_ms:
+            if row.state not in ENDED_RUN_STATES:
+                continue
+            if row.finished_ms + keep_ms <= now_ms:
                 self._purge(row.run_id)
+            if reports is not None and row.finished_ms + reports * _DAY_MS <= now_ms:
+                self._purge_reports(row.run_id)

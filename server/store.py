@@ -947,6 +947,30 @@ class Store:
         self.scrub()
         return detail
 
+    def purge_reports(self, round_ids: Sequence[str], *, reason: str) -> list[dict[str, str]]:
+        """Retention of the sites' round reports (``[retention] reports_days``, M-174): delete
+        the ``reports`` rows of ``round_ids`` and record each (round, site, SHA-256) in one
+        "reports-deleted" audit record committed with the deletion, then :meth:`scrub`. The
+        "client-report" audit records that named them stay (the chain is append-only). Returns
+        what was deleted ([] and no record when there was nothing)."""
+        assert not self._depth, "a purge scrubs after its transaction: never nested"
+        deleted: list[dict[str, str]] = []
+        with self._tx() as db:
+            for round_id in round_ids:
+                rows = db.execute(
+                    "SELECT site_id, report FROM reports WHERE round_id = ? ORDER BY site_id",
+                    (round_id,),
+                ).fetchall()
+                deleted += [
+                    {"round_id": round_id, "site_id": r[0], "sha256": _hex(r[1])} for r in rows
+                ]
+                db.execute("DELETE FROM reports WHERE round_id = ?", (round_id,))
+            if deleted:
+                self._append_audit(db, "reports-deleted", {"reports": deleted, "reason": reason})
+        if deleted:
+            self.scrub()
+        return deleted
+
     def sweep_payloads(self) -> list[str]:
         """Remove every file under ``payloads/`` that no unpurged upload row names: files of a
         purge interrupted between its record and its unlinks, and files of an upload interrupted

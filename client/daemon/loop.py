@@ -70,11 +70,13 @@ from afl.client.payloads.stats import (
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
+from afl.client.retention import enforce_retention
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
 from afl.core.stats import LocalStats
 from afl.crypto.identity import signatures, signed_blobs
+from afl.crypto.identity.revocation import PeerRevocations
 from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -135,6 +137,11 @@ class ClientDaemon:
         self.store = DaemonState(config.state_dir)
         self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
+        self.revocations = (
+            None
+            if config.tls.crl is None
+            else PeerRevocations(config.tls.crl, ca_certificate_pem=config.tls.ca_cert.read_bytes())
+        )
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
         self.stats_from_state = False
@@ -266,6 +273,9 @@ class ClientDaemon:
             )
         except VerificationError as exc:
             return PolicyDecision(False, str(exc)), None, b""
+        problem = self._revoked_peer(plan)
+        if problem:
+            return PolicyDecision(False, problem), plan, plan_sha
         problem = self._round_problems(cfg)
         if not problem and is_evaluation_plan(plan):  # only a model this site verified
             has_holdout = self.config.data.holdout is not None
@@ -292,6 +302,16 @@ class ClientDaemon:
             planned_history=self.store.history(exclude_round=cfg.round_id, planned=True),
         )
         return decision, plan, plan_sha
+
+    def _revoked_peer(self, plan: cpb.ReleasePlan) -> str:
+        """Why this plan's peers are refused by the federation's revocation list (M-178): a
+        participant whose identity key in this site's ``[peers]`` the CA revoked, or a list that
+        cannot be read or verified; "" otherwise (or without ``[tls] crl``)."""
+        if self.revocations is None:
+            return ""
+        peers = self.config.peers
+        members = {s: peers[s] for s in plan.participants if s != self.site_id and s in peers}
+        return self.revocations.refusal(members) or ""
 
     def _ledger_problem(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> str:
         """Why the ledger forbids this plan ("" when it does not): the site already uploaded under
@@ -760,11 +780,20 @@ class ClientDaemon:
                 self.rpc.call("SubmitReport", message)
             except RemoteCallError as exc:
                 log.warning("site=%s could not submit its report: %s", self.site_id, exc)
+        self.retain()
         return _OUTCOME_EXIT[outcome]
+
+    def retain(self) -> None:
+        """Apply ``[retention]`` (afl.client.retention, M-179): at start-up and after each
+        round; what it erased is listed, by SHA-256, in ``state_dir/retention/``."""
+        record = enforce_retention(self.state, self.config.retention, site_id=self.site_id)
+        if record is not None:
+            log.info("site=%s retention erased expired files; record %s", self.site_id, record)
 
     def run(self) -> int:
         """Prepare, enroll, take part in rounds until none is left (or, serving, until the
         process is stopped); the exit code."""
+        self.retain()  # before the statistics are loaded: expired ones are recomputed
         if self.stats is None:
             self.prepare()
         with connect(self.config, insecure=self.insecure) as channel:

@@ -8,34 +8,78 @@ refuses every call whose client certificate is listed, before anything else read
 CRL is trusted only when the federation CA signed it and names itself as its issuer; one that
 cannot be read or verified refuses every certificate (fail closed), and a changed file is read
 again on the next call (no restart).
+
+Peers (M-178): each CRL entry of a site's certificate also names the site and its identity key
+(a private, non-critical entry extension, :data:`PEER_OID`, signed with the list). The list
+travels in every site's kit (``[tls] crl``); a site holds a :class:`PeerRevocations` and refuses
+a plan that makes a revoked identity key its peer, naming the site and the revocation. The
+identity key, not the site id, is what is refused: a site that re-keyed after a compromise takes
+part again under its new key.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ObjectIdentifier
 
 from afl.crypto.identity.pki import CertifiedKey, PkiError, load_certificate_pem
 
-__all__ = ["CRL_NAME", "RevocationList", "issue_crl", "load_crl", "revoked_serials"]
+__all__ = [
+    "CRL_NAME",
+    "PEER_OID",
+    "PeerRevocations",
+    "RevocationList",
+    "RevokedPeer",
+    "issue_crl",
+    "load_crl",
+    "revoked_peers",
+    "revoked_serials",
+]
 
 CRL_NAME = "crl.pem"
 #: How long a CRL says it is current (RFC 5280 nextUpdate); the coordinator keeps honouring an
 #: older one (its entries stay revoked), so this only tells other readers when to expect the next.
 _NEXT_UPDATE = dt.timedelta(days=30)
+#: CRL entry extension naming the revoked site: UTF-8 JSON {"site_id", "identity_key" (hex)}.
+PEER_OID = ObjectIdentifier("1.3.6.1.4.1.57264.7.1")
 
 
-def issue_crl(ca: CertifiedKey, *, revoked: Mapping[int, dt.datetime]) -> bytes:
+@dataclass(frozen=True)
+class RevokedPeer:
+    """A site whose certificate the CA revoked: its id, identity key, serial and time."""
+
+    site_id: str
+    identity_key: bytes
+    serial: int
+    when: dt.datetime
+
+    def describe(self) -> str:
+        return (
+            f"peer {self.site_id!r} is revoked by the federation CA (certificate serial "
+            f"{self.serial:x}, revoked {self.when.isoformat(timespec='seconds')}, identity key "
+            f"{self.identity_key.hex()[:16]}...)"
+        )
+
+
+def issue_crl(
+    ca: CertifiedKey,
+    *,
+    revoked: Mapping[int, dt.datetime],
+    peers: Mapping[int, tuple[str, bytes]] | None = None,
+) -> bytes:
     """A PEM CRL of the serial numbers in ``revoked`` (serial -> revocation time), signed by
-    ``ca``."""
+    ``ca``; ``peers`` (serial -> (site id, identity key)) names the site of an entry."""
     now = dt.datetime.now(dt.UTC)
     builder = (
         x509.CertificateRevocationListBuilder()
@@ -44,9 +88,14 @@ def issue_crl(ca: CertifiedKey, *, revoked: Mapping[int, dt.datetime]) -> bytes:
         .next_update(now + _NEXT_UPDATE)
     )
     for serial, when in sorted(revoked.items()):
-        builder = builder.add_revoked_certificate(
-            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build()
-        )
+        entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when)
+        if peers and serial in peers:
+            site_id, key = peers[serial]
+            value = json.dumps({"site_id": site_id, "identity_key": key.hex()}, sort_keys=True)
+            entry = entry.add_extension(
+                x509.UnrecognizedExtension(PEER_OID, value.encode()), critical=False
+            )
+        builder = builder.add_revoked_certificate(entry.build())
     crl = builder.sign(ca.private_key, hashes.SHA256())
     return crl.public_bytes(serialization.Encoding.PEM)
 
@@ -73,6 +122,68 @@ def load_crl(pem: bytes, *, ca_certificate: x509.Certificate) -> x509.Certificat
 def revoked_serials(crl: x509.CertificateRevocationList) -> dict[int, dt.datetime]:
     """serial -> revocation time of every entry of ``crl``."""
     return {entry.serial_number: entry.revocation_date_utc for entry in crl}
+
+
+def revoked_peers(crl: x509.CertificateRevocationList) -> dict[int, RevokedPeer]:
+    """serial -> :class:`RevokedPeer` of every entry of ``crl`` that names a site (an entry whose
+    extension does not parse is left out: it names no peer)."""
+    found = {}
+    for entry in crl:
+        try:
+            ext = entry.extensions.get_extension_for_oid(PEER_OID).value
+        except x509.ExtensionNotFound:
+            continue
+        if not isinstance(ext, x509.UnrecognizedExtension):
+            continue
+        try:
+            named = json.loads(ext.value.decode())
+            site_id, key = str(named["site_id"]), bytes.fromhex(str(named["identity_key"]))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            continue
+        found[entry.serial_number] = RevokedPeer(
+            site_id, key, entry.serial_number, entry.revocation_date_utc
+        )
+    return found
+
+
+class PeerRevocations:
+    """A site's view of the federation's CRL (``[tls] crl`` of its kit): :meth:`refusal` of the
+    peers a plan names. Read again when the file changes; a list that cannot be read or that the
+    CA did not sign refuses every plan (fail closed), naming why."""
+
+    def __init__(self, path: Path, *, ca_certificate_pem: bytes) -> None:
+        self.path = Path(path)
+        self._ca = load_certificate_pem(ca_certificate_pem)
+        self._stamp: tuple[int, int, int] | None = None
+        self._peers: dict[bytes, RevokedPeer] = {}
+        self._error: str | None = None
+
+    def _current(self) -> tuple[dict[bytes, RevokedPeer], str | None]:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError as exc:
+            return {}, f"the revocation list {self.path} cannot be read ({exc.strerror})"
+        if stamp != self._stamp:
+            try:
+                crl = load_crl(self.path.read_bytes(), ca_certificate=self._ca)
+                peers = revoked_peers(crl).values()
+                self._peers, self._error = {p.identity_key: p for p in peers}, None
+            except (OSError, PkiError) as exc:
+                self._peers, self._error = {}, f"{self.path}: {exc}"
+            self._stamp = stamp
+        return self._peers, self._error
+
+    def refusal(self, members: Mapping[str, bytes]) -> str | None:
+        """Why a plan whose peers are ``members`` (site id -> identity key from this site's
+        ``[peers]``) is refused: the first revoked member, or no usable list; None otherwise."""
+        revoked, error = self._current()
+        if error is not None:
+            return f"peer revocation status unknown: {error}"
+        for _, key in sorted(members.items()):
+            if key in revoked:
+                return revoked[key].describe()
+        return None
 
 
 class RevocationList:

@@ -159,6 +159,23 @@ def test_a_certificate_from_another_ca_is_refused(setup: Setup) -> None:
         import_bundle(setup.kit, rogue.site_dirs["h1"], roster_fingerprint=published)
 
 
+def test_the_bundles_revocation_list_is_installed_only_if_the_ca_signed_it(setup: Setup) -> None:
+    """M-178: the bundle's crl.pem is the CA's list; the import installs it as ``[tls] crl``,
+    and refuses one another CA signed (nothing installed)."""
+    import_bundle(setup.kit, setup.bundle)
+    config = load_client_config(setup.kit / "client.toml")
+    assert config.tls.crl == setup.kit / "crl.pem"
+    assert (setup.kit / "crl.pem").read_bytes() == (setup.bundle / "crl.pem").read_bytes()
+    request = setup.kit / "h1.request.json"
+    server, _ = init_server_kit(setup.tmp / "rogue-server", hosts=["localhost"], port=6001)
+    rogue = _sign(setup.tmp, "rogue-ca", [server, request])
+    (setup.bundle / "crl.pem").write_bytes((rogue.site_dirs["h1"] / "crl.pem").read_bytes())
+    before = (setup.kit / "crl.pem").read_bytes()
+    with pytest.raises(KitError, match=r"crl\.pem: the revocation list"):
+        import_bundle(setup.kit, setup.bundle)
+    assert (setup.kit / "crl.pem").read_bytes() == before
+
+
 def test_a_certificate_for_another_key_or_site_is_refused(setup: Setup) -> None:
     ca = pki.CertifiedKey(
         certificate=pki.load_certificate_pem((setup.tmp / "ca" / "ca.pem").read_bytes()),

@@ -53,6 +53,7 @@ def test_layout_and_private_file_modes(federation: ProvisionedFederation) -> Non
         assert sorted(p.name for p in kit.iterdir()) == [
             "ca.pem",
             "client.toml",
+            "crl.pem",
             "identity.key",
             "roster.json",
             "site.key",

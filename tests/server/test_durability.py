@@ -258,20 +258,12 @@ def test_a_full_disk_is_resource_exhausted_with_a_reason(
     assert coordinator.store.uploads(view.round_id) == {}
 
 
-@pytest.mark.parametrize("days", [0.0, 7.0])
-def test_payloads_of_a_finished_run_follow_the_retention_setting(
-    federation: Any, tmp_path: Path, days: float
-) -> None:
-    now = [1_000_000.0]
-    config = load_config(federation.server_dir / "server.toml")
-    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=days)
+def _published_run(federation: Any, config: Any, now: list[float]) -> tuple[Coordinator, Any]:
+    """A coordinator on ``config`` whose clock reads ``now[0]``, and the round of its run, which
+    every site accepted and uploaded to (published)."""
     key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
-    coordinator = Coordinator(
-        config,
-        Store(config.state_dir, federation_id=config.federation_id),
-        key,
-        clock=lambda: now[0],
-    )
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    coordinator = Coordinator(config, store, key, clock=lambda: now[0])
     for site in SITES:
         enrol(coordinator, federation, site)
     view = coordinator.find("")
@@ -280,7 +272,18 @@ def test_payloads_of_a_finished_run_follow_the_retention_setting(
     for site in SITES:
         for release in coordinator.find("").releases:
             _upload(coordinator, site, view.round_id, release.name, bytes(8 * release.length))
-    assert coordinator.store.runs()[0].state == "published"
+    assert store.runs()[0].state == "published"
+    return coordinator, view
+
+
+@pytest.mark.parametrize("days", [0.0, 7.0])
+def test_payloads_of_a_finished_run_follow_the_retention_setting(
+    federation: Any, tmp_path: Path, days: float
+) -> None:
+    now = [1_000_000.0]
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=days)
+    coordinator, view = _published_run(federation, config, now)
     folder = config.state_dir / "payloads" / view.round_id
     assert folder.exists() == (days > 0)
     now[0] += days * 86400 + 120
@@ -342,3 +345,38 @@ def test_a_schema_1_state_becomes_the_first_run(federation: Any, tmp_path: Path)
     runs = coordinator.store.runs()
     assert runs[0].state == "aborted" and runs[0].reason == "refused"
     assert coordinator.store.rounds("run-1")[0].round_id == "r1-old"
+
+
+def test_reports_of_a_finished_run_are_erased_after_reports_days_with_their_digests(
+    federation: Any, tmp_path: Path
+) -> None:
+    """M-174: ``[retention] reports_days`` erases the sites' round reports of a run that ended
+    that long ago; one "reports-deleted" audit record lists each by the SHA-256 computed here,
+    the chain still verifies, and no byte of them stays in the database files."""
+    now = [1_000_000.0]
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, state_dir=tmp_path / "state", report_retention_days=7.0)
+    coordinator, view = _published_run(federation, config, now)
+    store = coordinator.store
+    reports = {site: f"round report of {site}: MARKER-{site}-0123456789".encode() for site in SITES}
+    for site, report in reports.items():
+        store.put_report(view.round_id, site, report, audit={"site_id": site})
+    database = [config.state_dir / DB_NAME, config.state_dir / f"{DB_NAME}-wal"]
+
+    def on_disk(marker: bytes) -> bool:
+        return any(marker in p.read_bytes() for p in database if p.exists())
+
+    assert on_disk(b"MARKER-" + SITES[0].encode())
+    now[0] += 6 * 86400
+    coordinator.tick()
+    assert store.reports(view.round_id) == reports  # not yet 7 days
+    now[0] += 86400 + 120
+    coordinator.tick()
+    assert store.reports(view.round_id) == {}
+    (detail,) = [d for _, event, d, *_ in store.audit_entries() if event == "reports-deleted"]
+    assert detail["reports"] == [
+        {"round_id": view.round_id, "site_id": s, "sha256": hashlib.sha256(r).hexdigest()}
+        for s, r in sorted(reports.items())
+    ]
+    assert store.verify_audit_chain()
+    assert not any(on_disk(b"MARKER-" + s.encode()) for s in SITES)  # secure_delete + VACUUM

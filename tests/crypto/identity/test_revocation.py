@@ -12,7 +12,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from afl.crypto.identity import pki
-from afl.crypto.identity.revocation import RevocationList, issue_crl, load_crl, revoked_serials
+from afl.crypto.identity.revocation import (
+    PeerRevocations,
+    RevocationList,
+    RevokedPeer,
+    issue_crl,
+    load_crl,
+    revoked_peers,
+    revoked_serials,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +62,27 @@ def test_the_list_names_a_revoked_certificate_and_fails_closed(
     path.write_bytes(issue_crl(ca, revoked={serial: dt.datetime.now(dt.UTC)}))
     assert f"serial {serial:x}" in str(checker.refusal(site))  # read again: no restart
     assert checker.refusal(other) is None
+
+
+def test_an_entry_names_its_peer_and_a_site_refuses_that_identity_key(
+    ca: pki.CertifiedKey, tmp_path: Path
+) -> None:
+    """M-178: the entry's signed extension carries the site id and identity key; the site's
+    PeerRevocations refuses a member with that key (not merely that name: a re-keyed site takes
+    part again), names it and the revocation, and fails closed without a verified list."""
+    when = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.UTC)
+    old_key, new_key = bytes(range(32)), bytes(range(1, 33))
+    pem = issue_crl(ca, revoked={9: when, 10: when}, peers={9: ("h2", old_key)})
+    peers = revoked_peers(load_crl(pem, ca_certificate=ca.certificate))
+    assert peers == {9: RevokedPeer("h2", old_key, 9, when)}  # entry 10 names nobody
+    path = tmp_path / "crl.pem"
+    checker = PeerRevocations(path, ca_certificate_pem=ca.certificate_pem())
+    assert "status unknown" in str(checker.refusal({"h1": new_key}))  # no list: refuse
+    path.write_bytes(pem)
+    refusal = checker.refusal({"h1": new_key, "h2": old_key})
+    assert refusal is not None and refusal.startswith("peer 'h2' is revoked")
+    assert "serial 9" in refusal and "2026-03-04T05:06:07" in refusal
+    assert checker.refusal({"h1": bytes(32), "h2": new_key}) is None  # h2 re-keyed
+    forged = pki.create_ca(common_name="afl federation CA test")
+    path.write_bytes(issue_crl(forged, revoked={}))
+    assert "status unknown" in str(checker.refusal({"h1": bytes(32)}))
