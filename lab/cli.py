@@ -60,6 +60,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", "afl.ops.verify_log_cmd"),
     (
+        "log",
+        "the federation log: export, show, verify checkpoints and cosignatures, prove inclusion",
+        "afl.ops.fedlog",
+    ),
+    (
         "report",
         "a self-contained HTML report: `afl simulate` results, or an `afl export` folder",
         "afl.lab.report.cmd",

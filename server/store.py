@@ -1076,6 +1076,13 @@ class Store:
             row = self._db.execute(f"{query} WHERE size = ?", (size,)).fetchone()
         return None if row is None else (int(row[0]), bytes(row[1]), bytes(row[2]))
 
+    def log_checkpoints(self) -> list[tuple[int, bytes, bytes]]:
+        """(size, root, signature) of every signed checkpoint, by size."""
+        rows = self._db.execute(
+            "SELECT size, root, signature FROM log_checkpoints ORDER BY size"
+        ).fetchall()
+        return [(int(r[0]), bytes(r[1]), bytes(r[2])) for r in rows]
+
     def put_log_cosignature(
         self, *, size: int, root: bytes, witness: str, signature: bytes
     ) -> None:

@@ -3,8 +3,8 @@
 Each entry point runs in its own Python process exactly as its console script runs it; at exit
 the process writes the names in ``sys.modules``, and the test checks that none of the heavy
 packages a command does not need was loaded: torch, torchvision, scikit-learn, scipy, matplotlib
-and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``) and
-status commands; torch, torchvision, scikit-learn, matplotlib and TenSEAL for the coordinator
+and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``,
+``afl log``) and status commands; torch, torchvision, scikit-learn, matplotlib and TenSEAL for the coordinator
 daemon of a federation that does not use CKKS (scipy solves its rounds, TenSEAL only serves CKKS).
 A module-level import of any of them on one of these paths fails here, naming the command.
 """
@@ -129,6 +129,8 @@ def _commands(federation: ProvisionedFederation) -> list[list[str]]:
         ["afl", "admin", "--config", admin, "ls"],
         ["afl", "admin", "--config", admin, "status", "run-1"],
         ["afl", "verify-log", str(federation.server_dir / "state")],
+        ["afl", "log", "export", "--config", server_toml, "--out", str(federation.root / "l.json")],
+        ["afl", "log", "verify", str(federation.root / "l.json")],
     ]
 
 
