@@ -202,7 +202,9 @@ class LogWitness:
             raise DaemonError(f"the coordinator's log checkpoint is refused: {exc}") from exc
         self.last = offered
         self._save()  # before the cosignature leaves
-        call("CosignCheckpoint", wire.cosignature_to_proto(cosignature))
+        mine = wire.cosignature_to_proto(cosignature)
+        call("CosignCheckpoint", mine)
+        answer.cosignatures.append(mine)  # counted at once, as the coordinator now holds it
         log.info(
             "site=%s cosigned log checkpoint %s",
             self.site_id,
