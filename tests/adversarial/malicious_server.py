@@ -357,11 +357,12 @@ def _split_view() -> None:
             cosigs = tuple(forged_cosigs.get((n, root), {}).values())
         return _cosigned_to_proto(CosignedCheckpoint(signed, cosigs))
 
-    def log_consistency(self: Coordinator, site_id: str, old: int, new: int) -> Any:
+    def log_consistency(self: Coordinator, site_id: str, old_size: int, new_size: int) -> Any:
         if site_id not in SPLIT_GROUP or shown.get(site_id, 0) > 3 or not shown.get(site_id):
-            return honest_consistency(self, site_id, old, new)
+            return honest_consistency(self, site_id, old_size, new_size)
         with self.lock:
-            return pb.LogProof(hashes=consistency_proof(forged_leaves(self.log, new), old))
+            leaves = forged_leaves(self.log, new_size)
+            return pb.LogProof(hashes=consistency_proof(leaves, old_size))
 
     def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> None:
         from afl.crypto.transparency.checkpoint import Cosignature

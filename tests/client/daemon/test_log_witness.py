@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
-from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.errors import InvalidRequestError
-from afl.server.store import Store
-from afl.server.transparency import FederationLog
+from tests.helpers.fedlog import LogService
 
 FED = "fed-witness"
 COORDINATOR = generate_identity_key()
@@ -31,58 +26,11 @@ SITES = {f"site-{i}": generate_identity_key() for i in (1, 2, 3)}
 ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
 
 
-class FakeCoordinator:
-    """The log RPCs answered by a real FederationLog (no transport)."""
-
-    def __init__(self, state: Path) -> None:
-        self.store = Store(state, federation_id=FED)
-        self.log = FederationLog(self.store, key=COORDINATOR, federation_id=FED)
-        self.cosigned: list[str] = []
-        self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
-        self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
-
-    def call(self, what: str, request: Any) -> Any:
-        if what == "GetCheckpoint":
-            if self.offer is not None:
-                return self.offer()
-            found = self.log.checkpoint()
-            return pb.CosignedLogCheckpoint(
-                checkpoint=wire.checkpoint_to_proto(found.signed),
-                cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
-            )
-        if what == "GetConsistencyProof":
-            return pb.LogProof(hashes=self.log.consistency(request.old_size, request.new_size))
-        if what == "GetInclusionProof":
-            try:
-                index, path = self.log.inclusion(
-                    leaf=request.leaf_hash, index=request.index, size=request.size
-                )
-            except InvalidRequestError as exc:
-                raise DaemonError(str(exc)) from exc
-            return pb.LogProof(index=index, hashes=path)
-        if what == "CosignCheckpoint":
-            self.on_cosign(request)
-            self.log.cosign(
-                request.witness, size=request.size, root=request.root, signature=request.signature
-            )
-            self.cosigned.append(request.witness)
-            return None
-        raise AssertionError(what)
-
-    def enrol_all(self) -> None:
-        from afl.server.store import EnrolmentRow
-
-        for site, key in ROSTER.items():
-            row = EnrolmentRow(site, key, "participant", ("a",), "bb", 4)
-            self.store.put_enrolment(row, software_version="t")
-
-    def publish_plan(self, round_id: str, plan: bytes) -> bytes:
-        self.store.create_round(
-            round_id=round_id, run_id="run-1", number=1, parent_round_id="", stage=1,
-            participants=list(SITES), deadline_ms=0,
-        )  # fmt: skip
-        self.store.update_round(round_id, stage=2, deadline_ms=0, plan=plan, plan_signature=b"s")
-        return hashlib.sha256(plan).digest()
+def _coordinator(state: Path) -> LogService:
+    service = LogService(state, key=COORDINATOR, federation_id=FED)
+    for site, key in ROSTER.items():
+        service.enrol(site, key)
+    return service
 
 
 def _witness(state: Path, site: str = "site-1", quorum: int = 0) -> LogWitness:
@@ -98,8 +46,7 @@ def _witness(state: Path, site: str = "site-1", quorum: int = 0) -> LogWitness:
 
 
 def test_the_cosigned_checkpoint_is_on_disk_before_the_cosignature_leaves(tmp_path: Path) -> None:
-    coordinator = FakeCoordinator(tmp_path / "server")
-    coordinator.enrol_all()
+    coordinator = _coordinator(tmp_path / "server")
     witness = _witness(tmp_path / "site")
 
     def on_disk(request: pb.LogCosignature) -> None:
@@ -116,8 +63,7 @@ def test_the_cosigned_checkpoint_is_on_disk_before_the_cosignature_leaves(tmp_pa
 
 
 def test_a_split_view_keeps_both_checkpoints_and_stops(tmp_path: Path) -> None:
-    coordinator = FakeCoordinator(tmp_path / "server")
-    coordinator.enrol_all()
+    coordinator = _coordinator(tmp_path / "server")
     witness = _witness(tmp_path / "site")
     honest = witness.witness(coordinator.call).checkpoint
     other = sign_checkpoint(COORDINATOR, Checkpoint(FED, honest.size, leaf_hash(b"other")))
@@ -138,8 +84,7 @@ def test_a_split_view_keeps_both_checkpoints_and_stops(tmp_path: Path) -> None:
 
 
 def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path: Path) -> None:
-    coordinator = FakeCoordinator(tmp_path / "server")
-    coordinator.enrol_all()
+    coordinator = _coordinator(tmp_path / "server")
     plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
     site1 = _witness(tmp_path / "s1")
 
