@@ -559,7 +559,10 @@ class ClientDaemon:
         graph_nonce = b""
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             if decision.accept:  # only a plan the federation log holds under a quorum
+                t0 = time.perf_counter()
                 decision = self._logged(cfg, plan_sha, decision)
+                timings["log_witness"] = time.perf_counter() - t0
+                report.plan = plan_summary(cfg, plan, decision, plan_sha)
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
                 graph_nonce = new_graph_nonce()
             self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
