@@ -98,6 +98,7 @@ CREATE TABLE IF NOT EXISTS audit_log (
 CREATE TABLE IF NOT EXISTS fedlog (
     idx INTEGER PRIMARY KEY, kind TEXT NOT NULL, entry BLOB NOT NULL, leaf BLOB NOT NULL,
     time_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS fedlog_leaf ON fedlog (leaf);
 CREATE TRIGGER IF NOT EXISTS fedlog_no_update BEFORE UPDATE ON fedlog
     BEGIN SELECT RAISE(ABORT, 'the federation log is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS fedlog_no_delete BEFORE DELETE ON fedlog

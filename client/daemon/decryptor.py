@@ -50,7 +50,7 @@ from numpy.typing import NDArray
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
-from afl.client.daemon.transparency import LogWitness, SplitViewDetected
+from afl.client.daemon.transparency import IDLE_WITNESS_S, LogWitness, SplitViewDetected
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     CoordinatorRefused,
@@ -347,10 +347,10 @@ class DecryptorDaemon:
         self._witnessed_at = 0.0
 
     def witness(self) -> None:
-        """Cosign the log's newest checkpoint (at most every ``max_poll_interval_s``); a split
+        """Cosign the log's newest checkpoint (at most every :data:`IDLE_WITNESS_S`); a split
         view stops the decryptor (:class:`SplitViewDetected`)."""
         now = time.monotonic()
-        if now - self._witnessed_at < self.config.timing.max_poll_interval_s:
+        if now - self._witnessed_at < IDLE_WITNESS_S:
             return
         self._witnessed_at = now
         self.log_witness.witness(self._rpc().call)

@@ -36,7 +36,12 @@ from afl.client.daemon.evaluation import (
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
-from afl.client.daemon.transparency import LogWitness, SplitViewDetected
+from afl.client.daemon.transparency import (
+    IDLE_WITNESS_S,
+    QUORUM_POLL_S,
+    LogWitness,
+    SplitViewDetected,
+)
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
@@ -315,18 +320,20 @@ class ClientDaemon:
             round_id=cfg.round_id,
             plan_sha256=plan_sha,
             wait_s=float(cfg.stage_timeout_s or t.upload_timeout_s),
-            poll_s=t.poll_interval_s,
+            # The quorum's cosignatures arrive within moments of this site's own: poll briefly
+            # at first (a few small RPCs), then back off.
+            poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
             max_poll_s=t.max_poll_interval_s,
         )
         return PolicyDecision(False, problem) if problem else decision
 
     def _observe(self, response: pb.StatusResponse) -> None:
         """Every status answer: the restore check (:class:`Witness`), and, at most every
-        ``max_poll_interval_s``, witnessing the log's newest checkpoint (so that a quorum
+        :data:`IDLE_WITNESS_S`, witnessing the log's newest checkpoint (so that a quorum
         gathers while sites outside the round wait). A split view stops the site."""
         self.witness.observe(response)
         now = time.monotonic()
-        if now - self._witnessed_at < self.config.timing.max_poll_interval_s:
+        if now - self._witnessed_at < IDLE_WITNESS_S:
             return
         self._witnessed_at = now
         self.log_witness.restore_acknowledged(self.witness.acknowledged)

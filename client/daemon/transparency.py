@@ -49,6 +49,8 @@ from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "EVIDENCE_DIR",
+    "IDLE_WITNESS_S",
+    "QUORUM_POLL_S",
     "WITNESS_STATE",
     "LogWitness",
     "SplitViewDetected",
@@ -59,6 +61,12 @@ __all__ = [
 
 log = logging.getLogger("afl.client")
 WITNESS_STATE = "log-witness.json"
+#: How often a site that waits for a round witnesses the newest checkpoint (seconds): often
+#: enough that a plan over a minority of the roster gathers its quorum within a few polls, rarely
+#: enough that hundreds of idle sites do not keep the coordinator busy with cosignatures.
+IDLE_WITNESS_S = 5.0
+#: The first wait for the quorum's cosignatures (seconds; it grows by half each poll).
+QUORUM_POLL_S = 0.05
 EVIDENCE_DIR = "log-evidence"
 Call = Callable[[str, Any], Any]
 
