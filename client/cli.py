@@ -416,6 +416,11 @@ def run_init(args: argparse.Namespace) -> int:
         print(
             f"  {imported.config.name}: the operator's template (client.toml kept; merge by hand)"
         )
+    else:
+        print(
+            "  client.toml: [policy] written with the production defaults (DP required, "
+            "lifetime ε 10; docs/operations.md §3.4)"
+        )
     print("  next: set [data] in client.toml and review [policy] (docs/operations.md §3)")
     return 0
 
@@ -613,6 +618,43 @@ def run_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_offboard_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "This site leaves the federation: erase (overwrite, then unlink) its statistics "
+        "(state_dir/stats/) and its feature caches ([data] cache and holdout), and write a record "
+        "of every file deleted (SHA-256, size) to state_dir/offboarding/. The DP ledger, history, "
+        "reports, models and the kit are kept (docs/operations.md §10.1). Stop the daemon first."
+    )
+    p.add_argument("--config", required=True, help="client.toml of the site")
+    p.add_argument("--keep-cache", action="store_true", help="keep the feature caches")
+    p.add_argument("--yes", action="store_true", help="delete (without it: list only, exit 2)")
+
+
+def run_offboard(args: argparse.Namespace) -> int:
+    from afl.client.config import ConfigError, load_client_config
+    from afl.client.offboard import OffboardError, offboard_site, planned_deletions
+
+    try:
+        config = load_client_config(args.config)
+        targets = planned_deletions(config, keep_cache=args.keep_cache)
+        if not args.yes:
+            listed = ", ".join(str(t) for t in targets) or "nothing"
+            print(
+                f"afl-client offboard: would erase {listed}; add --yes to delete",
+                file=sys.stderr,
+            )
+            return 2
+        done = offboard_site(config, keep_cache=args.keep_cache)
+    except (ConfigError, OffboardError, OSError) as exc:
+        print(f"afl-client offboard: error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"site {config.site_id}: {done.deleted} file(s), {done.bytes} bytes erased; record "
+        f"{done.record} (the DP ledger, history, reports and models are kept)"
+    )
+    return 0
+
+
 SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Handler]] = [
     (
         "init",
@@ -666,6 +708,12 @@ SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Han
         add_budget_arguments,
         run_budget,
     ),
+    (
+        "offboard",
+        "this site leaves: erase its statistics and feature caches, with a record",
+        add_offboard_arguments,
+        run_offboard,
+    ),
 ]
 # Subcommands that never import torch (they handle their own errors).
 _LIGHT = (
@@ -675,6 +723,7 @@ _LIGHT = (
     "doctor",
     "status",
     "budget",
+    "offboard",
 )  # "evaluate" and "predict" import torch
 
 
@@ -694,6 +743,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "insecure", False):
+        from afl.core.devmode import insecure_refusal
+
+        refusal = insecure_refusal(f"afl-client {args.command}")
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
     if args.command in _LIGHT:  # they handle their errors; no torch import on their path
         code: int = args.handler(args)
         return code

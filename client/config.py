@@ -72,6 +72,7 @@ _KNOWN: dict[str, set[str]] = {
         "decrypt_max_rows",
         "witness_quorum",
         "decrypt_max_row_norm",
+        "profile",
     },
 }
 #: Sections whose unknown keys are errors, not warnings: a misspelt protection setting
@@ -125,6 +126,9 @@ class LocalPolicy:
     decrypt_max_rows: int = 0
     decrypt_max_row_norm: float = 0.0
     witness_quorum: int = 0  # 0: a majority of the roster (docs/protocol.md §11a, M-193)
+    #: "production" (written by ``afl-client init --import``), "development" (``afl provision``
+    #: demo kits) or "" (not said); informational: `afl-client doctor` prints it.
+    profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -301,7 +305,17 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
         witness_quorum=r.integer(sec, "policy", "witness_quorum", 0, minimum=0),
         decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
+        profile=_profile(r, sec),
     )
+
+
+def _profile(r: _Reader, sec: Mapping[str, Any]) -> str:
+    if "profile" not in sec:
+        return ""
+    value = r.string(sec, "policy", "profile")
+    if value not in ("production", "development"):
+        raise r.error("policy.profile", f"must be 'production' or 'development', got {value!r}")
+    return value
 
 
 def _row_bounds(r: _Reader, sec: Mapping[str, Any], modes: list[str], *, dp: float) -> bool:

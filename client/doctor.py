@@ -15,7 +15,9 @@ doctor checks, in order:
   labelled class its positives and negatives (a class without both is skipped at this site);
 * the values masked rounds use: N and the largest feature-row norm L, measured and as declared
   (powers of two, :mod:`afl.core.row_bounds`), with the Gram and class-vector bounds they give;
-* the state folder is writable.
+* the state folder is writable;
+* the effective ``[policy]`` (one line) and, as a WARNING, every value less protective than the
+  production defaults (:mod:`afl.client.policy.defaults`).
 
 Exit status 0 when nothing is a PROBLEM, else 1 (2 when client.toml itself cannot be loaded).
 status prints the local state (last report, last model) and the coordinator's view (with the
@@ -36,6 +38,7 @@ from afl.client.config import ClientConfig
 from afl.client.connectivity import probe
 from afl.client.daemon.transport import INSECURE_SITE_HEADER, open_channel
 from afl.client.payloads.stats import PayloadError, labelled_mask
+from afl.client.policy.defaults import permissive_settings, policy_summary
 from afl.core.data.featurecache import FeatureCache, FeatureCacheError, open_cache
 from afl.core.row_bounds import measure
 from afl.crypto.identity import pki
@@ -204,6 +207,16 @@ def _bounds(config: ClientConfig, cache: FeatureCache) -> Finding:
     )
 
 
+def _policy(config: ClientConfig) -> list[Finding]:
+    """The effective [policy] in one line, and one WARNING naming every permissive value."""
+    out = [Finding(OK, policy_summary(config.policy))]
+    loose = permissive_settings(config.policy)
+    if loose:
+        kit = " (a development kit)" if config.policy.profile == "development" else ""
+        out.append(Finding(WARNING, f"permissive [policy]{kit}: {'; '.join(loose)}"))
+    return out
+
+
 def _state(config: ClientConfig) -> Finding:
     folder = config.state_dir
     parent = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
@@ -218,6 +231,7 @@ def doctor(config: ClientConfig, *, insecure: bool = False, connect: bool = True
     out.append(
         Finding(OK, f"config {config.path}: site {config.site_id}, server {config.server_address}")
     )
+    out += _policy(config)
     if not insecure:
         out += _kit(config)
     if connect:

@@ -21,7 +21,10 @@ Step 2, :func:`import_bundle`: the operator's folder for this site (``ca.pem``, 
   and the kit's; a template naming a setting this check does not know is refused.
 
 Then ``ca.pem``, ``site.pem``, ``roster.json`` and ``client.toml`` are written into the kit (an
-existing ``client.toml`` is kept, and the template goes to ``client.toml.new``).
+existing ``client.toml`` is kept, and the template goes to ``client.toml.new``). A new
+``client.toml`` is the template plus the site's own production ``[policy]``
+(:func:`afl.client.policy.defaults.production_policy_toml`: protective values, the roster's
+decryptor pinned), written by this software, not by the operator.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 
 from afl.client.config import ClientConfig, ConfigError, TlsPaths, load_client_config
+from afl.client.policy.defaults import production_policy_toml
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import custody, pki, signatures
 
@@ -254,9 +258,16 @@ def import_bundle(
     except KitError:
         staged.unlink(missing_ok=True)
         raise
+    # A new client.toml gets the site's own protective [policy] (M-171), written here by the
+    # site's software, never taken from the operator's template.
+    decryptors = sorted(s for s, e in roster.sites.items() if e.role == "decryptor")
+    policy = production_policy_toml(ckks_decryptor=decryptors[0] if decryptors else None)
+    installed = template + policy.encode()
     target = kit / "client.toml"
-    if target.exists() and target.read_bytes() != template:
+    if target.exists() and target.read_bytes() != installed:
         target = kit / "client.toml.new"  # keep the site's own [data] and [policy]
+    else:
+        _write_public(staged, installed)
     staged.replace(target)
     _write_public(kit / ROSTER, roster_bytes)
     return ImportedKit(roster, request, target, target.name != "client.toml")

@@ -402,14 +402,14 @@ class FlowerSite(ClientDaemon, FlowerSteps):
         status = self.rpc.status().round
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef())
         rid = check_round_id(status.round_id)  # it names files, as in the daemon
-        if rid in self.store.uploaded_rounds():  # a replayed round: its sums may be released
+        replay = self.store.uploads.refusal(  # the daemon's rule (afl.client.policy.uploads)
+            rid,
+            already_complete=status.caller_uploads_complete,
+            reported=self.store.reported_rounds(),
+        )
+        if replay:  # a replayed round: its sums may be released
             # No report is written: the one of the round the site took part in stays on record.
-            log.warning(
-                "site=%s REFUSED round %s: this site already sent its statistics to it; "
-                "a site takes part in a round once",
-                self.site_id,
-                rid,
-            )
+            log.warning("site=%s REFUSED round %s: %s", self.site_id, rid, replay)
             session.step = "end"
             return Gate("end"), ()
         session.round_id, session.started = rid, time.time()
@@ -453,6 +453,7 @@ class FlowerSite(ClientDaemon, FlowerSteps):
         report.timings_s["wait_upload_stage"] = time.time() - session.started
         payloads = self.payloads(cfg, plan, mode, report)
         self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
+        payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         session.exchange_started = time.time()
         round_session = self._session(session, plan, plan_sha)
         report.uploads = []
@@ -464,6 +465,7 @@ class FlowerSite(ClientDaemon, FlowerSteps):
             round_session, payloads, already_complete=set(status.caller_uploads_complete)
         )
         report.sent(records)
+        self.store.uploads.finish(session.round_id)
         return self._await_model(session)
 
     def _mask(self, session: Session) -> Next:
@@ -481,6 +483,7 @@ class FlowerSite(ClientDaemon, FlowerSteps):
         session.mask_step += 1
         if session.mask_step == len(MASK_STEPS):
             session.secagg = None  # the round's secrets are not kept past its last message
+            self.store.uploads.finish(rid)
             return self._await_model(session)
         following = MASK_STEPS[session.mask_step]
         return _await(rid, following.stage, get(following.get, cpb.RoundRef(round_id=rid)))

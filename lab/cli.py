@@ -16,6 +16,7 @@ from afl.core.aggregation import AggregationError
 from afl.core.data.assignment import AssignmentError
 from afl.core.data.featurecache import FeatureCacheError
 from afl.core.data.nih import NihMetadataError
+from afl.core.devmode import insecure_refusal
 from afl.core.labels import LabelError
 
 # Errors caused by what the user gave us: one clear line, exit status 2, no traceback.
@@ -110,6 +111,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(words).parse_args(words)
+    refusal = insecure_refusal(f"afl {args.command}") if getattr(args, "insecure", False) else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         code: int = args.func(args)
     except USER_ERRORS as exc:

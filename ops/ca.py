@@ -6,6 +6,7 @@
     afl ca sign --ca CA_DIR --out OUT REQUEST.json ... [passphrase]   offline CA machine
     afl ca admin-kit --ca CA_DIR --roster OUT/roster.json --name NAME --out DIR [passphrase]
                                                                       the operator's admin kit
+    afl ca revoke --ca CA_DIR --out OUT SITE|--cert FILE [passphrase] offline CA machine
 
 The CA key's passphrase comes from ``--passphrase-file FILE`` (its first line),
 ``--passphrase-env VAR``, or a prompt on a terminal; ``afl ca init --no-passphrase`` stores the
@@ -20,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from afl.crypto.identity import custody
+from afl.crypto.identity import custody, pki
 from afl.crypto.identity.custody import CustodyError
 from afl.crypto.identity.pki import PkiError
 from afl.ops.provisioning import (
@@ -30,6 +31,7 @@ from afl.ops.provisioning import (
     init_ca,
     init_server_kit,
     load_ca,
+    revoke_certificate,
     sign_requests,
     write_admin_kit,
 )
@@ -131,7 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sign.add_argument("requests", nargs="+", metavar="REQUEST.json", help="request files")
     sign.add_argument("--ca", required=True, metavar="CA_DIR", help="the folder of `afl ca init`")
     sign.add_argument("--out", required=True, help="folder for the public bundles")
-    sign.add_argument("--valid-days", type=int, default=825, help="certificate validity (days)")
+    sign.add_argument(
+        "--valid-days", type=int, default=pki.LEAF_VALID_DAYS, help="certificate validity (days)"
+    )
     sign.add_argument("--force", action="store_true", help="replace existing bundles in --out")
     _passphrase_options(sign, allow_none=False)
 
@@ -147,6 +151,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     admin.add_argument("--name", default="operator", help="the admin's name")
     admin.add_argument("--out", required=True, metavar="DIR", help="folder for the admin kit")
     _passphrase_options(admin, allow_none=False)
+
+    revoke = sub.add_parser(
+        "revoke",
+        help="revoke a site's (or any) certificate: add it to the CA's revocation list",
+        description="Add the certificate of SITE (OUT/sites/SITE/site.pem) or of --cert FILE to "
+        "OUT/server/crl.pem, signed again with the CA key (entries already listed stay). Copy "
+        "crl.pem into the coordinator's kit: from then on every call with that certificate is "
+        "refused (no restart needed). Offboarding and rotation: docs/operations.md §12.",
+    )
+    revoke.add_argument("site", nargs="?", default=None, metavar="SITE", help="the site id")
+    revoke.add_argument("--cert", default=None, metavar="FILE", help="a certificate file instead")
+    revoke.add_argument("--ca", required=True, metavar="CA_DIR", help="the folder of `afl ca init`")
+    revoke.add_argument("--out", required=True, help="the folder `afl ca sign` wrote")
+    _passphrase_options(revoke, allow_none=False)
 
 
 def _error(args: argparse.Namespace, message: object) -> int:
@@ -176,6 +194,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"  fingerprint: {request.fingerprint}")
             return 0
         encrypted = ca_key_is_encrypted(args.ca)
+        if args.ca_command == "revoke":
+            done = revoke_certificate(
+                args.ca,
+                args.out,
+                passphrase=_passphrase(args, confirm=False) if encrypted else None,
+                site=args.site,
+                certificate=args.cert,
+            )
+            print(f"revoked {done.subject} (serial {done.serial:x}): {done.crl_path}")
+            print(f"  {done.revoked} certificate(s) listed; copy it into the coordinator's kit")
+            return 0
         if args.ca_command == "admin-kit":
             ca, _ = load_ca(
                 args.ca, passphrase=_passphrase(args, confirm=False) if encrypted else None

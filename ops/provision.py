@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from afl.crypto.identity import pki
 from afl.crypto.identity.pki import PkiError
 from afl.ops.provisioning import DEFAULT_PORT, ProvisioningError, provision
 
@@ -57,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a site refuses any plan that shows the coordinator its statistics in the clear)",
     )
     parser.add_argument(
-        "--valid-days", type=int, default=825, help="validity of server and site certificates"
+        "--valid-days",
+        type=int,
+        default=pki.LEAF_VALID_DAYS,
+        help="validity of server and site certificates",
     )
     parser.add_argument(
         "--force",

@@ -15,7 +15,8 @@ Production (M-70): every party makes its own keys where it runs and the operator
 
        roster.json              federation id, server address, CA certificate, server identity key,
                                 every site's identity key and role (afl.crypto.identity.custody.Roster)
-       server/                  ca.pem, server.pem, server.toml ([sites] from the requests), roster.json
+       server/                  ca.pem, server.pem, server.toml ([sites] from the requests), roster.json,
+                                crl.pem (the CA's revocation list: empty, or kept from before)
        sites/<id>/              ca.pem, site.pem, client.toml (template, no [policy]), roster.json
 
    The operator copies ``server/`` into the coordinator's kit and sends each site its folder;
@@ -30,7 +31,7 @@ Layout written under ``out_dir``::
     ca.key           0600    CA private key
     roster.json              the roster (as above)
     server/          0700    ca.pem, server.pem, server.key (0600), identity.key (0600), server.toml,
-                             roster.json
+                             roster.json, crl.pem
     admins/<name>/   0700    ca.pem, admin.pem, admin.key (0600), admin.toml (for `afl admin`)
     sites/<id>/      0700    ca.pem, site.pem, site.key (0600), identity.key (0600), client.toml,
                              roster.json
@@ -54,7 +55,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import InvalidSignature
+
 from afl.crypto.identity import custody, pki
+from afl.crypto.identity.revocation import CRL_NAME, issue_crl, load_crl, revoked_serials
 from afl.server import toml_text
 from afl.server.config import round_template
 
@@ -62,6 +66,7 @@ __all__ = [
     "IssuedFederation",
     "ProvisionedFederation",
     "ProvisioningError",
+    "Revocation",
     "SignedFederation",
     "ca_key_is_encrypted",
     "init_ca",
@@ -69,6 +74,7 @@ __all__ = [
     "issue_federation",
     "load_ca",
     "provision",
+    "revoke_certificate",
     "sign_requests",
     "write_admin_kit",
 ]
@@ -143,7 +149,8 @@ def _server_toml(
 ) -> str:
     document: dict[str, toml_text.TomlValue] = {
         "server": {"federation_id": federation_id, "listen": listen, "state_dir": "state"},
-        "tls": {"ca_cert": "ca.pem", "cert": "server.pem", "key": "server.key"},
+        # crl: the CA's revocation list (afl ca revoke); a listed certificate is refused.
+        "tls": {"ca_cert": "ca.pem", "cert": "server.pem", "key": "server.key", "crl": CRL_NAME},
         "identity": {"key": "identity.key", "public_key": server_public.hex()},
         "sites": {
             site: {"identity_public_key": key.hex(), "role": roles[site]}
@@ -197,6 +204,8 @@ def _client_toml(
     }
     if policy is not None:
         document["policy"] = {
+            # Demo and tests: permissive (no DP budget, bounds disclosed); doctor lists it.
+            "profile": "development",
             "min_cohort": 3,
             "allow_exposure": False,
             "max_epsilon": math.inf,
@@ -207,6 +216,11 @@ def _client_toml(
         "Paths are relative to this file's folder. site.key and identity.key are secrets.\n"
         "Site IT: set [data] (feature cache, the classes this site labels); review or add [policy]."
     )
+    if policy is not None:
+        header += (
+            "\nDEVELOPMENT KIT (afl provision, demo and tests): its [policy] is permissive (no DP "
+            "budget, row bounds disclosed); never use it with real data."
+        )
     return toml_text.dumps(document, header=header)
 
 
@@ -229,7 +243,7 @@ def issue_federation(
     *,
     federation_id: str,
     requests: Sequence[custody.KeyRequest],
-    valid_days: int = 825,
+    valid_days: int = pki.LEAF_VALID_DAYS,
 ) -> IssuedFederation:
     """Check every request (:meth:`afl.crypto.identity.custody.KeyRequest.verify`) and sign its CSR's
     public key: exactly one server request, at least one site request, distinct site ids, at most
@@ -294,10 +308,13 @@ def _write_server_files(
     issued: IssuedFederation,
     round_settings: Mapping[str, toml_text.TomlValue] | None,
     admins: Sequence[str],
+    *,
+    crl_pem: bytes,
 ) -> None:
     roster = issued.roster
     _mkdir_private(folder)
     _write_public(folder / "ca.pem", issued.ca_pem)
+    _write_public(folder / CRL_NAME, crl_pem)
     _write_public(folder / "server.pem", issued.server_certificate_pem)
     _write_public(folder / ROSTER, roster.to_json().encode())
     text = _server_toml(
@@ -318,7 +335,7 @@ def write_admin_kit(
     ca: pki.CertifiedKey,
     name: str,
     roster: custody.Roster,
-    valid_days: int = 825,
+    valid_days: int = pki.LEAF_VALID_DAYS,
 ) -> Path:
     """An operator's admin kit, made where the CA is (the operator is its holder): ca.pem,
     admin.pem (URI SAN ``afl-admin:<name>``), admin.key (0600) and admin.toml for ``afl admin
@@ -545,7 +562,7 @@ def sign_requests(
     out_dir: str | os.PathLike[str],
     *,
     passphrase: bytes | None,
-    valid_days: int = 825,
+    valid_days: int = pki.LEAF_VALID_DAYS,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
     force: bool = False,
     admins: Sequence[str] = ("operator",),
@@ -575,9 +592,12 @@ def sign_requests(
         raise ProvisioningError(str(exc)) from exc
     root = Path(out_dir)
     _refuse_existing(root, (ROSTER, "server", "sites"), force, "signed material")
+    revoked = _revoked(root / "server" / CRL_NAME, ca)  # a re-signing keeps every revocation
     _mkdir_private(root)
     _write_public(root / ROSTER, issued.roster.to_json().encode())
-    _write_server_files(root / "server", issued, round_settings, admins)
+    _write_server_files(
+        root / "server", issued, round_settings, admins, crl_pem=issue_crl(ca, revoked=revoked)
+    )
     site_dirs = {}
     for site_id in issued.roster.sites:
         site_dirs[site_id] = root / "sites" / site_id
@@ -590,6 +610,60 @@ def sign_requests(
         server_dir=root / "server",
         site_dirs=site_dirs,
     )
+
+
+def _revoked(crl_path: Path, ca: pki.CertifiedKey) -> dict[int, dt.datetime]:
+    """The entries of the CA's existing revocation list at ``crl_path`` (none if absent)."""
+    if not crl_path.is_file():
+        return {}
+    try:
+        crl = load_crl(_read(crl_path, "the revocation list"), ca_certificate=ca.certificate)
+    except pki.PkiError as exc:
+        raise ProvisioningError(f"{crl_path}: {exc}") from exc
+    return revoked_serials(crl)
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """What :func:`revoke_certificate` did."""
+
+    crl_path: Path
+    serial: int
+    subject: str
+    revoked: int
+
+
+def revoke_certificate(
+    ca_dir: str | os.PathLike[str],
+    signed_dir: str | os.PathLike[str],
+    *,
+    passphrase: bytes | None,
+    site: str | None = None,
+    certificate: str | os.PathLike[str] | None = None,
+) -> Revocation:
+    """Add a certificate issued by the CA of ``ca_dir`` (a site's, from ``signed_dir``'s bundle,
+    or any file given as ``certificate``) to the revocation list ``signed_dir/server/crl.pem``,
+    signed again by the CA (docs/operations.md §12, M-173). Entries already listed stay.
+
+    Raises:
+        ProvisioningError: the CA cannot be opened, the certificate is missing or not issued by
+            this CA, or the existing list does not verify.
+    """
+    ca, _ = load_ca(ca_dir, passphrase=passphrase)
+    root = Path(signed_dir)
+    if (site is None) == (certificate is None):
+        raise ProvisioningError("name the certificate to revoke: a site id or --cert FILE")
+    path = root / "sites" / str(site) / "site.pem" if certificate is None else Path(certificate)
+    try:
+        leaf = pki.load_certificate_pem(_read(path, "the certificate to revoke"))
+        leaf.verify_directly_issued_by(ca.certificate)
+    except (pki.PkiError, ValueError, TypeError, InvalidSignature) as exc:
+        raise ProvisioningError(f"{path} is not a certificate of this federation's CA") from exc
+    crl_path = root / "server" / CRL_NAME
+    revoked = _revoked(crl_path, ca)
+    revoked.setdefault(leaf.serial_number, dt.datetime.now(dt.UTC))
+    _write_public(crl_path, issue_crl(ca, revoked=revoked))
+    return Revocation(crl_path, leaf.serial_number, leaf.subject.rfc4514_string(), len(revoked))
 
 
 # --- demo and tests: everything in one place -----------------------------------------------------
@@ -620,7 +694,7 @@ def provision(
     port: int = DEFAULT_PORT,
     federation_id: str | None = None,
     decryptor: str | None = None,
-    valid_days: int = 825,
+    valid_days: int = pki.LEAF_VALID_DAYS,
     force: bool = False,
     round_settings: Mapping[str, toml_text.TomlValue] | None = None,
     admins: Sequence[str] = ("operator",),
@@ -682,7 +756,9 @@ def provision(
     _write_public(root / "ca.pem", issued.ca_pem)
     _write_public(root / ROSTER, issued.roster.to_json().encode())
     server_dir = root / "server"
-    _write_server_files(server_dir, issued, round_settings, admins)
+    _write_server_files(
+        server_dir, issued, round_settings, admins, crl_pem=issue_crl(ca, revoked={})
+    )
     _write_private_keys(server_dir, server_keys, tls_name="server.key")
     for name in admins:
         write_admin_kit(root / "admins" / name, ca=ca, name=name, roster=issued.roster)

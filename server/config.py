@@ -216,6 +216,8 @@ class ServerConfig:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     ckks_public_context: Path | None = None
     admins: tuple[str, ...] = ()
+    #: [tls] crl: the federation CA's revocation list (afl ca revoke); None: nothing revoked.
+    crl: Path | None = None
     payload_retention_days: float = 0.0
     limits: StreamLimits = field(default_factory=StreamLimits)
     # Seconds a server that refuses its state keeps answering sites with the reason before it
@@ -606,6 +608,7 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         ca_cert=file(tls, "ca_cert"),
         cert=file(tls, "cert"),
         key=file(tls, "key"),
+        crl=file(tls, "crl") if "crl" in doc.get("tls", {}) else None,
         identity_key=file(identity, "key"),
         identity_public_key=_hex_key(identity, "public_key"),
         sites=sites,

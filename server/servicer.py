@@ -30,11 +30,13 @@ import grpc
 
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.pki import PkiError, admin_name_from_pem, site_id_from_pem
+from afl.crypto.identity.revocation import RevocationList
 from afl.proto import wire
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc, common_pb2, coordinator_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.admin import AdminRequests
+from afl.server.config import ServerConfig
 from afl.server.coordinator import Coordinator
 from afl.server.errors import (
     ConflictError,
@@ -119,7 +121,12 @@ class _Thin:
 
 
 def _peer_identity(
-    context: grpc.ServicerContext, *, insecure: bool, header: str, parse: Callable[[bytes], str]
+    context: grpc.ServicerContext,
+    *,
+    insecure: bool,
+    header: str,
+    parse: Callable[[bytes], str],
+    revocation: RevocationList | None,
 ) -> str:
     if insecure:
         for key, value in context.invocation_metadata():
@@ -130,9 +137,19 @@ def _peer_identity(
     if not certs:
         raise NotPermittedError("no client certificate: mutual TLS is required")
     try:
-        return parse(certs[0])
+        identity = parse(certs[0])
+        refusal = None if revocation is None else revocation.refusal(certs[0])
     except PkiError as exc:
         raise NotPermittedError(f"the client certificate does not fit this service: {exc}") from exc
+    if refusal is not None:  # M-173: a revoked certificate opens nothing
+        raise NotPermittedError(f"{identity}: {refusal}")
+    return identity
+
+
+def _revocation(config: ServerConfig) -> RevocationList | None:
+    if config.crl is None:
+        return None
+    return RevocationList(config.crl, ca_certificate_pem=config.ca_cert.read_bytes())
 
 
 class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
@@ -148,6 +165,7 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> None:
         self.coordinator = coordinator
         self._insecure = insecure
+        self._revocation = _revocation(coordinator.config)
         self._watch_poll_s = watch_poll_s
         self._stopping = stopping
         self.streams = SiteStreams(coordinator.config.limits)
@@ -156,7 +174,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     def _identify(self, context: grpc.ServicerContext) -> str:
         return _peer_identity(
-            context, insecure=self._insecure, header=INSECURE_SITE_HEADER, parse=site_id_from_pem
+            context,
+            insecure=self._insecure,
+            header=INSECURE_SITE_HEADER,
+            parse=site_id_from_pem,
+            revocation=self._revocation,
         )
 
     def _stream_slot(self, site: str, kind: str, context: grpc.ServicerContext) -> None:
@@ -413,6 +435,7 @@ class AdminServicer(_Thin, admin_pb2_grpc.AdminServicer):
     def __init__(self, coordinator: Coordinator, *, insecure: bool = False) -> None:
         self.coordinator = coordinator
         self._insecure = insecure
+        self._revocation = _revocation(coordinator.config)
         self._admin = AdminRequests(coordinator)
 
     def _identify(self, context: grpc.ServicerContext) -> str:
@@ -421,6 +444,7 @@ class AdminServicer(_Thin, admin_pb2_grpc.AdminServicer):
             insecure=self._insecure,
             header=INSECURE_ADMIN_HEADER,
             parse=admin_name_from_pem,
+            revocation=self._revocation,
         )
 
     def SubmitRun(self, request: apb.SubmitRunRequest, context: grpc.ServicerContext) -> Any:

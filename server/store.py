@@ -17,11 +17,12 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afl.core.erase import erase_file
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.identity.pki import make_private_dir, write_private_file
@@ -826,6 +827,7 @@ class Store:
         statistic outlives its purge (docs/protocol.md M-140)."""
         assert not self._depth, "a purge commits its intent before it unlinks: never nested"
         paths: list[str] = []
+        messages = 0
         with self._tx() as db:  # the intent for every round at once: a kill leaves no round out
             for round_id in round_ids:
                 paths += [
@@ -835,12 +837,78 @@ class Store:
                     ).fetchall()
                 ]
                 db.execute("UPDATE uploads SET purged = 1 WHERE round_id = ?", (round_id,))
-                db.execute("DELETE FROM messages WHERE round_id = ?", (round_id,))
+                messages += db.execute(
+                    "DELETE FROM messages WHERE round_id = ?", (round_id,)
+                ).rowcount
         for path_text in paths:
-            self._payload_path(path_text).unlink(missing_ok=True)
+            _erase(self._payload_path(path_text))
         for round_id in round_ids:
             _remove_empty_folders(self.state_dir / "payloads" / round_id)
+        if paths or messages:  # a purge with nothing to delete (retention re-checks) costs nothing
+            self.scrub()
         return len(paths)
+
+    def scrub(self) -> None:
+        """Leave no deleted row's bytes in the database files (M-175): ``secure_delete`` (on
+        since open) zeroes freed cells; the WAL, which still holds the pages as they were, is
+        checkpointed and truncated, and VACUUM rewrites the database without free pages. Runs
+        after every purge (outside any transaction)."""
+        assert not self._depth, "scrub runs after a purge's transaction, never inside one"
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.execute("VACUUM")
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def purge_site(self, site_id: str, *, by: str, reason: str) -> dict[str, object]:
+        """Offboarding (docs/operations.md §10.1, M-176): delete everything the coordinator holds
+        FROM ``site_id`` — its unpurged payload files, its protocol messages, its reports and its
+        declared row bounds and coverage — and record what was deleted, by digest, in one
+        "site-offboarded" audit record committed with the deletions; then erase the files and
+        :meth:`scrub` the database. Its enrolment, its plan decisions and every audit record stay
+        (the audit chain is append-only). Returns the audit record's detail."""
+        assert not self._depth, "a purge commits its intent before it erases: never nested"
+        with self._tx() as db:
+            uploads = db.execute(
+                "SELECT round_id, release_name, sha256, path FROM uploads WHERE site_id = ? AND "
+                "purged = 0 ORDER BY round_id, release_name",
+                (site_id,),
+            ).fetchall()
+            messages = db.execute(
+                "SELECT round_id, stage, kind, data FROM messages WHERE site_id = ? ORDER BY seq",
+                (site_id,),
+            ).fetchall()
+            reports = db.execute(
+                "SELECT round_id, report FROM reports WHERE site_id = ? ORDER BY round_id",
+                (site_id,),
+            ).fetchall()
+            declared = db.execute(
+                "SELECT declared FROM site_declarations WHERE site_id = ?", (site_id,)
+            ).fetchone()
+            db.execute("UPDATE uploads SET purged = 1 WHERE site_id = ?", (site_id,))
+            for table in ("messages", "reports", "site_declarations"):
+                db.execute(f"DELETE FROM {table} WHERE site_id = ?", (site_id,))
+            detail: dict[str, object] = {
+                "site_id": site_id,
+                "by": by,
+                "reason": reason,
+                "payloads": [
+                    {"round_id": r[0], "release": r[1], "sha256": bytes(r[2]).hex()}
+                    for r in uploads
+                ],
+                "messages": [
+                    {"round_id": r[0], "stage": int(r[1]), "kind": r[2], "sha256": _hex(r[3])}
+                    for r in messages
+                ],
+                "reports": [{"round_id": r[0], "sha256": _hex(r[1])} for r in reports],
+                "declarations_sha256": None if declared is None else _hex(declared[0].encode()),
+                "kept": "enrolment, plan decisions and audit records (the audit chain)",
+            }
+            self._append_audit(db, "site-offboarded", detail)
+        for row in uploads:
+            _erase(self._payload_path(row[3]))
+        for folder in (self.state_dir / "payloads").glob(f"*/{site_id}"):
+            _remove_empty_folders(folder)
+        self.scrub()
+        return detail
 
     def sweep_payloads(self) -> list[str]:
         """Remove every file under ``payloads/`` that no unpurged upload row names: files of a
@@ -1162,6 +1230,16 @@ class Store:
             if int(seq) == at_seq:
                 found = prev
         return valid, found
+
+
+def _hex(data: bytes) -> str:
+    return hashlib.sha256(bytes(data)).hexdigest()
+
+
+def _erase(path: Path) -> None:
+    """Overwrite and unlink a payload file (gone already: nothing to do)."""
+    with suppress(FileNotFoundError):
+        erase_file(path)
 
 
 def _remove_empty_folders(folder: Path) -> None:

@@ -2,6 +2,8 @@
 
 * ``federation``: a provisioned federation (CA, server and site kits), built once per module from
   the module's ``FEDERATION`` (a :class:`tests.helpers.federation.FederationSpec`).
+* ``documented_tests``: the node ids collected from the test files the docs name
+  (tests/test_protocol_doc.py, tests/test_compliance_doc.py), collected once per session.
 * ``private_ctx`` / ``public_ctx``: one CKKS context with the vetted parameters and its public
   copy (no secret key), built once per session because key generation is slow. Tests only read
   them (encrypt, decrypt, serialize); none may change them.
@@ -41,6 +43,15 @@ def federation(
             "FEDERATION = FederationSpec(...) (tests/helpers/federation.py)"
         )
     return provision(tmp_path_factory.mktemp("fed") / "federation", **spec)
+
+
+@pytest.fixture(scope="session")
+def documented_tests() -> set[str]:
+    """The node ids pytest collects from every test file docs/protocol.md or docs/compliance.md
+    names: one collection for both documents' tests."""
+    from tests.helpers.doc_tests import collected_node_ids, documented_node_ids
+
+    return collected_node_ids(documented_node_ids())
 
 
 @pytest.fixture(scope="session")

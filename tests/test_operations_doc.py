@@ -122,14 +122,15 @@ def test_edit_blocks_fit_the_templates_as_shown() -> None:
     """a block appended as shown does not repeat a table the provisioned
     template already has (TOML: "Cannot declare ('client',) twice"); a block marked with a table
     changes keys of a table the template has."""
+    from afl.client.policy.defaults import production_policy_toml
     from afl.ops.provisioning import _client_toml, _server_toml
 
     key, peers = b"\x01" * 32, {"s1": b"\x02" * 32}
-    templates = {  # what the production bundle writes (the site's has no [policy])
+    templates = {  # what the production bundle and the site's import write
         "$KIT/client.toml": _client_toml(
             site_id="s1", federation_id="f", server_address="localhost:1", role="participant",
             site_public=peers["s1"], server_public=key, peers=peers, policy=None,
-        ),
+        ) + production_policy_toml(ckks_decryptor=None),
         "$SERVER_KIT/server.toml": _server_toml(
             federation_id="f", listen="[::]:1", server_public=key, peers=peers,
             roles={"s1": "participant"}, round_settings=None,

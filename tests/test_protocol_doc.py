@@ -4,13 +4,9 @@ test the table names exists (collected by pytest itself) — and no table row na
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from tests.helpers.doc_tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "protocol.md"
 ROW = re.compile(r"^\| (M-\d{2,3}) \| (.+) \|$")
 
@@ -24,19 +20,6 @@ def must_table() -> dict[str, list[str]]:
             assert match[1] not in table, f"{match[1]} listed twice"
             table[match[1]] = re.findall(r"`([^`]+::[^`]+)`", match[2])
     return table
-
-
-@pytest.fixture(scope="module")
-def collected() -> set[str]:
-    files = sorted({n.split("::")[0] for nodes in must_table().values() for n in nodes})
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return {line.split("[")[0] for line in result.stdout.splitlines() if "::" in line}
 
 
 def test_every_must_has_an_id_and_a_row() -> None:
@@ -55,6 +38,6 @@ def test_every_must_has_an_id_and_a_row() -> None:
     assert all(table.values()), "every MUST needs at least one test"
 
 
-def test_every_listed_test_exists(collected: set[str]) -> None:
-    missing = [n for nodes in must_table().values() for n in nodes if n not in collected]
+def test_every_listed_test_exists(documented_tests: set[str]) -> None:
+    missing = [n for nodes in must_table().values() for n in nodes if n not in documented_tests]
     assert not missing, f"docs/protocol.md names tests that do not exist: {missing}"

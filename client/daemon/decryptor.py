@@ -490,6 +490,17 @@ class DecryptorDaemon:
             signature=signature,
         )
 
+    def _wait(self, published: bool) -> None:
+        """Until the next round event (a round reaching SOLVING has jobs), by the ``WatchRounds``
+        stream once enrolled; polling every ``poll_interval_s`` while the stream is down, and
+        every ``max_poll_interval_s`` as a safety net while it is up."""
+        timing, rpc = self.config.timing, self._rpc()
+        watcher = rpc.watch() if published else None
+        if watcher is not None and watcher.connected:
+            watcher.wait(timing.max_poll_interval_s)
+        else:
+            time.sleep(timing.poll_interval_s)
+
     def run(self) -> int:
         """Serve until stopped (or ``max_idle_s`` without jobs); exit code 0. The decryptor waits
         for the coordinator like the sites do: enrolment and every poll are retried while the
@@ -503,23 +514,30 @@ class DecryptorDaemon:
                 metadata=self.metadata,
             )
             idle_since = time.monotonic()
-            published = False
-            while True:
-                handled = 0
-                try:
-                    if not published:
-                        self.enroll_and_publish()
-                        published = True
-                    self.witness()
-                    handled = self.serve_once()
-                except (CoordinatorRefused, SplitViewDetected):
-                    raise  # the coordinator refuses its state (M-143), or showed a split view
-                except DaemonError as exc:
-                    log.warning("decryptor: %s (retrying)", exc)
-                if handled:
-                    idle_since = time.monotonic()
-                elif (
-                    self.max_idle_s is not None and time.monotonic() - idle_since > self.max_idle_s
-                ):
-                    return 0
-                time.sleep(self.config.timing.poll_interval_s)
+            published, again = False, False
+            try:
+                while True:
+                    handled = 0
+                    try:
+                        if not published:
+                            self.enroll_and_publish()
+                            published = True
+                        self.witness()
+                        handled = self.serve_once()
+                    except (CoordinatorRefused, SplitViewDetected):
+                        raise  # the coordinator refuses its state (M-143), or showed a split view
+                    except DaemonError as exc:
+                        log.warning("decryptor: %s (retrying)", exc)
+                    if handled:
+                        idle_since = time.monotonic()
+                        again = not again
+                        if again:
+                            continue  # the next jobs may be due already: look once more at once
+                    elif (
+                        self.max_idle_s is not None
+                        and time.monotonic() - idle_since > self.max_idle_s
+                    ):
+                        return 0
+                    self._wait(published)
+            finally:
+                self.rpc.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -75,7 +75,7 @@ from afl.client.payloads.stats import (
 )
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
-from afl.client.policy.plan import PolicyDecision, check_plan
+from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
@@ -305,6 +305,7 @@ class ClientDaemon:
             peer_history=self.store.history(
                 exclude_round=cfg.round_id, only=self.store.uploaded_rounds()
             ),
+            planned_history=self.store.history(exclude_round=cfg.round_id, planned=True),
         )
         return decision, plan, plan_sha
 
@@ -562,6 +563,10 @@ class ClientDaemon:
         report.bytes_received += cfg.ByteSize()
         report.round_number = cfg.round_number
         decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
+        if decision.accept and plan is not None:  # one upload per round, ever (M-200)
+            replay = self._replay_problem(status, plan, plan_sha)
+            if replay:
+                decision = PolicyDecision(False, replay, decision.audit)
         report.plan = plan_summary(cfg, plan, decision, plan_sha)
         graph_nonce = b""
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
@@ -586,6 +591,7 @@ class ClientDaemon:
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
         self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
+        payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         t0 = time.perf_counter()
         session = self.round_session(
             round_id,
@@ -593,10 +599,12 @@ class ClientDaemon:
             plan_sha256=plan_sha,
             survivor_floors=decision.survivor_floors,
             graph_nonce=graph_nonce,
+            covered=bool(decision.audit.get("covered_by_dp")),
         )
         records = mode.exchange(
             session, payloads, already_complete=set(status.caller_uploads_complete)
         )
+        self.store.uploads.finish(round_id)
         timings["upload"] = time.perf_counter() - t0
         report.sent(records)
         t0 = time.perf_counter()
@@ -625,8 +633,10 @@ class ClientDaemon:
         plan_sha256: bytes,
         survivor_floors: Mapping[str, int],
         graph_nonce: bytes = b"",
+        covered: bool = False,
     ) -> RoundSession:
-        """What the aggregation mode's exchange needs of this site for an accepted plan."""
+        """What the aggregation mode's exchange needs of this site for an accepted plan
+        (``covered``: DP covers this site, as its plan decision found)."""
         return RoundSession(
             rpc=self.rpc,
             round_id=round_id,
@@ -638,7 +648,75 @@ class ClientDaemon:
             survivor_floors=survivor_floors,
             plan_sha256=plan_sha256,
             graph_nonce=graph_nonce,
+            survivors_check=self._survivors_check(plan, covered=covered),
         )
+
+    def _replay_problem(
+        self, status: pb.RoundStatus, plan: cpb.ReleasePlan, plan_sha: bytes
+    ) -> str:
+        """Why this site must not take part in a round it already sent statistics to (""
+        when it may): :meth:`afl.client.policy.uploads.UploadRegister.refusal`."""
+        return self.store.uploads.refusal(
+            status.round_id,
+            already_complete=status.caller_uploads_complete,
+            plan_sha256=plan_sha.hex(),
+            resumable=plan.aggregation != cpb.AGGREGATION_MODE_MASK,
+            reported=self.store.reported_rounds(),
+        )
+
+    def _claim(
+        self,
+        cfg: pb.RoundConfig,
+        plan: cpb.ReleasePlan,
+        plan_sha: bytes,
+        payloads: Sequence[SlotPayload],
+        status: pb.RoundStatus,
+    ) -> list[SlotPayload]:
+        """Record the round in the upload register before anything of its exchange leaves
+        (asking the rule again: the coordinator's state may have changed while this site
+        waited); the payloads to send: those of the first claim on a resumed round."""
+        problem = self._replay_problem(status, plan, plan_sha)
+        if problem:
+            log.warning("site=%s REFUSED round %s: %s", self.site_id, cfg.round_id, problem)
+            raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
+        mask = plan.aggregation == cpb.AGGREGATION_MODE_MASK
+        return self.store.uploads.claim(
+            federation_id=self.config.federation_id,
+            run_id=cfg.run_id or cfg.parent_round_id or cfg.round_id,
+            round_id=cfg.round_id,
+            round_number=int(cfg.round_number),
+            plan_sha256=plan_sha.hex(),
+            aggregation=cpb.AggregationMode.Name(plan.aggregation),
+            payloads=payloads,
+            keep_bytes=not mask,  # a masked exchange is never resumed
+        )
+
+    def _survivors_check(
+        self, plan: cpb.ReleasePlan, *, covered: bool
+    ) -> Callable[[Sequence[str]], None]:
+        """MASK: refuse (RoundFailed) when unmasking over the survivors would expose a site by
+        differencing (:func:`afl.client.policy.plan.survivor_problem`), else record them in the
+        history; both before this site signs them or sends an unmask share. A refused survivor
+        set is not recorded: with every honest survivor refusing, nothing is unmasked over it,
+        and recording it would make every later plan over the planned members look like a
+        difference."""
+
+        def check(survivors: Sequence[str]) -> None:
+            problem = survivor_problem(
+                plan,
+                site_id=self.site_id,
+                policy=self.config.policy,
+                survivors=survivors,
+                history=self.store.history(exclude_round=plan.round_id),
+                planned_history=self.store.history(exclude_round=plan.round_id, planned=True),
+                covered=covered,
+            )
+            if problem:
+                log.warning("site=%s REFUSED round %s: %s", self.site_id, plan.round_id, problem)
+                raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
+            self.store.record_survivors(plan.round_id, survivors)
+
+        return check
 
     def receive_model(
         self,

@@ -4,7 +4,11 @@ after a crash).
     state_dir/
       stats/local-<key>.npz           round-1 statistics (afl.client.payloads.stats)
       stats/pseudo-<key>.npz          round-2 pseudo-label projections
-      history.json                    releases of every plan this site accepted (cross-round audit)
+      history.json                    releases of every plan this site accepted (cross-round audit),
+                                      with the survivors each was unmasked over once known
+      uploads/<round>.json            the rounds this site sent statistics to, recorded before the
+                                      first byte left (afl.client.policy.uploads: one upload per
+                                      round, ever)
       models/<round>.signed-model.pb  the verified SignedModel as received
       models/<round>.weights.npy      its W (float64, d x C)
       reports/<round>.json            the local report of each round (what was sent, timings...)
@@ -28,6 +32,7 @@ from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import check_round_id
 from afl.client.payloads.stats import dump_json
 from afl.client.policy.plan import PolicyDecision, audit_view
+from afl.client.policy.uploads import UploadRegister
 from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -54,28 +59,52 @@ class DaemonState:
         return rows
 
     def history(
-        self, *, exclude_round: str, only: Collection[str] | None = None
+        self, *, exclude_round: str, only: Collection[str] | None = None, planned: bool = False
     ) -> list[leakage.Release]:
         """Releases of earlier rounds this site took part in (for the cross-round audit); with
-        ``only``, of those rounds only."""
+        ``only``, of those rounds only. A release is summed over the survivors it was unmasked
+        over when this site learned them (:meth:`record_survivors`), else over its planned
+        members; with ``planned``, over its planned members always."""
         return [
-            leakage.Release(r["name"], frozenset(r["members"]), r["quantity"])
+            leakage.Release(
+                r["name"],
+                frozenset(r["members"] if planned else r.get("survivors", r["members"])),
+                r["quantity"],
+            )
             for r in self._history_rows()
             if r["round_id"] != exclude_round and (only is None or r["round_id"] in only)
         ]
 
     def remember(self, plan: cpb.ReleasePlan) -> None:
-        """Record the releases of an accepted plan (names tagged with the round id)."""
-        rows = [r for r in self._history_rows() if r["round_id"] != plan.round_id]
+        """Record the releases of an accepted plan (names tagged with the round id; survivors
+        already recorded for them are kept)."""
+        every = self._history_rows()
+        known = {
+            r["name"]: r["survivors"]
+            for r in every
+            if r["round_id"] == plan.round_id and "survivors" in r
+        }
+        rows = [r for r in every if r["round_id"] != plan.round_id]
         for rel in audit_view(list(plan.releases), tag=f"{plan.round_id}/"):
-            rows.append(
-                {
-                    "round_id": plan.round_id,
-                    "name": rel.name,
-                    "members": sorted(str(m) for m in rel.members),
-                    "quantity": rel.quantity,
-                }
-            )
+            row: dict[str, Any] = {
+                "round_id": plan.round_id,
+                "name": rel.name,
+                "members": sorted(str(m) for m in rel.members),
+                "quantity": rel.quantity,
+            }
+            if rel.name in known:
+                row["survivors"] = known[rel.name]
+            rows.append(row)
+        dump_json(self.history_path, {"releases": rows})
+
+    def record_survivors(self, round_id: str, survivors: Collection[str]) -> None:
+        """Record that ``round_id``'s releases are unmasked over ``survivors`` (each release:
+        its members among them), durably, before this site helps unmask them."""
+        alive = set(survivors)
+        rows = self._history_rows()
+        for r in rows:
+            if r["round_id"] == round_id:
+                r["survivors"] = sorted(m for m in r["members"] if m in alive)
         dump_json(self.history_path, {"releases": rows})
 
     def _rounds_where(self, keep: Callable[[dict[str, Any]], bool]) -> set[str]:
@@ -94,9 +123,18 @@ class DaemonState:
         """Round ids whose local report says COMPLETED."""
         return self._rounds_where(lambda report: report.get("outcome") == "COMPLETED")
 
+    @property
+    def uploads(self) -> UploadRegister:
+        """The register of rounds this site sent statistics to (one upload per round, ever)."""
+        return UploadRegister(self.root / "uploads")
+
     def uploaded_rounds(self) -> set[str]:
         """Round ids this site sent statistics to (its sums may have been released), or that
-        completed."""
+        completed: the upload register's, and those its reports name."""
+        return self.uploads.rounds() | self.reported_rounds()
+
+    def reported_rounds(self) -> set[str]:
+        """Round ids whose local report says this site sent statistics, or COMPLETED."""
         return self._rounds_where(
             lambda report: (
                 report.get("outcome") == "COMPLETED" or int(report.get("bytes_sent") or 0) > 0
@@ -135,9 +173,19 @@ class DaemonState:
         return path
 
     def write_report(self, report: RoundReport) -> Path:
-        """reports/<round>.json (``no-round.json`` when no round was reached)."""
+        """reports/<round>.json (``no-round.json`` when no round was reached); the report of a
+        round this site sent statistics to is never replaced by a later one that sent nothing
+        (e.g. its refusal of the round offered again): that goes to
+        ``reports/<round>.<outcome>.json``."""
         name = check_round_id(report.round_id) if report.round_id else "no-round"
         path = self.root / "reports" / f"{name}.json"
+        if report.round_id and not report.bytes_sent and path.is_file():
+            try:
+                earlier = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                earlier = {}
+            if int(earlier.get("bytes_sent") or 0) > 0:
+                path = path.with_name(f"{name}.{(report.outcome or 'later').lower()}.json")
         dump_json(path, report.to_json())
         return path
 

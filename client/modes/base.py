@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +65,9 @@ class RoundSession:
     plan_sha256: bytes = b""
     #: MASK with a sparse graph: the nonce this site committed to when it accepted the plan.
     graph_nonce: bytes = b""
+    #: MASK: called with the survivor list before this site signs it or sends an unmask share;
+    #: it records the survivors and raises to refuse (docs/protocol.md M-205).
+    survivors_check: Callable[[Sequence[str]], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Between the accepted plan and the model, a site
    round, plan digest, sender, decryptor, its key) (``SendAggregateTags``,
    :func:`afl.crypto.ckks.wire.seal_tags`; the server can neither read nor forge them);
 4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
-   the tag in slot 0 of every ciphertext (:func:`afl.crypto.ckks.scheme.encrypt_block`) and streams the
+   the tags in slot 0 of every ciphertext (:func:`afl.crypto.ckks.scheme.encrypt_block_bytes`) and streams the
    packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
 
 ``encode`` runs before the context is known, so it only checks the declared bound (values that
@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.rpc import STAGE_POLL_CAP_S
 from afl.client.daemon.transport import DaemonError, RemoteCallError
 from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
 from afl.client.payloads.stats import PayloadError, SlotPayload, encode_float64
@@ -65,7 +66,7 @@ def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnn
             if time.monotonic() - start > deadline_s:
                 raise DaemonError("the decryptor published no CKKS context in time") from exc
             time.sleep(delay)
-            delay = min(2 * delay, 2.0)
+            delay = min(2 * delay, STAGE_POLL_CAP_S)  # the decryptor is usually moments away
 
 
 def fetch_public_context(
@@ -191,11 +192,11 @@ class CkksMode:
             prescale, k = _slot_release(plan, item.slot)
             values = np.frombuffer(item.payload, dtype="<f8")
             try:
-                vectors = ckks.encrypt_block(
+                blobs = ckks.encrypt_block_bytes(
                     ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
                 )
             except CryptoError as exc:
                 raise PayloadError(f"slot {item.slot}: {exc}") from exc
-            packed = ckks.pack_ciphertexts(ckks.serialize_ciphertexts(vectors))
+            packed = ckks.pack_ciphertexts(blobs)
             records.append(upload_record(session, item.slot, item.releases, packed))
         return records

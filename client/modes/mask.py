@@ -159,6 +159,8 @@ def _masked_input(session: RoundSession, client: SecAggClient, shared: Any) -> l
 
 def _consistency(session: RoundSession, client: SecAggClient, listed: Any) -> list[UploadRecord]:
     survivors = tuple(listed.survivors)
+    if session.survivors_check is not None:  # before the signature and any unmask share
+        session.survivors_check(survivors)
     signed = client.consistency_check(ConsistencyRequest(session.round_id, survivors))
     message = pb.ConsistencySignature(
         round_id=session.round_id, survivors=list(survivors), signature=signed.signature

@@ -64,6 +64,7 @@ __all__ = [
     "mask_threshold_problem",
     "release_quantities",
     "survivor_floors",
+    "survivor_problem",
 ]
 
 _MODE_NAMES = {
@@ -204,6 +205,7 @@ def check_plan(
     history: Sequence[leakage.Release] = (),
     dp_context: DpContext | None = None,
     peer_history: Sequence[leakage.Release] | None = None,
+    planned_history: Sequence[leakage.Release] | None = None,
 ) -> PolicyDecision:
     """Accept or refuse ``plan`` for ``site_id`` under ``policy`` (rules in the module docstring).
 
@@ -213,7 +215,11 @@ def check_plan(
     ``peer_history`` (default: ``history``) the releases of the rounds whose sums may have been
     released (the site uploaded to them): what an evaluation plan's exposure of OTHER sites is
     audited with (:func:`_exposed_metrics`; a plan accepted, then aborted before anyone uploaded,
-    released nothing, and its re-plan without the site that refused exposes no one).
+    released nothing, and its re-plan without the site that refused exposes no one);
+    ``planned_history`` the releases of ``history`` over their planned members where ``history``
+    has them over the survivors they were unmasked over: a plan that, with the survivors, exposes
+    a site the planned members did not (a drop-out recorded in an earlier round) is refused
+    before any key is exchanged (:func:`survivor_problem` with every participant surviving).
     """
     participants = list(plan.participants)
     if site_id not in participants:
@@ -287,6 +293,18 @@ def check_plan(
                 f"smaller than min cohort {policy.min_cohort}; policy allow_exposure = false",
                 audit,
             )
+    if planned_history is not None:
+        problem = survivor_problem(
+            plan,
+            site_id=site_id,
+            policy=policy,
+            survivors=participants,
+            history=history,
+            planned_history=planned_history,
+            at_plan=True,
+        )
+        if problem:
+            return PolicyDecision(False, problem, audit, floors)
     problem = _exposed_metrics(
         releases,
         current,
@@ -295,6 +313,66 @@ def check_plan(
         min_cohort=policy.min_cohort,
     )
     return PolicyDecision(not problem, problem, audit, floors)
+
+
+def survivor_problem(
+    plan: cpb.ReleasePlan,
+    *,
+    site_id: str,
+    policy: LocalPolicy,
+    survivors: Collection[str],
+    history: Sequence[leakage.Release],
+    planned_history: Sequence[leakage.Release],
+    covered: bool = False,
+    at_plan: bool = False,
+) -> str:
+    """Why this site must not help unmask ``plan``'s releases over ``survivors`` ("" when it
+    may; docs/protocol.md §6, M-205): checked once the site learns the survivor set (MASK:
+    the survivor list it is asked to sign), before it signs it or sends any unmask share.
+
+    Each release is summed over its members among ``survivors``; earlier releases over the
+    survivors they were unmasked over (``history``; ``planned_history``: the same releases over
+    their planned members). Refused when, with the actual sums, a site's (or a group smaller
+    than ``min_cohort``'s) contribution is determined by differencing that the planned sums did
+    not determine: e.g. two releases over the same members, one of which a member dropped out
+    of after ShareKeys, difference to that member. Also refused when this site itself is
+    exposed. DP that covers the site (``covered``) or ``allow_exposure`` waive it, as at plan
+    time. ``at_plan``: the plan decision's check (every participant surviving), worded so."""
+    if policy.allow_exposure or covered:
+        return ""
+    alive = set(survivors)
+    planned = audit_view(list(plan.releases))
+    actual = [
+        leakage.Release(r.name, frozenset(m for m in r.members if m in alive), r.quantity)
+        for r in planned
+    ]
+    everyone = {*plan.participants, *(s for r in (*history, *planned_history) for s in r.members)}
+    universe = sorted(everyone, key=str)
+
+    def found(releases: Sequence[leakage.Release]) -> list[leakage.Exposure]:
+        kept = [r for r in releases if r.members]
+        report = leakage.audit_releases(kept, universe, min_cohort=policy.min_cohort)
+        return [*report.exposed_sites, *report.small_groups]
+
+    before = {(e.sites, e.quantity) for e in found([*planned_history, *planned])}
+    for exposure in found([*history, *actual]):
+        if (exposure.sites, exposure.quantity) in before and site_id not in exposure.sites:
+            continue
+        who = ",".join(sorted(str(s) for s in exposure.sites))
+        dropped = sorted(set(plan.participants) - alive)
+        cert = " ".join(f"{'+' if c > 0 else '-'}{abs(c)}*{n}" for n, c in exposure.certificate)
+        what = f"the {exposure.quantity} of {{{who}}} by differencing ({cert})"
+        if at_plan:
+            return (
+                f"with the survivors earlier releases were unmasked over, the plan determines "
+                f"{what}; policy allow_exposure = false"
+            )
+        return (
+            f"unmasked over the survivors {{{','.join(sorted(alive))}}} (dropped: "
+            f"{','.join(dropped) or 'none'}), the releases determine {what}: this site sends "
+            "no unmask share; policy allow_exposure = false"
+        )
+    return ""
 
 
 def _exposed_metrics(

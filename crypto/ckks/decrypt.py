@@ -1,8 +1,9 @@
 """CKKS decryptor side: tag-checked, grid-rounded, release-once decryption (docs/protocol.md §4.3).
 
 ``decrypt_release`` decrypts the homomorphic sum of a release's members and, BEFORE returning
-anything, checks that the tag slot (slot 0) of ciphertext i equals Σ_{k ∈ members} r_{k,i} within
-the derived bound ``noise_bound_slots(K)`` (:mod:`afl.crypto.ckks.params`; r_{k,i} =
+anything, checks that each tag lane j (the real and imaginary parts of slot 0 of ciphertext i,
+j = 2i and 2i + 1) equals Σ_{k ∈ members} r_{k,j} within the derived bound
+``noise_bound_slots(K)`` (:mod:`afl.crypto.ckks.params`; r_{k,j} =
 :func:`afl.crypto.ckks.scheme.block_tag` of member k's tag r_k). A server that forwards one site's
 ciphertext (tag r_1) as a 3-site sum, sums another member set, re-weights the uploads
 (Σ a_k·c_k, a ≠ 1) or moves a block of an upload to another position is refused. The decoded data slots are divided by the declared
@@ -47,6 +48,7 @@ from afl.crypto.ckks import params as cp
 from afl.crypto.ckks.scheme import (
     block_tag,
     check_ciphertexts,
+    decode_lanes,
     deserialize_ciphertexts,
     ensure_private,
     pack_ciphertexts,
@@ -97,8 +99,8 @@ def decrypt_release(
     num_summands: int,
     grid: float,
 ) -> NDArray[np.float64]:
-    """Decrypt a K-member sum; refuse unless the tag slot of block i equals Σ_k block_tag(r_k, i)
-    over ``member_tags`` (the members' secret tags r_k).
+    """Decrypt a K-member sum; refuse unless tag lane j (lanes 0 and 1 of block i: j = 2i, 2i + 1)
+    equals Σ_k block_tag(r_k, j) over ``member_tags`` (the members' secret tags r_k).
 
     ``summed``: ciphertexts (CKKS vectors or their serialized bytes) in the layout of
     :func:`afl.crypto.ckks.scheme.encrypt_block` for ``length`` values. Returns g·round(y/(s·g)) per
@@ -112,16 +114,17 @@ def decrypt_release(
         raise CkksConfigError("member_tags must be finite, one per member")
     vectors = _as_vectors(ctx_private, summed, length)
     tolerance = cp.noise_bound_slots(num_summands)
-    secret_key = ctx_private.secret_key()
-    decoded = [np.asarray(v.decrypt(secret_key), dtype=np.float64) for v in vectors]
+    decoded = [decode_lanes(ctx_private, v) for v in vectors]
     for i, y in enumerate(decoded):
-        expected = math.fsum(block_tag(r, i) for r in tags)
-        if not abs(float(y[cp.TAG_SLOT]) - expected) <= tolerance:
-            raise CkksTagMismatchError(
-                f"tag slot of ciphertext {i} does not equal the sum of the members' tags: the "
-                "ciphertext is not the sum of exactly the plan's members; refusing to release it"
-            )
-    data = np.concatenate([y[1:] for y in decoded])
+        for lane in range(cp.TAG_LANES):
+            expected = math.fsum(block_tag(r, cp.TAG_LANES * i + lane) for r in tags)
+            if not abs(float(y[lane]) - expected) <= tolerance:
+                raise CkksTagMismatchError(
+                    f"tag lane {lane} of ciphertext {i} does not equal the sum of the members' "
+                    "tags: the ciphertext is not the sum of exactly the plan's members; refusing "
+                    "to release it"
+                )
+    data = np.concatenate([y[cp.TAG_LANES :] for y in decoded])[:length]
     if data.size != length or not np.all(np.abs(data) <= cp.SUM_SLOT_BOUND + tolerance):
         raise CkksMalformedError("decoded values exceed the slot budget: refusing to release")
     return np.asarray(np.round(data / prescale / g) * g, dtype=np.float64)

@@ -4,7 +4,8 @@ Every number the CKKS mode relies on lives here, with its justification.
 
 Ring and moduli
 ---------------
-``N = 8192`` (4096 complex slots, all used as real slots), coefficient moduli ``[60, 60]``:
+``N = 8192`` (4096 complex slots, each carrying TWO real values: its real and its imaginary
+part, "lanes" 2j and 2j+1), coefficient moduli ``[60, 60]``:
 one 60-bit *data* prime q0 and one 60-bit *special* prime p. The mode only ADDS ciphertexts
 (multiplicative depth 0), so no rescaling primes are needed: a fresh ciphertext lives at the
 data level (modulus q0) and every sum stays there. The special prime is kept because SEAL's
@@ -12,7 +13,10 @@ public-key encryption encrypts at q0·p and modulus-switches down to q0, dividin
 noise u·e + e1 + e2·s by p ≈ 2^60: what remains is the rounding of that switch (the noise bound
 below). Fewer data primes also mean smaller uploads: a ciphertext is 2·N·8 bytes per data prime
 (131 KB here vs 393 KB for ``[60, 40, 40, 60]``), with no loss of precision, since the precision
-is capped by float64 (53 bits) in SEAL's encoder anyway.
+is capped by float64 (53 bits) in SEAL's encoder anyway. Using both parts of every complex slot
+(8,192 real lanes per ciphertext instead of 4,096) halves the ciphertexts, the bytes and the
+encryption, sum and decryption work per value (16 bytes a value instead of 32); every noise
+bound below holds for each part, since it bounds the complex error |e|.
 
 Security (HE standard, homomorphicencryption.org, Albrecht et al. 2018, Table 1, uniform ternary
 secret, classical attacks): N = 8192 allows log2(Q·p) <= 218 bits for 128-bit security (152 for
@@ -23,9 +27,10 @@ Slot budget (exact decryption)
 ------------------------------
 A plaintext polynomial m with slot values Δ·z satisfies |m_i| <= Δ·max|z| (inverse canonical
 embedding). Decryption is exact iff |m_i + e_i| < q0/2, and q0 > 2^59 (a 60-bit prime), so with
-Δ = 2^40 we require every slot of a SUM to satisfy |z| <= ``SUM_SLOT_BOUND`` = 2^17
-(Δ·2^17 = 2^57 = q0/4: a factor 2 margin that absorbs the noise). A release summed over K sites
-gives each site the budget ``per_site_slot_bound(K)`` = 2^17 / K.
+Δ = 2^40 we require every LANE (real or imaginary part) of a SUM to satisfy |x| <= ``SUM_SLOT_BOUND``
+= 2^17: then |z| <= √2·2^17 and Δ·|z| <= 2^57.5 < q0/2^1.5, a factor √2 below q0/2 that
+absorbs the noise. A release summed over K sites gives each site the budget
+``per_site_slot_bound(K)`` = 2^17 / K per lane.
 
 Pre-scaling rule
 ----------------
@@ -46,8 +51,8 @@ h <= N) gives √(N/3)·(3 + 8√h); SEAL's encoder rounding adds another 6·√
 
 Sums of K independent encryptions: variances add, so the same high-probability bound is √K times
 larger. float64 round-off of the encoder's and decoder's FFTs (Higham, FFT error ~ log2(N)·u·√N
-relative to the largest slot; K encodings plus one decoding, all within the slot budget) adds
-at most ``FP_SLOT_BOUND`` = 4·log2(N)·2^-53·√N·2^17 slot units. Altogether, in slot units,
+relative to the largest slot, |z| <= √2·2^17; K encodings plus one decoding) adds at most
+``FP_SLOT_BOUND`` = 4·log2(N)·2^-53·√N·√2·2^17 slot units. Altogether, in slot units,
 
     noise_bound_slots(K) = √K · FRESH_NOISE_BOUND / Δ + FP_SLOT_BOUND.
 
@@ -76,10 +81,12 @@ __all__ = [
     "GLOBAL_SCALE",
     "GLOBAL_SCALE_BITS",
     "HE_STANDARD_MAX_LOG_Q_128",
+    "LANES_PER_CIPHERTEXT",
     "POLY_MODULUS_DEGREE",
     "SECURITY_LEVEL_BITS",
     "SLOT_COUNT",
     "SUM_SLOT_BOUND",
+    "TAG_LANES",
     "TAG_SLOT",
     "choose_prescale",
     "default_grid",
@@ -110,19 +117,28 @@ HE_STANDARD_MAX_LOG_Q_128: dict[int, int] = {
 #: CKKS scale Δ = 2^40 (slot value z is encoded as round(Δ·z)).
 GLOBAL_SCALE_BITS = 40
 GLOBAL_SCALE = float(2**GLOBAL_SCALE_BITS)
-#: Real slots per ciphertext (N/2).
+#: Complex slots per ciphertext (N/2).
 SLOT_COUNT = POLY_MODULUS_DEGREE // 2
-#: Slot reserved for the aggregate tag in EVERY ciphertext of a block.
+#: Real lanes per ciphertext: lane 2j is the real part of slot j, lane 2j+1 its imaginary part.
+LANES_PER_CIPHERTEXT = 2 * SLOT_COUNT
+#: Slot reserved for the aggregate tags in EVERY ciphertext of a block (both of its lanes).
 TAG_SLOT = 0
-#: Data values per ciphertext (the other slots).
-DATA_SLOTS_PER_CIPHERTEXT = SLOT_COUNT - 1
-#: Largest |slot value| of a SUM: Δ·2^17 = 2^57 = a quarter of the smallest 60-bit prime.
+#: Lanes holding the tags (slot ``TAG_SLOT``'s real and imaginary parts).
+TAG_LANES = 2
+#: Data values per ciphertext (the other lanes).
+DATA_SLOTS_PER_CIPHERTEXT = LANES_PER_CIPHERTEXT - TAG_LANES
+#: Largest |lane value| of a SUM (module docstring: Δ·√2·2^17 < q0/2^1.5).
 SUM_SLOT_BOUND = float(2 ** (DATA_MODULUS_BITS - 3 - GLOBAL_SCALE_BITS))
 #: High-probability bound on one fresh ciphertext's slot error, scaled units (module docstring).
 FRESH_NOISE_BOUND = math.sqrt(POLY_MODULUS_DEGREE / 3) * (6 + 8 * math.sqrt(POLY_MODULUS_DEGREE))
 #: float64 FFT round-off of K encodings + one decoding within the slot budget, slot units.
 FP_SLOT_BOUND = (
-    4 * math.log2(POLY_MODULUS_DEGREE) * 2.0**-53 * math.sqrt(POLY_MODULUS_DEGREE) * SUM_SLOT_BOUND
+    4
+    * math.log2(POLY_MODULUS_DEGREE)
+    * 2.0**-53
+    * math.sqrt(POLY_MODULUS_DEGREE)
+    * math.sqrt(2.0)
+    * SUM_SLOT_BOUND
 )
 
 if sum(COEFF_MOD_BIT_SIZES) > HE_STANDARD_MAX_LOG_Q_128[POLY_MODULUS_DEGREE]:  # pragma: no cover
@@ -149,14 +165,14 @@ def _check_positive(name: str, value: float) -> float:
 
 
 def num_ciphertexts(length: int) -> int:
-    """Ciphertexts needed for a block of ``length`` values: ceil(length / 4095), at least 1."""
+    """Ciphertexts needed for a block of ``length`` values: ceil(length / 8190), at least 1."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise CkksConfigError(f"length must be a positive int, got {length!r}")
     return -(-length // DATA_SLOTS_PER_CIPHERTEXT)
 
 
 def per_site_slot_bound(num_summands: int) -> float:
-    """Largest |slot value| (pre-scaled data or tag) one of K summands may encrypt: 2^17 / K."""
+    """Largest |lane value| (pre-scaled data or tag) one of K summands may encrypt: 2^17 / K."""
     return SUM_SLOT_BOUND / _check_summands(num_summands)
 
 

@@ -11,13 +11,22 @@ Roles:
 
 Block layout: a float64 vector x (e.g. the packed Gram upper triangle, 524,800 values for
 d = 1024) is pre-scaled by the power of two s declared in the plan
-(:func:`afl.crypto.ckks.params.choose_prescale`) and cut into ceil(len/4095) ciphertexts; slot
-``TAG_SLOT`` (0) of ciphertext i holds the block tag r_{k,i} = ``block_tag(r_k, i)`` (r_k itself
-for block 0, a value derived from r_k and i for the others), slots 1..4095 hold x·s. The sum over a
-release's members then carries Σ_k r_{k,i} in the tag slot of block i, which the decryptor checks
-before releasing anything; since each block's tag is bound to its position, a server that puts one
-upload's block where another belongs (to difference one site's blocks) fails the check. All values must satisfy |x·s| <= 2^17/K and |r_k| <= 2^17/K
-(``per_site_slot_bound``): out-of-range inputs are rejected, never clipped.
+(:func:`afl.crypto.ckks.params.choose_prescale`) and cut into ceil(len/8190) ciphertexts of
+4,096 complex slots. Each slot carries two real values ("lanes": lane 2j is slot j's real part,
+lane 2j+1 its imaginary part; :mod:`afl.crypto.ckks.params`). Both lanes of slot ``TAG_SLOT`` (0)
+of ciphertext i hold block tags, r_{k,2i} and r_{k,2i+1} = ``block_tag(r_k, 2i)`` and
+``block_tag(r_k, 2i + 1)`` (r_k itself in lane 0 of ciphertext 0, values derived from r_k and
+the lane's index elsewhere); lanes 2..8191 hold x·s, the last ciphertext padded with zeros. The
+sum over a release's members then carries Σ_k r_{k,j} in tag lane j, which the decryptor checks
+before releasing anything; since each tag is bound to its position, a server that puts one
+upload's block where another belongs (to difference one site's blocks), or turns a ciphertext's
+lanes into each other (multiplying by the monomial X^{N/2} multiplies every slot by i), fails the
+check. All values must satisfy |x·s| <= 2^17/K and |r_k| <= 2^17/K (``per_site_slot_bound``):
+out-of-range inputs are rejected, never clipped.
+
+Encryption goes through SEAL's own encoder and encryptor (``tenseal.sealapi``: TenSEAL's vectors
+encode real slots only) and each ciphertext travels as a serialized TenSEAL ckks_vector of 4,096
+slots (:func:`vector_bytes`), so the server parses, checks and adds TenSEAL vectors as before.
 
 Wire format of a ciphertext list (``DTYPE_CKKS_VECTORS`` in common.proto): records of
 (uint32 little-endian byte length, serialized TenSEAL ckks_vector), see ``pack_ciphertexts``.
@@ -27,8 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import secrets
 import struct
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +55,10 @@ __all__ = [
     "check_parameters",
     "context_fingerprint",
     "create_private_context",
+    "decode_lanes",
     "deserialize_ciphertexts",
     "encrypt_block",
+    "encrypt_block_bytes",
     "ensure_private",
     "ensure_public",
     "load_private_context",
@@ -57,6 +70,7 @@ __all__ = [
     "serialize_ciphertexts",
     "sum_ciphertexts",
     "unpack_ciphertexts",
+    "vector_bytes",
 ]
 
 #: Largest serialized ciphertext accepted (a [60]-level ciphertext is ~131 KB).
@@ -71,6 +85,73 @@ def _tenseal() -> Any:
     import tenseal.sealapi  # registers SEAL's types (e.g. Modulus) with pybind for check_parameters
 
     return tenseal
+
+
+def _sealapi() -> Any:
+    """SEAL's Python API as TenSEAL ships it (the complex encoder and the raw encryptor)."""
+    _tenseal()
+    import tenseal.sealapi
+
+    return tenseal.sealapi
+
+
+class _SealFile:
+    """A file in memory through which SEAL objects are saved (TenSEAL's ``sealapi`` saves to a
+    path only): a memfd where the platform has one, else a file in a private temporary folder."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+            self._fd = os.memfd_create("afl-ckks", os.MFD_CLOEXEC)
+            self.path = f"/proc/self/fd/{self._fd}"
+        else:  # pragma: no cover - platforms without memfd
+            self._dir = tempfile.TemporaryDirectory(prefix="afl-ckks-")
+            self.path = os.path.join(self._dir.name, "object")
+
+    def save(self, obj: Any) -> bytes:
+        """SEAL's serialization of ``obj``."""
+        obj.save(self.path)
+        if self._fd is None:  # pragma: no cover
+            with open(self.path, "rb") as handle:
+                return handle.read()
+        size, parts, pos = os.fstat(self._fd).st_size, [], 0
+        while pos < size:
+            part = os.pread(self._fd, size - pos, pos)
+            if not part:
+                break
+            parts.append(part)
+            pos += len(part)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        if self._dir is not None:  # pragma: no cover
+            self._dir.cleanup()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def vector_bytes(seal_ciphertext: bytes, *, size: int, scale: float) -> bytes:
+    """A serialized TenSEAL ckks_vector (its ``CKKSVectorProto``: field 1 the slot count, field
+    2 the SEAL ciphertext, field 3 the scale) holding one SEAL ciphertext; what
+    ``CKKSVector.serialize`` writes for a vector of ``size`` slots, parsed by ``CKKSVector.load``."""
+    count = _varint(size)
+    return b"".join(
+        (
+            b"\x0a" + _varint(len(count)) + count,
+            b"\x12" + _varint(len(seal_ciphertext)) + seal_ciphertext,
+            b"\x19" + struct.pack("<d", scale),
+        )
+    )
 
 
 def create_private_context(*, n_threads: int | None = None) -> Any:
@@ -226,16 +307,8 @@ def block_tag(tag: float, index: int) -> float:
     return abs(float(tag)) * (2.0 * unit - 1.0)
 
 
-def encrypt_block(
-    ctx: Any, values: ArrayLike, *, prescale: float, num_summands: int, tag: float
-) -> list[Any]:
-    """Encrypt x·s in ceil(len/4095) ciphertexts, block i with ``block_tag(tag, i)`` in slot 0
-    (module docstring).
-
-    ``num_summands`` is the largest member count of the releases this upload enters; values must
-    satisfy |x·s| <= 2^17/K and the tag |r| <= 2^17/K (``CkksRangeError`` otherwise).
-    """
-    check_parameters(ctx)
+def _checked_lanes(values: ArrayLike, *, prescale: float, num_summands: int, tag: float) -> Any:
+    """The lanes of every ciphertext of the block (module docstring), after the range checks."""
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
         raise CkksRangeError(f"values must be a non-empty 1-D vector, got shape {x.shape}")
@@ -255,32 +328,79 @@ def encrypt_block(
     t = float(tag)
     if not math.isfinite(t) or abs(t) > bound:
         raise CkksRangeError(f"tag must be finite with |tag| <= {bound:.6g}")
-    ts = _tenseal()
-    out: list[Any] = []
-    step = cp.DATA_SLOTS_PER_CIPHERTEXT
-    for index, start in enumerate(range(0, x.size, step)):
-        chunk = np.empty(1 + min(step, x.size - start), dtype=np.float64)
-        chunk[cp.TAG_SLOT] = block_tag(t, index)
-        chunk[1:] = scaled[start : start + step]
-        out.append(ts.CKKSVector(ctx, chunk.tolist(), scale=cp.GLOBAL_SCALE))
+    count = cp.num_ciphertexts(int(x.size))
+    data = np.zeros(count * cp.DATA_SLOTS_PER_CIPHERTEXT, dtype=np.float64)
+    data[: x.size] = scaled
+    lanes = np.empty((count, cp.LANES_PER_CIPHERTEXT), dtype=np.float64)
+    lanes[:, cp.TAG_LANES :] = data.reshape(count, cp.DATA_SLOTS_PER_CIPHERTEXT)
+    for i in range(count):
+        for lane in range(cp.TAG_LANES):
+            lanes[i, lane] = block_tag(t, cp.TAG_LANES * i + lane)
+    return lanes
+
+
+def encrypt_block_bytes(
+    ctx: Any, values: ArrayLike, *, prescale: float, num_summands: int, tag: float
+) -> list[bytes]:
+    """Encrypt x·s in ceil(len/8190) ciphertexts of two lanes a slot, with the block tags in
+    slot 0 (module docstring); each returned as a serialized TenSEAL ckks_vector (what a site
+    uploads, :func:`pack_ciphertexts`).
+
+    ``num_summands`` is the largest member count of the releases this upload enters; values must
+    satisfy |x·s| <= 2^17/K and the tag |r| <= 2^17/K (``CkksRangeError`` otherwise).
+    """
+    check_parameters(ctx)
+    lanes = _checked_lanes(values, prescale=prescale, num_summands=num_summands, tag=tag)
+    slots = lanes[:, 0::2] + 1j * lanes[:, 1::2]
+    seal = _sealapi()
+    seal_ctx = ctx.seal_context().data
+    encoder = seal.CKKSEncoder(seal_ctx)
+    encryptor = seal.Encryptor(seal_ctx, ctx.public_key().data)
+    memory = _SealFile()
+    out: list[bytes] = []
+    try:
+        for row in slots:
+            plain = seal.Plaintext()
+            encoder.encode(row.tolist(), cp.GLOBAL_SCALE, plain)
+            cipher = seal.Ciphertext(seal_ctx)
+            encryptor.encrypt(plain, cipher)
+            out.append(vector_bytes(memory.save(cipher), size=cp.SLOT_COUNT, scale=cp.GLOBAL_SCALE))
+    finally:
+        memory.close()
     return out
 
 
-def _expected_sizes(length: int) -> list[int]:
-    n = cp.num_ciphertexts(length)
-    last = length - (n - 1) * cp.DATA_SLOTS_PER_CIPHERTEXT
-    return [1 + cp.DATA_SLOTS_PER_CIPHERTEXT] * (n - 1) + [1 + last]
+def encrypt_block(
+    ctx: Any, values: ArrayLike, *, prescale: float, num_summands: int, tag: float
+) -> list[Any]:
+    """:func:`encrypt_block_bytes` as TenSEAL CKKS vectors (linked to ``ctx``)."""
+    blobs = encrypt_block_bytes(ctx, values, prescale=prescale, num_summands=num_summands, tag=tag)
+    ts = _tenseal()
+    return [ts.CKKSVector.load(ctx, blob) for blob in blobs]
+
+
+def decode_lanes(ctx_private: Any, vector: Any) -> Any:
+    """Decrypt one ciphertext with the secret key of ``ctx_private`` and return its 8,192 lanes
+    (float64; lane 2j the real part of slot j, lane 2j+1 its imaginary part)."""
+    seal = _sealapi()
+    seal_ctx = ctx_private.seal_context().data
+    plain = seal.Plaintext()
+    seal.Decryptor(seal_ctx, ctx_private.secret_key().data).decrypt(vector.ciphertext()[0], plain)
+    slots = np.asarray(seal.CKKSEncoder(seal_ctx).decode_complex(plain), dtype=np.complex128)
+    lanes = np.empty(cp.LANES_PER_CIPHERTEXT, dtype=np.float64)
+    lanes[0::2], lanes[1::2] = slots.real, slots.imag
+    return lanes
 
 
 def check_ciphertexts(vectors: Sequence[Any], *, length: int) -> None:
     """Raise ``CkksMalformedError`` unless ``vectors`` is the layout of a block of ``length``
-    values: right count and sizes, one 2-polynomial ciphertext each, NOT transparent, at the data
+    values: right count, 4,096 slots each, one 2-polynomial ciphertext each, NOT transparent, at the data
     level and at exactly scale Δ (a rescaled or plaintext-multiplied ciphertext fails)."""
     ts = _tenseal()
-    sizes = _expected_sizes(length)
-    if len(vectors) != len(sizes):
-        raise CkksMalformedError(f"expected {len(sizes)} ciphertexts, got {len(vectors)}")
-    for i, (vec, size) in enumerate(zip(vectors, sizes, strict=True)):
+    count, size = cp.num_ciphertexts(length), cp.SLOT_COUNT
+    if len(vectors) != count:
+        raise CkksMalformedError(f"expected {count} ciphertexts, got {len(vectors)}")
+    for i, vec in enumerate(vectors):
         if not isinstance(vec, ts.CKKSVector) or vec.size() != size:
             raise CkksMalformedError(f"ciphertext {i} is not a CKKS vector of {size} slots")
         cts = vec.ciphertext()

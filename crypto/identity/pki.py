@@ -44,6 +44,7 @@ from afl.crypto.errors import CryptoError
 
 __all__ = [
     "ADMIN_URI_SCHEME",
+    "LEAF_VALID_DAYS",
     "SITE_URI_SCHEME",
     "CertifiedKey",
     "PkiError",
@@ -82,6 +83,11 @@ ADMIN_URI_SCHEME = "afl-admin"
 #: Site ids: 1-64 characters, lowercase letters, digits, '.', '_', '-'; alphanumeric at both ends.
 _SITE_ID_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
 _CLOCK_SKEW = dt.timedelta(minutes=5)
+#: Default validity of server, site and admin certificates (days): the CA/Browser Forum's limit
+#: for TLS certificates since 2020. A key lost without anyone noticing (so never revoked) stops
+#: working within about a year, and yearly rotation keeps a month's margin (docs/operations.md
+#: §12); revocation (:mod:`afl.crypto.identity.revocation`) covers the known cases at once.
+LEAF_VALID_DAYS = 397
 
 
 class PkiError(CryptoError, ValueError):
@@ -260,7 +266,7 @@ def issue_server_certificate_for(
     public_key: ec.EllipticCurvePublicKey,
     common_name: str,
     hosts: Sequence[str],
-    valid_days: int = 825,
+    valid_days: int = LEAF_VALID_DAYS,
 ) -> x509.Certificate:
     """The server's TLS certificate for ``public_key``: subjectAltName lists every host."""
     return _issue_for(
@@ -278,7 +284,7 @@ def issue_server_certificate(
     *,
     common_name: str,
     hosts: Sequence[str] = ("localhost", "127.0.0.1"),
-    valid_days: int = 825,
+    valid_days: int = LEAF_VALID_DAYS,
 ) -> CertifiedKey:
     """A fresh server key and its certificate (:func:`issue_server_certificate_for`): for the
     all-in-one ``afl provision`` and tests; in production the server makes its own key."""
@@ -302,7 +308,7 @@ def issue_site_certificate_for(
     *,
     public_key: ec.EllipticCurvePublicKey,
     site_id: str,
-    valid_days: int = 825,
+    valid_days: int = LEAF_VALID_DAYS,
 ) -> x509.Certificate:
     """A site's TLS client certificate for ``public_key``: CN = site id, URI SAN
     ``afl-site:<site id>``."""
@@ -317,7 +323,7 @@ def issue_site_certificate_for(
 
 
 def issue_site_certificate(
-    ca: CertifiedKey, *, site_id: str, valid_days: int = 825
+    ca: CertifiedKey, *, site_id: str, valid_days: int = LEAF_VALID_DAYS
 ) -> CertifiedKey:
     """A fresh site key and its certificate (:func:`issue_site_certificate_for`): for the
     all-in-one ``afl provision`` and tests; in production the site makes its own key."""
@@ -416,7 +422,9 @@ def load_csr_pem(pem: bytes) -> x509.CertificateSigningRequest:
         raise PkiError("could not parse PEM certificate signing request") from exc
 
 
-def issue_admin_certificate(ca: CertifiedKey, *, name: str, valid_days: int = 825) -> CertifiedKey:
+def issue_admin_certificate(
+    ca: CertifiedKey, *, name: str, valid_days: int = LEAF_VALID_DAYS
+) -> CertifiedKey:
     """An operator's TLS client certificate for the Admin service: CN = name, URI SAN
     ``afl-admin:<name>`` (never a site: it carries no ``afl-site:`` URI)."""
     validate_site_id(name)

@@ -19,6 +19,12 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
     server_peak_rss_mib  afl-server's peak resident memory (the kernel's VmHWM; Linux, else null)
     site_peak_rss_mib    the largest peak resident memory of the K site daemons
     decryptor_peak_rss_mib  CKKS only: the decryptor daemon's
+    server_cpu_seconds   afl-server's CPU seconds (user + system, /proc; start-up included)
+    site_cpu_seconds     the mean CPU seconds of the K site daemons (start-up included)
+    decryptor_cpu_seconds  CKKS only: the decryptor daemon's
+    cpu_seconds          CPU seconds of every process of the run (the kernel's account of the
+                         children the run waited for: exact, start-up included)
+    load_average         the 1-minute load average at the start and the end of the run
 
 and the ratios to plaintext (same run, same machine), plus the max relative W difference.
 Pure per-site encryption time is measured in-process by ``afl bench ckks`` (no transport).
@@ -77,7 +83,13 @@ __all__ = [
 
 CLASSES = ("A", "B", "C", "D", "E", "F", "G", "H")
 MODES = ("plaintext", "ckks", "mask")
-_KEYS = ("round_seconds", "exchange_seconds", "bytes_sent_per_site", "wall_seconds")
+_KEYS = ("round_seconds", "exchange_seconds", "bytes_sent_per_site", "wall_seconds", "cpu_seconds")
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of every child process waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def round_figures(
@@ -106,6 +118,11 @@ def round_figures(
         out["site_peak_rss_mib"] = max(sites) if sites else None
         if "decryptor" in memory.peaks:
             out["decryptor_peak_rss_mib"] = memory.peaks["decryptor"]
+        site_cpu = [v for name, v in memory.cpu.items() if name not in ("server", "decryptor")]
+        out["server_cpu_seconds"] = memory.cpu.get("server")
+        out["site_cpu_seconds"] = float(np.mean(site_cpu)) if site_cpu else None
+        if "decryptor" in memory.cpu:
+            out["decryptor_cpu_seconds"] = memory.cpu["decryptor"]
     if loop.decryptor_config is not None:
         jobs_file = loop.decryptor_config.parent / "state" / "ckks" / "decryptions.jsonl"
         jobs = [json.loads(x) for x in jobs_file.read_text().splitlines() if x.strip()]
@@ -171,11 +188,14 @@ def run_e2e_bench(
                 allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
             )
             memory = PeakMemory()
+            load_start, before = os.getloadavg()[0], _children_cpu()
             try:
                 run = run_loopback(loop, timeout_s=timeout_s, on_started=memory.watch)
             finally:
                 memory.stop()
             out[mode] = round_figures(run, loop, memory)
+            out[mode]["cpu_seconds"] = _children_cpu() - before
+            out[mode]["load_average"] = [load_start, os.getloadavg()[0]]
     w_plain = out["plaintext"].pop("weights")
     for mode in modes:
         if mode == "plaintext":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tempfile
 import threading
 import time
@@ -60,11 +61,13 @@ FIGURES = ("round_seconds", "exchange_seconds", "wall_seconds", "bytes_sent_per_
 
 class PeakMemory:
     """Peak resident memory (MiB) of processes: the kernel's high-water mark VmHWM (the true
-    peak, not a sample), read every ``interval_s`` while each process lives."""
+    peak, not a sample), read every ``interval_s`` while each process lives; and their CPU
+    seconds (user + system, /proc/PID/stat) as last read (up to ``interval_s`` before exit)."""
 
     def __init__(self, interval_s: float = 0.25) -> None:
         self.interval_s = interval_s
         self.peaks: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self._pids: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="afl-bench-rss", daemon=True)
@@ -84,6 +87,9 @@ class PeakMemory:
                 rss = rss_mib(pid)
                 if rss is not None:
                     self.peaks[name] = max(self.peaks.get(name, 0.0), rss)
+                cpu = cpu_seconds(pid)
+                if cpu is not None:
+                    self.cpu[name] = cpu
             self._stop.wait(self.interval_s)
 
 
@@ -99,6 +105,20 @@ def rss_mib(pid: int) -> float | None:
         if name in fields:
             return int(fields[name].split()[0]) / 1024.0
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` so far (/proc/PID/stat); None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    try:
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    except (IndexError, ValueError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def growth_exponent(ks: Sequence[int], values: Sequence[float]) -> float | None:

@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "
-            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}; {memory_summary(row)}",
+            f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}, all processes' CPU "
+            f"x{row['mask_cpu_seconds_ratio']:.2f}; {memory_summary(row)}",
             file=sys.stderr,
         )
         emit_json({"benchmark": "secagg-e2e", "results": [row]}, args.out)

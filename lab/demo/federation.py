@@ -178,8 +178,9 @@ def provision_distributed(
     (the request files the operator received, all it signs from), ``server``
     (``afl ca server-init``, then the signed ``operator/signed/server`` copied in), ``sites/<id>``
     (``afl-client init``, then ``afl-client init --import`` of ``operator/signed/sites/<id>``
-    against the roster fingerprint, then site IT adds its own [policy]: the protections it accepts
-    and the decryptor it pins, as :func:`provision` writes them). Returns the layout as a :class:`ProvisionedFederation`."""
+    against the roster fingerprint, then site IT replaces the production [policy] the import
+    wrote (DP required) by the development one :func:`provision` writes: the protections it
+    accepts and the decryptor it pins, no DP budget). Returns the layout as a :class:`ProvisionedFederation`."""
     base = Path(root)
     passphrase = secrets.token_hex(16).encode()
     ca_dir, federation_id = init_ca(base / "operator" / "ca", passphrase=passphrase)
@@ -210,7 +211,9 @@ def provision_distributed(
         import_bundle(kit, signed.site_dirs[site], roster_fingerprint=signed.roster.fingerprint)
         config = kit / "client.toml"
         doc = tomllib.loads(config.read_text(encoding="utf-8"))
-        doc["policy"] = {**doc.get("policy", {}), **policy}
+        # The demo's runs have no DP: site IT replaces the production [policy] the import wrote
+        # (DP required) by the development one, and says so (profile).
+        doc["policy"] = {"profile": "development", **policy}
         config.write_text(toml_text.dumps(doc), encoding="utf-8")
     return ProvisionedFederation(
         root=base,

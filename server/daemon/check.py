@@ -11,6 +11,8 @@ from pathlib import Path
 
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.identity.kit_check import OK, PROBLEM, WARNING, Finding, check_tls_kit
+from afl.crypto.identity.pki import PkiError, load_certificate_pem
+from afl.crypto.identity.revocation import load_crl, revoked_serials
 from afl.crypto.identity.signatures import load_private_key_pem, public_key_to_raw
 from afl.proto.wire import stage_name
 from afl.server.config import ServerConfig
@@ -117,6 +119,19 @@ def _round(config: ServerConfig) -> list[Finding]:
     return out
 
 
+def _revocation(config: ServerConfig) -> Finding:
+    """The CA's revocation list ([tls] crl, M-173): signed by the federation CA, or a PROBLEM
+    (the coordinator would refuse every certificate)."""
+    if config.crl is None:
+        return Finding(WARNING, "no [tls] crl: no certificate can be revoked (`afl ca revoke`)")
+    try:
+        ca = load_certificate_pem(config.ca_cert.read_bytes())
+        crl = load_crl(config.crl.read_bytes(), ca_certificate=ca)
+    except (OSError, PkiError) as exc:
+        return Finding(PROBLEM, f"revocation list {config.crl}: {exc}; every call would be refused")
+    return Finding(OK, f"revocation list {config.crl}: {len(revoked_serials(crl))} revoked")
+
+
 def check_server(config: ServerConfig, *, insecure: bool = False) -> list[Finding]:
     """Every finding for ``config`` (module docstring); the config itself already loaded."""
     out = [
@@ -128,6 +143,7 @@ def check_server(config: ServerConfig, *, insecure: bool = False) -> list[Findin
     ]
     if not insecure:
         out += check_tls_kit(ca_cert=config.ca_cert, cert=config.cert, key=config.key)
+        out.append(_revocation(config))
     out.append(_identity(config))
     out.append(_state(config))
     out.append(_port("gRPC listen address", config.listen))

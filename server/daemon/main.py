@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.core.about import afl_version
+from afl.core.devmode import insecure_refusal
 from afl.core.memory import map_large_blocks
 from afl.crypto.errors import KeyFormatError
 from afl.crypto.identity.signatures import load_private_key_pem, public_key_to_raw
@@ -289,6 +290,10 @@ def _tool_parser(name: str, description: str) -> argparse.ArgumentParser:
     if name == "ack-restore":
         parser.add_argument("--by", required=True, help="who acknowledges (in the audit log)")
         parser.add_argument("--reason", required=True, help="why the state was restored")
+    if name == "offboard":
+        parser.add_argument("--site", required=True, help="the site id that leaves")
+        parser.add_argument("--by", required=True, help="who offboards it (in the audit log)")
+        parser.add_argument("--reason", required=True, help="why (in the audit log)")
     return parser
 
 
@@ -305,7 +310,44 @@ _TOOLS = {
     "server must be stopped): the runs still in flight in the restored state are aborted (submit "
     "them again), the acknowledgement is recorded in the audit log, and sites that saw a later "
     "state take part again (docs/operations.md §9).",
+    "offboard": "A site leaves the federation (the server must be stopped; revoke its "
+    "certificate first with `afl ca revoke`): delete every payload file, protocol message, "
+    "report and declaration the coordinator holds from it, record what was deleted by SHA-256 in "
+    "the audit record site-offboarded, and leave no deleted byte in the database files. Its "
+    "enrolment, plan decisions and audit records stay (docs/operations.md §10.1).",
 }
+
+
+def _offboard(config: ServerConfig, *, site: str, by: str, reason: str) -> int:
+    """`afl-server offboard` (docs/operations.md §10.1): with the server stopped and no run in
+    flight, :meth:`Store.purge_site` the site; print what was deleted."""
+    busy = port_in_use(config.listen)
+    if busy:
+        raise ConfigError(
+            f"cannot offboard while afl-server runs on {config.listen} ({busy}): stop it first"
+        )
+    store = Store(config.state_dir, federation_id=config.federation_id)
+    try:
+        if site not in config.sites and store.enrolment(site) is None:
+            raise ConfigError(f"site {site!r} is neither in server.toml [sites] nor enrolled")
+        active = [r.run_id for r in store.runs(state="active")]
+        if active:
+            raise ConfigError(
+                f"run {active[0]} is in flight: let it end (or `afl admin abort {active[0]}`), "
+                "stop the server, then offboard"
+            )
+        detail = store.purge_site(site, by=by, reason=reason)
+    finally:
+        store.close()
+    counts = {key: len(detail[key]) for key in ("payloads", "messages", "reports")}  # type: ignore[arg-type]
+    print(
+        f"site {site} offboarded by {by}: {counts['payloads']} payload file(s), "
+        f"{counts['messages']} message(s), {counts['reports']} report(s) deleted and listed by "
+        "SHA-256 in the audit record site-offboarded; its enrolment and audit records stay"
+    )
+    if site in config.sites:
+        print(f"  next: remove [sites.{site}] from server.toml (and revoke its certificate)")
+    return 0
 
 
 def _ack_restore(config: ServerConfig, *, by: str, reason: str) -> int:
@@ -342,6 +384,10 @@ def _tool(name: str, argv: Sequence[str]) -> int:
     from afl.server.daemon.status import status_lines
 
     args = _tool_parser(name, _TOOLS[name]).parse_args(argv)
+    refusal = insecure_refusal(f"afl-server {name}") if getattr(args, "insecure", False) else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         if name == "status":
@@ -349,6 +395,8 @@ def _tool(name: str, argv: Sequence[str]) -> int:
             return 0
         if name == "ack-restore":
             return _ack_restore(config, by=args.by, reason=args.reason)
+        if name == "offboard":
+            return _offboard(config, site=args.site, by=args.by, reason=args.reason)
         if name == "backup":
             anchor = backup_state(config.state_dir, Path(args.out))
             print(
@@ -385,6 +433,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given and given[0] in _TOOLS:
         return _tool(given[0], given[1:])
     args = _parser().parse_args(given)
+    refusal = insecure_refusal("afl-server") if args.insecure else None
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     configure_logging(getattr(logging, args.log_level))
     map_large_blocks()  # freed upload buffers go back to the OS (afl.core.memory)
     config: ServerConfig | None = None

@@ -190,6 +190,15 @@ class AggregationMode(Protocol):
         """The transition due in one of :attr:`exchange_stages`, or None."""
         ...
 
+    def prepare_upload(
+        self, *, site_id: str, release: PlannedRelease, data: bytes, sha256: bytes
+    ) -> None:
+        """The part of :meth:`check_upload` that needs no round state (e.g. parsing ciphertexts),
+        run before the coordinator's lock is taken so that it holds up no other call; raise on
+        data that can never be stored. What it computes may be kept, under the payload's
+        verified ``sha256``, for :meth:`check_upload` and the sums."""
+        ...
+
     def check_upload(
         self,
         view: RoundView,
@@ -268,6 +277,11 @@ class PlainUploadStage:
 
     def forget(self, round_id: str) -> None:
         """Nothing kept in memory besides the store."""
+
+    def prepare_upload(
+        self, *, site_id: str, release: PlannedRelease, data: bytes, sha256: bytes
+    ) -> None:
+        """Nothing to prepare: every check needs the round's state."""
 
     def drive(self, view: RoundView, ctx: RoundContext) -> Transition | None:
         done = complete_sites(view, ctx)

@@ -25,7 +25,8 @@ Flow of the RPCs (:class:`CkksRequests`): the decryptor uploads its public conte
 kind CKKS_PUBLIC_CONTEXT) and signs an announcement (``PublishCkksContext``; verified with the
 decryptor's provisioned identity key); sites fetch it (``GetCkksContext`` + ``Download``), send
 their aggregate tags sealed to the decryptor (``SendAggregateTags``) and upload ciphertexts; once
-every upload is in (SOLVING), the decryptor polls ``GetDecryptionJobs`` (one job per planned
+every upload is in (SOLVING), the decryptor, woken by its ``WatchRounds`` stream, asks
+``GetDecryptionJobs`` (one job per planned
 release without an outcome, with the signed plan), downloads each homomorphic sum (``Download``
 kind CKKS_AGGREGATE), uploads the decrypted, grid-rounded result (kind DECRYPTED_AGGREGATE) and
 signs the outcome (``ReportDecryption``). Only the decryptor-role site may fetch tags, jobs and
@@ -141,6 +142,12 @@ class CkksMode(PlainUploadStage):
         self.contexts = contexts or CkksContexts()
         self._rounds: dict[str, CkksRound] = {}
         self._sum_lock = threading.Lock()
+        #: Parsed and checked uploads by (release, site): (SHA-256 of the payload, ciphertexts).
+        #: Each ciphertext list is parsed once (:meth:`prepare_upload`, outside the coordinator's
+        #: lock) and summed from memory when its SHA-256 is the stored upload's; at most one
+        #: per release and site; dropped once the round's sums are formed (or it is forgotten).
+        self._parsed: dict[tuple[str, str], tuple[bytes, list[Any]]] = {}
+        self._parsed_lock = threading.Lock()
 
     @classmethod
     def for_run(cls, env: ModeEnvironment) -> CkksMode:
@@ -220,7 +227,34 @@ class CkksMode(PlainUploadStage):
             self._record(state, _release(view, name), outcome, data)
 
     def forget(self, round_id: str) -> None:
-        self._rounds.pop(round_id, None)
+        state = self._rounds.pop(round_id, None)
+        if state is not None:
+            with self._parsed_lock:
+                self._parsed.clear()  # a finished round's parsed uploads (one round at a time)
+
+    def _parse(self, release: PlannedRelease, data: bytes) -> list[Any]:
+        try:
+            return ckks.deserialize_ciphertexts(
+                self.context().ctx, ckks.unpack_ciphertexts(data), length=release.length
+            )
+        except CryptoError as exc:
+            raise InvalidRequestError(f"release {release.name!r}: {exc}") from exc
+
+    def _prepared(self, release: str, site_id: str, sha256: bytes) -> list[Any] | None:
+        with self._parsed_lock:
+            entry = self._parsed.get((release, site_id))
+        return entry[1] if entry is not None and entry[0] == sha256 else None
+
+    def prepare_upload(
+        self, *, site_id: str, release: PlannedRelease, data: bytes, sha256: bytes
+    ) -> None:
+        """Parse and check the ciphertexts against the release's layout (outside the
+        coordinator's lock) and keep them for :meth:`check_upload` and :meth:`aggregate`."""
+        if self._prepared(release.name, site_id, sha256) is not None:
+            return
+        vectors = self._parse(release, data)
+        with self._parsed_lock:
+            self._parsed[(release.name, site_id)] = (bytes(sha256), vectors)
 
     def check_upload(
         self,
@@ -232,12 +266,11 @@ class CkksMode(PlainUploadStage):
         data: bytes,
     ) -> None:
         self.require_accepting(view)
-        try:
-            ckks.deserialize_ciphertexts(
-                self.context().ctx, ckks.unpack_ciphertexts(data), length=release.length
-            )
-        except CryptoError as exc:
-            raise InvalidRequestError(f"release {release.name!r}: {exc}") from exc
+        digest = hashlib.sha256(data).digest()
+        if self._prepared(release.name, site_id, digest) is None:  # not parsed before the lock
+            vectors = self._parse(release, data)
+            with self._parsed_lock:
+                self._parsed[(release.name, site_id)] = (digest, vectors)
 
     def aggregate(self, view: RoundView, ctx: RoundContext, release: PlannedRelease) -> bytes:
         """Packed ciphertexts of Σ_k c_k over ``release.members`` (computed once per round)."""
@@ -246,19 +279,26 @@ class CkksMode(PlainUploadStage):
             if release.name not in state.aggregates:
                 uploads = ctx.uploads(view.round_id)
                 context, length = self.context().ctx, release.length
-                ciphertexts = [
-                    ckks.deserialize_ciphertexts(
-                        context,
-                        ckks.unpack_ciphertexts(ctx.read_payload(uploads[(s, release.name)])),
-                        length=length,
-                    )
-                    for s in release.members
-                ]
+                ciphertexts = []
+                for site in release.members:
+                    row = uploads[(site, release.name)]
+                    vectors = self._prepared(release.name, site, row.sha256)
+                    if vectors is None:  # e.g. after a restart: parse the stored payload
+                        vectors = self._parse(release, ctx.read_payload(row))
+                    ciphertexts.append(vectors)
                 total = ckks.sum_ciphertexts(context, ciphertexts, length=length)
                 state.aggregates[release.name] = ckks.pack_ciphertexts(
                     ckks.serialize_ciphertexts(total)
                 )
+                if all(r.name in state.aggregates for r in view.releases):
+                    self._drop_parsed(view)
             return state.aggregates[release.name]
+
+    def _drop_parsed(self, view: RoundView) -> None:
+        names = {r.name for r in view.releases}
+        with self._parsed_lock:
+            for key in [k for k in self._parsed if k[0] in names]:
+                del self._parsed[key]
 
     def add_tags(
         self, view: RoundView, ctx: RoundContext, site_id: str, sealed: pb.SealedMessage

@@ -394,6 +394,11 @@ class MaskMode:
         server.close_unmask()
         return pb.ROUND_STAGE_SOLVING
 
+    def prepare_upload(
+        self, *, site_id: str, release: PlannedRelease, data: bytes, sha256: bytes
+    ) -> None:
+        """Nothing to prepare: every check needs the round's state."""
+
     def check_upload(
         self,
         view: RoundView,

@@ -27,7 +27,9 @@ def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
     cfg = load_client_config(kit / "client.toml")
     assert cfg.site_id == "site-a"
     assert cfg.server_address == "localhost:50999"
-    assert cfg.policy == LocalPolicy(min_cohort=3, allow_exposure=False, max_epsilon=math.inf)
+    assert cfg.policy == LocalPolicy(
+        min_cohort=3, allow_exposure=False, max_epsilon=math.inf, profile="development"
+    )
     assert cfg.data.cache == kit / "cache"  # provisioning writes the documented key, cache
     assert cfg.data.classes == ()
     assert cfg.state_dir == kit / "state"
@@ -53,6 +55,7 @@ def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:
     assert cfg.policy == LocalPolicy(
         min_cohort=5, allow_exposure=True, max_epsilon=2.5, lifetime_epsilon=8.0,
         lifetime_delta=1e-6, privacy_unit="image", disclose_row_bounds=False,
+        profile="development",
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ roster fingerprint the operator published."""
 from __future__ import annotations
 
 import json
+import math
 import stat
 import tomllib
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ import pytest
 
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
+from afl.client.doctor import _policy as _policy_findings
 from afl.client.kit import KitError, import_bundle, init_site_kit
+from afl.client.policy.defaults import permissive_settings
 from afl.crypto.identity import custody, pki, signatures
+from afl.crypto.identity.kit_check import OK, WARNING
 from afl.ops.provisioning import SignedFederation, init_ca, init_server_kit, sign_requests
 from afl.server import toml_text
 
@@ -82,11 +86,39 @@ def test_import_installs_a_bundle_that_checks_out(setup: Setup) -> None:
     assert not (setup.kit / ".client.toml.import").exists()
     # The site edits its config; a later import keeps it and offers the template beside it.
     (setup.kit / "client.toml").write_text(
-        (setup.kit / "client.toml").read_text() + "\n[policy]\nmin_cohort = 5\n"
+        (setup.kit / "client.toml").read_text().replace("min_cohort = 3", "min_cohort = 5")
     )
     again = import_bundle(setup.kit, setup.bundle)
     assert again.config == setup.kit / "client.toml.new" and again.config_is_new
     assert load_client_config(setup.kit / "client.toml").policy.min_cohort == 5
+
+
+def test_a_production_kit_gets_the_protective_policy_and_doctor_shows_it(setup: Setup) -> None:
+    """M-171, M-172: the imported client.toml carries an explicit [policy] with the protective
+    values (parsed from the file, then as the daemon loads it); doctor prints the effective
+    policy and names each value made permissive."""
+    import_bundle(setup.kit, setup.bundle, roster_fingerprint=setup.signed.roster.fingerprint)
+    path = setup.kit / "client.toml"
+    written = tomllib.loads(path.read_text())["policy"]
+    assert written["profile"] == "production"
+    assert written["allowed_aggregation"] == ["mask", "ckks"]
+    assert written["ckks_decryptor"] == "h2"  # the roster's decryptor, pinned
+    assert written["disclose_row_bounds"] is False and written["allow_exposure"] is False
+    assert 0 < written["max_epsilon"] <= written["lifetime_epsilon"] < math.inf
+    assert written["min_cohort"] >= 3 and written["privacy_unit"] == "patient"
+    policy = load_client_config(path).policy
+    assert math.isfinite(policy.lifetime_epsilon) and not policy.disclose_row_bounds
+    assert permissive_settings(policy) == []
+    (summary,) = [f.message for f in _policy_findings(load_client_config(path))]
+    assert summary.startswith("policy (production): modes ['mask', 'ckks'], decryptor h2")
+    assert "lifetime_epsilon 10" in summary and "disclose_row_bounds false" in summary
+    # Made permissive by hand: doctor names each loosened value in one WARNING.
+    loose = path.read_text().replace("lifetime_epsilon = 10", "lifetime_epsilon = inf")
+    path.write_text(loose.replace('["mask", "ckks"]', '["plaintext", "mask"]'))
+    findings = _policy_findings(load_client_config(path))
+    assert [f.level for f in findings] == [OK, WARNING]
+    assert "lifetime_epsilon = inf" in findings[1].message
+    assert "includes plaintext" in findings[1].message
 
 
 def test_a_roster_other_than_the_published_one_is_refused(setup: Setup) -> None:

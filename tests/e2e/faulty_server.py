@@ -15,8 +15,12 @@ it holds only in memory, when POINT is
 with POINT ``disk-full`` the RUN_ID argument is a flag file: while it exists, writing a payload
 fails with ENOSPC (a full disk; the rest of the state folder stays writable); with POINT
 ``purge`` it dies between the commit that marks RUN_ID's payloads purged and their first unlink;
-and with POINT ``no-watch-rounds`` (RUN_ID ignored) it answers ``WatchRounds`` UNIMPLEMENTED,
-like a server without round streams. The faults are injected here, around the real daemon, so no
+with POINT ``no-watch-rounds`` (RUN_ID ignored) it answers ``WatchRounds`` UNIMPLEMENTED,
+like a server without round streams; with POINT ``copy-then-fail:FOLDER`` it copies its state to FOLDER
+(:func:`afl.server.store.backup_state`, as ``afl-server backup`` does) right before it stores the
+first upload of RUN_ID, and the solve of every round of RUN_ID fails (the round aborts after
+every upload arrived, as with a tampered model: nothing is published); and with POINT ``no-unmask-audit`` it skips its own history audit before unmasking (M-124), as a
+coordinator that would unmask a drop-out's difference. The faults are injected here, around the real daemon, so no
 product code path knows them.
 """
 
@@ -34,8 +38,10 @@ import grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import store as store_module
 from afl.server.daemon import main as daemon
+from afl.server.rounds import RoundMachine
 from afl.server.servicer import CoordinatorServicer
-from afl.server.store import Store
+from afl.server.solve.publish import SolveFailed, Solver
+from afl.server.store import Store, backup_state
 
 
 def _kill() -> None:
@@ -128,6 +134,23 @@ def install(point: str, run_id: str) -> None:
                 _kill()
 
         Store.put_message = patched_put_message  # type: ignore[method-assign]
+    elif point.startswith("copy-then-fail:"):
+        folder, put, solve = Path(point.split(":", 1)[1]), Store.put_upload, Solver.solve
+
+        def copying_put_upload(self: Store, round_id: str, *args: Any, **kw: Any) -> Any:
+            if _run_of(self, round_id) == run_id and not folder.exists():
+                backup_state(self.state_dir, folder)
+            return put(self, round_id, *args, **kw)
+
+        def failing_solve(self: Solver, view: Any, run: Any) -> Any:
+            if run.run_id == run_id:
+                return SolveFailed("solve failed: a fault injected after the uploads")
+            return solve(self, view, run)
+
+        Store.put_upload = copying_put_upload  # type: ignore[method-assign]
+        Solver.solve = failing_solve  # type: ignore[method-assign]
+    elif point == "no-unmask-audit":
+        RoundMachine.exposes_history = lambda self, *a, **kw: ""  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown crash point {point!r}")
 

@@ -18,10 +18,13 @@ from tests.e2e.dp_scenario import (
     dp_budgets,
     dp_federation,
     pooled_solve,
+    pooled_stats,
+    server_store,
     signed_plans,
     site_data,
     w_error_bound,
 )
+from tests.helpers.audit_scan import statistics_in_audit
 
 SITES = ["site-1", "site-2", "site-3"]
 
@@ -59,3 +62,9 @@ def test_dp_ckks_round_recovers_the_noisy_sums_exactly(tmp_path: Path) -> None:
         assert bound <= 0.05 * float(np.linalg.norm(w_ref))
         assert 0 < float(np.linalg.norm(ws[-1] - w_ref)) <= bound
     assert all(np.array_equal(w, ws[0]) for w in ws)
+    # M-30 over every record type of a DP CKKS run (dp-budget, ckks-context-published,
+    # ckks-decryption, ...): no statistic, noised or not
+    records = [(e, d) for _, e, d, *_ in server_store(loop.server_config).audit_entries()]
+    assert {"dp-budget", "ckks-decryption", "ckks-context-published"} <= {e for e, _ in records}
+    stats = [v for k, v in pooled_stats(loop.root, SITES).items() if k != "h"]
+    assert statistics_in_audit(records, statistics=[*stats, *ws]) == []

@@ -9,6 +9,7 @@ step g; it is not tuned to these tests. Oracle: the float64 sum of the same vect
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,26 @@ def _round_trip(
         grid=g,
     )
     return out, s, g
+
+
+def _releaser(
+    private_ctx: ts.Context, tags: list[float], *, length: int, prescale: float
+) -> Callable[[list[Any]], np.ndarray]:
+    """The decryptor's release of a sum of ``len(tags)`` members at the default grid."""
+    k = len(tags)
+
+    def release(summed: list[Any]) -> np.ndarray:
+        return decrypt_release(
+            private_ctx,
+            summed,
+            member_tags=tags,
+            length=length,
+            prescale=prescale,
+            num_summands=k,
+            grid=cp.default_grid(prescale=prescale, num_summands=k),
+        )
+
+    return release
 
 
 # --- contexts -----------------------------------------------------------------------------------
@@ -212,27 +233,31 @@ def test_tags_are_random_and_within_the_budget() -> None:
 
 
 def test_layout_checks(private_ctx: ts.Context, public_ctx: ts.Context) -> None:
-    vecs = ckks.encrypt_block(public_ctx, np.ones(5000), prescale=1.0, num_summands=1, tag=1.0)
+    n = cp.DATA_SLOTS_PER_CIPHERTEXT + 1  # two ciphertexts
+    vecs = ckks.encrypt_block(public_ctx, np.ones(n), prescale=1.0, num_summands=1, tag=1.0)
+    ckks.check_ciphertexts(vecs, length=n)
     with pytest.raises(CkksMalformedError, match="expected 1 ciphertexts"):
         ckks.check_ciphertexts(vecs, length=10)
-    with pytest.raises(CkksMalformedError, match="slots"):
-        ckks.check_ciphertexts(vecs, length=5001)
-    other_scale = ts.CKKSVector(public_ctx, [1.0, 2.0], scale=2.0**30)
+    with pytest.raises(CkksMalformedError, match="expected 3 ciphertexts"):
+        ckks.check_ciphertexts(vecs, length=2 * cp.DATA_SLOTS_PER_CIPHERTEXT + 1)
+    with pytest.raises(CkksMalformedError, match="slots"):  # a vector of fewer slots
+        ckks.check_ciphertexts([ts.CKKSVector(public_ctx, [1.0, 2.0])], length=1)
+    other_scale = ts.CKKSVector(public_ctx, [1.0] * cp.SLOT_COUNT, scale=2.0**30)
     with pytest.raises(CkksMalformedError, match="scale"):
         ckks.check_ciphertexts([other_scale], length=1)
     with pytest.raises(CkksMalformedError, match="parse"):
         ckks.deserialize_ciphertexts(public_ctx, [b"\x00" * 64], length=1)
     with pytest.raises(CkksMalformedError):
-        ckks.sum_ciphertexts(public_ctx, [vecs, vecs[:1]], length=5000)
+        ckks.sum_ciphertexts(public_ctx, [vecs, vecs[:1]], length=n)
     with pytest.raises(CkksContextError):
-        ckks.sum_ciphertexts(private_ctx, [vecs], length=5000)
+        ckks.sum_ciphertexts(private_ctx, [vecs], length=n)
 
 
 def test_server_cannot_multiply_by_a_scaled_plaintext(public_ctx: ts.Context) -> None:
     # Δ² = 2^80 exceeds the 60-bit data modulus: SEAL refuses ct × pt at scale Δ outright.
     (vec,) = ckks.encrypt_block(public_ctx, [1.0, 2.0], prescale=1.0, num_summands=1, tag=0.0)
     with pytest.raises(ValueError, match="scale out of bounds"):
-        vec.mul([1.0, 0.0, 1.0])
+        vec.mul([1.0, 0.0] * (cp.SLOT_COUNT // 2))
 
 
 def test_grid_finer_than_noise_is_refused(private_ctx: ts.Context) -> None:
@@ -271,16 +296,7 @@ def test_tag_check_refuses_one_site_presented_as_sum(
         for r in tags
     ]
 
-    def release(summed: list[Any]) -> np.ndarray:
-        return decrypt_release(
-            private_ctx,
-            summed,
-            member_tags=tags,
-            length=n,
-            prescale=s,
-            num_summands=k,
-            grid=cp.default_grid(prescale=s, num_summands=k),
-        )
+    release = _releaser(private_ctx, tags, length=n, prescale=s)
 
     with pytest.raises(CkksTagMismatchError):  # a single site's ciphertext as the 3-site sum
         release(ckks.serialize_ciphertexts(uploads[0]))
@@ -311,3 +327,59 @@ def test_block_tags_are_bound_to_their_position_and_within_the_tag(tag: float, i
     assert abs(value) <= abs(tag)
     if abs(tag) >= 1.0:  # tags are drawn on [-2^17/K, 2^17/K] with 52 random bits
         assert value != ckks.block_tag(tag, index + 1)
+
+
+def _seal_encrypt(public_ctx: ts.Context, slots: list[complex]) -> Any:
+    """A ciphertext of arbitrary complex slots under the public key (what anyone holding the
+    public context, the server included, can make), as a TenSEAL vector."""
+    seal = ckks._sealapi()
+    seal_ctx = public_ctx.seal_context().data
+    plain, cipher = seal.Plaintext(), seal.Ciphertext(seal_ctx)
+    seal.CKKSEncoder(seal_ctx).encode(slots, cp.GLOBAL_SCALE, plain)
+    seal.Encryptor(seal_ctx, public_ctx.public_key().data).encrypt(plain, cipher)
+    memory = ckks._SealFile()
+    try:
+        blob = ckks.vector_bytes(memory.save(cipher), size=cp.SLOT_COUNT, scale=cp.GLOBAL_SCALE)
+    finally:
+        memory.close()
+    return ts.CKKSVector.load(public_ctx, blob)
+
+
+def test_vector_bytes_is_tenseals_own_serialization(public_ctx: ts.Context) -> None:
+    vec = ts.CKKSVector(public_ctx, [0.5] * cp.SLOT_COUNT, scale=cp.GLOBAL_SCALE)
+    memory = ckks._SealFile()
+    try:
+        seal_bytes = memory.save(vec.ciphertext()[0])
+    finally:
+        memory.close()
+    ours = ckks.vector_bytes(seal_bytes, size=cp.SLOT_COUNT, scale=cp.GLOBAL_SCALE)
+    assert ours == vec.serialize()
+
+
+def test_both_lanes_of_a_slot_carry_data_and_the_imaginary_tag_is_checked(
+    private_ctx: ts.Context, public_ctx: ts.Context
+) -> None:
+    """Lane 2j is slot j's real part, lane 2j+1 its imaginary part (oracle: the slots as SEAL's
+    own complex decoder returns them); a ciphertext added by the server that leaves the real tag
+    lane alone but moves the imaginary one is refused."""
+    n, k = cp.DATA_SLOTS_PER_CIPHERTEXT + 5, 2
+    x = np.arange(n, dtype=np.float64) / n  # test data
+    tags = [ckks.new_tag(num_summands=k) for _ in range(k)]
+    uploads = [ckks.encrypt_block(public_ctx, x, prescale=1.0, num_summands=k, tag=r) for r in tags]
+    assert len(uploads[0]) == 2
+    lanes = ckks.decode_lanes(private_ctx, uploads[0][1])
+    assert abs(lanes[0] - ckks.block_tag(tags[0], 2)) < 1e-4  # block 1's tags: lanes 2 and 3
+    assert abs(lanes[1] - ckks.block_tag(tags[0], 3)) < 1e-4
+    np.testing.assert_allclose(lanes[2:7], x[cp.DATA_SLOTS_PER_CIPHERTEXT :], atol=1e-4)
+    assert np.all(np.abs(lanes[7:]) < 1e-4)  # padding
+    total = ckks.sum_ciphertexts(public_ctx, uploads, length=n)
+
+    release = _releaser(private_ctx, tags, length=n, prescale=1.0)
+
+    out = release(total)
+    assert np.max(np.abs(out - 2 * x)) <= cp.error_bound(
+        prescale=1.0, num_summands=k, grid=cp.default_grid(prescale=1.0, num_summands=k)
+    )
+    shift = _seal_encrypt(public_ctx, [complex(0.0, 1.0)] + [0j] * (cp.SLOT_COUNT - 1))
+    with pytest.raises(CkksTagMismatchError, match="tag lane 1 of ciphertext 0"):
+        release([total[0] + shift, total[1]])

@@ -18,19 +18,22 @@ def test_parameters_meet_the_he_standard_128_bit_bound() -> None:
     assert cp.POLY_MODULUS_DEGREE == 8192
     assert sum(cp.COEFF_MOD_BIT_SIZES) <= cp.HE_STANDARD_MAX_LOG_Q_128[8192] == 218
     assert cp.SECURITY_LEVEL_BITS == 128
-    assert cp.SLOT_COUNT == 4096 and cp.DATA_SLOTS_PER_CIPHERTEXT == 4095
+    assert cp.SLOT_COUNT == 4096 and cp.LANES_PER_CIPHERTEXT == 8192
+    assert cp.DATA_SLOTS_PER_CIPHERTEXT == 8190  # both parts of each slot, less the two tags
 
 
-def test_slot_budget_leaves_a_factor_two_below_half_the_data_prime() -> None:
-    # q0 > 2^59 (60-bit prime): decryption is exact while Δ·|z| + noise < q0/2 = 2^58.
+def test_slot_budget_leaves_a_margin_below_half_the_data_prime() -> None:
+    # q0 > 2^59 (60-bit prime): decryption is exact while Δ·|z| + noise < q0/2 = 2^58; a slot's
+    # two lanes each within 2^17 give |z| <= √2·2^17, Δ·|z| <= 2^57.5.
     assert cp.GLOBAL_SCALE * cp.SUM_SLOT_BOUND == 2.0**57
-    assert cp.GLOBAL_SCALE * cp.noise_bound_slots(2**16) < 2.0**57
+    assert cp.GLOBAL_SCALE * math.sqrt(2) * cp.SUM_SLOT_BOUND <= 2.0**57.5
+    assert cp.GLOBAL_SCALE * cp.noise_bound_slots(2**16) < 2.0**57.5
 
 
 def test_num_ciphertexts_of_the_d1024_upper_triangle() -> None:
-    assert cp.num_ciphertexts(1024 * 1025 // 2) == 129  # 524,800 values / 4095 per ciphertext
-    assert cp.num_ciphertexts(1) == 1 and cp.num_ciphertexts(4095) == 1
-    assert cp.num_ciphertexts(4096) == 2
+    assert cp.num_ciphertexts(1024 * 1025 // 2) == 65  # 524,800 values / 8190 per ciphertext
+    assert cp.num_ciphertexts(1) == 1 and cp.num_ciphertexts(8190) == 1
+    assert cp.num_ciphertexts(8191) == 2
     with pytest.raises(CkksConfigError):
         cp.num_ciphertexts(0)
 

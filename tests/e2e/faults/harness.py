@@ -6,6 +6,9 @@ helpers to read the coordinator's state folder. The daemons are run by
 from __future__ import annotations
 
 import json
+import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,7 +26,7 @@ from afl.lab.demo.federation import (
 )
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.e2e.loopback import SiteData, cached_statistics
-from tests.e2e.processes import Daemons
+from tests.e2e.processes import SERVER_COMMAND, Daemons
 from tests.helpers.numeric import relative_error
 
 CLASSES = ("A", "B", "C")
@@ -132,3 +135,23 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen in {timeout_s:g} s\n{logs()}")
         time.sleep(0.3)
+
+
+def server_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``afl-server ARGS`` (e.g. ``backup``, ``ack-restore``) to its end."""
+    return subprocess.run(
+        [*SERVER_COMMAND, *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def stop_server(daemons: Daemons) -> None:
+    """SIGTERM the coordinator and wait for its clean exit."""
+    assert daemons.server is not None
+    daemons.server.send_signal(signal.SIGTERM)
+    assert daemons.server.wait(timeout=120) == 0, daemons.log_tail()
+
+
+def restore(loop: LoopbackFederation, backup: Path) -> None:
+    """Replace the (stopped) coordinator's state folder by ``backup``."""
+    shutil.rmtree(state_dir(loop))
+    shutil.copytree(backup, state_dir(loop))

@@ -8,8 +8,6 @@ new run completes with every site, its W equal to the independent solve."""
 from __future__ import annotations
 
 import json
-import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -20,25 +18,15 @@ from tests.e2e.faults.harness import (
     assert_every_site_in_the_model,
     audit_events,
     federation,
+    restore,
+    server_tool,
     site_state,
-    state_dir,
+    stop_server,
     wait_for,
 )
-from tests.e2e.processes import SERVER_COMMAND, Daemons
+from tests.e2e.processes import Daemons
 
 pytestmark = pytest.mark.slow
-
-
-def _tool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*SERVER_COMMAND, *args], capture_output=True, text=True, timeout=300, check=False
-    )
-
-
-def _stop_server(daemons: Daemons) -> None:
-    assert daemons.server is not None
-    daemons.server.send_signal(signal.SIGTERM)
-    assert daemons.server.wait(timeout=120) == 0, daemons.log_tail()
 
 
 def test_a_restored_old_backup_is_named_by_the_sites_and_refused_until_acknowledged(
@@ -52,7 +40,7 @@ def test_a_restored_old_backup_is_named_by_the_sites_and_refused_until_acknowled
         daemons.start_server()
         info = daemons.call(daemons.admin.GetRun, apb.RunRef(run_id="run-1"))
         assert info.state == "active"
-        made = _tool("backup", "--config", config, "--out", str(backup))
+        made = server_tool("backup", "--config", config, "--out", str(backup))
         assert made.returncode == 0, made.stderr  # the old copy: run-1 still in its first stage
         daemons.start_clients()
         assert daemons.wait_run("run-1").state == "published"
@@ -69,9 +57,8 @@ def test_a_restored_old_backup_is_named_by_the_sites_and_refused_until_acknowled
             completed[site] = set(json.loads(path.read_text())["completed"])
         (round_id,) = set.union(*completed.values())
 
-        _stop_server(daemons)
-        shutil.rmtree(state_dir(loop))
-        shutil.copytree(backup, state_dir(loop))
+        stop_server(daemons)
+        restore(loop, backup)
         daemons.start_server()  # the restored copy passes its own anchor check and starts
         for site, proc in daemons.clients.items():
             try:
@@ -88,8 +75,8 @@ def test_a_restored_old_backup_is_named_by_the_sites_and_refused_until_acknowled
             e == "upload" and d.get("round_id") == round_id for e, d in audit_events(loop)
         )  # no site uploaded to the restored round again
 
-        _stop_server(daemons)
-        acked = _tool(
+        stop_server(daemons)
+        acked = server_tool(
             "ack-restore", "--config", config, "--by", "operator", "--reason", "disk replaced"
         )
         assert acked.returncode == 0, acked.stderr

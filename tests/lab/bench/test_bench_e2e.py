@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from afl.lab.bench.e2e import memory_summary, run_e2e_bench
-from afl.lab.bench.scaling_e2e import PeakMemory, rss_mib
+from afl.lab.bench.scaling_e2e import PeakMemory, cpu_seconds, rss_mib
 
 
 @pytest.mark.slow
@@ -30,6 +30,11 @@ def test_e2e_bench_row_is_complete_and_consistent() -> None:
         and "decryptor_peak_rss_mib" not in row["plaintext"]
     )
     assert "ckks server" in memory_summary(row) and "decryptor" in memory_summary(row)
+    for mode in ("plaintext", "ckks"):  # CPU seconds: every process, and each daemon's
+        figures = row[mode]
+        assert figures["cpu_seconds"] >= figures["server_cpu_seconds"] > 0
+        assert figures["site_cpu_seconds"] > 0 and len(figures["load_average"]) == 2
+    assert row["ckks"]["decryptor_cpu_seconds"] > 0 and row["ckks_cpu_seconds_ratio"] > 0
 
 
 def test_e2e_bench_needs_plaintext_and_another_mode() -> None:
@@ -39,18 +44,24 @@ def test_e2e_bench_needs_plaintext_and_another_mode() -> None:
         run_e2e_bench(num_sites=3, d=4, modes=("plaintext",))
 
 
+def _probe(code: str) -> subprocess.Popen[str]:
+    """A Python process running ``code``, once it printed "ready" (it then waits for stdin)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
 def test_peak_memory_is_the_high_water_mark_not_a_sample() -> None:
     """A process that touched 256 MiB and freed it before it is watched: its peak still shows
     them (VmHWM), though its resident memory is back down."""
     code = (
         "import sys, numpy as np; a = np.ones(32 * 1024 * 1024); del a; "
-        "print('freed', flush=True); sys.stdin.read()"
+        "print('ready', flush=True); sys.stdin.read()"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    proc = _probe(code)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "freed"
         memory = PeakMemory(interval_s=0.05)
         memory.watch({"probe": proc.pid})
         while "probe" not in memory.peaks:
@@ -63,3 +74,20 @@ def test_peak_memory_is_the_high_water_mark_not_a_sample() -> None:
     finally:
         proc.communicate("", timeout=60)
     assert rss_mib(proc.pid) is None  # gone: nothing to read
+
+
+def test_cpu_seconds_are_the_processs_own_account() -> None:
+    """A process that used at least 0.3 s of CPU (by its own clock, whatever the load) shows at
+    least that, less one clock tick, and at most what its parent is told after it exits."""
+    code = (
+        "import sys, time\n"
+        "while time.process_time() < 0.3: pass\n"
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    proc = _probe(code)
+    try:
+        used = cpu_seconds(proc.pid)
+        assert used is not None and used >= 0.3 - 0.02
+    finally:
+        proc.communicate("", timeout=60)
+    assert cpu_seconds(proc.pid) is None

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.errors import CkksContextError
+from afl.lab.demo.federation import free_port
 from afl.ops.provisioning import provision
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -35,6 +36,7 @@ def _federation(tmp_path: Path, context: bytes | None) -> Path:
         tmp_path / "fed",
         sites=SITES,
         decryptor="dec",
+        port=free_port(),  # a fixed port may be another process's on a shared machine
         round_settings={"classes": ["A"], "feature_dim": 4, "aggregation": "ckks"},
     )
     config = fed.server_dir / "server.toml"
