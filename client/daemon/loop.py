@@ -316,6 +316,7 @@ class ClientDaemon:
         cosigned by a quorum of the roster (:mod:`afl.client.daemon.transparency`)."""
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         t = self.config.timing
+        self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
         problem = self.log_witness.plan_problem(
             self.rpc.call,
             round_id=cfg.round_id,
