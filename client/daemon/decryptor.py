@@ -335,15 +335,7 @@ class DecryptorDaemon:
         self.rounds: dict[str, RoundDecryptor] = {}
         self.rpc: CoordinatorClient | None = None
         # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
-        self.log_witness = LogWitness(
-            config.state_dir,
-            site_id=config.site_id,
-            federation_id=config.federation_id,
-            key=self.identity,
-            coordinator_key=signatures.load_public_key_raw(config.server_public_key),
-            roster={**config.peers, config.site_id: config.identity_public_key},
-            quorum=config.policy.witness_quorum,
-        )
+        self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
 
     def witness(self) -> None:

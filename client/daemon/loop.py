@@ -140,15 +140,7 @@ class ClientDaemon:
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
         self.witness = Witness(config.state_dir, site_id=self.site_id)
-        self.log_witness = LogWitness(
-            config.state_dir,
-            site_id=self.site_id,
-            federation_id=config.federation_id,
-            key=self.identity,
-            coordinator_key=self.server_key,
-            roster={**config.peers, self.site_id: config.identity_public_key},
-            quorum=config.policy.witness_quorum,
-        )
+        self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.cache: FeatureCache | None = None

@@ -32,6 +32,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from afl.client.config import ClientConfig
 from afl.client.daemon.transport import DaemonError
 from afl.client.payloads.stats import dump_json
 from afl.crypto.identity.signatures import load_public_key_raw
@@ -138,6 +139,20 @@ class LogWitness:
                 raise DaemonError(
                     f"{self.path} is unreadable ({exc}): restore it from the site's backup"
                 ) from exc
+
+    @classmethod
+    def for_site(cls, config: ClientConfig, key: Ed25519PrivateKey) -> LogWitness:
+        """The witness of the site (or decryptor) ``config`` describes: its state folder, its
+        kit's coordinator key and roster (``[peers]`` and itself), its ``witness_quorum``."""
+        return cls(
+            config.state_dir,
+            site_id=config.site_id,
+            federation_id=config.federation_id,
+            key=key,
+            coordinator_key=load_public_key_raw(config.server_public_key),
+            roster={**config.peers, config.site_id: config.identity_public_key},
+            quorum=config.policy.witness_quorum,
+        )
 
     def _save(self) -> None:
         doc: dict[str, object] = {"acknowledged": self.acknowledged}
