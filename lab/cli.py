@@ -66,6 +66,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "afl.ops.fedlog",
     ),
     (
+        "audit-export",
+        "an offline-verifiable audit bundle of a coordinator (who received what), or --verify one",
+        "afl.ops.audit_export",
+    ),
+    (
         "report",
         "a self-contained HTML report: `afl simulate` results, or an `afl export` folder",
         "afl.lab.report.cmd",

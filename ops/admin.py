@@ -39,7 +39,7 @@ from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import admin_pb2_grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["AdminKit", "add_arguments", "connect", "load_admin_kit", "run"]
+__all__ = ["AdminKit", "add_arguments", "connect", "load_admin_kit", "run", "sample_notice"]
 
 INSECURE_ADMIN_HEADER = "x-afl-admin"
 
@@ -224,6 +224,29 @@ def _act(args: argparse.Namespace, kit: AdminKit, stub: Any, metadata: tuple[Any
             f"wrote {', '.join(sorted(files.values()))}: model {evaluation.model_round_id}, "
             f"{len(evaluation.members)} sites, signature verified"
         )
+        print(sample_notice(json.loads(evaluation.evaluation_json or b"{}")))
+
+
+def sample_notice(document: dict[str, Any]) -> str:
+    """Which images a signed evaluation's figures come from, in words a reader cannot miss: the
+    members that scored their training images (``in_sample``, from their signed acceptances,
+    docs/protocol.md §6.1), or that every member scored held-out images, or that it is not
+    known for every member."""
+    flags = document.get("in_sample")
+    flags = flags if isinstance(flags, dict) else {}
+    inside = sorted(str(s) for s, v in flags.items() if v)
+    members = [str(m) for m in document.get("members") or []]
+    if inside:
+        return (
+            f"IN-SAMPLE FIGURES at {', '.join(inside)}: computed on the images the model was "
+            "trained on; optimistic, NOT a measure of performance on new patients"
+        )
+    if members and all(m in flags for m in members):
+        return "out-of-sample: every member scored held-out images ([data] holdout)"
+    return (
+        "NOT SHOWN TO BE OUT-OF-SAMPLE: the evaluation does not say for every member which "
+        "images it scored"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

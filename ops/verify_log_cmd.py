@@ -23,16 +23,17 @@ from pathlib import Path
 
 from afl.ops.verify_log import LogFormatError, export_jsonl, read_log, verify_chain
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "hex32", "run"]
 
 
-def _head(text: str) -> bytes:
+def hex32(text: str) -> bytes:
+    """An argparse type: 32 bytes given as 64 hex digits (a SHA-256, an Ed25519 public key)."""
     try:
         raw = bytes.fromhex(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError("must be 64 hex digits") from exc
     if len(raw) != 32:
-        raise argparse.ArgumentTypeError("must be 64 hex digits (a SHA-256)")
+        raise argparse.ArgumentTypeError("must be 64 hex digits (32 bytes)")
     return raw
 
 
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--expect-head",
-        type=_head,
+        type=hex32,
         default=None,
         metavar="HEX",
         help="head hash recorded earlier (from a previous verify-log); must still be in the chain",

@@ -51,7 +51,18 @@ MASK_GRAPHS = ("full", "sparse")
 #: tolerated (rounded down) when k and t_N are chosen (docs/protocol.md §4.2 "Sparse graph").
 DEFAULT_COLLUDER_FRACTION = 0.333
 DEFAULT_DROPOUT_FRACTION = 0.05
-_TABLES = ("server", "tls", "identity", "limits", "sites", "round", "ckks", "admins", "retention")
+_TABLES = (
+    "server",
+    "tls",
+    "identity",
+    "limits",
+    "sites",
+    "round",
+    "ckks",
+    "admins",
+    "retention",
+    "access",
+)
 ROLES = ("participant", "decryptor")
 
 
@@ -226,6 +237,9 @@ class ServerConfig:
     # Seconds a stage stays open after an upload refused for a full disk (the sites retry it for
     # their retry_window_s, default 180).
     full_disk_hold_s: float = 180.0
+    # [access] need_to_know: a run's model and evaluation go to the run's participants only
+    # (docs/protocol.md M-160); off, to every enrolled site.
+    need_to_know: bool = True
 
 
 class _Table:
@@ -490,11 +504,12 @@ def _round(doc: Mapping[str, Any], source: Path, sites: Mapping[str, RosterSite]
             "encrypted DP statistics are bounded by N·L², N·L and N (docs/protocol.md §7)",
         )
     evaluate = t.get("evaluate", bool, False)
-    if evaluate and dp is not None:
+    if evaluate and dp is not None and not dp.eval_epsilon > 0:
         raise t.fail(
             "evaluate",
-            "a run with [round.dp] cannot evaluate its model: evaluation releases carry no DP "
-            "noise (docs/protocol.md §6.1); evaluate in a run without DP, or set evaluate = false",
+            "a run with [round.dp] evaluates its model only under DP: set [round.dp] "
+            "eval_epsilon (the evaluation round's ε per site, docs/protocol.md §6.1), or set "
+            "evaluate = false",
         )
     gate = _gate_settings(t)
     if gate is not None and dp is not None:
@@ -597,6 +612,7 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
     admins_table = _Table(doc.get("admins", {}), "admins", source)
     admins = admins_table.strings("names", [])
     retention = _Table(doc.get("retention", {}), "retention", source)
+    access = _Table(doc.get("access", {}), "access", source)
     federation_id = server.get("federation_id", str)
     if not federation_id.strip():
         raise server.fail("federation_id", "must not be empty")
@@ -623,7 +639,8 @@ def load_config(path: str | os.PathLike[str]) -> ServerConfig:
         limits=_stream_limits(limits),
         refusal_serve_s=refusal_serve_s,
         full_disk_hold_s=full_disk_hold_s,
+        need_to_know=access.get("need_to_know", bool, True),
     )
-    for table in (server, tls, identity, limits, ckks, admins_table, retention):
+    for table in (server, tls, identity, limits, ckks, admins_table, retention, access):
         table.refuse_unknown()
     return config

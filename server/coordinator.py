@@ -20,6 +20,7 @@ new payload may be stored now is the round's mode's decision (``check_upload``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import sqlite3
@@ -36,9 +37,8 @@ from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
 from afl.crypto.identity.signed_blobs import (
     ENROL_CONTEXT,
-    PLAN_DECISION_CONTEXT,
     blob_sha256,
-    plan_decision_fields,
+    verify_plan_decision,
 )
 from afl.proto import wire
 from afl.proto.v1 import common_pb2
@@ -56,6 +56,7 @@ from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundC
 from afl.server.plan.release import RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
+from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
 from afl.server.transparency import CosignedCheckpoint, FederationLog
 
@@ -302,22 +303,26 @@ class Coordinator:
             if view.stage not in accepting:
                 raise WrongStageError(f"round {view.round_id!r} is not reviewing a plan")
             try:
-                verify_fields(
-                    load_public_key_raw(enrolment.identity_public_key),
+                verify_plan_decision(
+                    enrolment.identity_public_key,
                     decision.signature,
-                    context=PLAN_DECISION_CONTEXT,
-                    fields=plan_decision_fields(
-                        round_id=view.round_id,
-                        accept=decision.accept,
-                        plan_sha256=decision.plan_sha256,
-                        graph_commitment=decision.graph_commitment,
-                    ),
+                    round_id=view.round_id,
+                    accept=decision.accept,
+                    plan_sha256=decision.plan_sha256,
+                    graph_commitment=decision.graph_commitment,
+                    evaluation_rows=decision.evaluation_rows,
                 )
             except CryptoError as exc:
                 raise NotPermittedError("plan decision signature does not verify") from exc
+            if decision.evaluation_rows not in EVALUATION_ROWS:
+                raise InvalidRequestError(
+                    f"evaluation_rows must be one of {sorted(EVALUATION_ROWS)}, got "
+                    f"{decision.evaluation_rows[:40]!r}"
+                )
             if previous is not None:
                 raise WrongStageError("a different decision on this plan is already recorded")
-            if decision.accept and decision.graph_commitment:  # sparse MASK graph: kept signed
+            # sparse MASK graph, or the rows an evaluation scores: kept signed
+            if decision.accept and (decision.graph_commitment or decision.evaluation_rows):
                 self.store.put_message(
                     view.round_id,
                     stage=int(view.stage),
@@ -326,14 +331,18 @@ class Coordinator:
                     data=decision.SerializeToString(),
                 )
             reason = decision.reason[:500]
-            self.store.put_decision(view.round_id, site_id, accept=decision.accept, reason=reason)
-            self.store.audit(
-                "plan-decision",
-                {
+            self.store.put_decision(
+                view.round_id,
+                site_id,
+                accept=decision.accept,
+                reason=reason,
+                signed=decision.SerializeToString(),
+                audit={
                     "round_id": view.round_id,
                     "site_id": site_id,
                     "accept": decision.accept,
                     "reason": reason,
+                    "plan_sha256": decision.plan_sha256.hex(),
                 },
             )
             self.machine.advance()
@@ -446,32 +455,98 @@ class Coordinator:
             duplicate=duplicate,
         )
 
+    def run_participants(self, run_id: str) -> set[str]:
+        """The sites that were members of a plan of ``run_id``: the participants of its rounds
+        that published a signed plan (call with the lock held)."""
+        return {
+            site
+            for row in self.store.rounds(run_id)
+            if row.plan is not None
+            for site in row.participants
+        }
+
+    def _require_need_to_know(self, site_id: str, round_id: str, what: str) -> None:
+        """Need-to-know (docs/protocol.md M-160): with ``[access] need_to_know`` (the default), a
+        run's model and evaluation go only to the sites that were members of its plans; any other
+        site (one outside the run, the decryptor) is refused, and the refusal is recorded."""
+        if not self.config.need_to_know:
+            return
+        row = self.store.round(round_id)
+        if row is not None and site_id in self.run_participants(row.run_id):
+            return
+        self.store.audit("read-refused", {"site_id": site_id, "what": what, "round_id": round_id})
+        raise NotPermittedError(
+            f"site {site_id!r} took no part in the run of round {round_id!r}: its {what} goes "
+            "to the run's participants only (need-to-know)"
+        )
+
+    def _latest_readable(self, site_id: str) -> str:
+        """The round id of the latest model ``site_id`` may read ("" when none)."""
+        found = self.store.model()
+        if found is None or not self.config.need_to_know:
+            return found[0] if found else ""
+        readable = ""
+        for row in self.store.rounds():
+            if self.store.model(row.round_id) is not None and site_id in self.run_participants(
+                row.run_id
+            ):
+                readable = row.round_id
+        return readable
+
     def model(self, site_id: str, round_id: str = "") -> pb.SignedModel:
-        """The signed model of ``round_id`` (the latest when ""); while the round is VALIDATING,
-        its candidate (signed with context "candidate-model") for the round's participants, who
-        score it in the validation gate (docs/protocol.md §6.2)."""
+        """The signed model of ``round_id`` (the latest the site may read when ""); while the
+        round is VALIDATING, its candidate (signed with context "candidate-model") for the
+        round's participants, who score it in the validation gate (docs/protocol.md §6.2).
+        Need-to-know applies (:meth:`_require_need_to_know`); every read is an audit record
+        "model-read" (who, which round, the SHA-256 of the ``Model`` bytes)."""
         self.require_enrolled(site_id)
         with self.lock:
-            found = self.store.model(round_id or None)
-            if found is None and round_id:
+            wanted = round_id or self._latest_readable(site_id)
+            found = self.store.model(wanted) if wanted else None
+            signed: tuple[bytes, bytes] | None = None
+            candidate = False
+            if found is not None:
+                self._require_need_to_know(site_id, found[0], "model")
+                signed = found[1], found[2]
+            elif round_id:
                 view = self.machine.find(round_id)
-                candidate = self.store.candidate(round_id)
-                if view.stage == pb.ROUND_STAGE_VALIDATING and candidate is not None:
+                stored = self.store.candidate(round_id)
+                if view.stage == pb.ROUND_STAGE_VALIDATING and stored is not None:
                     self.machine.require_participant(view, site_id)
-                    return pb.SignedModel(model=candidate[0], signature=candidate[1])
-        if found is None:
-            raise WrongStageError(
-                "no model has been published" + (f" for round {round_id!r}" if round_id else "")
+                    signed, candidate = stored, True
+            if signed is None:
+                where = f" for round {round_id!r}" if round_id else ""
+                if not round_id and self.store.model() is not None:
+                    where = f" of a run site {site_id!r} took part in (need-to-know)"
+                raise WrongStageError(f"no model has been published{where}")
+            self.store.audit(
+                "model-read",
+                {
+                    "site_id": site_id,
+                    "round_id": wanted,
+                    "candidate": candidate,
+                    "sha256": hashlib.sha256(signed[0]).hexdigest(),
+                },
             )
-        return pb.SignedModel(model=found[1], signature=found[2])
+        return pb.SignedModel(model=signed[0], signature=signed[1])
 
     def evaluation(self, site_id: str, round_id: str) -> pb.SignedEvaluation:
-        """The signed evaluation of the evaluation round ``round_id`` (enrolled sites)."""
+        """The signed evaluation of the evaluation round ``round_id``, for the run's participants
+        (need-to-know); every read is an audit record "evaluation-read"."""
         self.require_enrolled(site_id)
         with self.lock:
             found = self.store.evaluation(round_id)
-        if found is None:
-            raise WrongStageError(f"no evaluation has been published for round {round_id!r}")
+            if found is None:
+                raise WrongStageError(f"no evaluation has been published for round {round_id!r}")
+            self._require_need_to_know(site_id, round_id, "evaluation")
+            self.store.audit(
+                "evaluation-read",
+                {
+                    "site_id": site_id,
+                    "round_id": round_id,
+                    "sha256": hashlib.sha256(found[0]).hexdigest(),
+                },
+            )
         return pb.SignedEvaluation(evaluation=found[0], signature=found[1])
 
     def report(self, site_id: str, report: pb.ClientReport) -> None:

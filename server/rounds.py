@@ -31,7 +31,12 @@ from afl.server.config import ServerConfig, merged_run_table
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
 from afl.server.events import RoundEvents
-from afl.server.modes.base import AggregationMode, Transition
+from afl.server.modes.base import (
+    DECISION_JOURNAL_KIND,
+    AggregationMode,
+    Transition,
+    decoded_releases,
+)
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.context import StoreContext
 from afl.server.plan.open import open_plan
@@ -171,8 +176,29 @@ class RoundMachine(StoreContext):
         return self.view(row)
 
     def sums(self, view: RoundView) -> Mapping[str, NDArray[np.float64]] | None:
-        """The released sums of ``view`` (None while the mode still waits for them)."""
-        return self.mode_of(view).sums(view, self)
+        """The released sums of ``view`` (None while the mode still waits for them); when they
+        are there, the "sums-decoded" audit record names each release and the SHA-256 of its
+        decoded values, and the sites they contain (docs/protocol.md M-163)."""
+        mode = self.mode_of(view)
+        sums = mode.sums(view, self)
+        if sums is not None:
+            self.store.audit(
+                "sums-decoded",
+                {
+                    "round_id": view.round_id,
+                    "releases": decoded_releases(sums),
+                    "contributors": sorted(mode.contributors(view)),
+                },
+            )
+        return sums
+
+    def evaluation_rows(self, round_id: str) -> dict[str, str]:
+        """Each site's ``evaluation_rows`` from its journaled, signed acceptance of the plan."""
+        out = {}
+        for message in self.store.messages(round_id):
+            if message.kind == DECISION_JOURNAL_KIND:
+                out[message.site_id] = pb.PlanDecision.FromString(message.data).evaluation_rows
+        return out
 
     def require_participant(self, view: RoundView, site_id: str) -> None:
         if site_id not in view.row.participants:
@@ -402,6 +428,7 @@ class RoundMachine(StoreContext):
             run=run,
             view=view,
             participants=participants,
+            sums=lambda round_id: self.sums(self.find(round_id)),
         )
         with self.announcer.transition():
             for event, detail in opened.audits:

@@ -201,9 +201,9 @@ class Runs:
         return self.store.model(round_id)
 
     def _purge(self, run_id: str) -> None:
-        deleted = self.store.purge_payloads([r.round_id for r in self.store.rounds(run_id)])
-        if deleted:
-            self.store.audit("payloads-deleted", {"run_id": run_id, "files": deleted})
+        self.store.purge_payloads(
+            [r.round_id for r in self.store.rounds(run_id)], audit={"run_id": run_id}
+        )
 
     def purge_due(self, now_ms: int) -> None:
         """Delete the payloads of runs that ended more than ``payload_days`` ago (retention)."""

@@ -28,7 +28,12 @@ from afl.crypto.canonical import canonical_encode
 from afl.crypto.identity.pki import make_private_dir, write_private_file
 from afl.crypto.transparency.merkle import leaf_hash, root_hash
 from afl.crypto.transparency.statements import statement_bytes
-from afl.proto.v1.coordinator_pb2 import SignedEvaluation, SignedModel
+from afl.proto.v1.coordinator_pb2 import (
+    ROUND_STAGE_ADVERTISE_KEYS,
+    ROUND_STAGE_CONSISTENCY_CHECK,
+    SignedEvaluation,
+    SignedModel,
+)
 from afl.server.errors import DiskFullError, StateError
 
 __all__ = [
@@ -37,12 +42,14 @@ __all__ = [
     "ENDED_RUN_STATES",
     "SCHEMA_VERSION",
     "EnrolmentRow",
+    "EvidenceRow",
     "MessageRow",
     "RoundRow",
     "RunRow",
     "Store",
     "UploadRow",
     "backup_state",
+    "kept_as_evidence",
     "now_ms",
 ]
 
@@ -71,7 +78,11 @@ CREATE TABLE IF NOT EXISTS rounds (
     run_id TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS decisions (
     round_id TEXT NOT NULL, site_id TEXT NOT NULL, accept INTEGER NOT NULL, reason TEXT NOT NULL,
-    PRIMARY KEY (round_id, site_id));
+    signed BLOB, PRIMARY KEY (round_id, site_id));
+CREATE TABLE IF NOT EXISTS evidence (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, round_id TEXT NOT NULL, stage INTEGER NOT NULL,
+    site_id TEXT NOT NULL, kind TEXT NOT NULL, sha256 BLOB NOT NULL, data BLOB,
+    kept_ms INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS uploads (
     round_id TEXT NOT NULL, site_id TEXT NOT NULL, release_name TEXT NOT NULL,
     sha256 BLOB NOT NULL, size INTEGER NOT NULL, path TEXT NOT NULL, received_ms INTEGER NOT NULL,
@@ -200,6 +211,34 @@ class MessageRow:
     data: bytes
 
 
+@dataclass(frozen=True)
+class EvidenceRow:
+    """What a purge keeps of one protocol message: its digest, and its bytes when they are
+    signatures and public keys only (:func:`kept_as_evidence`)."""
+
+    stage: int
+    site_id: str
+    kind: str
+    sha256: bytes
+    data: bytes | None
+
+
+#: Messages whose bytes outlive the payload purge as evidence: signed statements and public keys,
+#: never statistics, masked or encrypted sums, or secret shares. A signed plan decision (its
+#: sparse-graph commitment), the decryptor's signed outcome of a release (status and result
+#: digest), and the masked-mode key adverts and consistency signatures. Every other message keeps
+#: its SHA-256 only.
+_KEPT_KINDS = ("plan-decision", "ckks-outcome:")
+_KEPT_MASK_STAGES = (ROUND_STAGE_ADVERTISE_KEYS, ROUND_STAGE_CONSISTENCY_CHECK)
+
+
+def kept_as_evidence(stage: int, kind: str) -> bool:
+    """Whether a message of ``kind`` received at ``stage`` is kept whole by a purge."""
+    if kind == "mask":
+        return stage in _KEPT_MASK_STAGES
+    return kind.startswith(_KEPT_KINDS)
+
+
 def _enrolment_row(r: Sequence[Any]) -> EnrolmentRow:
     """An enrolment row of :data:`Store._ENROLMENT_QUERY` (the declarations are JSON)."""
     declared = json.loads(r[6]) if r[6] else {}
@@ -288,6 +327,8 @@ class Store:
             self._db.execute("PRAGMA secure_delete=ON")
             self._check_integrity()
             self._db.executescript(_SCHEMA)
+            if "signed" not in self._columns("decisions"):  # a state from before consents
+                self._db.execute("ALTER TABLE decisions ADD COLUMN signed BLOB")
         except sqlite3.DatabaseError as exc:
             raise StateError(f"{self.path} is not a readable afl state database ({exc})") from exc
         finally:
@@ -725,18 +766,65 @@ class Store:
 
     # --- decisions, uploads and messages -----------------------------------------------------
 
-    def put_decision(self, round_id: str, site_id: str, *, accept: bool, reason: str) -> None:
+    def put_decision(
+        self,
+        round_id: str,
+        site_id: str,
+        *,
+        accept: bool,
+        reason: str,
+        signed: bytes | None = None,
+        audit: Mapping[str, object] | None = None,
+    ) -> None:
+        """Record a site's plan decision with the signed ``PlanDecision`` as received (the
+        consent, kept after the payloads are purged) and, given ``audit``, its "plan-decision"
+        record (``audit`` plus the decision's SHA-256) in ONE transaction."""
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?)",
-                (round_id, site_id, int(accept), reason),
+                "INSERT OR REPLACE INTO decisions (round_id, site_id, accept, reason, signed) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (round_id, site_id, int(accept), reason, signed),
             )
+            if audit is not None:
+                digest = {"sha256": hashlib.sha256(signed).hexdigest()} if signed else {}
+                self._append_audit(db, "plan-decision", {**audit, **digest})
 
     def decisions(self, round_id: str) -> dict[str, tuple[bool, str]]:
         rows = self._db.execute(
             "SELECT site_id, accept, reason FROM decisions WHERE round_id = ?", (round_id,)
         ).fetchall()
         return {r[0]: (bool(r[1]), r[2]) for r in rows}
+
+    def signed_decisions(self, round_id: str) -> dict[str, bytes]:
+        """site -> the signed ``PlanDecision`` it sent for ``round_id`` (decisions recorded
+        before signatures were kept have none)."""
+        if "signed" not in self._columns("decisions"):
+            return {}
+        rows = self._db.execute(
+            "SELECT site_id, signed FROM decisions WHERE round_id = ? AND signed IS NOT NULL "
+            "ORDER BY site_id",
+            (round_id,),
+        ).fetchall()
+        return {r[0]: bytes(r[1]) for r in rows}
+
+    def _columns(self, table: str) -> set[str]:
+        return {str(r[1]) for r in self._db.execute(f"PRAGMA table_info({table})")}
+
+    def evidence(self, round_id: str) -> list[EvidenceRow]:
+        """The protocol evidence kept of a round's purged messages, in the order received."""
+        if "evidence" not in {
+            r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }:
+            return []
+        rows = self._db.execute(
+            "SELECT stage, site_id, kind, sha256, data FROM evidence WHERE round_id = ? "
+            "ORDER BY seq",
+            (round_id,),
+        ).fetchall()
+        return [
+            EvidenceRow(int(r[0]), r[1], r[2], bytes(r[3]), None if r[4] is None else bytes(r[4]))
+            for r in rows
+        ]
 
     def put_upload(
         self,
@@ -816,30 +904,68 @@ class Store:
             raise StateError(f"payload file {row.path} does not match its recorded digest")
         return data
 
-    def purge_payloads(self, round_ids: Sequence[str]) -> int:
+    def purge_payloads(
+        self, round_ids: Sequence[str], *, audit: Mapping[str, object] | None = None
+    ) -> int:
         """Delete the payload files of ``round_ids`` (retention); their rows stay, marked purged.
         Returns the number of files deleted.
 
-        Record the intent, then delete: ``purged = 1`` for every row of ``round_ids`` (and the
-        deletion of their messages) is committed in one transaction, then the files are
-        unlinked. A crash between the two leaves files
-        whose rows say purged; :meth:`sweep_payloads` removes them at the next start-up, so no
-        statistic outlives its purge (docs/protocol.md M-140)."""
+        Record the intent, then delete: ``purged = 1`` for every row of ``round_ids``, the
+        deletion of their messages (each leaving its evidence: digest, and for
+        :func:`kept_as_evidence` messages the signed bytes, never statistics) and, given
+        ``audit`` and anything to delete, the "payloads-deleted" record naming the digest of every
+        file and message deleted, are committed in one transaction, then the files are unlinked.
+        A crash between the two leaves files whose rows say purged; :meth:`sweep_payloads`
+        removes them at the next start-up, so no statistic outlives its purge (docs/protocol.md
+        M-140)."""
         assert not self._depth, "a purge commits its intent before it unlinks: never nested"
         paths: list[str] = []
-        messages = 0
+        files: list[dict[str, object]] = []
+        messages: list[dict[str, object]] = []
         with self._tx() as db:  # the intent for every round at once: a kill leaves no round out
             for round_id in round_ids:
-                paths += [
-                    r[0]
-                    for r in db.execute(
-                        "SELECT path FROM uploads WHERE round_id = ? AND purged = 0", (round_id,)
-                    ).fetchall()
-                ]
+                for path_text, site, release, sha in db.execute(
+                    "SELECT path, site_id, release_name, sha256 FROM uploads WHERE round_id = ? "
+                    "AND purged = 0",
+                    (round_id,),
+                ).fetchall():
+                    paths.append(path_text)
+                    files.append(
+                        {
+                            "round_id": round_id,
+                            "site_id": site,
+                            "release": release,
+                            "sha256": bytes(sha).hex(),
+                        }
+                    )
+                for stage, site, kind, data in db.execute(
+                    "SELECT stage, site_id, kind, data FROM messages WHERE round_id = ? "
+                    "ORDER BY seq",
+                    (round_id,),
+                ).fetchall():
+                    digest = hashlib.sha256(bytes(data)).digest()
+                    kept = bytes(data) if kept_as_evidence(int(stage), kind) else None
+                    db.execute(
+                        "INSERT INTO evidence (round_id, stage, site_id, kind, sha256, data, "
+                        "kept_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (round_id, int(stage), site, kind, digest, kept, now_ms()),
+                    )
+                    messages.append(
+                        {
+                            "round_id": round_id,
+                            "site_id": site,
+                            "kind": kind,
+                            "sha256": digest.hex(),
+                        }
+                    )
                 db.execute("UPDATE uploads SET purged = 1 WHERE round_id = ?", (round_id,))
-                messages += db.execute(
-                    "DELETE FROM messages WHERE round_id = ?", (round_id,)
-                ).rowcount
+                db.execute("DELETE FROM messages WHERE round_id = ?", (round_id,))
+            if audit is not None and (files or messages):
+                self._append_audit(
+                    db,
+                    "payloads-deleted",
+                    {**audit, "files": len(files), "payloads": files, "messages": messages},
+                )
         for path_text in paths:
             _erase(self._payload_path(path_text))
         for round_id in round_ids:

@@ -4,9 +4,10 @@ Each entry point runs in its own Python process exactly as its console script ru
 the process writes the names in ``sys.modules``, and the test checks that none of the heavy
 packages a command does not need was loaded: torch, torchvision, scikit-learn, scipy, matplotlib
 and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``,
-``afl log``) and status commands; torch, torchvision, scikit-learn, matplotlib and TenSEAL for the coordinator
-daemon of a federation that does not use CKKS (scipy solves its rounds, TenSEAL only serves CKKS).
-A module-level import of any of them on one of these paths fails here, naming the command.
+``afl audit-export``, ``afl log``) and status commands; torch, torchvision, scikit-learn,
+matplotlib and TenSEAL for the coordinator daemon of a federation that does not use CKKS (scipy
+solves its rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of
+these paths fails here, naming the command.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def _commands(federation: ProvisionedFederation) -> list[list[str]]:
         ["afl", "admin", "--config", admin, "ls"],
         ["afl", "admin", "--config", admin, "status", "run-1"],
         ["afl", "verify-log", str(federation.server_dir / "state")],
+        ["afl", "audit-export", "--config", server_toml, "--out", str(federation.root / "audit")],
+        ["afl", "audit-export", "--verify", str(federation.root / "audit")],
         ["afl", "log", "export", "--config", server_toml, "--out", str(federation.root / "l.json")],
         ["afl", "log", "verify", str(federation.root / "l.json")],
     ]

@@ -456,10 +456,17 @@ class ClientDaemon:
             report.dp = dp_report(plan, self.site_id, dp)
 
     def _respond(
-        self, round_id: str, decision: PolicyDecision, plan_sha: bytes, *, graph_nonce: bytes = b""
+        self,
+        round_id: str,
+        decision: PolicyDecision,
+        plan_sha: bytes,
+        *,
+        graph_nonce: bytes = b"",
+        evaluation_rows: str = "",
     ) -> None:
         """Sign and send the decision; accepting a sparse-graph MASK plan commits to
-        ``graph_nonce`` (docs/protocol.md §4.2 "Sparse graph")."""
+        ``graph_nonce`` (docs/protocol.md §4.2 "Sparse graph"), accepting an evaluation plan
+        states ``evaluation_rows`` ("held-out" or "in-sample", docs/protocol.md §6.1)."""
         commitment = (
             graph_commitment(round_id=round_id, site_id=self.site_id, nonce=graph_nonce)
             if graph_nonce and decision.accept
@@ -473,6 +480,7 @@ class ClientDaemon:
                 accept=decision.accept,
                 plan_sha256=plan_sha,
                 graph_commitment=commitment,
+                evaluation_rows=evaluation_rows,
             ),
         )
         request = pb.PlanDecision(
@@ -482,6 +490,7 @@ class ClientDaemon:
             plan_sha256=plan_sha,
             signature=signature,
             graph_commitment=commitment,
+            evaluation_rows=evaluation_rows,
         )
         self.rpc.call("RespondToPlan", request)
 
@@ -530,6 +539,7 @@ class ClientDaemon:
                 model_sha256=evaluated.model_sha256,
                 cache=rows.cache,
                 labelled=rows.labelled,
+                min_mass=self.config.policy.min_cohort,  # without DP (docs/protocol.md §6.1)
             )
         payloads = round_payloads(
             plan,
@@ -570,7 +580,12 @@ class ClientDaemon:
                 report.plan = plan_summary(cfg, plan, decision, plan_sha)
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
                 graph_nonce = new_graph_nonce()
-            self._respond(round_id, decision, plan_sha, graph_nonce=graph_nonce)
+            rows = ""
+            if plan is not None and decision.accept and is_evaluation_plan(plan):
+                rows = "in-sample" if self.config.data.holdout is None else "held-out"
+            self._respond(
+                round_id, decision, plan_sha, graph_nonce=graph_nonce, evaluation_rows=rows
+            )
         timings["plan_check"] = time.perf_counter() - start
         if not decision.accept:
             log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)

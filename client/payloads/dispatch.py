@@ -52,6 +52,8 @@ class Scoring:
     model_sha256: str
     cache: FeatureCache
     labelled: NDArray[np.bool_]
+    #: Without DP: every released bin 0 or ≥ this many rows (the site's min_cohort, §6.1).
+    min_mass: int = 0
 
 
 def round_payloads(
@@ -82,6 +84,7 @@ def round_payloads(
             model_classes=scoring.classes,
             model_sha256=scoring.model_sha256,
             encode=encode,
+            min_mass=scoring.min_mass,
         )
     if round_one is None and needs_parent_model(plan):
         raise PayloadError("a round-2 plan needs the verified round-1 model")

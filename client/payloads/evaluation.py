@@ -23,6 +23,7 @@ a run's evaluation round is :mod:`afl.client.daemon.evaluation`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -30,7 +31,14 @@ from numpy.typing import NDArray
 from afl.client.payloads.dp import dp_rows, noisy_values
 from afl.client.payloads.stats import PayloadError, SlotPayload, encode_slots
 from afl.core.data.featurecache import FeatureCache
-from afl.core.evaluation.federated import EvaluationStats, evaluation_statistics
+from afl.core.evaluation.federated import (
+    EvaluationError,
+    EvaluationStats,
+    coarsen_histograms,
+    confusion_from_histograms,
+    decision_edge,
+    evaluation_statistics,
+)
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.wire import EVALUATION_KINDS, WireError, read_evaluation
 
@@ -52,13 +60,17 @@ def evaluation_values(
     model_sha256: str,
     memo: dict[tuple[object, ...], EvaluationStats] | None = None,
     rows: NDArray[np.int64] | None = None,
+    min_mass: int = 0,
 ) -> NDArray[np.float64]:
     """The site's flat float64 contribution to one evaluation release (module docstring).
 
     ``labelled`` is over the cache's columns; ``weights`` (d, C) follows ``model_classes``;
     ``memo`` reuses statistics between releases with the same classes, bins and threshold;
     ``rows`` (DP: the unit's rows, :func:`afl.client.payloads.dp.dp_rows`) the cache rows
-    evaluated (default all)."""
+    evaluated (default all); ``min_mass`` > 1 (a plan without DP: the site's ``min_cohort``)
+    coarsens the histograms so that every bin is 0 or holds ≥ ``min_mass`` rows
+    (:func:`afl.core.evaluation.federated.coarsen_histograms`) and derives the confusion counts
+    from them (docs/protocol.md §6.1)."""
     try:
         spec = read_evaluation(release)
     except WireError as exc:
@@ -91,6 +103,15 @@ def evaluation_values(
             labelled=np.asarray(labelled, dtype=bool)[cache_cols] & held,
             threshold=spec.threshold,
         )
+        if min_mass > 1:
+            try:
+                edge = decision_edge(spec.bins, spec.threshold)
+            except EvaluationError as exc:
+                raise PayloadError(f"release {release.name}: {exc}") from exc
+            hist = coarsen_histograms(stats.histograms, min_count=min_mass, edge=edge)
+            stats = replace(
+                stats, histograms=hist, confusion=confusion_from_histograms(hist, edge=edge)
+            )
         if memo is not None:
             memo[key] = stats
     source = (
@@ -109,13 +130,15 @@ def evaluation_slot_payloads(
     model_classes: Sequence[str],
     model_sha256: str,
     encode: Callable[[cpb.Release, NDArray[np.float64]], bytes],
+    min_mass: int = 0,
 ) -> list[SlotPayload]:
     """One encoded payload per upload slot of the plan's evaluation releases the site is in.
 
     Under DP (``plan.dp.enabled``, docs/protocol.md §6.1) the site evaluates the unit's rows only
     (the first m images of each patient, as in training: the sensitivity m·√C assumes it) and
     adds its discrete Gaussian share to each release (:func:`afl.client.payloads.dp.
-    noisy_values`), fresh per release."""
+    noisy_values`), fresh per release; without DP, ``min_mass`` (the site's ``min_cohort``)
+    coarsens its histograms (:func:`evaluation_values`)."""
     memo: dict[tuple[object, ...], EvaluationStats] = {}
     rows = dp_rows(plan, n=cache.meta.n, patients=cache.patients) if plan.dp.enabled else None
 
@@ -129,6 +152,7 @@ def evaluation_slot_payloads(
             model_sha256=model_sha256,
             memo=memo,
             rows=rows,
+            min_mass=0 if plan.dp.enabled else min_mass,
         )
         return noisy_values(release, exact) if plan.dp.enabled else exact
 

@@ -35,8 +35,11 @@ s_c² = w_cᵀ(Ĝ/N̂)w_c - (w_cᵀT̂/N̂)² (post-processing of released stati
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import NDArray
 
 from afl.core.dp.accounting import (
     AccountingError,
@@ -46,15 +49,19 @@ from afl.core.dp.accounting import (
     grid_frac_bits,
     noise_share,
 )
+from afl.core.evaluation.federated import EvaluationStats, histogram_auc
 from afl.core.evaluation.scorebins import ScoreBins
 
 __all__ = [
     "DP_EVALUATION_BINS",
     "EVALUATION_SPLIT",
+    "NoisyEvaluation",
     "dp_score_bins",
     "evaluation_noise",
     "evaluation_sensitivity",
     "evaluation_sigma",
+    "noisy_evaluation",
+    "score_scales",
 ]
 
 #: Equal-mass bins of a DP evaluation (docs/benchmarks.md §9, ε = 1 on the embedded default:
@@ -124,3 +131,80 @@ def evaluation_noise(
     return ReleaseNoise(
         sigma, sens, grid_frac_bits(sensitivity=sens, coordinates=0, share_sigma=share), t
     )
+
+
+def score_scales(
+    *,
+    weights: NDArray[np.float64],
+    gram: NDArray[np.float64],
+    label_sum: NDArray[np.float64],
+    label_count: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """Each class's score scale s_c from a run's released (noisy) statistics of its training
+    rows (post-processing, no budget): for W (d, C), Ĝ (d, d), T̂ (d, C) and N̂ (C,) the
+    released Gram, per-class feature sums and label counts,
+
+        s_c² = w_cᵀ(Ĝ/N̂)w_c − (w_cᵀT̂_c/N̂_c)²,   N̂ = max_c N̂_c (the rows of Ĝ);
+
+    NaN for a class whose N̂_c < 1 or whose s_c² is not positive. The DP bins take the median
+    of the finite ones (:func:`dp_score_bins`)."""
+    w = np.asarray(weights, dtype=np.float64)
+    t = np.asarray(label_sum, dtype=np.float64)
+    n = np.asarray(label_count, dtype=np.float64).ravel()
+    if gram.shape != (w.shape[0], w.shape[0]) or t.shape != w.shape or n.shape != (w.shape[1],):
+        raise AccountingError(
+            f"W {w.shape}, Gram {gram.shape}, sums {t.shape} and counts {n.shape} do not fit"
+        )
+    rows = float(n.max()) if n.size else 0.0
+    out = np.full(w.shape[1], np.nan)
+    for c in range(w.shape[1]):
+        if not (n[c] >= 1.0 and rows >= 1.0):
+            continue
+        var = float(w[:, c] @ gram @ w[:, c]) / rows - (float(w[:, c] @ t[:, c]) / n[c]) ** 2
+        if var > 0 and math.isfinite(var):
+            out[c] = math.sqrt(var)
+    return out
+
+
+@dataclass(frozen=True)
+class NoisyEvaluation:
+    """What the coordinator makes of a DP evaluation's noisy sums (post-processing): ``stats``,
+    the counts rounded to integers and clipped at 0 (BACC, AP, the calibration fit, the counts
+    it reports), and ``auc``, each class's AUC of the noisy histograms as they are (unclipped,
+    module docstring; NaN when a noisy label total is not positive)."""
+
+    stats: EvaluationStats
+    auc: NDArray[np.float64]
+
+    @property
+    def macro_auc(self) -> float:
+        finite = self.auc[np.isfinite(self.auc)]
+        return float(finite.mean()) if finite.size else float("nan")
+
+
+def noisy_evaluation(
+    *,
+    classes: Sequence[str],
+    bins: ScoreBins,
+    threshold: float,
+    histograms: NDArray[np.float64],
+    confusion: NDArray[np.float64],
+) -> NoisyEvaluation:
+    """:class:`NoisyEvaluation` of released noisy sums (flat or shaped [C, 2, B] and [C, 4])."""
+    h = np.asarray(histograms, dtype=np.float64).reshape(len(classes), 2, bins.num_bins)
+    m = np.asarray(confusion, dtype=np.float64).reshape(len(classes), 4)
+    if not (np.isfinite(h).all() and np.isfinite(m).all()):
+        raise AccountingError("the released evaluation sums are not finite")
+    auc = np.full(len(classes), np.nan)
+    for c in range(len(classes)):
+        neg, pos = h[c]
+        if neg.sum() > 0 and pos.sum() > 0:
+            auc[c] = histogram_auc(neg, pos)
+    stats = EvaluationStats(
+        tuple(classes),
+        bins,
+        float(threshold),
+        np.maximum(np.rint(h), 0).astype(np.int64),
+        np.maximum(np.rint(m), 0).astype(np.int64),
+    )
+    return NoisyEvaluation(stats, auc)

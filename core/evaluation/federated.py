@@ -51,7 +51,10 @@ __all__ = [
     "FEDERATED_EVALUATION_FORMAT",
     "EvaluationError",
     "EvaluationStats",
+    "coarsen_histograms",
     "confusion_bacc",
+    "confusion_from_histograms",
+    "decision_edge",
     "evaluation_quantities",
     "evaluation_statistics",
     "federated_evaluation_document",
@@ -282,3 +285,88 @@ def federated_evaluation_document(
         "decision_threshold": stats.threshold,
         **metrics,
     }
+
+
+def decision_edge(bins: ScoreBins, threshold: float) -> int:
+    """The number of bins at or below the decision (σ(z) > threshold ⟺ z > logit(threshold)):
+    bins j < e hold the rows decided negative, j ≥ e the rows decided positive, when the logit is
+    an edge (bin j holds (edge_{j-1}, edge_j]). EvaluationError when it is not one."""
+    logit = float(np.log(threshold / (1.0 - threshold)))
+    edges = bins.array
+    hit = np.flatnonzero(np.abs(edges - logit) <= 1e-12 * abs(logit))
+    if hit.size != 1:
+        raise EvaluationError(
+            f"the decision threshold {threshold:g} (logit {logit:g}) is not a bin edge: the "
+            "confusion counts are not a function of the histogram"
+        )
+    return int(hit[0]) + 1
+
+
+def coarsen_histograms(
+    hist: NDArray[np.integer], *, min_count: int, edge: int
+) -> NDArray[np.int64]:
+    """A site's histograms [C, 2, B] with every bin 0 or ≥ ``min_count`` rows' worth of mass
+    (docs/protocol.md §6.1, the rule without DP). Per class and label row, on each side of the
+    decision edge ``edge`` (:func:`decision_edge`) separately, the rows are swept upwards in bin
+    order into groups that close as soon as they hold ≥ k rows (a remainder of fewer than k
+    joins the side's last group), and each group is released in the bin of its median row (the
+    lower median: both labels' rows move towards their group's middle, so neither label's
+    scores are pushed up against the other's). A side with fewer than k rows in all joins the other side's group next to
+    the edge (those rows cross the decision); a row of fewer than k rows in all is released as
+    zeros (the class's label at this site is left out). Every row stays within the span of its
+    group, so the order of the scores is kept up to the groups."""
+    h = np.asarray(hist, dtype=np.int64)
+    if min_count <= 1:
+        return h.copy()
+    out = np.zeros_like(h)
+    bins = h.shape[-1]
+    for c in range(h.shape[0]):
+        for y in range(h.shape[1]):
+            row = h[c, y]
+            total = int(row.sum())
+            if total < min_count:
+                continue  # released as zeros
+            below, above = int(row[:edge].sum()), int(row[edge:].sum())
+            if below < min_count or above < min_count:  # one side too small: one side only
+                merged = np.zeros_like(row)
+                if above >= below:
+                    merged[edge:] = row[edge:]
+                    merged[edge] += below
+                else:
+                    merged[:edge] = row[:edge]
+                    merged[edge - 1] += above
+                row = merged
+            out[c, y] = _coarsen_single_sides(row, min_count, edge, bins)
+    return out
+
+
+def _coarsen_single_sides(
+    row: NDArray[np.int64], k: int, edge: int, bins: int
+) -> NDArray[np.int64]:
+    """Both sides of ``row`` hold 0 or ≥ k rows: coarsen each (see :func:`coarsen_histograms`)."""
+    out = np.zeros_like(row)
+    for lo, hi in ((0, edge), (edge, bins)):
+        groups: list[list[int]] = []  # each group's rows, as their bins in increasing order
+        current: list[int] = []
+        for j in range(lo, hi):
+            current += [j] * int(row[j])
+            if len(current) >= k:
+                groups.append(current)
+                current = []
+        if current:
+            assert groups, "a side holds 0 or at least k rows"
+            groups[-1] += current
+        for group in groups:
+            out[group[(len(group) - 1) // 2]] += len(group)
+    return out
+
+
+def confusion_from_histograms(hist: NDArray[np.integer], *, edge: int) -> NDArray[np.int64]:
+    """(TP, FN, FP, TN) per class from histograms [C, 2, B] whose decision edge is ``edge``."""
+    h = np.asarray(hist, dtype=np.int64)
+    pos, neg = h[:, 1], h[:, 0]
+    out: NDArray[np.int64] = np.stack(
+        [pos[:, edge:].sum(1), pos[:, :edge].sum(1), neg[:, edge:].sum(1), neg[:, :edge].sum(1)],
+        axis=1,
+    )
+    return out

@@ -17,7 +17,8 @@ same way:
                      canonical(labelled_classes), backbone, feature_dim, software_version,
                      protocol_version)
     plan decision:  ("plan-decision", round_id, 1 if accept else 0, sha256(plan bytes)
-                     [, graph commitment: sparse-graph MASK plans])
+                     [, graph commitment: sparse-graph MASK plans]
+                     [, "rows:held-out" | "rows:in-sample": evaluation plans])
 
 Pure functions over bytes: this module imports nothing of afl outside :mod:`afl.crypto`, so the
 client can verify without importing :mod:`afl.server`.
@@ -45,6 +46,7 @@ __all__ = [
     "plan_decision_fields",
     "sign_blob",
     "verify_blob",
+    "verify_plan_decision",
 ]
 
 PLAN_CONTEXT = "release-plan"
@@ -124,9 +126,43 @@ def enrol_fields(
 
 
 def plan_decision_fields(
-    *, round_id: str, accept: bool, plan_sha256: bytes, graph_commitment: bytes = b""
+    *,
+    round_id: str,
+    accept: bool,
+    plan_sha256: bytes,
+    graph_commitment: bytes = b"",
+    evaluation_rows: str = "",
 ) -> list[Field]:
     """Fields of a site's plan decision (context :data:`PLAN_DECISION_CONTEXT`); an acceptance
-    of a sparse-graph MASK plan also signs the site's graph commitment."""
+    of a sparse-graph MASK plan also signs the site's graph commitment, an acceptance of an
+    evaluation plan the rows it scores (``"rows:held-out"`` or ``"rows:in-sample"``)."""
     fields: list[Field] = [round_id, 1 if accept else 0, plan_sha256]
-    return [*fields, graph_commitment] if graph_commitment else fields
+    if graph_commitment:
+        fields.append(graph_commitment)
+    if evaluation_rows:
+        fields.append(f"rows:{evaluation_rows}")
+    return fields
+
+
+def verify_plan_decision(
+    public_key: Ed25519PublicKey | bytes,
+    signature: bytes,
+    *,
+    round_id: str,
+    accept: bool,
+    plan_sha256: bytes,
+    graph_commitment: bytes = b"",
+    evaluation_rows: str = "",
+) -> None:
+    """Return None if ``signature`` is the site's over its plan decision (context
+    :data:`PLAN_DECISION_CONTEXT`, :func:`plan_decision_fields`); raises
+    :class:`afl.crypto.errors.SignatureError` or :class:`afl.crypto.errors.KeyFormatError`."""
+    key = load_public_key_raw(public_key) if isinstance(public_key, bytes) else public_key
+    fields = plan_decision_fields(
+        round_id=round_id,
+        accept=accept,
+        plan_sha256=plan_sha256,
+        graph_commitment=graph_commitment,
+        evaluation_rows=evaluation_rows,
+    )
+    verify_fields(key, signature, context=PLAN_DECISION_CONTEXT, fields=fields)

@@ -16,6 +16,11 @@ N(0, s²) and the edge 0); then over ``trials`` draws:
 2. a Platt calibration fitted from the noisy sum of the sites' training-row histograms (negative
    noisy counts weigh 0), its macro ECE on the test set (10 probability bins) against the ECE of
    the calibration fitted from the exact histograms on the default fine grid.
+
+Without DP (``no_dp_min_cohort``): the macro AUC of the sites' test histograms on the fine default
+grid, each site's coarsened so that every bin holds 0 or ≥ k rows (k = 3, the default
+``min_cohort``; :func:`afl.core.evaluation.federated.coarsen_histograms`), against the same sum
+uncoarsened and the exact unbinned value.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from afl.core.data.assignment import missing_m_assignment
 from afl.core.data.nih import FEDMLP_PARTITION_SEED
 from afl.core.dp.evaluation import DP_EVALUATION_BINS, dp_score_bins, evaluation_noise
 from afl.core.evaluation.calibration import fit_class, reliability_curve
-from afl.core.evaluation.federated import evaluation_statistics, histogram_auc, sum_statistics
+from afl.core.evaluation.federated import (
+    coarsen_histograms,
+    decision_edge,
+    evaluation_statistics,
+    histogram_auc,
+    sum_statistics,
+)
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
 from afl.core.metrics import evaluate
 from afl.core.stats import local_statistics
@@ -133,6 +144,21 @@ def run_dp_evaluation_bench(
     ).histograms.astype(np.float64)
     exact_ece = _macro_ece(fine, DEFAULT_SCORE_BINS, test_z, test_y)
     binned_auc = _macro_auc(np.sum(test_parts, axis=0))
+    fine_parts = _site_histograms(
+        [fed.test_features[site_of == k] for k in range(fed.num_sites)],
+        [test_y[site_of == k] for k in range(fed.num_sites)],
+        w,
+        DEFAULT_SCORE_BINS,
+    )
+    edge = decision_edge(DEFAULT_SCORE_BINS, 0.5)
+    no_dp = {"min_cohort": 3, "exact_macro_auc": exact_auc}
+    no_dp["fine_grid_macro_auc"] = _macro_auc(np.sum(fine_parts, axis=0))
+    no_dp["coarsened_macro_auc"] = _macro_auc(
+        np.sum(
+            [coarsen_histograms(p.astype(np.int64), min_count=3, edge=edge) for p in fine_parts],
+            axis=0,
+        ).astype(np.float64)
+    )
     binned_ece = _macro_ece(np.sum(train_parts, axis=0), bins, test_z, test_y)
     rows: dict[str, Any] = {}
     for epsilon in epsilons:
@@ -174,6 +200,7 @@ def run_dp_evaluation_bench(
         "exact_macro_ece_fine_grid": exact_ece,
         "binned_macro_ece_no_noise": binned_ece,
         "epsilons": rows,
+        "no_dp_min_cohort": no_dp,
         "seconds": time.perf_counter() - t0,
     }
 

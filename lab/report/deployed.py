@@ -218,6 +218,13 @@ def _evaluations(metrics: dict[str, Any]) -> list[str]:
         out.append(f"<h3>{escape(title[:1].upper() + title[1:])}</h3>")
         out.append(_sample_notice(body))
         notes = [f"{_label(k)}: {body[k]}" for k in ("source", "data") if body.get(k)]
+        dp = body.get("dp")
+        if isinstance(dp, dict):  # a DP evaluation round (docs/protocol.md §6.1)
+            notes.append(
+                f"differentially private evaluation: ε = {dp.get('epsilon')}, δ = "
+                f"{dp.get('delta')} per site; every count carries noise, so the figures are "
+                "estimates"
+            )
         images = max((r.get("n_pos", 0) + r.get("n_neg", 0) for r in per_class.values()), default=0)
         if images:
             notes.append(f"at most {images:,} labelled images per class")

@@ -28,6 +28,7 @@ the sites whose uploads are complete.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ __all__ = [
     "Transition",
     "complete_sites",
     "decode_float64",
+    "decoded_releases",
     "participant_round",
     "shaped",
 ]
@@ -112,6 +114,10 @@ class RoundContext(Protocol):
     ) -> None: ...
 
     def messages(self, round_id: str) -> list[MessageRow]: ...
+
+    def audit(self, event: str, detail: Mapping[str, object]) -> None:
+        """Append a record to the coordinator's hash-chained audit log."""
+        ...
 
     def row_bounds(self, site_id: str) -> RowBounds | None:
         """The N and L ``site_id`` declared at enrolment (None if it declared none)."""
@@ -236,6 +242,20 @@ def decode_float64(data: bytes, *, length: int, what: str) -> FloatArray:
     if not np.isfinite(values).all():
         raise InvalidRequestError(f"{what}: payload contains NaN or infinite values")
     return values
+
+
+def decoded_releases(sums: Mapping[str, NDArray[np.float64]]) -> list[dict[str, object]]:
+    """What an audit record says of decoded sums: per release, its name and the SHA-256 of the
+    float64 little-endian bytes of its values (a digest, never the statistic itself)."""
+    return [
+        {
+            "release": name,
+            "sha256": hashlib.sha256(
+                np.ascontiguousarray(values, dtype="<f8").tobytes()
+            ).hexdigest(),
+        }
+        for name, values in sorted(sums.items())
+    ]
 
 
 def shaped(release: PlannedRelease, flat: NDArray[np.float64]) -> FloatArray:

@@ -137,7 +137,9 @@ class CkksMode(PlainUploadStage):
         if settings is not None:
             self.settings = settings
             gram_bound, vector_bound = settings.ckks_gram_bound, settings.ckks_vector_bound
-            self._eval_rows = settings.eval_max_rows
+            # under DP (no declared rows, M-127) the counts are bounded by [round.dp] max_samples
+            dp_rows = settings.dp.max_samples if settings.dp is not None else 0
+            self._eval_rows = settings.eval_max_rows or dp_rows
         self.gram_bound, self.vector_bound = float(gram_bound), float(vector_bound)
         self.contexts = contexts or CkksContexts()
         self._rounds: dict[str, CkksRound] = {}
@@ -606,6 +608,8 @@ class CkksRequests:
                     "release": release.name,
                     "status": pb.DecryptionStatus.Name(request.status),
                     "reason": request.reason[:300],
+                    "members": list(release.members),
+                    "result_sha256": request.result_sha256.hex(),
                 },
             )
             self.access.advance()

@@ -5,7 +5,7 @@ machine (:mod:`afl.server.rounds`) is one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from afl.core.row_bounds import RowBounds
 from afl.server.plan.history import history_audit
@@ -44,6 +44,9 @@ class StoreContext:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return self.store.messages(round_id)
+
+    def audit(self, event: str, detail: Mapping[str, object]) -> None:
+        self.store.audit(event, detail)
 
     def row_bounds(self, site_id: str) -> RowBounds | None:
         enrolment = self.store.enrolment(site_id)

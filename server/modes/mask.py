@@ -90,6 +90,7 @@ from afl.server.modes.base import (
     RoundAccess,
     RoundContext,
     Transition,
+    decoded_releases,
     participant_round,
     shaped,
 )
@@ -152,7 +153,10 @@ class MaskMode:
         if settings is not None:
             self.settings = settings
         self._timeout_s = settings.upload_timeout_s if settings is not None else 600.0
-        self._eval_rows = settings.eval_max_rows if settings is not None else 0
+        self._eval_rows = 0
+        if settings is not None:  # under DP (no declared rows, M-127): [round.dp] max_samples
+            dp_rows = settings.dp.max_samples if settings.dp is not None else 0
+            self._eval_rows = settings.eval_max_rows or dp_rows
         self._identities = {s: load_public_key_raw(k) for s, k in identities.items()}
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}
@@ -344,7 +348,7 @@ class MaskMode:
         try:
             following = self._close(view.stage, state)
             if following == pb.ROUND_STAGE_SOLVING:
-                self._keep_result(view, state)
+                self._keep_result(view, ctx, state)
         except RoundAbortedError as exc:
             return self._abort(view, str(exc))
         if following == pb.ROUND_STAGE_CONSISTENCY_CHECK:  # survivors known, nothing unmasked yet
@@ -357,12 +361,30 @@ class MaskMode:
         del self.rounds[view.round_id]
         return Transition(pb.ROUND_STAGE_SOLVING)
 
-    def _keep_result(self, view: RoundView, state: MaskRound) -> None:
+    def _keep_result(self, view: RoundView, ctx: RoundContext, state: MaskRound) -> None:
+        """Keep the unmasked sums for the solve; when a release was withheld, the round aborts,
+        and what the coordinator nevertheless decoded (the other releases' sums) is stated in
+        the reason and in a "mask-withheld" audit record (names and digests), then discarded."""
         result = state.server.result
         assert result is not None
         if result.withheld:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(result.withheld.items()))
-            raise RoundAbortedError(f"releases withheld, nothing released ({why})")
+            decoded = sorted(result.sums)
+            ctx.audit(
+                "mask-withheld",
+                {
+                    "round_id": view.round_id,
+                    "withheld": dict(sorted(result.withheld.items())),
+                    "decoded": decoded_releases(result.sums),
+                    "contributors": {n: list(c) for n, c in sorted(result.contributors.items())},
+                },
+            )
+            seen = (
+                f"the coordinator decoded the sums of {', '.join(decoded)} and discarded them"
+                if decoded
+                else "the coordinator decoded no sum"
+            )
+            raise RoundAbortedError(f"releases withheld ({why}); {seen}; nothing published")
         self._sums[view.round_id] = {r.name: shaped(r, result.sums[r.name]) for r in view.releases}
         self._contributors[view.round_id] = result.survivors
 
@@ -439,7 +461,7 @@ class MaskMode:
         """The unmasked sums (recomputed from the journal after a restart)."""
         if view.round_id not in self._sums:
             try:
-                self._keep_result(view, self._replay(view, ctx, upto=pb.ROUND_STAGE_SOLVING))
+                self._keep_result(view, ctx, self._replay(view, ctx, upto=pb.ROUND_STAGE_SOLVING))
             except (ProtocolError, wire.WireError) as exc:
                 raise AggregationError(
                     f"round {view.round_id!r}: the masked exchange cannot be replayed: {exc}"

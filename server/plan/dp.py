@@ -372,12 +372,14 @@ def calibrate_evaluation(
     *,
     participants: Sequence[str],
     plaintext: bool,
+    earlier: Sequence[common_pb2.ReleasePlan] = (),
 ) -> DpCalibration:
     """σ of an evaluation round's releases (``eval_hist``, ``eval_confusion``) and each
     member's ε = ``eval_epsilon`` over the round (:func:`afl.core.dp.evaluation.evaluation_noise`:
     Δ = m·√C, the split of :data:`~afl.core.dp.evaluation.EVALUATION_SPLIT`, t_r as the training
-    releases'); the calibration's ``epsilon`` is the evaluation's. ValueError without an
-    ``eval_epsilon`` or with another release kind."""
+    releases'); the calibration's ``epsilon`` is the evaluation's; each site's ε over its run
+    composes it with the ``earlier`` signed DP plans of the run (its training rounds: μ² adds).
+    ValueError without an ``eval_epsilon`` or with another release kind."""
     if not settings.eval_epsilon > 0:
         raise ValueError("[round.dp] eval_epsilon is not set: a DP run cannot evaluate without it")
     kinds: dict[int, str] = {
@@ -404,8 +406,16 @@ def calibrate_evaluation(
         for r in releases
     ]
     eps = site_epsilons(stats, noise, sites=participants, delta=settings.delta)
+    before = [x for p in earlier for x in plan_noise(p)[1]]
+    run = site_epsilons(stats, noise, sites=participants, delta=settings.delta, earlier=before)
     z = calibrate_noise_multiplier(epsilon=settings.eval_epsilon, delta=settings.delta)
-    return DpCalibration(replace(settings, epsilon=settings.eval_epsilon), noise, eps, z)
+    return DpCalibration(
+        replace(settings, epsilon=settings.eval_epsilon),
+        noise,
+        eps,
+        z,
+        site_epsilon_run=run,
+    )
 
 
 def apply_dp(plan: common_pb2.ReleasePlan, calibration: DpCalibration) -> None:

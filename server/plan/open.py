@@ -6,16 +6,28 @@ plan with its audit records in one transaction, or aborts the round with the ref
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from numpy.typing import NDArray
 
+from afl.core.aggregation import AggregationError
+from afl.core.dp.evaluation import DP_EVALUATION_BINS
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
 from afl.core.leakage import LeakageReport
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.modes.base import Declared
-from afl.server.plan.dp import DpCalibration, apply_dp, audit_dp_plan, calibrate, dp_releases
+from afl.server.plan.dp import (
+    DpCalibration,
+    apply_dp,
+    audit_dp_plan,
+    calibrate,
+    calibrate_evaluation,
+    dp_releases,
+)
 from afl.server.plan.history import history_audit
 from afl.server.plan.release import (
     PlannedRelease,
@@ -28,12 +40,15 @@ from afl.server.plan.release import (
     sign_plan,
 )
 from afl.server.runs import Run
+from afl.server.solve.dp import dp_evaluation_bins
 from afl.server.solve.evaluation import earlier_evaluations, evaluation_releases
 from afl.server.store import EnrolmentRow, Store
 
 __all__ = ["OpenedPlan", "open_plan"]
 
 Audit = tuple[str, dict[str, object]]
+#: The released sums of a round by its id (None when they are not available).
+SumsOf = Callable[[str], Mapping[str, NDArray[np.float64]] | None]
 
 
 @dataclass
@@ -56,9 +71,12 @@ def open_plan(
     run: Run,
     view: RoundView,
     participants: tuple[str, ...],
+    sums: SumsOf | None = None,
 ) -> OpenedPlan:
-    """The signed plan of ``view`` over ``participants`` (or why it cannot be opened)."""
-    return _Opening(store, key, federation_id, run, view, participants).open()
+    """The signed plan of ``view`` over ``participants`` (or why it cannot be opened);
+    ``sums`` reads a round's released sums (a DP evaluation places its bins from the run's
+    noisy training statistics, docs/protocol.md §6.1)."""
+    return _Opening(store, key, federation_id, run, view, participants, sums).open()
 
 
 @dataclass(frozen=True)
@@ -71,11 +89,20 @@ class _Opening:
     run: Run
     view: RoundView
     participants: tuple[str, ...]
+    sums: SumsOf | None = None
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether this is the run's evaluation round."""
+        return self.view.row.number > self.run.settings.rounds
 
     def open(self) -> OpenedPlan:
         settings, view = self.run.settings, self.view
         enrolments = self.store.enrolments()
-        releases, report = self._releases(enrolments)
+        try:
+            releases, report = self._releases(enrolments)
+        except (ValueError, AggregationError) as exc:  # a DP evaluation without its bins
+            return OpenedPlan(refusal=f"the DP evaluation cannot place its score bins: {exc}")
         opened = OpenedPlan(
             audits=[("plan-audit", {"round_id": view.round_id, **report.to_dict()})]
         )
@@ -89,16 +116,26 @@ class _Opening:
                 return opened
         calibration = None
         if settings.dp is not None:
+            plaintext = self.run.mode.name == "plaintext"
             try:
-                calibration = calibrate(
-                    releases,
-                    settings.dp,
-                    participants=self.participants,
-                    plaintext=self.run.mode.name == "plaintext",
-                    run_rounds=settings.rounds,
-                    classes=settings.classes,
-                    parent=self._parent_plan(),
-                )
+                if self.evaluating:  # docs/protocol.md §6.1: eval_epsilon, composed with the run
+                    calibration = calibrate_evaluation(
+                        releases,
+                        settings.dp,
+                        participants=self.participants,
+                        plaintext=plaintext,
+                        earlier=[p for p, _ in self._training_rounds()],
+                    )
+                else:
+                    calibration = calibrate(
+                        releases,
+                        settings.dp,
+                        participants=self.participants,
+                        plaintext=plaintext,
+                        run_rounds=settings.rounds,
+                        classes=settings.classes,
+                        parent=self._parent_plan(),
+                    )
             except ValueError as exc:
                 opened.refusal = f"DP calibration failed: {exc}"
                 return opened
@@ -120,11 +157,13 @@ class _Opening:
         (audited with the federation's earlier evaluations), DP statistics, round 1 or 2."""
         settings, view, participants = self.run.settings, self.view, self.participants
         coverage = {s: e.labelled_classes for s, e in enrolments.items()}
-        if view.row.number > settings.rounds:  # the run's evaluation round
+        if self.evaluating:  # the run's evaluation round
+            model = self._evaluated_model()
             releases = evaluation_releases(
                 classes=settings.classes,
                 participants=participants,
-                model_sha256=hashlib.sha256(self._evaluated_model()).digest(),
+                model_sha256=hashlib.sha256(model).digest(),
+                bins=DEFAULT_SCORE_BINS if settings.dp is None else self._dp_bins(model),
             )
             history = earlier_evaluations(
                 [(r.round_id, tuple(releases_from_plan(r.plan)) if r.plan else ())
@@ -158,6 +197,33 @@ class _Opening:
             )
         return releases, audit_plan(releases, participants)
 
+    def _training_rounds(self) -> list[tuple[cpb.ReleasePlan, str]]:
+        """The signed plans (and round ids) of the training rounds of the evaluated model, round
+        1 first: the evaluation's parent and, for a round 2, its parent."""
+        out: list[tuple[cpb.ReleasePlan, str]] = []
+        round_id = self.view.row.parent_round_id
+        while round_id:
+            row = self.store.round(round_id)
+            if row is None or row.plan is None:
+                raise ValueError(f"round {round_id!r} has no stored plan")
+            out.insert(0, (cpb.ReleasePlan.FromString(row.plan), round_id))
+            round_id = row.parent_round_id if row.number > 1 else ""
+        return out
+
+    def _dp_bins(self, model: bytes) -> ScoreBins:
+        """The DP evaluation's bins from the run's round-1 released noisy statistics
+        (:func:`afl.server.solve.dp.dp_evaluation_bins`)."""
+        first, round_id = self._training_rounds()[0]
+        sums = None if self.sums is None else self.sums(round_id)
+        if sums is None:
+            raise ValueError(f"the released sums of round {round_id!r} are not available")
+        return dp_evaluation_bins(
+            model,
+            plan_bytes=first.SerializeToString(),
+            sums=sums,
+            num_bins=DP_EVALUATION_BINS,
+        )
+
     def _evaluated_model(self) -> bytes:
         """The ``Model`` bytes an evaluation round scores: the published model of its parent
         round, or (the validation gate) the parent's candidate."""
@@ -174,7 +240,7 @@ class _Opening:
         settings = self.run.settings
         if report.passed or settings.operator_override:
             return ""
-        if self.view.row.number > settings.rounds:
+        if self.evaluating:
             return (
                 "the evaluation plan, with the federation's earlier evaluations, fails the "
                 "leakage audit (docs/protocol.md §6.1); set operator_override with a reason"

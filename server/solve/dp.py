@@ -35,17 +35,19 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
+from afl.core.dp.evaluation import dp_score_bins, score_scales
 from afl.core.dp.stats import (
     SufficientStatistics,
     balanced_targets,
     noise_ridge,
     regularised_gram,
 )
+from afl.core.evaluation.scorebins import ScoreBins
 from afl.core.refinement import RefinementParams
-from afl.proto.v1 import common_pb2
+from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.plan.release import GLOBAL_GRAM, PlannedRelease, releases_from_plan
 
-__all__ = ["solve_dp_round", "solve_dp_run"]
+__all__ = ["dp_evaluation_bins", "solve_dp_round", "solve_dp_run"]
 
 FloatArray = NDArray[np.float64]
 _LABEL_KINDS: tuple[int, ...] = (
@@ -214,3 +216,31 @@ def solve_dp_run(
     return solve_dp_round_two(
         first, releases, sums, classes=classes, gamma=gamma, refinement=refinement
     )
+
+
+def dp_evaluation_bins(
+    model: bytes, *, plan_bytes: bytes, sums: Mapping[str, FloatArray], num_bins: int
+) -> ScoreBins:
+    """The score bins of a DP evaluation of ``model`` (its ``Model`` bytes): equal-mass bins of
+    N(0, s²) and the edge 0 (:func:`afl.core.dp.evaluation.dp_score_bins`), s the median over
+    classes of the score scale each round-1 group's released noisy Gram, feature sums and
+    counts give W (:func:`afl.core.dp.evaluation.score_scales`; ``plan_bytes`` and ``sums``
+    those of the run's round 1): post-processing of released statistics, no budget spent.
+    AggregationError when they give no scale."""
+    message = coordinator_pb2.Model.FromString(model)
+    shape = tuple(int(x) for x in message.weights.shape)
+    weights = np.frombuffer(message.weights.data, dtype="<f8").astype(np.float64).reshape(shape)
+    classes = list(message.class_names)
+    scales: list[float] = []
+    for _, group, stats in _groups(releases_from_plan(plan_bytes), sums):
+        cols = [classes.index(c) for c in group]
+        s = score_scales(
+            weights=weights[:, cols],
+            gram=stats.gram,
+            label_sum=stats.label_sum.T,
+            label_count=stats.label_count,
+        )
+        scales += [float(x) for x in s if np.isfinite(x)]
+    if not scales:
+        raise AggregationError("the run's released statistics give no score scale for its bins")
+    return dp_score_bins(scale=float(np.median(scales)), num_bins=num_bins)

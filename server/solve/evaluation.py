@@ -47,6 +47,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
+from afl.core.dp.evaluation import noisy_evaluation
 from afl.core.evaluation.calibration import calibration_document, fit_calibration
 from afl.core.evaluation.federated import EvaluationStats, federated_evaluation_document
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
@@ -60,6 +61,7 @@ from afl.server.plan.release import EvaluationTarget, PlannedRelease
 
 __all__ = [
     "CONFUSION",
+    "EVALUATION_ROWS",
     "HISTOGRAMS",
     "EvaluationResult",
     "build_signed_evaluation",
@@ -68,6 +70,7 @@ __all__ = [
     "evaluation_releases",
     "evaluation_result",
     "is_evaluation",
+    "members_in_sample",
     "published_detail",
 ]
 
@@ -78,6 +81,31 @@ ROWS_NOTE = (
     "each member's hold-out cache ([data] holdout in its client.toml), else its training cache "
     "(in-sample); each member's round report says which"
 )
+
+
+#: The signed evaluation's warning when a member scored its training rows.
+IN_SAMPLE_WARNING = (
+    "IN-SAMPLE: {sites} scored the images the model was trained on; these figures are "
+    "optimistic and are not a measure of performance on new patients"
+)
+#: How a DP evaluation's figures are computed (its document's ``dp.note``).
+DP_NOTE = (
+    "every released count carries discrete Gaussian noise of the stated sigma (the members are "
+    "(epsilon, delta)-DP over this evaluation); the AUC is that of the noisy histograms, the "
+    "counts, BACC, AP and the calibration use the noisy counts rounded and clipped at 0"
+)
+
+
+#: What a site's signed acceptance of an evaluation plan may say about its rows ("" before
+#: this field existed: not stated).
+EVALUATION_ROWS = frozenset({"", "held-out", "in-sample"})
+
+
+def members_in_sample(decisions: Mapping[str, str], members: Sequence[str]) -> dict[str, bool]:
+    """``{site: in-sample?}`` for the ``members`` whose signed acceptance (``decisions``: site ->
+    its ``evaluation_rows``) stated its rows; a member that stated nothing is left out (the
+    report then says the evaluation is not shown to be out-of-sample)."""
+    return {s: decisions[s] == "in-sample" for s in sorted(members) if decisions.get(s)}
 
 
 def is_evaluation(releases: Sequence[PlannedRelease]) -> bool:
@@ -150,28 +178,55 @@ def evaluation_result(
     members: Sequence[str],
     calibration: str,
     context: Mapping[str, Any],
+    dp: Mapping[str, Any] | None = None,
+    in_sample: Mapping[str, bool] | None = None,
 ) -> EvaluationResult:
     """Decode the released sums into the pooled statistics, the federated evaluation document
     (with ``context``: run, rounds) and, unless ``calibration`` is "none", the calibration fitted
-    from the summed histograms. ValueError (EvaluationError, CalibrationError) on bad sums."""
+    from the summed histograms. ValueError (EvaluationError, CalibrationError) on bad sums.
+
+    ``dp`` (a DP evaluation: its ε, δ and σ per release, written into the document as ``dp``):
+    the sums carry noise, so they are post-processed (:func:`afl.core.dp.evaluation.
+    noisy_evaluation`): the AUC of the noisy histograms as they are, every other figure and the
+    calibration from the counts rounded and clipped at 0."""
     by_name = {r.name: r for r in releases}
     hist, conf = by_name[HISTOGRAMS], by_name[CONFUSION]
     target = hist.evaluation
     if target is None or conf.evaluation != target or conf.class_names != hist.class_names:
         raise ValueError("the evaluation releases do not evaluate one model on one grid")
-    stats = EvaluationStats.from_sums(
-        classes=hist.class_names,
-        bins=target.bins,
-        threshold=target.threshold,
-        histograms=sums[HISTOGRAMS],
-        confusion=sums[CONFUSION],
-    )
     model = target.model_sha256.hex()
-    document = {
-        **federated_evaluation_document(stats, model_sha256=model, members=sorted(members)),
-        **context,
-        "rows": ROWS_NOTE,
-    }
+    classes, bins, threshold = hist.class_names, target.bins, target.threshold
+    if dp is None:
+        stats = EvaluationStats.from_sums(
+            classes=classes,
+            bins=bins,
+            threshold=threshold,
+            histograms=sums[HISTOGRAMS],
+            confusion=sums[CONFUSION],
+        )
+        document = federated_evaluation_document(stats, model_sha256=model, members=members)
+    else:
+        noisy = noisy_evaluation(
+            classes=classes,
+            bins=bins,
+            threshold=threshold,
+            histograms=sums[HISTOGRAMS],
+            confusion=sums[CONFUSION],
+        )
+        stats = noisy.stats
+        document = federated_evaluation_document(stats, model_sha256=model, members=members)
+        for c, name in enumerate(stats.classes):
+            auc = float(noisy.auc[c])
+            document["per_class"][name]["auc"] = auc if np.isfinite(auc) else None
+        macro = noisy.macro_auc
+        document["macro"]["auc"] = macro if np.isfinite(macro) else None
+        document["dp"] = {**dp, "note": DP_NOTE}
+    document = {**document, "members": sorted(members), **context, "rows": ROWS_NOTE}
+    if in_sample is not None:  # per member, from its signed acceptance (docs/protocol.md §6.1)
+        document["in_sample"] = dict(in_sample)
+        inside = sorted(s for s, v in in_sample.items() if v)
+        if inside:
+            document["warning"] = IN_SAMPLE_WARNING.format(sites=", ".join(inside))
     fitted = None
     if calibration != "none":
         method = cast(Literal["platt", "isotonic"], calibration)

@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
 from afl.crypto.identity.signed_blobs import CANDIDATE_CONTEXT, MODEL_CONTEXT, sign_blob
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.plan.release import RoundView
 from afl.server.runs import Run
@@ -27,6 +28,7 @@ from afl.server.solve.dp import solve_dp_run
 from afl.server.solve.evaluation import (
     build_signed_evaluation,
     evaluation_result,
+    members_in_sample,
     published_detail,
 )
 from afl.server.solve.gate import GateVerdict, gate_verdict
@@ -51,6 +53,10 @@ class RoundReader(Protocol):
     def find(self, round_id: str) -> RoundView: ...
 
     def sums(self, view: RoundView) -> Sums | None: ...
+
+    def evaluation_rows(self, round_id: str) -> dict[str, str]:
+        """Each site's signed statement of the rows it scores in an evaluation round."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,19 @@ class Publication:
             self.round_id, evaluation=signed.evaluation, signature=signed.signature
         )
         return published_detail(signed)
+
+
+def _dp_of(plan_bytes: bytes) -> dict[str, object] | None:
+    """A DP evaluation plan's ε, δ, unit and σ per release (None without DP)."""
+    plan = cpb.ReleasePlan.FromString(plan_bytes)
+    if not plan.dp.enabled:
+        return None
+    return {
+        "epsilon": plan.dp.epsilon,
+        "delta": plan.dp.delta,
+        "unit": "patient" if plan.dp.unit == cpb.PRIVACY_UNIT_PATIENT else "image",
+        "sigma": {r.name: r.noise.sigma for r in plan.releases},
+    }
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,8 @@ class Solver:
             members=members,
             calibration=run.settings.eval_calibration,
             context={"run_id": run.run_id, "round_id": view.round_id, "model_round_id": parent},
+            dp=_dp_of(view.row.plan or b""),
+            in_sample=members_in_sample(self.rounds.evaluation_rows(view.round_id), members),
         )
         verdict = None
         gate = run.settings.gate

@@ -25,10 +25,15 @@ members of the targeted release):
 * ``isolate-site`` (mask, ``evaluate = true``): the evaluation plan adds to the honest releases a
   histogram over every participant but the first (the victim, site-1 in the first plan), and the
   coordinator's own audit is patched to look away: the difference is the victim's histogram.
+* ``crafted-model-dp`` (mask, a DP run with ``evaluate = true``): the coordinator publishes, signed
+  as the run's model, a crafted W whose column c is the unit vector e_j (j = 0, 3: two raw
+  features) instead of the solved one, and gives the DP evaluation round the fine default grid
+  (1,284 bins) instead of the DP bins: the sites verified the model (it is the published result
+  of a round they took part in), so they score it; what comes back is DP-noised.
 * ``split-view`` (any mode): the coordinator shows two histories. Sites ``SPLIT_GROUP`` see a
   forged federation log in which every plan statement is replaced (checkpoints the coordinator
   signs, consistency proofs over the forged tree, their cosignatures kept apart), the others see
-  the true log; after a group has cosigned its forged checkpoint twice, it is shown the true one
+  the true log; after a site of the group was shown the forged log three times, it is shown the true one
   (the coordinator needs its cosignatures for a quorum).
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
@@ -82,8 +87,11 @@ ATTACKS = (
     "evaluate-unverified",
     "isolate-site",
     "weaken-graph",
+    "crafted-model-dp",
     "split-view",
 )
+#: The raw features the crafted DP model's columns read (w_c = e_j).
+CRAFTED_FEATURES = (0, 3)
 #: The sites ``split-view`` first shows the forged log.
 SPLIT_GROUP = ("site-3", "site-4")
 #: The feature dimension of the crafted model (the adversarial tests' d).
@@ -277,6 +285,21 @@ def _evaluate_unverified() -> None:
     vars(plan_open)["evaluation_releases"] = crafted
 
 
+def _publish_crafted() -> None:
+    """The DP run's solve returns W = [e_0, e_3] and the evaluation bins are the fine grid."""
+    from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
+    from afl.server.solve import publish
+
+    def crafted(plan_bytes: bytes, sums: Any, *, classes: Any, **kw: Any) -> Any:
+        weights = np.zeros((FORGED_D, len(classes)))
+        for c in range(len(classes)):
+            weights[CRAFTED_FEATURES[c % len(CRAFTED_FEATURES)], c] = 1.0
+        return weights
+
+    vars(publish)["solve_dp_run"] = crafted
+    vars(plan_open)["dp_evaluation_bins"] = lambda model, **kw: DEFAULT_SCORE_BINS
+
+
 def _isolate_site() -> None:
     """An extra histogram over all participants but the first; the coordinator's audit of it
     is patched away (the honest coordinator would not open such a plan)."""
@@ -402,6 +425,9 @@ def main() -> int:
         _isolate_site()
     if attack == "weaken-graph":
         _weaken_graph()
+    if attack == "crafted-model-dp":
+        _record_unmasked(loot)
+        _publish_crafted()
     if attack == "split-view":
         _split_view()
     return daemon.main(args)

@@ -123,16 +123,23 @@ def kept_rows(n: int) -> NDArray[np.int64]:
     return np.flatnonzero(np.arange(n) % 3 < IMAGES_PER_PATIENT)
 
 
-def pooled_stats(root: Path, sites: Sequence[str]) -> dict[str, NDArray[np.float64]]:
-    """The noise-free pooled statistics of the kept, clipped rows (label clipping k = 1: a row
-    positive in p classes weighs 1/√p in the positive sums and counts), with numpy only."""
+def kept_unit_rows(
+    root: Path, sites: Sequence[str]
+) -> tuple[NDArray[np.float64], NDArray[np.int8]]:
+    """The kept rows of every site's cache (:func:`kept_rows`), unclipped, pooled in site order."""
     hs, ys = [], []
     for s in sites:
         cache = open_cache(root / "data" / s)
         keep = kept_rows(cache.meta.n)
         hs.append(np.asarray(cache.features, dtype=np.float64)[keep])
         ys.append(np.asarray(cache.labels)[keep])
-    h, y = np.vstack(hs), np.vstack(ys)
+    return np.vstack(hs), np.vstack(ys)
+
+
+def pooled_stats(root: Path, sites: Sequence[str]) -> dict[str, NDArray[np.float64]]:
+    """The noise-free pooled statistics of the kept, clipped rows (label clipping k = 1: a row
+    positive in p classes weighs 1/√p in the positive sums and counts), with numpy only."""
+    h, y = kept_unit_rows(root, sites)
     norms = np.linalg.norm(h, axis=1, keepdims=True)
     h = h * np.minimum(1.0, CLIP / np.maximum(norms, 1e-300))
     mask = y >= 0

@@ -104,9 +104,9 @@ def install(point: str, run_id: str) -> None:
     elif point == "purge":
         purge, unlink = Store.purge_payloads, Path.unlink
 
-        def patched_purge(self: Store, round_ids: Any) -> int:
+        def patched_purge(self: Store, round_ids: Any, *, audit: Any = None) -> int:
             if not any(_run_of(self, r) == run_id for r in round_ids):
-                return purge(self, round_ids)
+                return purge(self, round_ids, audit=audit)
 
             def killed_unlink(path: Path, missing_ok: bool = False) -> None:
                 if "payloads" in path.parts:
@@ -114,7 +114,7 @@ def install(point: str, run_id: str) -> None:
                 unlink(path, missing_ok=missing_ok)
 
             setattr(Path, "unlink", killed_unlink)  # noqa: B010
-            return purge(self, round_ids)
+            return purge(self, round_ids, audit=audit)
 
         Store.purge_payloads = patched_purge  # type: ignore[method-assign]
     elif point == "no-watch-rounds":

@@ -30,14 +30,16 @@ import pytest
 
 from afl.client.cli import main as client_main
 from afl.client.config import load_client_config
+from afl.client.model.model_card import TrainingFacts, card_markdown, model_card
 from afl.client.payloads.evaluation import evaluation_values
 from afl.core.data.featurecache import CacheMeta, open_cache, write_cache
 from afl.core.evaluation.calibration import Calibration, fit_calibration
-from afl.core.evaluation.federated import evaluation_statistics
-from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
+from afl.core.evaluation.federated import EvaluationStats
+from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS, ScoreBins
 from afl.crypto.identity import signatures
 from afl.lab.cli import main as lab_main
 from afl.lab.demo.federation import prepare_loopback, run_loopback
+from afl.lab.report.deployed import render_deployed_report
 from afl.proto.v1 import admin_pb2 as apb
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -47,7 +49,7 @@ from afl.server.coordinator import Coordinator
 from afl.server.store import Store
 from tests.e2e.loopback import SiteData
 from tests.e2e.processes import Daemons
-from tests.helpers.evaluation_oracle import pooled_metrics_oracle, pooled_rows
+from tests.helpers.evaluation_oracle import coarsened_bins, pooled_metrics_oracle, pooled_rows
 
 CLASSES = ("A", "B", "C")
 DATA = SiteData(d=8, classes=3, rows=80, rows_step=15, positive_rate=0.35, seed=23)
@@ -109,23 +111,30 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _pooled(evaluated: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    caches = evaluated["rows"].values()
-    return pooled_rows([(c.features, c.labels) for c in caches])
+#: The sites' [policy] min_cohort (the default): every bin they release holds 0 or ≥ 3 rows.
+MIN_COHORT = 3
+
+
+def _pooled(evaluated: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pooled evaluated rows and each row's site (0, 1, ...)."""
+    caches = list(evaluated["rows"].values())
+    feats, labels = pooled_rows([(c.features, c.labels) for c in caches])
+    return feats, labels, np.repeat(np.arange(len(caches)), [c.meta.n for c in caches])
 
 
 def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
-    evaluated: dict[str, Any], tmp_path: Path
+    evaluated: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     evaluation, loop, run = evaluated["evaluation"], evaluated["loop"], evaluated["run"]
     document = json.loads(evaluation.evaluation_json)
     assert document["model_sha256"] == evaluated["model_sha256"] == evaluation.model_sha256.hex()
     assert document["members"] == list(evaluation.members) == list(loop.site_ids)
-    feats, labels = _pooled(evaluated)
+    feats, labels, sites = _pooled(evaluated)
     edges = np.asarray(_plan(evaluated).releases[0].evaluation.score_bin_edges)
     oracle = pooled_metrics_oracle(
-        feats, labels, weights=evaluated["weights"], classes=CLASSES, edges=edges
-    )
+        feats, labels, weights=evaluated["weights"], classes=CLASSES, edges=edges,
+        sites=sites, min_cohort=MIN_COHORT,
+    )  # fmt: skip
     for name, expected in oracle.items():
         got = document["per_class"][name]
         assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
@@ -184,9 +193,13 @@ def test_masked_evaluation_equals_the_pooled_metrics_of_the_evaluated_rows(
         served = daemons.call(daemons.admin.GetRunEvaluation, apb.RunRef(run_id="run-1"))
         assert served == evaluated["signed"]
         argv = ["admin", "--config", str(admin), "download-evaluation", "run-1", "--out", str(out)]
+        capsys.readouterr()
         assert lab_main(argv) == 0
+        said = capsys.readouterr().out
     finally:
         assert daemons.stop() == 0
+    # afl admin says which figures are in-sample (site-1 alone scored a hold-out)
+    assert "IN-SAMPLE FIGURES at site-2, site-3, site-4" in said, said
     stem = evaluation.model_round_id
     assert (out / f"{stem}.evaluation.json").read_bytes() == evaluation.evaluation_json
     assert (out / f"{stem}.calibration.json").read_bytes() == evaluation.calibration_json
@@ -203,16 +216,37 @@ def _plan(evaluated: dict[str, Any]) -> cpb.ReleasePlan:
 
 def test_federated_calibration_equals_the_pooled_fit(evaluated: dict[str, Any]) -> None:
     federated = Calibration.from_json(json.loads(evaluated["evaluation"].calibration_json))
-    feats, labels = _pooled(evaluated)
-    pooled = evaluation_statistics(
-        feats, labels, weights=evaluated["weights"], classes=CLASSES, bins=federated.bins
-    )
+    feats, labels, sites = _pooled(evaluated)
+    pooled = _coarsened_pooled(feats, labels, sites, evaluated["weights"], federated.bins)
     refit = fit_calibration(pooled, model_sha256=evaluated["model_sha256"], method="platt")
     assert federated.method == "platt" and federated.model_sha256 == evaluated["model_sha256"]
     for fed, ref in zip(federated.classes, refit.classes, strict=True):
         assert fed.fitted and ref.fitted and (fed.n_pos, fed.n_neg) == (ref.n_pos, ref.n_neg)
         assert abs(fed.slope - ref.slope) <= 1e-9 * max(1.0, abs(ref.slope))
         assert abs(fed.intercept - ref.intercept) <= 1e-9 * max(1.0, abs(ref.intercept))
+
+
+def _coarsened_pooled(
+    feats: np.ndarray, labels: np.ndarray, sites: np.ndarray, w: np.ndarray, bins: ScoreBins
+) -> EvaluationStats:
+    """The pooled histograms of the rows each site released, in the bins the oracle moves them
+    to (tests/helpers/evaluation_oracle.py), and the confusion counts they determine."""
+    edge = int(np.searchsorted(bins.array, 0.0, side="left")) + 1
+    z = feats @ w
+    hist = np.zeros((len(CLASSES), 2, bins.num_bins), dtype=np.int64)
+    for c in range(len(CLASSES)):
+        index = bins.index(z[:, c])
+        for site in np.unique(sites):
+            for label in (0, 1):
+                pick = (sites == site) & (labels[:, c] == label)
+                moved = coarsened_bins(index[pick], k=MIN_COHORT, edge=edge)
+                hist[c, label] += np.bincount(moved[moved >= 0], minlength=bins.num_bins)
+    pos, neg = hist[:, 1], hist[:, 0]
+    conf = np.stack(
+        [pos[:, edge:].sum(1), pos[:, :edge].sum(1), neg[:, edge:].sum(1), neg[:, :edge].sum(1)],
+        axis=1,
+    )
+    return EvaluationStats(CLASSES, bins, 0.5, hist, conf)
 
 
 def _stored_values(state: Path) -> list[bytes]:
@@ -260,6 +294,7 @@ def test_the_coordinator_stores_no_single_sites_counts(
                 weights=evaluated["weights"],
                 model_classes=CLASSES,
                 model_sha256=evaluated["model_sha256"],
+                min_mass=cfg.policy.min_cohort,
             )
             for r in plan.releases
         }
@@ -320,11 +355,62 @@ def test_the_other_modes_release_the_exact_pooled_counts(tmp_path: Path, mode: s
     weights = np.frombuffer(model.weights.data, dtype="<f8").reshape(tuple(model.weights.shape))
     caches = [open_cache(tmp_path / "data" / s) for s in loop.site_ids]
     pooled = pooled_rows([(c.features, c.labels) for c in caches])
+    sites = np.repeat(np.arange(len(caches)), [c.meta.n for c in caches])
     oracle = pooled_metrics_oracle(
-        *pooled, weights=weights, classes=CLASSES, edges=DEFAULT_SCORE_BINS.array
-    )
+        *pooled, weights=weights, classes=CLASSES, edges=DEFAULT_SCORE_BINS.array, sites=sites,
+        min_cohort=MIN_COHORT,
+    )  # fmt: skip
     for name, expected in oracle.items():
         got = document["per_class"][name]
         assert (got["n_pos"], got["n_neg"]) == (expected["n_pos"], expected["n_neg"])
         for metric in ("auc", "ap", "bacc"):
             assert abs(got[metric] - expected[metric]) <= 1e-9, (name, metric)
+
+
+def test_the_signed_evaluation_marks_each_members_rows_and_the_report_shows_them(
+    evaluated: dict[str, Any], tmp_path: Path
+) -> None:
+    """M-210: each member's signed acceptance states the rows it scores; the signed evaluation
+    carries them per member, and the card (Markdown) and `afl report`'s HTML mark the
+    in-sample figures in words a clinician cannot miss."""
+    evaluation = evaluated["evaluation"]
+    document = json.loads(evaluation.evaluation_json)
+    assert document["in_sample"] == {
+        "site-1": False,
+        "site-2": True,
+        "site-3": True,
+        "site-4": True,
+    }
+    assert "IN-SAMPLE: site-2, site-3, site-4 scored the images" in document["warning"]
+    # the journaled decisions the flags come from carry the sites' signatures
+    store = Store(evaluated["server"].state_dir, federation_id=evaluated["server"].federation_id)
+    try:
+        decisions = [
+            pb.PlanDecision.FromString(m.data)
+            for m in store.messages(evaluation.round_id)
+            if m.kind == "plan-decision"
+        ]
+    finally:
+        store.close()
+    assert sorted(d.evaluation_rows for d in decisions) == ["held-out", *["in-sample"] * 3]
+    card = model_card(
+        model={"federation_id": "fed", "round_id": evaluation.model_round_id,
+               "model_sha256": evaluated["model_sha256"], "contributors": list(CLASSES),
+               "decision_threshold": 0.5, "created_unix_ms": 1795716651548, "shape": [8, 3]},
+        classes=CLASSES,
+        facts=TrainingFacts(
+            source="test", aggregation="mask", surrogate=True, training_images={"site-1": 80}
+        ),
+        backbone={"name": "resnet18", "trained_on": "surrogate", "random_init": True},
+        files={},
+        metrics={"federated evaluation": document},
+    )  # fmt: skip
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "model_card.json").write_text(json.dumps(card))
+    (folder / "SHA256SUMS").write_text("00  model.ts\n")
+    html = render_deployed_report(folder)
+    federated = html.split("Federated evaluation")[1].split("<h2>")[0]
+    assert "IN-SAMPLE FIGURES (at site-2, site-3, site-4)" in federated
+    assert "NOT a measure of how the model performs on new patients" in federated
+    assert "IN-SAMPLE: computed on the images the model was trained on" in card_markdown(card)

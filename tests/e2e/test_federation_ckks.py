@@ -15,6 +15,9 @@ from afl.core.data.featurecache import open_cache
 from afl.core.metrics import evaluate, predict_proba
 from afl.crypto.ckks import scheme as ckks
 from afl.lab.demo.federation import ckks_round_settings, prepare_loopback, run_loopback
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.store import Store
 from tests.e2e.ckks_tolerance import entry_bound, w_tolerance
 from tests.e2e.loopback import SiteData, cached_statistics
 
@@ -88,3 +91,27 @@ def test_ckks_federation_matches_plaintext_within_derived_bound(tmp_path: Path) 
         json.loads(x) for x in run.logs["server"].read_text().splitlines() if x[:1] == "{"
     ]
     assert not any(e.get("level") == "error" for e in server_log)
+
+    # What was decrypted is on record (docs/protocol.md M-162, M-163): one "ckks-decryption"
+    # record per planned release with its members and result digest, and the decryptor's signed
+    # outcomes kept whole past the payload purge.
+    state = Store(
+        loop.provisioned.server_dir / "state",
+        federation_id=loop.provisioned.federation_id,
+        read_only=True,
+    )
+    [round_row] = state.rounds()
+    assert round_row.plan is not None
+    planned = {
+        r.name: list(r.member_site_ids) for r in cpb.ReleasePlan.FromString(round_row.plan).releases
+    }
+    records = [d for _, e, d, _, _ in state.audit_entries() if e == "ckks-decryption"]
+    assert {d["release"]: d["members"] for d in records} == planned
+    assert all(len(bytes.fromhex(str(d["result_sha256"]))) == 32 for d in records)
+    outcomes = [e for e in state.evidence(round_row.round_id) if e.kind.startswith("ckks-outcome:")]
+    assert len(outcomes) == len(planned) and all(e.data for e in outcomes)
+    for kept in outcomes:
+        outcome = pb.DecryptionOutcome.FromString(kept.data or b"")
+        assert outcome.result_sha256.hex() == next(
+            d["result_sha256"] for d in records if d["release"] == outcome.release_name
+        )

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from afl.core.aggregation import federated_solve
@@ -105,6 +106,7 @@ def test_killed_coordinator_resumes_the_evaluation_round(tmp_path: Path) -> None
     loop = _federation(tmp_path, "mask", evaluate=True)
     _, caches = cached_statistics(loop, list(loop.site_ids))
     feats, labels = pooled_rows([(c.features, c.labels) for c in caches])
+    sites = np.repeat(np.arange(len(caches)), [c.meta.n for c in caches])
     daemons = Daemons(loop)
     try:
         for point, info in _killed_runs(daemons, EVALUATION_POINTS):
@@ -117,6 +119,8 @@ def test_killed_coordinator_resumes_the_evaluation_round(tmp_path: Path) -> None
                 weights=weights(daemons.model(info.run_id)),
                 classes=CLASSES,
                 edges=DEFAULT_SCORE_BINS.array,
+                sites=sites,
+                min_cohort=3,  # the sites' default min_cohort: they coarsen (§6.1)
             )
             for name, expected in oracle.items():
                 got = document["per_class"][name]

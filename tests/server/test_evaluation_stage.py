@@ -3,7 +3,7 @@ process: a run with ``evaluate = true`` plans, after its model, score histograms
 counts of exactly that model over the model's contributors, decodes the sums into a signed
 evaluation stored beside the state (its SHA-256 in the audit log) that sites and admins retrieve;
 an evaluation that the federation's earlier evaluations would expose by differencing is not
-opened; DP runs cannot evaluate; the masked and CKKS encodings bound the counts by N."""
+opened; DP runs evaluate only with eval_epsilon; the masked and CKKS encodings bound the counts by N."""
 
 from __future__ import annotations
 
@@ -172,13 +172,17 @@ def test_an_evaluation_the_earlier_ones_would_expose_is_not_opened(
         admin.evaluation("operator", "run-2")
 
 
-def test_dp_runs_cannot_evaluate_and_the_settings_are_checked(federation: Any) -> None:
+def test_dp_runs_evaluate_only_under_dp_and_the_settings_are_checked(federation: Any) -> None:
     config = load_config(federation.server_dir / "server.toml")
     table = settings_table(config.round)
     dp = {"epsilon": 1.0, "delta": 1e-5, "clip_norm": 1.0}
-    with pytest.raises(ConfigError, match=r"evaluate: a run with \[round.dp\] cannot evaluate"):
+    with pytest.raises(ConfigError, match=r"evaluate: .*only under DP: set \[round.dp\] eval_eps"):
         run_settings({**table, "dp": dp}, source="t", sites=config.sites)
     assert run_settings({**table, "dp": dp, "evaluate": False}, source="t", sites=config.sites)
+    evaluating = run_settings(
+        {**table, "dp": {**dp, "eval_epsilon": 1.0}}, source="t", sites=config.sites
+    )
+    assert evaluating.evaluate and evaluating.dp is not None and evaluating.dp.eval_epsilon == 1.0
     with pytest.raises(ConfigError, match="eval_calibration: must be one of"):
         run_settings({**table, "eval_calibration": "beta"}, source="t", sites=config.sites)
     with pytest.raises(ConfigError, match="eval_max_rows: must be >= 0"):

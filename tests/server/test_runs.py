@@ -80,7 +80,13 @@ def test_runs_queue_behind_the_active_run_and_abort_releases_nothing(
     states = {r.run_id: r.state for r in admin.list("operator").runs}
     assert states == {"run-1": "aborted", "run-2": "published", "run-3": "aborted"}
     logs = admin.logs("operator", apb.LogRequest(run_id="run-3"))
-    assert [r.event for r in logs.records] == ["run-submitted", "run-finished"]
+    # The run's records, and each admin call about it (docs/protocol.md M-161).
+    assert [r.event for r in logs.records] == [
+        "run-submitted",
+        "admin-call",
+        "run-finished",
+        "admin-call",
+    ]
     assert logs.count == len(coordinator.store.audit_entries())
 
 

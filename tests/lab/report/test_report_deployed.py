@@ -189,3 +189,12 @@ def test_deployed_view_renders_in_headless_chromium(folder: Path, tmp_path: Path
     )
     assert shot.read_bytes().startswith(PNG_MAGIC)
     assert blank_tail_fraction(shot) < 0.05  # the page ends where its content ends
+
+
+def test_a_dp_evaluation_says_its_figures_are_noised(tmp_path: Path) -> None:
+    folder = _export_folder(tmp_path)
+    card = json.loads((folder / "model_card.json").read_text())
+    card["metrics"]["federated evaluation"]["dp"] = {"epsilon": 2.0, "delta": 1e-6}
+    (folder / "model_card.json").write_text(json.dumps(card))
+    federated = render_deployed_report(folder).split("Federated evaluation")[1].split("<h2>")[0]
+    assert "differentially private evaluation: ε = 2.0, δ = 1e-06 per site" in federated

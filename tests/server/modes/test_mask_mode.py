@@ -4,8 +4,11 @@ UPLOAD stage, and a masked input the protocol refuses is the uploader's error, n
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -15,9 +18,11 @@ from hypothesis import strategies as st
 
 from afl.client.modes.mask import MaskMode as ClientMask
 from afl.client.payloads.stats import PayloadError
+from afl.crypto.errors import RoundAbortedError
 from afl.crypto.identity.custody import RosterSite
 from afl.crypto.identity.signatures import public_key_to_raw
 from afl.crypto.secagg.graph_bounds import choose_graph
+from afl.crypto.secagg.server import SecAggResult
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -79,6 +84,7 @@ class _Context:
     def __init__(self) -> None:
         self.payloads: dict[tuple[str, str], bytes] = {}
         self.journal: list[MessageRow] = []
+        self.audits: list[tuple[str, dict[str, Any]]] = []
 
     def now_ms(self) -> int:
         return 0
@@ -102,6 +108,9 @@ class _Context:
 
     def messages(self, round_id: str) -> list[MessageRow]:
         return list(self.journal)
+
+    def audit(self, event: str, detail: Mapping[str, object]) -> None:
+        self.audits.append((event, dict(detail)))
 
     def exposes_history(self, view: Any, releases: Any, members: Any) -> str:
         return ""  # no earlier runs in these unit tests
@@ -220,3 +229,34 @@ def test_sparse_graph_settings_are_checked() -> None:
     settings = run_settings({**base, "mask_graph": "sparse"}, source="run", sites=sites)
     assert settings.mask is not None and settings.mask.graph == "sparse"
     assert run_settings(settings_table(settings), source="again", sites=sites) == settings
+
+
+def test_a_withheld_release_states_the_sums_the_coordinator_decoded() -> None:
+    """A release withheld at unmasking aborts the round; the reason and the "mask-withheld"
+    audit record say which other releases' sums the coordinator nevertheless decoded (names and
+    the SHA-256 of their values), never "nothing released" (docs/protocol.md M-163)."""
+    mode, ctx = _mode(), _Context()
+    view = _view(_plan(mode), pb.ROUND_STAGE_UNMASK)
+    mode.begin(view, ctx)
+    decoded_name, withheld_name = view.releases[0].name, view.releases[1].name
+    values = np.arange(view.releases[0].length, dtype=np.float64)
+    result = SecAggResult(
+        sums={decoded_name: values},
+        contributors={decoded_name: SITES[:3]},
+        withheld={withheld_name: "fewer than the release minimum 3"},
+        survivors=SITES[:3],
+        dropped=SITES[3:],
+    )
+    state = mode.rounds["r1-x"]
+    state.server = cast(Any, SimpleNamespace(result=result))
+    with pytest.raises(RoundAbortedError) as raised:
+        mode._keep_result(view, ctx, state)
+    reason = str(raised.value)
+    assert "nothing released" not in reason
+    assert f"decoded the sums of {decoded_name}" in reason and withheld_name in reason
+    [(event, detail)] = ctx.audits
+    assert event == "mask-withheld" and detail["round_id"] == "r1-x"
+    oracle = hashlib.sha256(values.astype("<f8").tobytes()).hexdigest()
+    assert detail["decoded"] == [{"release": decoded_name, "sha256": oracle}]
+    assert detail["withheld"] == {withheld_name: "fewer than the release minimum 3"}
+    assert "r1-x" not in mode._sums  # nothing kept for a solve

@@ -8,13 +8,19 @@ Transport: the same gRPC port and mutual TLS as the Coordinator service. The cal
 present a certificate issued by the federation CA to an ADMIN identity (URI SAN
 `afl-admin:<name>`, written by `afl provision` into the admin kit) whose name is listed in
 server.toml [admins] names; site certificates are refused. Every call is recorded in the audit
-log with the admin's name. Errors map to the same status codes as the Coordinator service.
+log with the admin's name ("admin-call"; a name not listed: "admin-refused"). Errors map to the same status codes as the Coordinator service.
 
 A federation hosts many runs. A run is one training job with its own settings (the keys of
 server.toml's [round] table: classes, backbone, feature_dim, aggregation, gram_scope, rounds,
 DP, ...); its rounds run one after another (round 1, replacement rounds after refusals or
 timeouts, round 2). Runs are queued and executed one at a time, in submission order; sites
 stay enrolled across runs and take part in each run that lists them.
+
+Visibility tags ([visible: ...], defined in common.proto): every field of this service is
+  [visible: admins]   the coordinator and the admins listed in server.toml [admins] (and whoever
+                      the operator hands an `afl audit-export` bundle); never a site.
+Every call, read or write, is an audit record "admin-call" (who, which RPC, the run, the digest
+of what went out; docs/protocol.md M-161).
 """
 
 from afl.proto.v1 import coordinator_pb2 as _coordinator_pb2
@@ -40,10 +46,10 @@ class SubmitRunRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     SETTINGS_TOML_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """A short human name ("" = "run-<n>")."""
+    """A short human name ("" = "run-<n>"). [visible: admins]"""
     settings_toml: _builtins.str
     """The run's settings as TOML: the keys of server.toml's [round] table (with or without a
-    [round] header); keys left out take server.toml's values.
+    [round] header); keys left out take server.toml's values. [visible: admins]
     """
     def __init__(
         self,
@@ -80,6 +86,7 @@ class RunRef(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """[visible: admins]"""
     def __init__(
         self,
         *,
@@ -100,8 +107,11 @@ class AbortRunRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """[visible: admins]"""
     reason: _builtins.str
-    """Recorded in the audit log and reported to the sites."""
+    """Recorded in the audit log and reported to the sites in the round's abort reason.
+    [visible: admins; the run's sites see it in the abort reason]
+    """
     def __init__(
         self,
         *,
@@ -126,11 +136,17 @@ class RoundSummary(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _builtins.int
     ABORT_REASON_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
+    """[visible: admins]"""
     round_number: _builtins.int
+    """[visible: admins]"""
     stage: _coordinator_pb2.RoundStage.ValueType
+    """[visible: admins]"""
     abort_reason: _builtins.str
+    """[visible: admins]"""
     @_builtins.property
-    def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """[visible: admins]"""
+
     def __init__(
         self,
         *,
@@ -171,33 +187,51 @@ class RunInfo(_message.Message):
     EVALUATION_ROUND_ID_FIELD_NUMBER: _builtins.int
     EVALUATION_SHA256_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
+    """[visible: admins]"""
     name: _builtins.str
+    """[visible: admins]"""
     state: _builtins.str
-    """queued | active | published | aborted | failed (the validation gate refused its model)"""
+    """queued | active | published | aborted | failed (the validation gate refused its model)
+    [visible: admins]
+    """
     reason: _builtins.str
-    """Why the run was aborted ("" otherwise)."""
+    """Why the run was aborted ("" otherwise). [visible: admins]"""
     submitted_by: _builtins.str
-    """The admin (or "server.toml" for the run the server created at its first start)."""
+    """The admin (or "server.toml" for the run the server created at its first start).
+    [visible: admins]
+    """
     created_unix_ms: _builtins.int
+    """[visible: admins]"""
     finished_unix_ms: _builtins.int
+    """[visible: admins]"""
     aggregation: _builtins.str
+    """[visible: admins]"""
     gram_scope: _builtins.str
+    """[visible: admins]"""
     rounds: _builtins.int
+    """[visible: admins]"""
     dp: _builtins.bool
+    """[visible: admins]"""
     model_round_id: _builtins.str
-    """The published model's round and the SHA-256 of its serialized Model bytes."""
+    """The published model's round and the SHA-256 of its serialized Model bytes. [visible: admins]"""
     model_sha256: _builtins.bytes
+    """[visible: admins]"""
     settings_toml: _builtins.str
-    """The run's settings as submitted (TOML)."""
+    """The run's settings as submitted (TOML). [visible: admins]"""
     evaluation_round_id: _builtins.str
     """The run's evaluation round (`evaluate = true`) once its evaluation is published, and the
-    SHA-256 of the serialized Evaluation bytes.
+    SHA-256 of the serialized Evaluation bytes. [visible: admins]
     """
     evaluation_sha256: _builtins.bytes
+    """[visible: admins]"""
     @_builtins.property
-    def classes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def classes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """[visible: admins]"""
+
     @_builtins.property
-    def round_history(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundSummary]: ...
+    def round_history(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoundSummary]:
+        """[visible: admins]"""
+
     def __init__(
         self,
         *,
@@ -234,7 +268,9 @@ class RunList(_message.Message):
 
     RUNS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunInfo]: ...
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunInfo]:
+        """[visible: admins]"""
+
     def __init__(
         self,
         *,
@@ -256,11 +292,11 @@ class LogRequest(_message.Message):
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
-    """"" = every record."""
+    """"" = every record. [visible: admins]"""
     after_seq: _builtins.int
-    """Only records with a larger sequence number."""
+    """Only records with a larger sequence number. [visible: admins]"""
     limit: _builtins.int
-    """At most this many records (0 = 1000)."""
+    """At most this many records (0 = 1000). [visible: admins]"""
     def __init__(
         self,
         *,
@@ -287,12 +323,17 @@ class LogRecord(_message.Message):
     PREV_HASH_FIELD_NUMBER: _builtins.int
     HASH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    """[visible: admins]"""
     time_unix_ms: _builtins.int
+    """[visible: admins]"""
     event: _builtins.str
+    """[visible: admins]"""
     detail_json: _builtins.str
-    """The record's detail, the exact JSON text that is hashed into the chain."""
+    """The record's detail, the exact JSON text that is hashed into the chain. [visible: admins]"""
     prev_hash: _builtins.bytes
+    """[visible: admins]"""
     hash: _builtins.bytes
+    """[visible: admins]"""
     def __init__(
         self,
         *,
@@ -319,10 +360,15 @@ class LogRecords(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     HEAD_HASH_FIELD_NUMBER: _builtins.int
     count: _builtins.int
-    """The whole log's length and head hash when the call was answered (an anchor to keep)."""
+    """The whole log's length and head hash when the call was answered (an anchor to keep).
+    [visible: admins]
+    """
     head_hash: _builtins.bytes
+    """[visible: admins]"""
     @_builtins.property
-    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogRecord]: ...
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogRecord]:
+        """[visible: admins]"""
+
     def __init__(
         self,
         *,

@@ -8,13 +8,19 @@ Transport: the same gRPC port and mutual TLS as the Coordinator service. The cal
 present a certificate issued by the federation CA to an ADMIN identity (URI SAN
 `afl-admin:<name>`, written by `afl provision` into the admin kit) whose name is listed in
 server.toml [admins] names; site certificates are refused. Every call is recorded in the audit
-log with the admin's name. Errors map to the same status codes as the Coordinator service.
+log with the admin's name ("admin-call"; a name not listed: "admin-refused"). Errors map to the same status codes as the Coordinator service.
 
 A federation hosts many runs. A run is one training job with its own settings (the keys of
 server.toml's [round] table: classes, backbone, feature_dim, aggregation, gram_scope, rounds,
 DP, ...); its rounds run one after another (round 1, replacement rounds after refusals or
 timeouts, round 2). Runs are queued and executed one at a time, in submission order; sites
 stay enrolled across runs and take part in each run that lists them.
+
+Visibility tags ([visible: ...], defined in common.proto): every field of this service is
+  [visible: admins]   the coordinator and the admins listed in server.toml [admins] (and whoever
+                      the operator hands an `afl audit-export` bundle); never a site.
+Every call, read or write, is an audit record "admin-call" (who, which RPC, the run, the digest
+of what went out; docs/protocol.md M-161).
 """
 
 from afl.proto.v1 import admin_pb2 as _admin_pb2

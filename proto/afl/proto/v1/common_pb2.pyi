@@ -752,7 +752,9 @@ class ReleasePlan(_message.Message):
     is shared t-of-n; docs/protocol.md §4.2). 0 outside MASK mode. [visible: all]
     """
     run_id: _builtins.str
-    """The run this round belongs to (informational; the plan is bound to round_id)."""
+    """The run this round belongs to (informational; the plan is bound to round_id).
+    [visible: all]
+    """
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Participating site ids, sorted. [visible: all]"""

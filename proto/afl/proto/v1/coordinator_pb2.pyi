@@ -373,6 +373,7 @@ class EnrollRequest(_message.Message):
     fixed-point bound from its members' values (docs/protocol.md §4.2). [visible: server]
     """
     declared_max_row_norm: _builtins.float
+    """L above, rounded up to a power of two (0 = not declared). [visible: server]"""
     weights_sha256: _builtins.str
     """Hex SHA-256 of the backbone weights file the site's features were extracted with ("" for
     surrogate or random-init features); the server may pin it ([round] backbone_sha256).
@@ -880,6 +881,7 @@ class PlanDecision(_message.Message):
     PLAN_SHA256_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
     GRAPH_COMMITMENT_FIELD_NUMBER: _builtins.int
+    EVALUATION_ROWS_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: server]"""
     accept: _builtins.bool
@@ -898,6 +900,12 @@ class PlanDecision(_message.Message):
     """MASK mode with a sparse graph, on acceptance: SHA-256 commitment to the site's graph nonce
     (afl.crypto.secagg_graph.graph_commitment). [visible: participants]
     """
+    evaluation_rows: _builtins.str
+    """An evaluation round, on acceptance: which rows the site scores, "held-out" (its [data]
+    holdout cache) or "in-sample" (its training cache); signed with the decision and written
+    per member into the signed evaluation (docs/protocol.md §6.1). [visible: server; all via the
+    evaluation]
+    """
     def __init__(
         self,
         *,
@@ -907,10 +915,11 @@ class PlanDecision(_message.Message):
         plan_sha256: _builtins.bytes = ...,
         signature: _builtins.bytes = ...,
         graph_commitment: _builtins.bytes = ...,
+        evaluation_rows: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "graph_commitment", b"graph_commitment", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "evaluation_rows", b"evaluation_rows", "graph_commitment", b"graph_commitment", "plan_sha256", b"plan_sha256", "reason", b"reason", "round_id", b"round_id", "signature", b"signature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2012,9 +2021,11 @@ class Evaluation(_message.Message):
     run_id: _builtins.str
     """The run and its evaluation round. [visible: all]"""
     round_id: _builtins.str
+    """[visible: all]"""
     model_round_id: _builtins.str
     """The evaluated model: its round and the SHA-256 of its signed Model bytes. [visible: all]"""
     model_sha256: _builtins.bytes
+    """[visible: all]"""
     plan_sha256: _builtins.bytes
     """SHA-256 of the evaluation round's release plan. [visible: all]"""
     evaluation_json: _builtins.bytes
