@@ -71,6 +71,7 @@ _KNOWN: dict[str, set[str]] = {
         "mask_assumed_colluders",
         "dp_assumed_colluders",
         "decrypt_max_rows",
+        "witness_quorum",
         "decrypt_max_row_norm",
         "profile",
     },
@@ -126,6 +127,7 @@ class LocalPolicy:
     dp_assumed_colluders: float = 0.333
     decrypt_max_rows: int = 0
     decrypt_max_row_norm: float = 0.0
+    witness_quorum: int = 0  # 0: a majority of the roster (docs/protocol.md §11a, M-193)
     #: "production" (written by ``afl-client init --import``), "development" (``afl provision``
     #: demo kits) or "" (not said); informational: `afl-client doctor` prints it.
     profile: str = ""
@@ -320,6 +322,7 @@ def _policy(r: _Reader, peers: Mapping[str, bytes]) -> LocalPolicy:
         mask_assumed_colluders=_assumed_colluders(r, sec, "mask_assumed_colluders"),
         dp_assumed_colluders=_assumed_colluders(r, sec, "dp_assumed_colluders"),
         decrypt_max_rows=r.integer(sec, "policy", "decrypt_max_rows", 0, minimum=0),
+        witness_quorum=r.integer(sec, "policy", "witness_quorum", 0, minimum=0),
         decrypt_max_row_norm=r.number(sec, "policy", "decrypt_max_row_norm", 0.0, minimum=0.0),
         profile=_profile(r, sec),
     )

@@ -61,6 +61,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("verify-log", "check the hash chain of afl-server's audit log", "afl.ops.verify_log_cmd"),
     (
+        "log",
+        "the federation log: export, show, verify checkpoints and cosignatures, prove inclusion",
+        "afl.ops.fedlog",
+    ),
+    (
         "audit-export",
         "an offline-verifiable audit bundle of a coordinator (who received what), or --verify one",
         "afl.ops.audit_export",

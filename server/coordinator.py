@@ -58,6 +58,7 @@ from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
+from afl.server.transparency import CosignedCheckpoint, FederationLog
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
 
@@ -88,6 +89,7 @@ class Coordinator:
         self.lock: threading.Condition = self.machine.lock
         self._clock = clock
         self._challenges: dict[str, dict[bytes, float]] = {}  # site -> nonce -> expiry (s)
+        self.log = FederationLog(store, key=identity_key, federation_id=config.federation_id)
         with self.lock:
             self.machine.advance()
 
@@ -604,3 +606,62 @@ class Coordinator:
         """Apply due timeouts (the daemon calls this periodically)."""
         with self.lock:
             self.machine.advance()
+
+    # --- the federation log (afl.server.transparency) -------------------------------------------
+
+    def log_checkpoint(self, site_id: str, size: int = 0) -> pb.CosignedLogCheckpoint:
+        """The newest checkpoint (``size`` 0) or that of ``size``, with its cosignatures."""
+        self.require_enrolled(site_id)
+        with self.lock:
+            found = self.log.cosigned(size) if size else self.log.checkpoint()
+        return _cosigned_to_proto(found)
+
+    def log_consistency(self, site_id: str, old_size: int, new_size: int) -> pb.LogProof:
+        self.require_enrolled(site_id)
+        with self.lock:
+            return pb.LogProof(hashes=self.log.consistency(old_size, new_size))
+
+    def log_inclusion(self, site_id: str, request: pb.InclusionProofRequest) -> pb.LogProof:
+        self.require_enrolled(site_id)
+        with self.lock:
+            index, path = self.log.inclusion(
+                leaf=bytes(request.leaf_hash), index=int(request.index), size=int(request.size)
+            )
+        return pb.LogProof(index=index, hashes=path)
+
+    def log_entries(self, site_id: str, start: int, end: int) -> pb.LogEntries:
+        self.require_enrolled(site_id)
+        with self.lock:
+            rows = self.log.entries(start, end)
+        return pb.LogEntries(
+            entries=[
+                pb.LogEntry(index=i, kind=kind, statement=entry, time_unix_ms=stamp)
+                for i, kind, entry, stamp in rows
+            ]
+        )
+
+    def log_cosign(self, site_id: str, request: pb.LogCosignature) -> None:
+        """Keep the caller's cosignature (its certificate names the witness)."""
+        self.require_enrolled(site_id)
+        if request.witness != site_id:
+            raise NotPermittedError(
+                f"a cosignature names witness {request.witness!r}, the caller is {site_id!r}"
+            )
+        with self.lock:
+            count = self.log.cosign(
+                site_id,
+                size=int(request.size),
+                root=bytes(request.root),
+                signature=bytes(request.signature),
+            )
+        log.info(
+            "log checkpoint cosigned",
+            extra={"site_id": site_id, "size": int(request.size), "cosignatures": count},
+        )
+
+
+def _cosigned_to_proto(found: CosignedCheckpoint) -> pb.CosignedLogCheckpoint:
+    return pb.CosignedLogCheckpoint(
+        checkpoint=wire.checkpoint_to_proto(found.signed),
+        cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
+    )

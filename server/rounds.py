@@ -324,11 +324,25 @@ class RoundMachine(StoreContext):
                 "stage",
                 {"round_id": view.round_id, "stage": stage_name(stage), "reason": reason, **detail},
             )
+            self._log_stage(view, stage, reason=reason, detail=detail)
             self._emit(view.round_id)
         log.info(
             "round stage",
             extra={"round_id": view.round_id, "stage": stage_name(stage), "reason": reason},
         )
+
+    def _log_stage(
+        self, view: RoundView, stage: int, *, reason: str, detail: dict[str, object]
+    ) -> None:
+        """The federation-log statement of a round's end (inside its transition): a release
+        names the survivors its sums were unmasked or decrypted over and what was published."""
+        if stage == Stage.ABORTED:
+            self.store.append_log("round-aborted", {"round_id": view.round_id, "reason": reason})
+        elif detail:  # PUBLISHED or VALIDATING, with what the round published
+            run = self.run_of(view)
+            survivors = sorted(run.mode.contributors(view))
+            fields = {"round_id": view.round_id, "run_id": run.run_id, "survivors": survivors}
+            self.store.append_log("release", {**fields, **detail})
 
     def _abort(
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None

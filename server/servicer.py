@@ -289,6 +289,45 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             lambda s: self._ack("report stored", lambda: self.coordinator.report(s, request)),
         )
 
+    # --- the federation log ------------------------------------------------------------------
+
+    def GetCheckpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetCheckpoint", context, lambda s: self.coordinator.log_checkpoint(s, request.size)
+        )
+
+    def GetConsistencyProof(
+        self, request: pb.ConsistencyProofRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "GetConsistencyProof",
+            context,
+            lambda s: self.coordinator.log_consistency(s, request.old_size, request.new_size),
+        )
+
+    def GetInclusionProof(
+        self, request: pb.InclusionProofRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return self._call(
+            "GetInclusionProof", context, lambda s: self.coordinator.log_inclusion(s, request)
+        )
+
+    def GetLogEntries(self, request: pb.LogEntriesRequest, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "GetLogEntries",
+            context,
+            lambda s: self.coordinator.log_entries(s, request.start, request.end),
+        )
+
+    def CosignCheckpoint(self, request: pb.LogCosignature, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "CosignCheckpoint",
+            context,
+            lambda s: self._ack(
+                "cosignature kept", lambda: self.coordinator.log_cosign(s, request)
+            ),
+        )
+
     # --- MASK mode ---------------------------------------------------------------------------
 
     def GetGraphCommitments(

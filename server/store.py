@@ -26,6 +26,8 @@ from afl.core.erase import erase_file
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.identity.pki import make_private_dir, write_private_file
+from afl.crypto.transparency.merkle import leaf_hash, root_hash
+from afl.crypto.transparency.statements import statement_bytes
 from afl.proto.v1.coordinator_pb2 import (
     ROUND_STAGE_ADVERTISE_KEYS,
     ROUND_STAGE_CONSISTENCY_CHECK,
@@ -105,6 +107,20 @@ CREATE TABLE IF NOT EXISTS reports (
 CREATE TABLE IF NOT EXISTS audit_log (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, time_ms INTEGER NOT NULL, event TEXT NOT NULL,
     detail TEXT NOT NULL, prev_hash BLOB NOT NULL, hash BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS fedlog (
+    idx INTEGER PRIMARY KEY, kind TEXT NOT NULL, entry BLOB NOT NULL, leaf BLOB NOT NULL,
+    time_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS fedlog_leaf ON fedlog (leaf);
+CREATE TRIGGER IF NOT EXISTS fedlog_no_update BEFORE UPDATE ON fedlog
+    BEGIN SELECT RAISE(ABORT, 'the federation log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS fedlog_no_delete BEFORE DELETE ON fedlog
+    BEGIN SELECT RAISE(ABORT, 'the federation log is append-only'); END;
+CREATE TABLE IF NOT EXISTS log_checkpoints (
+    size INTEGER PRIMARY KEY, root BLOB NOT NULL, signature BLOB NOT NULL,
+    time_ms INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS log_cosignatures (
+    size INTEGER NOT NULL, witness TEXT NOT NULL, root BLOB NOT NULL, signature BLOB NOT NULL,
+    time_ms INTEGER NOT NULL, PRIMARY KEY (size, witness));
 """
 
 #: Run states: queued (submitted, waiting for the runs before it), active (its rounds are open),
@@ -240,6 +256,18 @@ def _enrolment_row(r: Sequence[Any]) -> EnrolmentRow:
     )
 
 
+def _enrolment_statement(row: EnrolmentRow) -> dict[str, object]:
+    """The fields of a site's enrolment that the federation log records."""
+    return {
+        "site_id": row.site_id,
+        "identity_public_key": row.identity_public_key.hex(),
+        "role": row.role,
+        "labelled_classes": list(row.labelled_classes),
+        "backbone": row.backbone,
+        "feature_dim": row.feature_dim,
+    }
+
+
 def _round_row(r: Sequence[Any]) -> RoundRow:
     """A round row of :data:`Store._ROUND_QUERY` (the participants are JSON)."""
     return RoundRow(
@@ -269,6 +297,7 @@ class Store:
         checking its anchor, even while the server runs; :class:`StateError` when there is none."""
         self.state_dir, self.read_only = Path(state_dir), read_only
         self._federation_id, self._depth = federation_id, 0
+        self._leaves: list[bytes] = []  # committed leaf hashes of the federation log, in order
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
         if read_only:
@@ -306,6 +335,7 @@ class Store:
             os.umask(previous)
         self._check_meta(federation_id)
         self._check_anchor(anchor, federation_id)
+        self._check_log()
         self._check_payloads()
         self._write_anchor()
 
@@ -379,6 +409,40 @@ class Store:
             )
         if not valid:
             raise StateError(f"the audit log in {self.path} is not a valid hash chain")
+        logged = int(str(anchor.get("log_size", 0)))
+        if self.log_size() < logged:
+            raise StateError(
+                f"the federation log in {self.path} holds {self.log_size()} statements but "
+                f"{self.anchor_path} records {logged}: a log never shrinks; restore the whole "
+                "state folder from one backup (docs/operations.md)"
+            )
+
+    def _check_log(self) -> None:
+        """Every stored leaf hashes its statement, and the log holds at least the last signed
+        checkpoint, whose root is the root of that many leaves (a log never shrinks or changes
+        under a checkpoint the coordinator signed)."""
+        rows = self._db.execute("SELECT idx, entry, leaf FROM fedlog ORDER BY idx").fetchall()
+        for position, (idx, entry, leaf) in enumerate(rows):
+            if int(idx) != position or leaf_hash(bytes(entry)) != bytes(leaf):
+                raise StateError(
+                    f"the federation log in {self.path} is damaged at statement {position}: "
+                    "restore the state folder from a backup (docs/operations.md)"
+                )
+        last = self.log_checkpoint()
+        if last is None:
+            return
+        size, root, _ = last
+        if len(rows) < size:
+            raise StateError(
+                f"the federation log in {self.path} holds {len(rows)} statements, fewer than its "
+                f"last signed checkpoint ({size}): a log never shrinks; restore the whole state "
+                "folder from one backup (docs/operations.md)"
+            )
+        if root_hash([bytes(r[2]) for r in rows[:size]]) != root:
+            raise StateError(
+                f"the first {size} statements of the federation log in {self.path} do not have "
+                "the root of its signed checkpoint: the log was rewritten"
+            )
 
     def _check_payloads(self) -> None:
         rows = self._db.execute("SELECT path, size FROM uploads WHERE purged = 0").fetchall()
@@ -405,6 +469,7 @@ class Store:
             "commits": self._commits() if commits is None else commits,
             "audit_count": count,
             "audit_head": head.hex(),
+            "log_size": self.log_size(),
         }
         write_private_file(self.anchor_path, (json.dumps(anchor, sort_keys=True) + "\n").encode())
 
@@ -518,7 +583,15 @@ class Store:
     # --- enrolment ---------------------------------------------------------------------------
 
     def put_enrolment(self, row: EnrolmentRow, *, software_version: str) -> None:
+        """Store a site's enrolment; a new or changed one (identity key: a key rotation, role,
+        classes, features) is a federation-log statement of the same transaction."""
+        before = self.enrolment(row.site_id)
         with self._tx() as db:
+            if before is None or _enrolment_statement(before) != _enrolment_statement(row):
+                fields = _enrolment_statement(row)
+                if before is not None and before.identity_public_key != row.identity_public_key:
+                    fields["previous_identity_public_key"] = before.identity_public_key.hex()
+                self.append_log("enrolment", fields)
             db.execute(
                 "INSERT OR REPLACE INTO enrolments VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -565,6 +638,16 @@ class Store:
                 "VALUES (?, ?, ?, 'queued', ?, ?)",
                 (run_id, name, json.dumps(dict(settings), sort_keys=True), submitted_by, now_ms()),
             )
+            settings_text = json.dumps(dict(settings), sort_keys=True).encode()
+            self.append_log(
+                "run-submitted",
+                {
+                    "run_id": run_id,
+                    "name": name,
+                    "submitted_by": submitted_by,
+                    "settings_sha256": hashlib.sha256(settings_text).hexdigest(),
+                },
+            )
 
     def update_run(
         self, run_id: str, *, state: str, reason: str = "", at_ms: int | None = None
@@ -578,6 +661,8 @@ class Store:
                 "UPDATE runs SET state = ?, reason = ?, finished_ms = ? WHERE run_id = ?",
                 (state, reason, finished, run_id),
             )
+            if state in ENDED_RUN_STATES:
+                self.append_log("run-ended", {"run_id": run_id, "state": state, "reason": reason})
 
     _RUN_QUERY = (
         "SELECT run_id, name, settings, state, reason, submitted_by, created_ms, finished_ms "
@@ -657,6 +742,10 @@ class Store:
                 db.execute(
                     "UPDATE rounds SET plan = ?, plan_signature = ? WHERE round_id = ?",
                     (plan, plan_signature, round_id),
+                )
+                self.append_log(
+                    "plan",
+                    {"round_id": round_id, "plan_sha256": hashlib.sha256(plan).hexdigest()},
                 )
 
     _ROUND_QUERY = (
@@ -1144,6 +1233,92 @@ class Store:
             "SELECT site_id, report FROM reports WHERE round_id = ?", (round_id,)
         ).fetchall()
         return {r[0]: bytes(r[1]) for r in rows}
+
+    # --- the federation log (docs/protocol.md §11a; afl.server.transparency) ------------------
+
+    def append_log(self, kind: str, fields: Mapping[str, object]) -> int:
+        """Append one statement to the federation log; its index. Call it inside the
+        transaction of the state change it records (re-entrant), so both commit or neither."""
+        entry = statement_bytes(federation=self._federation_id, kind=kind, fields=fields)
+        with self._tx() as db:
+            idx = int(db.execute("SELECT COUNT(*) FROM fedlog").fetchone()[0])
+            db.execute(
+                "INSERT INTO fedlog VALUES (?, ?, ?, ?, ?)",
+                (idx, kind, entry, leaf_hash(entry), now_ms()),
+            )
+        return idx
+
+    def log_size(self) -> int:
+        """The number of statements in the federation log (inside a transaction: its own too)."""
+        return int(self._db.execute("SELECT COUNT(*) FROM fedlog").fetchone()[0])
+
+    def log_leaves(self, size: int | None = None) -> list[bytes]:
+        """The leaf hashes of the first ``size`` statements (all when None), committed ones
+        cached in memory."""
+        rows = self._db.execute(
+            "SELECT leaf FROM fedlog WHERE idx >= ? ORDER BY idx", (len(self._leaves),)
+        ).fetchall()
+        leaves = self._leaves + [bytes(r[0]) for r in rows]
+        if not self._depth:
+            self._leaves = leaves
+        return leaves if size is None else leaves[:size]
+
+    def log_entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
+        """(index, kind, statement bytes, time) of the statements ``start`` <= index < ``end``."""
+        rows = self._db.execute(
+            "SELECT idx, kind, entry, time_ms FROM fedlog WHERE idx >= ? AND idx < ? ORDER BY idx",
+            (start, end),
+        ).fetchall()
+        return [(int(r[0]), r[1], bytes(r[2]), int(r[3])) for r in rows]
+
+    def log_index(self, leaf: bytes) -> int | None:
+        """The index of the first statement whose leaf hash is ``leaf``."""
+        row = self._db.execute(
+            "SELECT idx FROM fedlog WHERE leaf = ? ORDER BY idx LIMIT 1", (leaf,)
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def put_log_checkpoint(self, *, size: int, root: bytes, signature: bytes) -> None:
+        """Record a checkpoint the coordinator signed (the log may never shrink below it)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO log_checkpoints VALUES (?, ?, ?, ?)",
+                (size, root, signature, now_ms()),
+            )
+
+    def log_checkpoint(self, size: int | None = None) -> tuple[int, bytes, bytes] | None:
+        """(size, root, signature) of the signed checkpoint of ``size`` (the latest when None)."""
+        query = "SELECT size, root, signature FROM log_checkpoints"
+        if size is None:
+            row = self._db.execute(f"{query} ORDER BY size DESC LIMIT 1").fetchone()
+        else:
+            row = self._db.execute(f"{query} WHERE size = ?", (size,)).fetchone()
+        return None if row is None else (int(row[0]), bytes(row[1]), bytes(row[2]))
+
+    def log_checkpoints(self) -> list[tuple[int, bytes, bytes]]:
+        """(size, root, signature) of every signed checkpoint, by size."""
+        rows = self._db.execute(
+            "SELECT size, root, signature FROM log_checkpoints ORDER BY size"
+        ).fetchall()
+        return [(int(r[0]), bytes(r[1]), bytes(r[2])) for r in rows]
+
+    def put_log_cosignature(
+        self, *, size: int, root: bytes, witness: str, signature: bytes
+    ) -> None:
+        """Keep a witness's (verified) cosignature of the checkpoint of ``size``."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO log_cosignatures VALUES (?, ?, ?, ?, ?)",
+                (size, witness, root, signature, now_ms()),
+            )
+
+    def log_cosignatures(self, size: int) -> list[tuple[str, bytes, bytes]]:
+        """(witness, root, signature) of every cosignature on the checkpoint of ``size``."""
+        rows = self._db.execute(
+            "SELECT witness, root, signature FROM log_cosignatures WHERE size = ? ORDER BY witness",
+            (size,),
+        ).fetchall()
+        return [(r[0], bytes(r[1]), bytes(r[2])) for r in rows]
 
     def audit(self, event: str, detail: Mapping[str, object]) -> None:
         """Append to the hash-chained audit log (never statistics or key material)."""

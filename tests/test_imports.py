@@ -6,10 +6,10 @@ shows in every command's modules), and calls its entry point exactly as its cons
 at exit the process writes the names in ``sys.modules``, and the test checks that none of the heavy
 packages a command does not need was loaded: torch, torchvision, scikit-learn, scipy, matplotlib
 and TenSEAL for the help, version, operator (``afl ca``, ``afl admin``, ``afl verify-log``,
-``afl audit-export``) and status commands; torch, torchvision, scikit-learn, matplotlib and
-TenSEAL for the coordinator daemon of a federation that does not use CKKS (scipy solves its
-rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of these paths
-fails here, naming the command.
+``afl audit-export``, ``afl log``) and status commands; torch, torchvision, scikit-learn,
+matplotlib and TenSEAL for the coordinator daemon of a federation that does not use CKKS (scipy
+solves its rounds, TenSEAL only serves CKKS). A module-level import of any of them on one of
+these paths fails here, naming the command.
 """
 
 from __future__ import annotations
@@ -203,6 +203,8 @@ def _commands(federation: ProvisionedFederation) -> list[list[str]]:
         ["afl", "verify-log", str(federation.server_dir / "state")],
         ["afl", "audit-export", "--config", server_toml, "--out", str(federation.root / "audit")],
         ["afl", "audit-export", "--verify", str(federation.root / "audit")],
+        ["afl", "log", "export", "--config", server_toml, "--out", str(federation.root / "l.json")],
+        ["afl", "log", "verify", str(federation.root / "l.json")],
     ]
 
 

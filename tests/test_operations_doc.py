@@ -86,6 +86,7 @@ PATH = (
     r"afl ca admin-kit ",
     r"afl admin --config \S+ ls\n",
     r"afl verify-log ",
+    r"afl log export --config ",
 )
 
 
@@ -274,6 +275,8 @@ def test_a_federation_of_three_hospitals_follows_the_document(tmp_path: Path) ->
         (report,) = [p.read_text() for p in (state / "reports").glob("*.json")]
         assert '"outcome": "COMPLETED"' in report and "contributes nothing for" in report, site
     assert re.search(r"\d+ records", outputs[('afl verify-log "$SERVER_STATE"\n', "coordinator")])
+    log_block = next(text for (body, _), text in outputs.items() if body.startswith("afl log"))
+    assert "statements verify" in log_block and "(quorum 2)" in log_block, log_block
     # The admin kit made on the CA machine serves the operator from the coordinator host.
     (listing,) = [text for (body, _), text in outputs.items() if body.startswith("afl admin")]
     assert re.search(r"run-1\s.*published", listing), listing

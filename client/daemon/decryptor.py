@@ -50,6 +50,7 @@ from numpy.typing import NDArray
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
+from afl.client.daemon.transparency import IDLE_WITNESS_S, LogWitness, SplitViewDetected
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     CoordinatorRefused,
@@ -333,6 +334,18 @@ class DecryptorDaemon:
         self.ledger = DecryptionLedger(config.state_dir / "ckks")
         self.rounds: dict[str, RoundDecryptor] = {}
         self.rpc: CoordinatorClient | None = None
+        # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
+        self.log_witness = LogWitness.for_site(config, self.identity)
+        self._witnessed_at = 0.0
+
+    def witness(self) -> None:
+        """Cosign the log's newest checkpoint (at most every :data:`IDLE_WITNESS_S`); a split
+        view stops the decryptor (:class:`SplitViewDetected`)."""
+        now = time.monotonic()
+        if now - self._witnessed_at < IDLE_WITNESS_S:
+            return
+        self._witnessed_at = now
+        self.log_witness.witness(self._rpc().call)
 
     def _rpc(self) -> CoordinatorClient:
         if self.rpc is None:
@@ -501,9 +514,10 @@ class DecryptorDaemon:
                         if not published:
                             self.enroll_and_publish()
                             published = True
+                        self.witness()
                         handled = self.serve_once()
-                    except CoordinatorRefused:
-                        raise  # the coordinator refuses its state: stop with its reason (M-143)
+                    except (CoordinatorRefused, SplitViewDetected):
+                        raise  # the coordinator refuses its state (M-143), or showed a split view
                     except DaemonError as exc:
                         log.warning("decryptor: %s (retrying)", exc)
                     if handled:

@@ -36,6 +36,12 @@ from afl.client.daemon.evaluation import (
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
+from afl.client.daemon.transparency import (
+    IDLE_WITNESS_S,
+    QUORUM_POLL_S,
+    LogWitness,
+    SplitViewDetected,
+)
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     DaemonError,
@@ -136,6 +142,8 @@ class ClientDaemon:
         self.state = config.state_dir
         self.store = DaemonState(config.state_dir)
         self.witness = Witness(config.state_dir, site_id=self.site_id)
+        self.log_witness = LogWitness.for_site(config, self.identity)
+        self._witnessed_at = 0.0
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.revocations = (
             None
@@ -312,6 +320,43 @@ class ClientDaemon:
         peers = self.config.peers
         members = {s: peers[s] for s in plan.participants if s != self.site_id and s in peers}
         return self.revocations.refusal(members) or ""
+
+    def _logged(
+        self, cfg: pb.RoundConfig, plan_sha: bytes, decision: PolicyDecision
+    ) -> PolicyDecision:
+        """``decision``, or a refusal when the plan is not in a checkpoint of the federation log
+        cosigned by a quorum of the roster (:mod:`afl.client.daemon.transparency`)."""
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        t = self.config.timing
+        self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
+        problem = self.log_witness.plan_problem(
+            self.rpc.call,
+            round_id=cfg.round_id,
+            plan_sha256=plan_sha,
+            wait_s=float(cfg.stage_timeout_s or t.upload_timeout_s),
+            # The quorum's cosignatures arrive within moments of this site's own: poll briefly
+            # at first (a few small RPCs), then back off.
+            poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
+            max_poll_s=t.max_poll_interval_s,
+        )
+        return PolicyDecision(False, problem) if problem else decision
+
+    def _observe(self, response: pb.StatusResponse) -> None:
+        """Every status answer: the restore check (:class:`Witness`), and, at most every
+        :data:`IDLE_WITNESS_S`, witnessing the log's newest checkpoint (so that a quorum
+        gathers while sites outside the round wait). A split view stops the site."""
+        self.witness.observe(response)
+        now = time.monotonic()
+        if now - self._witnessed_at < IDLE_WITNESS_S:
+            return
+        self._witnessed_at = now
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        try:
+            self.log_witness.witness(self.rpc.call)
+        except SplitViewDetected:
+            raise
+        except DaemonError as exc:
+            log.warning("site=%s could not witness the federation log: %s", self.site_id, exc)
 
     def _ledger_problem(self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes) -> str:
         """Why the ledger forbids this plan ("" when it does not): the site already uploaded under
@@ -548,6 +593,11 @@ class ClientDaemon:
         report.plan = plan_summary(cfg, plan, decision, plan_sha)
         graph_nonce = b""
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
+            if decision.accept:  # only a plan the federation log holds under a quorum
+                t0 = time.perf_counter()
+                decision = self._logged(cfg, plan_sha, decision)
+                timings["log_witness"] = time.perf_counter() - t0
+                report.plan = plan_summary(cfg, plan, decision, plan_sha)
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
                 graph_nonce = new_graph_nonce()
             rows = ""
@@ -804,7 +854,7 @@ class ClientDaemon:
                 retry=self.retry,
                 metadata=self.metadata,
             )
-            self.rpc.observe = self.witness.observe
+            self.rpc.observe = self._observe
             try:
                 self.enroll()
                 self.rpc.watch()
@@ -848,7 +898,7 @@ class ClientDaemon:
                 continue
             except (DaemonError, VerificationError, ValueError) as exc:
                 code = self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
-                if not serve:
+                if not serve or isinstance(exc, SplitViewDetected):
                     raise
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue

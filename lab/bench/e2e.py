@@ -6,6 +6,10 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
 ``afl-client run`` processes over loopback mTLS). Reported per mode:
 
     round_seconds        the slowest site's round time (plan check -> verified model)
+    log_witness_seconds  the slowest site's federation-log step before it accepted the plan
+                         (witnessing the newest checkpoint, waiting for the quorum's
+                         cosignatures, the plan's inclusion proof); log_witness_share: its part
+                         of that site's round
     exchange_seconds     the slowest site's mode exchange (CKKS: context fetch and check, sealed
                          tags, encryption and streamed upload; MASK: all five stages)
     bytes_sent_per_site  payload bytes a site uploaded (CKKS: serialized ciphertexts)
@@ -102,6 +106,12 @@ def round_figures(
         "wall_seconds": run.wall_s,
         "weights": np.load(finals[0]["model"]["path"]),
     }
+    # The federation log: the slowest site's witnessing and quorum wait before it accepted the
+    # plan (docs/protocol.md §11a), and its share of that site's round.
+    witnessed = [(r["timings_s"].get("log_witness", 0.0), r["timings_s"]["round"]) for r in finals]
+    slowest = max(witnessed)
+    out["log_witness_seconds"] = slowest[0]
+    out["log_witness_share"] = slowest[0] / slowest[1] if slowest[1] > 0 else 0.0
     if memory is not None:
         sites = [v for name, v in memory.peaks.items() if name not in ("server", "decryptor")]
         out["server_peak_rss_mib"] = memory.peaks.get("server")

@@ -30,6 +30,11 @@ members of the targeted release):
   features) instead of the solved one, and gives the DP evaluation round the fine default grid
   (1,284 bins) instead of the DP bins: the sites verified the model (it is the published result
   of a round they took part in), so they score it; what comes back is DP-noised.
+* ``split-view`` (any mode): the coordinator shows two histories. Sites ``SPLIT_GROUP`` see a
+  forged federation log in which every plan statement is replaced (checkpoints the coordinator
+  signs, consistency proofs over the forged tree, their cosignatures kept apart), the others see
+  the true log; after a site of the group was shown the forged log three times, it is shown the true one
+  (the coordinator needs its cosignatures for a quorum).
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -83,9 +88,12 @@ ATTACKS = (
     "isolate-site",
     "weaken-graph",
     "crafted-model-dp",
+    "split-view",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
+#: The sites ``split-view`` first shows the forged log.
+SPLIT_GROUP = ("site-3", "site-4")
 #: The feature dimension of the crafted model (the adversarial tests' d).
 FORGED_D = 8
 #: The coordinator's extra release of ``isolate-site``.
@@ -330,6 +338,74 @@ def _weaken_graph() -> None:
     MaskMode.sparse_graph = weak  # type: ignore[method-assign]
 
 
+def _split_view() -> None:
+    from afl.crypto.transparency.checkpoint import Checkpoint, sign_checkpoint
+    from afl.crypto.transparency.merkle import consistency_proof, root_hash
+    from afl.server.coordinator import Coordinator, _cosigned_to_proto
+    from afl.server.transparency import CosignedCheckpoint, FederationLog
+
+    forged_cosigs: dict[tuple[int, bytes], dict[str, Any]] = {}
+    shown: dict[str, int] = {}
+
+    def forged_leaves(log: FederationLog, size: int) -> list[bytes]:
+        kinds = [kind for _, kind, _, _ in log.store.log_entries(0, size)]
+        leaves = log.store.log_leaves(size)
+        return [
+            hashlib.sha256(b"forged" + leaf).digest() if kind == "plan" else leaf
+            for kind, leaf in zip(kinds, leaves, strict=True)
+        ]
+
+    def forged_view(self: Coordinator, site_id: str) -> bool:
+        if site_id not in SPLIT_GROUP:
+            return False
+        plans = [
+            k for _, k, _, _ in self.store.log_entries(0, self.store.log_size()) if k == "plan"
+        ]
+        if not plans:
+            return False  # the two views are one until a plan is logged
+        shown[site_id] = shown.get(site_id, 0) + 1
+        return shown[site_id] <= 3  # then the coordinator needs them on the true log
+
+    honest_checkpoint = Coordinator.log_checkpoint
+    honest_consistency = Coordinator.log_consistency
+    honest_cosign = Coordinator.log_cosign
+
+    def log_checkpoint(self: Coordinator, site_id: str, size: int = 0) -> Any:
+        if not forged_view(self, site_id):
+            return honest_checkpoint(self, site_id, size)
+        with self.lock:
+            n = self.store.log_size()
+            root = root_hash(forged_leaves(self.log, n))
+            signed = sign_checkpoint(self.log._key, Checkpoint(self.log.federation_id, n, root))
+            cosigs = tuple(forged_cosigs.get((n, root), {}).values())
+        return _cosigned_to_proto(CosignedCheckpoint(signed, cosigs))
+
+    def log_consistency(self: Coordinator, site_id: str, old_size: int, new_size: int) -> Any:
+        if site_id not in SPLIT_GROUP or shown.get(site_id, 0) > 3 or not shown.get(site_id):
+            return honest_consistency(self, site_id, old_size, new_size)
+        with self.lock:
+            leaves = forged_leaves(self.log, new_size)
+            return pb.LogProof(hashes=consistency_proof(leaves, old_size))
+
+    def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> None:
+        from afl.crypto.transparency.checkpoint import Cosignature
+
+        with self.lock:
+            signed = self.log.store.log_checkpoint(int(request.size))
+        if signed is not None and signed[1] == bytes(request.root):
+            honest_cosign(self, site_id, request)
+            return
+        checkpoint = Checkpoint(self.log.federation_id, int(request.size), bytes(request.root))
+        key = (checkpoint.size, checkpoint.root)
+        forged_cosigs.setdefault(key, {})[site_id] = Cosignature(
+            site_id, checkpoint, bytes(request.signature)
+        )
+
+    Coordinator.log_checkpoint = log_checkpoint  # type: ignore[method-assign]
+    Coordinator.log_consistency = log_consistency  # type: ignore[method-assign]
+    Coordinator.log_cosign = log_cosign  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -352,6 +428,8 @@ def main() -> int:
     if attack == "crafted-model-dp":
         _record_unmasked(loot)
         _publish_crafted()
+    if attack == "split-view":
+        _split_view()
     return daemon.main(args)
 
 

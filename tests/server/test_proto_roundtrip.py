@@ -286,6 +286,11 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
         "GetModel",
         "GetEvaluation",
         "SubmitReport",
+        "GetCheckpoint",
+        "GetConsistencyProof",
+        "GetInclusionProof",
+        "GetLogEntries",
+        "CosignCheckpoint",
     }
     assert set(methods) == expected
     streaming = {name: (m.client_streaming, m.server_streaming) for name, m in methods.items()}

@@ -61,6 +61,12 @@ from afl.crypto.secagg.messages import (
     UnmaskResponse,
 )
 from afl.crypto.shamir import VALUE_BYTES, Share
+from afl.crypto.transparency.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    Cosignature,
+    SignedCheckpoint,
+)
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -79,7 +85,11 @@ __all__ = [
     "advert_from_proto",
     "advert_to_proto",
     "assemble",
+    "checkpoint_from_proto",
+    "checkpoint_to_proto",
     "consistency_from_proto",
+    "cosignature_from_proto",
+    "cosignature_to_proto",
     "directory_from_proto",
     "directory_to_proto",
     "enrol_proof_fields",
@@ -642,3 +652,38 @@ def sealed_tags_from_proto(message: pb.SealedMessage) -> SealedTags:
     return SealedTags(
         bytes(message.sender_public_key), bytes(message.ciphertext), bytes(message.signature)
     )
+
+
+# --- the federation log (docs/protocol.md §11a) ------------------------------------------------
+
+
+def checkpoint_to_proto(signed: SignedCheckpoint) -> pb.LogCheckpoint:
+    c = signed.checkpoint
+    return pb.LogCheckpoint(
+        federation_id=c.federation, size=c.size, root=c.root, signature=signed.signature
+    )
+
+
+def checkpoint_from_proto(message: pb.LogCheckpoint) -> SignedCheckpoint:
+    """:class:`WireError` for a malformed checkpoint (its signature is checked by the caller)."""
+    try:
+        checkpoint = Checkpoint(message.federation_id, int(message.size), bytes(message.root))
+    except CheckpointError as exc:
+        raise WireError(f"log checkpoint: {exc}") from exc
+    return SignedCheckpoint(checkpoint, bytes(message.signature))
+
+
+def cosignature_to_proto(cosignature: Cosignature) -> pb.LogCosignature:
+    c = cosignature.checkpoint
+    return pb.LogCosignature(
+        witness=cosignature.witness, size=c.size, root=c.root, signature=cosignature.signature
+    )
+
+
+def cosignature_from_proto(message: pb.LogCosignature, *, federation: str) -> Cosignature:
+    """:class:`WireError` for a malformed cosignature (its signature is checked by the caller)."""
+    try:
+        checkpoint = Checkpoint(federation, int(message.size), bytes(message.root))
+    except CheckpointError as exc:
+        raise WireError(f"log cosignature: {exc}") from exc
+    return Cosignature(message.witness, checkpoint, bytes(message.signature))

@@ -34,6 +34,7 @@ from afl.server.plan.dp import DpSettings, apply_dp, calibrate, dp_releases
 from afl.server.plan.release import PlannedRelease, build_plan, sign_plan
 from afl.server.solve.model import build_signed_model
 from tests.helpers.federation import FederationSpec
+from tests.helpers.fedlog import LOG_RPCS, LogService
 
 SITES = ("s1", "s2", "s3", "s4")
 SITE = "s4"
@@ -68,8 +69,9 @@ class Coordinator:
 
     watcher = None
 
-    def __init__(self, server_key: Any) -> None:
+    def __init__(self, server_key: Any, log_state: Path) -> None:
         self.server_key = server_key
+        self.log = LogService(log_state, key=server_key, federation_id=FED)  # an honest log
         self.rounds: list[tuple[pb.RoundStatus, pb.RoundConfig]] = []
         self.calls: list[tuple[str, Any]] = []
         self.uploads: list[tuple[str, str]] = []
@@ -89,6 +91,8 @@ class Coordinator:
 
     def call(self, what: str, request: Any, **kw: Any) -> Any:
         self.calls.append((what, request))
+        if what in LOG_RPCS:
+            return self.log.call(what, request)
         if what == "GetRoundConfig":
             return self.config(request.round_id)
         if what == "GetModel":
@@ -131,11 +135,13 @@ class Coordinator:
         if dp_epsilon:
             settings = DpSettings(epsilon=dp_epsilon, delta=1e-5, clip_norm=2.0)
             apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=True))
+        signed = sign_plan(plan, self.server_key)
+        self.log.publish_plan(round_id, signed.plan)
         return pb.RoundConfig(
             federation_id=FED, round_id=round_id, round_number=number, parent_round_id=parent,
             participants=list(SITES), class_names=list(CLASSES), feature_dim=D,
             aggregation=plan.aggregation, gram_scope=plan.gram_scope, run_id=run_id,
-            release_plan=sign_plan(plan, self.server_key),
+            release_plan=signed,
         )  # fmt: skip
 
 
@@ -161,12 +167,15 @@ def site(
         config,
         state_dir=state,
         data=DataConfig(tmp_path / "cache"),
-        policy=LocalPolicy(allowed_aggregation=("plaintext",)),
+        # The only witness here is this site: its own cosignature is the quorum.
+        policy=LocalPolicy(allowed_aggregation=("plaintext",), witness_quorum=1),
     )
     daemon = ClientDaemon(config)
     daemon.prepare()
     server = load_config(federation.server_dir / "server.toml")
-    coordinator = Coordinator(signatures.load_private_key_pem(server.identity_key.read_bytes()))
+    key = signatures.load_private_key_pem(server.identity_key.read_bytes())
+    coordinator = Coordinator(key, tmp_path / "coordinator")
+    coordinator.log.enrol(SITE, config.identity_public_key)
     daemon.rpc = coordinator  # type: ignore[assignment]
     return daemon, coordinator, state
 

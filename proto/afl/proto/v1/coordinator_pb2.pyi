@@ -2196,3 +2196,279 @@ class ClientReport(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClientReport: _TypeAlias = ClientReport  # noqa: Y015
+
+@_typing.final
+class LogCheckpoint(_message.Message):
+    """A checkpoint of the federation log, signed by the coordinator's identity key (context
+    "log-checkpoint" over federation, size, root). [visible: every site; reviewers]
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FEDERATION_ID_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    federation_id: _builtins.str
+    """The federation. [visible: every site]"""
+    size: _builtins.int
+    """The number of statements. [visible: every site]"""
+    root: _builtins.bytes
+    """RFC 9162 root of the first `size` statements (32 bytes). [visible: every site]"""
+    signature: _builtins.bytes
+    """Ed25519 signature of the coordinator. [visible: every site]"""
+    def __init__(
+        self,
+        *,
+        federation_id: _builtins.str = ...,
+        size: _builtins.int = ...,
+        root: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["federation_id", b"federation_id", "root", b"root", "signature", b"signature", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogCheckpoint: _TypeAlias = LogCheckpoint  # noqa: Y015
+
+@_typing.final
+class LogCosignature(_message.Message):
+    """A witness's cosignature (context "log-cosignature" over witness, federation, size, root)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WITNESS_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    ROOT_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    witness: _builtins.str
+    """The witnessing site (its certificate must name it). [visible: every site]"""
+    size: _builtins.int
+    """The cosigned checkpoint's size. [visible: every site]"""
+    root: _builtins.bytes
+    """The cosigned checkpoint's root. [visible: every site]"""
+    signature: _builtins.bytes
+    """Ed25519 signature of the witness's identity key. [visible: every site]"""
+    def __init__(
+        self,
+        *,
+        witness: _builtins.str = ...,
+        size: _builtins.int = ...,
+        root: _builtins.bytes = ...,
+        signature: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["root", b"root", "signature", b"signature", "size", b"size", "witness", b"witness"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogCosignature: _TypeAlias = LogCosignature  # noqa: Y015
+
+@_typing.final
+class CheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_FIELD_NUMBER: _builtins.int
+    size: _builtins.int
+    """The size of a checkpoint the coordinator signed before; 0: the newest. [visible: server]"""
+    def __init__(
+        self,
+        *,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRequest: _TypeAlias = CheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CosignedLogCheckpoint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    COSIGNATURES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___LogCheckpoint:
+        """The checkpoint. [visible: every site]"""
+
+    @_builtins.property
+    def cosignatures(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogCosignature]:
+        """The cosignatures the coordinator holds on exactly that checkpoint. [visible: every site]"""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___LogCheckpoint | None = ...,
+        cosignatures: _abc.Iterable[Global___LogCosignature] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "cosignatures", b"cosignatures"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CosignedLogCheckpoint: _TypeAlias = CosignedLogCheckpoint  # noqa: Y015
+
+@_typing.final
+class ConsistencyProofRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OLD_SIZE_FIELD_NUMBER: _builtins.int
+    NEW_SIZE_FIELD_NUMBER: _builtins.int
+    old_size: _builtins.int
+    """The older size (> 0). [visible: server]"""
+    new_size: _builtins.int
+    """The newer size. [visible: server]"""
+    def __init__(
+        self,
+        *,
+        old_size: _builtins.int = ...,
+        new_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_size", b"new_size", "old_size", b"old_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConsistencyProofRequest: _TypeAlias = ConsistencyProofRequest  # noqa: Y015
+
+@_typing.final
+class InclusionProofRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEAF_HASH_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    leaf_hash: _builtins.bytes
+    """The statement's leaf hash SHA-256(0x00 || statement); empty: use `index`. [visible: server]"""
+    index: _builtins.int
+    """The statement's index when no leaf hash is given. [visible: server]"""
+    size: _builtins.int
+    """The tree size the proof is for. [visible: server]"""
+    def __init__(
+        self,
+        *,
+        leaf_hash: _builtins.bytes = ...,
+        index: _builtins.int = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "leaf_hash", b"leaf_hash", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InclusionProofRequest: _TypeAlias = InclusionProofRequest  # noqa: Y015
+
+@_typing.final
+class LogProof(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    HASHES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The statement's index (inclusion proofs). [visible: every site]"""
+    @_builtins.property
+    def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The proof's hashes, in RFC 9162 order. [visible: every site]"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogProof: _TypeAlias = LogProof  # noqa: Y015
+
+@_typing.final
+class LogEntriesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """First index. [visible: server]"""
+    end: _builtins.int
+    """One past the last index. [visible: server]"""
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogEntriesRequest: _TypeAlias = LogEntriesRequest  # noqa: Y015
+
+@_typing.final
+class LogEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    STATEMENT_FIELD_NUMBER: _builtins.int
+    TIME_UNIX_MS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Index in the log. [visible: every site]"""
+    kind: _builtins.str
+    """Statement kind (enrolment, run-submitted, run-ended, plan, release, round-aborted).
+    [visible: every site]
+    """
+    statement: _builtins.bytes
+    """The statement's canonical bytes (the leaf entry). [visible: every site]"""
+    time_unix_ms: _builtins.int
+    """When it was appended (coordinator clock). [visible: every site]"""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        statement: _builtins.bytes = ...,
+        time_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "kind", b"kind", "statement", b"statement", "time_unix_ms", b"time_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogEntry: _TypeAlias = LogEntry  # noqa: Y015
+
+@_typing.final
+class LogEntries(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogEntry]:
+        """The statements, in order. [visible: every site]"""
+
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___LogEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogEntries: _TypeAlias = LogEntries  # noqa: Y015

@@ -172,6 +172,31 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ClientReport.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetCheckpoint',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.FromString,
+                _registered_method=True)
+        self.GetConsistencyProof = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetConsistencyProof',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ConsistencyProofRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+                _registered_method=True)
+        self.GetInclusionProof = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetInclusionProof',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.InclusionProofRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+                _registered_method=True)
+        self.GetLogEntries = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/GetLogEntries',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntriesRequest.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntries.FromString,
+                _registered_method=True)
+        self.CosignCheckpoint = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/CosignCheckpoint',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -377,6 +402,46 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCheckpoint(self, request, context):
+        """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
+        roster change, run, signed plan, release (with its survivors) and publication.
+        The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
+        the checkpoint of a given size. Enrolled sites only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetConsistencyProof(self, request, context):
+        """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInclusionProof(self, request, context):
+        """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLogEntries(self, request, context):
+        """The statements of a range of indices (at most 1000 per answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CosignCheckpoint(self, request, context):
+        """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
+        from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+        enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -513,6 +578,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'SubmitReport': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitReport,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ClientReport.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.SerializeToString,
+            ),
+            'GetConsistencyProof': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConsistencyProof,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.ConsistencyProofRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
+            ),
+            'GetInclusionProof': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInclusionProof,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.InclusionProofRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
+            ),
+            'GetLogEntries': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLogEntries,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntriesRequest.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntries.SerializeToString,
+            ),
+            'CosignCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CosignCheckpoint,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.SerializeToString,
             ),
     }
@@ -1246,6 +1336,141 @@ class Coordinator:
             target,
             '/afl.proto.v1.Coordinator/SubmitReport',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.ClientReport.SerializeToString,
+            afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetCheckpoint',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.CheckpointRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetConsistencyProof(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetConsistencyProof',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.ConsistencyProofRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInclusionProof(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetInclusionProof',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.InclusionProofRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLogEntries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/GetLogEntries',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntriesRequest.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogEntries.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CosignCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/CosignCheckpoint',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
             afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
             options,
             channel_credentials,

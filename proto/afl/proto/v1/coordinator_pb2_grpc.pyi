@@ -131,6 +131,23 @@ class CoordinatorStub:
     """
     SubmitReport: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ClientReport, _common_pb2.Ack]
     """The site's report at the end of a round (also sent on refusal or failure)."""
+    GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CheckpointRequest, _coordinator_pb2.CosignedLogCheckpoint]
+    """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
+    roster change, run, signed plan, release (with its survivors) and publication.
+    The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
+    the checkpoint of a given size. Enrolled sites only.
+    """
+    GetConsistencyProof: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencyProofRequest, _coordinator_pb2.LogProof]
+    """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes."""
+    GetInclusionProof: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.InclusionProofRequest, _coordinator_pb2.LogProof]
+    """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size."""
+    GetLogEntries: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LogEntriesRequest, _coordinator_pb2.LogEntries]
+    """The statements of a range of indices (at most 1000 per answer)."""
+    CosignCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _common_pb2.Ack]
+    """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
+    from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+    enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -208,6 +225,23 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     SubmitReport: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ClientReport, _common_pb2.Ack]  # type: ignore[assignment]
     """The site's report at the end of a round (also sent on refusal or failure)."""
+    GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CheckpointRequest, _coordinator_pb2.CosignedLogCheckpoint]  # type: ignore[assignment]
+    """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
+    roster change, run, signed plan, release (with its survivors) and publication.
+    The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
+    the checkpoint of a given size. Enrolled sites only.
+    """
+    GetConsistencyProof: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencyProofRequest, _coordinator_pb2.LogProof]  # type: ignore[assignment]
+    """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes."""
+    GetInclusionProof: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.InclusionProofRequest, _coordinator_pb2.LogProof]  # type: ignore[assignment]
+    """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size."""
+    GetLogEntries: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LogEntriesRequest, _coordinator_pb2.LogEntries]  # type: ignore[assignment]
+    """The statements of a range of indices (at most 1000 per answer)."""
+    CosignCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _common_pb2.Ack]  # type: ignore[assignment]
+    """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
+    from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+    enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     """The coordinator: enrolment, rounds, key and share routing, uploads, CKKS decryption jobs and
@@ -444,5 +478,52 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
         """The site's report at the end of a round (also sent on refusal or failure)."""
+
+    @_abc_1.abstractmethod
+    def GetCheckpoint(
+        self,
+        request: _coordinator_pb2.CheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CosignedLogCheckpoint, _abc.Awaitable[_coordinator_pb2.CosignedLogCheckpoint]]:
+        """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
+        roster change, run, signed plan, release (with its survivors) and publication.
+        The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
+        the checkpoint of a given size. Enrolled sites only.
+        """
+
+    @_abc_1.abstractmethod
+    def GetConsistencyProof(
+        self,
+        request: _coordinator_pb2.ConsistencyProofRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
+        """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes."""
+
+    @_abc_1.abstractmethod
+    def GetInclusionProof(
+        self,
+        request: _coordinator_pb2.InclusionProofRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
+        """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size."""
+
+    @_abc_1.abstractmethod
+    def GetLogEntries(
+        self,
+        request: _coordinator_pb2.LogEntriesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogEntries, _abc.Awaitable[_coordinator_pb2.LogEntries]]:
+        """The statements of a range of indices (at most 1000 per answer)."""
+
+    @_abc_1.abstractmethod
+    def CosignCheckpoint(
+        self,
+        request: _coordinator_pb2.LogCosignature,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+        """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
+        from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+        enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,294 @@
+"""This site as a witness of the federation log, and the rule that it acts on a plan only once
+the log holds it under a quorum-cosigned checkpoint (docs/protocol.md §11a, M-192, M-193).
+
+``state_dir/log-witness.json`` (written atomically BEFORE the cosignature leaves) holds the last
+checkpoint this site cosigned, with the coordinator's signature. Before the site answers a plan:
+
+1. it fetches the coordinator's newest checkpoint, checks the coordinator's signature and its
+   federation, and an RFC 9162 consistency proof from the last checkpoint it cosigned
+   (:func:`afl.crypto.transparency.witness.witness_checkpoint`); then it records the new one and
+   sends its cosignature (CosignCheckpoint);
+2. it counts the cosignatures the coordinator holds on that checkpoint that verify under the
+   roster's identity keys of the startup kit (never keys the coordinator sends);
+3. once at least ``[policy] witness_quorum`` roster sites (default: a majority) cosigned it, it
+   checks the plan's inclusion proof in it: the plan is a statement every quorum witness's log
+   holds, so a coordinator that shows different plans to different sites needs a colluding
+   quorum. It polls (the newest checkpoint each time) until then, up to the round's stage
+   timeout, and refuses the plan with the reason after it.
+
+Two checkpoints the coordinator signed that cannot both be views of one log (smaller, another
+root for one size, a consistency proof that fails) are a split view: the site writes both to
+``state_dir/log-evidence/`` and stops (:class:`SplitViewDetected`, one line naming both).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from afl.client.config import ClientConfig
+from afl.client.daemon.transport import DaemonError
+from afl.client.payloads.stats import dump_json
+from afl.crypto.identity.signatures import load_public_key_raw
+from afl.crypto.transparency.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    SignedCheckpoint,
+    quorum_witnesses,
+)
+from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash, verify_inclusion
+from afl.crypto.transparency.statements import plan_statement
+from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
+from afl.proto import wire
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = [
+    "EVIDENCE_DIR",
+    "IDLE_WITNESS_S",
+    "QUORUM_POLL_S",
+    "WITNESS_STATE",
+    "LogWitness",
+    "SplitViewDetected",
+    "checkpoint_from_json",
+    "checkpoint_to_json",
+    "majority",
+]
+
+log = logging.getLogger("afl.client")
+WITNESS_STATE = "log-witness.json"
+#: How often a site that waits for a round witnesses the newest checkpoint (seconds): often
+#: enough that a plan over a minority of the roster gathers its quorum within a few polls, rarely
+#: enough that hundreds of idle sites do not keep the coordinator busy with cosignatures.
+IDLE_WITNESS_S = 5.0
+#: The first wait for the quorum's cosignatures (seconds; it grows by half each poll).
+QUORUM_POLL_S = 0.05
+EVIDENCE_DIR = "log-evidence"
+Call = Callable[[str, Any], Any]
+
+
+class SplitViewDetected(DaemonError):
+    """The coordinator signed two inconsistent checkpoints; both are kept as evidence."""
+
+
+def majority(n: int) -> int:
+    """More than half of ``n`` witnesses."""
+    return n // 2 + 1
+
+
+def checkpoint_to_json(signed: SignedCheckpoint) -> dict[str, object]:
+    c = signed.checkpoint
+    return {
+        "federation": c.federation,
+        "size": c.size,
+        "root": c.root.hex(),
+        "signature": signed.signature.hex(),
+    }
+
+
+def checkpoint_from_json(doc: Mapping[str, Any]) -> SignedCheckpoint:
+    """A signed checkpoint as :func:`checkpoint_to_json` wrote it (ValueError when malformed)."""
+    try:
+        checkpoint = Checkpoint(
+            str(doc["federation"]), int(doc["size"]), bytes.fromhex(str(doc["root"]))
+        )
+        return SignedCheckpoint(checkpoint, bytes.fromhex(str(doc["signature"])))
+    except (KeyError, TypeError, CheckpointError) as exc:
+        raise ValueError(f"not a signed checkpoint ({exc})") from exc
+
+
+class LogWitness:
+    """The site's witness state and its plan rule (module docstring)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        site_id: str,
+        federation_id: str,
+        key: Ed25519PrivateKey,
+        coordinator_key: Ed25519PublicKey,
+        roster: Mapping[str, bytes],
+        quorum: int = 0,
+    ) -> None:
+        self.path = Path(state_dir) / WITNESS_STATE
+        self.evidence_dir = Path(state_dir) / EVIDENCE_DIR
+        self.site_id, self.federation_id = site_id, federation_id
+        self.key, self.coordinator_key = key, coordinator_key
+        self.roster = {s: load_public_key_raw(k) for s, k in roster.items()}
+        self.quorum = quorum or majority(len(self.roster))
+        if self.quorum > len(self.roster):
+            raise DaemonError(
+                f"[policy] witness_quorum = {quorum} is more than the {len(self.roster)} sites of "
+                "the roster: lower it (0 = a majority)"
+            )
+        self.last: SignedCheckpoint | None = None
+        self.acknowledged = 0
+        if self.path.is_file():
+            try:
+                doc = json.loads(self.path.read_text(encoding="utf-8"))
+                self.acknowledged = int(doc.get("acknowledged", 0))
+                if doc.get("checkpoint"):
+                    self.last = checkpoint_from_json(doc["checkpoint"])
+            except (OSError, ValueError) as exc:
+                raise DaemonError(
+                    f"{self.path} is unreadable ({exc}): restore it from the site's backup"
+                ) from exc
+
+    @classmethod
+    def for_site(cls, config: ClientConfig, key: Ed25519PrivateKey) -> LogWitness:
+        """The witness of the site (or decryptor) ``config`` describes: its state folder, its
+        kit's coordinator key and roster (``[peers]`` and itself), its ``witness_quorum``."""
+        return cls(
+            config.state_dir,
+            site_id=config.site_id,
+            federation_id=config.federation_id,
+            key=key,
+            coordinator_key=load_public_key_raw(config.server_public_key),
+            roster={**config.peers, config.site_id: config.identity_public_key},
+            quorum=config.policy.witness_quorum,
+        )
+
+    def _save(self) -> None:
+        doc: dict[str, object] = {"acknowledged": self.acknowledged}
+        if self.last is not None:
+            doc["checkpoint"] = checkpoint_to_json(self.last)
+        dump_json(self.path, doc)
+
+    def restore_acknowledged(self, count: int) -> None:
+        """The coordinator's operator acknowledged restore ``count`` (M-142): the log may be
+        shorter than what this site cosigned; keep the last checkpoint as evidence and witness
+        the restored log from scratch."""
+        if count <= self.acknowledged:
+            return
+        if self.last is not None:
+            self._evidence(
+                f"restore-{count}",
+                {"reason": f"the coordinator's operator acknowledged restore {count}",
+                 "last_cosigned": checkpoint_to_json(self.last)},
+            )  # fmt: skip
+        self.acknowledged, self.last = count, None
+        self._save()
+
+    def _evidence(self, name: str, doc: Mapping[str, object]) -> Path:
+        self.evidence_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.evidence_dir / f"{name}.json"
+        dump_json(path, dict(doc))
+        return path
+
+    def witness(self, call: Call) -> pb.CosignedLogCheckpoint:
+        """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
+        step 1); the answer, with the coordinator's cosignatures. :class:`SplitViewDetected`
+        when it does not, after the evidence is written."""
+        answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", pb.CheckpointRequest())
+        try:
+            offered = wire.checkpoint_from_proto(answer.checkpoint)
+        except wire.WireError as exc:
+            raise DaemonError(f"the coordinator's log checkpoint is malformed: {exc}") from exc
+        previous = self.last
+        if previous is not None and previous.checkpoint == offered.checkpoint:
+            return answer  # cosigned already
+        proof: list[bytes] = []
+        if previous is not None and 0 < previous.checkpoint.size < offered.checkpoint.size:
+            request = pb.ConsistencyProofRequest(
+                old_size=previous.checkpoint.size, new_size=offered.checkpoint.size
+            )
+            proof = list(call("GetConsistencyProof", request).hashes)
+        try:
+            cosignature = witness_checkpoint(
+                witness=self.site_id,
+                key=self.key,
+                coordinator_key=self.coordinator_key,
+                federation=self.federation_id,
+                previous=previous,
+                offered=offered,
+                proof=proof,
+            )
+        except SplitViewError as exc:
+            a, b = exc.previous.checkpoint, exc.offered.checkpoint
+            path = self._evidence(
+                f"split-view-{a.size}-{a.root.hex()[:12]}-{b.size}-{b.root.hex()[:12]}",
+                {
+                    "reason": exc.reason,
+                    "cosigned": checkpoint_to_json(exc.previous),
+                    "offered": checkpoint_to_json(exc.offered),
+                    "consistency_proof": [h.hex() for h in proof],
+                },
+            )
+            raise SplitViewDetected(f"{exc}: {path}") from exc
+        except WitnessError as exc:
+            raise DaemonError(f"the coordinator's log checkpoint is refused: {exc}") from exc
+        self.last = offered
+        self._save()  # before the cosignature leaves
+        mine = wire.cosignature_to_proto(cosignature)
+        call("CosignCheckpoint", mine)
+        answer.cosignatures.append(mine)  # counted at once, as the coordinator now holds it
+        log.info(
+            "site=%s cosigned log checkpoint %s",
+            self.site_id,
+            offered.checkpoint.describe(),
+        )
+        return answer
+
+    def quorum_on(self, answer: pb.CosignedLogCheckpoint) -> frozenset[str]:
+        """The roster witnesses whose cosignature on the answer's checkpoint verifies (this
+        site's own included once sent); :class:`CheckpointError` below the quorum."""
+        checkpoint = wire.checkpoint_from_proto(answer.checkpoint).checkpoint
+        cosignatures = [
+            wire.cosignature_from_proto(c, federation=self.federation_id)
+            for c in answer.cosignatures
+        ]
+        return quorum_witnesses(
+            checkpoint, cosignatures, witness_keys=self.roster, quorum=self.quorum
+        )
+
+    def plan_problem(
+        self,
+        call: Call,
+        *,
+        round_id: str,
+        plan_sha256: bytes,
+        wait_s: float,
+        poll_s: float,
+        max_poll_s: float,
+    ) -> str:
+        """Why this site must not act on the plan ("" once its inclusion proof verifies in a
+        checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3)."""
+        leaf = leaf_hash(
+            plan_statement(
+                federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
+            )
+        )
+        deadline, delay, why = time.monotonic() + wait_s, poll_s, ""
+        while True:
+            answer = self.witness(call)
+            size = int(answer.checkpoint.size)
+            try:
+                self.quorum_on(answer)
+                proof: pb.LogProof = call(
+                    "GetInclusionProof", pb.InclusionProofRequest(leaf_hash=leaf, size=size)
+                )
+                verify_inclusion(
+                    leaf=leaf,
+                    index=int(proof.index),
+                    tree_size=size,
+                    proof=list(proof.hashes),
+                    root=bytes(answer.checkpoint.root),
+                )
+                return ""
+            except (CheckpointError, MerkleProofError, wire.WireError) as exc:
+                why = str(exc)
+            except DaemonError as exc:  # the plan is not in this checkpoint yet
+                why = f"the plan of round {round_id} is not in log checkpoint size {size} ({exc})"
+            if time.monotonic() >= deadline:
+                return (
+                    f"the plan is not in a federation-log checkpoint cosigned by a quorum of "
+                    f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, max_poll_s)

@@ -1,0 +1,109 @@
+"""The statements the federation log holds, as the bytes its leaves hash (docs/protocol.md §11a).
+
+A statement is a kind and a JSON object of fields; its leaf entry is the canonical encoding
+(:func:`afl.crypto.canonical.canonical_encode`) of
+
+    ("afl-log-statement/1", federation, kind, JSON text with sorted keys and no spaces)
+
+so a statement of one federation never verifies in another's log and no two (kind, fields)
+pairs share bytes. Parties that must recognise a statement rebuild it from what they hold (a
+site: the plan it verified, :func:`plan_statement`) and look for its leaf hash in the log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from afl.crypto.canonical import canonical_encode
+from afl.crypto.errors import CryptoError
+
+__all__ = [
+    "KINDS",
+    "STATEMENT_TAG",
+    "StatementError",
+    "decode_statement",
+    "plan_statement",
+    "statement_bytes",
+]
+
+STATEMENT_TAG = "afl-log-statement/1"
+
+#: Every kind of statement the coordinator appends (docs/protocol.md §11a).
+KINDS = (
+    "enrolment",  # a site's identity key, role and declared features (a new key: a rotation)
+    "run-submitted",
+    "run-ended",  # published, aborted (by an admin, or a failure) or failed
+    "plan",  # every signed release plan, training and evaluation
+    "release",  # a round's sums were released: the survivors they were unmasked over, digests
+    "round-aborted",
+)
+
+
+class StatementError(CryptoError):
+    """A log entry is not a statement of this federation."""
+
+
+def _json(fields: Mapping[str, object]) -> str:
+    return json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+
+
+def statement_bytes(*, federation: str, kind: str, fields: Mapping[str, object]) -> bytes:
+    """The leaf entry of statement ``kind`` with ``fields`` in ``federation``'s log."""
+    if kind not in KINDS:
+        raise StatementError(f"unknown log statement kind {kind!r}")
+    return canonical_encode((STATEMENT_TAG, federation, kind, _json(fields)))
+
+
+def plan_statement(*, federation: str, round_id: str, plan_sha256: bytes) -> bytes:
+    """The entry the coordinator appends for the signed release plan of ``round_id`` (the SHA-256
+    of the plan bytes), rebuilt by each site from the plan it verified."""
+    return statement_bytes(
+        federation=federation,
+        kind="plan",
+        fields={"round_id": round_id, "plan_sha256": plan_sha256.hex()},
+    )
+
+
+def decode_statement(entry: bytes, *, federation: str) -> tuple[str, dict[str, object]]:
+    """(kind, fields) of a leaf entry, which must be this federation's statement."""
+    try:
+        fields = _decode_fields(entry)
+        tag, fed, kind, text = fields
+        if not all(isinstance(f, str) for f in fields):
+            raise ValueError("fields are not strings")
+        detail = json.loads(str(text))
+    except (ValueError, TypeError) as exc:
+        raise StatementError(f"log entry is not a statement ({exc})") from exc
+    if tag != STATEMENT_TAG or fed != federation:
+        raise StatementError(f"log entry is a statement of {fed!r}, not of {federation!r}")
+    if kind not in KINDS or not isinstance(detail, dict):
+        raise StatementError(f"log entry of unknown kind {kind!r}")
+    if statement_bytes(federation=federation, kind=str(kind), fields=detail) != entry:
+        raise StatementError("log entry is not in canonical form")
+    return str(kind), detail
+
+
+def _decode_fields(data: bytes) -> list[bytes | str]:
+    """Inverse of canonical_encode for bytes and str fields (ValueError otherwise)."""
+    if len(data) < 4:
+        raise ValueError("too short")
+    count, pos = int.from_bytes(data[:4], "big"), 4
+    out: list[bytes | str] = []
+    for _ in range(count):
+        if pos + 9 > len(data):
+            raise ValueError("truncated")
+        tag, length = data[pos : pos + 1], int.from_bytes(data[pos + 1 : pos + 9], "big")
+        payload = data[pos + 9 : pos + 9 + length]
+        if len(payload) != length:
+            raise ValueError("truncated")
+        pos += 9 + length
+        if tag == b"S":
+            out.append(payload.decode("utf-8"))
+        elif tag == b"B":
+            out.append(payload)
+        else:
+            raise ValueError(f"field tag {tag!r}")
+    if pos != len(data):
+        raise ValueError("trailing bytes")
+    return out

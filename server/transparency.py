@@ -1,0 +1,136 @@
+"""The federation log at the coordinator (docs/protocol.md §11a): signed checkpoints, RFC 9162
+proofs, and the witnesses' cosignatures.
+
+The statements are appended by the store in the transaction of the state change they record
+(:meth:`afl.server.store.Store.append_log`: enrolments and key changes, runs submitted and ended,
+every signed plan, every release with its survivors and digests, aborted rounds). This module
+serves them: :meth:`FederationLog.checkpoint` signs the log's current size when it grew (the
+checkpoint is recorded before it is served, so the store refuses a later, shorter log), and
+returns it with the cosignatures the sites sent for it; :meth:`FederationLog.cosign` keeps a
+site's cosignature once it verifies under the site's enrolled identity key on a checkpoint this
+coordinator signed. Sites poll until a quorum cosigned a checkpoint that holds the plan they are
+asked to act on; every site that polls cosigns the newest checkpoint, so the quorum gathers on it
+without a coordinator-side round of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from afl.crypto.errors import CryptoError
+from afl.crypto.identity.signatures import load_public_key_raw
+from afl.crypto.transparency.checkpoint import (
+    Checkpoint,
+    Cosignature,
+    SignedCheckpoint,
+    sign_checkpoint,
+    verify_cosignature,
+)
+from afl.crypto.transparency.merkle import (
+    MerkleProofError,
+    consistency_proof,
+    inclusion_proof,
+    root_hash,
+)
+from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
+from afl.server.store import Store
+
+__all__ = ["MAX_ENTRIES", "CosignedCheckpoint", "FederationLog"]
+
+#: The most statements one GetLogEntries answer carries.
+MAX_ENTRIES = 1000
+
+
+@dataclass(frozen=True)
+class CosignedCheckpoint:
+    """A signed checkpoint and the witnesses' cosignatures on it."""
+
+    signed: SignedCheckpoint
+    cosignatures: tuple[Cosignature, ...]
+
+
+class FederationLog:
+    """The coordinator's view of its federation log (module docstring). Not thread-safe: the
+    coordinator calls it with its lock held."""
+
+    def __init__(self, store: Store, *, key: Ed25519PrivateKey, federation_id: str) -> None:
+        self.store, self._key, self.federation_id = store, key, federation_id
+
+    def checkpoint(self) -> CosignedCheckpoint:
+        """The newest signed checkpoint (signed now, and recorded, if the log grew) with its
+        cosignatures."""
+        size = self.store.log_size()
+        last = self.store.log_checkpoint()
+        if last is None or last[0] < size:
+            root = root_hash(self.store.log_leaves(size))
+            signed = sign_checkpoint(self._key, Checkpoint(self.federation_id, size, root))
+            self.store.put_log_checkpoint(size=size, root=root, signature=signed.signature)
+            last = (size, root, signed.signature)
+        return self.cosigned(last[0])
+
+    def signed(self, size: int) -> SignedCheckpoint:
+        """The checkpoint of ``size`` this coordinator signed; :class:`WrongStageError` if none."""
+        row = self.store.log_checkpoint(size)
+        if row is None:
+            raise WrongStageError(f"no signed checkpoint of the federation log has size {size}")
+        return SignedCheckpoint(Checkpoint(self.federation_id, row[0], row[1]), row[2])
+
+    def cosigned(self, size: int) -> CosignedCheckpoint:
+        signed = self.signed(size)
+        cosignatures = tuple(
+            Cosignature(witness, signed.checkpoint, signature)
+            for witness, root, signature in self.store.log_cosignatures(size)
+            if root == signed.checkpoint.root
+        )
+        return CosignedCheckpoint(signed, cosignatures)
+
+    def cosign(self, site_id: str, *, size: int, root: bytes, signature: bytes) -> int:
+        """Keep ``site_id``'s cosignature of the checkpoint (size, root); the number of
+        cosignatures that checkpoint now has."""
+        signed = self.signed(size)
+        if root != signed.checkpoint.root:
+            raise InvalidRequestError(
+                f"the cosigned root of size {size} is not the root this coordinator signed"
+            )
+        enrolment = self.store.enrolment(site_id)
+        if enrolment is None:
+            raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
+        cosignature = Cosignature(site_id, signed.checkpoint, signature)
+        try:
+            verify_cosignature(load_public_key_raw(enrolment.identity_public_key), cosignature)
+        except CryptoError as exc:
+            raise NotPermittedError(str(exc)) from exc
+        self.store.put_log_cosignature(size=size, root=root, witness=site_id, signature=signature)
+        return len(self.store.log_cosignatures(size))
+
+    def consistency(self, old_size: int, new_size: int) -> list[bytes]:
+        """RFC 9162 PROOF(old_size, D[new_size]) between two sizes this log has had."""
+        if not 0 < old_size <= new_size <= self.store.log_size():
+            raise InvalidRequestError(
+                f"no consistency proof from size {old_size} to size {new_size} (the log has "
+                f"{self.store.log_size()} statements)"
+            )
+        return consistency_proof(self.store.log_leaves(new_size), old_size)
+
+    def inclusion(self, *, leaf: bytes, index: int, size: int) -> tuple[int, list[bytes]]:
+        """(index, RFC 9162 PATH) of a statement in the tree of ``size``: by its leaf hash when
+        ``leaf`` is given, else at ``index``."""
+        if leaf:
+            found = self.store.log_index(leaf)
+            if found is None:
+                raise InvalidRequestError("no statement of the federation log has that leaf hash")
+            index = found
+        if not 0 < size <= self.store.log_size():
+            raise InvalidRequestError(f"the log has no tree of size {size}")
+        try:
+            return index, inclusion_proof(self.store.log_leaves(size), index)
+        except MerkleProofError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+    def entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
+        """Statements ``start`` <= index < ``end`` (at most :data:`MAX_ENTRIES`)."""
+        if start < 0 or end < start:
+            raise InvalidRequestError(f"no log entries from {start} to {end}")
+        return self.store.log_entries(start, min(end, start + MAX_ENTRIES))

@@ -1,0 +1,111 @@
+"""The site as a witness of the federation log (docs/protocol.md §11a, M-192, M-193), against the
+coordinator's real log (:class:`afl.server.transparency.FederationLog` on a real store) behind a
+stand-in for the RPCs: the checkpoint is on disk before the cosignature leaves, a split view is
+kept as evidence and stops the site, and a plan is accepted only under a quorum of roster
+cosignatures verified with the kit's keys."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
+from afl.crypto.transparency.merkle import leaf_hash
+from afl.proto import wire
+from afl.proto.v1 import coordinator_pb2 as pb
+from tests.helpers.fedlog import LogService
+
+FED = "fed-witness"
+COORDINATOR = generate_identity_key()
+SITES = {f"site-{i}": generate_identity_key() for i in (1, 2, 3)}
+ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
+
+
+def _coordinator(state: Path) -> LogService:
+    service = LogService(state, key=COORDINATOR, federation_id=FED)
+    for site, key in ROSTER.items():
+        service.enrol(site, key)
+    return service
+
+
+def _witness(state: Path, site: str = "site-1", quorum: int = 0) -> LogWitness:
+    return LogWitness(
+        state,
+        site_id=site,
+        federation_id=FED,
+        key=SITES[site],
+        coordinator_key=COORDINATOR.public_key(),
+        roster=ROSTER,
+        quorum=quorum,
+    )
+
+
+def test_the_cosigned_checkpoint_is_on_disk_before_the_cosignature_leaves(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+
+    def on_disk(request: pb.LogCosignature) -> None:
+        held = json.loads((tmp_path / "site" / WITNESS_STATE).read_text())["checkpoint"]
+        assert (held["size"], held["root"]) == (request.size, request.root.hex())
+
+    coordinator.on_cosign = on_disk
+    witness.witness(coordinator.call)
+    coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    witness.witness(coordinator.call)  # an extension: consistency proof checked, cosigned
+    witness.witness(coordinator.call)  # the same checkpoint: nothing new to cosign
+    assert coordinator.cosigned == ["site-1", "site-1"]
+    assert _witness(tmp_path / "site").last == witness.last  # a restart keeps it
+
+
+def test_a_split_view_keeps_both_checkpoints_and_stops(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+    honest = witness.witness(coordinator.call).checkpoint
+    other = sign_checkpoint(COORDINATOR, Checkpoint(FED, honest.size, leaf_hash(b"other")))
+    coordinator.offer = lambda: pb.CosignedLogCheckpoint(checkpoint=wire.checkpoint_to_proto(other))
+    with pytest.raises(SplitViewDetected) as caught:
+        witness.witness(coordinator.call)
+    line = str(caught.value)
+    assert "\n" not in line and "two inconsistent checkpoints" in line
+    assert f"size {honest.size} root {honest.root.hex()[:16]}" in line
+    assert f"root {other.checkpoint.root.hex()[:16]}" in line
+    (evidence,) = (tmp_path / "site" / "log-evidence").glob("split-view-*.json")
+    doc = json.loads(evidence.read_text())
+    assert doc["cosigned"]["root"] == honest.root.hex()
+    assert doc["offered"]["root"] == other.checkpoint.root.hex()
+    assert doc["offered"]["signature"] == other.signature.hex()
+    assert witness.last is not None and witness.last.checkpoint.root == honest.root  # unchanged
+    assert coordinator.cosigned == ["site-1"]  # the second view is never cosigned
+
+
+def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1 = _witness(tmp_path / "s1")
+
+    def problem(round_id: str = "r1-abc", sha: bytes = plan_sha) -> str:
+        return site1.plan_problem(
+            coordinator.call, round_id=round_id, plan_sha256=sha, wait_s=0.0, poll_s=0.01,
+            max_poll_s=0.01,
+        )  # fmt: skip
+
+    assert site1.quorum == 2  # a majority of 3
+    why = problem()  # site-1's own cosignature only
+    assert "cosigned by a quorum of 2 roster sites" in why and "1 witness(es)" in why, why
+    # A cosignature under a key that is not the roster's (the coordinator forging site-3's) is
+    # not counted: the coordinator's store would refuse it, so it is slipped into the answer.
+    checkpoint = coordinator.log.checkpoint().signed.checkpoint
+    forged = cosign(generate_identity_key(), witness="site-3", checkpoint=checkpoint)
+    honest_answer = coordinator.call("GetCheckpoint", pb.CheckpointRequest())
+    honest_answer.cosignatures.append(wire.cosignature_to_proto(forged))
+    coordinator.offer = lambda: honest_answer
+    assert "1 witness(es)" in problem()
+    coordinator.offer = None
+    _witness(tmp_path / "s2", "site-2").witness(coordinator.call)  # a second roster site
+    assert problem() == ""
+    assert "not in log checkpoint" in problem(sha=hashlib.sha256(b"another plan").digest())

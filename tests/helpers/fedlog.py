@@ -1,0 +1,80 @@
+"""The coordinator's federation-log RPCs answered in process by a real
+:class:`afl.server.transparency.FederationLog` on a real store, for tests whose coordinator is a
+stand-in (the site's :class:`~afl.client.daemon.transparency.LogWitness` calls them)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from afl.client.daemon.transport import DaemonError
+from afl.proto import wire
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.errors import InvalidRequestError
+from afl.server.store import EnrolmentRow, Store
+from afl.server.transparency import FederationLog
+
+__all__ = ["LOG_RPCS", "LogService"]
+
+LOG_RPCS = frozenset(
+    {"GetCheckpoint", "GetConsistencyProof", "GetInclusionProof", "CosignCheckpoint"}
+)
+
+
+class LogService:
+    """The log RPCs (no transport); ``offer`` replaces the checkpoint answer (a lying
+    coordinator), ``on_cosign`` sees each cosignature before it is kept."""
+
+    def __init__(self, state: Path, *, key: Ed25519PrivateKey, federation_id: str) -> None:
+        self.store = Store(state, federation_id=federation_id)
+        self.log = FederationLog(self.store, key=key, federation_id=federation_id)
+        self.cosigned: list[str] = []
+        self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
+        self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
+
+    def enrol(self, site_id: str, identity_public_key: bytes) -> None:
+        row = EnrolmentRow(site_id, identity_public_key, "participant", ("a",), "bb", 4)
+        self.store.put_enrolment(row, software_version="test")
+
+    def publish_plan(self, round_id: str, plan: bytes) -> bytes:
+        """Log the plan of ``round_id`` as the coordinator does when it opens a round; its
+        SHA-256."""
+        if self.store.round(round_id) is None:
+            self.store.create_round(
+                round_id=round_id, run_id="run-1", number=1, parent_round_id="", stage=1,
+                participants=[], deadline_ms=0,
+            )  # fmt: skip
+        self.store.update_round(round_id, stage=2, deadline_ms=0, plan=plan, plan_signature=b"s")
+        return hashlib.sha256(plan).digest()
+
+    def call(self, what: str, request: Any) -> Any:
+        if what == "GetCheckpoint":
+            if self.offer is not None:
+                return self.offer()
+            found = self.log.checkpoint()
+            return pb.CosignedLogCheckpoint(
+                checkpoint=wire.checkpoint_to_proto(found.signed),
+                cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
+            )
+        if what == "GetConsistencyProof":
+            return pb.LogProof(hashes=self.log.consistency(request.old_size, request.new_size))
+        if what == "GetInclusionProof":
+            try:
+                index, path = self.log.inclusion(
+                    leaf=request.leaf_hash, index=request.index, size=request.size
+                )
+            except InvalidRequestError as exc:  # as the site's RPC client raises it
+                raise DaemonError(str(exc)) from exc
+            return pb.LogProof(index=index, hashes=path)
+        if what == "CosignCheckpoint":
+            self.on_cosign(request)
+            self.log.cosign(
+                request.witness, size=request.size, root=request.root, signature=request.signature
+            )
+            self.cosigned.append(request.witness)
+            return None
+        raise AssertionError(f"not a log RPC: {what}")

@@ -1,0 +1,166 @@
+"""The federation log in the coordinator's store (docs/protocol.md §11a, M-190, M-191): one
+statement per recorded state change, appended in that change's transaction; append-only; a
+restart never shrinks it below a signed checkpoint; the proofs it serves verify under RFC 9162
+(the verification written out independently in tests/crypto/transparency/test_merkle.py)."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from afl.crypto.identity.signatures import generate_identity_key
+from afl.crypto.transparency.checkpoint import verify_checkpoint
+from afl.crypto.transparency.merkle import leaf_hash, verify_consistency, verify_inclusion
+from afl.crypto.transparency.statements import decode_statement, plan_statement
+from afl.server.errors import InvalidRequestError, StateError
+from afl.server.store import DB_NAME, Store
+from afl.server.transparency import FederationLog
+
+FED = "fed-log-test"
+KEY = generate_identity_key()
+
+
+def _store(path: Path) -> Store:
+    return Store(path, federation_id=FED)
+
+
+def test_a_state_change_and_its_statement_commit_together_or_not_at_all(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    with pytest.raises(RuntimeError), store.transaction():
+        store.create_run(run_id="run-1", name="a", settings={"x": 1}, submitted_by="op")
+        assert store.log_size() == 1  # inside: the statement is there
+        raise RuntimeError("crash before commit")
+    assert store.log_size() == 0 and store.run_row("run-1") is None
+    store.create_run(run_id="run-1", name="a", settings={"x": 1}, submitted_by="op")
+    store.update_run("run-1", state="aborted", reason="by admin")
+    kinds = [kind for _, kind, _, _ in store.log_entries(0, 10)]
+    assert kinds == ["run-submitted", "run-ended"]
+    kind, fields = decode_statement(store.log_entries(1, 2)[0][2], federation=FED)
+    assert (kind, fields["state"], fields["reason"]) == ("run-ended", "aborted", "by admin")
+
+
+def test_a_plan_statement_is_what_a_site_rebuilds_from_the_plan(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.create_round(
+        round_id="r1-x", run_id="run-1", number=1, parent_round_id="", stage=1,
+        participants=["a"], deadline_ms=0,
+    )  # fmt: skip
+    store.update_round("r1-x", stage=2, deadline_ms=0, plan=b"plan-bytes", plan_signature=b"s")
+    import hashlib
+
+    mine = plan_statement(
+        federation=FED, round_id="r1-x", plan_sha256=hashlib.sha256(b"plan-bytes").digest()
+    )
+    assert store.log_index(leaf_hash(mine)) == 0
+
+
+def test_the_log_is_append_only_in_the_database(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"), store.transaction() as db:
+        db.execute("UPDATE fedlog SET kind = 'x'")
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"), store.transaction() as db:
+        db.execute("DELETE FROM fedlog")
+    assert store.log_size() == 1
+
+
+def test_a_restart_never_shrinks_the_log(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = _store(state)
+    for i in range(3):
+        store.create_run(run_id=f"run-{i}", name="a", settings={}, submitted_by="op")
+    FederationLog(store, key=KEY, federation_id=FED).checkpoint()  # signed at size 3
+    store.close()
+    backup = tmp_path / "backup"
+    shutil.copytree(state, backup)
+    db = sqlite3.connect(state / DB_NAME)  # an operator edits the database by hand
+    db.executescript("DROP TRIGGER fedlog_no_delete; DELETE FROM fedlog WHERE idx = 2;")
+    db.close()
+    with pytest.raises(StateError, match="never shrinks"):
+        _store(state)
+    # The same with the anchor gone too: the signed checkpoint in the database still holds it.
+    shutil.rmtree(state)
+    shutil.copytree(backup, state)
+    db = sqlite3.connect(state / DB_NAME)
+    db.executescript("DROP TRIGGER fedlog_no_delete; DELETE FROM fedlog WHERE idx = 2;")
+    db.close()
+    (state / "anchor.json").unlink()
+    with pytest.raises(StateError, match="fewer than its last signed checkpoint"):
+        _store(state)
+    # A rewritten statement under the checkpoint is refused as well.
+    shutil.rmtree(state)
+    shutil.copytree(backup, state)
+    db = sqlite3.connect(state / DB_NAME)
+    db.executescript(
+        "DROP TRIGGER fedlog_no_update; UPDATE fedlog SET entry = x'00' WHERE idx = 0;"
+    )
+    db.close()
+    with pytest.raises(StateError, match="damaged at statement 0"):
+        _store(state)
+    shutil.rmtree(state)
+    shutil.copytree(backup, state)
+    assert _store(state).log_size() == 3
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(batches=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=6))
+def test_checkpoints_grow_and_every_proof_verifies(tmp_path_factory: pytest.TempPathFactory,
+                                                   batches: list[int]) -> None:  # fmt: skip
+    store = _store(tmp_path_factory.mktemp("s"))
+    log = FederationLog(store, key=KEY, federation_id=FED)
+    seen: list[tuple[int, bytes]] = []
+    n = 0
+    for batch in batches:
+        for _ in range(batch):
+            store.create_run(run_id=f"run-{n}", name="a", settings={}, submitted_by="op")
+            n += 1
+        signed = log.checkpoint().signed
+        checkpoint = verify_checkpoint(KEY.public_key(), signed)
+        assert checkpoint.size == n
+        for old_size, old_root in seen:
+            if old_size > 0:
+                verify_consistency(
+                    old_size=old_size, new_size=n, old_root=old_root, new_root=checkpoint.root,
+                    proof=log.consistency(old_size, n),
+                )  # fmt: skip
+        for index, _, entry, _ in store.log_entries(0, n):
+            by_leaf, path = log.inclusion(leaf=leaf_hash(entry), index=0, size=n)
+            assert by_leaf == index
+            verify_inclusion(
+                leaf=leaf_hash(entry), index=index, tree_size=n, proof=path, root=checkpoint.root
+            )
+        seen.append((n, checkpoint.root))
+    with pytest.raises(InvalidRequestError):
+        log.consistency(1, n + 1)
+
+
+def test_a_cosignature_is_kept_only_from_the_enrolled_key_on_a_signed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from afl.crypto.transparency.checkpoint import cosign
+    from afl.server.errors import NotPermittedError
+    from afl.server.store import EnrolmentRow
+
+    store = _store(tmp_path)
+    site_key = generate_identity_key()
+    from afl.crypto.identity.signatures import public_key_to_raw
+
+    row = EnrolmentRow("site-1", public_key_to_raw(site_key), "participant", ("a",), "bb", 4)
+    store.put_enrolment(row, software_version="t")
+    store.put_enrolment(row, software_version="t")  # re-enrolment, unchanged: no statement
+    assert [k for _, k, _, _ in store.log_entries(0, 9)] == ["enrolment"]
+    log = FederationLog(store, key=KEY, federation_id=FED)
+    checkpoint = log.checkpoint().signed.checkpoint
+    good = cosign(site_key, witness="site-1", checkpoint=checkpoint)
+    forged = cosign(generate_identity_key(), witness="site-1", checkpoint=checkpoint)
+    with pytest.raises(NotPermittedError):
+        log.cosign("site-1", size=1, root=checkpoint.root, signature=forged.signature)
+    assert log.cosign("site-1", size=1, root=checkpoint.root, signature=good.signature) == 1
+    assert [c.witness for c in log.cosigned(1).cosignatures] == ["site-1"]
