@@ -34,6 +34,7 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
+from afl.client.policy.roster import kit_roster
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw
 from afl.crypto.transparency.checkpoint import (
@@ -185,7 +186,7 @@ def _release_index(federation: str, model_sha256: str, entries: Sequence[bytes])
 
 def kit_witnesses(config: ClientConfig) -> tuple[dict[str, bytes], int]:
     """The roster of the site's kit (``[peers]`` and itself) and its witness quorum."""
-    roster = {**config.peers, config.site_id: config.identity_public_key}
+    roster = kit_roster(config)
     quorum = config.policy.witness_quorum or len(roster) // 2 + 1
     return roster, quorum
 
