@@ -505,11 +505,11 @@ def add_model_proof_arguments(p: argparse.ArgumentParser, *, config: bool = True
     )
 
 
-def _unverified_warning(command: str, model: str) -> None:
+def _unverified_warning(command: str, model: str, *, unchecked: str) -> None:
     print(
         f"WARNING: afl-client {command}: --unverified-model: {model} was NOT verified as this "
-        "federation's published model (signature and log proof unchecked); its scores are "
-        "for testing only",
+        f"federation's published model ({unchecked} not checked); its scores are for testing "
+        "only",
         file=sys.stderr,
     )
 
@@ -523,7 +523,7 @@ def run_predict(args: argparse.Namespace) -> int:
 
     model = load_exported(args.model)
     if args.unverified_model:
-        _unverified_warning("predict", args.model)
+        _unverified_warning("predict", args.model, unchecked="its signature and log proof")
     elif args.config is None:
         raise ModelProofError(
             "--config is required: the export is verified with the site's kit before scoring "
@@ -601,7 +601,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         unverified=args.unverified_model,
     )
     if args.unverified_model:
-        _unverified_warning("evaluate", str(run.model.path))
+        _unverified_warning("evaluate", str(run.model.path), unchecked="its log proof")
     elif run.witnesses:
         print(
             f"model {run.model.model_sha256[:16]}… verified: in the federation log under a "

@@ -191,7 +191,9 @@ def resolve_model(
     round it took part in) by its signature; any other file is refused unless ``unverified``
     (its signature is still checked: the file must parse as this federation's model)."""
     path = Path(model_path) if model_path is not None else latest_model(config.state_dir)
-    in_export = path.is_dir() or (path.parent / PROOF_FILE).is_file()
+    in_export = path.is_dir() or (
+        path.name == SIGNED_MODEL_FILE and (path.parent / PROOF_FILE).is_file()
+    )
     own = path.resolve().parent == (config.state_dir / "models").resolve()
     if in_export and not unverified:
         return verify_export(path, config)
