@@ -16,7 +16,6 @@ round, then the evaluation round), payloads kept 30 days so that the finished st
 from __future__ import annotations
 
 import hashlib
-
 import re
 import shutil
 from dataclasses import replace
