@@ -145,6 +145,7 @@ class ClientDaemon:
         self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
+        self._witnessed_key: tuple[str, int, str] | None = None
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.revocations = (
             None
@@ -248,6 +249,9 @@ class ClientDaemon:
             self.store.save_candidate(round_id, signed)
         else:
             self.store.save_model(round_id, signed, verified.weights)
+            # the log's release of this model is in the newest checkpoint: cosign it, so that an
+            # export of the model finds a quorum-cosigned checkpoint that holds it (M-198)
+            self._witness_log()
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -347,10 +351,22 @@ class ClientDaemon:
         :data:`IDLE_WITNESS_S`, witnessing the log's newest checkpoint (so that a quorum
         gathers while sites outside the round wait). A split view stops the site."""
         self.witness.observe(response)
+        r = response.round if response.HasField("round") else None
+        # A new round, stage or published model is witnessed at once: the plan of a run this
+        # site is not in needs its cosignature for a quorum, and nothing else may wake it
+        # before that stage's timeout (docs/protocol.md §11a).
+        seen = (r.round_id, r.stage) if r is not None else ("", 0)
+        seen_key = (*seen, response.latest_model_round_id)
         now = time.monotonic()
-        if now - self._witnessed_at < IDLE_WITNESS_S:
+        if seen_key == self._witnessed_key and now - self._witnessed_at < IDLE_WITNESS_S:
             return
-        self._witnessed_at = now
+        self._witnessed_key = seen_key
+        self._witness_log(now)
+
+    def _witness_log(self, now: float | None = None) -> None:
+        """Witness the log's newest checkpoint; a split view stops the site, another failure is
+        logged (the next status answer tries again)."""
+        self._witnessed_at = time.monotonic() if now is None else now
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         try:
             self.log_witness.witness(self.rpc.call)
