@@ -95,12 +95,19 @@ def test_sites_refuse_plans_that_the_log_s_history_differences_to_another_site(
     # Nothing of runs 3 and 4 was uploaded, and the log released only runs 1 and 2.
     for run_id in ("run-3", "run-4"):
         assert sum(len(store.uploads(r.round_id)) for r in store.rounds(run_id)) == 0
-    released = [
-        fields["run_id"]
+    fed = loop.provisioned.federation_id
+    released = {
+        str(fields["run_id"]): fields
         for kind, fields in (
-            decode_statement(entry, federation=loop.provisioned.federation_id)
+            decode_statement(entry, federation=fed)
             for _, _, entry, _ in store.log_entries(0, store.log_size())
         )
         if kind == "release"
-    ]
-    assert released == ["run-1", "run-2"], released
+    }
+    assert sorted(released) == ["run-1", "run-2"], released
+    # M-209: each release statement names the round's releases over their planned members.
+    for run_id, members in (("run-1", ["site-1", "site-2", V]), ("run-2", ["site-3", "site-4"])):
+        logged: dict[str, Any] = released[run_id]
+        assert logged["survivors"] == members
+        grams = [r for r in logged["releases"] if r["kind"] == "STATISTIC_KIND_GRAM"]
+        assert [sorted(r["members"]) for r in grams] == [members], logged
