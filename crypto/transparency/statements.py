@@ -12,6 +12,7 @@ site: the plan it verified, :func:`plan_statement`) and look for its leaf hash i
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 
@@ -24,10 +25,14 @@ __all__ = [
     "StatementError",
     "decode_statement",
     "plan_statement",
+    "roster_digest",
+    "roster_fields",
+    "roster_statement",
     "statement_bytes",
 ]
 
 STATEMENT_TAG = "afl-log-statement/1"
+ROSTER_TAG = "afl-roster/1"
 
 #: Every kind of statement the coordinator appends (docs/protocol.md §11a).
 KINDS = (
@@ -37,6 +42,7 @@ KINDS = (
     "plan",  # every signed release plan, training and evaluation
     "release",  # a round's sums were released: the survivors they were unmasked over, digests
     "round-aborted",
+    "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
 )
 
 
@@ -62,6 +68,31 @@ def plan_statement(*, federation: str, round_id: str, plan_sha256: bytes) -> byt
         federation=federation,
         kind="plan",
         fields={"round_id": round_id, "plan_sha256": plan_sha256.hex()},
+    )
+
+
+def roster_digest(*, federation: str, keys: Mapping[str, bytes]) -> bytes:
+    """SHA-256 of the canonical encoding of ("afl-roster/1", federation, then each site id and
+    its raw identity public key, sites sorted): what a plan binds and a site recomputes from its
+    kit's ``[peers]`` (and its own key)."""
+    fields: list[str | bytes] = [ROSTER_TAG, federation]
+    for site in sorted(keys):
+        fields += [site, bytes(keys[site])]
+    return hashlib.sha256(canonical_encode(tuple(fields))).digest()
+
+
+def roster_fields(*, federation: str, keys: Mapping[str, bytes]) -> dict[str, object]:
+    """The fields of the roster statement: its digest and every site's identity key (hex)."""
+    return {
+        "roster_sha256": roster_digest(federation=federation, keys=keys).hex(),
+        "sites": {s: bytes(k).hex() for s, k in sorted(keys.items())},
+    }
+
+
+def roster_statement(*, federation: str, keys: Mapping[str, bytes]) -> bytes:
+    """The entry the coordinator appends for its roster (at start-up, when it changed)."""
+    return statement_bytes(
+        federation=federation, kind="roster", fields=roster_fields(federation=federation, keys=keys)
     )
 
 
