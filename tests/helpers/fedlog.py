@@ -21,7 +21,13 @@ from afl.server.transparency import FederationLog
 __all__ = ["LOG_RPCS", "LogService"]
 
 LOG_RPCS = frozenset(
-    {"GetCheckpoint", "GetConsistencyProof", "GetInclusionProof", "CosignCheckpoint"}
+    {
+        "GetCheckpoint",
+        "GetConsistencyProof",
+        "GetInclusionProof",
+        "GetLogEntries",
+        "CosignCheckpoint",
+    }
 )
 
 
@@ -35,6 +41,8 @@ class LogService:
         self.cosigned: list[str] = []
         self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
+        #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
+        self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
     def enrol(self, site_id: str, identity_public_key: bytes) -> None:
         row = EnrolmentRow(site_id, identity_public_key, "participant", ("a",), "bb", 4)
@@ -70,6 +78,12 @@ class LogService:
             except InvalidRequestError as exc:  # as the site's RPC client raises it
                 raise DaemonError(str(exc)) from exc
             return pb.LogProof(index=index, hashes=path)
+        if what == "GetLogEntries":
+            rows = self.log.entries(int(request.start), int(request.end))
+            answer = pb.LogEntries(
+                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
+            )
+            return self.serve_entries(answer)
         if what == "CosignCheckpoint":
             self.on_cosign(request)
             self.log.cosign(
