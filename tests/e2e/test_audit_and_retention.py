@@ -169,10 +169,12 @@ def test_retention_deletes_the_payloads_and_the_protocol_messages_of_a_finished_
         assert len(deleted) == 1 and deleted[0]["run_id"] == run.run_id
         assert deleted[0]["files"] == len(files)
         # what was deleted, by digest: every payload file and every protocol message (M-162)
-        assert sorted(p["sha256"] for p in deleted[0]["payloads"]) == sorted(
+        payloads, purged = deleted[0]["payloads"], deleted[0]["messages"]
+        assert isinstance(payloads, list) and isinstance(purged, list)
+        assert sorted(p["sha256"] for p in payloads) == sorted(
             v.sha256.hex() for rows in uploads.values() for v in rows.values()
         )
-        assert sorted(m["sha256"] for m in deleted[0]["messages"]) == sorted(
+        assert sorted(m["sha256"] for m in purged) == sorted(
             hashlib.sha256(m.data).hexdigest() for rows in messages.values() for m in rows
         )
         assert statistics_in_audit(_records(store)) == []  # the purge's records too
