@@ -26,6 +26,7 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
+from afl.client.daemon.anchor import LedgerAnchor
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
@@ -145,6 +146,9 @@ class ClientDaemon:
         self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
+        self.anchor = LedgerAnchor(
+            self.ledger, self.log_witness, key=self.identity, config=str(config.path)
+        )
         self.revocations = (
             None
             if config.tls.crl is None
@@ -366,6 +370,9 @@ class ClientDaemon:
         nothing, docs/protocol.md M-88)."""
         if cfg.parent_round_id:
             check_round_id(cfg.parent_round_id)
+        anchored = self.anchor.problem()  # the ledger still holds what the log holds of it
+        if anchored:
+            return anchored
         recorded = self.ledger.entry_for(cfg.round_id)
         if recorded is not None and recorded.plan_sha256 != plan_sha.hex():
             return (
@@ -454,7 +461,7 @@ class ClientDaemon:
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
-        self.ledger.record(
+        entry = self.ledger.record(
             federation_id=self.config.federation_id,
             round_id=cfg.round_id,
             round_number=int(cfg.round_number),
@@ -472,6 +479,7 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
+        self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
         if plan.dp.enabled:
             report.dp = dp_report(plan, self.site_id, dp)
 
@@ -857,6 +865,7 @@ class ClientDaemon:
             self.rpc.observe = self._observe
             try:
                 self.enroll()
+                self.anchor.reconcile(self.rpc.call)  # the ledger against the log (M-196)
                 self.rpc.watch()
                 return self._rounds()
             finally:
