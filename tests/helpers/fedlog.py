@@ -21,7 +21,14 @@ from afl.server.transparency import FederationLog
 __all__ = ["LOG_RPCS", "LogService"]
 
 LOG_RPCS = frozenset(
-    {"GetCheckpoint", "GetConsistencyProof", "GetInclusionProof", "CosignCheckpoint"}
+    {
+        "GetCheckpoint",
+        "GetConsistencyProof",
+        "GetInclusionProof",
+        "CosignCheckpoint",
+        "GetLogEntries",
+        "RecordDpRelease",
+    }
 )
 
 
@@ -35,6 +42,8 @@ class LogService:
         self.cosigned: list[str] = []
         self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
+        #: The site whose certificate the RPCs come with (RecordDpRelease checks it).
+        self.caller = "site-1"
 
     def enrol(self, site_id: str, identity_public_key: bytes) -> None:
         row = EnrolmentRow(site_id, identity_public_key, "participant", ("a",), "bb", 4)
@@ -77,4 +86,11 @@ class LogService:
             )
             self.cosigned.append(request.witness)
             return None
+        if what == "GetLogEntries":
+            rows = self.log.entries(int(request.start), int(request.end))
+            return pb.LogEntries(
+                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
+            )
+        if what == "RecordDpRelease":
+            return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
         raise AssertionError(f"not a log RPC: {what}")

@@ -72,6 +72,7 @@ class Coordinator:
     def __init__(self, server_key: Any, log_state: Path) -> None:
         self.server_key = server_key
         self.log = LogService(log_state, key=server_key, federation_id=FED)  # an honest log
+        self.log.caller = SITE
         self.rounds: list[tuple[pb.RoundStatus, pb.RoundConfig]] = []
         self.calls: list[tuple[str, Any]] = []
         self.uploads: list[tuple[str, str]] = []

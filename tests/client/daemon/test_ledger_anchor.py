@@ -36,18 +36,7 @@ ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
 REBUILD = "afl-client budget --rebuild-from-log --config client.toml"
 
 
-class Coordinator(LogService):
-    """The log RPCs, with the two the ledger anchor adds."""
-
-    def call(self, what: str, request: Any) -> Any:
-        if what == "RecordDpRelease":
-            return pb.LogProof(index=self.log.record_dp_release("site-1", request.statement))
-        if what == "GetLogEntries":
-            rows = self.log.entries(int(request.start), int(request.end))
-            return pb.LogEntries(
-                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
-            )
-        return super().call(what, request)
+Coordinator = LogService
 
 
 def _coordinator(state: Path) -> Coordinator:
