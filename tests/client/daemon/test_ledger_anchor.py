@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,7 +24,6 @@ from afl.client.policy.ledger import DpLedger, LedgerError
 from afl.core.dp.accounting import compose_mu
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency.statements import decode_statement
-from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import NotPermittedError
 from tests.helpers.fedlog import LogService
 
@@ -36,11 +34,8 @@ ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
 REBUILD = "afl-client budget --rebuild-from-log --config client.toml"
 
 
-Coordinator = LogService
-
-
-def _coordinator(state: Path) -> Coordinator:
-    service = Coordinator(state, key=COORDINATOR, federation_id=FED)
+def _coordinator(state: Path) -> LogService:
+    service = LogService(state, key=COORDINATOR, federation_id=FED)
     for site, key in ROSTER.items():
         service.enrol(site, key)
     return service
@@ -63,7 +58,7 @@ def _anchor(state: Path) -> LedgerAnchor:
     )
 
 
-def _spend(anchor: LedgerAnchor, coordinator: Coordinator, round_id: str, mu: float) -> None:
+def _spend(anchor: LedgerAnchor, coordinator: LogService, round_id: str, mu: float) -> None:
     """What the daemon does before an upload: record the entry, then publish it."""
     entry = anchor.ledger.record(
         federation_id=FED, round_id=round_id, round_number=1, run_id=round_id,
@@ -74,7 +69,7 @@ def _spend(anchor: LedgerAnchor, coordinator: Coordinator, round_id: str, mu: fl
     anchor.publish(coordinator.call, entry)
 
 
-def _two_releases(tmp_path: Path) -> tuple[Coordinator, LedgerAnchor]:
+def _two_releases(tmp_path: Path) -> tuple[LogService, LedgerAnchor]:
     coordinator = _coordinator(tmp_path / "server")
     anchor = _anchor(tmp_path / "site")
     anchor.reconcile(coordinator.call)  # a fresh site, an empty log of its releases
@@ -83,7 +78,7 @@ def _two_releases(tmp_path: Path) -> tuple[Coordinator, LedgerAnchor]:
     return coordinator, anchor
 
 
-def _refusal(tmp_path: Path, coordinator: Coordinator) -> str:
+def _refusal(tmp_path: Path, coordinator: LogService) -> str:
     with pytest.raises(LedgerNotAnchored) as caught:
         _anchor(tmp_path / "site").reconcile(coordinator.call)  # a restart
     line = str(caught.value)
@@ -141,10 +136,14 @@ def test_a_running_daemon_refuses_plans_once_its_ledger_is_cut(tmp_path: Path) -
 
 def test_an_entry_not_yet_published_is_published_at_start_up(tmp_path: Path) -> None:
     coordinator, anchor = _two_releases(tmp_path)
-    anchor.ledger.record(**{
-        k: v for k, v in anchor.ledger.entries()[1].to_json().items()
-        if k not in ("seq", "recorded_unix_ms", "prev_sha256")
-    } | {"round_id": "round-c"})  # fmt: skip  (the site stopped before publishing it)
+    anchor.ledger.record(
+        **{
+            k: v
+            for k, v in anchor.ledger.entries()[1].to_json().items()
+            if k not in ("seq", "recorded_unix_ms", "prev_sha256")
+        }
+        | {"round_id": "round-c"}
+    )  # fmt: skip  (the site stopped before publishing it)
     size = coordinator.store.log_size()
     _anchor(tmp_path / "site").reconcile(coordinator.call)
     assert coordinator.store.log_size() == size + 1
@@ -215,4 +214,3 @@ def test_rebuild_refuses_without_a_quorum_and_over_a_different_ledger(tmp_path: 
         ).witness(coordinator.call)  # fmt: skip
     with pytest.raises(LedgerError, match="move it aside"):
         rebuild_ledger(coordinator.call, anchor.witness, anchor.ledger, quorum_wait_s=5)
-
