@@ -42,12 +42,7 @@ from afl.client.policy.ledger import DpLedger, LedgerEntry, LedgerError
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import sign_fields, verify_fields
 from afl.crypto.transparency.checkpoint import CheckpointError
-from afl.crypto.transparency.merkle import (
-    MerkleProofError,
-    leaf_hash,
-    root_hash,
-    verify_inclusion,
-)
+from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash, root_hash
 from afl.crypto.transparency.statements import (
     DP_RELEASE_CONTEXT,
     StatementError,
@@ -240,16 +235,8 @@ class LedgerAnchor:
         )
         call("RecordDpRelease", pb.DpRelease(statement=statement))
         answer = self.witness.witness(call)
-        size, leaf = int(answer.checkpoint.size), leaf_hash(statement)
         try:
-            proof = call("GetInclusionProof", pb.InclusionProofRequest(leaf_hash=leaf, size=size))
-            verify_inclusion(
-                leaf=leaf,
-                index=int(proof.index),
-                tree_size=size,
-                proof=list(proof.hashes),
-                root=bytes(answer.checkpoint.root),
-            )
+            self.witness.check_inclusion(call, leaf_hash(statement), answer)
         except (MerkleProofError, DaemonError) as exc:
             raise DaemonError(
                 f"the federation log does not hold this site's dp-release of round "
