@@ -865,11 +865,18 @@ class ClientDaemon:
             self.rpc.observe = self._observe
             try:
                 self.enroll()
-                self.anchor.reconcile(self.rpc.call)  # the ledger against the log (M-196)
+                self._reconcile_ledger()
                 self.rpc.watch()
                 return self._rounds()
             finally:
                 self.rpc.close()
+
+    def _reconcile_ledger(self) -> None:
+        """The DP ledger against this site's releases in the federation log (M-196), after the
+        restore check of a first status answer (an acknowledged restore is witnessed afresh)."""
+        self.witness.observe(self.rpc.call("GetStatus", pb.StatusRequest()))
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        self.anchor.reconcile(self.rpc.call)
 
     def _rounds(self) -> int:
         serve = self.config.serve
