@@ -486,14 +486,62 @@ def add_predict_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path-column", default="path", help="manifest: image path column")
     p.add_argument("--id-column", help="manifest: image id column (default: the path)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_proof_arguments(p)
+
+
+def add_model_proof_arguments(p: argparse.ArgumentParser, *, config: bool = True) -> None:
+    """--config (unless the command has its own) and --unverified-model."""
+    if config:
+        p.add_argument(
+            "--config",
+            help="the site's client.toml: the export's signature and log proof are verified "
+            "with its kit (coordinator key, roster, witness_quorum)",
+        )
+    p.add_argument(
+        "--unverified-model",
+        action="store_true",
+        help="score a model whose signature or federation-log proof does not verify (not the "
+        "federation's published model: testing only; a warning is printed)",
+    )
+
+
+def _unverified_warning(command: str, model: str, *, unchecked: str) -> None:
+    print(
+        f"WARNING: afl-client {command}: --unverified-model: {model} was NOT verified as this "
+        f"federation's published model ({unchecked} not checked); its scores are for testing "
+        "only",
+        file=sys.stderr,
+    )
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    from afl.client.config import load_client_config
     from afl.client.model.export import load_exported
     from afl.client.model.predict import image_records, predict_images, summary, write_predictions
+    from afl.client.model.proof import ModelProofError, check_head, verify_export
     from afl.core.evaluation.calibration import Calibration
 
     model = load_exported(args.model)
+    if args.unverified_model:
+        _unverified_warning("predict", args.model, unchecked="its signature and log proof")
+    elif args.config is None:
+        raise ModelProofError(
+            "--config is required: the export is verified with the site's kit before scoring "
+            "(--unverified-model skips that, testing only)"
+        )
+    else:
+        published, witnesses = verify_export(args.model, load_client_config(args.config))
+        check_head(model.module, published)
+        if model.model_sha256 != published.model_sha256:
+            raise ModelProofError(
+                f"the export's card names model {model.model_sha256[:16]}…, its signed model is "
+                f"{published.model_sha256[:16]}…: the export was altered"
+            )
+        print(
+            f"model {published.model_sha256[:16]}… (round {published.model.round_id}) verified: "
+            f"signed by the coordinator, in the federation log under a checkpoint cosigned by "
+            f"{', '.join(sorted(witnesses))}"
+        )
     calibration = Calibration.load(args.calibration) if args.calibration else None
     records = image_records(
         images=args.images,
@@ -518,7 +566,9 @@ def run_predict(args: argparse.Namespace) -> int:
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="the site's client.toml")
     p.add_argument(
-        "--model", help="signed model file (default: the newest one in state_dir/models)"
+        "--model",
+        help="an `afl export` folder (its signed model and log proof are verified), or a "
+        "signed model file this site's daemon kept (default: the newest in state_dir/models)",
     )
     data = p.add_mutually_exclusive_group()
     data.add_argument("--cache", help="feature cache of the labelled hold-out")
@@ -529,6 +579,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (1000)")
     p.add_argument("--confidence", type=float, default=0.95, help="interval level (0.95)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")
+    add_model_proof_arguments(p, config=False)
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -547,7 +598,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
         n_boot=args.bootstrap,
         confidence=args.confidence,
         seed=args.seed,
+        unverified=args.unverified_model,
     )
+    if args.unverified_model:
+        _unverified_warning("evaluate", str(run.model.path), unchecked="its log proof")
+    elif run.witnesses:
+        print(
+            f"model {run.model.model_sha256[:16]}… verified: in the federation log under a "
+            f"checkpoint cosigned by {', '.join(sorted(run.witnesses))}"
+        )
     if run.in_sample:
         print(
             "WARNING: no --cache/--manifest: evaluated on the training cache (in-sample, "

@@ -31,6 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from afl.client.model.model_card import TrainingFacts
+from afl.client.model.proof import (
+    ModelProof,
+    ModelProofError,
+    build_model_proof,
+    kit_witnesses,
+    verify_model_proof,
+)
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
 from afl.core.evaluation.federated import FEDERATED_EVALUATION_FORMAT
 from afl.core.progress import Progress
@@ -63,6 +70,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "federated evaluation JSON for this model (repeatable): metrics for the card",
     )
     p.add_argument("--no-onnx", action="store_true", help="TorchScript only")
+    p.add_argument(
+        "--log",
+        help="a site: the federation log the operator exported (`afl log export`), from which "
+        "the model's log proof is taken (the coordinator reads its own state)",
+    )
+
+
+def _model_proof(
+    args: argparse.Namespace, party: _Party, published: PublishedModel
+) -> tuple[ModelProof | None, str]:
+    """The model's federation-log proof (M-198) and, when it is missing or does not verify with
+    the exporting party's roster, one line saying why (the export is still written)."""
+    from afl.ops.fedlog import LogFileError, export_state, read_export
+
+    if party.is_site and not args.log:
+        return None, "no --log: the export carries no federation-log proof"
+    try:
+        log = read_export(Path(args.log)) if args.log else export_state(Path(args.config))
+    except LogFileError as exc:
+        raise ModelFileError(f"cannot read the federation log {args.log}: {exc}") from exc
+    if log.federation != party.federation_id or log.coordinator_key != party.server_key:
+        raise ModelFileError(
+            f"{args.log} is the log of {log.federation!r} under another coordinator key, not "
+            f"of this party's federation {party.federation_id!r}"
+        )
+    proof = build_model_proof(
+        federation=log.federation,
+        model_sha256=published.model_sha256,
+        entries=[entry for _, entry, _ in log.entries],
+        checkpoints=log.checkpoints,
+        cosignatures=log.cosignatures,
+    )
+    if party.is_site:
+        roster, quorum = kit_witnesses(party.site)
+    else:
+        roster = {s: e.identity_public_key for s, e in party.server.sites.items()}
+        quorum = len(roster) // 2 + 1
+    try:
+        verify_model_proof(
+            proof,
+            published=published,
+            coordinator_key=party.server_key,
+            federation=party.federation_id,
+            roster=roster,
+            quorum=quorum,
+        )
+    except ModelProofError as exc:
+        return proof, f"{exc}: export again once a quorum of sites cosigned a newer checkpoint"
+    return proof, ""
 
 
 def _version() -> str:
@@ -268,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         if party.is_site:
             _mark_in_sample(metrics, state_dir=party.site.state_dir, site_id=party.site.site_id)
         calibration = Calibration.load(args.calibration) if args.calibration else None
+        progress("taking the model's proof from the federation log")
+        proof, proof_problem = _model_proof(args, party, published)
         progress("tracing the classifier (TorchScript" + (")" if args.no_onnx else ", ONNX)"))
         card = export_classifier(
             published,
@@ -279,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
             calibration=calibration,
             onnx=not args.no_onnx,
             software_version=_version(),
+            proof=proof,
         )
     except (
         ModelFileError,
@@ -296,6 +355,12 @@ def run(args: argparse.Namespace) -> int:
         f"{len(card['classes'])} classes) with backbone {name} into {args.out}: "
         + ", ".join(card["files"].values())
     )
+    if proof_problem:
+        print(
+            f"WARNING: {proof_problem}; `afl-client predict` and `evaluate` refuse this export "
+            "without --unverified-model",
+            file=sys.stderr,
+        )
     if facts.surrogate or card["backbone"]["trained_on"]:
         print(f"WARNING: {card['must_not_be_used_for'][0]}", file=sys.stderr)
     return 0

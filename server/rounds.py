@@ -25,6 +25,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
+from afl.crypto.transparency.statements import roster_digest, roster_fields, roster_statement
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
 from afl.server.config import ServerConfig, merged_run_table
@@ -87,9 +88,25 @@ class RoundMachine(StoreContext):
         self.announcer = RoundEvents(store, self.lock, metrics, self.now_ms)
         self.events = self.announcer.events  # what WatchRound streams
         self.notes: dict[str, str] = {}  # site -> why it takes no part in the current round
+        keys = {s: e.identity_public_key for s, e in config.sites.items()}
+        self.roster_sha256 = roster_digest(federation=config.federation_id, keys=keys)
         with self.lock:
+            self._log_roster(keys)
             self.runs.bootstrap()
             self._activate_next()
+
+    def _log_roster(self, keys: dict[str, bytes]) -> None:
+        """Append the roster to the federation log unless its newest roster statement is this
+        one (M-220): every roster change is a statement every witness sees."""
+        entry = roster_statement(federation=self.config.federation_id, keys=keys)
+        logged = [e for _, kind, e, _ in self.store.log_entries(0, self.store.log_size())
+                  if kind == "roster"]  # fmt: skip
+        if logged and logged[-1] == entry:
+            return
+        with self.store.transaction():
+            fields = roster_fields(federation=self.config.federation_id, keys=keys)
+            self.store.append_log("roster", fields)
+            self.store.audit("roster", {"roster_sha256": self.roster_sha256.hex()})
 
     # --- runs (afl.server.runs) --------------------------------------------------------------
 
@@ -429,6 +446,7 @@ class RoundMachine(StoreContext):
             view=view,
             participants=participants,
             sums=lambda round_id: self.sums(self.find(round_id)),
+            roster_sha256=self.roster_sha256,
         )
         with self.announcer.transition():
             for event, detail in opened.audits:

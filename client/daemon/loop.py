@@ -77,6 +77,7 @@ from afl.client.payloads.stats import (
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
+from afl.client.policy.roster import roster_problem
 from afl.client.retention import enforce_retention
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
@@ -285,7 +286,7 @@ class ClientDaemon:
             )
         except VerificationError as exc:
             return PolicyDecision(False, str(exc)), None, b""
-        problem = self._revoked_peer(plan)
+        problem = roster_problem(plan, config=self.config) or self._revoked_peer(plan)
         if problem:
             return PolicyDecision(False, problem), plan, plan_sha
         problem = self._round_problems(cfg)

@@ -1,8 +1,10 @@
 """``afl-client evaluate``: a site checks a published model on its own labelled hold-out before
 trusting it (docs/operations.md §14, docs/method.md §3.4).
 
-The model is a signed model file (default: the newest verified model in the daemon's
-``state_dir/models``), verified again with the coordinator key of ``client.toml``. The hold-out is a
+The model is an ``afl export`` folder, whose signed model and federation-log proof are verified
+with the site's kit (:mod:`afl.client.model.proof`, M-199), or a signed model file the daemon
+kept (default: the newest in ``state_dir/models``), verified again with the coordinator key of
+``client.toml``; any other model file is refused unless ``--unverified-model``. The hold-out is a
 feature cache (``--cache``, e.g. from ``afl-client extract`` on held-out images) or a manifest of
 images (``--manifest``, features extracted with the model's backbone from a local weights file
 into a temporary cache). Without either, the site's ``[data] holdout`` cache when it has one (the
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from afl.client.config import ClientConfig
+from afl.client.model.proof import PROOF_FILE, SIGNED_MODEL_FILE, ModelProofError, verify_export
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
 from afl.client.payloads.stats import dump_json
 from afl.core.data.featurecache import FeatureCache, open_cache
@@ -56,9 +59,15 @@ class EvaluationRun:
     """The evaluated model, the data's description and the result."""
 
     def __init__(
-        self, model: PublishedModel, data: str, in_sample: bool, result: LocalEvaluation
+        self,
+        model: PublishedModel,
+        data: str,
+        in_sample: bool,
+        result: LocalEvaluation,
+        witnesses: frozenset[str] = frozenset(),
     ) -> None:
         self.model, self.data, self.in_sample, self.result = model, data, in_sample, result
+        self.witnesses = witnesses  # who cosigned the log checkpoint of an export's proof
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,12 +130,10 @@ def evaluate_model(
     n_boot: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    unverified: bool = False,
 ) -> EvaluationRun:
     """Evaluate a verified model on the site's hold-out (module docstring)."""
-    path = Path(model_path) if model_path is not None else latest_model(config.state_dir)
-    model = load_published_model(
-        path, server_public_key=config.server_public_key, federation_id=config.federation_id
-    )
+    model, witnesses = resolve_model(config, model_path, unverified=unverified)
     workdir = Path(tempfile.mkdtemp(prefix="afl-evaluate-"))
     try:
         if manifest is not None:
@@ -172,7 +179,36 @@ def evaluate_model(
         )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return EvaluationRun(model, description, in_sample, result)
+    return EvaluationRun(model, description, in_sample, result, witnesses)
+
+
+def resolve_model(
+    config: ClientConfig, model_path: str | os.PathLike[str] | None, *, unverified: bool
+) -> tuple[PublishedModel, frozenset[str]]:
+    """The model to evaluate and the witnesses of its log proof (M-199): an ``afl export``
+    folder (or a file in one) is verified with its log proof (:func:`verify_export`); a model
+    this site's daemon kept (``state_dir/models``: it verified it as the published result of a
+    round it took part in) by its signature; any other file is refused unless ``unverified``
+    (its signature is still checked: the file must parse as this federation's model)."""
+    path = Path(model_path) if model_path is not None else latest_model(config.state_dir)
+    in_export = path.is_dir() or (
+        path.name == SIGNED_MODEL_FILE and (path.parent / PROOF_FILE).is_file()
+    )
+    own = path.resolve().parent == (config.state_dir / "models").resolve()
+    if in_export and not unverified:
+        return verify_export(path, config)
+    if not (own or unverified):
+        raise ModelProofError(
+            f"{path} is neither an `afl export` folder with its log proof nor a model this "
+            "site's daemon kept: it cannot be shown to be the federation's published model "
+            "(--unverified-model scores it anyway, testing only)"
+        )
+    if path.is_dir():
+        path = path / SIGNED_MODEL_FILE
+    model = load_published_model(
+        path, server_public_key=config.server_public_key, federation_id=config.federation_id
+    )
+    return model, frozenset()
 
 
 def write_local_evaluation(state_dir: Path, run: EvaluationRun) -> Path:

@@ -45,6 +45,7 @@ from numpy.typing import NDArray
 from afl.client.features.backbones import Backbone, Preprocessor, preprocess_batch
 from afl.client.features.weights import sha256_file
 from afl.client.model.model_card import TrainingFacts, card_markdown, model_card
+from afl.client.model.proof import PROOF_FILE, SIGNED_MODEL_FILE, ModelProof
 from afl.client.model.published import ModelFileError, PublishedModel, load_published_model
 from afl.core.evaluation.calibration import Calibration, CalibrationError
 
@@ -230,8 +231,10 @@ def export_classifier(
     calibration: Calibration | None = None,
     onnx: bool = True,
     software_version: str = "",
+    proof: ModelProof | None = None,
 ) -> dict[str, Any]:
-    """Write ``model.ts``, ``model.onnx``, ``model_card.json``/``.md``, the signed model, the
+    """Write ``model.ts``, ``model.onnx``, ``model_card.json``/``.md``, the signed model, its
+    federation-log proof (``log-proof.json``, when given: :mod:`afl.client.model.proof`), the
     calibration (when given) and ``SHA256SUMS`` into ``out_dir`` (new or empty); the card.
     The files are written into a temporary sibling folder renamed at the end, so a failed
     export leaves nothing behind.
@@ -247,7 +250,9 @@ def export_classifier(
         except CalibrationError as exc:
             raise ExportError(str(exc)) from exc
     clf = build_classifier(backbone, published.weights)
-    files = {"torchscript": "model.ts", "signed_model": "signed-model.pb"}
+    files = {"torchscript": "model.ts", "signed_model": SIGNED_MODEL_FILE}
+    if proof is not None:
+        files["log_proof"] = PROOF_FILE
     if onnx:
         files["onnx"] = "model.onnx"
     if calibration is not None:
@@ -274,10 +279,20 @@ def export_classifier(
         else {"method": calibration.method, "file": "calibration.json"},
         software_version=software_version,
     )
+    if proof is not None:
+        c = proof.checkpoint.checkpoint
+        card["federation_log"] = {
+            "statement_index": proof.index,
+            "checkpoint_size": c.size,
+            "checkpoint_root": c.root.hex(),
+            "cosigned_by": [w for w, _ in proof.cosignatures],
+        }
     final.parent.mkdir(parents=True, exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        (out / "signed-model.pb").write_bytes(published.signed.SerializeToString())
+        (out / SIGNED_MODEL_FILE).write_bytes(published.signed.SerializeToString())
+        if proof is not None:
+            proof.save(out / PROOF_FILE)
         save_torchscript(clf, out / "model.ts", card=card)
         if onnx:
             save_onnx(

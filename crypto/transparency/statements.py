@@ -12,6 +12,7 @@ site: the plan it verified, :func:`plan_statement`) and look for its leaf hash i
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 
@@ -27,10 +28,14 @@ __all__ = [
     "dp_release_signed_fields",
     "dp_release_statement",
     "plan_statement",
+    "roster_digest",
+    "roster_fields",
+    "roster_statement",
     "statement_bytes",
 ]
 
 STATEMENT_TAG = "afl-log-statement/1"
+ROSTER_TAG = "afl-roster/1"
 
 #: Every kind of statement the coordinator appends (docs/protocol.md §11a).
 KINDS = (
@@ -40,6 +45,7 @@ KINDS = (
     "plan",  # every signed release plan, training and evaluation
     "release",  # a round's sums were released: the survivors they were unmasked over, digests
     "round-aborted",
+    "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
     "dp-release",  # a site's ledger entry for a plan it uploads under, signed by the site
 )
 
@@ -92,6 +98,31 @@ def dp_release_statement(
         federation=federation,
         kind="dp-release",
         fields={"site": site, "entry": dict(entry), "signature": signature.hex()},
+    )
+
+
+def roster_digest(*, federation: str, keys: Mapping[str, bytes]) -> bytes:
+    """SHA-256 of the canonical encoding of ("afl-roster/1", federation, then each site id and
+    its raw identity public key, sites sorted): what a plan binds and a site recomputes from its
+    kit's ``[peers]`` (and its own key)."""
+    fields: list[str | bytes] = [ROSTER_TAG, federation]
+    for site in sorted(keys):
+        fields += [site, bytes(keys[site])]
+    return hashlib.sha256(canonical_encode(tuple(fields))).digest()
+
+
+def roster_fields(*, federation: str, keys: Mapping[str, bytes]) -> dict[str, object]:
+    """The fields of the roster statement: its digest and every site's identity key (hex)."""
+    return {
+        "roster_sha256": roster_digest(federation=federation, keys=keys).hex(),
+        "sites": {s: bytes(k).hex() for s, k in sorted(keys.items())},
+    }
+
+
+def roster_statement(*, federation: str, keys: Mapping[str, bytes]) -> bytes:
+    """The entry the coordinator appends for its roster (at start-up, when it changed)."""
+    return statement_bytes(
+        federation=federation, kind="roster", fields=roster_fields(federation=federation, keys=keys)
     )
 
 

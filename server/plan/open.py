@@ -72,11 +72,14 @@ def open_plan(
     view: RoundView,
     participants: tuple[str, ...],
     sums: SumsOf | None = None,
+    roster_sha256: bytes = b"",
 ) -> OpenedPlan:
     """The signed plan of ``view`` over ``participants`` (or why it cannot be opened);
     ``sums`` reads a round's released sums (a DP evaluation places its bins from the run's
-    noisy training statistics, docs/protocol.md §6.1)."""
-    return _Opening(store, key, federation_id, run, view, participants, sums).open()
+    noisy training statistics, docs/protocol.md §6.1); ``roster_sha256`` the digest of the
+    roster the coordinator logged, which the plan binds (M-221)."""
+    opening = _Opening(store, key, federation_id, run, view, participants, sums, roster_sha256)
+    return opening.open()
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class _Opening:
     view: RoundView
     participants: tuple[str, ...]
     sums: SumsOf | None = None
+    roster_sha256: bytes = b""
 
     @property
     def evaluating(self) -> bool:
@@ -279,6 +283,7 @@ class _Opening:
             opened.refusal = f"the {mode.name} plan cannot be built: {exc}"
             return
         plan.run_id = self.run.run_id
+        plan.roster_sha256 = self.roster_sha256
         if calibration is not None:
             apply_dp(plan, calibration)
             try:

@@ -15,6 +15,7 @@ round, then the evaluation round), payloads kept 30 days so that the finished st
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from dataclasses import replace
@@ -159,7 +160,15 @@ def test_retention_deletes_the_payloads_and_the_protocol_messages_of_a_finished_
             }
         assert all(p.is_file() for p in models)
         deleted = [d for e, d in _records(store) if e == "payloads-deleted"]
-        assert deleted == [{"run_id": run.run_id, "files": len(files)}]
+        assert len(deleted) == 1 and deleted[0]["run_id"] == run.run_id
+        assert deleted[0]["files"] == len(files)
+        # what was deleted, by digest: every payload file and every protocol message (M-162)
+        assert sorted(p["sha256"] for p in deleted[0]["payloads"]) == sorted(
+            v.sha256.hex() for rows in uploads.values() for v in rows.values()
+        )
+        assert sorted(m["sha256"] for m in deleted[0]["messages"]) == sorted(
+            hashlib.sha256(m.data).hexdigest() for rows in messages.values() for m in rows
+        )
         assert statistics_in_audit(_records(store)) == []  # the purge's records too
         assert store.verify_audit_chain()
     finally:

@@ -149,8 +149,8 @@ def test_two_round_dp_run_composes_and_a_restarted_site_keeps_its_ledger(
         # A new coordinator for the federation, not a restored one: without this the sites'
         # witness of the old coordinator refuses it (tests/e2e/faults/test_restore.py).
         (site_config.parent / "state" / "witness.json").unlink(missing_ok=True)
-        # Likewise its witness of the old federation log (a new log; the ledgers' entries are
-        # published to it again at start-up, docs/protocol.md §11a).
+        # and the checkpoint of the old coordinator's federation log it cosigned (a new log is
+        # not an extension of it: docs/protocol.md §11a)
         (site_config.parent / "state" / "log-witness.json").unlink(missing_ok=True)
     config = loop.client_configs["site-1"]
     doc = tomllib.loads(config.read_text(encoding="utf-8"))

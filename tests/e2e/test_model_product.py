@@ -106,11 +106,16 @@ def test_coordinator_keeps_the_model_file_and_the_audit_anchors_every_copy(demo)
 
 @pytest.fixture(scope="module")
 def site_export(demo) -> Path:
-    """`afl export` at site-1, with the ONNX graph."""
+    """`afl export` at site-1, with the ONNX graph and the model's proof from the federation log
+    the operator exported (`afl log export`)."""
     out: Path = demo["root"] / "export-site"
+    log = demo["root"] / "federation-log.json"
+    server = str(demo["loop"].server_config)
+    assert lab_main(["log", "export", "--config", server, "--out", str(log)]) == 0
     args = ["export", "--model", str(demo["site_model"]), "--weights", str(demo["weights"])]
     args += ["--config", str(demo["loop"].client_configs["site-1"]), "--backbone", "resnet18"]
-    assert lab_main([*args, "--out", str(out)]) == 0
+    assert lab_main([*args, "--log", str(log), "--out", str(out)]) == 0
+    assert (out / "log-proof.json").is_file()
     return out
 
 
@@ -221,6 +226,7 @@ def test_predict_on_a_folder_of_png_and_dicom(demo, site_export, tmp_path) -> No
     out = tmp_path / "predictions.csv"
     folder = demo["manifest"].parent
     argv = ["predict", "--model", str(site_export), "--images", str(folder), "--out", str(out)]
+    argv += ["--config", str(demo["loop"].client_configs["site-1"])]
     assert client_main([*argv, "--no-progress"]) == 0
     with open(out, encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))

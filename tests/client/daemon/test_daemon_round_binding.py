@@ -26,6 +26,7 @@ from afl.client.model.published import ModelFileError
 from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.crypto.identity import signatures
 from afl.crypto.identity.signed_blobs import PLAN_CONTEXT, sign_blob
+from afl.crypto.transparency.statements import roster_digest
 from afl.ops.provisioning import ProvisionedFederation
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -69,8 +70,9 @@ class Coordinator:
 
     watcher = None
 
-    def __init__(self, server_key: Any, log_state: Path) -> None:
+    def __init__(self, server_key: Any, log_state: Path, roster_sha256: bytes = b"") -> None:
         self.server_key = server_key
+        self.roster_sha256 = roster_sha256  # the digest every plan binds (M-221)
         self.log = LogService(log_state, key=server_key, federation_id=FED)  # an honest log
         self.log.caller = SITE
         self.rounds: list[tuple[pb.RoundStatus, pb.RoundConfig]] = []
@@ -127,12 +129,15 @@ class Coordinator:
         parent: str = "",
         run_id: str = "run-1",
         dp_epsilon: float = 0.0,
+        roster_sha256: bytes | None = None,
     ) -> pb.RoundConfig:
-        """A RoundConfig with a plan for ``round_id`` signed with the server's key."""
+        """A RoundConfig with a plan for ``round_id`` signed with the server's key, binding
+        ``roster_sha256`` (default: the federation's roster)."""
         plan = build_plan(
             federation_id=FED, round_id=round_id, round_number=number, participants=SITES,
             gram_scope="global", releases=releases,
         )  # fmt: skip
+        plan.roster_sha256 = self.roster_sha256 if roster_sha256 is None else roster_sha256
         if dp_epsilon:
             settings = DpSettings(epsilon=dp_epsilon, delta=1e-5, clip_norm=2.0)
             apply_dp(plan, calibrate(releases, settings, participants=SITES, plaintext=True))
@@ -175,7 +180,9 @@ def site(
     daemon.prepare()
     server = load_config(federation.server_dir / "server.toml")
     key = signatures.load_private_key_pem(server.identity_key.read_bytes())
-    coordinator = Coordinator(key, tmp_path / "coordinator")
+    keys = {s: e.identity_public_key for s, e in server.sites.items()}
+    roster = roster_digest(federation=FED, keys=keys)  # from server.toml, not the site's kit
+    coordinator = Coordinator(key, tmp_path / "coordinator", roster)
     coordinator.log.enrol(SITE, config.identity_public_key)
     daemon.rpc = coordinator  # type: ignore[assignment]
     return daemon, coordinator, state
@@ -206,6 +213,33 @@ def test_a_round_id_that_is_a_path_writes_nothing_outside_the_state(
         daemon._rounds()
     assert set(_files_outside(tmp_path, state)) == before
     assert coordinator.uploads == [] and coordinator.decisions() == []
+
+
+def test_a_plan_binding_another_roster_is_refused(
+    site: tuple[ClientDaemon, Coordinator, Path], federation: ProvisionedFederation
+) -> None:
+    """M-221 (attack 6): the coordinator's plan binds a roster in which peer s1's identity key is
+    the operator's; s4's kit holds s1's real key: s4 refuses the plan, naming both digests, and
+    uploads nothing; the same plan over the real roster is accepted; a plan binding no roster
+    is refused."""
+    daemon, coordinator, _ = site
+    server = load_config(federation.server_dir / "server.toml")
+    keys = {s: e.identity_public_key for s, e in server.sites.items()}
+    operator = signatures.public_key_to_raw(signatures.generate_identity_key())
+    forged = roster_digest(federation=FED, keys={**keys, "s1": operator})
+    for round_id, digest in (("r1-forged", forged), ("r1-unbound", b"")):
+        cfg = coordinator.round_config(round_id, GLOBAL, roster_sha256=digest)
+        with pytest.raises(RoundFailed) as refused:
+            daemon.run_round(coordinator.announce(round_id, cfg), _report())
+        assert refused.value.outcome == pb.CLIENT_OUTCOME_REFUSED_PLAN
+        assert "roster" in refused.value.reason
+        if digest:
+            assert forged.hex()[:16] in refused.value.reason
+    assert coordinator.uploads == []
+    good = coordinator.announce("r1-honest", coordinator.round_config("r1-honest", GLOBAL))
+    daemon.run_round(good, _report())
+    assert [d.accept for d in coordinator.decisions()][-1] is True
+    assert {u[0] for u in coordinator.uploads} == {"r1-honest"}
 
 
 def test_a_config_for_another_round_is_refused(
@@ -314,6 +348,8 @@ def test_a_model_file_whose_round_id_is_a_path_is_refused_by_evaluate(
     model.write_bytes(signed.SerializeToString())
     before.add(model)
     with pytest.raises(ModelFileError, match="not a valid round id"):
-        run = evaluate_model(daemon.config, model_path=model, cache=tmp_path / "cache", n_boot=5)
+        run = evaluate_model(  # even with the log proof skipped, the round id is checked
+            daemon.config, model_path=model, cache=tmp_path / "cache", n_boot=5, unverified=True
+        )
         write_local_evaluation(state, run)
     assert set(_files_outside(tmp_path, state)) == before

@@ -48,7 +48,8 @@ def site(federation: ProvisionedFederation, tmp_path_factory: pytest.TempPathFac
         contributors=["site-a", "site-b", "site-c"],
         plan_bytes=b"plan",
     )
-    model = tmp / "r1-eval.signed-model.pb"
+    model = tmp / "state" / "models" / "r1-eval.signed-model.pb"  # as the daemon keeps it
+    model.parent.mkdir(parents=True)
     model.write_bytes(signed.SerializeToString())
     return {"tmp": tmp, "config": config, "model": model, "w": w}
 

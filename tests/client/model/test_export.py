@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +24,17 @@ from afl.client.model.export import (
     build_classifier,
     export_classifier,
     load_exported,
+    save_torchscript,
 )
 from afl.client.model.model_card import TrainingFacts
 from afl.client.model.published import ModelFileError, load_published_model
 from afl.core.evaluation.calibration import Calibration, ClassCalibration
 from afl.core.evaluation.scorebins import DEFAULT_SCORE_BINS
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.ops.provisioning import ProvisionedFederation
 from afl.server.solve.model import build_signed_model
+from tests.helpers.federation import FederationSpec, rewrite_client_toml
+from tests.helpers.modelproof import release_proof, site_keys
 from tests.helpers.pipeline import (
     check_against_pipeline,
     manifest_names,
@@ -38,7 +43,8 @@ from tests.helpers.pipeline import (
     write_images,
 )
 
-FEDERATION = "fed-export"
+FED_ID = "fed-export"
+FEDERATION = FederationSpec(sites=["site-1", "site-2", "site-3"], port=50996, federation_id=FED_ID)
 CLASSES = ("Effusion", "Mass", "Nodule")
 
 
@@ -46,7 +52,7 @@ def _signed_model(tmp: Path, key, weights: np.ndarray, backbone: str) -> Path:
     signed = build_signed_model(
         weights,
         identity_key=key,
-        federation_id=FEDERATION,
+        federation_id=FED_ID,
         round_id="r1-test",
         round_number=1,
         classes=CLASSES,
@@ -69,7 +75,7 @@ def _head(rng: np.random.Generator, backbone, manifest: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def resnet_export(tmp_path_factory):
+def resnet_export(tmp_path_factory, federation: ProvisionedFederation):
     tmp = tmp_path_factory.mktemp("export")
     key = generate_identity_key()
     manifest = write_images(tmp / "images")
@@ -77,12 +83,31 @@ def resnet_export(tmp_path_factory):
     w = _head(np.random.default_rng(0), backbone, manifest)
     model_path = _signed_model(tmp, key, w, "resnet18")
     published = load_published_model(
-        model_path, server_public_key=public_key_to_raw(key), federation_id=FEDERATION
+        model_path, server_public_key=public_key_to_raw(key), federation_id=FED_ID
+    )
+    proof = release_proof(
+        federation=FED_ID,
+        coordinator=key,
+        model_sha256=published.model_sha256,
+        round_id="r1-test",
+        witnesses=site_keys(federation.site_dirs),
     )
     card = export_classifier(
-        published, backbone, tmp / "out", facts=TrainingFacts(source="test"), software_version="t"
+        published,
+        backbone,
+        tmp / "out",
+        facts=TrainingFacts(source="test"),
+        software_version="t",
+        proof=proof,
+    )
+    config = rewrite_client_toml(
+        federation.site_dirs["site-1"],
+        tmp,
+        client={"state_dir": str(tmp / "state")},
+        identity={"server_public_key": public_key_to_raw(key).hex()},
     )
     return {
+        "config": config,
         "tmp": tmp,
         "key": key,
         "manifest": manifest,
@@ -115,7 +140,7 @@ def test_xrv_densenet_export_equals_the_project_pipeline(tmp_path) -> None:
     published = load_published_model(
         _signed_model(tmp_path, key, w, "xrv-densenet121-all"),
         server_public_key=public_key_to_raw(key),
-        federation_id=FEDERATION,
+        federation_id=FED_ID,
     )
     export_classifier(published, backbone, tmp_path / "out", facts=TrainingFacts(source="test"))
     check_against_pipeline(
@@ -147,7 +172,7 @@ def test_only_a_model_signed_by_the_federations_server_is_exported(resnet_export
     e = resnet_export
     other = public_key_to_raw(generate_identity_key())
     with pytest.raises(ModelFileError, match="not signed by this federation's server"):
-        load_published_model(e["model_path"], server_public_key=other, federation_id=FEDERATION)
+        load_published_model(e["model_path"], server_public_key=other, federation_id=FED_ID)
     with pytest.raises(ModelFileError, match=r"of .fed-export."):
         load_published_model(
             e["model_path"], server_public_key=public_key_to_raw(e["key"]), federation_id="other"
@@ -160,7 +185,7 @@ def test_only_a_model_signed_by_the_federations_server_is_exported(resnet_export
     tampered.write_bytes(signed2.SerializeToString())
     with pytest.raises(ModelFileError, match="not signed"):
         load_published_model(
-            tampered, server_public_key=public_key_to_raw(e["key"]), federation_id=FEDERATION
+            tampered, server_public_key=public_key_to_raw(e["key"]), federation_id=FED_ID
         )
 
 
@@ -200,9 +225,12 @@ def test_predict_writes_probabilities_for_png_and_dicom(resnet_export, tmp_path,
     calib_path = calib.save(tmp_path / "calibration.json")
     out = tmp_path / "pred.csv"
     argv = ["predict", "--model", str(e["out"]), "--images", str(folder), "--out", str(out)]
+    argv += ["--config", str(e["config"])]
     code = client_main([*argv, "--calibration", str(calib_path), "--no-progress"])
     assert code == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "verified: signed by the coordinator" in captured.out
+    err = captured.err
     assert "broken.dcm" in err and "skipped unreadable" in err
     with open(out, encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
@@ -223,6 +251,7 @@ def test_predict_writes_probabilities_for_png_and_dicom(resnet_export, tmp_path,
     # JSON output from a manifest; a foreign calibration is refused with one line
     out_json = tmp_path / "pred.json"
     argv = ["predict", "--model", str(e["out"]), "--manifest", str(e["manifest"])]
+    argv += ["--config", str(e["config"])]
     assert client_main([*argv, "--out", str(out_json), "--no-progress"]) == 0
     doc = json.loads(out_json.read_text())
     assert len(doc["predictions"]) == 4 and doc["classes"] == list(CLASSES)
@@ -231,3 +260,41 @@ def test_predict_writes_probabilities_for_png_and_dicom(resnet_export, tmp_path,
     code = client_main([*argv, "--out", str(out_json), "--calibration", str(foreign)])
     assert code == 1 and "fitted for model" in capsys.readouterr().err
     (folder / "broken.dcm").unlink()
+
+
+def test_predict_refuses_a_fake_or_altered_export_unless_overridden(
+    resnet_export, tmp_path, capsys
+) -> None:
+    """M-199: a TorchScript folder with a made-up digest (no signed model, no log proof) and an
+    export whose head was replaced are refused with one line; --unverified-model scores the
+    fake one and warns."""
+    e = resnet_export
+    assert e["card"]["files"]["log_proof"] == "log-proof.json"
+    assert e["card"]["federation_log"]["cosigned_by"] == ["site-1", "site-2", "site-3"]
+    folder = e["manifest"].parent
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    card = {**e["card"], "model": {**e["card"]["model"], "model_sha256": "ab" * 32}}
+    clf = build_classifier(e["backbone"], e["w"] * 2)
+    save_torchscript(clf, fake / "model.ts", card=card)
+    base = ["predict", "--images", str(folder), "--no-progress", "--config", str(e["config"])]
+    out = str(tmp_path / "p.csv")
+    assert client_main([*base, "--model", str(fake), "--out", out]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not an export of this federation" in err, err
+    # the genuine signed model and proof beside an altered classifier
+    altered = tmp_path / "altered"
+    shutil.copytree(e["out"], altered)
+    (altered / "model.ts").unlink()
+    shutil.copy(fake / "model.ts", altered / "model.ts")
+    assert client_main([*base, "--model", str(altered), "--out", out]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "head differs from the signed model" in err, err
+    # without the kit there is nothing to verify with
+    argv = ["predict", "--images", str(folder), "--model", str(e["out"]), "--out", out]
+    assert client_main(argv) == 1
+    assert "--config is required" in capsys.readouterr().err
+    # the override scores the fake export, with a warning
+    assert client_main([*base, "--model", str(fake), "--out", out, "--unverified-model"]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "NOT verified" in err

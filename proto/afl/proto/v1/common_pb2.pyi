@@ -725,6 +725,7 @@ class ReleasePlan(_message.Message):
     MASK_THRESHOLD_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     MASK_GRAPH_FIELD_NUMBER: _builtins.int
+    ROSTER_SHA256_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Plan format version; 1 for this file. [visible: all]"""
     federation_id: _builtins.str
@@ -754,6 +755,11 @@ class ReleasePlan(_message.Message):
     run_id: _builtins.str
     """The run this round belongs to (informational; the plan is bound to round_id).
     [visible: all]
+    """
+    roster_sha256: _builtins.bytes
+    """SHA-256 digest of the federation's roster, every site's identity key
+    (afl.crypto.transparency.statements.roster_digest), as the coordinator logged it; a site
+    refuses a plan whose digest is not the one of its own [peers] (M-221). [visible: all]
     """
     @_builtins.property
     def participants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -796,10 +802,11 @@ class ReleasePlan(_message.Message):
         mask_threshold: _builtins.int = ...,
         run_id: _builtins.str = ...,
         mask_graph: Global___MaskGraph | None = ...,
+        roster_sha256: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dp", b"dp", "mask_graph", b"mask_graph"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_graph", b"mask_graph", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aggregation", b"aggregation", "budgets", b"budgets", "dp", b"dp", "federation_id", b"federation_id", "gram_scope", b"gram_scope", "mask_graph", b"mask_graph", "mask_threshold", b"mask_threshold", "operator_override", b"operator_override", "override_reason", b"override_reason", "participants", b"participants", "releases", b"releases", "roster_sha256", b"roster_sha256", "round_id", b"round_id", "round_number", b"round_number", "round_salt", b"round_salt", "run_id", b"run_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
