@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.crypto.transparency.statements import roster_digest, roster_fields, roster_statement
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import stage_name
 from afl.server.config import ServerConfig, merged_run_table
@@ -358,7 +359,20 @@ class RoundMachine(StoreContext):
         elif detail:  # PUBLISHED or VALIDATING, with what the round published
             run = self.run_of(view)
             survivors = sorted(run.mode.contributors(view))
-            fields = {"round_id": view.round_id, "run_id": run.run_id, "survivors": survivors}
+            fields = {
+                "round_id": view.round_id,
+                "run_id": run.run_id,
+                "survivors": survivors,
+                "releases": [  # what every site's whole-history audit reads (M-206)
+                    {
+                        "name": r.name,
+                        "kind": cpb.StatisticKind.Name(cpb.StatisticKind.ValueType(r.kind)),
+                        "classes": list(r.class_names),
+                        "members": list(r.members),
+                    }
+                    for r in view.releases
+                ],
+            }
             self.store.append_log("release", {**fields, **detail})
 
     def _abort(

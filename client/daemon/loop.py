@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
@@ -76,6 +77,7 @@ from afl.client.payloads.stats import (
 )
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
+from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
 from afl.client.policy.roster import roster_problem
 from afl.client.retention import enforce_retention
@@ -146,6 +148,7 @@ class ClientDaemon:
         self.witness = Witness(config.state_dir, site_id=self.site_id)
         self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
+        self._witnessed_key: tuple[str, int, str] | None = None
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
@@ -252,6 +255,9 @@ class ClientDaemon:
             self.store.save_candidate(round_id, signed)
         else:
             self.store.save_model(round_id, signed, verified.weights)
+            # the log's release of this model is in the newest checkpoint: cosign it, so that an
+            # export of the model finds a quorum-cosigned checkpoint that holds it (M-198)
+            self._witness_log()
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -327,10 +333,11 @@ class ClientDaemon:
         return self.revocations.refusal(members) or ""
 
     def _logged(
-        self, cfg: pb.RoundConfig, plan_sha: bytes, decision: PolicyDecision
+        self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, decision: PolicyDecision
     ) -> PolicyDecision:
         """``decision``, or a refusal when the plan is not in a checkpoint of the federation log
-        cosigned by a quorum of the roster (:mod:`afl.client.daemon.transparency`)."""
+        cosigned by a quorum of the roster (:mod:`afl.client.daemon.transparency`), or when the
+        log's whole history and the plan expose a site (:meth:`_whole_history`)."""
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         t = self.config.timing
         self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
@@ -344,17 +351,51 @@ class ClientDaemon:
             poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
             max_poll_s=t.max_poll_interval_s,
         )
-        return PolicyDecision(False, problem) if problem else decision
+        if problem:
+            return PolicyDecision(False, problem)
+        return self._whole_history(plan, decision)
+
+    def _whole_history(self, plan: cpb.ReleasePlan, decision: PolicyDecision) -> PolicyDecision:
+        """``decision``, or a refusal when the plan, differenced with every release of the
+        federation log at the quorum checkpoint that holds the plan, exposes ANY site's
+        statistics (:mod:`afl.client.policy.loghistory`, M-206). Waived, as the site's own
+        differencing rule is, by ``allow_exposure`` or DP that covers this site."""
+        policy, checkpoint = self.config.policy, self.log_witness.plan_checkpoint
+        if policy.allow_exposure or decision.audit.get("covered_by_dp") or checkpoint is None:
+            return decision
+        try:
+            rounds = logged_rounds(self.log_witness.statements(self.rpc.call, checkpoint))
+        except (DaemonError, LogHistoryError) as exc:
+            return PolicyDecision(
+                False, f"the federation's history cannot be audited from its log: {exc}"
+            )
+        problem, detail = whole_history_problem(plan, rounds=rounds, min_cohort=policy.min_cohort)
+        audit = {**decision.audit, "whole_history": detail} if detail else decision.audit
+        if problem:
+            return PolicyDecision(False, f"this site refuses: {problem}", audit)
+        return replace(decision, audit=audit)
 
     def _observe(self, response: pb.StatusResponse) -> None:
         """Every status answer: the restore check (:class:`Witness`), and, at most every
         :data:`IDLE_WITNESS_S`, witnessing the log's newest checkpoint (so that a quorum
         gathers while sites outside the round wait). A split view stops the site."""
         self.witness.observe(response)
+        r = response.round if response.HasField("round") else None
+        # A new round, stage or published model is witnessed at once: the plan of a run this
+        # site is not in needs its cosignature for a quorum, and nothing else may wake it
+        # before that stage's timeout (docs/protocol.md §11a).
+        seen = (r.round_id, r.stage) if r is not None else ("", 0)
+        seen_key = (*seen, response.latest_model_round_id)
         now = time.monotonic()
-        if now - self._witnessed_at < IDLE_WITNESS_S:
+        if seen_key == self._witnessed_key and now - self._witnessed_at < IDLE_WITNESS_S:
             return
-        self._witnessed_at = now
+        self._witnessed_key = seen_key
+        self._witness_log(now)
+
+    def _witness_log(self, now: float | None = None) -> None:
+        """Witness the log's newest checkpoint; a split view stops the site, another failure is
+        logged (the next status answer tries again)."""
+        self._witnessed_at = time.monotonic() if now is None else now
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         try:
             self.log_witness.witness(self.rpc.call)
@@ -604,7 +645,8 @@ class ClientDaemon:
         if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
             if decision.accept:  # only a plan the federation log holds under a quorum
                 t0 = time.perf_counter()
-                decision = self._logged(cfg, plan_sha, decision)
+                assert plan is not None
+                decision = self._logged(cfg, plan, plan_sha, decision)
                 timings["log_witness"] = time.perf_counter() - t0
                 report.plan = plan_summary(cfg, plan, decision, plan_sha)
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph

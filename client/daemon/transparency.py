@@ -42,8 +42,13 @@ from afl.crypto.transparency.checkpoint import (
     SignedCheckpoint,
     quorum_witnesses,
 )
-from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash, verify_inclusion
-from afl.crypto.transparency.statements import plan_statement
+from afl.crypto.transparency.merkle import (
+    MerkleProofError,
+    leaf_hash,
+    root_hash,
+    verify_inclusion,
+)
+from afl.crypto.transparency.statements import StatementError, decode_statement, plan_statement
 from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -129,6 +134,9 @@ class LogWitness:
             )
         self.last: SignedCheckpoint | None = None
         self.acknowledged = 0
+        #: The quorum-cosigned checkpoint the last accepted plan's inclusion verified in.
+        self.plan_checkpoint: pb.CosignedLogCheckpoint | None = None
+        self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
         if self.path.is_file():
             try:
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
@@ -287,6 +295,7 @@ class LogWitness:
             try:
                 self.quorum_on(answer)
                 self.check_inclusion(call, leaf, answer)
+                self.plan_checkpoint = answer
                 return ""
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)
@@ -299,3 +308,37 @@ class LogWitness:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, max_poll_s)
+
+    def statements(
+        self, call: Call, answer: pb.CosignedLogCheckpoint
+    ) -> list[tuple[str, dict[str, object]]]:
+        """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one whose
+        quorum this site counted), fetched with GetLogEntries (only those past the prefix it
+        verified before) and verified: the leaf hashes of ALL entries must give the
+        checkpoint's root, and each entry must be a statement of this federation
+        (:class:`DaemonError` otherwise, naming the cause)."""
+        size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
+        entries = self._entries[:size]
+        while len(entries) < size:
+            request = pb.LogEntriesRequest(start=len(entries), end=size)
+            got = list(call("GetLogEntries", request).entries)
+            if not got:
+                raise DaemonError(f"the coordinator served no log entry from index {len(entries)}")
+            for entry in got:
+                if int(entry.index) != len(entries) or len(entries) >= size:
+                    raise DaemonError(
+                        f"the coordinator served log entry {entry.index} where entry "
+                        f"{len(entries)} of {size} was asked for"
+                    )
+                entries.append(bytes(entry.statement))
+        if root_hash([leaf_hash(e) for e in entries]) != root:
+            self._entries = []
+            raise DaemonError(
+                f"the log entries the coordinator served do not hash to the root of the "
+                f"cosigned checkpoint of size {size}"
+            )
+        self._entries = entries
+        try:
+            return [decode_statement(e, federation=self.federation_id) for e in entries]
+        except StatementError as exc:
+            raise DaemonError(f"the federation log holds an entry that is not ours: {exc}") from exc

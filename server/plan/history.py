@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from afl.core import history as core_history
 from afl.core.leakage import Exposure, LeakageReport
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.plan.release import PlannedRelease, audit_plan, releases_from_plan
+from afl.server.plan.release import PlannedRelease, leakage_rows, releases_from_plan
 from afl.server.store import Store
 
 __all__ = [
@@ -64,32 +65,22 @@ def history_exposures(
     history: Sequence[tuple[str, Sequence[PlannedRelease]]],
 ) -> tuple[LeakageReport, list[Exposure]]:
     """The audit of the plan with the history, and the exposures that need an earlier release
-    (their certificate names a release of ``history``): what this plan adds to what is known."""
-    report = audit_plan(releases, participants, history=history)
-    earlier = {f"{rid}/" for rid, _ in history}
-    found = [
-        e
-        for e in (*report.exposed_sites, *report.small_groups)
-        if any(name.startswith(tuple(earlier)) for name, _ in e.certificate)
-    ]
-    return report, found
+    and that the history alone did not determine: what this plan adds to what is known
+    (:func:`afl.core.history.history_exposures`, at :func:`audit_plan`'s minimum cohort)."""
+    earlier = [row for rid, old in history for row in leakage_rows(old, tag=f"{rid}/")]
+    return core_history.history_exposures(
+        leakage_rows(releases),
+        history=earlier,
+        sites=participants,
+        min_cohort=min(3, max(1, len(participants))),
+    )
 
 
 def history_refusal(exposures: Sequence[Exposure], *, round_id: str) -> str:
     """One line: which sites the plan would expose, through which earlier releases, and what the
     operator can do instead."""
-    sites = sorted({str(s) for e in exposures for s in e.sites})
-    earlier = sorted(
-        {name.split("#")[0] for e in exposures for name, _ in e.certificate if "/" in name}
-    )
-    quantities = sorted({e.quantity for e in exposures})
-    shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
-    return (
-        f"the plan of round {round_id}, differenced with earlier released sums ({shown}), would "
-        f"expose the {'/'.join(quantities)} statistics of {', '.join(sites)} "
-        "(docs/protocol.md §6, M-124): keep those sites in the run, wait until more sites join "
-        "so that no difference isolates one, or re-train with DP ([round.dp]) covering the "
-        "difference"
+    return core_history.history_refusal(
+        exposures, round_id=round_id, rule="docs/protocol.md §6, M-124"
     )
 
 

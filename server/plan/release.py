@@ -48,6 +48,7 @@ __all__ = [
     "RoundView",
     "audit_plan",
     "build_plan",
+    "leakage_rows",
     "releases_from_plan",
     "round1_releases",
     "round2_releases",
@@ -187,6 +188,18 @@ def round2_releases(
     ]
 
 
+def leakage_rows(releases: Sequence[PlannedRelease], *, tag: str = "") -> list[Release]:
+    """The releases as :class:`afl.core.leakage.Release` rows named ``<tag><name>``, one per
+    quantity (``#<quantity>`` appended where a release sums several)."""
+    return [
+        Release(
+            f"{tag}{r.name}" + (f"#{q}" if len(r.quantities) > 1 else ""), frozenset(r.members), q
+        )
+        for r in releases
+        for q in r.quantities
+    ]
+
+
 def audit_plan(
     releases: Sequence[PlannedRelease],
     participants: Sequence[str],
@@ -196,16 +209,12 @@ def audit_plan(
     """Leakage audit (docs/protocol.md §6) of the plan, together with the releases of earlier
     rounds (``history``: (round id, releases)), at the default minimum cohort (3, or K when
     K < 3); a release of several quantities is one row per quantity."""
-    rows = [("", r) for r in releases] + [(f"{rid}/", r) for rid, old in history for r in old]
-    as_leakage = [
-        Release(
-            f"{tag}{r.name}" + (f"#{q}" if len(r.quantities) > 1 else ""), frozenset(r.members), q
-        )
-        for tag, r in rows
-        for q in r.quantities
+    rows = [
+        *leakage_rows(releases),
+        *(x for rid, old in history for x in leakage_rows(old, tag=f"{rid}/")),
     ]
-    universe = sorted({*participants, *(s for _, r in rows for s in r.members)})
-    return audit_releases(as_leakage, universe, min_cohort=min(3, max(1, len(participants))))
+    universe = sorted({*participants, *(s for r in rows for s in r.members)})
+    return audit_releases(rows, universe, min_cohort=min(3, max(1, len(participants))))
 
 
 def _encoding(release: PlannedRelease) -> common_pb2.Encoding:

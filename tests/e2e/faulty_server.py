@@ -20,7 +20,8 @@ like a server without round streams; with POINT ``copy-then-fail:FOLDER`` it cop
 (:func:`afl.server.store.backup_state`, as ``afl-server backup`` does) right before it stores the
 first upload of RUN_ID, and the solve of every round of RUN_ID fails (the round aborts after
 every upload arrived, as with a tampered model: nothing is published); and with POINT ``no-unmask-audit`` it skips its own history audit before unmasking (M-124), as a
-coordinator that would unmask a drop-out's difference. The faults are injected here, around the real daemon, so no
+coordinator that would unmask a drop-out's difference; with POINT ``no-history-audit`` it skips
+that audit both at plan time and before unmasking (a coordinator that runs whatever it is asked). The faults are injected here, around the real daemon, so no
 product code path knows them.
 """
 
@@ -38,6 +39,8 @@ import grpc
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server import store as store_module
 from afl.server.daemon import main as daemon
+from afl.server.modes import context as mode_context
+from afl.server.plan import open as plan_open
 from afl.server.rounds import RoundMachine
 from afl.server.servicer import CoordinatorServicer
 from afl.server.solve.publish import SolveFailed, Solver
@@ -151,6 +154,10 @@ def install(point: str, run_id: str) -> None:
         Solver.solve = failing_solve  # type: ignore[method-assign]
     elif point == "no-unmask-audit":
         RoundMachine.exposes_history = lambda self, *a, **kw: ""  # type: ignore[method-assign]
+    elif point == "no-history-audit":
+        RoundMachine.exposes_history = lambda self, *a, **kw: ""  # type: ignore[method-assign]
+        for module in (plan_open, mode_context):  # the name each imported
+            setattr(module, "history_audit", lambda *a, **kw: ("", None))  # noqa: B010
     else:
         raise SystemExit(f"unknown crash point {point!r}")
 

@@ -44,6 +44,8 @@ class LogService:
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
         #: The site whose certificate the RPCs come with (RecordDpRelease checks it).
         self.caller = "site-1"
+        #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
+        self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
     def enrol(self, site_id: str, identity_public_key: bytes) -> None:
         row = EnrolmentRow(site_id, identity_public_key, "participant", ("a",), "bb", 4)
@@ -79,6 +81,12 @@ class LogService:
             except InvalidRequestError as exc:  # as the site's RPC client raises it
                 raise DaemonError(str(exc)) from exc
             return pb.LogProof(index=index, hashes=path)
+        if what == "GetLogEntries":
+            rows = self.log.entries(int(request.start), int(request.end))
+            answer = pb.LogEntries(
+                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
+            )
+            return self.serve_entries(answer)
         if what == "CosignCheckpoint":
             self.on_cosign(request)
             self.log.cosign(
@@ -86,11 +94,6 @@ class LogService:
             )
             self.cosigned.append(request.witness)
             return None
-        if what == "GetLogEntries":
-            rows = self.log.entries(int(request.start), int(request.end))
-            return pb.LogEntries(
-                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
-            )
         if what == "RecordDpRelease":
             return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
         raise AssertionError(f"not a log RPC: {what}")

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
+from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
+from afl.crypto.transparency.statements import statement_bytes
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.helpers.fedlog import LogService
@@ -109,3 +111,39 @@ def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path:
     _witness(tmp_path / "s2", "site-2").witness(coordinator.call)  # a second roster site
     assert problem() == ""
     assert "not in log checkpoint" in problem(sha=hashlib.sha256(b"another plan").digest())
+
+
+def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(
+    tmp_path: Path,
+) -> None:
+    """M-207: the site rebuilds the history from entries whose leaf hashes give the root of the
+    quorum checkpoint, fetched page by page; a served statement that is not the logged one, or an
+    entry missing, is refused with the cause."""
+    coordinator = _coordinator(tmp_path / "server")
+    fields = {"round_id": "r1", "run_id": "run-1", "survivors": ["site-1"], "releases": []}
+    coordinator.store.append_log("release", fields)
+    witness = _witness(tmp_path / "site")
+    answer = witness.witness(coordinator.call)
+    statements = witness.statements(coordinator.call, answer)
+    assert len(statements) == answer.checkpoint.size
+    assert statements[-1] == ("release", fields)
+    assert [k for k, _ in statements[:3]] == ["enrolment"] * 3
+
+    def forged(served: pb.LogEntries) -> pb.LogEntries:
+        for entry in served.entries:
+            if entry.kind == "release":  # the same statement with site-5 dropped from history
+                forged = statement_bytes(
+                    federation=FED, kind="release", fields={**fields, "survivors": []}
+                )
+                entry.statement = forged
+        return served
+
+    fresh = _witness(tmp_path / "other-site", site="site-2")
+    coordinator.serve_entries = forged
+    with pytest.raises(DaemonError, match="do not hash to the root of the cosigned checkpoint"):
+        fresh.statements(coordinator.call, fresh.witness(coordinator.call))
+    coordinator.serve_entries = lambda served: pb.LogEntries()
+    more = witness.statements(coordinator.call, answer)  # a verified prefix is not fetched again
+    assert more == statements
+    with pytest.raises(DaemonError, match="served no log entry from index 0"):
+        fresh.statements(coordinator.call, answer)

@@ -43,8 +43,10 @@ def federation(
     evaluate: bool = False,
     round_settings: Mapping[str, Any] | None = None,
     server_tables: Mapping[str, Mapping[str, Any]] | None = None,
+    policy: Mapping[str, Any] | None = None,
 ) -> LoopbackFederation:
-    """A loopback federation of ``sites`` sites in ``mode`` (the kits allow plaintext)."""
+    """A loopback federation of ``sites`` sites in ``mode`` (the kits allow plaintext), every
+    site's [policy] updated with ``policy``."""
     feats, labels = data.draw(sites)
     settings: dict[str, Any] = {
         "gram_scope": "global",
@@ -72,6 +74,7 @@ def federation(
         client_settings={"serve": serve},
         server_tables=server_tables,
         allow_plaintext=mode == "plaintext",
+        policy={f"site-{i + 1}": dict(policy) for i in range(sites)} if policy else None,
     )
 
 

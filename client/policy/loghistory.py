@@ -1,0 +1,110 @@
+"""A site's differencing audit of a plan over the federation's whole history, read from the
+federation log (docs/protocol.md §11a, M-206..M-208).
+
+A site's own ``history.json`` holds the rounds it took part in; the coordinator's audit (M-124)
+is the coordinator's word. The log's ``release`` statements (quorum-cosigned, the same for every
+site) name every round whose sums were released, in every run: its releases with their planned
+members and the survivors its sums were actually unmasked or decrypted over. From them the site
+rebuilds the federation's released history (:func:`logged_rounds`) and audits the new plan with
+it (:func:`whole_history_problem`, :func:`afl.core.history.history_exposures`): a plan that,
+differenced with any earlier release, determines ANY site's statistics (a site that left, a site
+this one never shared a run with) or the sum of a group smaller than ``min_cohort`` is refused
+before anything is sent.
+
+Only data statistics enter the history (Gram, class vectors: a function of a site's data alone,
+so every run sums the same per-site values), as at the coordinator; pseudo-label vectors and
+evaluation statistics depend on the run's model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from afl.client.policy.plan import audit_view
+from afl.core.history import ReleasedRound, history_exposures, history_refusal, history_releases
+from afl.proto.v1 import common_pb2 as cpb
+
+__all__ = ["DATA_KINDS", "LogHistoryError", "logged_rounds", "whole_history_problem"]
+
+#: The statistic kinds whose per-site values every run sums alike.
+DATA_KINDS = frozenset({cpb.STATISTIC_KIND_GRAM, cpb.STATISTIC_KIND_CLASS_VECTOR})
+RULE = "docs/protocol.md §11a, M-206"
+
+
+class LogHistoryError(ValueError):
+    """A release statement of the log does not have the fields a release statement has."""
+
+
+def _strings(value: object, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise LogHistoryError(f"{what} is not a list of names")
+    return list(value)
+
+
+def _release(doc: object) -> cpb.Release | None:
+    """The logged release as a plan release (None: not a data statistic)."""
+    if not isinstance(doc, Mapping):
+        raise LogHistoryError("a logged release is not an object")
+    kind_name = doc.get("kind")
+    try:
+        kind = cpb.StatisticKind.Value(str(kind_name))
+    except ValueError:
+        raise LogHistoryError(f"a logged release has unknown kind {kind_name!r}") from None
+    if kind not in DATA_KINDS:
+        return None
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise LogHistoryError("a logged release has no name")
+    return cpb.Release(
+        name=name,
+        kind=kind,
+        class_names=_strings(doc.get("classes"), f"the classes of release {name}"),
+        member_site_ids=_strings(doc.get("members"), f"the members of release {name}"),
+    )
+
+
+def logged_rounds(statements: Iterable[tuple[str, Mapping[str, Any]]]) -> list[ReleasedRound]:
+    """Every released round of the log's (kind, fields) statements, in log order: its data
+    releases over their planned members and its survivors (:class:`LogHistoryError` when a
+    release statement is malformed)."""
+    rounds: list[ReleasedRound] = []
+    for kind, fields in statements:
+        if kind != "release":
+            continue
+        round_id, run_id = fields.get("round_id"), fields.get("run_id", "")
+        if not isinstance(round_id, str) or not round_id or not isinstance(run_id, str):
+            raise LogHistoryError("a release statement names no round")
+        survivors = _strings(fields.get("survivors"), f"the survivors of round {round_id}")
+        releases = [r for d in fields.get("releases", []) if (r := _release(d)) is not None]
+        rounds.append(ReleasedRound(round_id, run_id, audit_view(releases), survivors))
+    return rounds
+
+
+def whole_history_problem(
+    plan: cpb.ReleasePlan, *, rounds: Sequence[ReleasedRound], min_cohort: int
+) -> tuple[str, dict[str, object] | None]:
+    """Why this site refuses ``plan`` given every released round of the log ("" when nothing
+    new is exposed), and the audit's detail (None without a history): the plan's releases over
+    its participants, differenced with every earlier release over its survivors, must not
+    determine any site's statistics nor the sum of a group smaller than ``min_cohort``."""
+    history = history_releases(rounds, exclude_round=plan.round_id)
+    if not history:
+        return "", None
+    report, exposed = history_exposures(
+        audit_view(list(plan.releases)),
+        history=history,
+        sites=list(plan.participants),
+        min_cohort=min_cohort,
+    )
+    detail: dict[str, object] = {
+        "rounds": len(rounds),
+        "exposed": [
+            {"sites": sorted(str(s) for s in e.sites), "quantity": e.quantity} for e in exposed
+        ],
+        "passed": not exposed,
+        "method": report.method,
+    }
+    if not exposed:
+        return "", detail
+    return history_refusal(exposed, round_id=plan.round_id, rule=RULE), detail

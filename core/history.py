@@ -1,0 +1,101 @@
+"""The differencing audit of a new plan over the federation's whole history (docs/protocol.md
+§6 M-124 at the coordinator, §11a M-206..M-208 at every site).
+
+Runs of one federation sum the same per-site statistics (a site's Gram matrix and class vectors
+come from its feature cache), so a release of a new run can be differenced with the releases of
+earlier runs: run 1 over {1..5} and run 2 over {1..4} give site 5's statistics; runs over
+{C,D,F}, {A,B,X,V} and {A,B,X,C,D,F} give V's as G(ABXV) − (G(ABXCDF) − G(CDF)), although no
+site of the last run ever shared a run with V. Each run alone passes the audit; only the whole
+history shows the exposure. Each earlier release counts over the sites its sum actually holds
+(the survivors it was unmasked or decrypted over), not its planned members.
+
+Pure: the coordinator feeds it its stored rounds, a site the release statements of the
+federation log; both audit with :func:`afl.core.leakage.audit_releases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from afl.core.leakage import Exposure, LeakageReport, Release, audit_releases
+
+__all__ = ["ReleasedRound", "history_exposures", "history_refusal", "history_releases"]
+
+
+@dataclass(frozen=True)
+class ReleasedRound:
+    """A round whose sums were released: its releases (planned members) and the sites its sums
+    actually contain (``contributors``: the survivors)."""
+
+    round_id: str
+    run_id: str
+    releases: Sequence[Release]
+    contributors: Collection[str]
+
+
+def history_releases(
+    rounds: Iterable[ReleasedRound], *, exclude_run: str = "", exclude_round: str = ""
+) -> list[Release]:
+    """Every release of ``rounds`` (but ``exclude_run``'s and ``exclude_round``'s) named
+    ``<round id>/<release>``, its members cut to the round's contributors (a member that dropped
+    out is not in the sum); a release left with no member is dropped."""
+    out: list[Release] = []
+    for released in rounds:
+        if (exclude_run and released.run_id == exclude_run) or (
+            exclude_round and released.round_id == exclude_round
+        ):
+            continue
+        alive = frozenset(released.contributors)
+        for r in released.releases:
+            members = frozenset(r.members) & alive
+            if members:
+                out.append(Release(f"{released.round_id}/{r.name}", members, r.quantity))
+    return out
+
+
+def history_exposures(
+    plan: Sequence[Release],
+    *,
+    history: Sequence[Release],
+    sites: Collection[str],
+    min_cohort: int,
+) -> tuple[LeakageReport, list[Exposure]]:
+    """The audit of ``plan`` together with ``history`` (names distinct from the plan's), and
+    the exposures (single sites, and groups smaller than ``min_cohort``) that this plan adds:
+    determined by plan and history together, with a certificate that needs an earlier release,
+    and not determined by the history alone (what was known before stays known; refusing the
+    plan would not hide it)."""
+    earlier = {r.name for r in history}
+    universe = sorted({*sites, *(s for r in (*plan, *history) for s in r.members)}, key=str)
+    report = audit_releases([*plan, *history], universe, min_cohort=min_cohort)
+    found = [
+        e
+        for e in (*report.exposed_sites, *report.small_groups)
+        if any(name in earlier for name, _ in e.certificate)
+    ]
+    if found:
+        alone = audit_releases(list(history), universe, min_cohort=min_cohort)
+        known = {(e.sites, e.quantity) for e in (*alone.exposed_sites, *alone.small_groups)}
+        found = [e for e in found if (e.sites, e.quantity) not in known]
+    return report, found
+
+
+def history_refusal(exposures: Sequence[Exposure], *, round_id: str, rule: str) -> str:
+    """One line: which sites the plan of ``round_id`` would expose, through which earlier
+    releases (``round/release``), and what the operator can do instead; ``rule`` names the
+    clause of docs/protocol.md that refuses it."""
+    sites = sorted({str(s) for e in exposures for s in e.sites})
+    earlier = sorted(  # the Gram releases first: one per round, the clearest evidence
+        {name.split("#")[0] for e in exposures for name, _ in e.certificate if "/" in name},
+        key=lambda name: ("/gram" not in name, name),
+    )
+    quantities = sorted({e.quantity for e in exposures})
+    shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+    return (
+        f"the plan of round {round_id}, differenced with earlier released sums ({shown}), would "
+        f"expose the {'/'.join(quantities)} statistics of {', '.join(sites)} ({rule}): keep "
+        "those sites in the run (a departed site's contribution included), wait until more "
+        "sites join so that no difference isolates one, or re-train with DP ([round.dp]) "
+        "covering the difference"
+    )

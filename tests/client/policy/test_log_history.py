@@ -1,0 +1,160 @@
+"""A site's whole-history audit from the federation log (docs/protocol.md §11a, M-206, M-207):
+the log's release statements rebuilt into the federation's released history (planned members cut
+to the logged survivors, data statistics only), and the audit of a new plan with it. The
+exposures found are checked numerically: their certificate, applied to sums of generated Gram
+matrices, gives the exposed site's own matrix (an oracle independent of the audit)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
+from afl.client.policy.plan import audit_view
+from afl.core.history import history_exposures, history_releases
+from afl.crypto.transparency.statements import decode_statement, statement_bytes
+from afl.proto.v1 import common_pb2 as cpb
+
+FED = "fed-history"
+CLASSES = ("A", "B")
+
+
+def _releases(members: Sequence[str]) -> list[dict[str, object]]:
+    """A round's logged releases, as the coordinator writes them: a global Gram, one class
+    vector per class, and a pseudo-label vector and an evaluation release that are not data."""
+    return [
+        {"name": "gram[all]", "kind": "STATISTIC_KIND_GRAM", "classes": [], "members": [*members]},
+        *(
+            dict[str, object](name=f"b[{c}]", kind="STATISTIC_KIND_CLASS_VECTOR", classes=[c],
+                              members=[*members])
+            for c in CLASSES
+        ),
+        {"name": "b_pseudo[A]", "kind": "STATISTIC_KIND_PSEUDO_CLASS_VECTOR", "classes": ["A"],
+         "members": [*members]},
+        {"name": "eval_hist[all]", "kind": "STATISTIC_KIND_SCORE_HISTOGRAM", "classes": ["A"],
+         "members": [*members]},
+    ]  # fmt: skip
+
+
+def _log(*rounds: tuple[str, Sequence[str], Sequence[str]]) -> list[tuple[str, dict[str, object]]]:
+    """(kind, fields) of a log whose rounds (id, planned members, survivors) were released, as
+    the site decodes them from the log's entries (other statements in between)."""
+    out = []
+    for round_id, members, survivors in rounds:
+        for kind, fields in (
+            ("plan", {"round_id": round_id, "plan_sha256": "00" * 32}),
+            ("release", {"round_id": round_id, "run_id": f"run-{round_id}",
+                         "survivors": sorted(survivors), "releases": _releases(members)}),
+        ):  # fmt: skip
+            entry = statement_bytes(federation=FED, kind=kind, fields=fields)
+            out.append(decode_statement(entry, federation=FED))
+    return out
+
+
+def _plan(round_id: str, members: Sequence[str]) -> cpb.ReleasePlan:
+    releases = [
+        cpb.Release(name="gram[all]", kind=cpb.STATISTIC_KIND_GRAM, member_site_ids=members),
+        *(
+            cpb.Release(
+                name=f"b[{c}]", kind=cpb.STATISTIC_KIND_CLASS_VECTOR, class_names=[c],
+                member_site_ids=members,
+            )
+            for c in CLASSES
+        ),
+    ]  # fmt: skip
+    return cpb.ReleasePlan(round_id=round_id, participants=members, releases=releases)
+
+
+FIVE = [f"site-{i}" for i in range(1, 6)]
+
+
+def test_the_log_s_release_statements_become_the_released_history() -> None:
+    rounds = logged_rounds(_log(("r1", FIVE, FIVE[:4])))  # site-5 dropped out of r1
+    (r1,) = rounds
+    assert (r1.round_id, r1.run_id, sorted(r1.contributors)) == ("r1", "run-r1", FIVE[:4])
+    # Data statistics only: the Gram and one quantity per class vector.
+    assert sorted(r.quantity for r in r1.releases) == ["b[A]", "b[B]", "gram"]
+    history = history_releases(rounds)
+    assert {r.name for r in history} == {"r1/gram[all]", "r1/b[A]", "r1/b[B]"}
+    assert all(r.members == frozenset(FIVE[:4]) for r in history)  # over the survivors
+    assert history_releases(rounds, exclude_round="r1") == []
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"run_id": "x", "survivors": [], "releases": []},  # no round
+        {"round_id": "r1", "survivors": "site-1", "releases": []},
+        {"round_id": "r1", "survivors": [], "releases": [{"kind": "NOPE", "members": []}]},
+        {"round_id": "r1", "survivors": [], "releases": [
+            {"name": "g", "kind": "STATISTIC_KIND_GRAM", "classes": [], "members": [3]}]},
+    ],
+)  # fmt: skip
+def test_a_malformed_release_statement_is_refused(fields: dict[str, object]) -> None:
+    with pytest.raises(LogHistoryError):
+        logged_rounds([("release", fields)])
+
+
+def test_separate_views_expose_a_site_no_refusing_site_shared_a_run_with() -> None:
+    """Attack 2: {A,B,V}, then {C,D}, then {A,B,C,D}: V = G(ABV) − G(ABCD) + G(CD)."""
+    log = _log(("r1", ["A", "B", "V"], ["A", "B", "V"]), ("r2", ["C", "D"], ["C", "D"]))
+    plan = _plan("r3", ["A", "B", "C", "D"])
+    reason, detail = whole_history_problem(plan, rounds=logged_rounds(log), min_cohort=2)
+    assert "V" in reason.split("statistics of ")[1].split(" (")[0]
+    assert "r1/gram[all]" in reason and "r2/gram[all]" in reason and "M-206" in reason
+    assert "wait until more sites join" in reason and "DP" in reason
+    assert detail is not None and detail["passed"] is False
+    # The certificate is V's Gram, from the three sums alone.
+    _, exposed = history_exposures(
+        audit_view(list(plan.releases)),
+        history=history_releases(logged_rounds(log)),
+        sites=list(plan.participants),
+        min_cohort=2,
+    )
+    gram = next(e for e in exposed if e.quantity == "gram")
+    assert gram.sites == frozenset({"V"})
+    rng = np.random.default_rng(7)
+    grams = {s: (lambda h: h.T @ h)(rng.normal(size=(20, 3))) for s in "ABCDV"}
+    members = {"r1/gram[all]": "ABV", "r2/gram[all]": "CD", "gram[all]": "ABCD"}
+    sums = {name: sum(grams[s] for s in who) for name, who in members.items()}
+    recovered = sum(float(Fraction(c)) * sums[name] for name, c in gram.certificate)
+    np.testing.assert_allclose(recovered, grams["V"], rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("members", "exposed"),
+    [
+        (FIVE[:4], "site-5"),  # attack 1: re-training after site-5 left
+        ([*FIVE[:3], "site-5"], "site-4"),
+        ([*FIVE, "site-6"], "site-6"),  # a site joined alone
+        (FIVE, ""),  # the same sites again
+        ([*FIVE, "site-6", "site-7"], ""),  # two joined: only their sum, not below min_cohort 2
+    ],
+)
+def test_which_plans_the_log_s_history_refuses(members: list[str], exposed: str) -> None:
+    rounds = logged_rounds(_log(("r1", FIVE, FIVE)))
+    reason, _ = whole_history_problem(_plan("r2", members), rounds=rounds, min_cohort=2)
+    assert (exposed in reason) if exposed else reason == "", reason
+
+
+def test_the_survivors_not_the_planned_members_are_what_was_released() -> None:
+    rounds = logged_rounds(_log(("r1", FIVE, FIVE[:4])))  # site-5 dropped out
+    assert whole_history_problem(_plan("r2", FIVE[:4]), rounds=rounds, min_cohort=3)[0] == ""
+    reason, _ = whole_history_problem(_plan("r2", FIVE), rounds=rounds, min_cohort=3)
+    assert "site-5" in reason
+
+
+def test_a_small_group_is_refused_and_what_was_known_before_is_not() -> None:
+    rounds = logged_rounds(_log(("r1", FIVE, FIVE)))
+    reason, _ = whole_history_problem(_plan("r2", FIVE[:3]), rounds=rounds, min_cohort=3)
+    assert "site-4, site-5" in reason  # their sum, a group below min_cohort 3
+    # r1 and r2 over the same sites already determined nothing new: a third run passes, and a
+    # history that already exposes a site (an earlier DP run) does not refuse every later plan.
+    old = _log(("r1", FIVE, FIVE), ("r2", FIVE[:4], FIVE[:4]))
+    assert (
+        whole_history_problem(_plan("r3", FIVE), rounds=logged_rounds(old), min_cohort=3)[0] == ""
+    )
+    assert whole_history_problem(_plan("r3", FIVE), rounds=[], min_cohort=3) == ("", None)
