@@ -627,6 +627,48 @@ def run_evaluate(args: argparse.Namespace) -> int:
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="client.toml of the site")
     p.add_argument("--json", action="store_true", help="print the ledger and totals as JSON")
+    p.add_argument(
+        "--rebuild-from-log",
+        action="store_true",
+        help="rebuild a missing or cut ledger from this site's signed dp-release statements in "
+        "the federation log (a checkpoint cosigned by [policy] witness_quorum sites)",
+    )
+    p.add_argument("--insecure", action="store_true", help="the server runs --insecure (dev)")
+
+
+def _rebuild_ledger(config: ClientConfig, *, insecure: bool) -> int:
+    """``budget --rebuild-from-log`` (docs/operations.md "Rebuild a DP ledger", M-197)."""
+    from afl.client.connectivity import connect
+    from afl.client.daemon.anchor import rebuild_ledger
+    from afl.client.daemon.rpc import CoordinatorClient
+    from afl.client.daemon.transparency import LogWitness
+    from afl.client.daemon.transport import INSECURE_SITE_HEADER, retry_policy
+    from afl.client.policy.ledger import DpLedger
+    from afl.crypto.identity.signatures import load_private_key_pem
+    from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
+
+    key = load_private_key_pem(config.identity_key_path.read_bytes())
+    witness = LogWitness.for_site(config, key)
+    with connect(config, insecure=insecure) as channel:
+        rpc = CoordinatorClient(
+            pb_grpc.CoordinatorStub(channel),
+            site_id=config.site_id,
+            timing=config.timing,
+            retry=retry_policy(config.timing),
+            metadata=((INSECURE_SITE_HEADER, config.site_id),) if insecure else (),
+        )
+        entries = rebuild_ledger(
+            rpc.call,
+            witness,
+            DpLedger(config.state_dir / "dp-ledger"),
+            quorum_wait_s=float(config.timing.upload_timeout_s),
+        )
+    print(
+        f"DP ledger of site {config.site_id} rebuilt from the federation log: {len(entries)} "
+        f"entr{'y' if len(entries) == 1 else 'ies'} (checkpoint size "
+        f"{witness.last.checkpoint.size if witness.last else 0}, quorum {witness.quorum})"
+    )
+    return 0
 
 
 def run_budget(args: argparse.Namespace) -> int:
@@ -636,15 +678,19 @@ def run_budget(args: argparse.Namespace) -> int:
     import math
 
     from afl.client.config import ConfigError, load_client_config
-    from afl.client.policy.ledger import DpLedger, LedgerError
+    from afl.client.daemon.transport import DaemonError
+    from afl.client.policy.ledger import DpLedger
+    from afl.crypto.errors import CryptoError
 
     try:
         config = load_client_config(args.config)
+        if args.rebuild_from_log and _rebuild_ledger(config, insecure=args.insecure):
+            return 1
         ledger = DpLedger(config.state_dir / "dp-ledger")
         entries = ledger.entries()
         policy = config.policy
         spent = ledger.spent(unit=policy.privacy_unit)
-    except (ConfigError, LedgerError) as exc:
+    except (ConfigError, CryptoError, DaemonError, OSError) as exc:  # LedgerError: DaemonError
         print(f"afl-client budget: error: {exc}", file=sys.stderr)
         return 1
     lifetime = spent.epsilon(policy.lifetime_delta)

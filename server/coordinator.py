@@ -640,6 +640,12 @@ class Coordinator:
             ]
         )
 
+    def log_dp_release(self, site_id: str, request: pb.DpRelease) -> pb.LogProof:
+        """Append the caller's signed DP-ledger entry (docs/protocol.md M-195); its index."""
+        self.require_enrolled(site_id)
+        with self.lock:
+            return pb.LogProof(index=self.log.record_dp_release(site_id, bytes(request.statement)))
+
     def log_cosign(self, site_id: str, request: pb.LogCosignature) -> None:
         """Keep the caller's cosignature (its certificate names the witness)."""
         self.require_enrolled(site_id)

@@ -328,6 +328,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             ),
         )
 
+    def RecordDpRelease(self, request: pb.DpRelease, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "RecordDpRelease", context, lambda s: self.coordinator.log_dp_release(s, request)
+        )
+
     # --- MASK mode ---------------------------------------------------------------------------
 
     def GetGraphCommitments(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto.errors import CryptoError
-from afl.crypto.identity.signatures import load_public_key_raw
+from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
     Cosignature,
@@ -32,7 +32,14 @@ from afl.crypto.transparency.merkle import (
     MerkleProofError,
     consistency_proof,
     inclusion_proof,
+    leaf_hash,
     root_hash,
+)
+from afl.crypto.transparency.statements import (
+    DP_RELEASE_CONTEXT,
+    StatementError,
+    decode_statement,
+    dp_release_signed_fields,
 )
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.store import Store
@@ -104,6 +111,39 @@ class FederationLog:
             raise NotPermittedError(str(exc)) from exc
         self.store.put_log_cosignature(size=size, root=root, witness=site_id, signature=signature)
         return len(self.store.log_cosignatures(size))
+
+    def record_dp_release(self, site_id: str, statement: bytes) -> int:
+        """Append ``site_id``'s `dp-release` statement (its signed DP-ledger entry) once; its
+        index. The statement must name the caller and carry a signature that verifies under the
+        caller's enrolled identity key (docs/protocol.md M-195)."""
+        try:
+            kind, fields = decode_statement(statement, federation=self.federation_id)
+        except StatementError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        entry, signature = fields.get("entry"), fields.get("signature")
+        if kind != "dp-release" or not isinstance(entry, dict) or not isinstance(signature, str):
+            raise InvalidRequestError(f"a {kind!r} statement is not a dp-release")
+        if fields.get("site") != site_id or set(fields) != {"site", "entry", "signature"}:
+            raise NotPermittedError(f"a dp-release names site {fields.get('site')!r}, the caller "
+                                    f"is {site_id!r}")  # fmt: skip
+        enrolment = self.store.enrolment(site_id)
+        if enrolment is None:
+            raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
+        try:
+            verify_fields(
+                load_public_key_raw(enrolment.identity_public_key),
+                bytes.fromhex(signature),
+                context=DP_RELEASE_CONTEXT,
+                fields=dp_release_signed_fields(
+                    federation=self.federation_id, site=site_id, entry=entry
+                ),
+            )
+        except (CryptoError, ValueError) as exc:
+            raise NotPermittedError(f"the dp-release signature does not verify: {exc}") from exc
+        found = self.store.log_index(leaf_hash(statement))
+        if found is not None:
+            return found
+        return self.store.append_log("dp-release", fields)
 
     def consistency(self, old_size: int, new_size: int) -> list[bytes]:
         """RFC 9162 PROOF(old_size, D[new_size]) between two sizes this log has had."""

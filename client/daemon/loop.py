@@ -27,6 +27,7 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
+from afl.client.daemon.anchor import LedgerAnchor
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
@@ -149,6 +150,9 @@ class ClientDaemon:
         self._witnessed_at = 0.0
         self._witnessed_key: tuple[str, int, str] | None = None
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
+        self.anchor = LedgerAnchor(
+            self.ledger, self.log_witness, key=self.identity, config=str(config.path)
+        )
         self.revocations = (
             None
             if config.tls.crl is None
@@ -408,6 +412,9 @@ class ClientDaemon:
         nothing, docs/protocol.md M-88)."""
         if cfg.parent_round_id:
             check_round_id(cfg.parent_round_id)
+        anchored = self.anchor.problem()  # the ledger still holds what the log holds of it
+        if anchored:
+            return anchored
         recorded = self.ledger.entry_for(cfg.round_id)
         if recorded is not None and recorded.plan_sha256 != plan_sha.hex():
             return (
@@ -496,7 +503,7 @@ class ClientDaemon:
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
-        self.ledger.record(
+        entry = self.ledger.record(
             federation_id=self.config.federation_id,
             round_id=cfg.round_id,
             round_number=int(cfg.round_number),
@@ -514,6 +521,7 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
+        self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
         if plan.dp.enabled:
             report.dp = dp_report(plan, self.site_id, dp)
 
@@ -900,10 +908,18 @@ class ClientDaemon:
             self.rpc.observe = self._observe
             try:
                 self.enroll()
+                self._reconcile_ledger()
                 self.rpc.watch()
                 return self._rounds()
             finally:
                 self.rpc.close()
+
+    def _reconcile_ledger(self) -> None:
+        """The DP ledger against this site's releases in the federation log (M-196), after the
+        restore check of a first status answer (an acknowledged restore is witnessed afresh)."""
+        self.witness.observe(self.rpc.call("GetStatus", pb.StatusRequest()))
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        self.anchor.reconcile(self.rpc.call)
 
     def _rounds(self) -> int:
         serve = self.config.serve

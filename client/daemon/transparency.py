@@ -255,6 +255,22 @@ class LogWitness:
             checkpoint, cosignatures, witness_keys=self.roster, quorum=self.quorum
         )
 
+    def check_inclusion(self, call: Call, leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
+        """Fetch and verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf``
+        in the answer's checkpoint (:class:`MerkleProofError`; :class:`DaemonError` when the
+        coordinator has no such statement)."""
+        size = int(answer.checkpoint.size)
+        proof: pb.LogProof = call(
+            "GetInclusionProof", pb.InclusionProofRequest(leaf_hash=leaf, size=size)
+        )
+        verify_inclusion(
+            leaf=leaf,
+            index=int(proof.index),
+            tree_size=size,
+            proof=list(proof.hashes),
+            root=bytes(answer.checkpoint.root),
+        )
+
     def plan_problem(
         self,
         call: Call,
@@ -278,16 +294,7 @@ class LogWitness:
             size = int(answer.checkpoint.size)
             try:
                 self.quorum_on(answer)
-                proof: pb.LogProof = call(
-                    "GetInclusionProof", pb.InclusionProofRequest(leaf_hash=leaf, size=size)
-                )
-                verify_inclusion(
-                    leaf=leaf,
-                    index=int(proof.index),
-                    tree_size=size,
-                    proof=list(proof.hashes),
-                    root=bytes(answer.checkpoint.root),
-                )
+                self.check_inclusion(call, leaf, answer)
                 self.plan_checkpoint = answer
                 return ""
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:

@@ -162,6 +162,25 @@ class DpLedger:
             prev_sha256=prev,
             **fields,
         )
+        self._write(entry)
+        return entry
+
+    def restore(self, entries: list[LedgerEntry]) -> None:
+        """Write ``entries`` (a whole ledger, e.g. rebuilt from this site's signed statements in
+        the federation log) byte for byte as :meth:`record` wrote them, after the entries the
+        folder already holds, which must be their prefix; the chain is checked afterwards."""
+        have = self.entries()
+        if [e.to_json() for e in have] != [e.to_json() for e in entries[: len(have)]]:
+            raise LedgerError(
+                f"DP ledger {self.root} holds {len(have)} entries that are not the first of the "
+                f"{len(entries)} to restore: move it aside, then rebuild"
+            )
+        for entry in entries[len(have) :]:
+            self._write(entry)
+        self.entries()
+
+    def _write(self, entry: LedgerEntry) -> None:
+        """Create ``entry``'s file atomically; never overwrite one."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         name = f"{entry.seq:06d}-{check_round_id(entry.round_id)}.json"
         tmp = self.root / f".{name}.tmp"
@@ -183,4 +202,3 @@ class DpLedger:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        return entry

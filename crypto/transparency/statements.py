@@ -20,10 +20,13 @@ from afl.crypto.canonical import canonical_encode
 from afl.crypto.errors import CryptoError
 
 __all__ = [
+    "DP_RELEASE_CONTEXT",
     "KINDS",
     "STATEMENT_TAG",
     "StatementError",
     "decode_statement",
+    "dp_release_signed_fields",
+    "dp_release_statement",
     "plan_statement",
     "roster_digest",
     "roster_fields",
@@ -43,6 +46,7 @@ KINDS = (
     "release",  # a round's sums were released: the survivors they were unmasked over, digests
     "round-aborted",
     "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
+    "dp-release",  # a site's ledger entry for a plan it uploads under, signed by the site
 )
 
 
@@ -68,6 +72,32 @@ def plan_statement(*, federation: str, round_id: str, plan_sha256: bytes) -> byt
         federation=federation,
         kind="plan",
         fields={"round_id": round_id, "plan_sha256": plan_sha256.hex()},
+    )
+
+
+#: The signature context of a site's DP-release statement (docs/protocol.md §11a, M-195).
+DP_RELEASE_CONTEXT = "dp-release"
+
+
+def dp_release_signed_fields(
+    *, federation: str, site: str, entry: Mapping[str, object]
+) -> tuple[str, str, str]:
+    """What a site signs (context :data:`DP_RELEASE_CONTEXT`) for its ledger entry ``entry``
+    (the entry's JSON object, chain digest included): (federation, site, JSON of the entry with
+    sorted keys). Its statement (:func:`dp_release_statement`) carries the entry and the
+    signature, so the coordinator can neither forge nor alter one, and a site that lost its
+    ledger rebuilds it, byte for byte, from its own signed statements."""
+    return (federation, site, _json(entry))
+
+
+def dp_release_statement(
+    *, federation: str, site: str, entry: Mapping[str, object], signature: bytes
+) -> bytes:
+    """The `dp-release` entry: fields {site, entry, signature (hex)}."""
+    return statement_bytes(
+        federation=federation,
+        kind="dp-release",
+        fields={"site": site, "entry": dict(entry), "signature": signature.hex()},
     )
 
 

@@ -25,8 +25,9 @@ LOG_RPCS = frozenset(
         "GetCheckpoint",
         "GetConsistencyProof",
         "GetInclusionProof",
-        "GetLogEntries",
         "CosignCheckpoint",
+        "GetLogEntries",
+        "RecordDpRelease",
     }
 )
 
@@ -41,6 +42,8 @@ class LogService:
         self.cosigned: list[str] = []
         self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
+        #: The site whose certificate the RPCs come with (RecordDpRelease checks it).
+        self.caller = "site-1"
         #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
         self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
@@ -91,4 +94,6 @@ class LogService:
             )
             self.cosigned.append(request.witness)
             return None
+        if what == "RecordDpRelease":
+            return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
         raise AssertionError(f"not a log RPC: {what}")

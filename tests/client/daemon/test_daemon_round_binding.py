@@ -74,6 +74,7 @@ class Coordinator:
         self.server_key = server_key
         self.roster_sha256 = roster_sha256  # the digest every plan binds (M-221)
         self.log = LogService(log_state, key=server_key, federation_id=FED)  # an honest log
+        self.log.caller = SITE
         self.rounds: list[tuple[pb.RoundStatus, pb.RoundConfig]] = []
         self.calls: list[tuple[str, Any]] = []
         self.uploads: list[tuple[str, str]] = []

@@ -197,6 +197,11 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
                 _registered_method=True)
+        self.RecordDpRelease = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/RecordDpRelease',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -442,6 +447,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordDpRelease(self, request, context):
+        """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
+        once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
+        names the caller and its signature verifies under the caller's enrolled identity key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -604,6 +618,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CosignCheckpoint,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.SerializeToString,
+            ),
+            'RecordDpRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordDpRelease,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1472,6 +1491,33 @@ class Coordinator:
             '/afl.proto.v1.Coordinator/CosignCheckpoint',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
             afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordDpRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/RecordDpRelease',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
             options,
             channel_credentials,
             insecure,

@@ -148,6 +148,11 @@ class CoordinatorStub:
     from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
     enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
     """
+    RecordDpRelease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DpRelease, _coordinator_pb2.LogProof]
+    """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
+    once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
+    names the caller and its signature verifies under the caller's enrolled identity key.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -241,6 +246,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
     from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
     enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+    """
+    RecordDpRelease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DpRelease, _coordinator_pb2.LogProof]  # type: ignore[assignment]
+    """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
+    once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
+    names the caller and its signature verifies under the caller's enrolled identity key.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -524,6 +534,17 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
         from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
         enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordDpRelease(
+        self,
+        request: _coordinator_pb2.DpRelease,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
+        """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
+        once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
+        names the caller and its signature verifies under the caller's enrolled identity key.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,216 @@
+"""A site's DP ledger anchored in the federation log (docs/protocol.md §11a, M-195..M-197),
+against the coordinator's real log (:class:`afl.server.transparency.FederationLog` on a real
+store) behind the in-process RPC stand-in: each entry is published as the site's signed
+`dp-release` statement before its upload, a ledger that is missing, shorter or different is
+refused at start-up with the recovery command, and the rebuild restores it byte for byte."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from afl.client.daemon.anchor import (
+    LedgerAnchor,
+    LedgerNotAnchored,
+    rebuild_ledger,
+    release_statement,
+)
+from afl.client.daemon.transparency import LogWitness
+from afl.client.daemon.transport import DaemonError
+from afl.client.policy.ledger import DpLedger, LedgerError
+from afl.core.dp.accounting import compose_mu
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.transparency.statements import decode_statement
+from afl.server.errors import NotPermittedError
+from tests.helpers.fedlog import LogService
+
+FED = "fed-anchor"
+COORDINATOR = generate_identity_key()
+SITES = {f"site-{i}": generate_identity_key() for i in (1, 2, 3)}
+ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
+REBUILD = "afl-client budget --rebuild-from-log --config client.toml"
+
+
+def _coordinator(state: Path) -> LogService:
+    service = LogService(state, key=COORDINATOR, federation_id=FED)
+    for site, key in ROSTER.items():
+        service.enrol(site, key)
+    return service
+
+
+def _witness(state: Path) -> LogWitness:
+    return LogWitness(
+        state,
+        site_id="site-1",
+        federation_id=FED,
+        key=SITES["site-1"],
+        coordinator_key=COORDINATOR.public_key(),
+        roster=ROSTER,
+    )
+
+
+def _anchor(state: Path) -> LedgerAnchor:
+    return LedgerAnchor(
+        DpLedger(state / "dp-ledger"), _witness(state), key=SITES["site-1"], config="client.toml"
+    )
+
+
+def _spend(anchor: LedgerAnchor, coordinator: LogService, round_id: str, mu: float) -> None:
+    """What the daemon does before an upload: record the entry, then publish it."""
+    entry = anchor.ledger.record(
+        federation_id=FED, round_id=round_id, round_number=1, run_id=round_id,
+        plan_sha256=round_id.encode().hex().ljust(64, "0"), aggregation="AGGREGATION_MODE_MASK",
+        unit="patient", images_per_patient=2, delta=1e-6, mu=mu, epsilon=4.0 * mu,
+        releases=({"name": "gram", "sensitivity": 1.0, "sigma": 1.0 / mu},),
+    )  # fmt: skip
+    anchor.publish(coordinator.call, entry)
+
+
+def _two_releases(tmp_path: Path) -> tuple[LogService, LedgerAnchor]:
+    coordinator = _coordinator(tmp_path / "server")
+    anchor = _anchor(tmp_path / "site")
+    anchor.reconcile(coordinator.call)  # a fresh site, an empty log of its releases
+    _spend(anchor, coordinator, "round-a", 0.5)
+    _spend(anchor, coordinator, "round-b", 0.25)
+    return coordinator, anchor
+
+
+def _refusal(tmp_path: Path, coordinator: LogService) -> str:
+    with pytest.raises(LedgerNotAnchored) as caught:
+        _anchor(tmp_path / "site").reconcile(coordinator.call)  # a restart
+    line = str(caught.value)
+    assert "\n" not in line and f"run `{REBUILD}`" in line
+    return line
+
+
+def test_each_entry_is_the_sites_signed_statement_in_the_log(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    kinds = [k for _, k, _, _ in coordinator.log.entries(0, coordinator.store.log_size())]
+    assert kinds.count("dp-release") == 2
+    entries = [e.to_json() for e in anchor.ledger.entries()]
+    logged = [
+        decode_statement(s, federation=FED)[1]["entry"]
+        for _, k, s, _ in coordinator.log.entries(0, 100)
+        if k == "dp-release"
+    ]
+    assert logged == entries
+    _anchor(tmp_path / "site").reconcile(coordinator.call)  # a restart on the same ledger: fine
+
+
+def test_a_missing_ledger_is_refused(tmp_path: Path) -> None:
+    coordinator, _ = _two_releases(tmp_path)
+    shutil.rmtree(tmp_path / "site" / "dp-ledger")
+    assert "the DP ledger is missing" in _refusal(tmp_path, coordinator)
+
+
+def test_a_shorter_ledger_is_refused(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    max(anchor.ledger.root.glob("*.json")).unlink()  # an old backup: the last entry gone
+    assert "shorter than the federation log: 1 entries, the log holds 2" in _refusal(
+        tmp_path, coordinator
+    )
+
+
+def test_a_different_ledger_is_refused(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    other = tmp_path / "other"
+    forged = _anchor(other)  # a ledger with the same rounds, a smaller first spend
+    forged.ledger.record(**{
+        k: v for k, v in anchor.ledger.entries()[0].to_json().items()
+        if k not in ("seq", "recorded_unix_ms", "prev_sha256")
+    } | {"mu": 0.01, "releases": ()})  # fmt: skip
+    shutil.rmtree(anchor.ledger.root)
+    shutil.copytree(forged.ledger.root, anchor.ledger.root)
+    assert "differs from the federation log at entry 1" in _refusal(tmp_path, coordinator)
+
+
+def test_a_running_daemon_refuses_plans_once_its_ledger_is_cut(tmp_path: Path) -> None:
+    _, anchor = _two_releases(tmp_path)
+    assert anchor.problem() == ""
+    shutil.rmtree(anchor.ledger.root)
+    assert "no longer holds the 2 release(s)" in anchor.problem()
+
+
+def test_an_entry_not_yet_published_is_published_at_start_up(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    anchor.ledger.record(
+        **{
+            k: v
+            for k, v in anchor.ledger.entries()[1].to_json().items()
+            if k not in ("seq", "recorded_unix_ms", "prev_sha256")
+        }
+        | {"round_id": "round-c"}
+    )  # fmt: skip  (the site stopped before publishing it)
+    size = coordinator.store.log_size()
+    _anchor(tmp_path / "site").reconcile(coordinator.call)
+    assert coordinator.store.log_size() == size + 1
+    _anchor(tmp_path / "site").reconcile(coordinator.call)  # published once
+    assert coordinator.store.log_size() == size + 1
+
+
+def test_the_coordinator_refuses_a_statement_the_site_did_not_sign(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    entry = anchor.ledger.entries()[0]
+    forged = release_statement(SITES["site-2"], federation=FED, site="site-1", entry=entry)
+    with pytest.raises(NotPermittedError, match="signature does not verify"):
+        coordinator.log.record_dp_release("site-1", forged)
+    mine = release_statement(SITES["site-1"], federation=FED, site="site-1", entry=entry)
+    with pytest.raises(NotPermittedError, match="names site 'site-1', the caller is 'site-2'"):
+        coordinator.log.record_dp_release("site-2", mine)
+
+
+def test_a_forged_statement_in_the_log_is_refused_by_the_site(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    doc = anchor.ledger.entries()[0].to_json()
+    coordinator.store.append_log(  # the coordinator writes the log directly
+        "dp-release", {"site": "site-1", "entry": doc, "signature": "00" * 64}
+    )
+    with pytest.raises(DaemonError, match="that it did not sign"):
+        _anchor(tmp_path / "site").reconcile(coordinator.call)
+
+
+def test_rebuild_restores_the_ledger_and_the_spend_composes(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    before = {p.name: p.read_bytes() for p in anchor.ledger.root.glob("*.json")}
+    head = anchor.ledger.head()
+    shutil.rmtree(anchor.ledger.root)
+    _refusal(tmp_path, coordinator)
+    for site in ("site-2", "site-3"):  # the quorum: a majority of the roster witnesses
+        other = LogWitness(
+            tmp_path / site, site_id=site, federation_id=FED, key=SITES[site],
+            coordinator_key=COORDINATOR.public_key(), roster=ROSTER,
+        )  # fmt: skip
+        other.witness(coordinator.call)
+    rebuilt = _anchor(tmp_path / "site")
+    entries = rebuild_ledger(coordinator.call, rebuilt.witness, rebuilt.ledger, quorum_wait_s=5)
+    assert {p.name: p.read_bytes() for p in rebuilt.ledger.root.glob("*.json")} == before
+    assert rebuilt.ledger.head() == head and len(entries) == 2
+    restarted = _anchor(tmp_path / "site")
+    restarted.reconcile(coordinator.call)  # accepted now
+    _spend(restarted, coordinator, "round-c", 0.125)  # the next release composes with both
+    spent = restarted.ledger.spent(unit="patient")
+    assert spent.entries == 3
+    assert spent.mu == pytest.approx(math.sqrt(0.5**2 + 0.25**2 + 0.125**2))
+    assert spent.mu == pytest.approx(compose_mu([0.5, 0.25, 0.125]))
+
+
+def test_rebuild_refuses_without_a_quorum_and_over_a_different_ledger(tmp_path: Path) -> None:
+    coordinator, anchor = _two_releases(tmp_path)
+    with pytest.raises(DaemonError, match="no federation-log checkpoint cosigned by a quorum"):
+        rebuild_ledger(coordinator.call, anchor.witness, anchor.ledger, quorum_wait_s=0.2)
+    max(anchor.ledger.root.glob("*.json")).unlink()
+    entry = anchor.ledger.entries()[0].to_json()
+    shutil.rmtree(anchor.ledger.root)
+    DpLedger(anchor.ledger.root).record(**{
+        k: v for k, v in entry.items() if k not in ("seq", "recorded_unix_ms", "prev_sha256")
+    } | {"mu": 0.01})  # fmt: skip
+    for site in ("site-2", "site-3"):
+        LogWitness(
+            tmp_path / site, site_id=site, federation_id=FED, key=SITES[site],
+            coordinator_key=COORDINATOR.public_key(), roster=ROSTER,
+        ).witness(coordinator.call)  # fmt: skip
+    with pytest.raises(LedgerError, match="move it aside"):
+        rebuild_ledger(coordinator.call, anchor.witness, anchor.ledger, quorum_wait_s=5)
