@@ -331,6 +331,8 @@ class FlowerSteps:
 class FlowerSite(ClientDaemon, FlowerSteps):
     """A site taking part in rounds through Flower messages (module docstring)."""
 
+    anchors_ledger = False  # the relay carries no federation log (docs/protocol.md §11a)
+
     def __init__(self, config: ClientConfig) -> None:
         if config.role != "participant":
             raise DaemonError(f"{config.path}: role = {config.role!r}; FlowerSite is a participant")

@@ -310,7 +310,7 @@ def test_example_configs_load_with_the_real_loaders(
     server_path = tmp_path / "server.toml"
     server_path.write_text(render("server.example.toml", federation, tmp_path))
     config = load_config(server_path)
-    assert config.round.feature_dim == 1024 and set(config.sites) == set(SITES)
+    assert config.round.feature_dim == 1024 and set(config.sites) == {*SITES, "decryptor"}
     text = (DEPLOY / "server.example.toml").read_text()
     for key in [
         *round_template(),

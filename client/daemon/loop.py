@@ -123,6 +123,10 @@ def _version() -> str:
 class ClientDaemon:
     """One site's daemon; :meth:`run` returns the process exit code."""
 
+    #: Whether each DP-ledger entry is published in the federation log before the upload (M-195);
+    #: the Flower site's relay carries no federation log (docs/protocol.md §11a, "Still open").
+    anchors_ledger = True
+
     def __init__(
         self,
         config: ClientConfig,
@@ -521,7 +525,8 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
-        self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
+        if self.anchors_ledger:
+            self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
         if plan.dp.enabled:
             report.dp = dp_report(plan, self.site_id, dp)
 

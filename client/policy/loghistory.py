@@ -6,7 +6,7 @@ is the coordinator's word. The log's ``release`` statements (quorum-cosigned, th
 site) name every round whose sums were released, in every run: its releases with their planned
 members and the survivors its sums were actually unmasked or decrypted over. From them the site
 rebuilds the federation's released history (:func:`logged_rounds`) and audits the new plan with
-it (:func:`whole_history_problem`, :func:`afl.core.history.history_exposures`): a plan that,
+it (:func:`whole_history_problem`, :func:`afl.core.audit.history.history_exposures`): a plan that,
 differenced with any earlier release, determines ANY site's statistics (a site that left, a site
 this one never shared a run with) or the sum of a group smaller than ``min_cohort`` is refused
 before anything is sent.
@@ -22,7 +22,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from afl.client.policy.plan import audit_view
-from afl.core.history import ReleasedRound, history_exposures, history_refusal, history_releases
+from afl.core.audit.history import (
+    ReleasedRound,
+    history_exposures,
+    history_refusal,
+    history_releases,
+)
 from afl.proto.v1 import common_pb2 as cpb
 
 __all__ = ["DATA_KINDS", "LogHistoryError", "logged_rounds", "whole_history_problem"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from afl.core import history as core_history
+from afl.core.audit import history as core_history
 from afl.core.leakage import Exposure, LeakageReport
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -66,7 +66,7 @@ def history_exposures(
 ) -> tuple[LeakageReport, list[Exposure]]:
     """The audit of the plan with the history, and the exposures that need an earlier release
     and that the history alone did not determine: what this plan adds to what is known
-    (:func:`afl.core.history.history_exposures`, at :func:`audit_plan`'s minimum cohort)."""
+    (:func:`afl.core.audit.history.history_exposures`, at :func:`audit_plan`'s minimum cohort)."""
     earlier = [row for rid, old in history for row in leakage_rows(old, tag=f"{rid}/")]
     return core_history.history_exposures(
         leakage_rows(releases),

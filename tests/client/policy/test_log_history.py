@@ -14,7 +14,7 @@ import pytest
 
 from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
 from afl.client.policy.plan import audit_view
-from afl.core.history import history_exposures, history_releases
+from afl.core.audit.history import history_exposures, history_releases
 from afl.crypto.transparency.statements import decode_statement, statement_bytes
 from afl.proto.v1 import common_pb2 as cpb
 
