@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from afl.client.config import ClientConfig
 from afl.client.daemon.transport import DaemonError
 from afl.client.payloads.stats import dump_json
+from afl.client.policy.roster import kit_roster
 from afl.crypto.identity.signatures import load_public_key_raw
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
@@ -158,7 +159,7 @@ class LogWitness:
             federation_id=config.federation_id,
             key=key,
             coordinator_key=load_public_key_raw(config.server_public_key),
-            roster={**config.peers, config.site_id: config.identity_public_key},
+            roster=kit_roster(config),
             quorum=config.policy.witness_quorum,
         )
 
