@@ -32,9 +32,9 @@ members of the targeted release):
   of a round they took part in), so they score it; what comes back is DP-noised.
 * ``split-view`` (any mode): the coordinator shows two histories. Sites ``SPLIT_GROUP`` see a
   forged federation log in which every plan statement is replaced (checkpoints the coordinator
-  signs, consistency proofs over the forged tree, their cosignatures kept apart), the others see
-  the true log; after a site of the group was shown the forged log three times, it is shown the true one
-  (the coordinator needs its cosignatures for a quorum).
+  signs, consistency proofs and entries of the forged tree, their cosignatures kept apart), the
+  others see the true log; once a site of the group cosigned a forged checkpoint, it is shown the
+  true one (the coordinator needs its cosignature for a quorum).
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -339,57 +339,81 @@ def _weaken_graph() -> None:
 
 
 def _split_view() -> None:
-    from afl.crypto.transparency.checkpoint import Checkpoint, sign_checkpoint
-    from afl.crypto.transparency.merkle import consistency_proof, root_hash
+    from afl.crypto.transparency.checkpoint import Checkpoint, Cosignature, sign_checkpoint
+    from afl.crypto.transparency.merkle import consistency_proof, leaf_hash, root_hash
+    from afl.crypto.transparency.statements import decode_statement, plan_statement
     from afl.server.coordinator import Coordinator, _cosigned_to_proto
     from afl.server.transparency import CosignedCheckpoint, FederationLog
 
     forged_cosigs: dict[tuple[int, bytes], dict[str, Any]] = {}
-    shown: dict[str, int] = {}
+    cosigned_forged: set[str] = set()
+
+    def forged_entries(
+        log: FederationLog, start: int, end: int
+    ) -> list[tuple[int, str, bytes, int]]:
+        """The log as the split group is shown it: every plan statement names another plan (a
+        consistent forged log, whose entries hash to the forged checkpoints)."""
+        out = []
+        for index, kind, entry, stamp in log.store.log_entries(start, end):
+            if kind == "plan":
+                fields = decode_statement(entry, federation=log.federation_id)[1]
+                forged = hashlib.sha256(b"forged" + bytes.fromhex(str(fields["plan_sha256"])))
+                entry = plan_statement(
+                    federation=log.federation_id,
+                    round_id=str(fields["round_id"]),
+                    plan_sha256=forged.digest(),
+                )
+            out.append((index, kind, entry, stamp))
+        return out
 
     def forged_leaves(log: FederationLog, size: int) -> list[bytes]:
-        kinds = [kind for _, kind, _, _ in log.store.log_entries(0, size)]
-        leaves = log.store.log_leaves(size)
-        return [
-            hashlib.sha256(b"forged" + leaf).digest() if kind == "plan" else leaf
-            for kind, leaf in zip(kinds, leaves, strict=True)
-        ]
+        return [leaf_hash(entry) for _, _, entry, _ in forged_entries(log, 0, size)]
 
     def forged_view(self: Coordinator, site_id: str) -> bool:
-        if site_id not in SPLIT_GROUP:
+        """A site of the group is shown the forged log from the first plan on, until it cosigned
+        a forged checkpoint; then the true one (the coordinator needs its cosignature for a
+        quorum)."""
+        if site_id not in SPLIT_GROUP or site_id in cosigned_forged:
             return False
-        plans = [
-            k for _, k, _, _ in self.store.log_entries(0, self.store.log_size()) if k == "plan"
-        ]
-        if not plans:
-            return False  # the two views are one until a plan is logged
-        shown[site_id] = shown.get(site_id, 0) + 1
-        return shown[site_id] <= 3  # then the coordinator needs them on the true log
+        return any(k == "plan" for _, k, _, _ in self.store.log_entries(0, self.store.log_size()))
 
     honest_checkpoint = Coordinator.log_checkpoint
     honest_consistency = Coordinator.log_consistency
+    honest_entries = Coordinator.log_entries
     honest_cosign = Coordinator.log_cosign
 
     def log_checkpoint(self: Coordinator, site_id: str, size: int = 0) -> Any:
         if not forged_view(self, site_id):
             return honest_checkpoint(self, site_id, size)
         with self.lock:
-            n = self.store.log_size()
+            n = size or self.store.log_size()
             root = root_hash(forged_leaves(self.log, n))
             signed = sign_checkpoint(self.log._key, Checkpoint(self.log.federation_id, n, root))
             cosigs = tuple(forged_cosigs.get((n, root), {}).values())
         return _cosigned_to_proto(CosignedCheckpoint(signed, cosigs))
 
     def log_consistency(self: Coordinator, site_id: str, old_size: int, new_size: int) -> Any:
-        if site_id not in SPLIT_GROUP or shown.get(site_id, 0) > 3 or not shown.get(site_id):
+        if not forged_view(self, site_id):
             return honest_consistency(self, site_id, old_size, new_size)
         with self.lock:
             leaves = forged_leaves(self.log, new_size)
             return pb.LogProof(hashes=consistency_proof(leaves, old_size))
 
-    def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> None:
-        from afl.crypto.transparency.checkpoint import Cosignature
+    def log_entries(self: Coordinator, site_id: str, start: int, end: int) -> Any:
+        # Always the forged entries to the group: a site shown the true checkpoint after its
+        # forged cosignature stops at that checkpoint, before it reads any entry.
+        if site_id not in SPLIT_GROUP:
+            return honest_entries(self, site_id, start, end)
+        with self.lock:
+            rows = forged_entries(self.log, start, end)
+        return pb.LogEntries(
+            entries=[
+                pb.LogEntry(index=i, kind=kind, statement=entry, time_unix_ms=stamp)
+                for i, kind, entry, stamp in rows
+            ]
+        )
 
+    def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> None:
         with self.lock:
             signed = self.log.store.log_checkpoint(int(request.size))
         if signed is not None and signed[1] == bytes(request.root):
@@ -400,9 +424,11 @@ def _split_view() -> None:
         forged_cosigs.setdefault(key, {})[site_id] = Cosignature(
             site_id, checkpoint, bytes(request.signature)
         )
+        cosigned_forged.add(site_id)
 
     Coordinator.log_checkpoint = log_checkpoint  # type: ignore[method-assign]
     Coordinator.log_consistency = log_consistency  # type: ignore[method-assign]
+    Coordinator.log_entries = log_entries  # type: ignore[method-assign]
     Coordinator.log_cosign = log_cosign  # type: ignore[method-assign]
 
 
