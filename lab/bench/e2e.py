@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from afl.lab.bench.common import emit_json
-from afl.lab.bench.scaling_e2e import PeakMemory
+from afl.lab.bench.scaling_e2e import CLASSES, PeakMemory, random_sites
 from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
@@ -75,18 +75,18 @@ from afl.lab.demo.federation import (
 __all__ = [
     "COMMANDS",
     "MODES",
+    "children_cpu",
     "memory_summary",
     "round_figures",
     "run_e2e_bench",
     "run_startup_bench",
 ]
 
-CLASSES = ("A", "B", "C", "D", "E", "F", "G", "H")
 MODES = ("plaintext", "ckks", "mask")
 _KEYS = ("round_seconds", "exchange_seconds", "bytes_sent_per_site", "wall_seconds", "cpu_seconds")
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
     """User + system CPU seconds of every child process waited for so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -164,9 +164,7 @@ def run_e2e_bench(
     """One loopback round per mode on the same caches; the figures of the module docstring."""
     if "plaintext" not in modes or len(set(modes)) < 2 or set(modes) - set(MODES):
         raise ValueError(f"modes must include plaintext and another mode, from {MODES}")
-    rng = np.random.default_rng(seed)
-    feats = [rng.normal(size=(rows, d)).astype(np.float32) for _ in range(num_sites)]
-    labels = [(rng.random((rows, len(CLASSES))) < 0.3).astype(np.int8) for _ in range(num_sites)]
+    feats, labels = random_sites(num_sites, d=d, rows=rows, seed=seed)
     out: dict[str, Any] = {"num_sites": num_sites, "d": d, "rows_per_site": rows}
     with tempfile.TemporaryDirectory(prefix="afl-bench-e2e-") as tmp:
         for mode in modes:
@@ -188,13 +186,13 @@ def run_e2e_bench(
                 allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
             )
             memory = PeakMemory()
-            load_start, before = os.getloadavg()[0], _children_cpu()
+            load_start, before = os.getloadavg()[0], children_cpu()
             try:
                 run = run_loopback(loop, timeout_s=timeout_s, on_started=memory.watch)
             finally:
                 memory.stop()
             out[mode] = round_figures(run, loop, memory)
-            out[mode]["cpu_seconds"] = _children_cpu() - before
+            out[mode]["cpu_seconds"] = children_cpu() - before
             out[mode]["load_average"] = [load_start, os.getloadavg()[0]]
     w_plain = out["plaintext"].pop("weights")
     for mode in modes:

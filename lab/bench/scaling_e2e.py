@@ -48,7 +48,14 @@ from afl.lab.demo.federation import (
     run_loopback,
 )
 
-__all__ = ["GRAPHS", "W_TOLERANCE", "growth_exponent", "run_scaling_e2e", "scaling_e2e_point"]
+__all__ = [
+    "GRAPHS",
+    "W_TOLERANCE",
+    "growth_exponent",
+    "random_sites",
+    "run_scaling_e2e",
+    "scaling_e2e_point",
+]
 
 GRAPHS = ("full", "sparse")
 CLASSES = ("A", "B", "C", "D", "E", "F", "G", "H")
@@ -131,9 +138,11 @@ def growth_exponent(ks: Sequence[int], values: Sequence[float]) -> float | None:
     return float(slope)
 
 
-def _data(
+def random_sites(
     k: int, *, d: int, rows: int, seed: int
 ) -> tuple[list[NDArray[np.float32]], list[NDArray[np.int8]]]:
+    """K sites' benchmark caches: ``rows`` × d standard-normal float32 features and 0/1 labels
+    of the 8 :data:`CLASSES` (numpy's RNG from ``seed``: data, not secrets)."""
     rng = np.random.default_rng(seed)
     feats = [rng.normal(size=(rows, d)).astype(np.float32) for _ in range(k)]
     labels = [(rng.random((rows, len(CLASSES))) < 0.3).astype(np.int8) for _ in range(k)]
@@ -196,7 +205,7 @@ def scaling_e2e_point(
     reference: NDArray[np.float64] | None = None,
 ) -> dict[str, Any]:
     """One masked round over K sites with the given graph; the figures of the module docstring."""
-    feats, labels = _data(k, d=d, rows=rows, seed=seed)
+    feats, labels = random_sites(k, d=d, rows=rows, seed=seed)
     settings: dict[str, Any] = {
         **mask_round_settings(feats),
         "gram_scope": "global",
@@ -256,7 +265,7 @@ def run_scaling_e2e(
     )
     with folder as tmp:
         for k in sites:
-            feats, labels = _data(k, d=d, rows=rows, seed=seed)
+            feats, labels = random_sites(k, d=d, rows=rows, seed=seed)
             reference = plaintext_weights(feats, labels)
             del feats, labels
             for graph in graphs:
