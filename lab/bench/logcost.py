@@ -4,7 +4,9 @@
 The same masked round (``aggregation = "mask"``, global Gram, K sites of ``rows`` × d random
 float32 features and 8 classes; numpy's RNG: data, not secrets) runs through the real daemons on
 loopback mTLS (:func:`afl.lab.demo.federation.run_loopback`: ``afl-server`` and one
-``afl-client run`` process per site) in two variants, ``repeats`` times each, interleaved
+``afl-client run`` process per site, or with ``hosts`` the sites hosted by that many
+``afl-client run-many`` processes and the many-site client timing of ``afl bench scaling --e2e``;
+the full masking graph, or the sparse one) in two variants, ``repeats`` times each, interleaved
 (shipped, unlogged, unlogged, shipped, ...: both see the same machine and its drift), each on a
 freshly provisioned federation:
 
@@ -20,9 +22,10 @@ reads per call). Reported per variant and repetition, and as medians:
 
     round_seconds         the slowest site's round (plan check -> verified model)
     log_witness_seconds   the slowest site's plan-check log step (report ``timings_s``)
-    site_log_seconds      per site, all its time in the log's methods (start-up reconciliation,
-                          witnessing on status answers, the plan's check, the ledger's anchoring;
-                          quorum waits included): the max and the median over the sites
+    site_log_seconds      per site process, all its time in the log's methods (start-up
+                          reconciliation, witnessing on status answers, the plan's check, the
+                          ledger's anchoring; quorum waits included): the max and the median over
+                          the processes (one site each without ``hosts``), and the mean per site
     coordinator_log_seconds   the coordinator's time in the log's methods (appends in their
                           transactions, checkpoints signed and served, cosignatures verified)
     cpu_seconds           CPU of every process of the run (user + system, start-up included)
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,7 +54,7 @@ import numpy as np
 
 from afl.lab.bench.common import describe_machine, emit_json, format_machine
 from afl.lab.bench.e2e import children_cpu, round_figures
-from afl.lab.bench.scaling_e2e import CLASSES, PeakMemory, random_sites
+from afl.lab.bench.scaling_e2e import CLASSES, CLIENT_TIMING, GRAPHS, PeakMemory, random_sites
 from afl.lab.bench.unlogged import VARIANTS
 from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 
@@ -63,6 +67,7 @@ _MEDIANS = (
     "log_witness_seconds",
     "site_log_seconds_max",
     "site_log_seconds_median",
+    "site_log_seconds_mean_per_site",
     "coordinator_log_seconds",
     "cpu_seconds",
     "server_cpu_seconds",
@@ -75,11 +80,15 @@ def _wrapper(role: str, variant: str, timings: Path) -> list[str]:
     return [sys.executable, "-m", "afl.lab.bench.unlogged", role, variant, str(timings)]
 
 
-def _timings(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise RuntimeError(f"{path} was not written: the daemon did not exit cleanly")
-    doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return doc
+def _timings(folder: Path, role: str, processes: int) -> list[dict[str, Any]]:
+    """The timings the wrapper wrote for ``role``'s ``processes`` processes."""
+    docs = [json.loads(p.read_text(encoding="utf-8")) for p in folder.glob(f"{role}-*.json")]
+    if len(docs) != processes:
+        raise RuntimeError(
+            f"{folder}: {len(docs)} {role} timings for {processes} processes (a daemon did not "
+            "exit cleanly)"
+        )
+    return docs
 
 
 def _one_round(
@@ -88,12 +97,16 @@ def _one_round(
     *,
     feats: list[Any],
     labels: list[Any],
+    graph: str,
+    hosts: int,
     timeout_s: float,
 ) -> tuple[dict[str, Any], Any]:
     """One round of ``variant`` under ``root``: its figures and W."""
     settings: dict[str, Any] = {
         "gram_scope": "global",
-        "upload_timeout_s": 600.0,
+        "upload_timeout_s": timeout_s,
+        "enrol_timeout_s": timeout_s,
+        "mask_graph": graph,
         **mask_round_settings(feats),
     }
     loop = prepare_loopback(
@@ -105,18 +118,21 @@ def _one_round(
         test_features=feats[0][:10],
         test_labels=labels[0][:10],
         round_settings=settings,
+        client_settings=CLIENT_TIMING if hosts else None,
     )
     timings = root / "log-timings"
+    per_process = math.ceil(len(feats) / hosts) if hosts else 1
+    wrapped = _wrapper("client", variant, timings)
     memory = PeakMemory()
     load_start, before = os.getloadavg()[0], children_cpu()
     try:
         run = run_loopback(
             loop,
             timeout_s=timeout_s,
-            server_command=_wrapper("server", variant, timings / "server.json"),
-            client_commands={
-                s: _wrapper("client", variant, timings / f"{s}.json") for s in loop.site_ids
-            },
+            server_command=_wrapper("server", variant, timings),
+            client_commands=None if hosts else dict.fromkeys(loop.site_ids, wrapped),
+            host_command=wrapped,
+            sites_per_process=per_process,
             on_started=memory.watch,
         )
     finally:
@@ -124,17 +140,21 @@ def _one_round(
     figures = round_figures(run, loop, memory)
     figures["cpu_seconds"] = children_cpu() - before
     figures["load_average"] = [load_start, os.getloadavg()[0]]
-    sites = {s: _timings(timings / f"{s}.json") for s in loop.site_ids}
-    per_site = [sites[s]["seconds"] for s in loop.site_ids]
+    sites = _timings(timings, "client", math.ceil(len(feats) / per_process))
+    per_process_s = [doc["seconds"] for doc in sites]
     finals = [run.final_report(s) for s in loop.site_ids]
     figures["log_witness_seconds_per_site"] = [
         float(r["timings_s"].get("log_witness", 0.0)) for r in finals
     ]
-    figures["site_log_seconds_per_site"] = per_site
-    figures["site_log_seconds_max"] = max(per_site)
-    figures["site_log_seconds_median"] = statistics.median(per_site)
-    figures["site_log_calls"] = sites[loop.site_ids[0]]["calls"]
-    server = _timings(timings / "server.json")
+    figures["site_log_seconds_per_process"] = per_process_s
+    figures["site_log_seconds_max"] = max(per_process_s)
+    figures["site_log_seconds_median"] = statistics.median(per_process_s)
+    figures["site_log_seconds_mean_per_site"] = sum(per_process_s) / len(feats)
+    figures["site_log_calls"] = {  # summed over the sites
+        name: [sum(doc["calls"][name][i] for doc in sites) for i in (0, 1)]
+        for name in sites[0]["calls"]
+    }
+    (server,) = _timings(timings, "server", 1)
     figures["coordinator_log_seconds"] = server["seconds"]
     figures["coordinator_log_calls"] = server["calls"]
     weights = figures.pop("weights")
@@ -148,12 +168,16 @@ def run_log_bench(
     d: int = 1024,
     rows: int = 300,
     repeats: int = 3,
+    graph: str = "full",
+    hosts: int = 0,
     seed: int = 0,
     timeout_s: float = 900.0,
 ) -> dict[str, Any]:
     """The with/without comparison of the module docstring; a JSON-ready dict."""
-    if num_sites < 3 or d < 1 or rows < 1 or repeats < 1:
-        raise ValueError("need sites >= 3, dim >= 1, rows >= 1 and repeats >= 1")
+    if num_sites < 3 or d < 1 or rows < 1 or repeats < 1 or hosts < 0:
+        raise ValueError("need sites >= 3, dim >= 1, rows >= 1, repeats >= 1 and hosts >= 0")
+    if graph not in GRAPHS:
+        raise ValueError(f"the masking graph is one of {GRAPHS}, not {graph!r}")
     feats, labels = random_sites(num_sites, d=d, rows=rows, seed=seed)
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     weights: dict[str, list[Any]] = {v: [] for v in VARIANTS}
@@ -167,6 +191,8 @@ def run_log_bench(
                     variant,
                     feats=feats,
                     labels=labels,
+                    graph=graph,
+                    hosts=hosts,
                     timeout_s=timeout_s,
                 )
                 figures["repetition"] = rep
@@ -178,6 +204,8 @@ def run_log_bench(
         "rows_per_site": rows,
         "classes": len(CLASSES),
         "repeats": repeats,
+        "graph": graph,
+        "hosts": hosts,
         "seed": seed,
         "machine": describe_machine(),
         "load_average_start": load_start,
@@ -213,8 +241,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="rounds per variant, interleaved (default 3)"
     )
+    parser.add_argument("--graph", choices=GRAPHS, default="full", help="the masking graph")
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="afl-client run-many processes hosting the sites (default 0: a process per site)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="per round")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per round and stage")
     parser.add_argument("--out", metavar="FILE", help="write JSON here (default: stdout)")
 
 
@@ -228,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
             d=args.dim,
             rows=args.rows,
             repeats=args.repeats,
+            graph=args.graph,
+            hosts=args.hosts,
             seed=args.seed,
             timeout_s=args.timeout_s,
         )
@@ -236,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     shipped, unlogged = row["shipped"]["median"], row["unlogged"]["median"]
     print(
-        f"log K={row['num_sites']} d={row['d']} x{row['repeats']}: round "
+        f"log K={row['num_sites']} d={row['d']} {row['graph']} x{row['repeats']}: round "
         f"{shipped['round_seconds']:.2f} s shipped vs {unlogged['round_seconds']:.2f} s unlogged "
         f"(x{row['round_ratio']:.3f}, {100 * row['round_overhead']:+.1f} %, goal <= "
         f"{100 * GOAL:.0f} %: {'met' if row['meets_goal'] else 'NOT met'}); plan log step "

@@ -3,11 +3,12 @@ methods timed (``shipped``) or patched out (``unlogged``), for `afl bench log`
 (:mod:`afl.lab.bench.logcost`).
 
 Usage: ``python -m afl.lab.bench.unlogged ROLE VARIANT TIMINGS <arguments>`` where ROLE is
-``client`` (the arguments of ``afl-client``, e.g. ``run --config client.toml``) or ``server``
-(those of ``afl-server``), VARIANT ``shipped`` or ``unlogged``, and TIMINGS a JSON file written
-when the daemon exits: ``{"seconds": total, "calls": {method: [count, seconds]}}``, the wall time
-spent in the log's methods (outermost calls only: a method the log calls from another timed
-method counts once), quorum waits included.
+``client`` (the arguments of ``afl-client``: ``run --config client.toml`` or ``run-many``) or
+``server`` (those of ``afl-server``), VARIANT ``shipped`` or ``unlogged``, and TIMINGS a folder
+where the process writes ``ROLE-PID.json`` when the daemon exits: ``{"seconds": total, "calls":
+{method: [count, seconds]}}``, the wall time spent in the log's methods (outermost calls only: a
+method the log calls from another timed method counts once; summed over the sites a
+``run-many`` process hosts), quorum waits included.
 
 * ``shipped``: the product as it ships; each method of :data:`CLIENT_METHODS` /
   :data:`SERVER_METHODS` is wrapped by a ``time.perf_counter`` timer (two clock reads per call).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import threading
 import time
@@ -154,9 +156,10 @@ def main(argv: Sequence[str]) -> int:
     try:
         return daemon_main(rest)
     finally:
-        timings.parent.mkdir(parents=True, exist_ok=True)
+        timings.mkdir(parents=True, exist_ok=True)
         doc = {"role": role, "variant": variant, **timer.summary()}
-        timings.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        path = timings / f"{role}-{os.getpid()}.json"
+        path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -400,6 +400,7 @@ def run_loopback(
     log_level: str = "WARNING",
     client_commands: Mapping[str, Sequence[str]] | None = None,
     server_command: Sequence[str] | None = None,
+    host_command: Sequence[str] | None = None,
     sites_per_process: int = 1,
     on_started: Callable[[Mapping[str, int]], None] | None = None,
     on_wait: Callable[[], None] | None = None,
@@ -410,7 +411,8 @@ def run_loopback(
     the same arguments (the drop-out tests start a client that vanishes mid-round);
     ``server_command`` likewise replaces ``python -m afl.server.daemon.main`` (the adversarial tests
     start a coordinator patched at run time). ``sites_per_process`` > 1 hosts that many sites per
-    ``afl-client run-many`` process (sites with a custom command still run alone); a site's exit
+    ``afl-client run-many`` process (sites with a custom command still run alone), started by
+    ``host_command`` (default ``python -m afl.client.cli``) when given; a site's exit
     code is then the one its host reports. ``on_started`` gets the process ids ("server", and
     each client process by its first site, and "decryptor") once everything is started (memory
     sampling); ``on_wait`` is called about once a second while the clients run (progress)."""
@@ -447,7 +449,8 @@ def run_loopback(
                 cmd = [*alone.get(first, CLIENT_COMMAND), "run", *configs]
             else:
                 summaries[first] = logs_dir / f"host-{first}.json"
-                cmd = [*CLIENT_COMMAND, "run-many", *configs, "--summary", str(summaries[first])]
+                cmd = [*(host_command or CLIENT_COMMAND), "run-many", *configs]
+                cmd += ["--summary", str(summaries[first])]
             for s in group:
                 logs[s] = logs[first]
             clients[first] = subprocess.Popen(

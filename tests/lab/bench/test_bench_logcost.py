@@ -33,6 +33,7 @@ def test_log_bench_has_both_variants_and_their_ratio(tmp_path: Path) -> None:
         assert len(variant["runs"]) == 1
         assert variant["median"]["round_seconds"] == variant["runs"][0]["round_seconds"] > 0
         assert len(variant["runs"][0]["log_witness_seconds_per_site"]) == 3
+        assert len(variant["runs"][0]["site_log_seconds_per_process"]) == 3  # a process each
         assert len(variant["runs"][0]["load_average"]) == 2
     ratio = shipped["median"]["round_seconds"] / baseline["median"]["round_seconds"]
     assert row["round_ratio"] == pytest.approx(ratio)
@@ -44,13 +45,13 @@ def test_log_bench_has_both_variants_and_their_ratio(tmp_path: Path) -> None:
     assert row["w_relative_difference"] < 1e-12  # the log changes no number of the model
     assert row["machine"]["cpu_count"] >= 1 and len(row["load_average_start"]) == 3
 
-    # The shipped sites witnessed: each checked the plan in the log once, every site cosigned
-    # checkpoints the coordinator signed, and the DP ledger's entry was published in the log.
+    # The shipped sites witnessed (calls summed over the 3 sites): each checked the plan in the
+    # log once and published its DP ledger's entry there; every site cosigned checkpoints.
     sites, server = (
         shipped["runs"][0]["site_log_calls"],
         shipped["runs"][0]["coordinator_log_calls"],
     )
-    assert sites["ClientDaemon._logged"][0] == 1 and sites["LedgerAnchor.publish"][0] == 1
+    assert sites["ClientDaemon._logged"][0] == 3 and sites["LedgerAnchor.publish"][0] == 3
     assert server["FederationLog.cosign"][0] >= 3 and server["FederationLog.checkpoint"][0] >= 1
     assert server["FederationLog.record_dp_release"][0] == 3
     # The baseline: the same calls reach only no-ops; no checkpoint is signed or cosigned.
@@ -64,11 +65,30 @@ def test_log_bench_has_both_variants_and_their_ratio(tmp_path: Path) -> None:
     assert baseline["median"]["coordinator_log_seconds"] >= 0
 
 
+@pytest.mark.slow
+def test_log_bench_with_hosted_sites_and_the_sparse_graph() -> None:
+    """The many-site layout (`afl bench scaling --e2e`'s): the sites of one run-many process,
+    the sparse graph; the host's timings cover its sites."""
+    row = run_log_bench(num_sites=4, d=8, rows=40, repeats=1, graph="sparse", hosts=1)
+    assert (row["graph"], row["hosts"]) == ("sparse", 1)
+    for variant in ("shipped", "unlogged"):
+        runs = row[variant]["runs"][0]
+        assert len(runs["site_log_seconds_per_process"]) == 1
+        assert runs["site_log_seconds_mean_per_site"] == pytest.approx(
+            runs["site_log_seconds_per_process"][0] / 4
+        )
+    assert row["shipped"]["runs"][0]["site_log_calls"]["ClientDaemon._logged"][0] == 4
+    assert row["unlogged"]["runs"][0]["coordinator_log_calls"]["FederationLog.cosign"][0] == 0
+    assert row["w_relative_difference"] < 1e-12
+
+
 def test_log_bench_refuses_a_size_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="sites >= 3"):
         run_log_bench(num_sites=2, d=8, repeats=1)
     with pytest.raises(ValueError, match="repeats >= 1"):
         run_log_bench(num_sites=3, d=8, repeats=0)
+    with pytest.raises(ValueError, match="masking graph"):
+        run_log_bench(num_sites=3, d=8, repeats=1, graph="ring")
 
 
 def test_the_unlogged_wrapper_refuses_unknown_roles(capsys: pytest.CaptureFixture[str]) -> None:
