@@ -212,7 +212,12 @@ def run_log_bench(
         "load_average_end": list(os.getloadavg()),
     }
     for variant in VARIANTS:
-        medians = {k: statistics.median(float(r[k]) for r in runs[variant]) for k in _MEDIANS}
+        medians = {  # None where /proc could not be read (not Linux)
+            k: None
+            if any(r[k] is None for r in runs[variant])
+            else statistics.median(float(r[k]) for r in runs[variant])
+            for k in _MEDIANS
+        }
         out[variant] = {"median": medians, "runs": runs[variant]}
     shipped, unlogged = out["shipped"]["median"], out["unlogged"]["median"]
     out["round_ratio"] = shipped["round_seconds"] / unlogged["round_seconds"]
