@@ -14,8 +14,8 @@ method the log calls from another timed method counts once; summed over the site
   :data:`SERVER_METHODS` is wrapped by a ``time.perf_counter`` timer (two clock reads per call).
 * ``unlogged``: the same timers, around no-ops. The site neither witnesses nor cosigns any
   checkpoint, nor waits for a quorum, nor checks the plan's inclusion or the log's history
-  (``_logged`` returns the policy's decision as it is), nor publishes or reconciles its DP ledger
-  in the log; the coordinator appends no statement (``Store.append_log`` does nothing, so no
+  (``_logged`` returns the policy's decision as it is), nor checks the published round's
+  `release` statement, nor publishes or reconciles its DP ledger in the log; the coordinator appends no statement (``Store.append_log`` does nothing, so no
   leaf is hashed or stored) and signs no checkpoint (nobody asks for one).
 
 The ``unlogged`` variant removes a protocol rule (docs/protocol.md §11a: no site acts on a plan
@@ -41,10 +41,12 @@ __all__ = ["CLIENT_METHODS", "SERVER_METHODS", "VARIANTS", "LogTimer", "main"]
 VARIANTS = ("shipped", "unlogged")
 #: (module, class, method) of the site's federation-log work: the plan's log check (witness,
 #: quorum wait, inclusion proof, whole-history audit), witnessing on status answers and after a
-#: model, and the DP ledger's anchoring (start-up reconciliation, a release's statement).
+#: model, the check of the published round's `release` statement, and the DP ledger's anchoring
+#: (start-up reconciliation, a release's statement).
 CLIENT_METHODS = (
     ("afl.client.daemon.loop", "ClientDaemon", "_logged"),
     ("afl.client.daemon.loop", "ClientDaemon", "_witness_log"),
+    ("afl.client.daemon.transparency", "LogWitness", "check_release"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "reconcile"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "publish"),
 )
@@ -99,6 +101,7 @@ class LogTimer:
 def _unlogged_client() -> None:
     from afl.client.daemon.anchor import LedgerAnchor
     from afl.client.daemon.loop import ClientDaemon
+    from afl.client.daemon.transparency import LogWitness
     from afl.client.policy.plan import PolicyDecision
 
     def logged(self: ClientDaemon, cfg: Any, plan: Any, sha: bytes, d: PolicyDecision) -> Any:
@@ -112,6 +115,7 @@ def _unlogged_client() -> None:
     ClientDaemon.anchors_ledger = False
     LedgerAnchor.reconcile = nothing  # type: ignore[method-assign]
     LedgerAnchor.publish = nothing  # type: ignore[method-assign]
+    LogWitness.check_release = nothing  # type: ignore[method-assign]
 
 
 def _unlogged_server() -> None:

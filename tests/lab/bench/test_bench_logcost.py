@@ -52,6 +52,7 @@ def test_log_bench_has_both_variants_and_their_ratio(tmp_path: Path) -> None:
         shipped["runs"][0]["coordinator_log_calls"],
     )
     assert sites["ClientDaemon._logged"][0] == 3 and sites["LedgerAnchor.publish"][0] == 3
+    assert sites["LogWitness.check_release"][0] == 3  # the published round's release statement
     assert server["FederationLog.cosign"][0] >= 3 and server["FederationLog.checkpoint"][0] >= 1
     assert server["FederationLog.record_dp_release"][0] == 3
     # The baseline: the same calls reach only no-ops; no checkpoint is signed or cosigned.
