@@ -15,7 +15,7 @@ expose a site is refused before it is queued (M-124).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from afl.core.audit import history as core_history
@@ -33,6 +33,7 @@ from afl.server.store import Store
 
 __all__ = [
     "ReleasedRound",
+    "first_plan_releases",
     "history_audit",
     "history_exposures",
     "history_refusal",
@@ -138,6 +139,24 @@ def history_audit(
     return history_refusal(exposed, round_id=round_id), detail
 
 
+def first_plan_releases(
+    settings: RoundSettings,
+    *,
+    participants: Sequence[str],
+    coverage: Mapping[str, Collection[str]],
+) -> list[PlannedRelease]:
+    """The round-1 releases of a run without DP over ``participants`` (``coverage``: the classes
+    each site declared it labels): what its plan releases, and what a submission predicts."""
+    return round1_releases(
+        classes=settings.classes,
+        participants=participants,
+        coverage=coverage,
+        gram_scope=settings.gram_scope,
+        d=settings.feature_dim,
+        need_global_gram=settings.rounds == 2,
+    )
+
+
 def submission_audit(
     store: Store, settings: RoundSettings, *, name: str
 ) -> tuple[str, dict[str, object] | None]:
@@ -161,14 +180,7 @@ def submission_audit(
     coverage = {s: e.labelled_classes for s, e in store.enrolments().items()}
     if settings.gram_scope == "per-class" and not all(coverage.get(s) for s in members):
         return "", None
-    releases = round1_releases(
-        classes=settings.classes,
-        participants=members,
-        coverage=coverage,
-        gram_scope=settings.gram_scope,
-        d=settings.feature_dim,
-        need_global_gram=settings.rounds == 2,
-    )
+    releases = first_plan_releases(settings, participants=members, coverage=coverage)
     exposed, report = _exposures(store, releases, members)
     if report is None:
         return "", None
