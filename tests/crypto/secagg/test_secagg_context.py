@@ -26,7 +26,7 @@ from afl.crypto.secagg.messages import (
     signed_advert_fields,
 )
 from afl.crypto.secagg.server import SecAggServer
-from tests.crypto.secagg_helpers import Federation, make_federation
+from tests.crypto.secagg_helpers import Federation, make_federation, run_to_survivors
 
 PLAN = hashlib.sha256(b"the plan this site accepted").digest()
 OTHER = hashlib.sha256(b"a plan binding another roster").digest()
@@ -95,15 +95,7 @@ def test_a_consistency_signature_made_under_another_context_does_not_verify() ->
     server = SecAggServer(
         config=fed.config, identities={s: k.public_key() for s, k in fed.keys.items()}
     )
-    for s, c in clients.items():
-        server.receive(c.advertise_keys(), sender=s)
-    directory = server.close_advertise()
-    for s, c in clients.items():
-        server.receive(c.share_keys(directory), sender=s)
-    routed = server.close_share_keys()
-    for s, c in clients.items():
-        server.receive(c.masked_input(routed[s]), sender=s)
-    u3 = server.close_masked_input()
+    u3 = run_to_survivors(server, clients)
     signed = {s: c.consistency_check(u3) for s, c in clients.items()}
     other = replace(fed.config, context=OTHER)
     forged = replace(
