@@ -15,7 +15,6 @@ without a coordinator-side round of its own.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -148,31 +147,14 @@ class FederationLog:
         return self.store.append_log("dp-release", fields)
 
     def _check_release_bound(self, site_id: str, entry: dict[str, object]) -> None:
-        """A site's ledger holds one entry per round whose signed plan it recorded, numbered
-        1, 2, ... (:mod:`afl.client.policy.ledger`): so the log takes a dp-release with the
-        next number, not already logged for the site's round, and for a round of this
-        coordinator only with that round's plan. An entry for a round this coordinator never had
-        is an entry of an earlier log of the federation (a new coordinator after a lost state:
-        the site carries its spend over, M-196), so it must have been recorded before this log
-        began. Residual: a site may still append backdated entries of made-up rounds; each one
-        is a signed entry of its own ledger (it spends its own budget) and the log records who
-        sent it."""
-        round_id, plan_sha256 = str(entry.get("round_id", "")), entry.get("plan_sha256")
-        row = self.store.round(round_id)
-        if row is not None and (
-            row.plan is None or hashlib.sha256(row.plan).hexdigest() != plan_sha256
-        ):
-            raise NotPermittedError(
-                f"a dp-release names round {round_id!r} with a plan this coordinator did not "
-                "sign for it: a site logs the releases of signed plans only"
-            )
-        first = self.store.log_entries(0, 1)
-        recorded = entry.get("recorded_unix_ms")
-        if row is None and first and (not isinstance(recorded, int) or recorded >= first[0][3]):
-            raise NotPermittedError(
-                f"a dp-release names round {round_id!r}, which this coordinator never had, and "
-                "was recorded after its log began: a site logs the releases of signed plans only"
-            )
+        """A site's ledger holds one entry per round, numbered 1, 2, ...
+        (:mod:`afl.client.policy.ledger`): so the log takes a dp-release with the next number and
+        not for a round already logged for the site. It does not require the round's plan to be
+        in this coordinator's store: a site carries its spend over to a coordinator that lost or
+        restored its state (M-196), and an extra entry only over-counts the site's own budget.
+        Residual: a site may append entries of made-up rounds; each is a signed entry of its own
+        ledger (it spends its own budget) and the log records who sent it."""
+        round_id = str(entry.get("round_id", ""))
         logged = [
             decode_statement(statement, federation=self.federation_id)[1]
             for _, kind, statement, _ in self.store.log_entries(0, self.store.log_size())
