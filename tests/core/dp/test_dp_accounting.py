@@ -4,6 +4,8 @@ mechanism."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -116,3 +118,19 @@ def test_calibration_recovers_reference_sigma(sigma, expected) -> None:
 
 def test_infinite_epsilon_means_no_noise() -> None:
     assert calibrate_noise_multiplier(epsilon=math.inf, delta=1e-5) == 0.0
+
+
+def test_the_default_accounting_imports_no_torch() -> None:
+    # The daemons account every DP plan with the default backend: it must not import opacus
+    # (and with it torch, seconds of CPU in every site and coordinator process).
+    probe = (
+        "import sys\n"
+        "from afl.core.dp.accounting import GaussianRelease, epsilon_for_releases\n"
+        "eps = epsilon_for_releases([GaussianRelease('g', 1.0, 1.0)], delta=1e-5)\n"
+        "assert abs(eps - 4.377) < 1e-2, eps\n"
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & {'opacus', 'torch'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
