@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +10,7 @@ from hypothesis import strategies as st
 from afl.core.labels import LabelError, balanced_targets
 from afl.core.packing import pack_upper, packed_length, unpack_upper
 from afl.core.stats import StatsAccumulator, local_statistics
+from tests.helpers.probe import run_probe
 
 
 @settings(max_examples=30, deadline=None)
@@ -111,7 +109,4 @@ def test_accumulating_statistics_imports_no_scipy() -> None:
         "assert (acc.gram() == h.T @ h).all()\n"
         "print('scipy' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    assert run_probe(probe) == "False"

@@ -4,8 +4,6 @@ mechanism."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -23,6 +21,7 @@ from afl.core.dp.accounting import (
     epsilon_from_mu,
     mu_from_releases,
 )
+from tests.helpers.probe import run_probe
 
 
 def balle_wang_delta(eps: float, sigma: float, sensitivity: float) -> float:
@@ -130,7 +129,4 @@ def test_the_default_accounting_imports_no_torch() -> None:
         "assert abs(eps - 4.377) < 1e-2, eps\n"
         "print(sorted({m.partition('.')[0] for m in sys.modules} & {'opacus', 'torch'}))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert run_probe(probe) == "[]"
