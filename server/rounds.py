@@ -18,7 +18,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +89,9 @@ class RoundMachine(StoreContext):
         self.announcer = RoundEvents(store, self.lock, metrics, self.now_ms)
         self.events = self.announcer.events  # what WatchRound streams
         self.notes: dict[str, str] = {}  # site -> why it takes no part in the current round
+        #: Sums this coordinator decoded (:meth:`sums`, a mode's ``note_decoded``): an abort
+        #: after that still logs their release (:meth:`_log_stage`). A restart re-decodes first.
+        self.decoded = {}
         keys = {s: e.identity_public_key for s, e in config.sites.items()}
         self.roster_sha256 = roster_digest(federation=config.federation_id, keys=keys)
         with self.lock:
@@ -200,6 +203,7 @@ class RoundMachine(StoreContext):
         mode = self.mode_of(view)
         sums = mode.sums(view, self)
         if sums is not None:
+            self.note_decoded(view.round_id, dict.fromkeys(sums, mode.contributors(view)))
             self.store.audit(
                 "sums-decoded",
                 {
@@ -353,27 +357,47 @@ class RoundMachine(StoreContext):
         self, view: RoundView, stage: int, *, reason: str, detail: dict[str, object]
     ) -> None:
         """The federation-log statement of a round's end (inside its transition): a release
-        names the survivors its sums were unmasked or decrypted over and what was published."""
+        names the survivors its sums were unmasked or decrypted over and what was published. A
+        round aborted after its sums were decoded logs its release too (``"published": false``)
+        before its abort: the coordinator learned those sums, so every site's whole-history
+        audit (M-206) must count them."""
         if stage == Stage.ABORTED:
+            decoded = self.decoded.get(view.round_id)  # a VALIDATING round's is logged already
+            if decoded:
+                fields = self._release_fields(view, decoded=decoded)
+                self.store.append_log("release", {**fields, "published": False})
             self.store.append_log("round-aborted", {"round_id": view.round_id, "reason": reason})
         elif detail:  # PUBLISHED or VALIDATING, with what the round published
-            run = self.run_of(view)
-            survivors = sorted(run.mode.contributors(view))
-            fields = {
-                "round_id": view.round_id,
-                "run_id": run.run_id,
-                "survivors": survivors,
-                "releases": [  # what every site's whole-history audit reads (M-206)
-                    {
-                        "name": r.name,
-                        "kind": cpb.StatisticKind.Name(cpb.StatisticKind.ValueType(r.kind)),
-                        "classes": list(r.class_names),
-                        "members": list(r.members),
-                    }
-                    for r in view.releases
-                ],
-            }
-            self.store.append_log("release", {**fields, **detail})
+            self.store.append_log("release", {**self._release_fields(view), **detail})
+        if stage in Stage.FINAL or detail:
+            self.decoded.pop(view.round_id, None)
+
+    def _release_fields(
+        self, view: RoundView, *, decoded: Mapping[str, Sequence[str]] | None = None
+    ) -> dict[str, object]:
+        """A release statement's round, run, survivors and releases (what M-206 audits); with
+        ``decoded`` (an aborted round), only those releases, each over the sites in its sum."""
+        run = self.run_of(view)
+        releases = [r for r in view.releases if decoded is None or r.name in decoded]
+        survivors = (
+            run.mode.contributors(view)
+            if decoded is None
+            else {s for sites in decoded.values() for s in sites}
+        )
+        return {
+            "round_id": view.round_id,
+            "run_id": run.run_id,
+            "survivors": sorted(survivors),
+            "releases": [
+                {
+                    "name": r.name,
+                    "kind": cpb.StatisticKind.Name(cpb.StatisticKind.ValueType(r.kind)),
+                    "classes": list(r.class_names),
+                    "members": list(r.members if decoded is None else decoded[r.name]),
+                }
+                for r in releases
+            ],
+        }
 
     def _abort(
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None

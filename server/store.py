@@ -292,6 +292,11 @@ def _run_row(r: Sequence[Any]) -> RunRow:
 class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing and unanchored)."""
 
+    @property
+    def federation_id(self) -> str:
+        """The federation this state belongs to."""
+        return self._federation_id
+
     def __init__(self, state_dir: Path, *, federation_id: str, read_only: bool = False) -> None:
         """``read_only`` (`afl-server status`): open an existing state without writing to it or
         checking its anchor, even while the server runs; :class:`StateError` when there is none."""

@@ -15,6 +15,7 @@ without a coordinator-side round of its own.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -143,7 +144,51 @@ class FederationLog:
         found = self.store.log_index(leaf_hash(statement))
         if found is not None:
             return found
+        self._check_release_bound(site_id, entry)
         return self.store.append_log("dp-release", fields)
+
+    def _check_release_bound(self, site_id: str, entry: dict[str, object]) -> None:
+        """A site's ledger holds one entry per round whose signed plan it recorded, numbered
+        1, 2, ... (:mod:`afl.client.policy.ledger`): so the log takes a dp-release with the
+        next number, not already logged for the site's round, and for a round of this
+        coordinator only with that round's plan. An entry for a round this coordinator never had
+        is an entry of an earlier log of the federation (a new coordinator after a lost state:
+        the site carries its spend over, M-196), so it must have been recorded before this log
+        began. Residual: a site may still append backdated entries of made-up rounds; each one
+        is a signed entry of its own ledger (it spends its own budget) and the log records who
+        sent it."""
+        round_id, plan_sha256 = str(entry.get("round_id", "")), entry.get("plan_sha256")
+        row = self.store.round(round_id)
+        if row is not None and (
+            row.plan is None or hashlib.sha256(row.plan).hexdigest() != plan_sha256
+        ):
+            raise NotPermittedError(
+                f"a dp-release names round {round_id!r} with a plan this coordinator did not "
+                "sign for it: a site logs the releases of signed plans only"
+            )
+        first = self.store.log_entries(0, 1)
+        recorded = entry.get("recorded_unix_ms")
+        if row is None and first and (not isinstance(recorded, int) or recorded >= first[0][3]):
+            raise NotPermittedError(
+                f"a dp-release names round {round_id!r}, which this coordinator never had, and "
+                "was recorded after its log began: a site logs the releases of signed plans only"
+            )
+        logged = [
+            decode_statement(statement, federation=self.federation_id)[1]
+            for _, kind, statement, _ in self.store.log_entries(0, self.store.log_size())
+            if kind == "dp-release"
+        ]
+        mine = [f["entry"] for f in logged if f.get("site") == site_id]
+        if any(isinstance(e, dict) and e.get("round_id") == round_id for e in mine):
+            raise NotPermittedError(
+                f"the log already holds a dp-release of {site_id} for round {round_id!r}: a "
+                "ledger has one entry per round"
+            )
+        if entry.get("seq") != len(mine) + 1:
+            raise NotPermittedError(
+                f"a dp-release of {site_id} is ledger entry {entry.get('seq')!r}; the log holds "
+                f"{len(mine)} of its entries, so the next is {len(mine) + 1}"
+            )
 
     def consistency(self, old_size: int, new_size: int) -> list[bytes]:
         """RFC 9162 PROOF(old_size, D[new_size]) between two sizes this log has had."""

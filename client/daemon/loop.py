@@ -41,8 +41,8 @@ from afl.client.daemon.state import DaemonState, plan_summary
 from afl.client.daemon.transparency import (
     IDLE_WITNESS_S,
     QUORUM_POLL_S,
+    LogEvidence,
     LogWitness,
-    SplitViewDetected,
 )
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
@@ -403,7 +403,7 @@ class ClientDaemon:
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         try:
             self.log_witness.witness(self.rpc.call)
-        except SplitViewDetected:
+        except LogEvidence:
             raise
         except DaemonError as exc:
             log.warning("site=%s could not witness the federation log: %s", self.site_id, exc)
@@ -708,6 +708,11 @@ class ClientDaemon:
             report=report,
             candidate=candidate,
         )
+        # The log's statement of what this round released is what every other site's
+        # whole-history audit reads: its members check it (M-230).
+        self.log_witness.check_release(
+            self.rpc.call, plan, survivors=self.store.survivors(round_id)
+        )
 
     def round_session(
         self,
@@ -962,7 +967,7 @@ class ClientDaemon:
                 continue
             except (DaemonError, VerificationError, ValueError) as exc:
                 code = self._finish(report, pb.CLIENT_OUTCOME_FAILED, str(exc))
-                if not serve or isinstance(exc, SplitViewDetected):
+                if not serve or isinstance(exc, LogEvidence):
                     raise
                 log.error("site=%s round %s failed: %s", self.site_id, status.round_id, exc)
                 continue

@@ -107,6 +107,14 @@ class DaemonState:
                 r["survivors"] = sorted(m for m in r["members"] if m in alive)
         dump_json(self.history_path, {"releases": rows})
 
+    def survivors(self, round_id: str) -> set[str] | None:
+        """The survivors this site recorded for ``round_id`` (:meth:`record_survivors`: the list
+        it signed in a masked round's consistency check); None when it recorded none."""
+        rows = [r for r in self._history_rows() if r["round_id"] == round_id]
+        if not rows or not all("survivors" in r for r in rows):
+            return None
+        return {s for r in rows for s in r["survivors"]}
+
     def _rounds_where(self, keep: Callable[[dict[str, Any]], bool]) -> set[str]:
         """Round ids whose local report satisfies ``keep``."""
         found = set()

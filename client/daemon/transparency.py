@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from afl.client.config import ClientConfig
 from afl.client.daemon.transport import DaemonError
 from afl.client.payloads.stats import dump_json
+from afl.client.policy.loghistory import logged_release_problem
 from afl.client.policy.roster import kit_roster
 from afl.crypto.identity.signatures import load_public_key_raw
 from afl.crypto.transparency.checkpoint import (
@@ -52,6 +53,7 @@ from afl.crypto.transparency.merkle import (
 from afl.crypto.transparency.statements import StatementError, decode_statement, plan_statement
 from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
 from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "IDLE_WITNESS_S",
     "QUORUM_POLL_S",
     "WITNESS_STATE",
+    "LogEvidence",
     "LogWitness",
     "SplitViewDetected",
     "checkpoint_from_json",
@@ -78,7 +81,12 @@ EVIDENCE_DIR = "log-evidence"
 Call = Callable[[str, Any], Any]
 
 
-class SplitViewDetected(DaemonError):
+class LogEvidence(DaemonError):
+    """The coordinator's federation log contradicts what this site verified itself; the
+    evidence is kept in ``state_dir/log-evidence/`` and the site stops."""
+
+
+class SplitViewDetected(LogEvidence):
     """The coordinator signed two inconsistent checkpoints; both are kept as evidence."""
 
 
@@ -309,6 +317,27 @@ class LogWitness:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, max_poll_s)
+
+    def check_release(
+        self, call: Call, plan: cpb.ReleasePlan, *, survivors: Collection[str] | None
+    ) -> None:
+        """Witness the newest checkpoint and check the log's `release` statement of ``plan``'s
+        published round against the plan and the survivors this site signed
+        (:func:`afl.client.policy.loghistory.logged_release_problem`, M-230);
+        :class:`LogEvidence` naming the difference and the evidence file otherwise."""
+        answer = self.witness(call)
+        problem = logged_release_problem(plan, self.statements(call, answer), survivors=survivors)
+        if problem:
+            path = self._evidence(
+                f"release-{plan.round_id}",
+                {
+                    "reason": problem,
+                    "checkpoint": checkpoint_to_json(wire.checkpoint_from_proto(answer.checkpoint)),
+                    "plan_round_id": plan.round_id,
+                    "survivors_signed": sorted(survivors) if survivors is not None else None,
+                },
+            )
+            raise LogEvidence(f"{problem}: {path}")
 
     def statements(
         self, call: Call, answer: pb.CosignedLogCheckpoint

@@ -18,7 +18,7 @@ evaluation statistics depend on the run's model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from afl.client.policy.plan import audit_view
@@ -30,7 +30,13 @@ from afl.core.audit.history import (
 )
 from afl.proto.v1 import common_pb2 as cpb
 
-__all__ = ["DATA_KINDS", "LogHistoryError", "logged_rounds", "whole_history_problem"]
+__all__ = [
+    "DATA_KINDS",
+    "LogHistoryError",
+    "logged_release_problem",
+    "logged_rounds",
+    "whole_history_problem",
+]
 
 #: The statistic kinds whose per-site values every run sums alike.
 DATA_KINDS = frozenset({cpb.STATISTIC_KIND_GRAM, cpb.STATISTIC_KIND_CLASS_VECTOR})
@@ -113,3 +119,59 @@ def whole_history_problem(
     if not exposed:
         return "", detail
     return history_refusal(exposed, round_id=plan.round_id, rule=RULE), detail
+
+
+def logged_release_problem(
+    plan: cpb.ReleasePlan,
+    statements: Iterable[tuple[str, Mapping[str, Any]]],
+    *,
+    survivors: Collection[str] | None,
+) -> str:
+    """Why the log's `release` statement of this site's published round misstates it ("" when
+    it does not; docs/protocol.md M-230). Every other site's whole-history audit reads the
+    statement, and only the round's members can check it: it must exist, list exactly the
+    plan's releases (name, kind, classes, planned members), and name as survivors sites of the
+    plan only, and, when this site learned them (MASK: the survivor list it signed in the
+    consistency check), exactly those."""
+    found = [
+        f
+        for kind, f in statements
+        if kind == "release" and f.get("round_id") == plan.round_id and f.get("published", True)
+    ]
+    if not found:
+        return f"the federation log holds no release statement of round {plan.round_id}"
+    fields = found[-1]
+    docs = fields.get("releases")
+    logged = {
+        str(d.get("name")): d
+        for d in (docs if isinstance(docs, list) else [])
+        if isinstance(d, Mapping)
+    }
+    planned = {r.name: r for r in plan.releases}
+    if set(logged) != set(planned):
+        return (
+            f"the federation log's release statement of round {plan.round_id} names releases "
+            f"{sorted(logged)}, the signed plan {sorted(planned)}"
+        )
+    for name, r in planned.items():
+        d = logged[name]
+        stated = (d.get("kind"), d.get("classes"), sorted(d.get("members") or []))
+        signed = (cpb.StatisticKind.Name(r.kind), list(r.class_names), sorted(r.member_site_ids))
+        if stated != signed:
+            return (
+                f"the federation log states release {name} of round {plan.round_id} as "
+                f"{stated}, the signed plan as {signed}"
+            )
+    logged_survivors = set(_strings(fields.get("survivors"), f"the survivors of {plan.round_id}"))
+    if not logged_survivors <= set(plan.participants):
+        extra = sorted(logged_survivors - set(plan.participants))
+        return (
+            f"the federation log names {extra} as survivors of round {plan.round_id}, which "
+            "its signed plan does not have"
+        )
+    if survivors is not None and logged_survivors != set(survivors):
+        return (
+            f"the federation log names survivors {sorted(logged_survivors)} for round "
+            f"{plan.round_id}; this site signed {sorted(survivors)} in its consistency check"
+        )
+    return ""

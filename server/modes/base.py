@@ -130,6 +130,11 @@ class RoundContext(Protocol):
         with the federation's earlier releases ("" when not; docs/protocol.md §6, M-124)."""
         ...
 
+    def note_decoded(self, round_id: str, contributors: Mapping[str, Sequence[str]]) -> None:
+        """The coordinator decoded the sums of these releases (name -> the sites in each sum):
+        if the round aborts, its federation-log `release` statement still names them (M-209)."""
+        ...
+
 
 class RoundAccess(Protocol):
     """What a mode's request handlers may use of the coordinator (all under :attr:`lock`)."""

@@ -21,6 +21,12 @@ class StoreContext:
 
     store: Store
     clock: Callable[[], float]
+    #: round -> {release: the sites in its decoded sum} of rounds whose sums were decoded and
+    #: not yet logged as released (:meth:`note_decoded`; the round machine logs them).
+    decoded: dict[str, dict[str, tuple[str, ...]]]
+
+    def note_decoded(self, round_id: str, contributors: Mapping[str, Sequence[str]]) -> None:
+        self.decoded[round_id] = {name: tuple(sites) for name, sites in contributors.items()}
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)

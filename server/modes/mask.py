@@ -370,6 +370,7 @@ class MaskMode:
         if result.withheld:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(result.withheld.items()))
             decoded = sorted(result.sums)
+            ctx.note_decoded(view.round_id, {n: result.contributors[n] for n in decoded})
             ctx.audit(
                 "mask-withheld",
                 {

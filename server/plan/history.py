@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from afl.core.audit import history as core_history
 from afl.core.leakage import Exposure, LeakageReport
+from afl.crypto.transparency.statements import decode_statement
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.plan.release import PlannedRelease, leakage_rows, releases_from_plan
@@ -94,7 +95,10 @@ def stored_history(
 ) -> list[tuple[str, list[PlannedRelease]]]:
     """Every published training round's data releases (Gram, class vectors: the statistics of a
     site's data that every run sums alike), cut to the model's contributors; a gated round's
-    too, whatever the gate decided (its sums were released to solve the candidate)."""
+    too, whatever the gate decided (its sums were released to solve the candidate); and a round
+    aborted after its sums were decoded, over the survivors of its unpublished `release`
+    statement in the federation log (M-209)."""
+    unpublished = _unpublished(store)
     released: list[ReleasedRound] = []
     for row in store.rounds():
         if not row.plan or row.round_id == exclude_round:
@@ -104,11 +108,30 @@ def stored_history(
         if solved is None and (candidate := store.candidate(row.round_id)) is not None:
             solved = candidate[0]
         releases = [r for r in releases_from_plan(row.plan) if r.kind in _DATA_KINDS]
-        if not releases or solved is None:
+        if solved is not None:
+            contributors = tuple(pb.Model.FromString(solved).contributors)
+        elif row.round_id in unpublished:
+            contributors = unpublished[row.round_id]
+        else:
             continue
-        contributors = tuple(pb.Model.FromString(solved).contributors)
-        released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
+        if releases:
+            released.append(ReleasedRound(row.round_id, row.run_id, releases, contributors))
     return released_history(released)
+
+
+def _unpublished(store: Store) -> dict[str, tuple[str, ...]]:
+    """round -> survivors of the log's `release` statements of rounds aborted after their sums
+    were decoded (``"published": false``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for _, kind, entry, _ in store.log_entries(0, store.log_size()):
+        if kind != "release":
+            continue
+        fields = decode_statement(entry, federation=store.federation_id)[1]
+        if fields.get("published") is False and isinstance(
+            survivors := fields.get("survivors"), list
+        ):
+            out[str(fields.get("round_id"))] = tuple(str(s) for s in survivors)
+    return out
 
 
 def history_audit(

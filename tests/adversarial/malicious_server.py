@@ -35,6 +35,9 @@ members of the targeted release):
   signs, consistency proofs and entries of the forged tree, their cosignatures kept apart), the
   others see the true log; once a site of the group cosigned a forged checkpoint, it is shown the
   true one (the coordinator needs its cosignature for a quorum).
+* ``misstate-release`` (mask): the federation log's `release` statement of a published round
+  names one survivor fewer than the sums hold (the last site): every other site's whole-history
+  audit would then count that site's statistics as never released.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -89,6 +92,7 @@ ATTACKS = (
     "weaken-graph",
     "crafted-model-dp",
     "split-view",
+    "misstate-release",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -432,6 +436,20 @@ def _split_view() -> None:
     Coordinator.log_cosign = log_cosign  # type: ignore[method-assign]
 
 
+def _misstate_release() -> None:
+    from afl.server.rounds import RoundMachine
+
+    honest = RoundMachine._release_fields
+
+    def misstated(self: RoundMachine, view: Any, *, decoded: Any = None) -> dict[str, object]:
+        fields = honest(self, view, decoded=decoded)
+        survivors = fields["survivors"]
+        assert isinstance(survivors, list)
+        return {**fields, "survivors": survivors[:-1]}
+
+    RoundMachine._release_fields = misstated  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -456,6 +474,8 @@ def main() -> int:
         _publish_crafted()
     if attack == "split-view":
         _split_view()
+    if attack == "misstate-release":
+        _misstate_release()
     return daemon.main(args)
 
 

@@ -5,14 +5,16 @@ stand-in (the site's :class:`~afl.client.daemon.transparency.LogWitness` calls t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.client.daemon.transport import DaemonError
+from afl.crypto.transparency.statements import decode_statement
 from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError
 from afl.server.store import EnrolmentRow, Store
@@ -61,6 +63,33 @@ class LogService:
             )  # fmt: skip
         self.store.update_round(round_id, stage=2, deadline_ms=0, plan=plan, plan_signature=b"s")
         return hashlib.sha256(plan).digest()
+
+    def publish_release(self, round_id: str, plan: bytes, *, survivors: Sequence[str]) -> None:
+        """Log the `release` statement of ``round_id`` (the signed ``plan``'s releases over
+        ``survivors``) once, as the coordinator does when it publishes the round's model."""
+        if any(
+            kind == "release" and decode_statement(entry, federation=self.log.federation_id)[1].get("round_id") == round_id
+            for _, kind, entry, _ in self.store.log_entries(0, self.store.log_size())
+        ):  # fmt: skip
+            return
+        releases = cpb.ReleasePlan.FromString(plan).releases
+        self.store.append_log(
+            "release",
+            {
+                "round_id": round_id,
+                "run_id": "run-1",
+                "survivors": sorted(survivors),
+                "releases": [
+                    {
+                        "name": r.name,
+                        "kind": cpb.StatisticKind.Name(r.kind),
+                        "classes": list(r.class_names),
+                        "members": list(r.member_site_ids),
+                    }
+                    for r in releases
+                ],
+            },
+        )
 
     def call(self, what: str, request: Any) -> Any:
         if what == "GetCheckpoint":

@@ -32,11 +32,13 @@ import pytest
 
 from afl.core.aggregation import federated_solve
 from afl.core.stats import LocalStats
+from afl.crypto.transparency.statements import decode_statement
 from afl.ops.provisioning import ProvisionedFederation
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
 from afl.server.daemon.main import CoordinatorServer
 from afl.server.limits import StreamLimits
+from afl.server.plan.history import stored_history
 from afl.server.rounds import Stage
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
@@ -145,6 +147,20 @@ def test_overflowing_sums_abort_the_round_and_a_restarted_server_starts(
     assert status.abort_reason == reason
     assert any(r.message == "solve failed" and r.reason == reason[14:] for r in caplog.records)  # type: ignore[attr-defined]
     servers[-1].stop(None)
+    # The coordinator decoded the sums before the solve failed: the federation log records
+    # their release (unpublished) before the abort, so every site's whole-history audit counts it.
+    store = Store(state, federation_id="fed-robust")
+    logged = [
+        (kind, decode_statement(entry, federation="fed-robust")[1])
+        for _, kind, entry, _ in store.log_entries(0, store.log_size())
+    ]
+    history = dict(stored_history(store))  # the coordinator's own audit (M-124) counts it
+    store.close()
+    assert {m for r in history[config.round_id] for m in r.members} == set(SITES)
+    ends = [(k, f) for k, f in logged if f.get("round_id") == config.round_id and k != "plan"]
+    assert [k for k, _ in ends] == ["release", "round-aborted"], ends
+    assert ends[0][1]["published"] is False
+    assert ends[0][1]["survivors"] == sorted(SITES)
     # What a server without this check left behind: the round stuck in SOLVING on the stored
     # overflowing uploads. A restart must start, and abort the round with the reason.
     store = Store(state, federation_id="fed-robust")

@@ -100,6 +100,8 @@ class Coordinator:
             return self.config(request.round_id)
         if what == "GetModel":
             cfg = self.config(request.round_id)
+            # published: the round's release is in the log (what the site checks, M-230)
+            self.log.publish_release(request.round_id, cfg.release_plan.plan, survivors=SITES)
             return build_signed_model(
                 np.zeros((D, len(CLASSES))), identity_key=self.server_key, federation_id=FED,
                 round_id=request.round_id, round_number=cfg.round_number, classes=CLASSES, gamma=1.0, backbone="test",

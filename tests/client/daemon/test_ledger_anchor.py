@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -20,10 +22,11 @@ from afl.client.daemon.anchor import (
 )
 from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
-from afl.client.policy.ledger import DpLedger, LedgerError
+from afl.client.policy.ledger import DpLedger, LedgerEntry, LedgerError
 from afl.core.dp.accounting import compose_mu
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency.statements import decode_statement
+from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import NotPermittedError
 from tests.helpers.fedlog import LogService
 
@@ -31,6 +34,7 @@ FED = "fed-anchor"
 COORDINATOR = generate_identity_key()
 SITES = {f"site-{i}": generate_identity_key() for i in (1, 2, 3)}
 ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
+PLAN = b"a signed release plan"
 REBUILD = "afl-client budget --rebuild-from-log --config client.toml"
 
 
@@ -59,10 +63,12 @@ def _anchor(state: Path) -> LedgerAnchor:
 
 
 def _spend(anchor: LedgerAnchor, coordinator: LogService, round_id: str, mu: float) -> None:
-    """What the daemon does before an upload: record the entry, then publish it."""
+    """What the daemon does before an upload: record the entry, then publish it (the round's
+    plan is in the coordinator's store: the log takes dp-releases of signed plans only)."""
+    plan_sha256 = coordinator.publish_plan(round_id, PLAN).hex()
     entry = anchor.ledger.record(
         federation_id=FED, round_id=round_id, round_number=1, run_id=round_id,
-        plan_sha256=round_id.encode().hex().ljust(64, "0"), aggregation="AGGREGATION_MODE_MASK",
+        plan_sha256=plan_sha256, aggregation="AGGREGATION_MODE_MASK",
         unit="patient", images_per_patient=2, delta=1e-6, mu=mu, epsilon=4.0 * mu,
         releases=({"name": "gram", "sensitivity": 1.0, "sigma": 1.0 / mu},),
     )  # fmt: skip
@@ -144,6 +150,7 @@ def test_an_entry_not_yet_published_is_published_at_start_up(tmp_path: Path) -> 
         }
         | {"round_id": "round-c"}
     )  # fmt: skip  (the site stopped before publishing it)
+    coordinator.publish_plan("round-c", PLAN)
     size = coordinator.store.log_size()
     _anchor(tmp_path / "site").reconcile(coordinator.call)
     assert coordinator.store.log_size() == size + 1
@@ -160,6 +167,36 @@ def test_the_coordinator_refuses_a_statement_the_site_did_not_sign(tmp_path: Pat
     mine = release_statement(SITES["site-1"], federation=FED, site="site-1", entry=entry)
     with pytest.raises(NotPermittedError, match="names site 'site-1', the caller is 'site-2'"):
         coordinator.log.record_dp_release("site-2", mine)
+
+
+def test_the_log_takes_one_statement_per_signed_round_in_ledger_order(tmp_path: Path) -> None:
+    """An enrolled site cannot grow the log at will: a dp-release needs a round whose plan the
+    coordinator signed, one per round, numbered after the site's logged entries."""
+    coordinator, anchor = _two_releases(tmp_path)
+    coordinator.publish_plan("round-c", PLAN)
+    size = coordinator.store.log_size()
+    key, first = SITES["site-1"], anchor.ledger.entries()[0].to_json()
+
+    def statement(**change: object) -> bytes:
+        entry = LedgerEntry.from_json(first | change)
+        return release_statement(key, federation=FED, site="site-1", entry=entry)
+
+    cases = {
+        "which this coordinator never had": statement(
+            round_id="round-z", seq=3, recorded_unix_ms=2**62
+        ),
+        "did not sign for it": statement(round_id="round-b", plan_sha256="00" * 32, seq=3),
+        "already holds a dp-release of site-1 for round 'round-a'": statement(seq=3, mu=0.01),
+        "the next is 3": statement(round_id="round-c", seq=5),
+    }
+    for why, forged in cases.items():
+        with pytest.raises(NotPermittedError, match=why):
+            coordinator.log.record_dp_release("site-1", forged)
+    assert coordinator.store.log_size() == size
+    # The same statement again is not a second one: its index.
+    again = release_statement(key, federation=FED, site="site-1", entry=anchor.ledger.entries()[0])
+    assert coordinator.log.record_dp_release("site-1", again) < size
+    assert coordinator.log.record_dp_release("site-1", statement(round_id="round-c", seq=3)) == size
 
 
 def test_a_forged_statement_in_the_log_is_refused_by_the_site(tmp_path: Path) -> None:
@@ -214,3 +251,28 @@ def test_rebuild_refuses_without_a_quorum_and_over_a_different_ledger(tmp_path: 
         ).witness(coordinator.call)  # fmt: skip
     with pytest.raises(LedgerError, match="move it aside"):
         rebuild_ledger(coordinator.call, anchor.witness, anchor.ledger, quorum_wait_s=5)
+
+
+def test_a_coordinator_that_drops_the_statement_gets_no_upload(tmp_path: Path) -> None:
+    """RecordDpRelease answered but the statement never appended: the site finds no inclusion
+    proof in the newest checkpoint it witnessed and stops before its upload (M-195)."""
+    coordinator = _coordinator(tmp_path / "server")
+    anchor = _anchor(tmp_path / "site")
+    anchor.reconcile(coordinator.call)
+    honest = coordinator.call
+
+    def dropping(what: str, request: object) -> object:
+        if what == "RecordDpRelease":
+            return pb.LogProof(index=0)  # an answer, and nothing logged
+        return honest(what, request)
+
+    size = coordinator.store.log_size()
+    with pytest.raises(DaemonError, match="does not hold this site's dp-release of round round-a"):
+        _spend(
+            anchor,
+            cast(LogService, SimpleNamespace(call=dropping, publish_plan=coordinator.publish_plan)),
+            "round-a",
+            0.5,
+        )
+    assert coordinator.store.log_size() == size + 1  # the round's plan only
+    assert anchor.logged == []  # not counted as published: the next start publishes it again

@@ -12,7 +12,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
+from afl.client.policy.loghistory import (
+    LogHistoryError,
+    logged_release_problem,
+    logged_rounds,
+    whole_history_problem,
+)
 from afl.client.policy.plan import audit_view
 from afl.core.audit.history import history_exposures, history_releases
 from afl.crypto.transparency.statements import decode_statement, statement_bytes
@@ -158,3 +163,45 @@ def test_a_small_group_is_refused_and_what_was_known_before_is_not() -> None:
         whole_history_problem(_plan("r3", FIVE), rounds=logged_rounds(old), min_cohort=3)[0] == ""
     )
     assert whole_history_problem(_plan("r3", FIVE), rounds=[], min_cohort=3) == ("", None)
+
+
+def _stated(round_id: str, members: Sequence[str], survivors: Sequence[str], **extra: object
+            ) -> list[tuple[str, dict[str, object]]]:  # fmt: skip
+    """The log's statements of a round whose release statement lists the plan's data releases
+    over ``members`` and ``survivors`` (with ``extra`` fields)."""
+    fields = {"round_id": round_id, "run_id": "run-1", "survivors": sorted(survivors),
+              "releases": _releases(members)[:3], **extra}  # fmt: skip
+    entry = statement_bytes(federation=FED, kind="release", fields=fields)
+    return [decode_statement(entry, federation=FED)]
+
+
+def test_a_member_checks_the_log_s_statement_of_its_round_against_what_it_signed() -> None:
+    """M-230: every other site's whole-history audit reads the round's release statement; the
+    round's members check it states the plan's releases and the survivors they signed."""
+    plan = _plan("r1", FIVE)
+    assert logged_release_problem(plan, _stated("r1", FIVE, FIVE), survivors=set(FIVE)) == ""
+    assert logged_release_problem(plan, _stated("r1", FIVE, FIVE[:4]), survivors=None) == ""
+    problems = {
+        # the log hides that site-5 is in the sums (a later run over site-1..4 would then look
+        # like no difference to it)
+        "site-5": logged_release_problem(plan, _stated("r1", FIVE, FIVE[:4]), survivors=FIVE),
+        "not-a-site": logged_release_problem(
+            plan, _stated("r1", FIVE, [*FIVE, "not-a-site"]), survivors=None
+        ),
+        "the signed plan as": logged_release_problem(
+            plan, _stated("r1", FIVE[:4], FIVE), survivors=None
+        ),
+        "no release statement of round r1": logged_release_problem(
+            plan, _stated("r1", FIVE, FIVE, published=False), survivors=None
+        ),
+        "names releases": logged_release_problem(
+            cpb.ReleasePlan(round_id="r1", participants=FIVE, releases=plan.releases[:1]),
+            _stated("r1", FIVE, FIVE),
+            survivors=None,
+        ),
+    }
+    for expected, problem in problems.items():
+        assert expected in problem and "r1" in problem, (expected, problem)
+    assert "no release statement of round r2" in logged_release_problem(
+        _plan("r2", FIVE), _stated("r1", FIVE, FIVE), survivors=None
+    )

@@ -82,6 +82,7 @@ class _Context:
     """The round context of a mode, with uploads kept in memory."""
 
     def __init__(self) -> None:
+        self.decoded: dict[str, dict[str, tuple[str, ...]]] = {}
         self.payloads: dict[tuple[str, str], bytes] = {}
         self.journal: list[MessageRow] = []
         self.audits: list[tuple[str, dict[str, Any]]] = []
@@ -114,6 +115,9 @@ class _Context:
 
     def exposes_history(self, view: Any, releases: Any, members: Any) -> str:
         return ""  # no earlier runs in these unit tests
+
+    def note_decoded(self, round_id: str, contributors: Mapping[str, Any]) -> None:
+        self.decoded[round_id] = {name: tuple(sites) for name, sites in contributors.items()}
 
     def row_bounds(self, site_id: str) -> Any:
         return None  # mask does not read the declarations through the context
@@ -260,3 +264,6 @@ def test_a_withheld_release_states_the_sums_the_coordinator_decoded() -> None:
     assert detail["decoded"] == [{"release": decoded_name, "sha256": oracle}]
     assert detail["withheld"] == {withheld_name: "fewer than the release minimum 3"}
     assert "r1-x" not in mode._sums  # nothing kept for a solve
+    # ... and the round machine is told, so the federation log's release statement of the
+    # aborted round names the decoded release over the sites in its sum (M-209).
+    assert ctx.decoded == {"r1-x": {decoded_name: tuple(SITES[:3])}}
