@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from afl.flower.envelope import MESSAGE_TYPE, RECORD, EnvelopeError, ToSite, from_site
 from afl.flower.relay import RelayOutcome, Reply, serve_federation
-from afl.server.errors import ConfigError, StateError
+from afl.server.errors import ConfigError, RefusedError, StateError
 
 __all__ = ["GridTransport", "app", "make_app", "serve"]
 
@@ -91,7 +91,7 @@ def make_app(defaults: Mapping[str, object] | None = None) -> ServerApp:
     def main(grid: Grid, context: Context) -> None:
         try:
             outcome = serve(grid, {**(defaults or {}), **context.run_config})
-        except (ConfigError, StateError) as exc:
+        except (ConfigError, RefusedError, StateError) as exc:
             log.error("afl: %s", exc)
             raise RuntimeError(f"afl: {exc}") from None
         log.info(

@@ -12,6 +12,7 @@ __all__ = [
     "DiskFullError",
     "InvalidRequestError",
     "NotPermittedError",
+    "RefusedError",
     "ServerError",
     "StateError",
     "WrongStageError",
@@ -32,6 +33,11 @@ class NotPermittedError(ServerError):
 
 class WrongStageError(ServerError):
     """The request does not fit the round's stage, or names another (or no) round."""
+
+
+class RefusedError(ServerError):
+    """The privacy rules refuse the request: a submitted run whose first plan would expose a
+    site's statistics with the federation's history (docs/protocol.md M-124)."""
 
 
 class ConflictError(ServerError):

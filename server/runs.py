@@ -13,10 +13,11 @@ from typing import Any
 
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import RoundSettings, ServerConfig, run_settings, settings_table
-from afl.server.errors import WrongStageError
+from afl.server.errors import RefusedError, WrongStageError
 from afl.server.modes.base import AggregationMode, ModeEnvironment
 from afl.server.modes.ckks_context import CkksContexts
 from afl.server.modes.registry import mode_for
+from afl.server.plan.history import submission_audit
 from afl.server.store import ENDED_RUN_STATES, EnrolmentRow, RunRow, Store
 
 __all__ = ["Run", "Runs"]
@@ -102,7 +103,8 @@ class Runs:
         if self.store.run_count():
             return
         legacy = bool(self.store.rounds())
-        run_id = self.submit("initial", settings_table(self.config.round), by="server.toml")
+        table = settings_table(self.config.round)  # no history but a legacy folder's own rounds
+        run_id = self.submit("initial", table, by="server.toml", audit=False)
         if legacy:
             with self.store.transaction():
                 self.store.attach_rounds(run_id)
@@ -133,9 +135,25 @@ class Runs:
         queued = self.store.runs(state="queued")
         return self.get(queued[0].run_id) if queued else None
 
-    def submit(self, name: str, table: Mapping[str, Any], *, by: str) -> str:
-        """Queue a run with the [round] settings ``table``; returns its id."""
+    def submit(self, name: str, table: Mapping[str, Any], *, by: str, audit: bool = True) -> str:
+        """Queue a run with the [round] settings ``table``; returns its id.
+
+        With ``audit``, the run's first plan, predicted over every member it names, is audited
+        with the federation's released history first (:func:`submission_audit`, M-124): a run
+        that would expose a site is not stored; its "run-submit-refused" record is, and
+        :class:`RefusedError` says which site, through which releases, and what to do instead.
+        A run whose members or coverage are not known at submission, or with DP, passes: the
+        plan-time audit stays the gate. A coordinator operator who skips this audit is held
+        only by the sites' own audit (docs/protocol.md M-206)."""
         settings = run_settings(table, source=f"run {name!r}", sites=self.config.sites)
+        if audit:
+            refusal, refused = submission_audit(self.store, settings, name=name)
+            if refusal:
+                assert refused is not None
+                with self.store.transaction():
+                    self.store.audit("run-submit-refused", {"by": by, **refused})
+                log.warning("run refused at submission", extra={"run": name, "reason": refusal})
+                raise RefusedError(refusal)
         run_id = f"run-{self.store.run_count() + 1}"
         detail = {
             "run_id": run_id,

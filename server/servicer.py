@@ -43,6 +43,7 @@ from afl.server.errors import (
     DiskFullError,
     InvalidRequestError,
     NotPermittedError,
+    RefusedError,
     WrongStageError,
 )
 from afl.server.limits import IdleStreamError, LimitExceededError, SiteStreams, idle_limited
@@ -66,6 +67,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotPermittedError, grpc.StatusCode.PERMISSION_DENIED),
     (WrongStageError, grpc.StatusCode.FAILED_PRECONDITION),
+    (RefusedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -13,7 +13,10 @@ the PUBLIC context (no secret, Galois or relinearization keys) and publish a sig
 
 Loop: ``GetDecryptionJobs`` for the current round. For each round, :class:`RoundDecryptor`
 verifies the server's signature on the release plan (key from the kit), refuses plans not in CKKS
-mode, opens the sealed tags and builds an :class:`afl.crypto.ckks.decrypt.Decryptor`. A site's
+mode, plans whose roster digest is not the one of its kit's roster (``[peers]`` and itself) and
+plans naming a participant the federation CA revoked (``[tls] crl``; both checks are the sites'
+own, :mod:`afl.client.policy.roster`, M-224), opens the sealed tags and builds an
+:class:`afl.crypto.ckks.decrypt.Decryptor`. A site's
 tags count only if that site signed them with its identity key from this decryptor's kit
 ([peers]) for this federation, round, plan digest and this decryptor's tag key
 (:func:`afl.crypto.ckks.wire.open_tags`): tags the server sealed itself "from" a site are
@@ -58,6 +61,12 @@ from afl.client.daemon.transport import (
     retry_policy,
 )
 from afl.client.daemon.verify import VerificationError, verify_signed_plan
+from afl.client.policy.roster import (
+    kit_revocations,
+    kit_roster,
+    revoked_participant,
+    roster_mismatch,
+)
 from afl.core.influence import InfluenceBound, class_vector_problem, gram_problem
 from afl.core.packing import unpack_upper
 from afl.crypto import kdf
@@ -78,6 +87,7 @@ from afl.crypto.errors import (
     CryptoError,
 )
 from afl.crypto.identity import pki, signatures
+from afl.crypto.identity.revocation import PeerRevocations
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -184,9 +194,15 @@ class RoundDecryptor:
         server_key: bytes,
         federation_id: str,
         peers: Mapping[str, bytes],
+        roster: Mapping[str, bytes],
+        revocations: PeerRevocations | None = None,
         ledger: DecryptionLedger | None = None,
         site_bound: InfluenceBound | None = None,
     ) -> None:
+        """``roster``: every site's identity key in this decryptor's kit (:func:`kit_roster`),
+        whose digest the plan must bind; ``revocations``: the kit's CRL (None without
+        ``[tls] crl``). A refused plan is a :class:`DaemonError` naming why, before any key is
+        used."""
         try:
             plan, plan_sha = verify_signed_plan(
                 signed_plan,
@@ -198,6 +214,12 @@ class RoundDecryptor:
             raise DaemonError(str(exc)) from exc
         if plan.aggregation != cpb.AGGREGATION_MODE_CKKS:
             raise DaemonError("the release plan is not a CKKS plan of this federation")
+        problem = roster_mismatch(plan, federation_id=federation_id, roster=roster)
+        problem = problem or revoked_participant(
+            plan, revocations=revocations, peers=peers, site_id=site_id
+        )
+        if problem:
+            raise DaemonError(f"the decryptor refuses round {plan.round_id}: {problem}")
         self.plan, self.keys, self.site_id = plan, keys, site_id
         self.plan_sha256, self.peers = plan_sha, dict(peers)
         self.releases = {r.name: r for r in plan.releases}
@@ -332,6 +354,7 @@ class DecryptorDaemon:
         )
         self.keys = load_or_create_keys(config.state_dir)
         self.ledger = DecryptionLedger(config.state_dir / "ckks")
+        self.revocations = kit_revocations(config)
         self.rounds: dict[str, RoundDecryptor] = {}
         self.rpc: CoordinatorClient | None = None
         # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
@@ -397,6 +420,8 @@ class DecryptorDaemon:
                 server_key=self.config.server_public_key,
                 federation_id=self.config.federation_id,
                 peers=self.config.peers,
+                roster=kit_roster(self.config),
+                revocations=self.revocations,
                 ledger=self.ledger,
                 site_bound=_site_bound(self.config),
             )

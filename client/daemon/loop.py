@@ -79,14 +79,13 @@ from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
 from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
-from afl.client.policy.roster import roster_problem
+from afl.client.policy.roster import kit_revocations, revoked_participant, roster_problem
 from afl.client.retention import enforce_retention
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
 from afl.core.stats import LocalStats
 from afl.crypto.identity import signatures, signed_blobs
-from afl.crypto.identity.revocation import PeerRevocations
 from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -157,11 +156,7 @@ class ClientDaemon:
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
         )
-        self.revocations = (
-            None
-            if config.tls.crl is None
-            else PeerRevocations(config.tls.crl, ca_certificate_pem=config.tls.ca_cert.read_bytes())
-        )
+        self.revocations = kit_revocations(config)
         self.cache: FeatureCache | None = None
         self.stats: LocalStats | None = None
         self.stats_from_state = False
@@ -330,11 +325,9 @@ class ClientDaemon:
         """Why this plan's peers are refused by the federation's revocation list (M-178): a
         participant whose identity key in this site's ``[peers]`` the CA revoked, or a list that
         cannot be read or verified; "" otherwise (or without ``[tls] crl``)."""
-        if self.revocations is None:
-            return ""
-        peers = self.config.peers
-        members = {s: peers[s] for s in plan.participants if s != self.site_id and s in peers}
-        return self.revocations.refusal(members) or ""
+        return revoked_participant(
+            plan, revocations=self.revocations, peers=self.config.peers, site_id=self.site_id
+        )
 
     def _logged(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, decision: PolicyDecision

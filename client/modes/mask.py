@@ -8,8 +8,10 @@ The site runs :class:`afl.crypto.secagg.client.SecAggClient` over the coordinato
     (UNMASK) GetUnmaskRequest, Unmask
 
 Every server message is checked against the SIGNED plan (the protocol config, including the
-config digest bound into every signature, is derived from the plan alone by
-:func:`afl.proto.wire.round_config_from_plan`) and the client's own state by the state machine:
+config digest bound into every signature, is derived from the plan and the SHA-256 of its signed
+bytes alone by :func:`afl.proto.wire.round_config_from_plan`: a peer's advert or consistency
+signature made under another plan, another roster digest included, does not verify, M-223) and
+the client's own state by the state machine:
 peers' adverts and consistency signatures are verified with the identity keys of the startup
 kit ([peers]), never keys the server sends; the client refuses an unmask request that asks for
 both shares of one peer, names non-survivors, lacks t signatures, or requests a release below its
@@ -105,7 +107,12 @@ class MaskMode:
         problem = mask_threshold_problem(session.plan, floors=dict(session.survivor_floors))
         if problem:  # checked with the plan already (policy.check_plan); again before any key
             raise DaemonError(problem)
-        config = wire.round_config_from_plan(session.plan)
+        if len(session.plan_sha256) != 32:
+            raise DaemonError(
+                "a masked round needs the SHA-256 of the signed plan this site accepted: every "
+                "advert and consistency signature binds it"
+            )
+        config = wire.round_config_from_plan(session.plan, plan_sha256=session.plan_sha256)
         if config.graph is not None and not session.graph_nonce:
             raise DaemonError(
                 "a sparse-graph round needs the graph nonce this site committed to when it "

@@ -135,7 +135,7 @@ def mask_threshold_problem(plan: cpb.ReleasePlan, *, floors: dict[str, int]) -> 
     threshold t must be a majority of the participants (no split view of the survivors), and
     each release's t_R at least its floor (``floors``, :func:`survivor_floors`)."""
     try:
-        config = wire.round_config_from_plan(plan)
+        config = wire.round_config_from_plan(plan, plan_sha256=b"")  # its parameters only
     except CryptoError as exc:
         return f"the MASK plan is not valid: {exc}"
     n = len(config.cohort)

@@ -81,10 +81,13 @@ def history_exposures(
     return report, found
 
 
-def history_refusal(exposures: Sequence[Exposure], *, round_id: str, rule: str) -> str:
-    """One line: which sites the plan of ``round_id`` would expose, through which earlier
-    releases (``round/release``), and what the operator can do instead; ``rule`` names the
-    clause of docs/protocol.md that refuses it."""
+def history_refusal(
+    exposures: Sequence[Exposure], *, round_id: str, rule: str, plan: str = ""
+) -> str:
+    """One line: which sites the plan of ``round_id`` (or the one ``plan`` names, e.g. a
+    submitted run's predicted first plan) would expose, through which earlier releases
+    (``round/release``), and what the operator can do instead; ``rule`` names the clause of
+    docs/protocol.md that refuses it."""
     sites = sorted({str(s) for e in exposures for s in e.sites})
     earlier = sorted(  # the Gram releases first: one per round, the clearest evidence
         {name.split("#")[0] for e in exposures for name, _ in e.certificate if "/" in name},
@@ -92,8 +95,9 @@ def history_refusal(exposures: Sequence[Exposure], *, round_id: str, rule: str) 
     )
     quantities = sorted({e.quantity for e in exposures})
     shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+    subject = plan or f"the plan of round {round_id}"
     return (
-        f"the plan of round {round_id}, differenced with earlier released sums ({shown}), would "
+        f"{subject}, differenced with earlier released sums ({shown}), would "
         f"expose the {'/'.join(quantities)} statistics of {', '.join(sites)} ({rule}): keep "
         "those sites in the run (a departed site's contribution included), wait until more "
         "sites join so that no difference isolates one, or re-train with DP ([round.dp]) "

@@ -23,6 +23,16 @@ with its k neighbours of a random Harary graph drawn during the round
 round threshold t = n - D (D the drop-outs the graph's parameters were chosen for) still applies
 to every stage and to the consistency check, and every release must be over the whole cohort
 (a release over a subset would see only part of the graph).
+
+Context. ``context`` is opaque bytes the caller binds into the config digest, and so into every
+advert and consistency signature (:mod:`afl.crypto.secagg.messages`). The site and the
+coordinator set it to the SHA-256 of the exact signed release-plan bytes the round runs under
+(:func:`afl.proto.wire.round_config_from_plan`): the plan names the federation, the run and the
+digest of the roster the coordinator logged (docs/protocol.md §11a), so a signature made under one
+plan (one roster) never verifies under another, even where the two agree on everything this
+module checks. The plan's digest rather than the roster digest alone: it binds the roster and
+every other signed field of the plan (DP noise, evaluation model, federation) at once, and it is
+what sites already sign in their plan decisions. This package never parses it.
 """
 
 from __future__ import annotations
@@ -152,9 +162,13 @@ class RoundConfig:
     releases: tuple[ReleaseSpec, ...]
     threshold: int | None = None
     graph: SparseGraph | None = None
+    #: Opaque bytes bound into :meth:`digest` (module docstring "Context"; empty: none).
+    context: bytes = b""
 
     def __post_init__(self) -> None:
         _check_id("round_id", self.round_id)
+        if not isinstance(self.context, bytes):
+            raise SecAggConfigError("the config's context must be bytes")
         if not isinstance(self.round_salt, bytes) or len(self.round_salt) < MIN_SALT_BYTES:
             raise SecAggConfigError(f"round_salt must be at least {MIN_SALT_BYTES} random bytes")
         cohort = tuple(_check_id("site id", s) for s in self.cohort)
@@ -211,6 +225,7 @@ class RoundConfig:
         releases: Sequence[ReleaseSpec],
         threshold: int | None = None,
         graph: SparseGraph | None = None,
+        context: bytes = b"",
     ) -> RoundConfig:
         """A config with a fresh random round salt (:func:`afl.crypto.kdf.new_round_salt`)."""
         return cls(
@@ -220,6 +235,7 @@ class RoundConfig:
             releases=tuple(releases),
             threshold=threshold,
             graph=graph,
+            context=context,
         )
 
     @property
@@ -256,7 +272,8 @@ class RoundConfig:
         return tuple(r for r in self.releases if site in r.members)
 
     def digest(self) -> bytes:
-        """SHA-256 of the canonical encoding of the whole config (bound into every signature).
+        """SHA-256 of the canonical encoding of the whole config, its context included (bound
+        into every signature).
 
         Computed once per config object: it encodes the cohort and every release's members
         (O(K) work), and each party binds it into O(K) adverts and consistency signatures. The
@@ -274,6 +291,7 @@ class RoundConfig:
             "round-config",
             self.round_id,
             self.round_salt,
+            self.context,
             self.t,
             len(self.cohort),
             *self.cohort,

@@ -9,7 +9,9 @@ ConsistencyCheck   :class:`ConsistencySignature`    :class:`UnmaskRequest` (U3, 
 Unmask             :class:`UnmaskResponse`          —
 
 Signed payloads (Ed25519, :func:`afl.crypto.identity.signatures.sign_fields`), both binding the config
-digest (which covers the round id, round salt, cohort, threshold and release plan):
+digest (which covers the round id, round salt, cohort, threshold, release plan, sparse graph and
+the config's context: the SHA-256 of the signed plan, which binds the logged roster's digest;
+:class:`afl.crypto.secagg.config.RoundConfig`):
 
     advert:      ("advertise-keys",  digest, round_id, salt, site, c_pk, s_pk, Δ, ρ)
                  (Δ, ρ: the digest of the graph commitments and the site's graph nonce, empty

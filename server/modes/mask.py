@@ -63,6 +63,7 @@ from afl.crypto.errors import (
     UnknownParticipantError,
 )
 from afl.crypto.identity.signatures import load_public_key_raw
+from afl.crypto.identity.signed_blobs import blob_sha256
 from afl.crypto.secagg.config import ReleaseSpec, default_threshold
 from afl.crypto.secagg.graph_bounds import choose_graph, colluders_for, dropouts_for
 from afl.crypto.secagg.messages import (
@@ -276,7 +277,9 @@ class MaskMode:
 
     def _fresh(self, view: RoundView, ctx: RoundContext) -> MaskRound:
         assert view.row.plan is not None
-        config = wire.round_config_from_plan(cpb.ReleasePlan.FromString(view.row.plan))
+        config = wire.round_config_from_plan(
+            cpb.ReleasePlan.FromString(view.row.plan), plan_sha256=blob_sha256(view.row.plan)
+        )
         decisions = _signed_decisions(view, ctx) if config.graph is not None else {}
         commitments = {s: bytes(d.graph_commitment) for s, d in decisions.items()}
         server = SecAggServer(

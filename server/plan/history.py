@@ -6,11 +6,16 @@ Runs of one federation sum the same per-site statistics (a site's Gram matrix an
 come from its feature cache), so a release of a new run can be differenced with the releases of
 earlier runs: run 1 over five sites and run 2 over four of them give the fifth site's statistics.
 Each run alone passes the audit; only the whole history shows the exposure.
+
+The audit runs at plan time (:func:`history_audit`, round 1 and 2 of every run without DP), in
+``mask`` again over the survivors before anything is unmasked, and at submission
+(:func:`submission_audit`): a run whose first plan, predicted over every member it names, would
+expose a site is refused before it is queued (M-124).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from afl.core.audit import history as core_history
@@ -18,16 +23,24 @@ from afl.core.leakage import Exposure, LeakageReport
 from afl.crypto.transparency.statements import decode_statement
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.plan.release import PlannedRelease, leakage_rows, releases_from_plan
+from afl.server.config import RoundSettings
+from afl.server.plan.release import (
+    PlannedRelease,
+    leakage_rows,
+    releases_from_plan,
+    round1_releases,
+)
 from afl.server.store import Store
 
 __all__ = [
     "ReleasedRound",
+    "first_plan_releases",
     "history_audit",
     "history_exposures",
     "history_refusal",
     "released_history",
     "stored_history",
+    "submission_audit",
 ]
 
 
@@ -77,11 +90,11 @@ def history_exposures(
     )
 
 
-def history_refusal(exposures: Sequence[Exposure], *, round_id: str) -> str:
-    """One line: which sites the plan would expose, through which earlier releases, and what the
-    operator can do instead."""
+def history_refusal(exposures: Sequence[Exposure], *, round_id: str, plan: str = "") -> str:
+    """One line: which sites the plan of ``round_id`` (or the one ``plan`` names) would expose,
+    through which earlier releases, and what the operator can do instead."""
     return core_history.history_refusal(
-        exposures, round_id=round_id, rule="docs/protocol.md §6, M-124"
+        exposures, round_id=round_id, rule="docs/protocol.md §6, M-124", plan=plan
     )
 
 
@@ -140,13 +153,78 @@ def history_audit(
     """The refusal (one line) when ``releases`` summed over ``members`` only, differenced with
     what the federation already released, expose a site, and the detail of its
     "plan-audit-history" audit record; ("", None) when they do not (M-124)."""
-    history = stored_history(store, exclude_round=round_id)
-    if not history:
-        return "", None
     summed = frozenset(members)
     releases = [replace(r, members=tuple(m for m in r.members if m in summed)) for r in releases]
-    report, exposed = history_exposures(releases, members, history=history)
-    if not exposed:
+    exposed, report = _exposures(store, releases, members, exclude_round=round_id)
+    if report is None:
         return "", None
     detail = {"round_id": round_id, "members": list(members), **report.to_dict()}
     return history_refusal(exposed, round_id=round_id), detail
+
+
+def first_plan_releases(
+    settings: RoundSettings,
+    *,
+    participants: Sequence[str],
+    coverage: Mapping[str, Collection[str]],
+) -> list[PlannedRelease]:
+    """The round-1 releases of a run without DP over ``participants`` (``coverage``: the classes
+    each site declared it labels): what its plan releases, and what a submission predicts."""
+    return round1_releases(
+        classes=settings.classes,
+        participants=participants,
+        coverage=coverage,
+        gram_scope=settings.gram_scope,
+        d=settings.feature_dim,
+        need_global_gram=settings.rounds == 2,
+    )
+
+
+def submission_audit(
+    store: Store, settings: RoundSettings, *, name: str
+) -> tuple[str, dict[str, object] | None]:
+    """The refusal (one line) of a submitted run whose first (training) plan, predicted over
+    every member the run names (``[round] participants``, or every data site of server.toml)
+    with the sites' stored declarations, would expose a site together with what the federation
+    already released, and the detail of its "run-submit-refused" audit record; ("", None) when it
+    would not, or when the plan cannot be predicted at submission (M-124):
+
+    * a run with ``[round.dp]``: its noise covers the difference (its plans are not audited
+      with the history at plan time either);
+    * a ``per-class`` run with a member that has declared no labelled classes yet (a site that
+      has not enrolled): its coverage sets are unknown.
+
+    Plan time stays the gate for everything a submission cannot know: members that do not enrol
+    before round 1 opens (it opens over fewer sites), members left out for their declarations,
+    sites added to server.toml before the run starts, and replacement rounds."""
+    if settings.dp is not None:
+        return "", None
+    members = settings.participants
+    coverage = {s: e.labelled_classes for s, e in store.enrolments().items()}
+    if settings.gram_scope == "per-class" and not all(coverage.get(s) for s in members):
+        return "", None
+    releases = first_plan_releases(settings, participants=members, coverage=coverage)
+    exposed, report = _exposures(store, releases, members)
+    if report is None:
+        return "", None
+    run = f"run {name!r}" if name else "the submitted run"
+    plan = f"{run} is refused: its round-1 plan over its {len(members)} sites"
+    sites = sorted({str(s) for e in exposed for s in e.sites})
+    detail = {"name": name, "members": list(members), "exposed": sites, **report.to_dict()}
+    return history_refusal(exposed, round_id="1", plan=plan), detail
+
+
+def _exposures(
+    store: Store,
+    releases: Sequence[PlannedRelease],
+    members: Sequence[str],
+    *,
+    exclude_round: str = "",
+) -> tuple[list[Exposure], LeakageReport | None]:
+    """The exposures ``releases`` over ``members`` add to the stored history, and the audit's
+    report (None when they add none)."""
+    history = stored_history(store, exclude_round=exclude_round)
+    if not history:
+        return [], None
+    report, exposed = history_exposures(releases, members, history=history)
+    return (exposed, report) if exposed else ([], None)

@@ -28,14 +28,13 @@ from afl.server.plan.dp import (
     calibrate_evaluation,
     dp_releases,
 )
-from afl.server.plan.history import history_audit
+from afl.server.plan.history import first_plan_releases, history_audit
 from afl.server.plan.release import (
     PlannedRelease,
     RoundView,
     audit_plan,
     build_plan,
     releases_from_plan,
-    round1_releases,
     round2_releases,
     sign_plan,
 )
@@ -187,14 +186,7 @@ class _Opening:
             )
             return releases, audit_dp_plan(releases, participants)
         if view.row.number == 1:
-            releases = round1_releases(
-                classes=settings.classes,
-                participants=participants,
-                coverage=coverage,
-                gram_scope=settings.gram_scope,
-                d=settings.feature_dim,
-                need_global_gram=settings.rounds == 2,
-            )
+            releases = first_plan_releases(settings, participants=participants, coverage=coverage)
         else:
             releases = round2_releases(
                 classes=settings.classes, participants=participants, d=settings.feature_dim

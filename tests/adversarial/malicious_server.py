@@ -244,8 +244,9 @@ def _swap_keys(loot: Path) -> None:
         if site == VICTIM:
             return directory  # the victim sees its own keys: it notices nothing
         with self.access.lock:
-            plan = cpb.ReleasePlan.FromString(self.access.find(directory.round_id).row.plan or b"")
-        config = wire.round_config_from_plan(plan)
+            row_plan = self.access.find(directory.round_id).row.plan or b""
+        plan = cpb.ReleasePlan.FromString(row_plan)  # the round's own plan: only the key is forged
+        config = wire.round_config_from_plan(plan, plan_sha256=hashlib.sha256(row_plan).digest())
         for entry in directory.keys:
             if entry.site_id == VICTIM:
                 enc, mask = kdf.generate_agreement_key(), kdf.generate_agreement_key()

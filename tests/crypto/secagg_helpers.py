@@ -16,6 +16,7 @@ from afl.crypto.fixedpoint import FixedPointCodec
 from afl.crypto.identity.signatures import generate_identity_key
 from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, SparseGraph
+from afl.crypto.secagg.messages import ConsistencyRequest
 from afl.crypto.secagg.server import SecAggServer
 
 GRAM_BOUND = 1e4
@@ -86,6 +87,24 @@ def honest_round(fed: Federation) -> tuple[SecAggServer, dict[str, SecAggClient]
         config=fed.config, identities={s: k.public_key() for s, k in fed.keys.items()}
     )
     return server, honest_clients(fed)
+
+
+def run_to_survivors(
+    server: SecAggServer, clients: Mapping[str, SecAggClient], *, silent: Iterable[str] = ()
+) -> ConsistencyRequest:
+    """Run the round honestly through AdvertiseKeys, ShareKeys and MaskedInput: the survivor
+    list U3 the server then sends; ``silent`` sites vanish after ShareKeys (U2 \\ U3)."""
+    for s, c in clients.items():
+        server.receive(c.advertise_keys(), sender=s)
+    directory = server.close_advertise()
+    for s, c in clients.items():
+        server.receive(c.share_keys(directory), sender=s)
+    routed = server.close_share_keys()
+    gone = set(silent)
+    for s, c in clients.items():
+        if s not in gone:
+            server.receive(c.masked_input(routed[s]), sender=s)
+    return server.close_masked_input()
 
 
 def exact_sum(

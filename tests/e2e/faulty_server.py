@@ -21,7 +21,7 @@ like a server without round streams; with POINT ``copy-then-fail:FOLDER`` it cop
 first upload of RUN_ID, and the solve of every round of RUN_ID fails (the round aborts after
 every upload arrived, as with a tampered model: nothing is published); and with POINT ``no-unmask-audit`` it skips its own history audit before unmasking (M-124), as a
 coordinator that would unmask a drop-out's difference; with POINT ``no-history-audit`` it skips
-that audit both at plan time and before unmasking (a coordinator that runs whatever it is asked). The faults are injected here, around the real daemon, so no
+that audit at submission, at plan time and before unmasking (a coordinator that runs whatever it is asked). The faults are injected here, around the real daemon, so no
 product code path knows them.
 """
 
@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server import runs as runs_module
 from afl.server import store as store_module
 from afl.server.daemon import main as daemon
 from afl.server.modes import context as mode_context
@@ -158,6 +159,7 @@ def install(point: str, run_id: str) -> None:
         RoundMachine.exposes_history = lambda self, *a, **kw: ""  # type: ignore[method-assign]
         for module in (plan_open, mode_context):  # the name each imported
             setattr(module, "history_audit", lambda *a, **kw: ("", None))  # noqa: B010
+        setattr(runs_module, "submission_audit", lambda *a, **kw: ("", None))  # noqa: B010
     else:
         raise SystemExit(f"unknown crash point {point!r}")
 

@@ -32,12 +32,16 @@ SERVER_COMMAND = (sys.executable, "-m", "afl.server.daemon.main")
 ENDED = ("published", "aborted", "failed")
 
 
-def admin_cli(loop: LoopbackFederation, *args: str) -> str:
-    """``afl admin ARGS`` with the operator's admin kit, as an operator types it; its stdout
-    (the command must succeed)."""
+def admin_command(loop: LoopbackFederation, *args: str) -> subprocess.CompletedProcess[str]:
+    """``afl admin ARGS`` with the operator's admin kit, as an operator types it."""
     kit = loop.provisioned.root / "admins" / "operator" / "admin.toml"
     cmd = [sys.executable, "-m", "afl.lab.cli", "admin", "--config", str(kit), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def admin_cli(loop: LoopbackFederation, *args: str) -> str:
+    """``afl admin ARGS``'s stdout (the command must succeed)."""
+    proc = admin_command(loop, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

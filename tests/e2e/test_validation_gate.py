@@ -26,7 +26,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
+import pytest
 from numpy.typing import NDArray
 
 from afl.client.policy.ledger import DpLedger
@@ -161,11 +163,14 @@ def test_a_site_flipping_its_class_vectors_in_mask_is_not_published_and_the_run_
                 "eval_hist[all]",
                 "eval_confusion[all]",
             }
-        # A re-run here without site-4 would difference to its statistics: refused, naming it.
-        info = daemons.submit('participants = ["site-1", "site-2", "site-3"]\n', name="rerun")
-        refused = daemons.wait_run(info.run_id)
-        assert refused.state == "aborted" and "M-124" in refused.reason, refused.reason
-        assert "site-4" in refused.reason
+        # A re-run here without site-4 would difference to its statistics (the candidate's sums
+        # were released): refused at submission, naming it; no run is stored.
+        with pytest.raises(grpc.RpcError) as refused:
+            daemons.submit('participants = ["site-1", "site-2", "site-3"]\n', name="rerun")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "M-124" in refused.value.details() and "site-4" in refused.value.details()
+        runs = daemons.call(daemons.admin.ListRuns, apb.ListRunsRequest()).runs
+        assert [r.run_id for r in runs] == ["run-1"]
     finally:
         daemons.stop()
     # The same run without the poisoning site (a federation of the three others) publishes.

@@ -28,7 +28,7 @@ from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.admin import AdminRequests
 from afl.server.config import MaskSettings, load_config, run_settings, settings_table
 from afl.server.coordinator import Coordinator
-from afl.server.errors import ConfigError, WrongStageError
+from afl.server.errors import ConfigError, RefusedError, WrongStageError
 from afl.server.modes.ckks import CkksMode
 from afl.server.modes.mask import MaskMode
 from afl.server.plan.release import RoundView
@@ -151,11 +151,17 @@ def test_an_evaluation_the_earlier_ones_would_expose_is_not_opened(
     coordinator, admin, _ = _trained(federation, tmp_path / "state")
     _evaluate(coordinator, federation, dict.fromkeys(SITES, _counts(7)))
     assert admin.get("operator", "run-1").evaluation_round_id
-    # run-2 over p1, p2 only: its label counts minus run-1's would be p3's, and before that its
-    # training sums minus run-1's would be p3's statistics: the run is refused at its first plan
-    # (M-124), so neither its training nor its evaluation is ever opened.
+    # A run over p1, p2 only: its label counts minus run-1's would be p3's, and before that its
+    # training sums minus run-1's would be p3's statistics: refused at submission (M-124).
     request = apb.SubmitRunRequest(settings_toml='participants = ["p1", "p2"]')
-    assert admin.submit("operator", request).run_id == "run-2"
+    with pytest.raises(RefusedError, match="statistics of p3"):
+        admin.submit("operator", request)
+    assert [r.run_id for r in coordinator.store.runs()] == ["run-1"]
+    # run-2 names all three, but p3 now declares another d and is left out of it: its round 1
+    # opens over p1, p2 and is refused at its first plan, so neither its training nor its
+    # evaluation is ever opened.
+    enrol(coordinator, federation, "p3", feature_dim=3)
+    assert admin.submit("operator", apb.SubmitRunRequest()).run_id == "run-2"
     coordinator.advance()
     info = admin.get("operator", "run-2")
     assert info.state == "aborted" and not info.model_round_id and not info.evaluation_round_id

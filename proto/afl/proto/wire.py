@@ -43,7 +43,7 @@ from afl.core.evaluation.scorebins import ScoreBins, ScoreBinsError
 from afl.core.packing import packed_length
 from afl.crypto.canonical import Field
 from afl.crypto.ckks.wire import SealedTags, TagBinding
-from afl.crypto.errors import ShamirError
+from afl.crypto.errors import SecAggConfigError, ShamirError
 from afl.crypto.identity.signed_blobs import enrol_fields
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig, SparseGraph
 from afl.crypto.secagg.messages import (
@@ -399,11 +399,16 @@ def assemble(
 # --- MASK mode --------------------------------------------------------------------------------
 
 
-def round_config_from_plan(plan: cpb.ReleasePlan) -> RoundConfig:
+def round_config_from_plan(plan: cpb.ReleasePlan, *, plan_sha256: bytes) -> RoundConfig:
     """The protocol config of a MASK plan: round id and salt, cohort, t, the sparse graph (k, t_N,
-    C; absent = the full graph) and, per release, its members, length and fixed-point encoding
-    (bound B, f, t_R) exactly as signed. Raises :class:`afl.crypto.errors.SecAggConfigError` when
-    the plan is not a valid MASK config."""
+    C; absent = the full graph), per release its members, length and fixed-point encoding
+    (bound B, f, t_R) exactly as signed, and as its context ``plan_sha256``, the SHA-256 of the
+    signed plan bytes (which bind the roster digest; every advert and consistency signature of
+    the round binds it, docs/protocol.md §4.2). ``b""`` only to check a plan's parameters, never
+    for an exchange. Raises :class:`afl.crypto.errors.SecAggConfigError` when the plan is not a
+    valid MASK config or the digest is neither 32 bytes nor empty."""
+    if len(plan_sha256) not in (0, 32):
+        raise SecAggConfigError(f"the plan digest has {len(plan_sha256)} bytes, not 32")
     releases = tuple(
         ReleaseSpec(
             name=r.name,
@@ -422,6 +427,7 @@ def round_config_from_plan(plan: cpb.ReleasePlan) -> RoundConfig:
         releases=releases,
         threshold=plan.mask_threshold or None,
         graph=sparse_graph(plan),
+        context=bytes(plan_sha256),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import hashlib
 from typing import Any
 
@@ -30,7 +31,9 @@ from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.wire import PURPOSE_CKKS_TAGS, TagBinding, seal_tags
 from afl.crypto.errors import CryptoError
-from afl.crypto.identity import signatures
+from afl.crypto.identity import pki, signatures
+from afl.crypto.identity.revocation import PeerRevocations, issue_crl
+from afl.crypto.transparency.statements import roster_digest
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.modes.ckks import CkksMode
@@ -41,6 +44,9 @@ D = 6
 BOUND = 50.0
 IDENTITIES = {s: signatures.generate_identity_key() for s in SITES}
 PEERS = {s: signatures.public_key_to_raw(k) for s, k in IDENTITIES.items()}
+DECRYPTOR = signatures.generate_identity_key()
+#: The decryptor's kit roster ([peers] and itself), whose digest every plan here binds.
+ROSTER = {**PEERS, "decryptor": signatures.public_key_to_raw(DECRYPTOR)}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +54,12 @@ def keys(private_ctx: Any) -> DecryptorKeys:
     return DecryptorKeys(private_ctx, kdf.generate_agreement_key())
 
 
-def _signed_plan(server_key: Any, *, mode: int = cpb.AGGREGATION_MODE_CKKS) -> Any:
+def _signed_plan(
+    server_key: Any,
+    *,
+    mode: int = cpb.AGGREGATION_MODE_CKKS,
+    roster: dict[str, bytes] = ROSTER,
+) -> Any:
     releases = round1_releases(
         classes=["A"], participants=SITES, coverage={}, gram_scope="global", d=D,
         need_global_gram=False,
@@ -59,15 +70,16 @@ def _signed_plan(server_key: Any, *, mode: int = cpb.AGGREGATION_MODE_CKKS) -> A
         federation_id="fed", round_id="r1-x", round_number=1, participants=SITES,
         gram_scope="global", releases=releases, options=options,
     )  # fmt: skip
+    plan.roster_sha256 = roster_digest(federation="fed", keys=roster)
     return sign_plan(plan, server_key)
 
 
 class Federation:
     """Three sites' tags and ciphertexts for every release of one signed CKKS plan."""
 
-    def __init__(self, keys: DecryptorKeys) -> None:
+    def __init__(self, keys: DecryptorKeys, *, roster: dict[str, bytes] = ROSTER) -> None:
         self.server_key = signatures.generate_identity_key()
-        self.signed = _signed_plan(self.server_key)
+        self.signed = _signed_plan(self.server_key, roster=roster)
         self.plan = cpb.ReleasePlan.FromString(self.signed.plan)
         self.public = ckks.load_public_context(keys.public_context)
         rng = np.random.default_rng(3)
@@ -117,7 +129,7 @@ class Federation:
         work = RoundDecryptor(
             keys, self.signed, site_id="decryptor",
             server_key=signatures.public_key_to_raw(self.server_key), federation_id="fed",
-            peers=PEERS, ledger=ledger,
+            peers=PEERS, roster=ROSTER, ledger=ledger,
         )  # fmt: skip
         for message in self.sealed if sealed is None else sealed:
             with contextlib.suppress(CryptoError):  # the daemon logs and ignores the envelope
@@ -324,14 +336,14 @@ def test_plan_must_be_signed_by_the_kits_server_and_in_ckks_mode(keys: Decryptor
     with pytest.raises(DaemonError, match="not signed by this federation's server"):
         RoundDecryptor(
             keys, fed.signed, site_id="decryptor", server_key=other, federation_id="fed",
-            peers=PEERS,
+            peers=PEERS, roster=ROSTER,
         )  # fmt: skip
     plaintext = _signed_plan(fed.server_key, mode=cpb.AGGREGATION_MODE_PLAINTEXT)
     with pytest.raises(DaemonError, match="not a CKKS plan"):
         RoundDecryptor(
             keys, plaintext, site_id="decryptor",
             server_key=signatures.public_key_to_raw(fed.server_key), federation_id="fed",
-            peers=PEERS,
+            peers=PEERS, roster=ROSTER,
         )  # fmt: skip
 
 
@@ -396,7 +408,7 @@ def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_n
     zero = ckks.encrypt_block(fed.public, np.zeros(length), prescale=1.0, num_summands=3, tag=0.0)
     other = ckks.pack_ciphertexts(ckks.serialize_ciphertexts([vectors[0] + zero[0]]))
     folder = tmp_path / "state"
-    identity = signatures.generate_identity_key()
+    identity = DECRYPTOR
     key_path = tmp_path / "identity.key"
     key_path.write_bytes(signatures.private_key_to_pem(identity))
     config = ClientConfig(
@@ -474,3 +486,57 @@ def test_a_sum_no_members_datasets_could_produce_is_not_returned(keys: Decryptor
     status, reason, values = work.decrypt(_job(gram.name, data), data)
     assert status == pb.DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND and values == b""
     assert "Gram" in reason
+
+
+def test_a_plan_binding_another_roster_is_refused_before_any_key_is_used(
+    keys: DecryptorKeys,
+) -> None:
+    """M-224: the decryptor checks the plan's roster digest against its own kit's roster
+    ([peers] and itself) as the sites do: a plan the coordinator signed over a roster in which
+    site-2's identity key is another (the operator's) is refused in one line, and so is a plan
+    binding no roster."""
+    swapped = {**ROSTER, "site-2": signatures.public_key_to_raw(signatures.generate_identity_key())}
+    for roster, reason in ((swapped, "binds roster"), ({}, "binds no roster digest")):
+        fed = Federation(keys, roster=roster) if roster else Federation(keys)
+        signed = fed.signed
+        if not roster:
+            plan = cpb.ReleasePlan.FromString(signed.plan)
+            plan.ClearField("roster_sha256")
+            signed = sign_plan(plan, fed.server_key)
+        with pytest.raises(DaemonError, match=f"refuses round r1-x: the plan .*{reason}") as raised:
+            RoundDecryptor(
+                keys, signed, site_id="decryptor",
+                server_key=signatures.public_key_to_raw(fed.server_key), federation_id="fed",
+                peers=PEERS, roster=ROSTER,
+            )  # fmt: skip
+        assert "\n" not in str(raised.value)
+    assert fed.decryptor(keys).plan.round_id == "r1-x"  # the kit's own roster: accepted
+
+
+def test_a_plan_naming_a_revoked_participant_is_refused(keys: DecryptorKeys, tmp_path: Any) -> None:
+    """M-224: with ``[tls] crl`` the decryptor refuses a plan one of whose participants has an
+    identity key the federation CA revoked (the sites' check, M-178), naming the peer, and every
+    plan while the list is not the CA's (fail closed)."""
+    fed = Federation(keys)
+    ca = pki.create_ca(common_name="afl federation CA decryptor test")
+    path = tmp_path / "crl.pem"
+    revocations = PeerRevocations(path, ca_certificate_pem=ca.certificate_pem())
+
+    def build() -> RoundDecryptor:
+        return RoundDecryptor(
+            keys, fed.signed, site_id="decryptor",
+            server_key=signatures.public_key_to_raw(fed.server_key), federation_id="fed",
+            peers=PEERS, roster=ROSTER, revocations=revocations,
+        )  # fmt: skip
+
+    path.write_bytes(issue_crl(ca, revoked={}))
+    assert build().plan.round_id == "r1-x"  # nobody revoked
+    when = dt.datetime(2026, 5, 6, 7, 8, 9, tzinfo=dt.UTC)
+    path.write_bytes(issue_crl(ca, revoked={5: when}, peers={5: ("site-3", PEERS["site-3"])}))
+    with pytest.raises(DaemonError, match="refuses round r1-x: peer 'site-3' is revoked") as raised:
+        build()
+    assert "\n" not in str(raised.value) and PEERS["site-3"].hex()[:16] in str(raised.value)
+    impostor = pki.create_ca(common_name="afl federation CA decryptor test")
+    path.write_bytes(issue_crl(impostor, revoked={}))
+    with pytest.raises(DaemonError, match="peer revocation status unknown"):
+        build()

@@ -35,6 +35,7 @@ def _by_hand(config: RoundConfig) -> bytes:
         "round-config",
         config.round_id,
         config.round_salt,
+        config.context,
         config.t,
         len(config.cohort),
         *config.cohort,
@@ -79,12 +80,13 @@ def test_a_changed_config_has_its_own_digest() -> None:
         replace(config, round_salt=bytes(32)),
         replace(config, round_id="round-0002"),
         replace(config, graph=SparseGraph(degree=6, share_threshold=5, colluders=2)),
+        replace(config, context=hashlib.sha256(b"another plan").digest()),
         replace(config, cohort=config.cohort[::-1]),  # sorted again: the same config
     ]
     digests = [c.digest() for c in changed]
-    assert digests[:4] == [_by_hand(c) for c in changed[:4]]
-    assert len({cached, *digests[:4]}) == 5
-    assert digests[4] == cached
+    assert digests[:5] == [_by_hand(c) for c in changed[:5]]
+    assert len({cached, *digests[:5]}) == 6
+    assert digests[5] == cached
 
 
 def test_the_cache_is_invisible_to_equality_hash_and_repr() -> None:

@@ -22,7 +22,13 @@ from afl.crypto.secagg.messages import (
 )
 from afl.crypto.secagg.server import SecAggServer
 from afl.crypto.shamir import PRIME, Share
-from tests.crypto.secagg_helpers import Federation, honest_clients, honest_round, make_federation
+from tests.crypto.secagg_helpers import (
+    Federation,
+    honest_clients,
+    honest_round,
+    make_federation,
+    run_to_survivors,
+)
 
 
 @dataclass
@@ -50,16 +56,7 @@ def _run_to_consistency(
             site_id=site, identity_key=fed.keys[site], config=fed.config,
             identities=identities, inputs=fed.inputs[site], survivor_floors=floor,
         )  # fmt: skip
-    for s, c in clients.items():
-        server.receive(c.advertise_keys(), sender=s)
-    directory = server.close_advertise()
-    for s, c in clients.items():
-        server.receive(c.share_keys(directory), sender=s)
-    routed = server.close_share_keys()
-    for s, c in clients.items():
-        if s not in silent:
-            server.receive(c.masked_input(routed[s]), sender=s)
-    return server, clients, server.close_masked_input()
+    return server, clients, run_to_survivors(server, clients, silent=silent)
 
 
 def _run_to_unmask_fed(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from afl.client.modes.mask import MaskMode as ClientMask
 from afl.client.payloads.stats import PayloadError
-from afl.crypto.errors import RoundAbortedError
+from afl.crypto.errors import CryptoError, RoundAbortedError
 from afl.crypto.identity.custody import RosterSite
 from afl.crypto.identity.signatures import public_key_to_raw
 from afl.crypto.secagg.graph_bounds import choose_graph
@@ -168,11 +168,25 @@ def test_a_refused_masked_input_is_the_uploaders_error() -> None:
 
 def test_wire_config_is_the_signed_plans() -> None:
     plan = _plan(_mode())
-    config = wire.round_config_from_plan(plan)
-    assert config.t == 3 and config.cohort == SITES
+    digest = hashlib.sha256(plan.SerializeToString()).digest()
+    config = wire.round_config_from_plan(plan, plan_sha256=digest)
+    assert config.t == 3 and config.cohort == SITES and config.context == digest
     assert {r.name: r.length for r in config.releases} == {
         r.name: wire.release_length(r) for r in plan.releases
     }
+    with pytest.raises(CryptoError, match="plan digest has 31 bytes"):
+        wire.round_config_from_plan(plan, plan_sha256=digest[:31])
+
+
+def test_the_coordinators_config_binds_the_stored_plans_digest() -> None:
+    """The coordinator verifies adverts and consistency signatures under the SHA-256 of the plan
+    bytes it signed and stored, the context the sites bind (docs/protocol.md M-223)."""
+    mode, ctx = _mode(), _Context()
+    view = _view(_plan(mode), pb.ROUND_STAGE_ADVERTISE_KEYS)
+    mode.begin(view, ctx)
+    assert view.row.plan is not None
+    oracle = hashlib.sha256(view.row.plan).digest()
+    assert mode.rounds["r1-x"].server.config.context == oracle
 
 
 def test_site_refuses_values_beyond_the_declared_bound() -> None:
@@ -209,7 +223,7 @@ def test_a_sparse_plan_carries_the_chosen_graph_and_t_equals_n_minus_d() -> None
             need_global_gram=False,
         ), options=options,
     )  # fmt: skip
-    config = wire.round_config_from_plan(plan)
+    config = wire.round_config_from_plan(plan, plan_sha256=b"")
     assert config.t == 36 and config.graph is not None and config.graph.degree == graph.degree
     assert sparse.plan_options(SITES[:4]).mask_graph is None  # 4 sites: the full graph
     assert _mode().plan_options(many).mask_graph is None  # mask_graph = "full" (the default)
