@@ -7,7 +7,9 @@ class, ``b_{k,c} = H_kᵀ y_{k,c}`` with the balanced labels of eq. 7.
 Streaming: eq. 7 normalises by the class counts, which are known only at the end. Because
 ``b_{k,c} = S⁺_c / N⁺ - S⁻_c / N⁻`` with ``S^±_c`` the sums of positive / negative feature rows,
 we accumulate ``S^±`` and the counts and normalise in ``finalize``: exact, one pass, float64.
-The Gram's upper triangle is accumulated with BLAS ``dsyrk`` (half the flops of ``HᵀH``).
+The Gram is accumulated as ``h.T @ h``, which numpy computes with BLAS ``dsyrk`` (one triangle,
+then mirrored: half the flops of a general product) without importing scipy (a site daemon that
+only computes statistics saves scipy's start-up).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class StatsAccumulator:
         self.d = d
         self.num_classes = num_classes
         self.n = 0
-        self._gram_upper = np.zeros((d, d), dtype=np.float64, order="F")
+        self._gram = np.zeros((d, d), dtype=np.float64)
         self._pos_sum = np.zeros((d, num_classes), dtype=np.float64)
         self._neg_sum = np.zeros((d, num_classes), dtype=np.float64)
         self._n_pos = np.zeros(num_classes, dtype=np.int64)
@@ -92,12 +94,8 @@ class StatsAccumulator:
             raise LabelError("labels must be -1 (not labelled), 0 or 1")
         if h.shape[0] == 0:
             return
-        from scipy.linalg import blas  # on demand: importing afl.core loads no scipy
-
-        # h.T is Fortran-contiguous (d, n): dsyrk computes h.T @ h.T.T = HᵀH, upper triangle.
-        self._gram_upper = blas.dsyrk(
-            1.0, h.T, beta=1.0, c=self._gram_upper, trans=0, lower=0, overwrite_c=1
-        )
+        # h.T and h share one buffer: numpy's matmul recognises AᵀA and calls BLAS dsyrk.
+        self._gram += h.T @ h
         pos = (y == 1).astype(np.float64)
         neg = (y == 0).astype(np.float64)
         self._pos_sum += h.T @ pos
@@ -108,7 +106,7 @@ class StatsAccumulator:
 
     def gram(self) -> NDArray[np.float64]:
         """The symmetric Gram matrix HᵀH accumulated so far."""
-        upper = np.triu(self._gram_upper)
+        upper = np.triu(self._gram)  # exactly symmetric, whatever the BLAS did below it
         return np.ascontiguousarray(upper + np.triu(upper, 1).T)
 
     def finalize(self, *, active: NDArray[np.bool_]) -> LocalStats:

@@ -11,10 +11,12 @@ one μ-GDP mechanism with
 
     δ(ε) = Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2).
 
-ε(δ) is computed by opacus' exact dual (``opacus.accountants.analysis.gdp.eps_from_mu``, no
-subsampling, hence no CLT approximation). opacus' ``GaussianAccountant`` is never used: it is a
-loose CLT approximation for subsampled SGD. opacus imports torch, so it is imported lazily; when it
-is not installed (server-only installs) the same formula is solved here with scipy.
+ε(δ) is the exact dual, solved here for ε with scipy (``brentq`` on δ(ε) above, to 1e-12; no
+subsampling, hence no CLT approximation). opacus' ``eps_from_mu`` computes the same dual
+(``backend="opacus"``, or ``"auto"``: opacus when importable); the tests check the two against
+each other and against an independent oracle. The daemons use the scipy solve: opacus imports
+torch, seconds of CPU in every process that accounts a DP plan. opacus' ``GaussianAccountant`` is
+never used: it is a loose CLT approximation for subsampled SGD.
 
 **The releases of a DP round** (:func:`release_groups`, :func:`plan_releases`,
 :func:`pseudo_releases`). Classes are grouped by the set of sites that contribute to them: one
@@ -146,11 +148,12 @@ def _opacus_available() -> bool:
     return True
 
 
-def epsilon_from_mu(*, mu: float, delta: float, backend: Backend = "auto") -> float:
+def epsilon_from_mu(*, mu: float, delta: float, backend: Backend = "scipy") -> float:
     """Smallest ε such that μ-GDP is (ε, δ)-DP (exact dual, Balle & Wang 2018).
 
-    ``backend``: ``opacus`` (``eps_from_mu``), ``scipy`` (the same formula solved here) or
-    ``auto`` (opacus when importable). Returns 0 when μ = 0 or δ(0) ≤ δ, inf when μ = inf.
+    ``backend``: ``scipy`` (the formula solved here, the default: it imports no torch),
+    ``opacus`` (``eps_from_mu``) or ``auto`` (opacus when importable). Returns 0 when μ = 0 or
+    δ(0) ≤ δ, inf when μ = inf.
     """
     _check_delta(delta)
     if not mu >= 0:
@@ -171,7 +174,7 @@ def epsilon_from_mu(*, mu: float, delta: float, backend: Backend = "auto") -> fl
 
 
 def epsilon_for_releases(
-    releases: Sequence[GaussianRelease], *, delta: float, backend: Backend = "auto"
+    releases: Sequence[GaussianRelease], *, delta: float, backend: Backend = "scipy"
 ) -> float:
     """ε at δ of the composition of ``releases`` of one dataset: ε(μ, δ) with μ from
     :func:`mu_from_releases`."""

@@ -58,11 +58,16 @@ __all__ = [
     "site_reports",
 ]
 
-# Quick polling for a loopback run (a hospital deployment keeps client.toml's defaults).
+# Quick polling for a loopback run (a hospital deployment keeps client.toml's defaults). A short
+# linger: the coordinator opens a round's successor (next round, evaluation or gate round, or the
+# replacement of an aborted round) in the same locked transition that ends the round
+# (afl.server.rounds: advance, _abort), so a site that sees the end sees its successor too; the
+# linger only lets the site witness the run's last checkpoints before it exits, and a longer one
+# would keep every loopback federation alive seconds after its run finished.
 DEMO_CLIENT_TIMING: dict[str, float] = {
     "poll_interval_s": 0.05,
     "max_poll_interval_s": 0.5,
-    "linger_s": 4.0,
+    "linger_s": 1.0,
     "max_wait_s": 600.0,
 }
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from afl.core.labels import LabelError, balanced_targets
 from afl.core.packing import pack_upper, packed_length, unpack_upper
 from afl.core.stats import StatsAccumulator, local_statistics
+from tests.helpers.probe import run_probe
 
 
 @settings(max_examples=30, deadline=None)
@@ -93,3 +94,19 @@ def test_restriction_equals_computing_with_fewer_active_classes():
     np.testing.assert_allclose(restricted.b, direct.b, rtol=1e-13, atol=1e-15)
     np.testing.assert_array_equal(restricted.n_pos, direct.n_pos)
     assert restricted.skipped == direct.skipped
+
+
+def test_accumulating_statistics_imports_no_scipy() -> None:
+    # A site daemon whose rounds need only its statistics starts without scipy (its start-up is
+    # a third of the daemon's CPU); numpy's h.T @ h is BLAS dsyrk as well.
+    probe = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from afl.core.stats import StatsAccumulator\n"
+        "acc = StatsAccumulator(d=3, num_classes=1)\n"
+        "h = np.arange(12.0).reshape(4, 3)\n"
+        "acc.update(h, np.array([[1], [0], [1], [-1]]))\n"
+        "assert (acc.gram() == h.T @ h).all()\n"
+        "print('scipy' in sys.modules)\n"
+    )
+    assert run_probe(probe) == "False"

@@ -21,6 +21,7 @@ from afl.core.dp.accounting import (
     epsilon_from_mu,
     mu_from_releases,
 )
+from tests.helpers.probe import run_probe
 
 
 def balle_wang_delta(eps: float, sigma: float, sensitivity: float) -> float:
@@ -116,3 +117,16 @@ def test_calibration_recovers_reference_sigma(sigma, expected) -> None:
 
 def test_infinite_epsilon_means_no_noise() -> None:
     assert calibrate_noise_multiplier(epsilon=math.inf, delta=1e-5) == 0.0
+
+
+def test_the_default_accounting_imports_no_torch() -> None:
+    # The daemons account every DP plan with the default backend: it must not import opacus
+    # (and with it torch, seconds of CPU in every site and coordinator process).
+    probe = (
+        "import sys\n"
+        "from afl.core.dp.accounting import GaussianRelease, epsilon_for_releases\n"
+        "eps = epsilon_for_releases([GaussianRelease('g', 1.0, 1.0)], delta=1e-5)\n"
+        "assert abs(eps - 4.377) < 1e-2, eps\n"
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & {'opacus', 'torch'}))\n"
+    )
+    assert run_probe(probe) == "[]"
