@@ -241,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e",
         action="store_true",
         help="instead: CKKS vs plaintext (vs mask) rounds through the real daemons on loopback "
-        "mTLS (first --sites and --dim; afl.lab.bench.e2e)",
+        "mTLS (first --sites and --dim; afl.lab.bench.daemons.e2e)",
     )
     parser.add_argument(
         "--no-mask", action="store_true", help="with --e2e: skip the MASK comparison"
@@ -251,7 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench.e2e import MODES, memory_summary, run_e2e_bench
+        from afl.lab.bench.daemons.e2e import MODES, memory_summary, run_e2e_bench
 
         modes = [m for m in MODES if not (args.no_mask and m == "mask")]
         row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=modes)

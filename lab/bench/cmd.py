@@ -35,10 +35,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "residual influence of one in-bound site on the default; the validation gate's cost",
     ),
     "log": (
-        "logcost",
+        "daemons.logcost",
         "a masked round through the daemons with the federation log and witnessing vs without",
     ),
-    "startup": ("e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
+    "startup": ("daemons.e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 
 

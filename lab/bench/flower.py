@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from afl.lab.bench.common import describe_machine, emit_json, format_machine
-from afl.lab.bench.e2e import round_figures
+from afl.lab.bench.daemons.e2e import round_figures
 from afl.lab.demo.federation import (
     mask_round_settings,
     prepare_labelled_everywhere,

@@ -15,7 +15,7 @@ Growth in K at d = ``d_for_sites`` and growth in d at K = ``sites_for_dims``. Gr
 they arrive and dropped (memory O(sets · d²), not O(K · d²)). Data from numpy's RNG.
 
 With ``--e2e``: masked rounds through the real daemons, full vs sparse masking graph, with time,
-bytes and memory per site and their growth exponents (:mod:`afl.lab.bench.scaling_e2e`).
+bytes and memory per site and their growth exponents (:mod:`afl.lab.bench.daemons.scaling_e2e`).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_e2e(args: argparse.Namespace) -> int:
-    from afl.lab.bench.scaling_e2e import run_scaling_e2e
+    from afl.lab.bench.daemons.scaling_e2e import run_scaling_e2e
 
     with blas_threads(args.blas_threads):
         bench = run_scaling_e2e(

@@ -179,14 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--e2e",
         action="store_true",
         help="instead: masked vs plaintext rounds through the real daemons on loopback mTLS "
-        "(first --sites and --dim; afl.lab.bench.e2e)",
+        "(first --sites and --dim; afl.lab.bench.daemons.e2e)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the grid sites × dim (or, with --e2e, the loopback daemons) and write JSON."""
     if args.e2e:
-        from afl.lab.bench.e2e import memory_summary, run_e2e_bench
+        from afl.lab.bench.daemons.e2e import memory_summary, run_e2e_bench
 
         row = run_e2e_bench(
             num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=("plaintext", "mask")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from afl.lab.bench.e2e import memory_summary, run_e2e_bench
-from afl.lab.bench.scaling_e2e import PeakMemory, cpu_seconds, rss_mib
+from afl.lab.bench.daemons.e2e import memory_summary, run_e2e_bench
+from afl.lab.bench.daemons.scaling_e2e import PeakMemory, cpu_seconds, rss_mib
 
 
 @pytest.mark.slow

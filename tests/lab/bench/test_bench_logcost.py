@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from afl.lab.bench import cmd as bench_cmd
-from afl.lab.bench import unlogged
-from afl.lab.bench.logcost import GOAL, run_log_bench
+from afl.lab.bench.daemons import unlogged
+from afl.lab.bench.daemons.logcost import GOAL, run_log_bench
 
 
 def test_log_bench_has_both_variants_and_their_ratio(tmp_path: Path) -> None:

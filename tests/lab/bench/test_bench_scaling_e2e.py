@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from afl.lab.bench.scaling_e2e import growth_exponent, run_scaling_e2e
+from afl.lab.bench.daemons.scaling_e2e import growth_exponent, run_scaling_e2e
 
 
 @pytest.mark.parametrize("exponent", [0.5, 1.0, 1.3, 2.0])

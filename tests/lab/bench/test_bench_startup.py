@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from afl.lab.bench.e2e import COMMANDS, run_startup_bench
+from afl.lab.bench.daemons.e2e import COMMANDS, run_startup_bench
 
 
 def test_every_command_is_measured_against_a_baseline() -> None:

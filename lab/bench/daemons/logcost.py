@@ -14,7 +14,7 @@ freshly provisioned federation:
               cosignatures on a checkpoint holding the plan, checks its inclusion and the log's
               history, anchors its DP ledger; the coordinator appends every statement
     unlogged  MEASUREMENT BASELINE ONLY: the same daemons with the log's methods patched to
-              no-ops by the lab wrapper :mod:`afl.lab.bench.unlogged` (no product switch can
+              no-ops by the lab wrapper :mod:`afl.lab.bench.daemons.unlogged` (no product switch can
               select it)
 
 Both variants start their daemons through that wrapper, which times the log's methods (two clock
@@ -53,9 +53,15 @@ from typing import Any
 import numpy as np
 
 from afl.lab.bench.common import describe_machine, emit_json, format_machine
-from afl.lab.bench.e2e import children_cpu, round_figures
-from afl.lab.bench.scaling_e2e import CLASSES, CLIENT_TIMING, GRAPHS, PeakMemory, random_sites
-from afl.lab.bench.unlogged import VARIANTS
+from afl.lab.bench.daemons.e2e import children_cpu, round_figures
+from afl.lab.bench.daemons.scaling_e2e import (
+    CLASSES,
+    CLIENT_TIMING,
+    GRAPHS,
+    PeakMemory,
+    random_sites,
+)
+from afl.lab.bench.daemons.unlogged import VARIANTS
 from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
 
 __all__ = ["GOAL", "add_arguments", "run", "run_log_bench"]
@@ -77,7 +83,7 @@ _MEDIANS = (
 
 
 def _wrapper(role: str, variant: str, timings: Path) -> list[str]:
-    return [sys.executable, "-m", "afl.lab.bench.unlogged", role, variant, str(timings)]
+    return [sys.executable, "-m", "afl.lab.bench.daemons.unlogged", role, variant, str(timings)]
 
 
 def _timings(folder: Path, role: str, processes: int) -> list[dict[str, Any]]:

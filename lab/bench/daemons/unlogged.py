@@ -1,8 +1,8 @@
 """MEASUREMENT BASELINE ONLY: the site daemon and the coordinator with the federation log's
 methods timed (``shipped``) or patched out (``unlogged``), for `afl bench log`
-(:mod:`afl.lab.bench.logcost`).
+(:mod:`afl.lab.bench.daemons.logcost`).
 
-Usage: ``python -m afl.lab.bench.unlogged ROLE VARIANT TIMINGS <arguments>`` where ROLE is
+Usage: ``python -m afl.lab.bench.daemons.unlogged ROLE VARIANT TIMINGS <arguments>`` where ROLE is
 ``client`` (the arguments of ``afl-client``: ``run --config client.toml`` or ``run-many``) or
 ``server`` (those of ``afl-server``), VARIANT ``shipped`` or ``unlogged``, and TIMINGS a folder
 where the process writes ``ROLE-PID.json`` when the daemon exits: ``{"seconds": total, "calls":
@@ -140,7 +140,7 @@ def main(argv: Sequence[str]) -> int:
     """``ROLE VARIANT TIMINGS <arguments>`` (module docstring); the daemon's exit code."""
     if len(argv) < 3 or argv[0] not in ("client", "server") or argv[1] not in VARIANTS:
         print(
-            "usage: python -m afl.lab.bench.unlogged client|server shipped|unlogged TIMINGS "
+            "usage: python -m afl.lab.bench.daemons.unlogged client|server shipped|unlogged TIMINGS "
             "<daemon arguments>",
             file=sys.stderr,
         )

@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from afl.lab.bench.common import emit_json
-from afl.lab.bench.scaling_e2e import CLASSES, PeakMemory, random_sites
+from afl.lab.bench.daemons.scaling_e2e import CLASSES, PeakMemory, random_sites
 from afl.lab.demo.federation import (
     LoopbackFederation,
     LoopbackRun,
