@@ -42,11 +42,9 @@ from afl.client.policy.ledger import DpLedger, LedgerEntry, LedgerError
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import sign_fields, verify_fields
 from afl.crypto.transparency.checkpoint import CheckpointError
-from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash, root_hash
+from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash
 from afl.crypto.transparency.statements import (
     DP_RELEASE_CONTEXT,
-    StatementError,
-    decode_statement,
     dp_release_signed_fields,
     dp_release_statement,
 )
@@ -84,20 +82,6 @@ def release_statement(
     return dp_release_statement(federation=federation, site=site, entry=doc, signature=signature)
 
 
-def _entries(call: Call, size: int) -> list[bytes]:
-    """The log's first ``size`` statements, page by page."""
-    out: list[bytes] = []
-    while len(out) < size:
-        page = call("GetLogEntries", pb.LogEntriesRequest(start=len(out), end=size))
-        if not page.entries:
-            raise DaemonError(f"the coordinator sent no log entries from index {len(out)}")
-        for e in page.entries:
-            if int(e.index) != len(out):
-                raise DaemonError(f"the coordinator sent log entry {e.index} for {len(out)}")
-            out.append(bytes(e.statement))
-    return out[:size]
-
-
 def logged_entries(
     call: Call, witness: LogWitness, *, quorum_wait_s: float | None = None
 ) -> list[LedgerEntry]:
@@ -123,19 +107,9 @@ def logged_entries(
                 ) from exc
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
-    size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
-    statements = _entries(call, size) if size else []
-    if size and root_hash([leaf_hash(s) for s in statements]) != root:
-        raise DaemonError(
-            f"the log entries the coordinator sent do not hash to checkpoint size {size}"
-        )
     own_key = witness.roster[witness.site_id]
     mine: list[LedgerEntry] = []
-    for index, statement in enumerate(statements):
-        try:
-            kind, fields = decode_statement(statement, federation=witness.federation_id)
-        except StatementError as exc:
-            raise DaemonError(f"federation log entry {index}: {exc}") from exc
+    for index, (kind, fields) in enumerate(witness.statements(call, answer)):
         if kind != "dp-release" or fields.get("site") != witness.site_id:
             continue
         try:

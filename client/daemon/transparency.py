@@ -342,8 +342,8 @@ class LogWitness:
     def statements(
         self, call: Call, answer: pb.CosignedLogCheckpoint
     ) -> list[tuple[str, dict[str, object]]]:
-        """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one whose
-        quorum this site counted), fetched with GetLogEntries (only those past the prefix it
+        """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one this site
+        witnessed), fetched with GetLogEntries (only those past the prefix it
         verified before) and verified: the leaf hashes of ALL entries must give the
         checkpoint's root, and each entry must be a statement of this federation
         (:class:`DaemonError` otherwise, naming the cause)."""
