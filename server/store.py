@@ -1276,6 +1276,13 @@ class Store:
         ).fetchall()
         return [(int(r[0]), r[1], bytes(r[2]), int(r[3])) for r in rows]
 
+    def log_statements(self, kind: str) -> list[bytes]:
+        """The statement bytes of every entry of ``kind``, in log order."""
+        rows = self._db.execute(
+            "SELECT entry FROM fedlog WHERE kind = ? ORDER BY idx", (kind,)
+        ).fetchall()
+        return [bytes(r[0]) for r in rows]
+
     def log_index(self, leaf: bytes) -> int | None:
         """The index of the first statement whose leaf hash is ``leaf``."""
         row = self._db.execute(

@@ -157,8 +157,7 @@ class FederationLog:
         round_id = str(entry.get("round_id", ""))
         logged = [
             decode_statement(statement, federation=self.federation_id)[1]
-            for _, kind, statement, _ in self.store.log_entries(0, self.store.log_size())
-            if kind == "dp-release"
+            for statement in self.store.log_statements("dp-release")
         ]
         mine = [f["entry"] for f in logged if f.get("site") == site_id]
         if any(isinstance(e, dict) and e.get("round_id") == round_id for e in mine):

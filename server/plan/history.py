@@ -136,9 +136,7 @@ def _unpublished(store: Store) -> dict[str, tuple[str, ...]]:
     """round -> survivors of the log's `release` statements of rounds aborted after their sums
     were decoded (``"published": false``)."""
     out: dict[str, tuple[str, ...]] = {}
-    for _, kind, entry, _ in store.log_entries(0, store.log_size()):
-        if kind != "release":
-            continue
+    for entry in store.log_statements("release"):
         fields = decode_statement(entry, federation=store.federation_id)[1]
         if fields.get("published") is False and isinstance(
             survivors := fields.get("survivors"), list
