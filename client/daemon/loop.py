@@ -389,8 +389,12 @@ class ClientDaemon:
         )
         seen = (r.round_id, 0 if taking_part else r.stage) if r is not None else ("", 0)
         seen_key = (*seen, response.latest_model_round_id)
+        # Past its plan review, no site of the round waits for a quorum on the log until the
+        # model: the idle re-witnessing stops there (it put a cosignature, a commit at the
+        # coordinator and three RPCs on every site every few seconds of the exchange).
+        quiet = r is not None and taking_part and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         now = time.monotonic()
-        if seen_key == self._witnessed_key and now - self._witnessed_at < IDLE_WITNESS_S:
+        if seen_key == self._witnessed_key and (quiet or now - self._witnessed_at < IDLE_WITNESS_S):
             return
         self._witnessed_key = seen_key
         self._witness_log(now)

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -41,6 +42,7 @@ from afl.crypto.identity.signatures import load_public_key_raw
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
     CheckpointError,
+    Cosignature,
     SignedCheckpoint,
     quorum_witnesses,
 )
@@ -146,6 +148,10 @@ class LogWitness:
         #: The quorum-cosigned checkpoint the last accepted plan's inclusion verified in.
         self.plan_checkpoint: pb.CosignedLogCheckpoint | None = None
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
+        self._decoded: list[tuple[str, Mapping[str, object]]] = []  # its first statements
+        #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
+        self._verified_on: Checkpoint | None = None
+        self._verified: set[tuple[Cosignature, bytes]] = set()
         if self.path.is_file():
             try:
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
@@ -253,15 +259,25 @@ class LogWitness:
         return answer
 
     def quorum_on(self, answer: pb.CosignedLogCheckpoint) -> frozenset[str]:
-        """The roster witnesses whose cosignature on the answer's checkpoint verifies (this
-        site's own included once sent); :class:`CheckpointError` below the quorum."""
+        """A quorum of roster witnesses whose cosignature on the answer's checkpoint verifies
+        (this site's own counted once sent); :class:`CheckpointError` below the quorum. The
+        cosignatures are verified in a fixed order until the quorum is reached; those that
+        verified on this checkpoint before are not verified again (the next poll of a quorum
+        wait verifies only what is new)."""
         checkpoint = wire.checkpoint_from_proto(answer.checkpoint).checkpoint
         cosignatures = [
             wire.cosignature_from_proto(c, federation=self.federation_id)
             for c in answer.cosignatures
         ]
+        if self._verified_on != checkpoint:  # keep the cache to one checkpoint: K entries
+            self._verified_on, self._verified = checkpoint, set()
         return quorum_witnesses(
-            checkpoint, cosignatures, witness_keys=self.roster, quorum=self.quorum
+            checkpoint,
+            cosignatures,
+            witness_keys=self.roster,
+            quorum=self.quorum,
+            stop_at_quorum=True,
+            verified=self._verified,
         )
 
     def check_inclusion(self, call: Call, leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
@@ -341,12 +357,13 @@ class LogWitness:
 
     def statements(
         self, call: Call, answer: pb.CosignedLogCheckpoint
-    ) -> list[tuple[str, dict[str, object]]]:
+    ) -> list[tuple[str, Mapping[str, object]]]:
         """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one this site
         witnessed), fetched with GetLogEntries (only those past the prefix it
         verified before) and verified: the leaf hashes of ALL entries must give the
         checkpoint's root, and each entry must be a statement of this federation
-        (:class:`DaemonError` otherwise, naming the cause)."""
+        (:class:`DaemonError` otherwise, naming the cause). The fields are read-only views,
+        decoded once per entry of the verified prefix (the same bytes decode the same)."""
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         entries = self._entries[:size]
         while len(entries) < size:
@@ -362,13 +379,17 @@ class LogWitness:
                     )
                 entries.append(bytes(entry.statement))
         if root_hash([leaf_hash(e) for e in entries]) != root:
-            self._entries = []
+            self._entries, self._decoded = [], []
             raise DaemonError(
                 f"the log entries the coordinator served do not hash to the root of the "
                 f"cosigned checkpoint of size {size}"
             )
-        self._entries = entries
+        decoded = self._decoded[:size]  # those of the verified prefix: entries[:len(decoded)]
         try:
-            return [decode_statement(e, federation=self.federation_id) for e in entries]
+            for entry in entries[len(decoded) :]:
+                kind, fields = decode_statement(entry, federation=self.federation_id)
+                decoded.append((kind, MappingProxyType(fields)))
         except StatementError as exc:
             raise DaemonError(f"the federation log holds an entry that is not ours: {exc}") from exc
+        self._entries, self._decoded = entries, decoded
+        return list(decoded)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from afl.client.daemon import transparency as transparency_module
 from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
 from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.transparency import checkpoint as checkpoint_module
+from afl.crypto.transparency import statements as statements_module
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.crypto.transparency.statements import statement_bytes
@@ -147,3 +151,42 @@ def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(
     assert more == statements
     with pytest.raises(DaemonError, match="served no log entry from index 0"):
         fresh.statements(coordinator.call, answer)
+
+
+def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polling the same checkpoint verifies only cosignatures not verified before (and stops
+    at the quorum); the log's verified prefix is decoded once, and handed out read-only."""
+    coordinator = _coordinator(tmp_path / "server")
+    for site in SITES:
+        _witness(tmp_path / site, site).witness(coordinator.call)
+    site1 = _witness(tmp_path / "site-1")
+    answer = site1.witness(coordinator.call)
+    assert len(answer.cosignatures) == 3
+    verified: list[str] = []
+    real_verify = checkpoint_module.verify_cosignature
+
+    def counted_verify(public: Any, cosignature: Any) -> None:
+        verified.append(cosignature.witness)
+        real_verify(public, cosignature)
+
+    monkeypatch.setattr(checkpoint_module, "verify_cosignature", counted_verify)
+    assert site1.quorum_on(answer) == {"site-1", "site-2"}  # a majority of 3, in name order
+    assert verified == ["site-1", "site-2"]
+    assert site1.quorum_on(answer) == {"site-1", "site-2"}
+    assert verified == ["site-1", "site-2"]  # nothing verified twice
+    decoded: list[bytes] = []
+    real_decode = statements_module.decode_statement
+
+    def counted_decode(entry: bytes, *, federation: str) -> Any:
+        decoded.append(entry)
+        return real_decode(entry, federation=federation)
+
+    monkeypatch.setattr(transparency_module, "decode_statement", counted_decode)
+    first = site1.statements(coordinator.call, answer)
+    assert len(decoded) == answer.checkpoint.size
+    assert site1.statements(coordinator.call, answer) == first
+    assert len(decoded) == answer.checkpoint.size  # the verified prefix is not decoded again
+    with pytest.raises(TypeError):
+        first[0][1]["site"] = "another"  # type: ignore[index]
