@@ -15,6 +15,7 @@ why) and it took part in no round.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -112,6 +113,7 @@ log = logging.getLogger("afl.client")
 _PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
+@functools.cache
 def _version() -> str:
     try:
         return metadata.version("afl")
