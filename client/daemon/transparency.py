@@ -23,6 +23,7 @@ root for one size, a consistency proof that fails) are a split view: the site wr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -116,6 +117,14 @@ def checkpoint_from_json(doc: Mapping[str, Any]) -> SignedCheckpoint:
         return SignedCheckpoint(checkpoint, bytes.fromhex(str(doc["signature"])))
     except (KeyError, TypeError, CheckpointError) as exc:
         raise ValueError(f"not a signed checkpoint ({exc})") from exc
+
+
+@functools.lru_cache(maxsize=4096)
+def _statement(entry: bytes, federation: str) -> tuple[str, Mapping[str, object]]:
+    """(kind, read-only fields) of a log entry, decoded once per process: the sites a host
+    process runs read the same log (:class:`StatementError` is not cached)."""
+    kind, fields = decode_statement(entry, federation=federation)
+    return kind, MappingProxyType(fields)
 
 
 class LogWitness:
@@ -363,7 +372,7 @@ class LogWitness:
         verified before) and verified: the leaf hashes of ALL entries must give the
         checkpoint's root, and each entry must be a statement of this federation
         (:class:`DaemonError` otherwise, naming the cause). The fields are read-only views,
-        decoded once per entry of the verified prefix (the same bytes decode the same)."""
+        decoded once per entry (the same bytes decode the same)."""
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         entries = self._entries[:size]
         while len(entries) < size:
@@ -387,8 +396,7 @@ class LogWitness:
         decoded = self._decoded[:size]  # those of the verified prefix: entries[:len(decoded)]
         try:
             for entry in entries[len(decoded) :]:
-                kind, fields = decode_statement(entry, federation=self.federation_id)
-                decoded.append((kind, MappingProxyType(fields)))
+                decoded.append(_statement(entry, self.federation_id))
         except StatementError as exc:
             raise DaemonError(f"the federation log holds an entry that is not ours: {exc}") from exc
         self._entries, self._decoded = entries, decoded

@@ -184,9 +184,13 @@ def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded
         return real_decode(entry, federation=federation)
 
     monkeypatch.setattr(transparency_module, "decode_statement", counted_decode)
+    transparency_module._statement.cache_clear()
     first = site1.statements(coordinator.call, answer)
     assert len(decoded) == answer.checkpoint.size
     assert site1.statements(coordinator.call, answer) == first
     assert len(decoded) == answer.checkpoint.size  # the verified prefix is not decoded again
+    other = _witness(tmp_path / "site-2", "site-2")  # another site of the same host process
+    assert other.statements(coordinator.call, other.witness(coordinator.call)) == first
+    assert len(decoded) == answer.checkpoint.size  # nor by another site
     with pytest.raises(TypeError):
         first[0][1]["site"] = "another"  # type: ignore[index]
