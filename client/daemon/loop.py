@@ -27,7 +27,7 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
-from afl.client.daemon.anchor import LedgerAnchor
+from afl.client.daemon.anchor import LedgerAnchor, Publication
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
@@ -500,9 +500,11 @@ class ClientDaemon:
 
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
-    ) -> None:
-        """Write the plan's ledger entry (before any upload leaves); a DP plan's assessment goes
-        into ``report``."""
+    ) -> Publication | None:
+        """Write the plan's ledger entry (before any message of the round leaves) and start
+        logging its statement (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`;
+        None when this site does not anchor its ledger); a DP plan's assessment goes into
+        ``report``."""
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
@@ -524,10 +526,11 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
-        if self.anchors_ledger:
-            self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
         if plan.dp.enabled:
             report.dp = dp_report(plan, self.site_id, dp)
+        if not self.anchors_ledger:
+            return None
+        return self.anchor.start_publishing(self.rpc.call, entry)  # in the log first (M-195)
 
     def _respond(
         self,
@@ -673,7 +676,9 @@ class ClientDaemon:
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
-        self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
+        # The ledger entry is on disk before any message leaves, and its statement in the log
+        # before any statistic does (the exchange's uploads wait for the publication).
+        publication = self._record(cfg, plan, plan_sha, report)
         payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         t0 = time.perf_counter()
         session = self.round_session(
@@ -683,12 +688,20 @@ class ClientDaemon:
             survivor_floors=decision.survivor_floors,
             graph_nonce=graph_nonce,
             covered=bool(decision.audit.get("covered_by_dp")),
+            before_statistics=publication.wait if publication is not None else None,
         )
-        records = mode.exchange(
-            session, payloads, already_complete=set(status.caller_uploads_complete)
-        )
+        try:
+            records = mode.exchange(
+                session, payloads, already_complete=set(status.caller_uploads_complete)
+            )
+        finally:
+            if publication is not None:  # no thread outlives the round (an error: the exchange's)
+                publication.wait(raise_error=False)
+        if publication is not None:
+            publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
         timings["upload"] = time.perf_counter() - t0
+        timings.update(session.timings)
         report.sent(records)
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
@@ -722,9 +735,11 @@ class ClientDaemon:
         survivor_floors: Mapping[str, int],
         graph_nonce: bytes = b"",
         covered: bool = False,
+        before_statistics: Callable[[], None] | None = None,
     ) -> RoundSession:
         """What the aggregation mode's exchange needs of this site for an accepted plan
-        (``covered``: DP covers this site, as its plan decision found)."""
+        (``covered``: DP covers this site, as its plan decision found; ``before_statistics``:
+        waits for the round's ledger statement in the log)."""
         return RoundSession(
             rpc=self.rpc,
             round_id=round_id,
@@ -737,6 +752,7 @@ class ClientDaemon:
             plan_sha256=plan_sha256,
             graph_nonce=graph_nonce,
             survivors_check=self._survivors_check(plan, covered=covered),
+            before_statistics=before_statistics,
         )
 
     def _replay_problem(

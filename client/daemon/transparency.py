@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -146,6 +147,10 @@ class LogWitness:
         #: The quorum-cosigned checkpoint the last accepted plan's inclusion verified in.
         self.plan_checkpoint: pb.CosignedLogCheckpoint | None = None
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
+        # The daemon logs a round's DP-ledger statement in a background thread while its main
+        # thread may witness on a status answer: one witnessing step at a time (an RLock:
+        # a step that witnesses calls back in).
+        self._lock = threading.RLock()
         if self.path.is_file():
             try:
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
@@ -181,6 +186,10 @@ class LogWitness:
         """The coordinator's operator acknowledged restore ``count`` (M-142): the log may be
         shorter than what this site cosigned; keep the last checkpoint as evidence and witness
         the restored log from scratch."""
+        with self._lock:
+            self._restore_acknowledged(count)
+
+    def _restore_acknowledged(self, count: int) -> None:
         if count <= self.acknowledged:
             return
         if self.last is not None:
@@ -202,6 +211,10 @@ class LogWitness:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
         step 1); the answer, with the coordinator's cosignatures. :class:`SplitViewDetected`
         when it does not, after the evidence is written."""
+        with self._lock:
+            return self._witness(call)
+
+    def _witness(self, call: Call) -> pb.CosignedLogCheckpoint:
         answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", pb.CheckpointRequest())
         try:
             offered = wire.checkpoint_from_proto(answer.checkpoint)
@@ -347,6 +360,12 @@ class LogWitness:
         verified before) and verified: the leaf hashes of ALL entries must give the
         checkpoint's root, and each entry must be a statement of this federation
         (:class:`DaemonError` otherwise, naming the cause)."""
+        with self._lock:
+            return self._statements(call, answer)
+
+    def _statements(
+        self, call: Call, answer: pb.CosignedLogCheckpoint
+    ) -> list[tuple[str, dict[str, object]]]:
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         entries = self._entries[:size]
         while len(entries) < size:
