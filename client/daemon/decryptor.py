@@ -473,7 +473,9 @@ class DecryptorDaemon:
             grid = release.encoding.ckks.grid_step if release is not None else 0.0
             rpc.call(
                 "ReportDecryption",
-                self.outcome(jobs.round_id, job.release_name, status, reason, digest, grid),
+                self.outcome(
+                    jobs.round_id, work.plan_sha256, job.release_name, status, reason, digest, grid
+                ),
             )
             log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
         return len(jobs.jobs)
@@ -487,14 +489,27 @@ class DecryptorDaemon:
             handle.write(json.dumps(fields) + "\n")
 
     def outcome(
-        self, round_id: str, release: str, status: int, reason: str, digest: bytes, grid: float
+        self,
+        round_id: str,
+        plan_sha256: bytes,
+        release: str,
+        status: int,
+        reason: str,
+        digest: bytes,
+        grid: float,
     ) -> pb.DecryptionOutcome:
-        """The signed DecryptionOutcome (context "decryption")."""
+        """The signed DecryptionOutcome (context "decryption": bound to the federation, the
+        round and its plan's digest)."""
         signature = signatures.sign_fields(
             self.identity,
             context=DECRYPTION_CONTEXT,
             fields=decryption_fields(
-                round_id=round_id, release_name=release, status=status, result_sha256=digest
+                federation_id=self.config.federation_id,
+                round_id=round_id,
+                plan_sha256=plan_sha256,
+                release_name=release,
+                status=status,
+                result_sha256=digest,
             ),
         )
         return pb.DecryptionOutcome(

@@ -29,7 +29,13 @@ from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
-from afl.crypto.ckks.wire import PURPOSE_CKKS_TAGS, TagBinding, seal_tags
+from afl.crypto.ckks.wire import (
+    DECRYPTION_CONTEXT,
+    PURPOSE_CKKS_TAGS,
+    TagBinding,
+    decryption_fields,
+    seal_tags,
+)
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import pki, signatures
 from afl.crypto.identity.revocation import PeerRevocations, issue_crl
@@ -436,6 +442,26 @@ def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_n
         if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED
     }
     assert len(decrypted) == 1
+    # Each signed outcome binds the federation, the round and the plan's digest.
+    assert coordinator.outcomes
+    for outcome, _ in coordinator.outcomes:
+        fields: dict[str, Any] = {
+            "federation_id": "fed", "round_id": outcome.round_id,
+            "plan_sha256": hashlib.sha256(fed.signed.plan).digest(),
+            "release_name": outcome.release_name, "status": outcome.status,
+            "result_sha256": outcome.result_sha256,
+        }  # fmt: skip
+        signatures.verify_fields(
+            identity.public_key(), outcome.signature, context=DECRYPTION_CONTEXT,
+            fields=decryption_fields(**fields),
+        )  # fmt: skip
+        wrong: list[dict[str, Any]] = [{"federation_id": "other"}, {"plan_sha256": b"\x01" * 32}]
+        for binding in wrong:
+            with pytest.raises(CryptoError):
+                signatures.verify_fields(
+                    identity.public_key(), outcome.signature, context=DECRYPTION_CONTEXT,
+                    fields=decryption_fields(**(fields | binding)),
+                )  # fmt: skip
 
 
 def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_line(
