@@ -77,7 +77,12 @@ from afl.client.payloads.stats import (
 )
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
-from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
+from afl.client.policy.loghistory import (
+    LogHistoryError,
+    logged_rounds,
+    whole_history_problem,
+    with_unmasked,
+)
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
 from afl.client.policy.roster import kit_revocations, revoked_participant, roster_problem
 from afl.client.retention import enforce_retention
@@ -361,12 +366,23 @@ class ClientDaemon:
         if policy.allow_exposure or decision.audit.get("covered_by_dp") or checkpoint is None:
             return decision
         try:
-            rounds = logged_rounds(self.log_witness.statements(self.rpc.call, checkpoint))
+            statements, unlogged = with_unmasked(
+                self.log_witness.statements(self.rpc.call, checkpoint), self.store.unmasked()
+            )
+            rounds = logged_rounds(statements)
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
                 False, f"the federation's history cannot be audited from its log: {exc}"
             )
+        if unlogged:
+            log.warning(
+                "site=%s: the federation log holds no release of round(s) %s, which this site "
+                "helped unmask; its audit counts them as released",
+                self.site_id, ", ".join(unlogged),
+            )  # fmt: skip
         problem, detail = whole_history_problem(plan, rounds=rounds, min_cohort=policy.min_cohort)
+        if detail is not None and unlogged:
+            detail["unmasked_not_logged"] = unlogged
         audit = {**decision.audit, "whole_history": detail} if detail else decision.audit
         if problem:
             return PolicyDecision(False, f"this site refuses: {problem}", audit)
@@ -819,6 +835,7 @@ class ClientDaemon:
                 log.warning("site=%s REFUSED round %s: %s", self.site_id, plan.round_id, problem)
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
             self.store.record_survivors(plan.round_id, survivors)
+            self.store.record_unmasking(plan, survivors)  # for the whole-history audit
 
         return check
 
