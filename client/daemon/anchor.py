@@ -245,10 +245,15 @@ class Publication:
         except BaseException as exc:  # re-raised by wait, in the caller's thread
             self._error = exc
 
-    def wait(self, *, raise_error: bool = True) -> None:
+    def wait(self) -> None:
         self._thread.join()
-        if self._error is not None and raise_error:
+        if self._error is not None:
             raise self._error
+
+    def error(self) -> BaseException | None:
+        """Once the thread ended: what :meth:`LedgerAnchor.publish` raised (None: logged)."""
+        self._thread.join()
+        return self._error
 
 
 def rebuild_ledger(

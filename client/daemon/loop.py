@@ -711,8 +711,12 @@ class ClientDaemon:
                 session, payloads, already_complete=set(status.caller_uploads_complete)
             )
         finally:
-            if publication is not None:  # no thread outlives the round (an error: the exchange's)
-                publication.wait(raise_error=False)
+            # No thread outlives the round. Its error shows at the first upload; if the exchange
+            # failed first, the exchange's error is raised, unless the log showed a split view
+            # or other evidence, which stops the site whatever else went wrong.
+            error = publication.error() if publication is not None else None
+            if isinstance(error, LogEvidence):
+                raise error
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
