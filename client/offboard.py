@@ -11,8 +11,8 @@ command returns:
   federation).
 
 Kept, and said so in the record: ``dp-ledger/`` (the lifetime budget of this site's data: it must
-outlive the federation as long as the data may be used again), ``history.json`` and
-``reports/`` (which plans the site accepted and what it sent: no statistics), ``models/`` (the
+outlive the federation as long as the data may be used again), ``history.json``,
+``unmasked.json`` and ``reports/`` (which plans the site accepted and what it sent: no statistics), ``models/`` (the
 published model), ``witness.json`` and the kit. The coordinator's side is ``afl-server
 offboard``; the site's enrolment and audit records there stay (the audit chain is append-only).
 """
@@ -35,6 +35,7 @@ __all__ = ["KEPT", "OffboardError", "Offboarding", "offboard_site", "planned_del
 KEPT = {
     "dp-ledger/": "the lifetime DP budget of this site's data (keep while the data may be used)",
     "history.json": "the plans this site accepted (releases, members; no statistics)",
+    "unmasked.json": "the masked rounds this site helped unmask (releases, survivors; no statistics)",
     "reports/": "what this site sent in each round (sizes, outcomes; no statistics)",
     "models/": "the federation's published model",
     "witness.json": "what this site saw of the coordinator's state",

@@ -7,9 +7,12 @@ neither forge an entry nor change one, and the site can rebuild its ledger byte 
 the log.
 
 * **Publish** (:meth:`LedgerAnchor.publish`): after the entry is written and before the first
-  upload of its round leaves, the site sends the statement (``RecordDpRelease``), witnesses the
-  newest checkpoint (consistent with the last one it cosigned) and checks the statement's
-  inclusion proof in it. A coordinator that drops the statement gets no upload.
+  of its round's statistics leaves, the site sends the statement (``RecordDpRelease``),
+  witnesses the newest checkpoint (consistent with the last one it cosigned) and checks the
+  statement's inclusion proof in it. A coordinator that drops the statement gets no statistics.
+  The daemon publishes in a background thread (:meth:`LedgerAnchor.start_publishing`) while the
+  round's first messages go: in ``mask`` the key advert and the encrypted shares, which carry no
+  statistic; every upload of statistics waits for it (``RoundSession.before_statistics``).
 * **Reconcile** (:meth:`LedgerAnchor.reconcile`, at start-up after enrolment): the site reads the
   log up to the newest checkpoint it witnessed, checks the entries hash to that checkpoint's root,
   keeps its own `dp-release` statements whose signature verifies under its identity key, and
@@ -30,8 +33,9 @@ cosigned before its next plan; a log without them needs a colluding quorum (the 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -55,6 +59,7 @@ __all__ = [
     "REBUILD",
     "LedgerAnchor",
     "LedgerNotAnchored",
+    "Publication",
     "ledger_problem",
     "logged_entries",
     "rebuild_ledger",
@@ -217,6 +222,38 @@ class LedgerAnchor:
                 f"{entry.round_id} ({exc}): nothing is uploaded"
             ) from exc
         self.logged.append(doc)
+
+    def start_publishing(self, call: Call, entry: LedgerEntry) -> Publication:
+        """:meth:`publish` in a background thread; the caller waits for it before the first of
+        its round's statistics leaves (module docstring)."""
+        return Publication(lambda: self.publish(call, entry), name=f"ledger-{entry.round_id}")
+
+
+class Publication:
+    """A `dp-release` statement being logged in a background thread: :meth:`wait` returns once
+    it is in the log, or raises what :meth:`LedgerAnchor.publish` raised (every time it is
+    called)."""
+
+    def __init__(self, publish: Callable[[], None], *, name: str) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(publish,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, publish: Callable[[], None]) -> None:
+        try:
+            publish()
+        except BaseException as exc:  # re-raised by wait, in the caller's thread
+            self._error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def error(self) -> BaseException | None:
+        """Once the thread ended: what :meth:`LedgerAnchor.publish` raised (None: logged)."""
+        self._thread.join()
+        return self._error
 
 
 def rebuild_ledger(

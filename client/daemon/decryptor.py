@@ -58,6 +58,7 @@ from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     CoordinatorRefused,
     DaemonError,
+    RemoteCallError,
     retry_policy,
 )
 from afl.client.daemon.verify import VerificationError, verify_signed_plan
@@ -97,11 +98,19 @@ __all__ = [
     "DecryptionLedger",
     "DecryptorDaemon",
     "DecryptorKeys",
+    "PlanRefused",
     "RoundDecryptor",
     "load_or_create_keys",
 ]
 
 log = logging.getLogger("afl.client.daemon.decryptor")
+
+
+class PlanRefused(DaemonError):
+    """The decryptor refuses a job's release plan, before any key is used (its reason names
+    why); the daemon reports it to the coordinator as a signed ``REFUSED_PLAN`` outcome."""
+
+
 _STATUS = {
     CkksNotInPlanError: pb.DECRYPTION_STATUS_REFUSED_NOT_IN_PLAN,
     CkksAlreadyDecryptedError: pb.DECRYPTION_STATUS_REFUSED_ALREADY_DECRYPTED,
@@ -211,15 +220,15 @@ class RoundDecryptor:
                 what="decryption job",
             )
         except (VerificationError, CryptoError) as exc:
-            raise DaemonError(str(exc)) from exc
+            raise PlanRefused(str(exc)) from exc
         if plan.aggregation != cpb.AGGREGATION_MODE_CKKS:
-            raise DaemonError("the release plan is not a CKKS plan of this federation")
+            raise PlanRefused("the release plan is not a CKKS plan of this federation")
         problem = roster_mismatch(plan, federation_id=federation_id, roster=roster)
         problem = problem or revoked_participant(
             plan, revocations=revocations, peers=peers, site_id=site_id
         )
         if problem:
-            raise DaemonError(f"the decryptor refuses round {plan.round_id}: {problem}")
+            raise PlanRefused(f"the decryptor refuses round {plan.round_id}: {problem}")
         self.plan, self.keys, self.site_id = plan, keys, site_id
         self.plan_sha256, self.peers = plan_sha, dict(peers)
         self.releases = {r.name: r for r in plan.releases}
@@ -439,7 +448,11 @@ class DecryptorDaemon:
         jobs: pb.DecryptionJobs = rpc.call("GetDecryptionJobs", cpb.RoundRef())
         if not jobs.jobs:
             return 0
-        work = self._round(jobs)
+        try:
+            work = self._round(jobs)
+        except PlanRefused as exc:  # the coordinator learns why at once (the round aborts)
+            self._refuse(jobs, str(exc))
+            return len(jobs.jobs)
         tags: pb.SealedMessages = rpc.call("GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id))
         for sealed in tags.messages:
             try:
@@ -473,10 +486,30 @@ class DecryptorDaemon:
             grid = release.encoding.ckks.grid_step if release is not None else 0.0
             rpc.call(
                 "ReportDecryption",
-                self.outcome(jobs.round_id, job.release_name, status, reason, digest, grid),
+                self.outcome(
+                    jobs.round_id, work.plan_sha256, job.release_name, status, reason, digest, grid
+                ),
             )
             log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
         return len(jobs.jobs)
+
+    def _refuse(self, jobs: pb.DecryptionJobs, reason: str) -> None:
+        """Report a signed ``REFUSED_PLAN`` outcome for each job of a plan this decryptor
+        refuses (bound to the digest of the plan the jobs carry); no key is used."""
+        log.warning("decryptor: %s (reported to the coordinator)", reason)
+        plan_sha = hashlib.sha256(jobs.release_plan.plan).digest()
+        status = pb.DECRYPTION_STATUS_REFUSED_PLAN
+        for job in jobs.jobs:
+            outcome = self.outcome(
+                jobs.round_id, plan_sha, job.release_name, status, reason, b"", 0
+            )
+            try:
+                self._rpc().call("ReportDecryption", outcome)
+            except CoordinatorRefused:
+                raise
+            except RemoteCallError as exc:  # e.g. the round aborted at the first refusal
+                log.info("decryptor: refusal of %s not reported: %s", job.release_name, exc)
+                return
 
     def _record(self, **fields: Any) -> None:
         """Append one job's timing to ``state_dir/ckks/decryptions.jsonl`` (no values)."""
@@ -487,14 +520,27 @@ class DecryptorDaemon:
             handle.write(json.dumps(fields) + "\n")
 
     def outcome(
-        self, round_id: str, release: str, status: int, reason: str, digest: bytes, grid: float
+        self,
+        round_id: str,
+        plan_sha256: bytes,
+        release: str,
+        status: int,
+        reason: str,
+        digest: bytes,
+        grid: float,
     ) -> pb.DecryptionOutcome:
-        """The signed DecryptionOutcome (context "decryption")."""
+        """The signed DecryptionOutcome (context "decryption": bound to the federation, the
+        round and its plan's digest)."""
         signature = signatures.sign_fields(
             self.identity,
             context=DECRYPTION_CONTEXT,
             fields=decryption_fields(
-                round_id=round_id, release_name=release, status=status, result_sha256=digest
+                federation_id=self.config.federation_id,
+                round_id=round_id,
+                plan_sha256=plan_sha256,
+                release_name=release,
+                status=status,
+                result_sha256=digest,
             ),
         )
         return pb.DecryptionOutcome(

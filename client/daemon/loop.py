@@ -28,7 +28,7 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
-from afl.client.daemon.anchor import LedgerAnchor
+from afl.client.daemon.anchor import LedgerAnchor, Publication
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
@@ -78,7 +78,12 @@ from afl.client.payloads.stats import (
 )
 from afl.client.policy.dp import DpContext, assess_plan, dp_report
 from afl.client.policy.ledger import DpLedger
-from afl.client.policy.loghistory import LogHistoryError, logged_rounds, whole_history_problem
+from afl.client.policy.loghistory import (
+    LogHistoryError,
+    logged_rounds,
+    whole_history_problem,
+    with_unmasked,
+)
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
 from afl.client.policy.roster import kit_revocations, revoked_participant, roster_problem
 from afl.client.retention import enforce_retention
@@ -363,12 +368,23 @@ class ClientDaemon:
         if policy.allow_exposure or decision.audit.get("covered_by_dp") or checkpoint is None:
             return decision
         try:
-            rounds = logged_rounds(self.log_witness.statements(self.rpc.call, checkpoint))
+            statements, unlogged = with_unmasked(
+                self.log_witness.statements(self.rpc.call, checkpoint), self.store.unmasked()
+            )
+            rounds = logged_rounds(statements)
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
                 False, f"the federation's history cannot be audited from its log: {exc}"
             )
+        if unlogged:
+            log.warning(
+                "site=%s: the federation log holds no release of round(s) %s, which this site "
+                "helped unmask; its audit counts them as released",
+                self.site_id, ", ".join(unlogged),
+            )  # fmt: skip
         problem, detail = whole_history_problem(plan, rounds=rounds, min_cohort=policy.min_cohort)
+        if detail is not None and unlogged:
+            detail["unmasked_not_logged"] = unlogged
         audit = {**decision.audit, "whole_history": detail} if detail else decision.audit
         if problem:
             return PolicyDecision(False, f"this site refuses: {problem}", audit)
@@ -506,9 +522,11 @@ class ClientDaemon:
 
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
-    ) -> None:
-        """Write the plan's ledger entry (before any upload leaves); a DP plan's assessment goes
-        into ``report``."""
+    ) -> Publication | None:
+        """Write the plan's ledger entry (before any message of the round leaves) and start
+        logging its statement (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`;
+        None when this site does not anchor its ledger); a DP plan's assessment goes into
+        ``report``."""
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
@@ -530,10 +548,11 @@ class ClientDaemon:
                 if self.site_id in r.member_site_ids
             ),
         )
-        if self.anchors_ledger:
-            self.anchor.publish(self.rpc.call, entry)  # in the federation log first (M-195)
         if plan.dp.enabled:
             report.dp = dp_report(plan, self.site_id, dp)
+        if not self.anchors_ledger:
+            return None
+        return self.anchor.start_publishing(self.rpc.call, entry)  # in the log first (M-195)
 
     def _respond(
         self,
@@ -679,7 +698,9 @@ class ClientDaemon:
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
-        self._record(cfg, plan, plan_sha, report)  # the ledger, before any upload leaves
+        # The ledger entry is on disk before any message leaves, and its statement in the log
+        # before any statistic does (the exchange's uploads wait for the publication).
+        publication = self._record(cfg, plan, plan_sha, report)
         payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         t0 = time.perf_counter()
         session = self.round_session(
@@ -689,12 +710,24 @@ class ClientDaemon:
             survivor_floors=decision.survivor_floors,
             graph_nonce=graph_nonce,
             covered=bool(decision.audit.get("covered_by_dp")),
+            before_statistics=publication.wait if publication is not None else None,
         )
-        records = mode.exchange(
-            session, payloads, already_complete=set(status.caller_uploads_complete)
-        )
+        try:
+            records = mode.exchange(
+                session, payloads, already_complete=set(status.caller_uploads_complete)
+            )
+        finally:
+            # No thread outlives the round. Its error shows at the first upload; if the exchange
+            # failed first, the exchange's error is raised, unless the log showed a split view
+            # or other evidence, which stops the site whatever else went wrong.
+            error = publication.error() if publication is not None else None
+            if isinstance(error, LogEvidence):
+                raise error
+        if publication is not None:
+            publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
         timings["upload"] = time.perf_counter() - t0
+        timings.update(session.timings)
         report.sent(records)
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
@@ -728,9 +761,11 @@ class ClientDaemon:
         survivor_floors: Mapping[str, int],
         graph_nonce: bytes = b"",
         covered: bool = False,
+        before_statistics: Callable[[], None] | None = None,
     ) -> RoundSession:
         """What the aggregation mode's exchange needs of this site for an accepted plan
-        (``covered``: DP covers this site, as its plan decision found)."""
+        (``covered``: DP covers this site, as its plan decision found; ``before_statistics``:
+        waits for the round's ledger statement in the log)."""
         return RoundSession(
             rpc=self.rpc,
             round_id=round_id,
@@ -743,6 +778,7 @@ class ClientDaemon:
             plan_sha256=plan_sha256,
             graph_nonce=graph_nonce,
             survivors_check=self._survivors_check(plan, covered=covered),
+            before_statistics=before_statistics,
         )
 
     def _replay_problem(
@@ -809,6 +845,7 @@ class ClientDaemon:
                 log.warning("site=%s REFUSED round %s: %s", self.site_id, plan.round_id, problem)
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
             self.store.record_survivors(plan.round_id, survivors)
+            self.store.record_unmasking(plan, survivors)  # for the whole-history audit
 
         return check
 

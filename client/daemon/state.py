@@ -6,6 +6,9 @@ after a crash).
       stats/pseudo-<key>.npz          round-2 pseudo-label projections
       history.json                    releases of every plan this site accepted (cross-round audit),
                                       with the survivors each was unmasked over once known
+      unmasked.json                   each masked round this site signed survivors of (and so
+                                      helped unmask), as a log `release` statement states it
+                                      (afl.client.policy.loghistory.with_unmasked)
       uploads/<round>.json            the rounds this site sent statistics to, recorded before the
                                       first byte left (afl.client.policy.uploads: one upload per
                                       round, ever)
@@ -31,6 +34,7 @@ from numpy.typing import NDArray
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import check_round_id
 from afl.client.payloads.stats import dump_json
+from afl.client.policy.loghistory import release_fields
 from afl.client.policy.plan import PolicyDecision, audit_view
 from afl.client.policy.uploads import UploadRegister
 from afl.core import leakage
@@ -106,6 +110,26 @@ class DaemonState:
             if r["round_id"] == round_id:
                 r["survivors"] = sorted(m for m in r["members"] if m in alive)
         dump_json(self.history_path, {"releases": rows})
+
+    @property
+    def unmasked_path(self) -> Path:
+        return self.root / "unmasked.json"
+
+    def record_unmasking(self, plan: cpb.ReleasePlan, survivors: Collection[str]) -> None:
+        """Record, durably and before this site signs ``survivors`` or sends an unmask share,
+        that ``plan``'s releases may be unmasked over them (:func:`release_fields`)."""
+        rounds = [r for r in self.unmasked() if r.get("round_id") != plan.round_id]
+        rounds.append(release_fields(plan, survivors=survivors))
+        dump_json(self.unmasked_path, {"rounds": rounds})
+
+    def unmasked(self) -> list[dict[str, Any]]:
+        """What :meth:`record_unmasking` recorded, oldest first."""
+        if not self.unmasked_path.exists():
+            return []
+        rounds: list[dict[str, Any]] = json.loads(self.unmasked_path.read_text(encoding="utf-8"))[
+            "rounds"
+        ]
+        return rounds
 
     def survivors(self, round_id: str) -> set[str] | None:
         """The survivors this site recorded for ``round_id`` (:meth:`record_survivors`: the list

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -161,6 +162,10 @@ class LogWitness:
         #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
         self._verified_on: Checkpoint | None = None
         self._verified: set[tuple[Cosignature, bytes]] = set()
+        # The daemon logs a round's DP-ledger statement in a background thread while its main
+        # thread may witness on a status answer: one witnessing step at a time (an RLock:
+        # a step that witnesses calls back in).
+        self._lock = threading.RLock()
         if self.path.is_file():
             try:
                 doc = json.loads(self.path.read_text(encoding="utf-8"))
@@ -196,6 +201,10 @@ class LogWitness:
         """The coordinator's operator acknowledged restore ``count`` (M-142): the log may be
         shorter than what this site cosigned; keep the last checkpoint as evidence and witness
         the restored log from scratch."""
+        with self._lock:
+            self._restore_acknowledged(count)
+
+    def _restore_acknowledged(self, count: int) -> None:
         if count <= self.acknowledged:
             return
         if self.last is not None:
@@ -217,6 +226,10 @@ class LogWitness:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
         step 1); the answer, with the coordinator's cosignatures. :class:`SplitViewDetected`
         when it does not, after the evidence is written."""
+        with self._lock:
+            return self._witness(call)
+
+    def _witness(self, call: Call) -> pb.CosignedLogCheckpoint:
         answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", pb.CheckpointRequest())
         try:
             offered = wire.checkpoint_from_proto(answer.checkpoint)
@@ -278,16 +291,17 @@ class LogWitness:
             wire.cosignature_from_proto(c, federation=self.federation_id)
             for c in answer.cosignatures
         ]
-        if self._verified_on != checkpoint:  # keep the cache to one checkpoint: K entries
-            self._verified_on, self._verified = checkpoint, set()
-        return quorum_witnesses(
-            checkpoint,
-            cosignatures,
-            witness_keys=self.roster,
-            quorum=self.quorum,
-            stop_at_quorum=True,
-            verified=self._verified,
-        )
+        with self._lock:
+            if self._verified_on != checkpoint:  # keep the cache to one checkpoint: K entries
+                self._verified_on, self._verified = checkpoint, set()
+            return quorum_witnesses(
+                checkpoint,
+                cosignatures,
+                witness_keys=self.roster,
+                quorum=self.quorum,
+                stop_at_quorum=True,
+                verified=self._verified,
+            )
 
     def check_inclusion(self, call: Call, leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
         """Fetch and verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf``
@@ -373,6 +387,12 @@ class LogWitness:
         checkpoint's root, and each entry must be a statement of this federation
         (:class:`DaemonError` otherwise, naming the cause). The fields are read-only views,
         decoded once per entry (the same bytes decode the same)."""
+        with self._lock:
+            return self._statements(call, answer)
+
+    def _statements(
+        self, call: Call, answer: pb.CosignedLogCheckpoint
+    ) -> list[tuple[str, Mapping[str, object]]]:
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         entries = self._entries[:size]
         while len(entries) < size:

@@ -68,6 +68,12 @@ class RoundSession:
     #: MASK: called with the survivor list before this site signs it or sends an unmask share;
     #: it records the survivors and raises to refuse (docs/protocol.md M-205).
     survivors_check: Callable[[Sequence[str]], None] | None = None
+    #: Called before each upload of the site's statistics; it returns once the round's DP-ledger
+    #: statement is in the federation log (docs/protocol.md M-195), which the daemon logs
+    #: meanwhile, so messages without statistics (MASK's keys and shares) need not wait for it.
+    before_statistics: Callable[[], None] | None = None
+    #: Where the exchange's time went, by step (seconds; the site's round report shows them).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,10 @@ class UploadRecord:
 def upload_record(
     session: RoundSession, slot: str, releases: tuple[str, ...], data: bytes
 ) -> UploadRecord:
-    """Upload ``data`` to ``slot`` of the session's round; the record of what was sent."""
+    """Upload ``data`` to ``slot`` of the session's round (once the session's
+    ``before_statistics`` returned); the record of what was sent."""
+    if session.before_statistics is not None:
+        session.before_statistics()
     start = time.perf_counter()
     receipt = session.rpc.upload(data, round_id=session.round_id, release_name=slot)
     return UploadRecord(

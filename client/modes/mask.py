@@ -94,10 +94,15 @@ class MaskMode:
         sent: list[UploadRecord] = []
         for step in MASK_STEPS:
             answer = None
+            start = time.perf_counter()
             if step.get:
                 rpc.await_stage(rid, at_least=step.stage)
                 answer = rpc.call(step.get, cpb.RoundRef(round_id=rid))
+            got = time.perf_counter()
             sent += step.act(session, client, answer)
+            name = step.act.__name__.lstrip("_")  # advertise, share_keys, masked_input, ...
+            session.timings[f"mask_{name}_wait"] = got - start
+            session.timings[f"mask_{name}"] = time.perf_counter() - got
         return sent
 
     @staticmethod

@@ -6,7 +6,10 @@ is the coordinator's word. The log's ``release`` statements (quorum-cosigned, th
 site) name every round whose sums were released, in every run: its releases with their planned
 members and the survivors its sums were actually unmasked or decrypted over. From them the site
 rebuilds the federation's released history (:func:`logged_rounds`) and audits the new plan with
-it (:func:`whole_history_problem`, :func:`afl.core.audit.history.history_exposures`): a plan that,
+it (:func:`whole_history_problem`, :func:`afl.core.audit.history.history_exposures`). A masked
+round this site helped unmask enters as the site itself knows it (:func:`with_unmasked`: every
+planned release over the survivors it signed), whatever the log says of it: a coordinator that
+decoded an aborted round's sums and logged less cannot hide them from this site. A plan that,
 differenced with any earlier release, determines ANY site's statistics (a site that left, a site
 this one never shared a run with) or the sum of a group smaller than ``min_cohort`` is refused
 before anything is sent.
@@ -35,7 +38,9 @@ __all__ = [
     "LogHistoryError",
     "logged_release_problem",
     "logged_rounds",
+    "release_fields",
     "whole_history_problem",
+    "with_unmasked",
 ]
 
 #: The statistic kinds whose per-site values every run sums alike.
@@ -90,6 +95,46 @@ def logged_rounds(statements: Iterable[tuple[str, Mapping[str, Any]]]) -> list[R
         releases = [r for d in fields.get("releases", []) if (r := _release(d)) is not None]
         rounds.append(ReleasedRound(round_id, run_id, audit_view(releases), survivors))
     return rounds
+
+
+def release_fields(plan: cpb.ReleasePlan, *, survivors: Collection[str]) -> dict[str, Any]:
+    """A `release` statement's fields for ``plan``'s round unmasked over ``survivors`` (the
+    coordinator's format, :meth:`afl.server.rounds.RoundMachine._release_fields`): what a site
+    records of a round it helped unmask (:func:`with_unmasked`)."""
+    return {
+        "round_id": plan.round_id,
+        "run_id": plan.run_id,
+        "survivors": sorted(survivors),
+        "releases": [
+            {
+                "name": r.name,
+                "kind": cpb.StatisticKind.Name(r.kind),
+                "classes": list(r.class_names),
+                "members": list(r.member_site_ids),
+            }
+            for r in plan.releases
+        ],
+    }
+
+
+def with_unmasked(
+    statements: Sequence[tuple[str, Mapping[str, Any]]],
+    unmasked: Sequence[Mapping[str, Any]],
+) -> tuple[list[tuple[str, Mapping[str, Any]]], list[str]]:
+    """The log's statements with each round this site helped unmask (``unmasked``: the
+    :func:`release_fields` it recorded before it signed the survivors) stated as this site knows
+    it: every planned release over the survivors it signed, in place of what the log says of
+    that round (an aborted round's statement names only what the coordinator says it decoded;
+    a coordinator may log none). Also the ids of those rounds the log has no release of."""
+    local = {str(f["round_id"]): f for f in unmasked}
+    logged = {f.get("round_id") for kind, f in statements if kind == "release"}
+    kept = [
+        (kind, f)
+        for kind, f in statements
+        if not (kind == "release" and f.get("round_id") in local)
+    ]
+    merged: list[tuple[str, Mapping[str, Any]]] = [*kept, *(("release", f) for f in local.values())]
+    return merged, sorted(r for r in local if r not in logged)
 
 
 def whole_history_problem(

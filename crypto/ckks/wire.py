@@ -6,7 +6,7 @@ Signed statements (Ed25519, :mod:`afl.crypto.identity.signatures`, canonical fie
   context, fields (round_id, context_sha256, cipher_public_key). ``round_id`` is "" for a
   federation-wide context (the decryptor keeps one key pair across rounds).
 * ``DECRYPTION_CONTEXT`` ("decryption"): the decryptor's outcome of one decryption job, fields
-  (round_id, release_name, status, result_sha256).
+  (federation_id, round_id, plan_sha256, release_name, status, result_sha256).
 
 Aggregate tags travel sealed to the decryptor AND signed by the sending site
 (:class:`TagBinding`, :func:`seal_tags`, :func:`open_tags`). The site draws an ephemeral X25519
@@ -71,10 +71,18 @@ def context_fields(
 
 
 def decryption_fields(
-    *, round_id: str, release_name: str, status: int, result_sha256: bytes
+    *,
+    federation_id: str,
+    round_id: str,
+    plan_sha256: bytes,
+    release_name: str,
+    status: int,
+    result_sha256: bytes,
 ) -> list[Field]:
-    """Fields of the decryptor's signature on a decryption outcome."""
-    return [round_id, release_name, int(status), result_sha256]
+    """Fields of the decryptor's signature on a decryption outcome: the federation, the round
+    and the SHA-256 of its signed plan (which fixes the run and the releases), the release, the
+    outcome and the result's digest."""
+    return [federation_id, round_id, plan_sha256, release_name, int(status), result_sha256]
 
 
 @dataclass(frozen=True)

@@ -583,22 +583,26 @@ class CkksRequests:
 
     def report(self, site_id: str, request: pb.DecryptionOutcome) -> None:
         self._require_decryptor(site_id)
-        try:
-            verify_fields(
-                self._identity(site_id),
-                request.signature,
-                context=DECRYPTION_CONTEXT,
-                fields=decryption_fields(
-                    round_id=request.round_id,
-                    release_name=request.release_name,
-                    status=request.status,
-                    result_sha256=request.result_sha256,
-                ),
-            )
-        except CryptoError as exc:
-            raise NotPermittedError("decryption outcome signature does not verify") from exc
         with self.access.lock:
             view = self.access.find(request.round_id or "-")
+            if view.row.plan is None:
+                raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
+            try:  # bound to this federation, the round and the digest of its signed plan
+                verify_fields(
+                    self._identity(site_id),
+                    request.signature,
+                    context=DECRYPTION_CONTEXT,
+                    fields=decryption_fields(
+                        federation_id=self.access.config.federation_id,
+                        round_id=view.round_id,
+                        plan_sha256=hashlib.sha256(view.row.plan).digest(),
+                        release_name=request.release_name,
+                        status=request.status,
+                        result_sha256=request.result_sha256,
+                    ),
+                )
+            except CryptoError as exc:
+                raise NotPermittedError("decryption outcome signature does not verify") from exc
             release = _release(view, request.release_name)
             self._mode(view).accept_result(view, self.access.context, release, request)
             self.access.store.audit(

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.state import DaemonState
 from afl.core.aggregation import federated_solve
 from afl.core.packing import pack_upper
 from afl.core.stats import LocalStats
@@ -107,6 +108,11 @@ def test_site_killed_after_share_keys_leaves_the_survivors_result(tmp_path: Path
     for site in survivors:
         assert relative_error(_final_w(run, site), w_ref) <= 1e-9
         assert run.final_report(site)["model"]["contributors"] == survivors
+        # What the site's whole-history audit counts of the round, whatever the log says.
+        state = loop.client_configs[site].parent / "state"
+        (recorded,) = DaemonState(state).unmasked()
+        assert recorded["round_id"] == run.final_report(site)["round_id"]
+        assert recorded["survivors"] == survivors and recorded["releases"]
 
 
 def test_site_killed_after_masked_input_is_unmasked_from_shares(tmp_path: Path) -> None:

@@ -52,6 +52,9 @@ def test_sites_refuse_plans_that_the_log_s_history_differences_to_another_site(
         tmp_path,
         "mask",
         sites=5,
+        # Serving sites stay for the later runs (a non-serving site exits a second after its
+        # run: whether it saw the next run then depended on how fast the machine was).
+        serve=True,
         round_settings={"min_participants": 2, "participants": ["site-1", "site-2", V]},
         # Runs of two sites: they are their own witness quorum (idle sites witness only when a
         # round event wakes them).

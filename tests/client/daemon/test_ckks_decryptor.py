@@ -29,7 +29,13 @@ from afl.crypto import aead, kdf
 from afl.crypto.canonical import DOMAIN_TAG
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
-from afl.crypto.ckks.wire import PURPOSE_CKKS_TAGS, TagBinding, seal_tags
+from afl.crypto.ckks.wire import (
+    DECRYPTION_CONTEXT,
+    PURPOSE_CKKS_TAGS,
+    TagBinding,
+    decryption_fields,
+    seal_tags,
+)
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import pki, signatures
 from afl.crypto.identity.revocation import PeerRevocations, issue_crl
@@ -391,6 +397,25 @@ class _Coordinator:
         return pb.UploadReceipt()
 
 
+def _daemon(keys: DecryptorKeys, fed: Federation, tmp_path: Any) -> tuple[Any, _Coordinator]:
+    """A decryptor daemon (identity DECRYPTOR, the kit's peers) talking to ``_Coordinator``."""
+    key_path = tmp_path / "identity.key"
+    key_path.write_bytes(signatures.private_key_to_pem(DECRYPTOR))
+    config = ClientConfig(
+        path=tmp_path / "client.toml", site_id="decryptor", federation_id="fed",
+        server_address="localhost:1", role="decryptor", state_dir=tmp_path / "state",
+        tls=TlsPaths(tmp_path, tmp_path, tmp_path), identity_key_path=key_path,
+        identity_public_key=signatures.public_key_to_raw(DECRYPTOR),
+        server_public_key=signatures.public_key_to_raw(fed.server_key), peers=PEERS,
+        data=DataConfig(tmp_path),
+    )  # fmt: skip
+    daemon = DecryptorDaemon(config)
+    daemon.keys = keys
+    coordinator = _Coordinator(fed)
+    daemon.rpc = coordinator  # type: ignore[assignment]
+    return daemon, coordinator
+
+
 def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_name(
     keys: DecryptorKeys, tmp_path: Any
 ) -> None:
@@ -407,22 +432,8 @@ def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_n
     # The coordinator adds a fresh encryption of zeros: the same tags and values, other bytes.
     zero = ckks.encrypt_block(fed.public, np.zeros(length), prescale=1.0, num_summands=3, tag=0.0)
     other = ckks.pack_ciphertexts(ckks.serialize_ciphertexts([vectors[0] + zero[0]]))
-    folder = tmp_path / "state"
     identity = DECRYPTOR
-    key_path = tmp_path / "identity.key"
-    key_path.write_bytes(signatures.private_key_to_pem(identity))
-    config = ClientConfig(
-        path=tmp_path / "client.toml", site_id="decryptor", federation_id="fed",
-        server_address="localhost:1", role="decryptor", state_dir=folder,
-        tls=TlsPaths(tmp_path, tmp_path, tmp_path), identity_key_path=key_path,
-        identity_public_key=signatures.public_key_to_raw(identity),
-        server_public_key=signatures.public_key_to_raw(fed.server_key), peers=PEERS,
-        data=DataConfig(tmp_path),
-    )  # fmt: skip
-    daemon = DecryptorDaemon(config)
-    daemon.keys = keys
-    coordinator = _Coordinator(fed)
-    daemon.rpc = coordinator  # type: ignore[assignment]
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
     for round_id, data, tags in (
         ("r1-x", honest, False), ("r9-y", other, False), ("r1-x", honest, True),
         ("r9-y", other, True),
@@ -436,6 +447,26 @@ def test_one_release_is_decrypted_for_one_aggregate_whatever_round_id_the_jobs_n
         if outcome.status == pb.DECRYPTION_STATUS_DECRYPTED
     }
     assert len(decrypted) == 1
+    # Each signed outcome binds the federation, the round and the plan's digest.
+    assert coordinator.outcomes
+    for outcome, _ in coordinator.outcomes:
+        fields: dict[str, Any] = {
+            "federation_id": "fed", "round_id": outcome.round_id,
+            "plan_sha256": hashlib.sha256(fed.signed.plan).digest(),
+            "release_name": outcome.release_name, "status": outcome.status,
+            "result_sha256": outcome.result_sha256,
+        }  # fmt: skip
+        signatures.verify_fields(
+            identity.public_key(), outcome.signature, context=DECRYPTION_CONTEXT,
+            fields=decryption_fields(**fields),
+        )  # fmt: skip
+        wrong: list[dict[str, Any]] = [{"federation_id": "other"}, {"plan_sha256": b"\x01" * 32}]
+        for binding in wrong:
+            with pytest.raises(CryptoError):
+                signatures.verify_fields(
+                    identity.public_key(), outcome.signature, context=DECRYPTION_CONTEXT,
+                    fields=decryption_fields(**(fields | binding)),
+                )  # fmt: skip
 
 
 def test_tags_a_member_signed_over_bytes_that_do_not_parse_are_refused_in_one_line(
@@ -540,3 +571,31 @@ def test_a_plan_naming_a_revoked_participant_is_refused(keys: DecryptorKeys, tmp
     path.write_bytes(issue_crl(impostor, revoked={}))
     with pytest.raises(DaemonError, match="peer revocation status unknown"):
         build()
+
+
+def test_a_refused_plan_is_reported_to_the_coordinator_as_a_signed_refusal(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """A job whose plan the decryptor refuses (here: it binds a roster in which site-2's key is
+    another) is answered at once with a ``REFUSED_PLAN`` outcome naming why, signed over the
+    plan the job carries, so the coordinator aborts the round with the reason instead of waiting
+    for its deadline; nothing is downloaded and no key is used (M-224)."""
+    swapped = {**ROSTER, "site-2": signatures.public_key_to_raw(signatures.generate_identity_key())}
+    fed = Federation(keys, roster=swapped)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    downloads: list[pb.DownloadRequest] = []
+    coordinator.download = downloads.append  # type: ignore[assignment,method-assign]
+    coordinator.serve("r1-x", b"unused", tags=True)
+    assert daemon.serve_once() == 1
+    ((outcome, _),) = coordinator.outcomes
+    assert outcome.status == pb.DECRYPTION_STATUS_REFUSED_PLAN
+    assert "refuses round r1-x: the plan" in outcome.reason and "binds roster" in outcome.reason
+    assert outcome.result_sha256 == b"" and downloads == []
+    signatures.verify_fields(
+        DECRYPTOR.public_key(), outcome.signature, context=DECRYPTION_CONTEXT,
+        fields=decryption_fields(
+            federation_id="fed", round_id="r1-x", plan_sha256=hashlib.sha256(fed.signed.plan).digest(),
+            release_name="b[A]", status=pb.DECRYPTION_STATUS_REFUSED_PLAN, result_sha256=b"",
+        ),
+    )  # fmt: skip
+    assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()  # no key applied

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -20,12 +22,15 @@ from afl.client.daemon.anchor import (
     rebuild_ledger,
     release_statement,
 )
+from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
+from afl.client.modes.base import RoundSession, upload_record
 from afl.client.policy.ledger import DpLedger, LedgerEntry, LedgerError
 from afl.core.dp.accounting import compose_mu
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency.statements import decode_statement
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import NotPermittedError
 from tests.helpers.fedlog import LogService
@@ -63,16 +68,20 @@ def _anchor(state: Path) -> LedgerAnchor:
 
 
 def _spend(anchor: LedgerAnchor, coordinator: LogService, round_id: str, mu: float) -> None:
-    """What the daemon does before an upload: record the entry, then publish it (the round's
-    plan is in the coordinator's store: the log takes dp-releases of signed plans only)."""
+    """What the daemon does before an upload: record the entry, then publish it."""
+    anchor.publish(coordinator.call, _entry(anchor, coordinator, round_id, mu))
+
+
+def _entry(anchor: LedgerAnchor, coordinator: LogService, round_id: str, mu: float) -> LedgerEntry:
+    """The ledger entry of a round whose plan is in the coordinator's store (the log takes
+    dp-releases of signed plans only), recorded and not yet published."""
     plan_sha256 = coordinator.publish_plan(round_id, PLAN).hex()
-    entry = anchor.ledger.record(
+    return anchor.ledger.record(
         federation_id=FED, round_id=round_id, round_number=1, run_id=round_id,
         plan_sha256=plan_sha256, aggregation="AGGREGATION_MODE_MASK",
         unit="patient", images_per_patient=2, delta=1e-6, mu=mu, epsilon=4.0 * mu,
         releases=({"name": "gram", "sensitivity": 1.0, "sigma": 1.0 / mu},),
     )  # fmt: skip
-    anchor.publish(coordinator.call, entry)
 
 
 def _two_releases(tmp_path: Path) -> tuple[LogService, LedgerAnchor]:
@@ -273,3 +282,79 @@ def test_a_coordinator_that_drops_the_statement_gets_no_upload(tmp_path: Path) -
         )
     assert coordinator.store.log_size() == size + 1  # the round's plan only
     assert anchor.logged == []  # not counted as published: the next start publishes it again
+
+
+def _session(on_upload: Callable[[str], None], *, wait: Callable[[], None]) -> RoundSession:
+    """A round session whose uploads call ``on_upload`` with the slot (the site's other
+    messages go through ``rpc.call``, which answers at once); ``wait``: its
+    ``before_statistics``."""
+
+    def upload(data: bytes, *, round_id: str, release_name: str) -> pb.UploadReceipt:
+        on_upload(release_name)
+        return pb.UploadReceipt(duplicate=False)
+
+    rpc = SimpleNamespace(upload=upload, call=lambda what, request: None)
+    return RoundSession(
+        rpc=cast(CoordinatorClient, rpc),
+        round_id="round-a",
+        site_id="site-1",
+        plan=cpb.ReleasePlan(),
+        identity_key=SITES["site-1"],
+        before_statistics=wait,
+    )
+
+
+def test_statistics_leave_only_once_the_statement_is_logged_and_other_messages_need_not_wait(
+    tmp_path: Path,
+) -> None:
+    """The daemon logs the statement in the background while the round's first messages go
+    (a masked round's key advert and shares carry no statistic); every upload of statistics
+    waits for it (M-195)."""
+    coordinator = _coordinator(tmp_path / "server")
+    anchor = _anchor(tmp_path / "site")
+    anchor.reconcile(coordinator.call)
+    entry = _entry(anchor, coordinator, "round-a", 0.5)
+    release = threading.Event()
+
+    def slow(what: str, request: object) -> object:
+        if what == "RecordDpRelease":
+            assert release.wait(60)
+        return coordinator.call(what, request)
+
+    uploads: list[tuple[str, int]] = []  # (slot, this site's dp-releases in the log then)
+
+    def on_upload(slot: str) -> None:
+        uploads.append((slot, len(coordinator.store.log_statements("dp-release"))))
+
+    publication = anchor.start_publishing(slow, entry)
+    session = _session(on_upload, wait=publication.wait)
+    session.rpc.call("AdvertiseKeys", None)  # a message without statistics: it does not wait
+    sent = threading.Thread(target=upload_record, args=(session, "gram", ("gram",), b"x" * 8))
+    sent.start()
+    sent.join(0.5)
+    assert sent.is_alive() and uploads == [] and anchor.logged == []  # held meanwhile
+    release.set()
+    sent.join(60)
+    assert uploads == [("gram", 1)]  # it left with the statement in the log
+    assert anchor.logged == [entry.to_json()]
+
+
+def test_a_dropped_statement_stops_every_upload_of_statistics(tmp_path: Path) -> None:
+    """A coordinator that answers RecordDpRelease without logging the statement gets no
+    statistics: the background publication's refusal is raised at each upload (M-195)."""
+    coordinator = _coordinator(tmp_path / "server")
+    anchor = _anchor(tmp_path / "site")
+    anchor.reconcile(coordinator.call)
+
+    def dropping(what: str, request: object) -> object:
+        if what == "RecordDpRelease":
+            return pb.LogProof(index=0)  # an answer, and nothing logged
+        return coordinator.call(what, request)
+
+    publication = anchor.start_publishing(dropping, _entry(anchor, coordinator, "round-a", 0.5))
+    uploads: list[str] = []
+    session = _session(uploads.append, wait=publication.wait)
+    for _ in range(2):  # every upload, not only the first
+        with pytest.raises(DaemonError, match="does not hold this site's dp-release"):
+            upload_record(session, "gram", ("gram",), b"x" * 8)
+    assert uploads == [] and anchor.logged == []

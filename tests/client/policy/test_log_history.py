@@ -6,8 +6,9 @@ matrices, gives the exposed site's own matrix (an oracle independent of the audi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from afl.client.policy.loghistory import (
     LogHistoryError,
     logged_release_problem,
     logged_rounds,
+    release_fields,
     whole_history_problem,
+    with_unmasked,
 )
 from afl.client.policy.plan import audit_view
 from afl.core.audit.history import history_exposures, history_releases
@@ -205,3 +208,43 @@ def test_a_member_checks_the_log_s_statement_of_its_round_against_what_it_signed
     assert "no release statement of round r2" in logged_release_problem(
         _plan("r2", FIVE), _stated("r1", FIVE, FIVE), survivors=None
     )
+
+
+def test_a_round_this_site_helped_unmask_counts_whatever_the_log_says_of_it() -> None:
+    """A masked round over {A,B,X} is aborted after the coordinator decoded its sums, and the
+    coordinator logs no release of it, or one naming less than it decoded. A, B and X signed its
+    survivors and recorded it (:func:`release_fields`); their audit of the next plan, over
+    {A,B,X,V}, counts all of it as released: every difference exposes V's statistics."""
+    hidden = _plan("r-hidden", ["A", "B", "X"])
+    recorded = [release_fields(hidden, survivors=["A", "B", "X"])]
+    plan = _plan("r2", ["A", "B", "X", "V"])
+
+    def exposed(log: Sequence[tuple[str, Mapping[str, Any]]]) -> set[str]:
+        _, detail = whole_history_problem(plan, rounds=logged_rounds(log), min_cohort=2)
+        found = detail["exposed"] if detail is not None else []
+        assert isinstance(found, list)
+        assert all(e["sites"] == ["V"] for e in found)
+        return {str(e["quantity"]) for e in found}
+
+    everything = {"gram", "b[A]", "b[B]"}
+    b_a_only = {
+        "round_id": "r-hidden", "run_id": "run-1", "survivors": ["A", "B", "X"],
+        "published": False, "releases": _releases(["A", "B", "X"])[1:2],
+    }  # fmt: skip
+    for log, from_log_alone in (([], set()), ([("release", b_a_only)], {"b[A]"})):
+        assert exposed(log) == from_log_alone
+        statements, unlogged = with_unmasked(log, recorded)
+        assert unlogged == ([] if log else ["r-hidden"])
+        assert exposed(statements) == everything
+    # A round the log states as this site recorded it is counted once, as it was.
+    log = _log(("r1", FIVE, FIVE))
+    statements, unlogged = with_unmasked(log, [release_fields(_plan("r1", FIVE), survivors=FIVE)])
+    assert unlogged == [] and len(logged_rounds(statements)) == 1
+    for members in (FIVE[:4], FIVE):
+        alone, _ = whole_history_problem(
+            _plan("r2", members), rounds=logged_rounds(log), min_cohort=2
+        )
+        merged, _ = whole_history_problem(
+            _plan("r2", members), rounds=logged_rounds(statements), min_cohort=2
+        )
+        assert merged == alone

@@ -5,8 +5,12 @@ that respect the slot budget and hide the CKKS noise."""
 
 from __future__ import annotations
 
+import hashlib
 import stat
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -14,16 +18,18 @@ from hypothesis import strategies as st
 
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
+from afl.crypto.ckks.wire import DECRYPTION_CONTEXT, decryption_fields
 from afl.crypto.errors import CkksContextError
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw, sign_fields
 from afl.lab.demo.federation import free_port
 from afl.ops.provisioning import provision
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.daemon import main as daemon
-from afl.server.errors import ConfigError
-from afl.server.modes.base import ModeEnvironment
-from afl.server.modes.ckks import CkksMode
+from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError
+from afl.server.modes.base import ModeEnvironment, RoundAccess
+from afl.server.modes.ckks import CkksMode, CkksRequests
 from afl.server.modes.ckks_context import CkksContexts, PublishedContext
 from afl.server.modes.registry import mode_for
 from afl.server.plan.release import PlannedRelease
@@ -152,3 +158,53 @@ def test_ckks_needs_exactly_one_decryptor_site(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="exactly one site with role"):
         load_config(fed.server_dir / "server.toml")
+
+
+def test_a_decryption_outcome_counts_only_for_the_federation_round_and_plan_it_was_signed_for() -> (
+    None
+):
+    """The decryptor's signed outcome binds the federation, the round and the digest of the
+    round's signed plan: an outcome signed for another federation, round or plan (a coordinator
+    replaying a refusal or a result digest from elsewhere) does not verify."""
+    key = generate_identity_key()
+    plan = b"the round's signed release plan"
+    decryptor = SimpleNamespace(role="decryptor", identity_public_key=public_key_to_raw(key))
+    view = SimpleNamespace(round_id="r1-a", row=SimpleNamespace(plan=plan), releases=())
+    access = SimpleNamespace(
+        config=SimpleNamespace(federation_id="fed-a", sites={"dec": decryptor}),
+        require_enrolled=lambda site: None,
+        lock=threading.RLock(),
+        find=lambda round_id: view,
+    )
+    requests = CkksRequests(cast(RoundAccess, access), cast(CkksContexts, None))
+    bound: dict[str, Any] = {
+        "federation_id": "fed-a",
+        "round_id": "r1-a",
+        "plan_sha256": hashlib.sha256(plan).digest(),
+        "release_name": "gram",
+        "status": pb.DECRYPTION_STATUS_DECRYPTED,
+        "result_sha256": b"\x05" * 32,
+    }
+
+    def outcome(**other: Any) -> pb.DecryptionOutcome:
+        fields = bound | other
+        return pb.DecryptionOutcome(
+            round_id="r1-a",
+            release_name="gram",
+            status=pb.DECRYPTION_STATUS_DECRYPTED,
+            result_sha256=b"\x05" * 32,
+            signature=sign_fields(
+                key, context=DECRYPTION_CONTEXT, fields=decryption_fields(**fields)
+            ),
+        )
+
+    for other in (
+        {"federation_id": "fed-b"},
+        {"round_id": "r1-b"},
+        {"plan_sha256": hashlib.sha256(b"another plan of the round").digest()},
+    ):
+        with pytest.raises(NotPermittedError, match="signature does not verify"):
+            requests.report("dec", outcome(**other))
+    # Bound right, the signature verifies; this stand-in round plans no release of that name.
+    with pytest.raises(InvalidRequestError, match="no release named 'gram'"):
+        requests.report("dec", outcome())

@@ -225,6 +225,11 @@ class _DecryptionStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decr
     """The decrypted sum lies outside what its members' datasets could produce (the decryptor's
     [policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
     """
+    DECRYPTION_STATUS_REFUSED_PLAN: _DecryptionStatus.ValueType  # 7
+    """Refused before any key was used: the job's release plan is not one the decryptor may act
+    on (not signed by the federation's server, not CKKS, another roster, a revoked participant);
+    the reason names why (docs/protocol.md §4.3).
+    """
 
 class DecryptionStatus(_DecryptionStatus, metaclass=_DecryptionStatusEnumTypeWrapper):
     """Outcome of a decryption job."""
@@ -243,6 +248,11 @@ DECRYPTION_STATUS_REFUSED_MALFORMED: DecryptionStatus.ValueType  # 5
 DECRYPTION_STATUS_REFUSED_OUT_OF_BOUND: DecryptionStatus.ValueType  # 6
 """The decrypted sum lies outside what its members' datasets could produce (the decryptor's
 [policy] decrypt_max_rows and decrypt_max_row_norm; docs/protocol.md §6.2); not returned.
+"""
+DECRYPTION_STATUS_REFUSED_PLAN: DecryptionStatus.ValueType  # 7
+"""Refused before any key was used: the job's release plan is not one the decryptor may act
+on (not signed by the federation's server, not CKKS, another roster, a revoked participant);
+the reason names why (docs/protocol.md §4.3).
 """
 Global___DecryptionStatus: _TypeAlias = DecryptionStatus  # noqa: Y015
 
