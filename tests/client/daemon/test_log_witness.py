@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,12 +17,12 @@ from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewD
 from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency import checkpoint as checkpoint_module
-from afl.crypto.transparency import statements as statements_module
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.crypto.transparency.statements import statement_bytes
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
+from tests.helpers.calls import record_calls
 from tests.helpers.fedlog import LogService
 
 FED = "fed-witness"
@@ -164,26 +163,14 @@ def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded
     site1 = _witness(tmp_path / "site-1")
     answer = site1.witness(coordinator.call)
     assert len(answer.cosignatures) == 3
-    verified: list[str] = []
-    real_verify = checkpoint_module.verify_cosignature
-
-    def counted_verify(public: Any, cosignature: Any) -> None:
-        verified.append(cosignature.witness)
-        real_verify(public, cosignature)
-
-    monkeypatch.setattr(checkpoint_module, "verify_cosignature", counted_verify)
+    verified = record_calls(
+        monkeypatch, checkpoint_module, "verify_cosignature", lambda key, c: c.witness
+    )
     assert site1.quorum_on(answer) == {"site-1", "site-2"}  # a majority of 3, in name order
     assert verified == ["site-1", "site-2"]
     assert site1.quorum_on(answer) == {"site-1", "site-2"}
     assert verified == ["site-1", "site-2"]  # nothing verified twice
-    decoded: list[bytes] = []
-    real_decode = statements_module.decode_statement
-
-    def counted_decode(entry: bytes, *, federation: str) -> Any:
-        decoded.append(entry)
-        return real_decode(entry, federation=federation)
-
-    monkeypatch.setattr(transparency_module, "decode_statement", counted_decode)
+    decoded = record_calls(monkeypatch, transparency_module, "decode_statement")
     transparency_module._statement.cache_clear()
     first = site1.statements(coordinator.call, answer)
     assert len(decoded) == answer.checkpoint.size

@@ -7,7 +7,6 @@ of each exposure is the difference written out by hand (numpy), not the audit.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from afl.client.daemon.state import DaemonState
 from afl.client.policy.plan import check_plan, survivor_problem
 from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
+from tests.helpers.calls import record_calls
 
 FIVE = ["s1", "s2", "s3", "s4", "s5"]
 POLICY = LocalPolicy(allowed_aggregation=("mask",))
@@ -158,14 +158,7 @@ def test_with_nobody_dropped_one_audit_decides_and_a_site_still_sees_its_own_exp
             name="gram[x]", member_site_ids=FIVE[1:], kind=cpb.STATISTIC_KIND_GRAM, shape=[3, 3]
         )
     )  # gram[all] - gram[x] = s1's Gram, in the plan itself
-    audits: list[int] = []
-    real = leakage.audit_releases
-
-    def counted(*args: Any, **kwargs: Any) -> leakage.LeakageReport:
-        audits.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(leakage, "audit_releases", counted)
+    audits = record_calls(monkeypatch, leakage, "audit_releases")
     state = DaemonState(tmp_path)
     why = _check(state, plan, site_id="s1", survivors=FIVE)
     assert "{s1}" in why and "no unmask share" in why, why

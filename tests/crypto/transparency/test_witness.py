@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,7 @@ from afl.crypto.transparency.checkpoint import (
 )
 from afl.crypto.transparency.merkle import consistency_proof, leaf_hash, root_hash
 from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
+from tests.helpers.calls import record_calls
 
 FED = "fed-test"
 COORDINATOR = generate_identity_key()
@@ -137,15 +137,9 @@ def test_a_quorum_counts_distinct_roster_witnesses_on_exactly_this_checkpoint() 
 
 def _counting_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the witnesses whose cosignature quorum_witnesses verifies, in order."""
-    calls: list[str] = []
-    real = checkpoint_module.verify_cosignature
-
-    def counted(public: Ed25519PublicKey, cosignature: Cosignature) -> None:
-        calls.append(cosignature.witness)
-        real(public, cosignature)
-
-    monkeypatch.setattr(checkpoint_module, "verify_cosignature", counted)
-    return calls
+    return record_calls(
+        monkeypatch, checkpoint_module, "verify_cosignature", lambda k, c: c.witness
+    )
 
 
 def test_stopping_at_the_quorum_counts_only_valid_cosignatures_in_a_fixed_order(
