@@ -692,21 +692,23 @@ class ClientDaemon:
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
-        # The ledger entry is on disk before any message leaves, and its statement in the log
-        # before any statistic does (the exchange's uploads wait for the publication).
+        # The upload register, then the ledger entry, are on disk before any message of the
+        # exchange leaves (a replayed round is refused before it spends anything), and the
+        # entry's statement is in the log before any statistic leaves (the exchange's uploads
+        # wait for the publication).
+        payloads = self._claim(cfg, plan, plan_sha, payloads, status)
         publication = self._record(cfg, plan, plan_sha, report)
-        payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         t0 = time.perf_counter()
-        session = self.round_session(
-            round_id,
-            plan=plan,
-            plan_sha256=plan_sha,
-            survivor_floors=decision.survivor_floors,
-            graph_nonce=graph_nonce,
-            covered=bool(decision.audit.get("covered_by_dp")),
-            before_statistics=publication.wait if publication is not None else None,
-        )
         try:
+            session = self.round_session(
+                round_id,
+                plan=plan,
+                plan_sha256=plan_sha,
+                survivor_floors=decision.survivor_floors,
+                graph_nonce=graph_nonce,
+                covered=bool(decision.audit.get("covered_by_dp")),
+                before_statistics=publication.wait if publication is not None else None,
+            )
             records = mode.exchange(
                 session, payloads, already_complete=set(status.caller_uploads_complete)
             )
