@@ -517,7 +517,7 @@ class ClientDaemon:
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
     ) -> Publication | None:
-        """Write the plan's ledger entry (before any message of the round leaves) and start
+        """Write the plan's ledger entry (before any message of the round's exchange leaves) and start
         logging its statement (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`;
         None when this site does not anchor its ledger); a DP plan's assessment goes into
         ``report``."""
