@@ -517,10 +517,10 @@ class ClientDaemon:
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
     ) -> Publication | None:
-        """Write the plan's ledger entry (before any message of the round's exchange leaves) and start
-        logging its statement (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`;
-        None when this site does not anchor its ledger); a DP plan's assessment goes into
-        ``report``."""
+        """Write the plan's ledger entry (before any message of the round's exchange leaves)
+        and start logging its statement
+        (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`; None when this site
+        does not anchor its ledger); a DP plan's assessment goes into ``report``."""
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
