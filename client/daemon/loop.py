@@ -546,6 +546,8 @@ class ClientDaemon:
             report.dp = dp_report(plan, self.site_id, dp)
         if not self.anchors_ledger:
             return None
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        self.anchor.reconcile_after_restore(self.rpc.call)
         return self.anchor.start_publishing(self.rpc.call, entry)  # in the log first (M-195)
 
     def _respond(
