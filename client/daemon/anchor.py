@@ -171,6 +171,8 @@ class LedgerAnchor:
         self.ledger, self.witness, self.key = ledger, witness, key
         self.rebuild = REBUILD.format(config=config)
         self.logged: list[dict[str, Any]] = []  # what the log holds of the ledger (as JSON)
+        #: The witness's acknowledged-restore count when :meth:`reconcile` last ran (-1: never).
+        self.reconciled_at = -1
 
     def _refusal(self, problem: str) -> str:
         return f"{problem}; the site must not account a fresh budget: run `{self.rebuild}`"
@@ -186,8 +188,17 @@ class LedgerAnchor:
         if problem:
             raise LedgerNotAnchored(self._refusal(problem))
         self.logged = [e.to_json() for e in logged]
+        self.reconciled_at = self.witness.acknowledged
         for entry in local[len(logged) :]:
             self.publish(call, entry)
+
+    def reconcile_after_restore(self, call: Call) -> None:
+        """Reconcile again when the coordinator's operator acknowledged a restore since the last
+        time (:meth:`LogWitness.restore_acknowledged`): the restored log may have lost this
+        site's latest statements, which :meth:`publish` would otherwise take as logged; those
+        are published again (and a log that now holds something else stops the site)."""
+        if self.reconciled_at != self.witness.acknowledged:
+            self.reconcile(call)
 
     def problem(self) -> str:
         """Why the site must not act on a plan now ("" when the ledger still starts with what

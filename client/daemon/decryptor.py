@@ -365,6 +365,7 @@ class DecryptorDaemon:
         self.ledger = DecryptionLedger(config.state_dir / "ckks")
         self.revocations = kit_revocations(config)
         self.rounds: dict[str, RoundDecryptor] = {}
+        self.refused: set[tuple[str, bytes]] = set()  # (round, plan digest) reported refused
         self.rpc: CoordinatorClient | None = None
         # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
         self.log_witness = LogWitness.for_site(config, self.identity)
@@ -448,10 +449,14 @@ class DecryptorDaemon:
         jobs: pb.DecryptionJobs = rpc.call("GetDecryptionJobs", cpb.RoundRef())
         if not jobs.jobs:
             return 0
+        refusal = (jobs.round_id, hashlib.sha256(jobs.release_plan.plan).digest())
+        if refusal in self.refused:
+            return 0  # reported already; the round is aborting
         try:
             work = self._round(jobs)
         except PlanRefused as exc:  # the coordinator learns why at once (the round aborts)
             self._refuse(jobs, str(exc))
+            self.refused.add(refusal)
             return len(jobs.jobs)
         tags: pb.SealedMessages = rpc.call("GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id))
         for sealed in tags.messages:

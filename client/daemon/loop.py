@@ -523,10 +523,10 @@ class ClientDaemon:
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
     ) -> Publication | None:
-        """Write the plan's ledger entry (before any message of the round leaves) and start
-        logging its statement (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`;
-        None when this site does not anchor its ledger); a DP plan's assessment goes into
-        ``report``."""
+        """Write the plan's ledger entry (before any message of the round's exchange leaves)
+        and start logging its statement
+        (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`; None when this site
+        does not anchor its ledger); a DP plan's assessment goes into ``report``."""
         dp = assess_plan(
             plan, site_id=self.site_id, policy=self.config.policy, context=self._dp_context(cfg)
         )
@@ -552,6 +552,8 @@ class ClientDaemon:
             report.dp = dp_report(plan, self.site_id, dp)
         if not self.anchors_ledger:
             return None
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        self.anchor.reconcile_after_restore(self.rpc.call)
         return self.anchor.start_publishing(self.rpc.call, entry)  # in the log first (M-195)
 
     def _respond(
@@ -698,21 +700,23 @@ class ClientDaemon:
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
-        # The ledger entry is on disk before any message leaves, and its statement in the log
-        # before any statistic does (the exchange's uploads wait for the publication).
+        # The upload register, then the ledger entry, are on disk before any message of the
+        # exchange leaves (a replayed round is refused before it spends anything), and the
+        # entry's statement is in the log before any statistic leaves (the exchange's uploads
+        # wait for the publication).
+        payloads = self._claim(cfg, plan, plan_sha, payloads, status)
         publication = self._record(cfg, plan, plan_sha, report)
-        payloads = self._claim(cfg, plan, plan_sha, payloads, status)  # likewise the register
         t0 = time.perf_counter()
-        session = self.round_session(
-            round_id,
-            plan=plan,
-            plan_sha256=plan_sha,
-            survivor_floors=decision.survivor_floors,
-            graph_nonce=graph_nonce,
-            covered=bool(decision.audit.get("covered_by_dp")),
-            before_statistics=publication.wait if publication is not None else None,
-        )
         try:
+            session = self.round_session(
+                round_id,
+                plan=plan,
+                plan_sha256=plan_sha,
+                survivor_floors=decision.survivor_floors,
+                graph_nonce=graph_nonce,
+                covered=bool(decision.audit.get("covered_by_dp")),
+                before_statistics=publication.wait if publication is not None else None,
+            )
             records = mode.exchange(
                 session, payloads, already_complete=set(status.caller_uploads_complete)
             )

@@ -32,7 +32,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from afl.client.daemon.report import RoundReport
-from afl.client.daemon.transport import check_round_id
+from afl.client.daemon.transport import DaemonError, check_round_id
 from afl.client.payloads.stats import dump_json
 from afl.client.policy.loghistory import release_fields
 from afl.client.policy.plan import PolicyDecision, audit_view
@@ -123,12 +123,20 @@ class DaemonState:
         dump_json(self.unmasked_path, {"rounds": rounds})
 
     def unmasked(self) -> list[dict[str, Any]]:
-        """What :meth:`record_unmasking` recorded, oldest first."""
+        """What :meth:`record_unmasking` recorded, oldest first (:class:`DaemonError` naming
+        the file when it cannot be read: the whole-history audit then refuses plans)."""
         if not self.unmasked_path.exists():
             return []
-        rounds: list[dict[str, Any]] = json.loads(self.unmasked_path.read_text(encoding="utf-8"))[
-            "rounds"
-        ]
+        try:
+            rounds = json.loads(self.unmasked_path.read_text(encoding="utf-8"))["rounds"]
+            if not isinstance(rounds, list) or not all(
+                isinstance(r, dict) and isinstance(r.get("round_id"), str) for r in rounds
+            ):
+                raise ValueError("not a list of release statements")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DaemonError(
+                f"{self.unmasked_path} is unreadable ({exc}): restore it from the site's backup"
+            ) from exc
         return rounds
 
     def survivors(self, round_id: str) -> set[str] | None:

@@ -7,9 +7,11 @@ site) name every round whose sums were released, in every run: its releases with
 members and the survivors its sums were actually unmasked or decrypted over. From them the site
 rebuilds the federation's released history (:func:`logged_rounds`) and audits the new plan with
 it (:func:`whole_history_problem`, :func:`afl.core.audit.history.history_exposures`). A masked
-round this site helped unmask enters as the site itself knows it (:func:`with_unmasked`: every
-planned release over the survivors it signed), whatever the log says of it: a coordinator that
-decoded an aborted round's sums and logged less cannot hide them from this site. A plan that,
+round this site helped unmask also enters as the site itself knows it (:func:`with_unmasked`:
+every planned release over the survivors it signed), whatever the log says of it: a coordinator
+that decoded an aborted round's sums and logged less cannot hide them from this site. A plan
+whose round id the log already holds a release of is refused (a round id is planned once). A
+plan that,
 differenced with any earlier release, determines ANY site's statistics (a site that left, a site
 this one never shared a run with) or the sum of a group smaller than ``min_cohort`` is refused
 before anything is sent.
@@ -121,20 +123,19 @@ def with_unmasked(
     statements: Sequence[tuple[str, Mapping[str, Any]]],
     unmasked: Sequence[Mapping[str, Any]],
 ) -> tuple[list[tuple[str, Mapping[str, Any]]], list[str]]:
-    """The log's statements with each round this site helped unmask (``unmasked``: the
-    :func:`release_fields` it recorded before it signed the survivors) stated as this site knows
-    it: every planned release over the survivors it signed, in place of what the log says of
-    that round (an aborted round's statement names only what the coordinator says it decoded;
-    a coordinator may log none). Also the ids of those rounds the log has no release of."""
-    local = {str(f["round_id"]): f for f in unmasked}
+    """The log's statements and, after them, each round this site helped unmask
+    (``unmasked``: the :func:`release_fields` it recorded before it signed the survivors) as
+    this site knows it: every planned release over the survivors it signed. Both count (an
+    aborted round's statement names only what the coordinator says it decoded, a coordinator
+    may log none, and a round id stated twice is two sums; the same sum twice counts once,
+    :func:`afl.core.audit.history.history_releases`). Also the ids of those rounds the log has
+    no release of."""
     logged = {f.get("round_id") for kind, f in statements if kind == "release"}
-    kept = [
-        (kind, f)
-        for kind, f in statements
-        if not (kind == "release" and f.get("round_id") in local)
+    merged: list[tuple[str, Mapping[str, Any]]] = [
+        *statements,
+        *(("release", f) for f in unmasked),
     ]
-    merged: list[tuple[str, Mapping[str, Any]]] = [*kept, *(("release", f) for f in local.values())]
-    return merged, sorted(r for r in local if r not in logged)
+    return merged, sorted({str(f["round_id"]) for f in unmasked} - logged)
 
 
 def whole_history_problem(
@@ -144,7 +145,13 @@ def whole_history_problem(
     new is exposed), and the audit's detail (None without a history): the plan's releases over
     its participants, differenced with every earlier release over its survivors, must not
     determine any site's statistics nor the sum of a group smaller than ``min_cohort``."""
-    history = history_releases(rounds, exclude_round=plan.round_id)
+    if any(r.round_id == plan.round_id for r in rounds):
+        return (
+            f"the federation log already holds a release of round {plan.round_id}: a round id "
+            f"is planned once ({RULE})",
+            None,
+        )
+    history = history_releases(rounds)
     if not history:
         return "", None
     report, exposed = history_exposures(

@@ -39,8 +39,13 @@ def history_releases(
 ) -> list[Release]:
     """Every release of ``rounds`` (but ``exclude_run``'s and ``exclude_round``'s) named
     ``<round id>/<release>``, its members cut to the round's contributors (a member that dropped
-    out is not in the sum); a release left with no member is dropped."""
+    out is not in the sum); a release left with no member is dropped. A round stated more than
+    once (a gated round is logged as a candidate, then as published; a site adds what it
+    unmasked itself) counts each distinct member set of a release once: the same sum again adds
+    nothing, and a different one under the same name (a round id used twice) is another sum,
+    named ``<round id>/<release>~<n>``, never a replacement."""
     out: list[Release] = []
+    seen: dict[tuple[str, str], list[frozenset[int | str]]] = {}
     for released in rounds:
         if (exclude_run and released.run_id == exclude_run) or (
             exclude_round and released.round_id == exclude_round
@@ -49,8 +54,14 @@ def history_releases(
         alive = frozenset(released.contributors)
         for r in released.releases:
             members = frozenset(r.members) & alive
-            if members:
-                out.append(Release(f"{released.round_id}/{r.name}", members, r.quantity))
+            name = f"{released.round_id}/{r.name}"
+            sums = seen.setdefault((name, r.quantity), [])
+            if not members or members in sums:
+                continue
+            sums.append(members)
+            out.append(
+                Release(name if len(sums) == 1 else f"{name}~{len(sums)}", members, r.quantity)
+            )
     return out
 
 

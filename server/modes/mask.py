@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -162,6 +163,11 @@ class MaskMode:
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}
         self._contributors: dict[str, tuple[str, ...]] = {}
+        # (site, release, SHA-256) -> a masked payload received and verified, held until the
+        # site's last release arrives (:meth:`prepare_upload`); prepare runs outside the
+        # coordinator's lock, in the handler threads.
+        self._held: dict[tuple[str, str, bytes], bytes] = {}
+        self._held_lock = threading.Lock()
 
     @classmethod
     def for_run(cls, env: ModeEnvironment) -> MaskMode:
@@ -423,7 +429,22 @@ class MaskMode:
     def prepare_upload(
         self, *, site_id: str, release: PlannedRelease, data: bytes, sha256: bytes
     ) -> None:
-        """Nothing to prepare: every check needs the round's state."""
+        """Hold the payload under its verified SHA-256 until the site's last release arrives:
+        :meth:`check_upload` then hands the site's whole masked input to the protocol without
+        reading its earlier releases back from disk (a payload held is used only where the
+        stored row names the same digest; after a restart they are read from disk)."""
+        with self._held_lock:
+            self._held[(site_id, release.name, sha256)] = data
+
+    def _take_held(self, site_id: str, name: str, sha256: bytes) -> bytes | None:
+        with self._held_lock:
+            return self._held.pop((site_id, name, sha256), None)
+
+    def _drop_held(self, site_id: str | None = None) -> None:
+        """Forget the payloads held for ``site_id`` (None: for every site)."""
+        with self._held_lock:
+            for key in [k for k in self._held if site_id is None or k[0] == site_id]:
+                del self._held[key]
 
     def check_upload(
         self,
@@ -446,14 +467,15 @@ class MaskMode:
                 f"masked release {release.name!r} must be {release.length} uint64 "
                 f"({8 * release.length} bytes), got {len(data)} bytes"
             )
-        names = [r.name for r in view.releases if site_id in r.members]
+        others = [r.name for r in view.releases if site_id in r.members and r.name != release.name]
         stored = ctx.site_uploads(view.round_id, site_id)
+        if any(name not in stored for name in others):
+            return  # not the site's last release yet
         payloads = {release.name: data}
-        for name in names:
-            if name != release.name and name in stored:
-                payloads[name] = ctx.read_payload(stored[name])
-        if len(payloads) < len(names):
-            return
+        for name in others:
+            held = self._take_held(site_id, name, stored[name].sha256)
+            payloads[name] = held if held is not None else ctx.read_payload(stored[name])
+        self._drop_held(site_id)  # this release's own copy: its bytes are ``data``
         try:
             self._feed(view, state, site_id, payloads)
         except (wire.WireError, ProtocolError) as exc:
@@ -476,6 +498,7 @@ class MaskMode:
         return self._contributors.get(view.round_id, tuple(view.row.participants))
 
     def forget(self, round_id: str) -> None:
+        self._drop_held()  # a run's rounds run one at a time
         self.rounds.pop(round_id, None)
         self._sums.pop(round_id, None)
         self._contributors.pop(round_id, None)

@@ -12,6 +12,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.client.daemon.transport import DaemonError
+from afl.client.policy.loghistory import release_fields
 from afl.crypto.transparency.statements import decode_statement
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
@@ -72,24 +73,8 @@ class LogService:
             for _, kind, entry, _ in self.store.log_entries(0, self.store.log_size())
         ):  # fmt: skip
             return
-        releases = cpb.ReleasePlan.FromString(plan).releases
-        self.store.append_log(
-            "release",
-            {
-                "round_id": round_id,
-                "run_id": "run-1",
-                "survivors": sorted(survivors),
-                "releases": [
-                    {
-                        "name": r.name,
-                        "kind": cpb.StatisticKind.Name(r.kind),
-                        "classes": list(r.class_names),
-                        "members": list(r.member_site_ids),
-                    }
-                    for r in releases
-                ],
-            },
-        )
+        fields = release_fields(cpb.ReleasePlan.FromString(plan), survivors=survivors)
+        self.store.append_log("release", {**fields, "round_id": round_id, "run_id": "run-1"})
 
     def call(self, what: str, request: Any) -> Any:
         if what == "GetCheckpoint":

@@ -599,3 +599,4 @@ def test_a_refused_plan_is_reported_to_the_coordinator_as_a_signed_refusal(
         ),
     )  # fmt: skip
     assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()  # no key applied
+    assert daemon.serve_once() == 0 and len(coordinator.outcomes) == 1  # reported once

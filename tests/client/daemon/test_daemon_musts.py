@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,34 @@ def test_the_ledger_entry_is_fsynced_on_disk_before_the_first_upload_leaves(
     assert str(ledger_dir / f".{name}.tmp") in synced, events  # the entry's bytes, then linked
     assert str(ledger_dir) in synced, events  # and the folder: the new name is durable
     assert len(coordinator.uploads) == len(releases)
+
+
+def test_the_first_upload_waits_for_the_ledger_statement_logged_in_the_background(
+    site: Site,
+) -> None:
+    """M-195 through the daemon: the round's DP-ledger statement is logged in a background
+    thread, and the exchange's first upload leaves only once the log holds it. The stand-in
+    coordinator holds RecordDpRelease back until an upload arrives (or 2 s pass): a daemon that
+    uploaded without waiting would be seen uploading while the log lacks the statement."""
+    daemon, coordinator, _ = site
+    uploaded = threading.Event()
+    in_log_at_upload: list[int] = []
+    call, upload = coordinator.call, coordinator.upload
+
+    def holding_call(what: str, request: Any, **kw: Any) -> Any:
+        if what == "RecordDpRelease":
+            uploaded.wait(2.0)
+        return call(what, request, **kw)
+
+    def inspecting_upload(data: bytes, *, round_id: str, release_name: str, **kw: Any) -> Any:
+        if not uploaded.is_set():
+            in_log_at_upload.append(len(coordinator.log.store.log_statements("dp-release")))
+            uploaded.set()
+        return upload(data, round_id=round_id, release_name=release_name, **kw)
+
+    coordinator.call = holding_call  # type: ignore[method-assign]
+    coordinator.upload = inspecting_upload  # type: ignore[method-assign]
+    cfg = coordinator.round_config("r1-bg", GLOBAL)
+    daemon.run_round(coordinator.announce("r1-bg", cfg), _report())
+    assert in_log_at_upload == [1]
+    assert len(coordinator.uploads) == len(GLOBAL)

@@ -33,6 +33,7 @@ from afl.crypto.transparency.statements import decode_statement
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import NotPermittedError
+from afl.server.store import backup_state
 from tests.helpers.fedlog import LogService
 
 FED = "fed-anchor"
@@ -358,3 +359,28 @@ def test_a_dropped_statement_stops_every_upload_of_statistics(tmp_path: Path) ->
         with pytest.raises(DaemonError, match="does not hold this site's dp-release"):
             upload_record(session, "gram", ("gram",), b"x" * 8)
     assert uploads == [] and anchor.logged == []
+
+
+def test_after_an_acknowledged_restore_the_statements_the_log_lost_are_published_again(
+    tmp_path: Path,
+) -> None:
+    """The coordinator is restored from a backup taken after round-a's statement and before
+    round-b's, and its operator acknowledges the restore. A running site took round-b's
+    statement as logged; once it learns of the restore it reconciles again and publishes it to
+    the restored log, instead of uploading as if the log held it (M-195, M-142)."""
+    coordinator = _coordinator(tmp_path / "server")
+    anchor = _anchor(tmp_path / "site")
+    anchor.reconcile(coordinator.call)
+    _spend(anchor, coordinator, "round-a", 0.5)
+    backup_state(tmp_path / "server", tmp_path / "backup")
+    _spend(anchor, coordinator, "round-b", 0.25)
+    assert len(coordinator.store.log_statements("dp-release")) == 2
+    restored = LogService(tmp_path / "backup", key=COORDINATOR, federation_id=FED)
+    assert len(restored.store.log_statements("dp-release")) == 1
+    anchor.reconcile_after_restore(restored.call)  # no restore acknowledged: nothing to do
+    assert len(restored.store.log_statements("dp-release")) == 1
+    count = restored.store.acknowledge_restore(by="operator", reason="test", aborted_runs=[])
+    anchor.witness.restore_acknowledged(count)  # what the site's status answers tell it
+    anchor.reconcile_after_restore(restored.call)
+    assert len(restored.store.log_statements("dp-release")) == 2
+    assert anchor.logged == [e.to_json() for e in anchor.ledger.entries()]

@@ -239,7 +239,8 @@ def test_a_round_this_site_helped_unmask_counts_whatever_the_log_says_of_it() ->
     # A round the log states as this site recorded it is counted once, as it was.
     log = _log(("r1", FIVE, FIVE))
     statements, unlogged = with_unmasked(log, [release_fields(_plan("r1", FIVE), survivors=FIVE)])
-    assert unlogged == [] and len(logged_rounds(statements)) == 1
+    assert unlogged == []
+    assert history_releases(logged_rounds(statements)) == history_releases(logged_rounds(log))
     for members in (FIVE[:4], FIVE):
         alone, _ = whole_history_problem(
             _plan("r2", members), rounds=logged_rounds(log), min_cohort=2
@@ -248,3 +249,25 @@ def test_a_round_this_site_helped_unmask_counts_whatever_the_log_says_of_it() ->
             _plan("r2", members), rounds=logged_rounds(statements), min_cohort=2
         )
         assert merged == alone
+
+
+def test_a_round_id_stated_twice_is_two_sums_and_a_released_round_id_is_not_planned_again() -> None:
+    """A coordinator logs r0 over {C,V}, r1 over {A,B,C}, then reuses the id r1 for a round
+    over {D,E} (D and E never saw the first r1). A, B and C recorded the first r1 themselves.
+    The plan r2 over {A,B,D,E} gives V = r0 − r1 + r2 − r1′: every site's audit counts both
+    statements of r1 (the site's own record does not replace the log's) and refuses it. A plan
+    reusing a released round id is refused outright."""
+    log = _log(("r0", ["C", "V"], ["C", "V"]), ("r1", ["A", "B", "C"], ["A", "B", "C"]))
+    log += _log(("r1", ["D", "E"], ["D", "E"]))[1:]  # its release statement only
+    plan = _plan("r2", ["A", "B", "D", "E"])
+    own = [release_fields(_plan("r1", ["A", "B", "C"]), survivors=["A", "B", "C"])]
+    for statements in (log, with_unmasked(log, own)[0]):
+        reason, _ = whole_history_problem(plan, rounds=logged_rounds(statements), min_cohort=2)
+        assert "statistics of C, V" in reason, reason  # and C = r1 − r2 + r1′
+        assert "r1/gram[all]~2" in reason or "r1/b[A]~2" in reason, reason
+    gated = _log(("r1", FIVE, FIVE)) + _log(("r1", FIVE, FIVE))[1:]  # candidate, then published
+    assert len(history_releases(logged_rounds(gated))) == len(
+        history_releases(logged_rounds(_log(("r1", FIVE, FIVE))))
+    )
+    reason, _ = whole_history_problem(_plan("r1", FIVE), rounds=logged_rounds(log), min_cohort=2)
+    assert "already holds a release of round r1" in reason

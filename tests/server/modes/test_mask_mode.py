@@ -166,6 +166,60 @@ def test_a_refused_masked_input_is_the_uploaders_error() -> None:
         mode.check_upload(view, ctx, site_id="site-2", release=last, data=bytes(8 * last.length))
 
 
+class _StoredContext(_Context):
+    """Upload rows that carry the stored payload's SHA-256; payloads read from disk noted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[str] = []
+
+    def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
+        return {
+            k: UploadRow(k[0], k[1], hashlib.sha256(v).digest(), len(v), Path("/"))
+            for k, v in self.payloads.items()
+        }
+
+    def read_payload(self, row: UploadRow) -> bytes:
+        self.read.append(row.release_name)
+        return super().read_payload(row)
+
+
+def test_a_sites_earlier_releases_are_fed_from_memory_only_where_the_store_holds_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The payloads a site uploads before its last release are held under their verified
+    digest, and handed to the protocol with the last one without being read back from disk;
+    where the stored row names another digest (the bytes held are not what was stored), or
+    after a restart (nothing held), the stored payload is read. Nothing stays held."""
+    mode, ctx = _mode(), _StoredContext()
+    plan = _plan(mode)
+    view = _view(plan, pb.ROUND_STAGE_UPLOAD)
+    mode.begin(view, ctx)
+    fed: dict[str, bytes] = {}
+    monkeypatch.setattr(mode, "_feed", lambda view, state, site, payloads: fed.update(payloads))
+    releases = [r for r in view.releases if "site-1" in r.members]
+    assert len(releases) >= 3
+    stored: dict[str, bytes] = {}
+    for i, release in enumerate(releases[:-1]):
+        data = bytes([i + 1]) * (8 * release.length)
+        mode.prepare_upload(
+            site_id="site-1", release=release, data=data, sha256=hashlib.sha256(data).digest()
+        )
+        mode.check_upload(view, ctx, site_id="site-1", release=release, data=data)
+        # The first release's stored bytes differ from those held (another upload was stored).
+        stored[release.name] = bytes(8 * release.length) if i == 0 else data
+        ctx.payloads[("site-1", release.name)] = stored[release.name]
+    last = releases[-1]
+    data = b"\x07" * (8 * last.length)
+    mode.prepare_upload(
+        site_id="site-1", release=last, data=data, sha256=hashlib.sha256(data).digest()
+    )
+    mode.check_upload(view, ctx, site_id="site-1", release=last, data=data)
+    assert fed == {**stored, last.name: data}
+    assert ctx.read == [releases[0].name]  # only the one whose digest differed
+    assert mode._held == {}
+
+
 def test_wire_config_is_the_signed_plans() -> None:
     plan = _plan(_mode())
     digest = hashlib.sha256(plan.SerializeToString()).digest()
