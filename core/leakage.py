@@ -24,6 +24,7 @@ Only *minimal* groups are reported (no non-empty proper subset is itself determi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -307,7 +308,29 @@ def audit_releases(
 
     Each quantity is analysed separately (row-space test on its incidence matrix, see the module
     docstring). Raises :class:`ReleasePlanError` on malformed input.
+
+    The report is a function of the (immutable) inputs alone and is remembered for the last
+    :data:`AUDIT_CACHE_SIZE` distinct ones in this process: the many sites a host process runs
+    audit the same plan over the same history, each with every participant in the universe.
     """
+    key = (tuple(releases), tuple(sites), min_cohort, max_group_candidates)
+    try:
+        hash(key)
+    except TypeError:  # members that are not a frozenset: audited (and refused) uncached
+        return _audit(*key)
+    return _audit_cached(*key)
+
+
+#: Distinct audits remembered per process (:func:`audit_releases`).
+AUDIT_CACHE_SIZE = 64
+
+
+def _audit(
+    releases: tuple[Release, ...],
+    sites: tuple[SiteId, ...],
+    min_cohort: int,
+    max_group_candidates: int,
+) -> LeakageReport:
     _validate(releases, sites, min_cohort)
     n_candidates = sum(math.comb(len(sites), s) for s in range(2, min_cohort))
     exhaustive = n_candidates <= max_group_candidates
@@ -351,6 +374,9 @@ def audit_releases(
         group_search_exhaustive=exhaustive,
         method=method,
     )
+
+
+_audit_cached = functools.lru_cache(maxsize=AUDIT_CACHE_SIZE)(_audit)
 
 
 def _set_label(members: Collection[SiteId], sites: Sequence[SiteId]) -> str:

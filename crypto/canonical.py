@@ -15,7 +15,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-__all__ = ["DOMAIN_TAG", "Field", "canonical_encode"]
+__all__ = ["DOMAIN_TAG", "Field", "canonical_encode", "canonical_encode_each"]
 
 #: Domain-separation tag bound into every HKDF info, signature and AEAD associated data (it names
 #: the protocol family and its version; the wire version is afl.proto.wire.PROTOCOL_VERSION).
@@ -29,6 +29,20 @@ def _int_payload(value: int) -> bytes:
     return value.to_bytes(length, "big", signed=True)
 
 
+def _encode_field(i: int, field: Field) -> bytes:
+    if isinstance(field, bool):
+        raise TypeError(f"field {i}: bool is not a canonical field type; use int or str")
+    if isinstance(field, bytes):
+        tag, payload = b"B", field
+    elif isinstance(field, str):
+        tag, payload = b"S", field.encode("utf-8")
+    elif isinstance(field, int):
+        tag, payload = b"I", _int_payload(field)
+    else:
+        raise TypeError(f"field {i}: expected bytes, str or int, got {type(field).__name__}")
+    return tag + struct.pack(">Q", len(payload)) + payload
+
+
 def canonical_encode(fields: Sequence[Field]) -> bytes:
     """Encode ``fields`` injectively as described in the module docstring.
 
@@ -38,16 +52,21 @@ def canonical_encode(fields: Sequence[Field]) -> bytes:
     if isinstance(fields, bytes | str):
         raise TypeError("fields must be a sequence of fields, not a single bytes/str value")
     parts: list[bytes] = [struct.pack(">I", len(fields))]
-    for i, field in enumerate(fields):
-        if isinstance(field, bool):
-            raise TypeError(f"field {i}: bool is not a canonical field type; use int or str")
-        if isinstance(field, bytes):
-            tag, payload = b"B", field
-        elif isinstance(field, str):
-            tag, payload = b"S", field.encode("utf-8")
-        elif isinstance(field, int):
-            tag, payload = b"I", _int_payload(field)
-        else:
-            raise TypeError(f"field {i}: expected bytes, str or int, got {type(field).__name__}")
-        parts.append(tag + struct.pack(">Q", len(payload)) + payload)
+    parts += [_encode_field(i, field) for i, field in enumerate(fields)]
     return b"".join(parts)
+
+
+def canonical_encode_each(
+    head: Sequence[Field], each: Sequence[Field], tail: Sequence[Field]
+) -> list[bytes]:
+    """``[canonical_encode([*head, x, *tail]) for x in each]``, with ``head`` and ``tail`` encoded
+    once: many messages that differ in one field (e.g. every survivor's consistency signature,
+    each over the whole survivor list) cost O(len(head) + len(tail) + len(each)), not their
+    product."""
+    for name, part in (("head", head), ("each", each), ("tail", tail)):
+        if isinstance(part, bytes | str):
+            raise TypeError(f"{name} must be a sequence of fields, not a single bytes/str value")
+    count = struct.pack(">I", len(head) + 1 + len(tail))
+    before = count + b"".join(_encode_field(i, f) for i, f in enumerate(head))
+    after = b"".join(_encode_field(len(head) + 1 + i, f) for i, f in enumerate(tail))
+    return [before + _encode_field(len(head), x) + after for x in each]

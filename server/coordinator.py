@@ -296,7 +296,7 @@ class Coordinator:
                 raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
             if decision.plan_sha256 != blob_sha256(view.row.plan):
                 raise WrongStageError("the decision names another release plan than this round's")
-            previous = self.store.decisions(view.round_id).get(site_id)
+            previous = self.store.decision(view.round_id, site_id)
             if previous is not None and previous[0] == decision.accept:
                 return  # a retry (e.g. its answer was lost in a coordinator restart)
             accepting = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
@@ -376,7 +376,7 @@ class Coordinator:
                 return self._receipt(
                     view, existing.release_name, existing.sha256, existing.size, duplicate=True
                 )
-            decision = self.store.decisions(view.round_id).get(site_id)
+            decision = self.store.decision(view.round_id, site_id)
             if view.stage in (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD) and (
                 decision is None or not decision[0]
             ):

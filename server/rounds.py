@@ -229,7 +229,7 @@ class RoundMachine(StoreContext):
             )
 
     def status(self, view: RoundView, site_id: str) -> pb.RoundStatus:
-        decisions = self.store.decisions(view.round_id)
+        decision = self.store.decision(view.round_id, site_id)
         uploads = self.store.site_uploads(view.round_id, site_id)
         return pb.RoundStatus(
             round_id=view.round_id,
@@ -238,7 +238,7 @@ class RoundMachine(StoreContext):
             participants=list(view.row.participants),
             stage_deadline_unix_ms=view.row.deadline_ms,
             abort_reason=view.row.abort_reason,
-            caller_accepted_plan=decisions.get(site_id, (False, ""))[0],
+            caller_accepted_plan=decision is not None and decision[0],
             caller_uploads_complete=sorted(uploads),
             run_id=view.row.run_id,
         )

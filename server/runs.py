@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -112,25 +112,29 @@ class Runs:
 
     def get(self, run_id: str) -> Run:
         """A run with its settings and mode (built once per process)."""
+        cached = self._cache.get(run_id)
+        if cached is not None:  # its settings never change: read what does (no JSON to parse)
+            status = self.store.run_status(run_id)
+            if status is None:
+                raise WrongStageError(f"no run {run_id!r} on this server")
+            state, reason, finished_ms = status
+            cached.row = replace(cached.row, state=state, reason=reason, finished_ms=finished_ms)
+            return cached
         row = self.store.run_row(run_id)
         if row is None:
             raise WrongStageError(f"no run {run_id!r} on this server")
-        cached = self._cache.get(run_id)
-        if cached is not None:
-            cached.row = row
-            return cached
         settings = run_settings(row.settings, source=f"run {run_id}", sites=self.config.sites)
         env = ModeEnvironment(self.config, settings, self.ckks_contexts)
         run = self._cache[run_id] = Run(row, settings, mode_for(env))
         return run
 
     def active(self) -> Run | None:
-        active = self.store.runs(state="active")
-        return self.get(active[0].run_id) if active else None
+        active = self.store.run_ids(state="active")
+        return self.get(active[0]) if active else None
 
     def next_queued(self) -> Run | None:
         """The oldest queued run when no run is active (the run to start), else None."""
-        if self.store.runs(state="active"):
+        if self.store.run_ids(state="active"):
             return None
         queued = self.store.runs(state="queued")
         return self.get(queued[0].run_id) if queued else None

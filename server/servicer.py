@@ -22,6 +22,7 @@ DEADLINE_EXCEEDED (:func:`afl.server.limits.idle_limited`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -122,6 +123,11 @@ class _Thin:
             raise AssertionError("unreachable") from exc  # context.abort raises
 
 
+#: A site's id from its certificate, parsed once per certificate (every call presents it; the
+#: revocation check still runs on every call, the list can change).
+_site_id_of_pem = functools.lru_cache(maxsize=4096)(site_id_from_pem)
+
+
 def _peer_identity(
     context: grpc.ServicerContext,
     *,
@@ -179,7 +185,7 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             context,
             insecure=self._insecure,
             header=INSECURE_SITE_HEADER,
-            parse=site_id_from_pem,
+            parse=_site_id_of_pem,
             revocation=self._revocation,
         )
 

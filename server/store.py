@@ -680,6 +680,21 @@ class Store:
         rows = self._db.execute(f"{self._RUN_QUERY}{where} ORDER BY ordinal", params).fetchall()
         return [_run_row(r) for r in rows]
 
+    def run_ids(self, *, state: str) -> list[str]:
+        """The ids of the runs in ``state``, oldest first (their settings are not read)."""
+        rows = self._db.execute(
+            "SELECT run_id FROM runs WHERE state = ? ORDER BY ordinal", (state,)
+        ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def run_status(self, run_id: str) -> tuple[str, str, int] | None:
+        """(state, reason, finished_ms) of a run: what changes after it is submitted (its
+        settings never do)."""
+        row = self._db.execute(
+            "SELECT state, reason, finished_ms FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        return None if row is None else (row[0], row[1], int(row[2]))
+
     def run_row(self, run_id: str) -> RunRow | None:
         """One run's row (a request about one run reads one row, not the table)."""
         row = self._db.execute(f"{self._RUN_QUERY} WHERE run_id = ?", (run_id,)).fetchone()
@@ -799,6 +814,15 @@ class Store:
             "SELECT site_id, accept, reason FROM decisions WHERE round_id = ?", (round_id,)
         ).fetchall()
         return {r[0]: (bool(r[1]), r[2]) for r in rows}
+
+    def decision(self, round_id: str, site_id: str) -> tuple[bool, str] | None:
+        """(accept, reason) of one site's decision on ``round_id``'s plan (None: none yet); what
+        a request about that site reads, instead of every site's rows."""
+        row = self._db.execute(
+            "SELECT accept, reason FROM decisions WHERE round_id = ? AND site_id = ?",
+            (round_id, site_id),
+        ).fetchone()
+        return None if row is None else (bool(row[0]), row[1])
 
     def signed_decisions(self, round_id: str) -> dict[str, bytes]:
         """site -> the signed ``PlanDecision`` it sent for ``round_id`` (decisions recorded

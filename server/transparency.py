@@ -64,6 +64,7 @@ class FederationLog:
 
     def __init__(self, store: Store, *, key: Ed25519PrivateKey, federation_id: str) -> None:
         self.store, self._key, self.federation_id = store, key, federation_id
+        self._decoded: dict[bytes, dict[str, object]] = {}  # dp-release statement -> fields
 
     def checkpoint(self) -> CosignedCheckpoint:
         """The newest signed checkpoint (signed now, and recorded, if the log grew) with its
@@ -156,8 +157,7 @@ class FederationLog:
         ledger (it spends its own budget) and the log records who sent it."""
         round_id = str(entry.get("round_id", ""))
         logged = [
-            decode_statement(statement, federation=self.federation_id)[1]
-            for statement in self.store.log_statements("dp-release")
+            self._dp_fields(statement) for statement in self.store.log_statements("dp-release")
         ]
         mine = [f["entry"] for f in logged if f.get("site") == site_id]
         if any(isinstance(e, dict) and e.get("round_id") == round_id for e in mine):
@@ -170,6 +170,17 @@ class FederationLog:
                 f"a dp-release of {site_id} is ledger entry {entry.get('seq')!r}; the log holds "
                 f"{len(mine)} of its entries, so the next is {len(mine) + 1}"
             )
+
+    def _dp_fields(self, statement: bytes) -> dict[str, object]:
+        """The fields of a logged `dp-release` statement, decoded once per statement (each
+        dp-release checks the site's earlier ones: decoding all of them each time made the
+        K sites' statements of a round O(K²) work under the coordinator's lock)."""
+        fields = self._decoded.get(statement)
+        if fields is None:
+            fields = self._decoded[statement] = decode_statement(
+                statement, federation=self.federation_id
+            )[1]
+        return fields
 
     def consistency(self, old_size: int, new_size: int) -> list[bytes]:
         """RFC 9162 PROOF(old_size, D[new_size]) between two sizes this log has had."""

@@ -15,6 +15,7 @@ why) and it took part in no round.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -117,6 +118,7 @@ log = logging.getLogger("afl.client")
 _PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
+@functools.cache
 def _version() -> str:
     try:
         return metadata.version("afl")
@@ -405,8 +407,12 @@ class ClientDaemon:
         )
         seen = (r.round_id, 0 if taking_part else r.stage) if r is not None else ("", 0)
         seen_key = (*seen, response.latest_model_round_id)
+        # Past its plan review, no site of the round waits for a quorum on the log until the
+        # model: the idle re-witnessing stops there (it put a cosignature, a commit at the
+        # coordinator and three RPCs on every site every few seconds of the exchange).
+        quiet = r is not None and taking_part and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         now = time.monotonic()
-        if seen_key == self._witnessed_key and now - self._witnessed_at < IDLE_WITNESS_S:
+        if seen_key == self._witnessed_key and (quiet or now - self._witnessed_at < IDLE_WITNESS_S):
             return
         self._witnessed_key = seen_key
         self._witness_log(now)

@@ -23,12 +23,14 @@ root for one size, a consistency proof that fails) are a split view: the site wr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -42,6 +44,7 @@ from afl.crypto.identity.signatures import load_public_key_raw
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
     CheckpointError,
+    Cosignature,
     SignedCheckpoint,
     quorum_witnesses,
 )
@@ -117,6 +120,14 @@ def checkpoint_from_json(doc: Mapping[str, Any]) -> SignedCheckpoint:
         raise ValueError(f"not a signed checkpoint ({exc})") from exc
 
 
+@functools.lru_cache(maxsize=4096)
+def _statement(entry: bytes, federation: str) -> tuple[str, Mapping[str, object]]:
+    """(kind, read-only fields) of a log entry, decoded once per process: the sites a host
+    process runs read the same log (:class:`StatementError` is not cached)."""
+    kind, fields = decode_statement(entry, federation=federation)
+    return kind, MappingProxyType(fields)
+
+
 class LogWitness:
     """The site's witness state and its plan rule (module docstring)."""
 
@@ -147,6 +158,10 @@ class LogWitness:
         #: The quorum-cosigned checkpoint the last accepted plan's inclusion verified in.
         self.plan_checkpoint: pb.CosignedLogCheckpoint | None = None
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
+        self._decoded: list[tuple[str, Mapping[str, object]]] = []  # its first statements
+        #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
+        self._verified_on: Checkpoint | None = None
+        self._verified: set[tuple[Cosignature, bytes]] = set()
         # The daemon logs a round's DP-ledger statement in a background thread while its main
         # thread may witness on a status answer: one witnessing step at a time (an RLock:
         # a step that witnesses calls back in).
@@ -266,16 +281,27 @@ class LogWitness:
         return answer
 
     def quorum_on(self, answer: pb.CosignedLogCheckpoint) -> frozenset[str]:
-        """The roster witnesses whose cosignature on the answer's checkpoint verifies (this
-        site's own included once sent); :class:`CheckpointError` below the quorum."""
+        """A quorum of roster witnesses whose cosignature on the answer's checkpoint verifies
+        (this site's own counted once sent); :class:`CheckpointError` below the quorum. The
+        cosignatures are verified in a fixed order until the quorum is reached; those that
+        verified on this checkpoint before are not verified again (the next poll of a quorum
+        wait verifies only what is new)."""
         checkpoint = wire.checkpoint_from_proto(answer.checkpoint).checkpoint
         cosignatures = [
             wire.cosignature_from_proto(c, federation=self.federation_id)
             for c in answer.cosignatures
         ]
-        return quorum_witnesses(
-            checkpoint, cosignatures, witness_keys=self.roster, quorum=self.quorum
-        )
+        with self._lock:
+            if self._verified_on != checkpoint:  # keep the cache to one checkpoint: K entries
+                self._verified_on, self._verified = checkpoint, set()
+            return quorum_witnesses(
+                checkpoint,
+                cosignatures,
+                witness_keys=self.roster,
+                quorum=self.quorum,
+                stop_at_quorum=True,
+                verified=self._verified,
+            )
 
     def check_inclusion(self, call: Call, leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
         """Fetch and verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf``
@@ -354,18 +380,19 @@ class LogWitness:
 
     def statements(
         self, call: Call, answer: pb.CosignedLogCheckpoint
-    ) -> list[tuple[str, dict[str, object]]]:
+    ) -> list[tuple[str, Mapping[str, object]]]:
         """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one this site
         witnessed), fetched with GetLogEntries (only those past the prefix it
         verified before) and verified: the leaf hashes of ALL entries must give the
         checkpoint's root, and each entry must be a statement of this federation
-        (:class:`DaemonError` otherwise, naming the cause)."""
+        (:class:`DaemonError` otherwise, naming the cause). The fields are read-only views,
+        decoded once per entry (the same bytes decode the same)."""
         with self._lock:
             return self._statements(call, answer)
 
     def _statements(
         self, call: Call, answer: pb.CosignedLogCheckpoint
-    ) -> list[tuple[str, dict[str, object]]]:
+    ) -> list[tuple[str, Mapping[str, object]]]:
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         entries = self._entries[:size]
         while len(entries) < size:
@@ -381,13 +408,16 @@ class LogWitness:
                     )
                 entries.append(bytes(entry.statement))
         if root_hash([leaf_hash(e) for e in entries]) != root:
-            self._entries = []
+            self._entries, self._decoded = [], []
             raise DaemonError(
                 f"the log entries the coordinator served do not hash to the root of the "
                 f"cosigned checkpoint of size {size}"
             )
-        self._entries = entries
+        decoded = self._decoded[:size]  # those of the verified prefix: entries[:len(decoded)]
         try:
-            return [decode_statement(e, federation=self.federation_id) for e in entries]
+            for entry in entries[len(decoded) :]:
+                decoded.append(_statement(entry, self.federation_id))
         except StatementError as exc:
             raise DaemonError(f"the federation log holds an entry that is not ours: {exc}") from exc
+        self._entries, self._decoded = entries, decoded
+        return list(decoded)

@@ -354,8 +354,12 @@ def survivor_problem(
         report = leakage.audit_releases(kept, universe, min_cohort=policy.min_cohort)
         return [*report.exposed_sites, *report.small_groups]
 
-    before = {(e.sites, e.quantity) for e in found([*planned_history, *planned])}
-    for exposure in found([*history, *actual]):
+    planned_all, actual_all = [*planned_history, *planned], [*history, *actual]
+    exposures = found(planned_all)
+    before = {(e.sites, e.quantity) for e in exposures}
+    if actual_all != planned_all:  # nobody dropped out, now or before: one audit tells both
+        exposures = found(actual_all)
+    for exposure in exposures:
         if (exposure.sites, exposure.quantity) in before and site_id not in exposure.sites:
             continue
         who = ",".join(sorted(str(s) for s in exposure.sites))

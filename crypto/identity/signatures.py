@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode, canonical_encode_each
 from afl.crypto.errors import KeyFormatError, SignatureError
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "sign",
     "sign_fields",
     "signed_message",
+    "signed_messages_each",
     "verify",
     "verify_fields",
 ]
@@ -70,6 +71,16 @@ def signed_message(*, context: str, fields: Sequence[Field]) -> bytes:
     if not isinstance(context, str) or not context:
         raise TypeError("context must be a non-empty str naming the message kind")
     return canonical_encode([DOMAIN_TAG, context, *fields])
+
+
+def signed_messages_each(
+    *, context: str, head: Sequence[Field], each: Sequence[Field], tail: Sequence[Field]
+) -> list[bytes]:
+    """``signed_message(context=context, fields=[*head, x, *tail])`` for each ``x`` of ``each``,
+    the shared fields encoded once (:func:`afl.crypto.canonical.canonical_encode_each`)."""
+    if not isinstance(context, str) or not context:
+        raise TypeError("context must be a non-empty str naming the message kind")
+    return canonical_encode_each([DOMAIN_TAG, context, *head], each, tail)
 
 
 def sign_fields(private_key: Ed25519PrivateKey, *, context: str, fields: Sequence[Field]) -> bytes:

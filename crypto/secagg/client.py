@@ -49,7 +49,7 @@ from afl.crypto.errors import (
     StageError,
     UnmaskRefusedError,
 )
-from afl.crypto.identity.signatures import sign_fields, verify_fields
+from afl.crypto.identity.signatures import sign_fields, verify, verify_fields
 from afl.crypto.kdf import (
     agree,
     derive_pairwise_mask_seed,
@@ -81,6 +81,7 @@ from afl.crypto.secagg.messages import (
     UnmaskResponse,
     advert_fields,
     consistency_fields,
+    consistency_messages,
     pack_share_bundle,
     signed_advert_fields,
     unpack_share_bundle,
@@ -500,19 +501,16 @@ class SecAggClient:
     def _verify_consistency_signatures(self, request: UnmaskRequest) -> None:
         assert self._signed_u3 is not None
         signers: set[str] = set()
-        for item in request.signatures:
+        messages = consistency_messages(
+            self.config,
+            site_ids=[item.site_id for item in request.signatures],
+            survivors=self._signed_u3,
+        )  # the survivor list encoded once, not once per signature
+        for item, message in zip(request.signatures, messages, strict=True):
             if item.site_id not in self._signed_u3 or item.site_id in signers:
                 raise self._refuse(f"signature from {item.site_id!r} is not a distinct survivor")
-            fields = consistency_fields(
-                self.config, site_id=item.site_id, survivors=self._signed_u3
-            )
             try:
-                verify_fields(
-                    self._identities[item.site_id],
-                    item.signature,
-                    context=CONSISTENCY_CONTEXT,
-                    fields=fields,
-                )
+                verify(self._identities[item.site_id], item.signature, message)
             except CryptoError:
                 raise self._refuse(
                     f"the consistency signature of {item.site_id!r} is not on the survivor "

@@ -10,7 +10,7 @@ can be replayed as the other or as any other signed statement of the protocol.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableSet
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -139,24 +139,44 @@ def quorum_witnesses(
     *,
     witness_keys: Mapping[str, Ed25519PublicKey],
     quorum: int,
+    stop_at_quorum: bool = False,
+    verified: MutableSet[tuple[Cosignature, bytes]] | None = None,
 ) -> frozenset[str]:
     """The distinct roster witnesses whose valid cosignature is on exactly ``checkpoint``.
 
     Cosignatures by names outside ``witness_keys``, on another checkpoint or that do not verify
     are not counted. Raises :class:`CheckpointError` when fewer than ``quorum`` remain.
+
+    The candidates are verified in a fixed order (by witness name, then signature), a witness
+    no more once one of its cosignatures verified. With ``stop_at_quorum`` the verification
+    stops as soon as ``quorum`` witnesses are counted, and those are returned (a quorum of valid
+    witnesses, not necessarily every one). ``verified`` is the caller's cache of cosignatures
+    that verified before, each with the raw public key it verified under: one found there with
+    the same key is counted without verifying it again, and one that verifies now is added (a
+    cosignature that fails is never added, so it is verified, and refused, each time).
     """
     if quorum < 1:
         raise CheckpointError(f"a witness quorum is at least 1, not {quorum}")
+    candidates = sorted(
+        {c for c in cosignatures if c.witness in witness_keys and c.checkpoint == checkpoint},
+        key=lambda c: (c.witness, c.signature),
+    )
     counted: set[str] = set()
-    for cosignature in cosignatures:
-        key = witness_keys.get(cosignature.witness)
-        if key is None or cosignature.checkpoint != checkpoint:
+    for cosignature in candidates:
+        if cosignature.witness in counted:
             continue
-        try:
-            verify_cosignature(key, cosignature)
-        except CheckpointError:
-            continue
+        key = witness_keys[cosignature.witness]
+        token = (cosignature, key.public_bytes_raw())
+        if verified is None or token not in verified:
+            try:
+                verify_cosignature(key, cosignature)
+            except CheckpointError:
+                continue
+            if verified is not None:
+                verified.add(token)
         counted.add(cosignature.witness)
+        if stop_at_quorum and len(counted) >= quorum:
+            break
     if len(counted) < quorum:
         raise CheckpointError(
             f"checkpoint {checkpoint.describe()} is cosigned by {len(counted)} witness(es) "

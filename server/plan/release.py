@@ -25,6 +25,7 @@ resumed server re-reads the same bytes.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -285,9 +286,16 @@ def sign_plan(
 
 
 def releases_from_plan(plan_bytes: bytes) -> list[PlannedRelease]:
-    """The releases of a stored, serialized plan (what a resumed server enforces)."""
+    """The releases of a stored, serialized plan (what a resumed server enforces). Parsed once
+    per distinct plan (the round machine reads the open round's plan on every request; a plan
+    of K members lists each release's K names)."""
+    return list(_parsed_releases(plan_bytes))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_releases(plan_bytes: bytes) -> tuple[PlannedRelease, ...]:
     plan = common_pb2.ReleasePlan.FromString(plan_bytes)
-    return [
+    return tuple(
         PlannedRelease(
             r.name,
             tuple(r.member_site_ids),
@@ -297,7 +305,7 @@ def releases_from_plan(plan_bytes: bytes) -> list[PlannedRelease]:
             _target(r) if r.kind in EVALUATION_KINDS else None,
         )
         for r in plan.releases
-    ]
+    )
 
 
 def _target(release: common_pb2.Release) -> EvaluationTarget:

@@ -21,6 +21,7 @@ from afl.core.leakage import (
     format_report,
     releases_for_round,
 )
+from tests.helpers.calls import record_calls
 
 SITES8 = list(range(8))
 
@@ -292,3 +293,27 @@ def test_audit_matches_rank_oracle_and_certificates_hold(n_sites, data, min_coho
                 found.append(g)
     assert {e.sites for e in report.small_groups} == expected_groups
     assert set(report.small_releases) == {r for r in releases if len(r.members) < min_cohort}
+
+
+def test_an_audit_is_computed_once_per_process_for_the_same_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sites of one host process audit the same plan: the second audit of equal inputs is
+    the first's report (immutable), any other input is audited anew, and members given as a
+    plain set (not hashable) are audited uncached, with the same verdict."""
+    sites = [f"h{i}" for i in range(6)]
+    plan = [
+        leakage.Release("all", frozenset(sites), "g"),
+        leakage.Release("but-h0", frozenset(sites[1:]), "g"),  # differences to h0
+    ]
+    analysed = record_calls(monkeypatch, leakage, "_audit_quantity")
+    leakage._audit_cached.cache_clear()
+    first = audit_releases(plan, sites, min_cohort=2)
+    assert [e.sites for e in first.exposed_sites] == [frozenset({"h0"})]
+    assert len(analysed) == 1
+    again = audit_releases(list(plan), list(sites), min_cohort=2)
+    assert again is first and len(analysed) == 1
+    assert audit_releases(plan, sites, min_cohort=3) is not first and len(analysed) == 2
+    loose = [leakage.Release(r.name, set(r.members), r.quantity) for r in plan]  # type: ignore[arg-type]
+    assert audit_releases(loose, sites, min_cohort=2).exposed_sites == first.exposed_sites
+    assert len(analysed) == 3

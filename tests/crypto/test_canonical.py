@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from afl.crypto.canonical import DOMAIN_TAG, canonical_encode
+from afl.crypto.canonical import DOMAIN_TAG, Field, canonical_encode, canonical_encode_each
 
 fields = st.one_of(st.binary(max_size=12), st.text(max_size=12), st.integers())
 tuples = st.lists(fields, max_size=5).map(tuple)
@@ -90,3 +90,20 @@ def test_rejects_bool_and_other_types() -> None:
 def test_protocol_version_is_a_nonempty_string() -> None:
     assert isinstance(DOMAIN_TAG, str)
     assert DOMAIN_TAG
+
+
+@given(tuples, st.lists(fields, max_size=6), tuples)
+def test_encoding_many_messages_that_differ_in_one_field_is_encoding_each(
+    head: tuple[Field, ...], each: list[Field], tail: tuple[Field, ...]
+) -> None:
+    got = canonical_encode_each(head, each, tail)
+    assert got == [canonical_encode([*head, x, *tail]) for x in each]
+
+
+def test_encoding_each_rejects_what_encoding_rejects() -> None:
+    with pytest.raises(TypeError, match="bool"):
+        canonical_encode_each(["a"], [True], [])
+    with pytest.raises(TypeError, match="bool"):
+        canonical_encode_each([], ["a"], [False])
+    with pytest.raises(TypeError, match="sequence"):
+        canonical_encode_each([], "ab", [])

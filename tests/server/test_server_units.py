@@ -29,7 +29,13 @@ from afl.server.errors import (
     WrongStageError,
 )
 from afl.server.modes.base import decode_float64
-from afl.server.plan.release import build_plan, releases_from_plan, round1_releases, sign_plan
+from afl.server.plan.release import (
+    _parsed_releases,
+    build_plan,
+    releases_from_plan,
+    round1_releases,
+    sign_plan,
+)
 from afl.server.servicer import status_for
 from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
@@ -128,9 +134,27 @@ def test_plan_is_signed_over_its_bytes_and_round_trips() -> None:
     assert releases_from_plan(signed.plan) == releases
     parsed = common_pb2.ReleasePlan.FromString(signed.plan)
     assert list(parsed.participants) == ["p1", "p2", "p3"] and len(parsed.round_salt) == 32
+    # The round machine reads the open round's plan on every request: parsed once per plan,
+    # and each caller gets its own list.
+    hits = _parsed_releases.cache_info().hits
+    mine = releases_from_plan(signed.plan)
+    assert mine == releases and _parsed_releases.cache_info().hits == hits + 1
+    mine.clear()
+    assert releases_from_plan(signed.plan) == releases
 
 
 # --- store, errors, daemon ---------------------------------------------------------------------
+
+
+def test_one_site_s_plan_decision_is_read_alone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s", federation_id="f1")
+    store.put_decision("r1", "s1", accept=True, reason="")
+    store.put_decision("r1", "s2", accept=False, reason="too few rows")
+    store.put_decision("r2", "s1", accept=False, reason="no")
+    assert store.decision("r1", "s1") == (True, "") == store.decisions("r1")["s1"]
+    assert store.decision("r1", "s2") == (False, "too few rows") == store.decisions("r1")["s2"]
+    assert store.decision("r2", "s1") == (False, "no")
+    assert store.decision("r1", "s3") is None and store.decision("r3", "s1") is None
 
 
 def test_store_audit_chain_and_state_checks(tmp_path: Path) -> None:

@@ -12,14 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from afl.client.daemon import transparency as transparency_module
 from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
 from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.transparency import checkpoint as checkpoint_module
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.crypto.transparency.statements import statement_bytes
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
+from tests.helpers.calls import record_calls
 from tests.helpers.fedlog import LogService
 
 FED = "fed-witness"
@@ -147,3 +150,34 @@ def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(
     assert more == statements
     with pytest.raises(DaemonError, match="served no log entry from index 0"):
         fresh.statements(coordinator.call, answer)
+
+
+def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polling the same checkpoint verifies only cosignatures not verified before (and stops
+    at the quorum); the log's verified prefix is decoded once, and handed out read-only."""
+    coordinator = _coordinator(tmp_path / "server")
+    for site in SITES:
+        _witness(tmp_path / site, site).witness(coordinator.call)
+    site1 = _witness(tmp_path / "site-1")
+    answer = site1.witness(coordinator.call)
+    assert len(answer.cosignatures) == 3
+    verified = record_calls(
+        monkeypatch, checkpoint_module, "verify_cosignature", lambda key, c: c.witness
+    )
+    assert site1.quorum_on(answer) == {"site-1", "site-2"}  # a majority of 3, in name order
+    assert verified == ["site-1", "site-2"]
+    assert site1.quorum_on(answer) == {"site-1", "site-2"}
+    assert verified == ["site-1", "site-2"]  # nothing verified twice
+    decoded = record_calls(monkeypatch, transparency_module, "decode_statement")
+    transparency_module._statement.cache_clear()
+    first = site1.statements(coordinator.call, answer)
+    assert len(decoded) == answer.checkpoint.size
+    assert site1.statements(coordinator.call, answer) == first
+    assert len(decoded) == answer.checkpoint.size  # the verified prefix is not decoded again
+    other = _witness(tmp_path / "site-2", "site-2")  # another site of the same host process
+    assert other.statements(coordinator.call, other.witness(coordinator.call)) == first
+    assert len(decoded) == answer.checkpoint.size  # nor by another site
+    with pytest.raises(TypeError):
+        first[0][1]["site"] = "another"  # type: ignore[index]

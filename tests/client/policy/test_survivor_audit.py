@@ -9,11 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from afl.client.config import LocalPolicy
 from afl.client.daemon.state import DaemonState
 from afl.client.policy.plan import check_plan, survivor_problem
+from afl.core import leakage
 from afl.proto.v1 import common_pb2 as cpb
+from tests.helpers.calls import record_calls
 
 FIVE = ["s1", "s2", "s3", "s4", "s5"]
 POLICY = LocalPolicy(allowed_aggregation=("mask",))
@@ -141,3 +144,26 @@ def test_the_plan_decision_already_refuses_a_drop_out_recorded_earlier(tmp_path:
         planned_history=state.history(exclude_round="run2-r1", planned=True),
     )
     assert unrecorded.accept, unrecorded.reason
+
+
+def test_with_nobody_dropped_one_audit_decides_and_a_site_still_sees_its_own_exposure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every member survives, now and in the history: the actual releases are the planned ones,
+    so one audit stands for both (a plan of K members is audited once, not twice, per check);
+    an exposure the plan already had stops only the site it exposes."""
+    plan = _plan("r1", FIVE)
+    plan.releases.append(
+        cpb.Release(
+            name="gram[x]", member_site_ids=FIVE[1:], kind=cpb.STATISTIC_KIND_GRAM, shape=[3, 3]
+        )
+    )  # gram[all] - gram[x] = s1's Gram, in the plan itself
+    audits = record_calls(monkeypatch, leakage, "audit_releases")
+    state = DaemonState(tmp_path)
+    why = _check(state, plan, site_id="s1", survivors=FIVE)
+    assert "{s1}" in why and "no unmask share" in why, why
+    assert _check(state, plan, site_id="s2", survivors=FIVE) == ""  # planned: not new
+    assert len(audits) == 2  # one per check
+    audits.clear()
+    assert _check(state, plan, site_id="s2", survivors=FIVE[:4]) == ""  # s5 dropped: s1 again
+    assert len(audits) == 2  # planned and actual differ: both audited

@@ -15,7 +15,7 @@ from afl.crypto.errors import (
     SecAggConfigError,
     UnmaskRefusedError,
 )
-from afl.crypto.identity.signatures import sign_fields, verify_fields
+from afl.crypto.identity.signatures import sign_fields, signed_message, verify_fields
 from afl.crypto.secagg.client import SecAggClient
 from afl.crypto.secagg.messages import (
     ADVERTISE_CONTEXT,
@@ -23,6 +23,7 @@ from afl.crypto.secagg.messages import (
     KeyDirectory,
     Stage,
     consistency_fields,
+    consistency_messages,
     signed_advert_fields,
 )
 from afl.crypto.secagg.server import SecAggServer
@@ -119,3 +120,21 @@ def test_a_consistency_signature_made_under_another_context_does_not_verify() ->
     with pytest.raises(UnmaskRefusedError, match=f"consistency signature of '{victim}'"):
         clients[honest].unmask(swapped)
     assert clients[fed.config.cohort[2]].unmask(request).shares  # the honest request is served
+
+
+def test_the_consistency_messages_encoded_together_are_each_signer_s_message() -> None:
+    """A site checks every survivor's consistency signature: the messages it verifies, with
+    the config and survivor list encoded once, are exactly what each signer signed."""
+    fed = _federation()
+    survivors = tuple(reversed(fed.config.cohort))
+    signers = [*fed.config.cohort, "not-a-survivor"]
+    together = consistency_messages(fed.config, site_ids=signers, survivors=survivors)
+    assert together == [
+        signed_message(
+            context=CONSISTENCY_CONTEXT,
+            fields=consistency_fields(fed.config, site_id=s, survivors=survivors),
+        )
+        for s in signers
+    ]
+    other = replace(fed.config, context=OTHER)
+    assert consistency_messages(other, site_ids=signers, survivors=survivors) != together

@@ -3,11 +3,14 @@ the last one cosigned; two inconsistent checkpoints are kept as evidence."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afl.crypto.identity.signatures import generate_identity_key
+from afl.crypto.transparency import checkpoint as checkpoint_module
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -21,6 +24,7 @@ from afl.crypto.transparency.checkpoint import (
 )
 from afl.crypto.transparency.merkle import consistency_proof, leaf_hash, root_hash
 from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
+from tests.helpers.calls import record_calls
 
 FED = "fed-test"
 COORDINATOR = generate_identity_key()
@@ -129,3 +133,112 @@ def test_a_quorum_counts_distinct_roster_witnesses_on_exactly_this_checkpoint() 
     ]
     with pytest.raises(CheckpointError, match="cosigned by 3 witness"):
         quorum_witnesses(cp, cosigs + noise, witness_keys=SITE_PUBLIC, quorum=4)
+
+
+def _counting_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the witnesses whose cosignature quorum_witnesses verifies, in order."""
+    return record_calls(
+        monkeypatch, checkpoint_module, "verify_cosignature", lambda k, c: c.witness
+    )
+
+
+def test_stopping_at_the_quorum_counts_only_valid_cosignatures_in_a_fixed_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp = signed([b"a"]).checkpoint
+    good = {n: cosign(SITES[n], witness=n, checkpoint=cp) for n in ["site-2", "site-4", "site-5"]}
+    bad = [
+        Cosignature("site-1", cp, good["site-2"].signature),  # another site's signature
+        Cosignature("site-3", cp, bytes(64)),  # no signature at all
+    ]
+    offered = [good["site-5"], *bad, good["site-4"], good["site-2"]]
+    calls = _counting_verifications(monkeypatch)
+    got = quorum_witnesses(cp, offered, witness_keys=SITE_PUBLIC, quorum=2, stop_at_quorum=True)
+    # site-1 (bad), site-2, site-3 (bad), site-4: the bad ones are verified and never counted,
+    # and site-5 is not verified at all once site-2 and site-4 make the quorum.
+    assert got == {"site-2", "site-4"}
+    assert calls == ["site-1", "site-2", "site-3", "site-4"]
+    # Without stopping, every valid witness; the bad ones never reach a quorum of 4.
+    assert quorum_witnesses(cp, offered, witness_keys=SITE_PUBLIC, quorum=3) == set(good)
+    with pytest.raises(CheckpointError, match="cosigned by 3 witness"):
+        quorum_witnesses(cp, offered, witness_keys=SITE_PUBLIC, quorum=4, stop_at_quorum=True)
+
+
+def test_the_cache_of_verified_cosignatures_skips_only_those_that_verified_under_that_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp = signed([b"a", b"b"]).checkpoint
+    good = [cosign(SITES[n], witness=n, checkpoint=cp) for n in ["site-1", "site-2"]]
+    forged = Cosignature("site-3", cp, good[0].signature)
+    verified: set[tuple[Cosignature, bytes]] = set()
+    calls = _counting_verifications(monkeypatch)
+    with pytest.raises(CheckpointError, match="cosigned by 2 witness"):
+        quorum_witnesses(cp, [*good, forged], witness_keys=SITE_PUBLIC, quorum=3, verified=verified)
+    assert calls == ["site-1", "site-2", "site-3"]
+    assert {c for c, _ in verified} == set(good)  # never the forged one
+    calls.clear()
+    assert quorum_witnesses(
+        cp, [*good, forged], witness_keys=SITE_PUBLIC, quorum=2, verified=verified
+    ) == {"site-1", "site-2"}
+    assert calls == ["site-3"]  # the forged one is verified (and refused) again
+    # A cached entry counts only under the key it verified with: a roster that maps site-1 to
+    # another key verifies (and refuses) it.
+    calls.clear()
+    other = {**SITE_PUBLIC, "site-1": generate_identity_key().public_key()}
+    with pytest.raises(CheckpointError, match="cosigned by 1 witness"):
+        quorum_witnesses(cp, good, witness_keys=other, quorum=2, verified=verified)
+    assert calls == ["site-1"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.sampled_from(["good", "bad", "other", "outsider", "missing"]), min_size=5,
+             max_size=5),
+    st.lists(st.integers(0, 4), max_size=6),
+    st.integers(1, 5),
+    st.randoms(use_true_random=False),
+)  # fmt: skip
+def test_stopping_at_the_quorum_agrees_with_counting_every_cosignature(
+    kinds: list[str], duplicates: list[int], quorum: int, rng: random.Random
+) -> None:
+    """Whatever mix of valid, forged, misplaced and outside cosignatures (in any order, some
+    repeated) is offered: stopping early raises exactly when counting all does, and otherwise
+    returns ``quorum`` of the witnesses counting all finds; a warm cache changes nothing."""
+    cp = signed([b"x"]).checkpoint
+    other_cp = signed([b"x", b"y"]).checkpoint
+    names = sorted(SITES)
+    offered: list[Cosignature] = []
+    for name, kind in zip(names, kinds, strict=True):
+        if kind == "good":
+            offered.append(cosign(SITES[name], witness=name, checkpoint=cp))
+        elif kind == "bad":
+            offered.append(cosign(generate_identity_key(), witness=name, checkpoint=cp))
+        elif kind == "other":
+            offered.append(cosign(SITES[name], witness=name, checkpoint=other_cp))
+        elif kind == "outsider":
+            offered.append(cosign(SITES[name], witness=f"x-{name}", checkpoint=cp))
+    offered += [offered[i] for i in duplicates if i < len(offered)]
+    rng.shuffle(offered)
+    valid = {n for n, k in zip(names, kinds, strict=True) if k == "good"}
+
+    def outcome(
+        *, stop: bool = False, cache: set[tuple[Cosignature, bytes]] | None = None
+    ) -> frozenset[str] | None:
+        try:
+            return quorum_witnesses(
+                cp, offered, witness_keys=SITE_PUBLIC, quorum=quorum, stop_at_quorum=stop,
+                verified=cache,
+            )  # fmt: skip
+        except CheckpointError:
+            return None
+
+    every = outcome()
+    assert every == (frozenset(valid) if len(valid) >= quorum else None)
+    cache: set[tuple[Cosignature, bytes]] = set()
+    for _ in range(2):  # a cold cache, then a warm one
+        early = outcome(stop=True, cache=cache)
+        if every is None:
+            assert early is None
+        else:
+            assert early is not None and len(early) == quorum and early <= every
+            assert early == frozenset(sorted(valid)[:quorum])  # the fixed order

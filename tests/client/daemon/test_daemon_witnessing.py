@@ -1,0 +1,63 @@
+"""When a site witnesses the federation log on its status answers (``ClientDaemon._observe``,
+docs/protocol.md §11a): at once on a new round, stage (outside its own round) or published model,
+again every ``IDLE_WITNESS_S`` while a quorum may wait on it (waiting for a round, its plan
+review, after the model), and not again during the exchange of a round it takes part in, where
+no site's quorum waits until the model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from afl.client.daemon.loop import ClientDaemon
+from afl.client.daemon.transparency import IDLE_WITNESS_S
+from afl.proto.v1 import coordinator_pb2 as pb
+
+S = pb.RoundStage
+
+
+def _answer(stage: int, participants: tuple[str, ...] = ("s1", "s2"), model: str = "") -> Any:
+    r = pb.RoundStatus(round_id="r1", round_number=1, stage=stage, participants=participants)  # type: ignore[arg-type]
+    return pb.StatusResponse(enrolled=True, round=r, latest_model_round_id=model)
+
+
+class _Site(SimpleNamespace):
+    """The attributes ``_observe`` reads, and a record of each witnessing."""
+
+    def __init__(self) -> None:
+        super().__init__(site_id="s1", _witnessed_key=None, _witnessed_at=0.0, calls=[])
+        self.witness = SimpleNamespace(observe=lambda response: None)
+
+    def _witness_log(self, now: float | None = None) -> None:
+        self.calls.append(now)
+        self._witnessed_at = 0.0 if now is None else now
+
+    def observe(self, answer: Any, *, later: bool = True) -> bool:
+        """Whether this status answer made the site witness; ``later``: as if the idle
+        interval had passed since it last did."""
+        if later:
+            self._witnessed_at -= 2 * IDLE_WITNESS_S
+        before = len(self.calls)
+        ClientDaemon._observe(self, answer)  # type: ignore[arg-type]
+        return len(self.calls) > before
+
+
+def test_a_site_rewitnesses_while_a_quorum_may_wait_on_it_and_not_in_its_exchange() -> None:
+    site = _Site()
+    assert site.observe(_answer(S.ROUND_STAGE_WAITING_FOR_PARTICIPANTS))  # a new round
+    assert not site.observe(_answer(S.ROUND_STAGE_PLAN_REVIEW), later=False)
+    assert site.observe(_answer(S.ROUND_STAGE_PLAN_REVIEW))  # others' plan checks may wait
+    for stage in (S.ROUND_STAGE_ADVERTISE_KEYS, S.ROUND_STAGE_UPLOAD, S.ROUND_STAGE_UNMASK):
+        assert not site.observe(_answer(stage)), stage  # its own exchange: no quorum waits
+    assert site.observe(_answer(S.ROUND_STAGE_SOLVING))  # the model's release follows
+    assert site.observe(_answer(S.ROUND_STAGE_PUBLISHED, model="r1"))
+    assert site.observe(_answer(S.ROUND_STAGE_PUBLISHED, model="r1"))  # idle again
+
+
+def test_a_site_outside_the_round_witnesses_every_stage_and_every_interval() -> None:
+    site = _Site()
+    outside = ("s2", "s3")
+    assert site.observe(_answer(S.ROUND_STAGE_PLAN_REVIEW, outside))
+    assert site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside), later=False)  # a new stage
+    assert not site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside), later=False)
+    assert site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside))  # the interval passed
