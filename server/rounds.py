@@ -26,9 +26,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from numpy.typing import NDArray
 
 from afl.crypto.transparency.statements import roster_digest, roster_fields, roster_statement
-from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.proto.wire import stage_name
+from afl.proto.wire import release_statement_fields, stage_name
 from afl.server.config import ServerConfig, merged_run_table
 from afl.server.daemon.observability import ServerMetrics
 from afl.server.errors import NotPermittedError, WrongStageError
@@ -384,20 +383,15 @@ class RoundMachine(StoreContext):
             if decoded is None
             else {s for sites in decoded.values() for s in sites}
         )
-        return {
-            "round_id": view.round_id,
-            "run_id": run.run_id,
-            "survivors": sorted(survivors),
-            "releases": [
-                {
-                    "name": r.name,
-                    "kind": cpb.StatisticKind.Name(cpb.StatisticKind.ValueType(r.kind)),
-                    "classes": list(r.class_names),
-                    "members": list(r.members if decoded is None else decoded[r.name]),
-                }
+        return release_statement_fields(
+            round_id=view.round_id,
+            run_id=run.run_id,
+            survivors=survivors,
+            releases=[
+                (r.name, r.kind, r.class_names, r.members if decoded is None else decoded[r.name])
                 for r in releases
             ],
-        }
+        )
 
     def _abort(
         self, view: RoundView, reason: str, *, replan_with: tuple[str, ...] | None = None

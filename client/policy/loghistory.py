@@ -33,6 +33,7 @@ from afl.core.audit.history import (
     history_refusal,
     history_releases,
 )
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 
 __all__ = [
@@ -101,22 +102,14 @@ def logged_rounds(statements: Iterable[tuple[str, Mapping[str, Any]]]) -> list[R
 
 def release_fields(plan: cpb.ReleasePlan, *, survivors: Collection[str]) -> dict[str, Any]:
     """A `release` statement's fields for ``plan``'s round unmasked over ``survivors`` (the
-    coordinator's format, :meth:`afl.server.rounds.RoundMachine._release_fields`): what a site
+    coordinator's format, :func:`afl.proto.wire.release_statement_fields`): what a site
     records of a round it helped unmask (:func:`with_unmasked`)."""
-    return {
-        "round_id": plan.round_id,
-        "run_id": plan.run_id,
-        "survivors": sorted(survivors),
-        "releases": [
-            {
-                "name": r.name,
-                "kind": cpb.StatisticKind.Name(r.kind),
-                "classes": list(r.class_names),
-                "members": list(r.member_site_ids),
-            }
-            for r in plan.releases
-        ],
-    }
+    return wire.release_statement_fields(
+        round_id=plan.round_id,
+        run_id=plan.run_id,
+        survivors=survivors,
+        releases=[(r.name, r.kind, r.class_names, r.member_site_ids) for r in plan.releases],
+    )
 
 
 def with_unmasked(

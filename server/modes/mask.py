@@ -163,10 +163,10 @@ class MaskMode:
         self.rounds: dict[str, MaskRound] = {}
         self._sums: dict[str, dict[str, FloatArray]] = {}
         self._contributors: dict[str, tuple[str, ...]] = {}
-        # (site, release, SHA-256) -> a masked payload received and verified, held until the
+        # site -> (release, SHA-256) -> a masked payload received and verified, held until the
         # site's last release arrives (:meth:`prepare_upload`); prepare runs outside the
         # coordinator's lock, in the handler threads.
-        self._held: dict[tuple[str, str, bytes], bytes] = {}
+        self._held: dict[str, dict[tuple[str, bytes], bytes]] = {}
         self._held_lock = threading.Lock()
 
     @classmethod
@@ -434,17 +434,12 @@ class MaskMode:
         reading its earlier releases back from disk (a payload held is used only where the
         stored row names the same digest; after a restart they are read from disk)."""
         with self._held_lock:
-            self._held[(site_id, release.name, sha256)] = data
+            self._held.setdefault(site_id, {})[(release.name, sha256)] = data
 
-    def _take_held(self, site_id: str, name: str, sha256: bytes) -> bytes | None:
+    def _take_held(self, site_id: str) -> dict[tuple[str, bytes], bytes]:
+        """The payloads held for ``site_id``, no longer held."""
         with self._held_lock:
-            return self._held.pop((site_id, name, sha256), None)
-
-    def _drop_held(self, site_id: str | None = None) -> None:
-        """Forget the payloads held for ``site_id`` (None: for every site)."""
-        with self._held_lock:
-            for key in [k for k in self._held if site_id is None or k[0] == site_id]:
-                del self._held[key]
+            return self._held.pop(site_id, {})
 
     def check_upload(
         self,
@@ -471,11 +466,12 @@ class MaskMode:
         stored = ctx.site_uploads(view.round_id, site_id)
         if any(name not in stored for name in others):
             return  # not the site's last release yet
+        held = self._take_held(site_id)
         payloads = {release.name: data}
         for name in others:
-            held = self._take_held(site_id, name, stored[name].sha256)
-            payloads[name] = held if held is not None else ctx.read_payload(stored[name])
-        self._drop_held(site_id)  # this release's own copy: its bytes are ``data``
+            row = stored[name]
+            found = held.get((name, row.sha256))
+            payloads[name] = found if found is not None else ctx.read_payload(row)
         try:
             self._feed(view, state, site_id, payloads)
         except (wire.WireError, ProtocolError) as exc:
@@ -498,7 +494,8 @@ class MaskMode:
         return self._contributors.get(view.round_id, tuple(view.row.participants))
 
     def forget(self, round_id: str) -> None:
-        self._drop_held()  # a run's rounds run one at a time
+        with self._held_lock:  # a run's rounds run one at a time
+            self._held.clear()
         self.rounds.pop(round_id, None)
         self._sums.pop(round_id, None)
         self._contributors.pop(round_id, None)

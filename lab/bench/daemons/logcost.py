@@ -59,10 +59,11 @@ from afl.lab.bench.daemons.scaling_e2e import (
     CLIENT_TIMING,
     GRAPHS,
     PeakMemory,
+    masked_federation,
     random_sites,
 )
 from afl.lab.bench.daemons.unlogged import VARIANTS
-from afl.lab.demo.federation import mask_round_settings, prepare_loopback, run_loopback
+from afl.lab.demo.federation import run_loopback
 
 __all__ = ["GOAL", "add_arguments", "run", "run_log_bench"]
 
@@ -108,22 +109,12 @@ def _one_round(
     timeout_s: float,
 ) -> tuple[dict[str, Any], Any]:
     """One round of ``variant`` under ``root``: its figures and W."""
-    settings: dict[str, Any] = {
-        "gram_scope": "global",
-        "upload_timeout_s": timeout_s,
-        "enrol_timeout_s": timeout_s,
-        "mask_graph": graph,
-        **mask_round_settings(feats),
-    }
-    loop = prepare_loopback(
+    loop = masked_federation(
         root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        active=np.ones((len(feats), len(CLASSES)), dtype=bool),
-        test_features=feats[0][:10],
-        test_labels=labels[0][:10],
-        round_settings=settings,
+        feats,
+        labels,
+        graph=graph,
+        timeout_s=timeout_s,
         client_settings=CLIENT_TIMING if hosts else None,
     )
     timings = root / "log-timings"

@@ -192,6 +192,35 @@ def _figures(
     }
 
 
+def masked_federation(
+    root: Path,
+    feats: Sequence[NDArray[Any]],
+    labels: Sequence[NDArray[Any]],
+    *,
+    graph: str,
+    timeout_s: float,
+    client_settings: dict[str, Any] | None,
+) -> LoopbackFederation:
+    """The benches' masked federation over these caches: a global Gram, the ``graph`` masking
+    graph, every stage's deadline ``timeout_s``, the operator's declared bounds."""
+    settings: dict[str, Any] = {
+        **mask_round_settings(feats),
+        "gram_scope": "global",
+        "mask_graph": graph,
+        "enrol_timeout_s": timeout_s,
+        "upload_timeout_s": timeout_s,
+    }
+    return prepare_labelled_everywhere(
+        root,
+        classes=CLASSES,
+        site_features=feats,
+        site_labels=labels,
+        test_rows=10,
+        round_settings=settings,
+        client_settings=client_settings,
+    )
+
+
 def scaling_e2e_point(
     root: Path,
     *,
@@ -206,21 +235,8 @@ def scaling_e2e_point(
 ) -> dict[str, Any]:
     """One masked round over K sites with the given graph; the figures of the module docstring."""
     feats, labels = random_sites(k, d=d, rows=rows, seed=seed)
-    settings: dict[str, Any] = {
-        **mask_round_settings(feats),
-        "gram_scope": "global",
-        "mask_graph": graph,
-        "enrol_timeout_s": timeout_s,
-        "upload_timeout_s": timeout_s,
-    }
-    loop = prepare_labelled_everywhere(
-        root,
-        classes=CLASSES,
-        site_features=feats,
-        site_labels=labels,
-        test_rows=10,
-        round_settings=settings,
-        client_settings=CLIENT_TIMING,
+    loop = masked_federation(
+        root, feats, labels, graph=graph, timeout_s=timeout_s, client_settings=CLIENT_TIMING
     )
     memory = PeakMemory()
     try:

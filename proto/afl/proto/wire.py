@@ -99,6 +99,7 @@ __all__ = [
     "masked_upload",
     "read_evaluation",
     "release_length",
+    "release_statement_fields",
     "round_config_from_plan",
     "routed_from_proto",
     "routed_to_proto",
@@ -138,6 +139,33 @@ class WireError(ValueError):
 
 class WireLimitError(WireError):
     """A chunk or a transfer above the receiver's size limits."""
+
+
+def release_statement_fields(
+    *,
+    round_id: str,
+    run_id: str,
+    survivors: Iterable[str],
+    releases: Iterable[tuple[str, int, Sequence[str], Sequence[str]]],
+) -> dict[str, object]:
+    """The fields of a federation-log `release` statement (docs/protocol.md §11a): the round,
+    its run, the survivors its sums were unmasked or decrypted over, and each release as
+    (name, StatisticKind, classes, members). The coordinator logs them; a site records a round
+    it helped unmask in the same form."""
+    return {
+        "round_id": round_id,
+        "run_id": run_id,
+        "survivors": sorted(survivors),
+        "releases": [
+            {
+                "name": name,
+                "kind": cpb.StatisticKind.Name(cpb.StatisticKind.ValueType(kind)),
+                "classes": list(classes),
+                "members": list(members),
+            }
+            for name, kind, classes, members in releases
+        ],
+    }
 
 
 def stage_name(stage: int) -> str:
