@@ -270,11 +270,6 @@ class ClientDaemon:
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
         assert self.stats is not None and self.cache is not None
-        if cfg.protocol_version not in (0, wire.PROTOCOL_VERSION):
-            return (
-                f"the coordinator speaks wire protocol {cfg.protocol_version}, this site speaks "
-                f"{wire.PROTOCOL_VERSION}: run the same afl release on both (operations guide §11)"
-            )
         # The round's classes may differ from the cache's (docs/method.md §1.1): classes this
         # site does not hold get zero columns (daemon_stats.round_classes), never a refusal.
         if cfg.feature_dim != self.stats.d:
@@ -295,6 +290,17 @@ class ClientDaemon:
                     False,
                     f"the coordinator announced round {round_id} but sent the configuration of "
                     f"round {cfg.round_id[:80]!r}",
+                ),
+                None,
+                b"",
+            )
+        if cfg.protocol_version not in (0, wire.PROTOCOL_VERSION):  # M-231, before the plan
+            return (
+                PolicyDecision(
+                    False,
+                    f"the coordinator speaks wire protocol {cfg.protocol_version}, this site "
+                    f"speaks {wire.PROTOCOL_VERSION}: run the same afl release on both "
+                    "(operations guide §11)",
                 ),
                 None,
                 b"",
