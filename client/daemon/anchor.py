@@ -233,7 +233,7 @@ class LedgerAnchor:
             ) from exc
         self.logged.append(doc)
 
-    def start_publishing(self, call: Call, entry: LedgerEntry) -> Background:
+    def start_publishing(self, call: Call, entry: LedgerEntry) -> Background[None]:
         """:meth:`publish` in a background thread; the caller waits for it before the first of
         its round's statistics leaves (module docstring)."""
         return Background(lambda: self.publish(call, entry), name=f"ledger-{entry.round_id}")

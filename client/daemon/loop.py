@@ -16,10 +16,13 @@ why) and it took part in no round.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import replace
 from importlib import metadata
 from typing import Any
@@ -126,6 +129,30 @@ def _version() -> str:
         return metadata.version("afl")
     except metadata.PackageNotFoundError:  # pragma: no cover
         return "0+unknown"
+
+
+class PlanLogCheck:
+    """The federation log's check of a plan under review (:meth:`ClientDaemon._plan_in_log`),
+    started in a background thread before the site checks the plan itself: the site cosigns the
+    checkpoint that holds the plan at once, so the roster's quorum gathers while every site
+    checks, and the quorum wait mostly finds it there."""
+
+    def __init__(self, daemon: ClientDaemon, cfg: pb.RoundConfig) -> None:
+        self.stop = threading.Event()
+        self._task = Background(
+            lambda: daemon._plan_in_log(cfg, self.stop), name=f"plan-log-{cfg.round_id}"
+        )
+
+    def wait(self) -> str:
+        """Why the log forbids acting on the plan ("" when it holds it under a quorum)."""
+        return self._task.wait()
+
+    def cancel(self) -> None:
+        """The site refused the plan: end the quorum wait; a split view found meanwhile still
+        stops the site (another failure is moot: nothing is sent under this plan)."""
+        self.stop.set()
+        if isinstance(self._task.error(), LogEvidence):
+            self._task.wait()
 
 
 class ClientDaemon:
@@ -349,25 +376,39 @@ class ClientDaemon:
             plan, revocations=self.revocations, peers=self.config.peers, site_id=self.site_id
         )
 
-    def _logged(
-        self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, decision: PolicyDecision
-    ) -> PolicyDecision:
-        """``decision``, or a refusal when the plan is not in a checkpoint of the federation log
-        cosigned by a quorum of the roster (:mod:`afl.client.daemon.transparency`), or when the
-        log's whole history and the plan expose a site (:meth:`_whole_history`)."""
+    def _plan_in_log(self, cfg: pb.RoundConfig, stop: threading.Event) -> str:
+        """Why the federation log forbids acting on the plan of ``cfg`` ("" when it holds it in
+        a checkpoint cosigned by a quorum of the roster, :mod:`afl.client.daemon.transparency`),
+        run while the site checks the plan itself (:class:`PlanLogCheck`); it also fetches the
+        log's statements up to that checkpoint for the whole-history audit. ``stop``: the site
+        refused the plan meanwhile."""
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         t = self.config.timing
         self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
         problem = self.log_witness.plan_problem(
             self.rpc.call,
             round_id=cfg.round_id,
-            plan_sha256=plan_sha,
+            plan_sha256=hashlib.sha256(cfg.release_plan.plan).digest(),  # as verify_round_config
             wait_s=float(cfg.stage_timeout_s or t.upload_timeout_s),
             # The quorum's cosignatures arrive within moments of this site's own: poll briefly
             # at first (a few small RPCs), then back off.
             poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
             max_poll_s=t.max_poll_interval_s,
+            stop=stop,
         )
+        checkpoint = self.log_witness.plan_checkpoint
+        if not problem and checkpoint is not None and not stop.is_set():
+            with suppress(DaemonError):  # read again, with its error, by the audit
+                self.log_witness.statements(self.rpc.call, checkpoint)
+        return problem
+
+    def _logged(
+        self, plan: cpb.ReleasePlan, decision: PolicyDecision, in_log: PlanLogCheck
+    ) -> PolicyDecision:
+        """``decision``, or a refusal when the plan is not in a checkpoint of the federation log
+        cosigned by a quorum of the roster (``in_log``, :meth:`_plan_in_log`), or when the log's
+        whole history and the plan expose a site (:meth:`_whole_history`)."""
+        problem = in_log.wait()
         if problem:
             return PolicyDecision(False, problem)
         return self._whole_history(plan, decision)
@@ -535,7 +576,7 @@ class ClientDaemon:
 
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
-    ) -> Background | None:
+    ) -> Background[None] | None:
         """Write the plan's ledger entry (before any message of the round's exchange leaves)
         and start logging its statement
         (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`; None when this site
@@ -680,27 +721,30 @@ class ClientDaemon:
         report.bytes_received += cfg.ByteSize()
         report.round_number = cfg.round_number
         reviewing = status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan
-        # The log already holds the plan under review: this site cosigns that checkpoint while it
-        # checks the plan, so the roster's quorum gathers meanwhile (its own wait below is short).
-        early = Background(self._witness_log, name=f"witness-{round_id}") if reviewing else None
+        # The log already holds the plan under review: its check (this site's cosignature, the
+        # roster's quorum, the plan's inclusion) runs while the site checks the plan itself.
+        in_log = PlanLogCheck(self, cfg) if reviewing else None
         try:
             decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
-        finally:
-            if early is not None and isinstance(early.error(), LogEvidence):
-                early.wait()  # a split view stops the site (another failure was logged)
-        if decision.accept and plan is not None:  # one upload per round, ever (M-200)
-            replay = self._replay_problem(status, plan, plan_sha)
-            if replay:
-                decision = PolicyDecision(False, replay, decision.audit)
+            if decision.accept and plan is not None:  # one upload per round, ever (M-200)
+                replay = self._replay_problem(status, plan, plan_sha)
+                if replay:
+                    decision = PolicyDecision(False, replay, decision.audit)
+        except BaseException:
+            if in_log is not None:
+                in_log.cancel()
+            raise
         report.plan = plan_summary(cfg, plan, decision, plan_sha)
         graph_nonce = b""
-        if reviewing:
+        if in_log is not None:
             if decision.accept:  # only a plan the federation log holds under a quorum
                 t0 = time.perf_counter()
                 assert plan is not None
-                decision = self._logged(cfg, plan, plan_sha, decision)
+                decision = self._logged(plan, decision, in_log)
                 timings["log_witness"] = time.perf_counter() - t0
                 report.plan = plan_summary(cfg, plan, decision, plan_sha)
+            else:
+                in_log.cancel()
             if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
                 graph_nonce = new_graph_nonce()
             rows = ""

@@ -328,9 +328,11 @@ class LogWitness:
         wait_s: float,
         poll_s: float,
         max_poll_s: float,
+        stop: threading.Event | None = None,
     ) -> str:
         """Why this site must not act on the plan ("" once its inclusion proof verifies in a
-        checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3)."""
+        checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3). ``stop``
+        set ends the quorum wait at once (the site refused the plan meanwhile)."""
         leaf = leaf_hash(
             plan_statement(
                 federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
@@ -354,7 +356,10 @@ class LogWitness:
                     f"the plan is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
                 )
-            time.sleep(delay)
+            if stop is not None and stop.wait(delay):
+                return f"the plan's log check was stopped: {why}"
+            if stop is None:
+                time.sleep(delay)
             delay = min(delay * 1.5, max_poll_s)
 
     def check_release(

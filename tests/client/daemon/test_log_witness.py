@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,34 @@ def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path:
     _witness(tmp_path / "s2", "site-2").witness(coordinator.call)  # a second roster site
     assert problem() == ""
     assert "not in log checkpoint" in problem(sha=hashlib.sha256(b"another plan").digest())
+
+
+def test_a_quorum_wait_ends_when_the_site_refuses_the_plan_meanwhile(tmp_path: Path) -> None:
+    """The plan's log check runs while the site checks the plan itself (client/daemon/loop.py,
+    ``PlanLogCheck``); when the site refuses it meanwhile, the wait for a quorum that never comes
+    ends at once instead of at the stage deadline."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1 = _witness(tmp_path / "s1")
+    stop = threading.Event()
+    result: list[str] = []
+
+    def wait() -> None:
+        why = site1.plan_problem(
+            coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=3600.0,
+            poll_s=0.01, max_poll_s=0.05, stop=stop,
+        )  # fmt: skip
+        result.append(why)
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    while not coordinator.cosigned:  # site-1 cosigned; alone, it is no quorum of 2
+        waiting.join(0.01)
+    stop.set()
+    waiting.join(60)  # generous: a wait on the hour-long deadline would not end here
+    assert not waiting.is_alive()
+    (why,) = result
+    assert why.startswith("the plan's log check was stopped") and "1 witness(es)" in why, why
 
 
 def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(
