@@ -67,11 +67,14 @@ class Daemons:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT, env=env)
 
-    def start_server(self, *, crash_at: tuple[str, str] | None = None) -> None:
+    def start_server(
+        self, *, crash_at: tuple[str, str] | None = None, command: Sequence[str] | None = None
+    ) -> None:
         """Start afl-server (or one with a fault, ``crash_at`` = (point, run id): see
-        tests/e2e/faulty_server.py)."""
+        tests/e2e/faulty_server.py; or the program ``command`` with the same arguments, e.g. a
+        patched, attacking coordinator of tests/adversarial/malicious_server.py)."""
         assert self.server is None or self.server.poll() is not None
-        program: tuple[str, ...] = SERVER_COMMAND
+        program: tuple[str, ...] = SERVER_COMMAND if command is None else tuple(command)
         if crash_at is not None:
             program = (sys.executable, str(HERE / "faulty_server.py"), *crash_at)
         self.servers_started += 1
