@@ -182,7 +182,11 @@ class Coordinator:
         if request.role not in (pb.SITE_ROLE_UNSPECIFIED, _ROLES[entry.role]):
             raise NotPermittedError(f"site {site_id!r} is provisioned as {entry.role}")
         if request.protocol_version not in (0, wire.PROTOCOL_VERSION):
-            raise WrongStageError(f"protocol version {request.protocol_version} is not spoken")
+            raise WrongStageError(
+                f"this site speaks wire protocol {request.protocol_version}, the coordinator "
+                f"speaks {wire.PROTOCOL_VERSION}: install the coordinator's afl release on the "
+                "site (operations guide §11)"
+            )
         if request.feature_dim < 0 or len(request.labelled_classes) > 10_000:
             raise InvalidRequestError("feature_dim and labelled_classes are out of range")
         bounds = RowBounds(int(request.declared_rows), float(request.declared_max_row_norm))

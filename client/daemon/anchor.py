@@ -33,13 +33,13 @@ cosigned before its next plan; a log without them needs a colluding quorum (the 
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from afl.client.daemon.background import Background
 from afl.client.daemon.transparency import Call, LogWitness
 from afl.client.daemon.transport import DaemonError
 from afl.client.policy.ledger import DpLedger, LedgerEntry, LedgerError
@@ -59,7 +59,6 @@ __all__ = [
     "REBUILD",
     "LedgerAnchor",
     "LedgerNotAnchored",
-    "Publication",
     "ledger_problem",
     "logged_entries",
     "rebuild_ledger",
@@ -234,37 +233,10 @@ class LedgerAnchor:
             ) from exc
         self.logged.append(doc)
 
-    def start_publishing(self, call: Call, entry: LedgerEntry) -> Publication:
+    def start_publishing(self, call: Call, entry: LedgerEntry) -> Background:
         """:meth:`publish` in a background thread; the caller waits for it before the first of
         its round's statistics leaves (module docstring)."""
-        return Publication(lambda: self.publish(call, entry), name=f"ledger-{entry.round_id}")
-
-
-class Publication:
-    """A `dp-release` statement being logged in a background thread: :meth:`wait` returns once
-    it is in the log, or raises what :meth:`LedgerAnchor.publish` raised (every time it is
-    called)."""
-
-    def __init__(self, publish: Callable[[], None], *, name: str) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(publish,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, publish: Callable[[], None]) -> None:
-        try:
-            publish()
-        except BaseException as exc:  # re-raised by wait, in the caller's thread
-            self._error = exc
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def error(self) -> BaseException | None:
-        """Once the thread ended: what :meth:`LedgerAnchor.publish` raised (None: logged)."""
-        self._thread.join()
-        return self._error
+        return Background(lambda: self.publish(call, entry), name=f"ledger-{entry.round_id}")
 
 
 def rebuild_ledger(

@@ -28,7 +28,8 @@ import numpy as np
 
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
-from afl.client.daemon.anchor import LedgerAnchor, Publication
+from afl.client.daemon.anchor import LedgerAnchor
+from afl.client.daemon.background import Background
 from afl.client.daemon.evaluation import (
     evaluated_model,
     evaluation_problem,
@@ -93,6 +94,7 @@ from afl.core.row_bounds import RowBounds, measure
 from afl.core.stats import LocalStats
 from afl.crypto.identity import signatures, signed_blobs
 from afl.crypto.secagg.graph import graph_commitment, new_graph_nonce
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.v1 import coordinator_pb2_grpc as pb_grpc
@@ -288,6 +290,17 @@ class ClientDaemon:
                     False,
                     f"the coordinator announced round {round_id} but sent the configuration of "
                     f"round {cfg.round_id[:80]!r}",
+                ),
+                None,
+                b"",
+            )
+        if cfg.protocol_version not in (0, wire.PROTOCOL_VERSION):  # M-231, before the plan
+            return (
+                PolicyDecision(
+                    False,
+                    f"the coordinator speaks wire protocol {cfg.protocol_version}, this site "
+                    f"speaks {wire.PROTOCOL_VERSION}: run the same afl release on both "
+                    "(operations guide §11)",
                 ),
                 None,
                 b"",
@@ -522,7 +535,7 @@ class ClientDaemon:
 
     def _record(
         self, cfg: pb.RoundConfig, plan: cpb.ReleasePlan, plan_sha: bytes, report: RoundReport
-    ) -> Publication | None:
+    ) -> Background | None:
         """Write the plan's ledger entry (before any message of the round's exchange leaves)
         and start logging its statement
         (:meth:`afl.client.daemon.anchor.LedgerAnchor.start_publishing`; None when this site
@@ -666,14 +679,22 @@ class ClientDaemon:
         cfg: pb.RoundConfig = self.rpc.call("GetRoundConfig", cpb.RoundRef(round_id=round_id))
         report.bytes_received += cfg.ByteSize()
         report.round_number = cfg.round_number
-        decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
+        reviewing = status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan
+        # The log already holds the plan under review: this site cosigns that checkpoint while it
+        # checks the plan, so the roster's quorum gathers meanwhile (its own wait below is short).
+        early = Background(self._witness_log, name=f"witness-{round_id}") if reviewing else None
+        try:
+            decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
+        finally:
+            if early is not None and isinstance(early.error(), LogEvidence):
+                early.wait()  # a split view stops the site (another failure was logged)
         if decision.accept and plan is not None:  # one upload per round, ever (M-200)
             replay = self._replay_problem(status, plan, plan_sha)
             if replay:
                 decision = PolicyDecision(False, replay, decision.audit)
         report.plan = plan_summary(cfg, plan, decision, plan_sha)
         graph_nonce = b""
-        if status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan:
+        if reviewing:
             if decision.accept:  # only a plan the federation log holds under a quorum
                 t0 = time.perf_counter()
                 assert plan is not None
@@ -743,18 +764,25 @@ class ClientDaemon:
             self._gate_outcome(plan, report)
             return
         candidate = status.stage == pb.ROUND_STAGE_VALIDATING  # the gate scores it first
-        self.receive_model(
-            round_id,
-            class_names=class_names,
-            plan_sha256=plan_sha,
-            report=report,
-            candidate=candidate,
-        )
         # The log's statement of what this round released is what every other site's
-        # whole-history audit reads: its members check it (M-230).
-        self.log_witness.check_release(
-            self.rpc.call, plan, survivors=self.store.survivors(round_id)
+        # whole-history audit reads: its members check it (M-230), while the model is verified.
+        survivors = self.store.survivors(round_id)
+        checked = Background(
+            lambda: self.log_witness.check_release(self.rpc.call, plan, survivors=survivors),
+            name=f"release-{round_id}",
         )
+        try:
+            self.receive_model(
+                round_id,
+                class_names=class_names,
+                plan_sha256=plan_sha,
+                report=report,
+                candidate=candidate,
+            )
+        finally:
+            if isinstance(checked.error(), LogEvidence):
+                checked.wait()  # the misstated statement stops the site, whatever else failed
+        checked.wait()
 
     def round_session(
         self,

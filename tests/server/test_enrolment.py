@@ -108,6 +108,23 @@ def test_a_field_changed_under_the_signature_is_refused(
     site.close()
 
 
+def test_a_site_that_speaks_another_wire_version_is_refused_naming_both(
+    federation: ProvisionedFederation, server: int
+) -> None:
+    site = FakeSite("s1", federation.site_dirs["s1"], server)
+    old = _request(site, site.challenge(), protocol_version=wire.PROTOCOL_VERSION - 1)
+    with pytest.raises(grpc.RpcError) as info:
+        site.stub.Enroll(old, timeout=10)
+    assert info.value.code() == Code.FAILED_PRECONDITION
+    assert (
+        f"speaks wire protocol {wire.PROTOCOL_VERSION - 1}, the coordinator speaks "
+        f"{wire.PROTOCOL_VERSION}" in str(info.value.details())
+    )
+    assert not site.status().enrolled
+    assert site.enroll(["a"], D).site_id == "s1"  # the same site, speaking this version
+    site.close()
+
+
 def test_no_challenge_or_another_sites_challenge_is_refused(
     federation: ProvisionedFederation, server: int
 ) -> None:

@@ -116,8 +116,10 @@ __all__ = [
     "unmask_response_to_proto",
 ]
 
-#: Wire protocol version (EnrollRequest / RoundConfig ``protocol_version``).
-PROTOCOL_VERSION = 1
+#: Wire protocol version (EnrollRequest / RoundConfig ``protocol_version``): 2 since the
+#: federation log and the decryption outcome's signature over the federation and the plan's
+#: digest (CHANGELOG); a party that speaks another version is refused with both versions named.
+PROTOCOL_VERSION = 2
 #: Largest chunk of an Upload or Download stream.
 MAX_CHUNK_BYTES = 1 << 20
 #: Trailing-metadata key of a status that means "try later" (a full disk, a per-site stream

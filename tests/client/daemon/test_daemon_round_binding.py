@@ -28,6 +28,7 @@ from afl.crypto.identity import signatures
 from afl.crypto.identity.signed_blobs import PLAN_CONTEXT, sign_blob
 from afl.crypto.transparency.statements import roster_digest
 from afl.ops.provisioning import ProvisionedFederation
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
@@ -100,8 +101,6 @@ class Coordinator:
             return self.config(request.round_id)
         if what == "GetModel":
             cfg = self.config(request.round_id)
-            # published: the round's release is in the log (what the site checks, M-230)
-            self.log.publish_release(request.round_id, cfg.release_plan.plan, survivors=SITES)
             return build_signed_model(
                 np.zeros((D, len(CLASSES))), identity_key=self.server_key, federation_id=FED,
                 round_id=request.round_id, round_number=cfg.round_number, classes=CLASSES, gamma=1.0, backbone="test",
@@ -113,6 +112,9 @@ class Coordinator:
 
     def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
         stage: Any = at_least
+        if at_least == pb.ROUND_STAGE_PUBLISHED:  # its release is in the log (M-230), as the
+            cfg = self.config(round_id)  # coordinator logs it in the PUBLISHED transition
+            self.log.publish_release(round_id, cfg.release_plan.plan, survivors=SITES)
         return pb.RoundStatus(round_id=round_id, stage=stage, participants=list(SITES))
 
     def upload(self, data: bytes, *, round_id: str, release_name: str, **kw: Any) -> Any:
@@ -263,6 +265,24 @@ def test_a_config_for_another_round_is_refused(
     assert "r1-aaaa" in refused.value.reason
     assert [u for u in coordinator.uploads if u[0] == "r2-bbbb"] == []
     assert {r.name for r in daemon.store.history(exclude_round="")} >= {"r1-aaaa/gram[all]"}
+
+
+def test_a_config_stating_another_wire_version_is_refused_naming_both(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """A coordinator of another afl release (wire protocol version) is refused before the plan is
+    acted on: the refusal names both versions; nothing is uploaded."""
+    daemon, coordinator, _ = site
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    cfg.protocol_version = wire.PROTOCOL_VERSION + 1
+    with pytest.raises(RoundFailed) as refused:
+        daemon.run_round(coordinator.announce("r1-aaaa", cfg), _report())
+    assert refused.value.outcome == pb.CLIENT_OUTCOME_REFUSED_PLAN
+    assert (
+        f"speaks wire protocol {wire.PROTOCOL_VERSION + 1}, this site speaks "
+        f"{wire.PROTOCOL_VERSION}" in refused.value.reason
+    )
+    assert coordinator.uploads == [] and [d.accept for d in coordinator.decisions()] == [False]
 
 
 def test_a_second_plan_under_a_round_id_already_uploaded_under_is_refused(
