@@ -110,6 +110,10 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
             daemons.start_client(site)
         first = daemons.wait_run("run-1")
         assert first.state == "published", daemons.log_tail()
+        # Each site of run 1 completed it (verified its model) before the coordinator takes the
+        # round's id for run 2 (and moves the model away in its database).
+        reports = daemons.wait_reports(first.model_round_id, sites=first_sites)
+        assert {r["outcome"] for r in reports.values()} == {"COMPLETED"}, reports
         daemons.start_client(later)  # joins after run 1: it never saw that round
         daemons.submit(_participants(*first_sites, later), name="with site-4")
         second = daemons.wait_run("run-2")
