@@ -38,6 +38,16 @@ members of the targeted release):
 * ``misstate-release`` (mask): the federation log's `release` statement of a published round
   names one survivor fewer than the sums hold (the last site): every other site's whole-history
   audit would then count that site's statistics as never released.
+* ``hide-release`` (mask): every masked round's sums are unmasked (kept in LOOT as
+  ``<run>/<round>/<release>``), then the round is aborted without the `release` statement the
+  honest coordinator logs for an aborted round whose sums it decoded (``"published": false``):
+  the federation log shows the round as never released, so a later run over fewer sites would
+  difference to the missing ones' statistics.
+* ``reuse-round-id`` (mask): the first round of a later run takes the id of an earlier run's
+  published round (the coordinator renames the old round's rows in its own database), and the
+  coordinator skips its own history audits (M-124: at submission, at plan time and before
+  unmasking), as if the two rounds were one release; unmasked sums go to LOOT as
+  ``<run>/<round>/<release>``.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -93,6 +103,8 @@ ATTACKS = (
     "crafted-model-dp",
     "split-view",
     "misstate-release",
+    "hide-release",
+    "reuse-round-id",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -201,16 +213,18 @@ def _forge_tags() -> None:
     CkksRequests.get_tags = get_tags  # type: ignore[method-assign]
 
 
-def _record_unmasked(loot: Path) -> None:
-    """Keep every sum the masked exchange unmasks (what the coordinator learned)."""
+def _record_unmasked(loot: Path, *, by_round: bool = False) -> None:
+    """Keep every sum the masked exchange unmasks (what the coordinator learned), named by the
+    release (``by_round``: ``<run>/<round>/<release>``)."""
     drive = MaskMode.drive
 
     def keeping(self: MaskMode, view: Any, ctx: Any) -> Any:
         state = self.rounds.get(view.round_id)
         transition = drive(self, view, ctx)
         result = None if state is None else state.server.result
+        prefix = f"{view.row.run_id}/{view.round_id}/" if by_round else ""
         for name, values in ({} if result is None else result.sums).items():
-            _keep(loot, name, values)
+            _keep(loot, prefix + name, values)
         return transition
 
     MaskMode.drive = keeping  # type: ignore[method-assign]
@@ -451,6 +465,76 @@ def _misstate_release() -> None:
     RoundMachine._release_fields = misstated  # type: ignore[method-assign]
 
 
+def _hide_release(loot: Path) -> None:
+    """A round whose sums were unmasked is aborted, and nothing of it is released in the log."""
+    from afl.server.modes.base import Transition
+
+    _record_unmasked(loot, by_round=True)
+    drive = MaskMode.drive  # the keeping one
+
+    def hiding(self: MaskMode, view: Any, ctx: Any) -> Any:
+        transition = drive(self, view, ctx)
+        if transition is None or transition.stage != pb.ROUND_STAGE_SOLVING:
+            return transition
+        # The honest coordinator would solve and log the release (or, aborting, note what it
+        # decoded so that the abort logs it): neither happens.
+        return Transition(pb.ROUND_STAGE_ABORTED, reason="aborted after unmasking")
+
+    MaskMode.drive = hiding  # type: ignore[method-assign]
+
+
+def _skip_history_audits() -> None:
+    """The coordinator's own audits of the federation's history (M-124) look away."""
+    from afl.server import runs
+    from afl.server.modes import context
+    from afl.server.rounds import RoundMachine
+
+    RoundMachine.exposes_history = lambda self, *a, **kw: ""  # type: ignore[method-assign]
+    for module in (plan_open, context):  # the name each imported
+        setattr(module, "history_audit", lambda *a, **kw: ("", None))  # noqa: B010
+    setattr(runs, "submission_audit", lambda *a, **kw: ("", None))  # noqa: B010
+
+
+def _rename_round(store: Any, old: str, new: str) -> None:
+    """``old``'s rows in every table of the coordinator's database are ``new``'s (the federation
+    log keeps its statements: it is append-only, and its entries are what sites verify)."""
+    with store.transaction() as db:
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for table in tables:
+            columns = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+            if "round_id" in columns:
+                db.execute(f"UPDATE {table} SET round_id = ? WHERE round_id = ?", (new, old))
+
+
+def _reuse_round_id(loot: Path) -> None:
+    """The first round of a later run is given the id of an earlier run's published round."""
+    from afl.server.rounds import RoundMachine
+
+    _record_unmasked(loot, by_round=True)
+    _skip_history_audits()
+    honest = RoundMachine._new_round
+    reused: list[str] = []
+
+    def reusing(self: RoundMachine, run: Any, **kw: Any) -> Any:
+        view = honest(self, run, **kw)
+        published = [
+            r.round_id
+            for r in self.store.rounds()
+            if r.run_id != run.run_id and r.stage == pb.ROUND_STAGE_PUBLISHED
+        ]
+        if reused or not published:
+            return view
+        target = published[0]
+        reused.append(target)
+        with self.announcer.transition():
+            _rename_round(self.store, target, f"{target}-old")
+            _rename_round(self.store, view.round_id, target)
+            self._emit(target)
+        return self.find(target)
+
+    RoundMachine._new_round = reusing  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -477,6 +561,10 @@ def main() -> int:
         _split_view()
     if attack == "misstate-release":
         _misstate_release()
+    if attack == "hide-release":
+        _hide_release(loot)
+    if attack == "reuse-round-id":
+        _reuse_round_id(loot)
     return daemon.main(args)
 
 

@@ -67,11 +67,14 @@ class Daemons:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(list(argv), stdout=handle, stderr=subprocess.STDOUT, env=env)
 
-    def start_server(self, *, crash_at: tuple[str, str] | None = None) -> None:
+    def start_server(
+        self, *, crash_at: tuple[str, str] | None = None, command: Sequence[str] | None = None
+    ) -> None:
         """Start afl-server (or one with a fault, ``crash_at`` = (point, run id): see
-        tests/e2e/faulty_server.py)."""
+        tests/e2e/faulty_server.py; or the program ``command`` with the same arguments, e.g. a
+        patched, attacking coordinator of tests/adversarial/malicious_server.py)."""
         assert self.server is None or self.server.poll() is not None
-        program: tuple[str, ...] = SERVER_COMMAND
+        program: tuple[str, ...] = SERVER_COMMAND if command is None else tuple(command)
         if crash_at is not None:
             program = (sys.executable, str(HERE / "faulty_server.py"), *crash_at)
         self.servers_started += 1
@@ -153,16 +156,20 @@ class Daemons:
                 raise AssertionError(f"{run_id} did not end: {info}\n{self.log_tail()}")
             time.sleep(0.3)
 
-    def wait_reports(self, round_id: str, *, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
-        """Every site's local report of ``round_id`` (the sites write it after the model)."""
+    def wait_reports(
+        self, round_id: str, *, timeout_s: float = 300.0, sites: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Every site's (or those of ``sites``) local report of ``round_id`` (the sites write
+        it after the model)."""
         deadline = time.monotonic() + timeout_s
+        configs = {s: c for s, c in self.loop.client_configs.items() if sites is None or s in sites}
         while True:
             reports = {}
-            for site, config in self.loop.client_configs.items():
+            for site, config in configs.items():
                 path = config.parent / "state" / "reports" / f"{round_id}.json"
                 if path.is_file():
                     reports[site] = json.loads(path.read_text(encoding="utf-8"))
-            if len(reports) == len(self.loop.client_configs):
+            if len(reports) == len(configs):
                 return reports
             if time.monotonic() > deadline:
                 raise AssertionError(f"reports of {round_id} missing\n{self.log_tail()}")

@@ -1,0 +1,154 @@
+"""A coordinator that corrupts the history the sites' whole-history audit reads (docs/protocol.md
+§11a, M-206), through the real daemons: the coordinator is patched at run time
+(tests/adversarial/malicious_server.py), the sites are unmodified and serve several runs.
+
+* ``hide-release``: run 1 over {1..5} is unmasked, then aborted with no `release` statement in
+  the federation log; run 2 over {1..4} would difference to site-5's statistics. Each site that
+  helped unmask run 1 recorded it (``state_dir/unmasked.json``) before it signed the survivors,
+  counts it whatever the log says, warns that the log lacks it, and refuses run 2 naming site-5.
+* ``reuse-round-id``: run 2's round takes the id of run 1's published round (over {1,2,3}), now
+  over {1,2,3,4}, and the coordinator skips its own history audit (its own audit, and a site's
+  own history, leave the plan's round id out: the two rounds would look like one release). The
+  sites of run 1 see a round they completed offered again and stop, naming it (M-142); site-4,
+  which joined after run 1, finds a release of that round id in the log and refuses the plan (a
+  round id is planned once, M-206), with site-5 (a witness only) completing the log quorum.
+
+Nothing of either run 2 is uploaded or unmasked: the coordinator's loot holds run 1's sums only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from afl.crypto.transparency.statements import decode_statement
+from afl.lab.demo.federation import LoopbackFederation
+from afl.server.store import Store
+from tests.adversarial import malicious_server
+from tests.e2e.faults.harness import federation
+from tests.e2e.processes import Daemons
+from tests.e2e.test_whole_history_audit import _participants, _refusals, _store
+
+SITES = tuple(f"site-{i}" for i in range(1, 6))
+
+
+def _statements(loop: LoopbackFederation, store: Store) -> list[tuple[str, dict[str, Any]]]:
+    fed = loop.provisioned.federation_id
+    return [
+        decode_statement(entry, federation=fed)
+        for _, _, entry, _ in store.log_entries(0, store.log_size())
+    ]
+
+
+def _loot(path: Path) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = json.loads(path.read_text()) if path.exists() else {}
+    return found
+
+
+def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_differences_it(
+    tmp_path: Path,
+) -> None:
+    loop = federation(tmp_path, "mask", sites=5, serve=True)
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("hide-release", loot))
+        daemons.start_clients()
+        first = daemons.wait_run("run-1")
+        assert first.state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*SITES[:4]), name="without site-5")
+        second = daemons.wait_run("run-2")
+        assert second.state == "aborted", daemons.log_tail()
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    (hidden,) = store.rounds("run-1")
+    # The attack happened: the coordinator unmasked run 1's sums, and the log released nothing.
+    taken = _loot(loot)
+    assert f"run-1/{hidden.round_id}/gram[all]" in taken, sorted(taken)
+    assert all(name.startswith(f"run-1/{hidden.round_id}/") for name in taken), sorted(taken)
+    statements = _statements(loop, store)
+    assert not [f for kind, f in statements if kind == "release"], statements
+    assert ("round-aborted", hidden.round_id) in [(k, f.get("round_id")) for k, f in statements]
+
+    for site in SITES:  # each member recorded, before it signed the survivors, what it unmasked
+        state = loop.client_configs[site].parent / "state"
+        (record,) = json.loads((state / "unmasked.json").read_text())["rounds"]
+        assert record["round_id"] == hidden.round_id and record["survivors"] == list(SITES)
+
+    refused = _refusals("run-2", store)
+    assert refused and set(refused) <= set(SITES[:4]), (refused, daemons.log_tail())
+    for site, reason in refused.items():
+        assert "would expose" in reason and "site-5" in reason and "M-206" in reason, reason
+        assert f"{hidden.round_id}/gram[all]" in reason, reason
+        assert "keep those sites in the run" in reason and "DP" in reason, reason  # M-208
+        log = (daemons.logs / f"{site}.log").read_text()
+        assert f"the federation log holds no release of round(s) {hidden.round_id}" in log
+    assert "site-5" in second.reason and "M-206" in second.reason, second.reason
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-2")) == 0
+
+
+def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
+    tmp_path: Path,
+) -> None:
+    first_sites, later = SITES[:3], "site-4"
+    loop = federation(
+        tmp_path,
+        "mask",
+        sites=5,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": list(first_sites)},
+        policy={"witness_quorum": 2},  # site-4 and site-5 are a quorum once 1..3 stopped
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("reuse-round-id", loot))
+        for site in (*first_sites, "site-5"):
+            daemons.start_client(site)
+        first = daemons.wait_run("run-1")
+        assert first.state == "published", daemons.log_tail()
+        # Each site of run 1 completed it (verified its model) before the coordinator takes the
+        # round's id for run 2 (and moves the model away in its database).
+        reports = daemons.wait_reports(first.model_round_id, sites=first_sites)
+        assert {r["outcome"] for r in reports.values()} == {"COMPLETED"}, reports
+        daemons.start_client(later)  # joins after run 1: it never saw that round
+        daemons.submit(_participants(*first_sites, later), name="with site-4")
+        second = daemons.wait_run("run-2")
+        assert second.state == "aborted", daemons.log_tail()
+        # Each site of run 1 stopped on its own (no timing: it stops at its first status
+        # answer that offers the round again, whatever stage run 2 is at by then).
+        stopped = {site: daemons.clients[site].wait(timeout=300) for site in first_sites}
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    (published,) = store.rounds("run-1")  # renamed in the coordinator's own database
+    (reused,) = store.rounds("run-2")
+    assert published.round_id == f"{reused.round_id}-old", (published, reused)
+    statements = _statements(loop, store)
+    plans = [f for kind, f in statements if kind == "plan" and f["round_id"] == reused.round_id]
+    releases = [f for kind, f in statements if kind == "release"]
+    assert len(plans) == 2, statements  # one round id, two signed plans in the log
+    assert [(f["round_id"], f["run_id"]) for f in releases] == [(reused.round_id, "run-1")]
+
+    # The sites of run 1 stop when the round they completed is offered again (M-142) ...
+    for site, code in stopped.items():
+        assert code not in (0, None), (site, code)
+        log = (daemons.logs / f"{site}.log").read_text()
+        assert (
+            f"it offers round {reused.round_id} again" in log and "which this site completed" in log
+        ), log[-2000:]
+    # ... and site-4, which never took part in it, refuses it: the log released that round id.
+    decisions = store.decisions(reused.round_id)
+    assert set(decisions) == {later}, (decisions, daemons.log_tail())
+    accepted, reason = decisions[later]
+    assert not accepted
+    assert f"the federation log already holds a release of round {reused.round_id}" in reason
+    assert "a round id is planned once" in reason and "M-206" in reason, reason
+    assert reason in second.reason, second.reason
+    assert store.uploads(reused.round_id) == {}
+    taken = _loot(loot)
+    assert taken and all(name.startswith("run-1/") for name in taken), sorted(taken)
