@@ -104,6 +104,12 @@ class Witness:
             final = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)  # aborted at the ack
         if r.round_id in self.completed and r.stage not in final:
             stage = pb.RoundStage.Name(r.stage).removeprefix("ROUND_STAGE_")
+            run = self.completed[r.round_id][0]
+            if run and r.run_id and r.run_id != run:  # not a restore: the id is used again
+                return (
+                    f"it offers round {r.round_id} again ({stage}) in {r.run_id}, and this site "
+                    f"completed round {r.round_id} in {run}: a round id names one round, ever"
+                )
             return f"it offers round {r.round_id} again ({stage}), which this site completed"
         for round_id, (run_id, number) in self.completed.items():
             if r.run_id == run_id and r.round_number <= number and r.round_id != round_id:
@@ -134,8 +140,9 @@ class Witness:
         if reason:
             raise RestoreDetected(
                 f"the coordinator's state is older than this site has seen: {reason}. It was "
-                "restored from an older backup; this site takes no part until the operator "
-                "acknowledges the restore (afl-server ack-restore, docs/operations.md §9)"
+                "restored from an older backup, or it reuses a round id; this site takes no part "
+                "until the operator acknowledges a restore (afl-server ack-restore, "
+                "docs/operations.md §9)"
             )
         latest = response.latest_model_round_id
         if latest and (not self.models or self.models[-1] != latest):

@@ -62,6 +62,11 @@ def test_what_the_site_saw_is_on_disk_before_it_acts(tmp_path: Path) -> None:
         (_status(_round("r1-aaaa", stage=REVIEW), latest=""), "holds no model"),
         (_status(_round("r1-aaaa", stage=REVIEW), latest="r1-aaaa"), "offers round r1-aaaa again"),
         (_status(_round("r1-bbbb"), latest="r1-aaaa"), "completed round 1 of that run as r1-aaaa"),
+        (  # not a restore: another run reuses the round id
+            _status(_round("r1-aaaa", run="run-2"), latest="r1-aaaa"),
+            "again .PLAN_REVIEW. in run-2, and this site completed round r1-aaaa in run-1: a round id "
+            "names one round, ever",
+        ),
     ],
 )
 def test_a_coordinator_behind_what_the_site_saw_is_refused_in_one_line(
