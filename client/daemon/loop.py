@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import suppress
 from dataclasses import replace
 from importlib import metadata
 from typing import Any
@@ -132,24 +131,39 @@ def _version() -> str:
 
 
 class PlanLogCheck:
-    """The federation log's check of a plan under review (:meth:`ClientDaemon._plan_in_log`),
-    started in a background thread before the site checks the plan itself: the site cosigns the
-    checkpoint that holds the plan at once, so the roster's quorum gathers while every site
-    checks, and the quorum wait mostly finds it there."""
+    """The federation log's check of the plan under review in ``cfg``
+    (:meth:`ClientDaemon._plan_in_log`), started in a background thread before the site checks
+    the plan itself: the site cosigns the checkpoint that holds the plan at once, so the roster's
+    quorum gathers while every site checks, and the quorum wait mostly finds it there. It names
+    the plan by ``cfg``'s round id and the SHA-256 of its signed bytes, before they are verified:
+    its result counts only for the plan the site then verified under those two
+    (:meth:`result_for`). The round ends it (:meth:`end`) on every path."""
 
     def __init__(self, daemon: ClientDaemon, cfg: pb.RoundConfig) -> None:
+        self.round_id = cfg.round_id
+        self.plan_sha256 = hashlib.sha256(cfg.release_plan.plan).digest()  # as verify_round_config
+        wait_s = float(cfg.stage_timeout_s or daemon.config.timing.upload_timeout_s)
         self.stop = threading.Event()
         self._task = Background(
-            lambda: daemon._plan_in_log(cfg, self.stop), name=f"plan-log-{cfg.round_id}"
+            lambda: daemon._plan_in_log(
+                self.round_id, self.plan_sha256, wait_s=wait_s, stop=self.stop
+            ),
+            name=f"plan-log-{cfg.round_id}",
         )
 
-    def wait(self) -> str:
-        """Why the log forbids acting on the plan ("" when it holds it under a quorum)."""
+    def result_for(
+        self, plan: cpb.ReleasePlan, plan_sha256: bytes
+    ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
+        """Why the log forbids acting on ``plan`` ("" when a checkpoint cosigned by a quorum
+        holds it), and that checkpoint: the one the whole-history audit reads."""
+        if (plan.round_id, plan_sha256) != (self.round_id, self.plan_sha256):
+            return "the plan checked in the federation log is not the plan this site verified", None
         return self._task.wait()
 
-    def cancel(self) -> None:
-        """The site refused the plan: end the quorum wait; a split view found meanwhile still
-        stops the site (another failure is moot: nothing is sent under this plan)."""
+    def end(self) -> None:
+        """Stop the quorum wait (the site refused the plan, or the round failed) and join the
+        thread; a split view it found stops the site (another failure is moot here: the site
+        acts on a plan only through :meth:`result_for`)."""
         self.stop.set()
         if isinstance(self._task.error(), LogEvidence):
             self._task.wait()
@@ -376,50 +390,64 @@ class ClientDaemon:
             plan, revocations=self.revocations, peers=self.config.peers, site_id=self.site_id
         )
 
-    def _plan_in_log(self, cfg: pb.RoundConfig, stop: threading.Event) -> str:
-        """Why the federation log forbids acting on the plan of ``cfg`` ("" when it holds it in
-        a checkpoint cosigned by a quorum of the roster, :mod:`afl.client.daemon.transparency`),
-        run while the site checks the plan itself (:class:`PlanLogCheck`); it also fetches the
-        log's statements up to that checkpoint for the whole-history audit. ``stop``: the site
-        refused the plan meanwhile."""
+    def _plan_in_log(
+        self, round_id: str, plan_sha256: bytes, *, wait_s: float, stop: threading.Event
+    ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
+        """Why the federation log forbids acting on the plan ``plan_sha256`` of ``round_id``
+        ("" when a checkpoint cosigned by a quorum of the roster holds it,
+        :mod:`afl.client.daemon.transparency`) and that checkpoint, run while the site checks the
+        plan itself (:class:`PlanLogCheck`); it also fetches the log's statements up to that
+        checkpoint for the whole-history audit. ``stop``: the site refused the plan meanwhile."""
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         t = self.config.timing
         self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
-        problem = self.log_witness.plan_problem(
+        problem, checkpoint = self.log_witness.plan_problem(
             self.rpc.call,
-            round_id=cfg.round_id,
-            plan_sha256=hashlib.sha256(cfg.release_plan.plan).digest(),  # as verify_round_config
-            wait_s=float(cfg.stage_timeout_s or t.upload_timeout_s),
+            round_id=round_id,
+            plan_sha256=plan_sha256,
+            wait_s=wait_s,
             # The quorum's cosignatures arrive within moments of this site's own: poll briefly
             # at first (a few small RPCs), then back off.
             poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
             max_poll_s=t.max_poll_interval_s,
             stop=stop,
         )
-        checkpoint = self.log_witness.plan_checkpoint
-        if not problem and checkpoint is not None and not stop.is_set():
-            with suppress(DaemonError):  # read again, with its error, by the audit
+        if checkpoint is not None and not stop.is_set() and not self.config.policy.allow_exposure:
+            try:
                 self.log_witness.statements(self.rpc.call, checkpoint)
-        return problem
+            except LogEvidence:
+                raise
+            except DaemonError:
+                pass  # read again, with its error, by the audit
+        return problem, checkpoint
 
     def _logged(
-        self, plan: cpb.ReleasePlan, decision: PolicyDecision, in_log: PlanLogCheck
+        self,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        decision: PolicyDecision,
+        in_log: PlanLogCheck,
     ) -> PolicyDecision:
         """``decision``, or a refusal when the plan is not in a checkpoint of the federation log
         cosigned by a quorum of the roster (``in_log``, :meth:`_plan_in_log`), or when the log's
-        whole history and the plan expose a site (:meth:`_whole_history`)."""
-        problem = in_log.wait()
-        if problem:
-            return PolicyDecision(False, problem)
-        return self._whole_history(plan, decision)
+        whole history at that checkpoint and the plan expose a site (:meth:`_whole_history`)."""
+        problem, checkpoint = in_log.result_for(plan, plan_sha256)
+        if problem or checkpoint is None:
+            return PolicyDecision(False, problem or "the plan is not in the federation log")
+        return self._whole_history(plan, decision, checkpoint)
 
-    def _whole_history(self, plan: cpb.ReleasePlan, decision: PolicyDecision) -> PolicyDecision:
+    def _whole_history(
+        self,
+        plan: cpb.ReleasePlan,
+        decision: PolicyDecision,
+        checkpoint: pb.CosignedLogCheckpoint,
+    ) -> PolicyDecision:
         """``decision``, or a refusal when the plan, differenced with every release of the
-        federation log at the quorum checkpoint that holds the plan, exposes ANY site's
-        statistics (:mod:`afl.client.policy.loghistory`, M-206). Waived, as the site's own
+        federation log at ``checkpoint`` (the quorum checkpoint that holds the plan), exposes ANY
+        site's statistics (:mod:`afl.client.policy.loghistory`, M-206). Waived, as the site's own
         differencing rule is, by ``allow_exposure`` or DP that covers this site."""
-        policy, checkpoint = self.config.policy, self.log_witness.plan_checkpoint
-        if policy.allow_exposure or decision.audit.get("covered_by_dp") or checkpoint is None:
+        policy = self.config.policy
+        if policy.allow_exposure or decision.audit.get("covered_by_dp"):
             return decision
         try:
             statements, unlogged = with_unmasked(
@@ -722,37 +750,43 @@ class ClientDaemon:
         report.round_number = cfg.round_number
         reviewing = status.stage == pb.ROUND_STAGE_PLAN_REVIEW or not status.caller_accepted_plan
         # The log already holds the plan under review: its check (this site's cosignature, the
-        # roster's quorum, the plan's inclusion) runs while the site checks the plan itself.
-        in_log = PlanLogCheck(self, cfg) if reviewing else None
+        # roster's quorum, the plan's inclusion) runs while the site checks the plan itself,
+        # once the config is at least for the announced round in this site's wire version.
+        in_log = (
+            PlanLogCheck(self, cfg)
+            if reviewing
+            and cfg.round_id == round_id
+            and cfg.protocol_version in (0, wire.PROTOCOL_VERSION)
+            else None
+        )
+        graph_nonce = b""
         try:
             decision, plan, plan_sha = self._decide(cfg, round_id=round_id)
             if decision.accept and plan is not None:  # one upload per round, ever (M-200)
                 replay = self._replay_problem(status, plan, plan_sha)
                 if replay:
                     decision = PolicyDecision(False, replay, decision.audit)
-        except BaseException:
-            if in_log is not None:
-                in_log.cancel()
-            raise
-        report.plan = plan_summary(cfg, plan, decision, plan_sha)
-        graph_nonce = b""
-        if in_log is not None:
-            if decision.accept:  # only a plan the federation log holds under a quorum
-                t0 = time.perf_counter()
-                assert plan is not None
-                decision = self._logged(plan, decision, in_log)
-                timings["log_witness"] = time.perf_counter() - t0
-                report.plan = plan_summary(cfg, plan, decision, plan_sha)
-            else:
-                in_log.cancel()
-            if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
-                graph_nonce = new_graph_nonce()
-            rows = ""
-            if plan is not None and decision.accept and is_evaluation_plan(plan):
-                rows = "in-sample" if self.config.data.holdout is None else "held-out"
-            self._respond(
-                round_id, decision, plan_sha, graph_nonce=graph_nonce, evaluation_rows=rows
-            )
+            report.plan = plan_summary(cfg, plan, decision, plan_sha)
+            if reviewing:
+                if decision.accept:  # only a plan the federation log holds under a quorum
+                    t0 = time.perf_counter()
+                    assert plan is not None and in_log is not None
+                    decision = self._logged(plan, plan_sha, decision, in_log)
+                    timings["log_witness"] = time.perf_counter() - t0
+                    report.plan = plan_summary(cfg, plan, decision, plan_sha)
+                elif in_log is not None:
+                    in_log.stop.set()  # the refusal leaves first; the thread is joined below
+                if plan is not None and plan.mask_graph.degree:  # a sparse MASK graph
+                    graph_nonce = new_graph_nonce()
+                rows = ""
+                if plan is not None and decision.accept and is_evaluation_plan(plan):
+                    rows = "in-sample" if self.config.data.holdout is None else "held-out"
+                self._respond(
+                    round_id, decision, plan_sha, graph_nonce=graph_nonce, evaluation_rows=rows
+                )
+        finally:
+            if in_log is not None:  # no thread outlives the plan review, whatever happened
+                in_log.end()
         timings["plan_check"] = time.perf_counter() - start
         if not decision.accept:
             log.warning("site=%s REFUSED round %s: %s", self.site_id, round_id, decision.reason)

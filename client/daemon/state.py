@@ -230,6 +230,15 @@ class DaemonState:
         return path
 
 
+def _enum_name(enum: Any, value: int) -> str:
+    """The name of ``value`` in the protobuf ``enum``; ``UNKNOWN(value)`` for a value this
+    release does not know (the RoundConfig's copies of the plan's fields are not signed)."""
+    try:
+        return str(enum.Name(value))
+    except ValueError:
+        return f"UNKNOWN({value})"
+
+
 def plan_summary(
     cfg: pb.RoundConfig,
     plan: cpb.ReleasePlan | None,
@@ -241,8 +250,8 @@ def plan_summary(
         "sha256": plan_sha256.hex(),
         "accepted": decision.accept,
         "reason": decision.reason,
-        "aggregation": cpb.AggregationMode.Name(cfg.aggregation),
-        "gram_scope": cpb.GramScope.Name(cfg.gram_scope),
+        "aggregation": _enum_name(cpb.AggregationMode, cfg.aggregation),
+        "gram_scope": _enum_name(cpb.GramScope, cfg.gram_scope),
         "participants": list(cfg.participants),
         "releases": [
             {

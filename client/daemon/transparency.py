@@ -155,8 +155,6 @@ class LogWitness:
             )
         self.last: SignedCheckpoint | None = None
         self.acknowledged = 0
-        #: The quorum-cosigned checkpoint the last accepted plan's inclusion verified in.
-        self.plan_checkpoint: pb.CosignedLogCheckpoint | None = None
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
         self._decoded: list[tuple[str, Mapping[str, object]]] = []  # its first statements
         #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
@@ -329,24 +327,26 @@ class LogWitness:
         poll_s: float,
         max_poll_s: float,
         stop: threading.Event | None = None,
-    ) -> str:
+    ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why this site must not act on the plan ("" once its inclusion proof verifies in a
-        checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3). ``stop``
-        set ends the quorum wait at once (the site refused the plan meanwhile)."""
+        checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3), and that
+        checkpoint (None until then). ``stop`` set ends the wait before the next witnessing
+        step (the site refused the plan meanwhile)."""
         leaf = leaf_hash(
             plan_statement(
                 federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
             )
         )
-        deadline, delay, why = time.monotonic() + wait_s, poll_s, ""
+        deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
         while True:
+            if stop is not None and stop.is_set():
+                return f"the plan's log check was stopped: {why}", None
             answer = self.witness(call)
             size = int(answer.checkpoint.size)
             try:
                 self.quorum_on(answer)
                 self.check_inclusion(call, leaf, answer)
-                self.plan_checkpoint = answer
-                return ""
+                return "", answer
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)
             except DaemonError as exc:  # the plan is not in this checkpoint yet
@@ -355,10 +355,10 @@ class LogWitness:
                 return (
                     f"the plan is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
-                )
-            if stop is not None and stop.wait(delay):
-                return f"the plan's log check was stopped: {why}"
-            if stop is None:
+                ), None
+            if stop is not None:
+                stop.wait(delay)
+            else:
                 time.sleep(delay)
             delay = min(delay * 1.5, max_poll_s)
 

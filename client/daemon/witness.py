@@ -35,7 +35,7 @@ from afl.client.daemon.transport import DaemonError
 from afl.client.payloads.stats import dump_json
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["RestoreDetected", "Witness"]
+__all__ = ["RestoreDetected", "RoundIdReused", "Witness"]
 
 log = logging.getLogger("afl.client")
 WITNESS_NAME = "witness.json"
@@ -43,6 +43,11 @@ WITNESS_NAME = "witness.json"
 
 class RestoreDetected(DaemonError):
     """The coordinator claims an older state than this site has seen (module docstring)."""
+
+
+class RoundIdReused(RestoreDetected):
+    """The coordinator offers, in another run, a round id this site completed: no restore
+    explains it (a restore brings back the run too), and no acknowledgement allows it."""
 
 
 class Witness:
@@ -86,6 +91,20 @@ class Witness:
         self.completed[status.round_id] = [status.run_id, int(status.round_number)]
         self._save()
 
+    def reused(self, response: pb.StatusResponse) -> str:
+        """Why ``response`` offers a round id this site completed in another run ("" when it
+        does not; a run id blanked by an acknowledged restore names no run)."""
+        if not response.HasField("round"):
+            return ""
+        r = response.round
+        run = self.completed.get(r.round_id, [""])[0]
+        if not run or not r.run_id or r.run_id == run:
+            return ""
+        return (
+            f"round {r.round_id} in {r.run_id}, and this site completed round {r.round_id} in "
+            f"{run}: a round id names one round, ever"
+        )
+
     def regression(self, response: pb.StatusResponse) -> str:
         """Why ``response`` is older than what this site has seen ("" when it is not)."""
         latest = response.latest_model_round_id
@@ -104,12 +123,6 @@ class Witness:
             final = (pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED)  # aborted at the ack
         if r.round_id in self.completed and r.stage not in final:
             stage = pb.RoundStage.Name(r.stage).removeprefix("ROUND_STAGE_")
-            run = self.completed[r.round_id][0]
-            if run and r.run_id and r.run_id != run:  # not a restore: the id is used again
-                return (
-                    f"it offers round {r.round_id} again ({stage}) in {r.run_id}, and this site "
-                    f"completed round {r.round_id} in {run}: a round id names one round, ever"
-                )
             return f"it offers round {r.round_id} again ({stage}), which this site completed"
         for round_id, (run_id, number) in self.completed.items():
             if r.run_id == run_id and r.round_number <= number and r.round_id != round_id:
@@ -136,13 +149,19 @@ class Witness:
                 for round_id in self.completed  # never again, any run
             }
             self._save()
+        reused = self.reused(response)
+        if reused:
+            raise RoundIdReused(
+                f"the coordinator offers a round id it used before: {reused}. No restore explains "
+                "it and this site takes no part in it; report it to the federation's operator "
+                "with this site's log (docs/operations.md §5.1)"
+            )
         reason = self.regression(response)
         if reason:
             raise RestoreDetected(
                 f"the coordinator's state is older than this site has seen: {reason}. It was "
-                "restored from an older backup, or it reuses a round id; this site takes no part "
-                "until the operator acknowledges a restore (afl-server ack-restore, "
-                "docs/operations.md §9)"
+                "restored from an older backup; this site takes no part until the operator "
+                "acknowledges the restore (afl-server ack-restore, docs/operations.md §9)"
             )
         latest = response.latest_model_round_id
         if latest and (not self.models or self.models[-1] != latest):

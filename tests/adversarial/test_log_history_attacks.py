@@ -138,8 +138,8 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
     for site, code in stopped.items():
         assert code not in (0, None), (site, code)
         log = (daemons.logs / f"{site}.log").read_text()
-        assert f"it offers round {reused.round_id} again" in log, log[-2000:]
-        assert "in run-2, and this site completed round" in log, log[-2000:]  # named as a reuse
+        assert "the coordinator offers a round id it used before" in log, log[-2000:]
+        assert f"round {reused.round_id} in run-2, and this site completed round" in log, log
         assert "in run-1: a round id names one round, ever" in log, log[-2000:]
     # ... and site-4, which never took part in it, refuses it: the log released that round id.
     decisions = store.decisions(reused.round_id)

@@ -8,13 +8,16 @@ Usage: ``python -m afl.lab.bench.daemons.unlogged ROLE VARIANT TIMINGS <argument
 where the process writes ``ROLE-PID.json`` when the daemon exits: ``{"seconds": total, "calls":
 {method: [count, seconds]}}``, the wall time spent in the log's methods (outermost calls only: a
 method the log calls from another timed method counts once; summed over the sites a
-``run-many`` process hosts), quorum waits included.
+``run-many`` process hosts), quorum waits included. The plan's log check runs in a thread beside
+the site's own plan check (``_plan_in_log``) and ``_logged`` waits for it, so their times
+overlap: the sum overstates the log's wall time.
 
 * ``shipped``: the product as it ships; each method of :data:`CLIENT_METHODS` /
   :data:`SERVER_METHODS` is wrapped by a ``time.perf_counter`` timer (two clock reads per call).
 * ``unlogged``: the same timers, around no-ops. The site neither witnesses nor cosigns any
   checkpoint, nor waits for a quorum, nor checks the plan's inclusion or the log's history
-  (``_logged`` returns the policy's decision as it is), nor checks the published round's
+  (``_plan_in_log`` finds nothing to refuse and ``_logged`` returns the policy's decision as it
+  is), nor checks the published round's
   `release` statement, nor publishes or reconciles its DP ledger in the log; the coordinator appends no statement (``Store.append_log`` does nothing, so no
   leaf is hashed or stored) and signs no checkpoint (nobody asks for one).
 
@@ -44,6 +47,7 @@ VARIANTS = ("shipped", "unlogged")
 #: model, the check of the published round's `release` statement, and the DP ledger's anchoring
 #: (start-up reconciliation, a release's statement).
 CLIENT_METHODS = (
+    ("afl.client.daemon.loop", "ClientDaemon", "_plan_in_log"),
     ("afl.client.daemon.loop", "ClientDaemon", "_logged"),
     ("afl.client.daemon.loop", "ClientDaemon", "_witness_log"),
     ("afl.client.daemon.transparency", "LogWitness", "check_release"),
@@ -104,13 +108,17 @@ def _unlogged_client() -> None:
     from afl.client.daemon.transparency import LogWitness
     from afl.client.policy.plan import PolicyDecision
 
-    def logged(self: ClientDaemon, cfg: Any, plan: Any, sha: bytes, d: PolicyDecision) -> Any:
+    def logged(self: ClientDaemon, plan: Any, sha: bytes, d: PolicyDecision, check: Any) -> Any:
         return d
 
     def nothing(self: object, *args: Any, **kwargs: Any) -> None:
         return None
 
+    def not_in_log(self: object, *args: Any, **kwargs: Any) -> tuple[str, None]:
+        return "", None
+
     ClientDaemon._logged = logged  # type: ignore[method-assign,assignment]
+    ClientDaemon._plan_in_log = not_in_log  # type: ignore[method-assign]
     ClientDaemon._witness_log = nothing  # type: ignore[method-assign]
     ClientDaemon.anchors_ledger = False
     LedgerAnchor.reconcile = nothing  # type: ignore[method-assign]

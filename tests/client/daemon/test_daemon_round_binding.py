@@ -9,6 +9,7 @@ models are signed with the federation server's own key, which the coordinator ho
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -283,6 +284,41 @@ def test_a_config_stating_another_wire_version_is_refused_naming_both(
         f"{wire.PROTOCOL_VERSION}" in refused.value.reason
     )
     assert coordinator.uploads == [] and [d.accept for d in coordinator.decisions()] == [False]
+
+
+def _plan_log_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("plan-log-")]
+
+
+def test_the_plan_s_log_check_ends_with_the_plan_review_on_every_path(
+    site: tuple[ClientDaemon, Coordinator, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's log check runs beside the site's own (client/daemon/loop.py ``PlanLogCheck``)
+    and waits up to the stage deadline for a plan the log does not hold: a refusal or a failure
+    of the site's own check ends it with the plan review (a thread left polling could later
+    change what the site witnesses), and the refusal is sent either way. Here the signed bytes
+    are not the logged plan's and the unsigned ``aggregation`` is a value no release knows."""
+    daemon, coordinator, _ = site
+    cfg = coordinator.round_config("r1-aaaa", GLOBAL)
+    cfg.release_plan.plan += b"\x00"  # not the logged plan; its signature no longer verifies
+    cfg.aggregation = 99  # type: ignore[assignment]
+    report = _report()
+    with pytest.raises(RoundFailed) as refused:
+        daemon.run_round(coordinator.announce("r1-aaaa", cfg), report)
+    assert refused.value.outcome == pb.CLIENT_OUTCOME_REFUSED_PLAN
+    assert [d.accept for d in coordinator.decisions()] == [False]
+    assert report.plan is not None and report.plan["aggregation"] == "UNKNOWN(99)"
+    assert _plan_log_threads() == []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the site's own plan check failed")
+
+    monkeypatch.setattr(daemon, "_decide", broken)
+    second = coordinator.round_config("r2-bbbb", GLOBAL)
+    second.release_plan.plan += b"\x00"
+    with pytest.raises(RuntimeError, match="own plan check failed"):
+        daemon.run_round(coordinator.announce("r2-bbbb", second), _report())
+    assert _plan_log_threads() == []
 
 
 def test_a_second_plan_under_a_round_id_already_uploaded_under_is_refused(

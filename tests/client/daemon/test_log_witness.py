@@ -95,10 +95,12 @@ def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path:
     site1 = _witness(tmp_path / "s1")
 
     def problem(round_id: str = "r1-abc", sha: bytes = plan_sha) -> str:
-        return site1.plan_problem(
+        why, checkpoint = site1.plan_problem(
             coordinator.call, round_id=round_id, plan_sha256=sha, wait_s=0.0, poll_s=0.01,
             max_poll_s=0.01,
         )  # fmt: skip
+        assert (checkpoint is None) == bool(why)  # the quorum checkpoint comes with ""
+        return why
 
     assert site1.quorum == 2  # a majority of 3
     why = problem()  # site-1's own cosignature only
@@ -128,10 +130,11 @@ def test_a_quorum_wait_ends_when_the_site_refuses_the_plan_meanwhile(tmp_path: P
     result: list[str] = []
 
     def wait() -> None:
-        why = site1.plan_problem(
+        why, checkpoint = site1.plan_problem(
             coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=3600.0,
             poll_s=0.01, max_poll_s=0.05, stop=stop,
         )  # fmt: skip
+        assert checkpoint is None
         result.append(why)
 
     waiting = threading.Thread(target=wait)

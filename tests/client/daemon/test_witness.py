@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from afl.client.daemon.witness import RestoreDetected, Witness
+from afl.client.daemon.witness import RestoreDetected, RoundIdReused, Witness
 from afl.proto.v1 import coordinator_pb2 as pb
 
 PUBLISHED, ABORTED, REVIEW = (
@@ -62,11 +62,6 @@ def test_what_the_site_saw_is_on_disk_before_it_acts(tmp_path: Path) -> None:
         (_status(_round("r1-aaaa", stage=REVIEW), latest=""), "holds no model"),
         (_status(_round("r1-aaaa", stage=REVIEW), latest="r1-aaaa"), "offers round r1-aaaa again"),
         (_status(_round("r1-bbbb"), latest="r1-aaaa"), "completed round 1 of that run as r1-aaaa"),
-        (  # not a restore: another run reuses the round id
-            _status(_round("r1-aaaa", run="run-2"), latest="r1-aaaa"),
-            "again .PLAN_REVIEW. in run-2, and this site completed round r1-aaaa in run-1: a round id "
-            "names one round, ever",
-        ),
     ],
 )
 def test_a_coordinator_behind_what_the_site_saw_is_refused_in_one_line(
@@ -103,3 +98,17 @@ def test_an_acknowledged_restore_lets_the_site_take_part_again(tmp_path: Path) -
     witness.observe(_status(_round("r1-aaaa", stage=ABORTED), acks=1))  # aborted at the ack
     with pytest.raises(RestoreDetected, match="offers round r1-aaaa again"):
         witness.observe(_status(_round("r1-aaaa", stage=REVIEW), acks=1))  # never again
+
+
+def test_a_round_id_offered_again_in_another_run_is_named_as_a_reuse(tmp_path: Path) -> None:
+    """No restore explains a completed round's id in another run (a restore brings back the run
+    too): the site stops naming both runs, and tells the operator to report it, not to
+    acknowledge a restore, which would not let it take part anyway."""
+    witness = _completed_run(tmp_path)
+    with pytest.raises(RoundIdReused) as info:
+        witness.observe(_status(_round("r1-aaaa", run="run-2"), latest="r1-aaaa"))
+    line = str(info.value)
+    assert "\n" not in line and "offers a round id it used before" in line
+    assert "round r1-aaaa in run-2, and this site completed round r1-aaaa in run-1" in line
+    assert "ack-restore" not in line and "report it" in line
+    witness.observe(_status(_round("r1-aaaa", stage=PUBLISHED), latest="r1-aaaa"))  # run-1's
