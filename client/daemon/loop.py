@@ -202,6 +202,7 @@ class ClientDaemon:
         self.log_witness = LogWitness.for_site(config, self.identity)
         self._witnessed_at = 0.0
         self._witnessed_key: tuple[str, int, str] | None = None
+        self._running_round = ""  # the round run_round is in (its own steps witness the log)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
@@ -481,9 +482,14 @@ class ClientDaemon:
         # A new round, stage or published model is witnessed at once: the plan of a run this
         # site is not in needs its cosignature for a quorum, and nothing else may wake it
         # before that stage's timeout (docs/protocol.md §11a). Inside a round this site takes
-        # part in, a stage change is not: the site witnesses at its plan check, its ledger
-        # statement and the published model itself, and nobody's quorum waits on it meanwhile
-        # (witnessing there put a cosignature, an fsync and two RPCs on every stage barrier).
+        # part in, past its plan review, neither a stage change nor the model is: the round's
+        # own steps witness (the plan check, the ledger statement, the release check after the
+        # model), nobody's quorum waits on it meanwhile, and witnessing here would hold the
+        # status answer the round waits for (a cosignature, an fsync and three RPCs at each
+        # barrier). After the round the published model is witnessed as usual.
+        running = r is not None and r.round_id == self._running_round
+        if running and r is not None and r.stage > pb.ROUND_STAGE_PLAN_REVIEW:
+            return
         taking_part = (
             r is not None and self.site_id in r.participants and r.stage < pb.ROUND_STAGE_SOLVING
         )
@@ -1104,12 +1110,15 @@ class ClientDaemon:
             lingering = True
             try:
                 try:
+                    self._running_round = status.round_id
                     self.run_round(status, report)
                 except RemoteCallError as exc:
                     aborted = self._aborted_meanwhile(status.round_id)
                     if aborted is None:
                         raise
                     raise aborted from exc
+                finally:
+                    self._running_round = ""
             except RoundFailed as exc:
                 code = self._finish(report, exc.outcome, exc.reason)
                 # An aborted round is usually followed by a replacement round (new plan) with

@@ -2,7 +2,8 @@
 docs/protocol.md §11a): at once on a new round, stage (outside its own round) or published model,
 again every ``IDLE_WITNESS_S`` while a quorum may wait on it (waiting for a round, its plan
 review, after the model), and not again during the exchange of a round it takes part in, where
-no site's quorum waits until the model."""
+no site's quorum waits until the model; while the site runs that round, not at its solve or model
+either (its own release check witnesses then)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class _Site(SimpleNamespace):
     """The attributes ``_observe`` reads, and a record of each witnessing."""
 
     def __init__(self) -> None:
-        super().__init__(site_id="s1", _witnessed_key=None, _witnessed_at=0.0, calls=[])
+        super().__init__(
+            site_id="s1", _witnessed_key=None, _witnessed_at=0.0, calls=[], _running_round=""
+        )
         self.witness = SimpleNamespace(observe=lambda response: None)
 
     def _witness_log(self, now: float | None = None) -> None:
@@ -61,3 +64,22 @@ def test_a_site_outside_the_round_witnesses_every_stage_and_every_interval() -> 
     assert site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside), later=False)  # a new stage
     assert not site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside), later=False)
     assert site.observe(_answer(S.ROUND_STAGE_UPLOAD, outside))  # the interval passed
+
+
+def test_a_site_running_its_round_leaves_the_model_to_its_release_check() -> None:
+    """While ``run_round`` waits for the model, neither the solve nor the published model is
+    witnessed on the status answer it waits for (the round's release check witnesses right
+    after, off that answer); once the round is over the model is witnessed as usual."""
+    site = _Site()
+    site._running_round = "r1"
+    assert site.observe(_answer(S.ROUND_STAGE_PLAN_REVIEW))  # its plan review: quorums wait
+    for stage in (S.ROUND_STAGE_UPLOAD, S.ROUND_STAGE_SOLVING, S.ROUND_STAGE_VALIDATING):
+        assert not site.observe(_answer(stage)), stage
+    assert not site.observe(_answer(S.ROUND_STAGE_PUBLISHED, model="r1"))
+    site._running_round = ""  # the round is over
+    assert site.observe(_answer(S.ROUND_STAGE_PUBLISHED, model="r1"), later=False)
+    outside = ("s2", "s3")  # another run's round, while this site runs r1: witnessed
+    site._running_round = "r1"
+    other = _answer(S.ROUND_STAGE_UPLOAD, outside)
+    other.round.round_id = "r2"
+    assert site.observe(other, later=False)
