@@ -49,3 +49,10 @@ class Background(Generic[T]):
         """Once the step ended: what it raised (None: it completed)."""
         self._thread.join()
         return self._error
+
+    def join(self, *, raising: type[BaseException]) -> None:
+        """Once the step ended: raise what it raised if that is a ``raising`` (evidence that must
+        stop the site whatever else went wrong), else nothing; for a ``finally``."""
+        error = self.error()
+        if isinstance(error, raising):
+            raise error

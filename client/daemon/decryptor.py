@@ -89,6 +89,7 @@ from afl.crypto.errors import (
 )
 from afl.crypto.identity import pki, signatures
 from afl.crypto.identity.revocation import PeerRevocations
+from afl.crypto.identity.signed_blobs import blob_sha256
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -449,13 +450,13 @@ class DecryptorDaemon:
         jobs: pb.DecryptionJobs = rpc.call("GetDecryptionJobs", cpb.RoundRef())
         if not jobs.jobs:
             return 0
-        refusal = (jobs.round_id, hashlib.sha256(jobs.release_plan.plan).digest())
+        refusal = (jobs.round_id, blob_sha256(jobs.release_plan.plan))
         if refusal in self.refused:
             return 0  # reported already; the round is aborting
         try:
             work = self._round(jobs)
         except PlanRefused as exc:  # the coordinator learns why at once (the round aborts)
-            self._refuse(jobs, str(exc))
+            self._refuse(jobs, refusal[1], str(exc))
             self.refused.add(refusal)
             return len(jobs.jobs)
         tags: pb.SealedMessages = rpc.call("GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id))
@@ -498,11 +499,11 @@ class DecryptorDaemon:
             log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
         return len(jobs.jobs)
 
-    def _refuse(self, jobs: pb.DecryptionJobs, reason: str) -> None:
+    def _refuse(self, jobs: pb.DecryptionJobs, plan_sha: bytes, reason: str) -> None:
         """Report a signed ``REFUSED_PLAN`` outcome for each job of a plan this decryptor
-        refuses (bound to the digest of the plan the jobs carry); no key is used."""
+        refuses (bound to ``plan_sha``, the digest of the plan the jobs carry); no key is
+        used."""
         log.warning("decryptor: %s (reported to the coordinator)", reason)
-        plan_sha = hashlib.sha256(jobs.release_plan.plan).digest()
         status = pb.DECRYPTION_STATUS_REFUSED_PLAN
         for job in jobs.jobs:
             outcome = self.outcome(

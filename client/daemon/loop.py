@@ -16,7 +16,6 @@ why) and it took part in no round.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import threading
@@ -141,7 +140,7 @@ class PlanLogCheck:
 
     def __init__(self, daemon: ClientDaemon, cfg: pb.RoundConfig) -> None:
         self.round_id = cfg.round_id
-        self.plan_sha256 = hashlib.sha256(cfg.release_plan.plan).digest()  # as verify_round_config
+        self.plan_sha256 = signed_blobs.blob_sha256(cfg.release_plan.plan)  # the plan's digest
         wait_s = float(cfg.stage_timeout_s or daemon.config.timing.upload_timeout_s)
         self.stop = threading.Event()
         self._task = Background(
@@ -165,8 +164,7 @@ class PlanLogCheck:
         thread; a split view it found stops the site (another failure is moot here: the site
         acts on a plan only through :meth:`result_for`)."""
         self.stop.set()
-        if isinstance(self._task.error(), LogEvidence):
-            self._task.wait()
+        self._task.join(raising=LogEvidence)
 
 
 class ClientDaemon:
@@ -487,8 +485,11 @@ class ClientDaemon:
         # model), nobody's quorum waits on it meanwhile, and witnessing here would hold the
         # status answer the round waits for (a cosignature, an fsync and three RPCs at each
         # barrier). After the round the published model is witnessed as usual.
-        running = r is not None and r.round_id == self._running_round
-        if running and r is not None and r.stage > pb.ROUND_STAGE_PLAN_REVIEW:
+        if (
+            r is not None
+            and r.round_id == self._running_round
+            and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
+        ):
             return
         taking_part = (
             r is not None and self.site_id in r.participants and r.stage < pb.ROUND_STAGE_SOLVING
@@ -829,9 +830,8 @@ class ClientDaemon:
             # No thread outlives the round. Its error shows at the first upload; if the exchange
             # failed first, the exchange's error is raised, unless the log showed a split view
             # or other evidence, which stops the site whatever else went wrong.
-            error = publication.error() if publication is not None else None
-            if isinstance(error, LogEvidence):
-                raise error
+            if publication is not None:
+                publication.join(raising=LogEvidence)
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -864,9 +864,8 @@ class ClientDaemon:
                 candidate=candidate,
             )
         finally:
-            if isinstance(checked.error(), LogEvidence):
-                checked.wait()  # the misstated statement stops the site, whatever else failed
-        checked.wait()
+            checked.join(raising=LogEvidence)  # a misstated statement stops the site, whatever
+        checked.wait()  # else failed
 
     def round_session(
         self,

@@ -62,6 +62,7 @@ from afl.crypto.ckks.wire import (
 )
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
+from afl.crypto.identity.signed_blobs import blob_sha256
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -518,7 +519,7 @@ class CkksRequests:
                 raise WrongStageError(f"round {view.round_id!r} has no release plan yet")
             binding = wire.tag_binding(
                 cpb.ReleasePlan.FromString(view.row.plan),
-                plan_sha256=hashlib.sha256(view.row.plan).digest(),
+                plan_sha256=blob_sha256(view.row.plan),
                 sender=site_id,
                 decryptor=decryptor,
                 decryptor_key=self.contexts.context().announcement.cipher_public_key,
@@ -595,7 +596,7 @@ class CkksRequests:
                     fields=decryption_fields(
                         federation_id=self.access.config.federation_id,
                         round_id=view.round_id,
-                        plan_sha256=hashlib.sha256(view.row.plan).digest(),
+                        plan_sha256=blob_sha256(view.row.plan),
                         release_name=request.release_name,
                         status=request.status,
                         result_sha256=request.result_sha256,
