@@ -122,7 +122,8 @@ class CoordinatorServer:
                 self._health_grpc.stop(None)
             self._grpc.stop(None)
             raise
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # a stop began: refuse new work, end the ticker
+        self._finished = threading.Event()  # a stop ended: the store is closed
         servicer = CoordinatorServicer(
             self.coordinator, insecure=insecure, stopping=self._stopped.is_set
         )
@@ -220,19 +221,25 @@ class CoordinatorServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        self._grpc.stop(grace).wait()
-        if self._health_grpc is not None:
-            self._health_grpc.stop(None)
-        if self._ticker.is_alive():
-            self._ticker.join(timeout=5)
-        self._close_metrics()
-        self.store.close()
-        log.info("afl-server stopped")
+        try:
+            self._health.enter_graceful_shutdown()
+            self._grpc.stop(grace).wait()
+            if self._health_grpc is not None:
+                self._health_grpc.stop(None)
+            if self._ticker.is_alive():
+                self._ticker.join(timeout=5)
+            self._close_metrics()
+            self.store.close()
+            log.info("afl-server stopped")
+        finally:
+            self._finished.set()
 
     def wait(self) -> None:
-        """Block until :meth:`stop` is called."""
-        self._stopped.wait()
+        """Block until a :meth:`stop` has ended: the in-flight calls are done and the store is
+        closed. (Returning when the stop only began let the process exit while the signal's stop
+        thread was still inside gRPC's shutdown: the interpreter's teardown then crashed it,
+        SIGSEGV, exit -11.)"""
+        self._finished.wait()
 
 
 def _version() -> str:

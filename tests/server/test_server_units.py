@@ -265,6 +265,43 @@ def test_health_port_serves_the_health_service_alone_in_plaintext(
         busy.stop(None)
 
 
+def test_wait_returns_only_once_the_stop_has_closed_the_store(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    """The daemon's main thread returns (and the interpreter exits) after ``wait``: it must not
+    return while a stop is still shutting gRPC down and closing the store."""
+    import threading
+    from dataclasses import replace
+
+    config = load_config(federation.server_dir / "server.toml")
+    server = daemon.CoordinatorServer(
+        replace(config, listen="127.0.0.1:0", state_dir=tmp_path / "state")
+    )
+    server.start()
+    closing, release = threading.Event(), threading.Event()
+    close = server.store.close
+
+    def slow_close() -> None:
+        closing.set()
+        release.wait(timeout=60)
+        close()
+
+    server.store.close = slow_close  # type: ignore[method-assign]
+    stopper = threading.Thread(target=server.stop, args=(None,))
+    waiter = threading.Thread(target=server.wait)
+    stopper.start()
+    try:
+        assert closing.wait(timeout=60)  # the stop is under way, the store still open
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive(), "wait() returned before the stop had closed the store"
+    finally:
+        release.set()
+        stopper.join(timeout=60)
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+
+
 def test_afl_server_process_stops_gracefully_on_sigterm(
     federation: ProvisionedFederation, tmp_path: Path
 ) -> None:
@@ -297,6 +334,8 @@ def test_afl_server_process_stops_gracefully_on_sigterm(
         assert any("listening on port" in line for line in lines), lines
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+        rest = process.stderr.read()
+        assert "afl-server stopped" in rest, rest  # the stop ran to its end before the exit
     finally:
         if process.poll() is None:
             process.kill()
