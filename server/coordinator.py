@@ -650,6 +650,12 @@ class Coordinator:
         with self.lock:
             return pb.LogProof(index=self.log.record_dp_release(site_id, bytes(request.statement)))
 
+    def log_opening(self, site_id: str, request: pb.Opening) -> pb.LogProof:
+        """Append the caller's signed opening of a masked round (docs/protocol.md M-232)."""
+        self.require_enrolled(site_id)
+        with self.lock:
+            return pb.LogProof(index=self.log.record_opening(site_id, bytes(request.statement)))
+
     def log_cosign(self, site_id: str, request: pb.LogCosignature) -> None:
         """Keep the caller's cosignature (its certificate names the witness)."""
         self.require_enrolled(site_id)

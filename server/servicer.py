@@ -341,6 +341,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             "RecordDpRelease", context, lambda s: self.coordinator.log_dp_release(s, request)
         )
 
+    def RecordOpening(self, request: pb.Opening, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "RecordOpening", context, lambda s: self.coordinator.log_opening(s, request)
+        )
+
     # --- MASK mode ---------------------------------------------------------------------------
 
     def GetGraphCommitments(

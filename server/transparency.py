@@ -15,6 +15,7 @@ without a coordinator-side round of its own.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -37,10 +38,15 @@ from afl.crypto.transparency.merkle import (
 )
 from afl.crypto.transparency.statements import (
     DP_RELEASE_CONTEXT,
+    OPENING_CONTEXT,
     StatementError,
     decode_statement,
     dp_release_signed_fields,
+    opening_signed_fields,
+    plan_statement,
 )
+from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.store import Store
 
@@ -113,39 +119,128 @@ class FederationLog:
         self.store.put_log_cosignature(size=size, root=root, witness=site_id, signature=signature)
         return len(self.store.log_cosignatures(size))
 
-    def record_dp_release(self, site_id: str, statement: bytes) -> int:
-        """Append ``site_id``'s `dp-release` statement (its signed DP-ledger entry) once; its
-        index. The statement must name the caller and carry a signature that verifies under the
-        caller's enrolled identity key (docs/protocol.md M-195)."""
+    def _site_statement(
+        self, site_id: str, statement: bytes, *, kind: str, fields: frozenset[str]
+    ) -> dict[str, object]:
+        """The fields of ``site_id``'s statement ``kind``, which must have exactly ``fields``,
+        name the caller as its site and carry a hex signature (verified by the caller of this)."""
         try:
-            kind, fields = decode_statement(statement, federation=self.federation_id)
+            found, decoded = decode_statement(statement, federation=self.federation_id)
         except StatementError as exc:
             raise InvalidRequestError(str(exc)) from exc
-        entry, signature = fields.get("entry"), fields.get("signature")
-        if kind != "dp-release" or not isinstance(entry, dict) or not isinstance(signature, str):
-            raise InvalidRequestError(f"a {kind!r} statement is not a dp-release")
-        if fields.get("site") != site_id or set(fields) != {"site", "entry", "signature"}:
-            raise NotPermittedError(f"a dp-release names site {fields.get('site')!r}, the caller "
-                                    f"is {site_id!r}")  # fmt: skip
+        if found != kind or set(decoded) != fields or not isinstance(decoded["signature"], str):
+            raise InvalidRequestError(f"a {found!r} statement is not a well-formed {kind}")
+        if decoded["site"] != site_id:
+            raise NotPermittedError(
+                f"a {kind} names site {decoded['site']!r}, the caller is {site_id!r}"
+            )
+        return decoded
+
+    def _verify_site(
+        self, site_id: str, signature: object, *, context: str, fields: tuple[str, ...]
+    ) -> None:
+        """``signature`` (hex) must verify under ``site_id``'s enrolled identity key."""
         enrolment = self.store.enrolment(site_id)
         if enrolment is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         try:
             verify_fields(
                 load_public_key_raw(enrolment.identity_public_key),
-                bytes.fromhex(signature),
-                context=DP_RELEASE_CONTEXT,
-                fields=dp_release_signed_fields(
-                    federation=self.federation_id, site=site_id, entry=entry
-                ),
+                bytes.fromhex(str(signature)),
+                context=context,
+                fields=fields,
             )
         except (CryptoError, ValueError) as exc:
-            raise NotPermittedError(f"the dp-release signature does not verify: {exc}") from exc
+            raise NotPermittedError(f"the {context} signature does not verify: {exc}") from exc
+
+    def record_dp_release(self, site_id: str, statement: bytes) -> int:
+        """Append ``site_id``'s `dp-release` statement (its signed DP-ledger entry) once; its
+        index. The statement must name the caller and carry a signature that verifies under the
+        caller's enrolled identity key (docs/protocol.md M-195)."""
+        fields = self._site_statement(
+            site_id, statement, kind="dp-release", fields=frozenset({"site", "entry", "signature"})
+        )
+        entry = fields["entry"]
+        if not isinstance(entry, dict):
+            raise InvalidRequestError("a dp-release statement carries no ledger entry")
+        self._verify_site(
+            site_id,
+            fields["signature"],
+            context=DP_RELEASE_CONTEXT,
+            fields=dp_release_signed_fields(
+                federation=self.federation_id, site=site_id, entry=entry
+            ),
+        )
         found = self.store.log_index(leaf_hash(statement))
         if found is not None:
             return found
         self._check_release_bound(site_id, entry)
         return self.store.append_log("dp-release", fields)
+
+    def record_opening(self, site_id: str, statement: bytes) -> int:
+        """Append ``site_id``'s `opening` statement once; its index (docs/protocol.md M-232).
+        It must name the caller, list the caller among the survivors, verify under the caller's
+        enrolled identity key, and name a plan (round id, SHA-256) the log holds: a site cannot
+        add releases of rounds that were never planned to every site's audit."""
+        fields = self._site_statement(
+            site_id,
+            statement,
+            kind="opening",
+            fields=frozenset({"site", "plan_sha256", "release", "signature"}),
+        )
+        release, digest = fields["release"], fields["plan_sha256"]
+        if not isinstance(release, dict) or not isinstance(digest, str):
+            raise InvalidRequestError("an opening statement carries no release or plan digest")
+        try:
+            plan_sha256 = bytes.fromhex(digest)
+        except ValueError as exc:
+            raise InvalidRequestError(f"an opening's plan digest is not hex: {exc}") from exc
+        self._verify_site(
+            site_id,
+            fields["signature"],
+            context=OPENING_CONTEXT,
+            fields=opening_signed_fields(
+                federation=self.federation_id,
+                site=site_id,
+                plan_sha256=plan_sha256,
+                release=release,
+            ),
+        )
+        survivors = release.get("survivors")
+        if not isinstance(survivors, list) or site_id not in survivors:
+            raise NotPermittedError(f"an opening of {site_id} does not list it among the survivors")
+        round_id = str(release.get("round_id", ""))
+        planned = plan_statement(
+            federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
+        )
+        row = self.store.round(round_id)
+        if (
+            self.store.log_index(leaf_hash(planned)) is None
+            or row is None
+            or row.plan is None
+            or hashlib.sha256(row.plan).digest() != plan_sha256
+        ):
+            raise WrongStageError(
+                f"the federation log holds no plan of round {round_id!r} with the digest the "
+                "opening names (or it is no longer the round's plan)"
+            )
+        plan = cpb.ReleasePlan.FromString(row.plan)
+        named = [str(s) for s in survivors]
+        stated = wire.release_statement_fields(
+            round_id=plan.round_id,
+            run_id=plan.run_id,
+            survivors=named,
+            releases=[(r.name, r.kind, r.class_names, r.member_site_ids) for r in plan.releases],
+        )
+        if release != stated or not set(named) <= set(plan.participants):
+            raise NotPermittedError(
+                f"an opening of {site_id} misstates round {round_id}'s plan: its releases or "
+                "survivors are not the plan's"
+            )
+        found = self.store.log_index(leaf_hash(statement))
+        if found is not None:
+            return found
+        return self.store.append_log("opening", fields)
 
     def _check_release_bound(self, site_id: str, entry: dict[str, object]) -> None:
         """A site's ledger holds one entry per round, numbered 1, 2, ...

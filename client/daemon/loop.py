@@ -38,6 +38,7 @@ from afl.client.daemon.evaluation import (
     is_candidate,
     save_evaluation,
 )
+from afl.client.daemon.opening import OpeningPublication, opened_releases
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
@@ -201,6 +202,7 @@ class ClientDaemon:
         self._witnessed_at = 0.0
         self._witnessed_key: tuple[str, int, str] | None = None
         self._running_round = ""  # the round run_round is in (its own steps witness the log)
+        self._openings_verified: set[str] = set()  # opening signatures verified (one each)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
@@ -449,9 +451,14 @@ class ClientDaemon:
         if policy.allow_exposure or decision.audit.get("covered_by_dp"):
             return decision
         try:
-            statements, unlogged = with_unmasked(
-                self.log_witness.statements(self.rpc.call, checkpoint), self.store.unmasked()
+            logged = self.log_witness.statements(self.rpc.call, checkpoint)
+            opened = opened_releases(
+                logged,
+                federation=self.config.federation_id,
+                keys=self.log_witness.roster,
+                verified=self._openings_verified,
             )
+            statements, unlogged = with_unmasked(logged, [*self.store.unmasked(), *opened])
             rounds = logged_rounds(statements)
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
@@ -459,8 +466,9 @@ class ClientDaemon:
             )
         if unlogged:
             log.warning(
-                "site=%s: the federation log holds no release of round(s) %s, which this site "
-                "helped unmask; its audit counts them as released",
+                "site=%s: the federation log holds no release statement of round(s) %s, which "
+                "this site helped unmask or a site's signed opening names; its audit counts "
+                "them as released",
                 self.site_id, ", ".join(unlogged),
             )  # fmt: skip
         problem, detail = whole_history_problem(plan, rounds=rounds, min_cohort=policy.min_cohort)
@@ -812,6 +820,11 @@ class ClientDaemon:
         # wait for the publication).
         payloads = self._claim(cfg, plan, plan_sha, payloads, status)
         publication = self._record(cfg, plan, plan_sha, report)
+        opening = (
+            self._opening(plan, plan_sha, wait_s=cfg.stage_timeout_s)
+            if plan.aggregation == cpb.AGGREGATION_MODE_MASK
+            else None
+        )
         t0 = time.perf_counter()
         try:
             session = self.round_session(
@@ -822,16 +835,22 @@ class ClientDaemon:
                 graph_nonce=graph_nonce,
                 covered=bool(decision.audit.get("covered_by_dp")),
                 before_statistics=publication.wait if publication is not None else None,
+                opening=opening,
             )
             records = mode.exchange(
                 session, payloads, already_complete=set(status.caller_uploads_complete)
             )
         finally:
-            # No thread outlives the round. Its error shows at the first upload; if the exchange
-            # failed first, the exchange's error is raised, unless the log showed a split view
-            # or other evidence, which stops the site whatever else went wrong.
-            if publication is not None:
-                publication.join(raising=LogEvidence)
+            # No thread outlives the round. Its error shows at the first upload (the opening's:
+            # before the unmask shares); if the exchange failed first, the exchange's error is
+            # raised, unless the log showed a split view or other evidence, which stops the site
+            # whatever else went wrong.
+            try:
+                if opening is not None:
+                    opening.end()
+            finally:
+                if publication is not None:
+                    publication.join(raising=LogEvidence)
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -877,10 +896,12 @@ class ClientDaemon:
         graph_nonce: bytes = b"",
         covered: bool = False,
         before_statistics: Callable[[], None] | None = None,
+        opening: OpeningPublication | None = None,
     ) -> RoundSession:
         """What the aggregation mode's exchange needs of this site for an accepted plan
         (``covered``: DP covers this site, as its plan decision found; ``before_statistics``:
-        waits for the round's ledger statement in the log)."""
+        waits for the round's ledger statement in the log; ``opening``: MASK, the statement
+        logged from the survivors check on, waited for before the unmask shares)."""
         return RoundSession(
             rpc=self.rpc,
             round_id=round_id,
@@ -892,8 +913,31 @@ class ClientDaemon:
             survivor_floors=survivor_floors,
             plan_sha256=plan_sha256,
             graph_nonce=graph_nonce,
-            survivors_check=self._survivors_check(plan, covered=covered),
+            survivors_check=self._survivors_check(plan, covered=covered, opening=opening),
             before_statistics=before_statistics,
+            before_unmask=opening.wait if opening is not None else None,
+        )
+
+    def _opening(
+        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, wait_s: float
+    ) -> OpeningPublication:
+        """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), waited for
+        as long as a stage (the round's ``stage_timeout_s``, else this site's upload timeout)."""
+        t = self.config.timing
+        wait = float(wait_s or t.upload_timeout_s)
+        return OpeningPublication(
+            self.log_witness,
+            self.rpc.call,
+            key=self.identity,
+            plan=plan,
+            plan_sha256=plan_sha256,
+            quorum_wait=lambda **step: self.log_witness.quorum_problem(
+                self.rpc.call,
+                wait_s=wait,
+                poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
+                max_poll_s=t.max_poll_interval_s,
+                **step,
+            ),
         )
 
     def _replay_problem(
@@ -937,11 +981,12 @@ class ClientDaemon:
         )
 
     def _survivors_check(
-        self, plan: cpb.ReleasePlan, *, covered: bool
+        self, plan: cpb.ReleasePlan, *, covered: bool, opening: OpeningPublication | None = None
     ) -> Callable[[Sequence[str]], None]:
         """MASK: refuse (RoundFailed) when unmasking over the survivors would expose a site by
         differencing (:func:`afl.client.policy.plan.survivor_problem`), else record them in the
-        history; both before this site signs them or sends an unmask share. A refused survivor
+        history and start logging the ``opening`` statement; all before this site signs them or
+        sends an unmask share. A refused survivor
         set is not recorded: with every honest survivor refusing, nothing is unmasked over it,
         and recording it would make every later plan over the planned members look like a
         difference."""
@@ -961,6 +1006,8 @@ class ClientDaemon:
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
             self.store.record_survivors(plan.round_id, survivors)
             self.store.record_unmasking(plan, survivors)  # for the whole-history audit
+            if opening is not None:  # every site's audit: in the log before any unmask share
+                opening.start(survivors)
 
         return check
 

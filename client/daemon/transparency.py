@@ -334,15 +334,38 @@ class LogWitness:
         checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3), and that
         checkpoint (None until then). ``stop`` set ends the wait before the next witnessing
         step (the site refused the plan meanwhile)."""
-        leaf = leaf_hash(
-            plan_statement(
-                federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
-            )
+        statement = plan_statement(
+            federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
         )
+        return self.quorum_problem(
+            call,
+            statement=statement,
+            what="the plan",
+            wait_s=wait_s,
+            poll_s=poll_s,
+            max_poll_s=max_poll_s,
+            stop=stop,
+        )
+
+    def quorum_problem(
+        self,
+        call: Call,
+        *,
+        statement: bytes,
+        what: str,
+        wait_s: float,
+        poll_s: float,
+        max_poll_s: float,
+        stop: threading.Event | None = None,
+    ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
+        """Why ``statement`` (``what``, for the message) is not yet in a checkpoint cosigned by
+        a quorum of the roster ("" once its inclusion proof verifies in one this site witnessed,
+        polling from ``poll_s`` up to ``wait_s``), and that checkpoint (None until then)."""
+        leaf = leaf_hash(statement)
         deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
         while True:
             if stop is not None and stop.is_set():
-                return f"the plan's log check was stopped: {why}", None
+                return f"the log check of {what} was stopped: {why}", None
             answer = self.witness(call)
             size = int(answer.checkpoint.size)
             try:
@@ -351,11 +374,11 @@ class LogWitness:
                 return "", answer
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)
-            except DaemonError as exc:  # the plan is not in this checkpoint yet
-                why = f"the plan of round {round_id} is not in log checkpoint size {size} ({exc})"
+            except DaemonError as exc:  # not in this checkpoint yet
+                why = f"{what} is not in log checkpoint size {size} ({exc})"
             if time.monotonic() >= deadline:
                 return (
-                    f"the plan is not in a federation-log checkpoint cosigned by a quorum of "
+                    f"{what} is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
                 ), None
             if stop is not None:

@@ -72,6 +72,10 @@ class RoundSession:
     #: statement is in the federation log (docs/protocol.md M-195), which the daemon logs
     #: meanwhile, so messages without statistics (MASK's keys and shares) need not wait for it.
     before_statistics: Callable[[], None] | None = None
+    #: MASK: called before this site's unmask shares are computed or sent; it returns once the
+    #: site's `opening` statement of the round is in a quorum-cosigned checkpoint of the
+    #: federation log (docs/protocol.md M-232), which the daemon logs from the survivors check on.
+    before_unmask: Callable[[], None] | None = None
     #: Where the exchange's time went, by step (seconds; the site's round report shows them).
     timings: dict[str, float] = field(default_factory=dict)
 

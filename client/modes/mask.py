@@ -181,6 +181,8 @@ def _consistency(session: RoundSession, client: SecAggClient, listed: Any) -> li
 
 
 def _unmask(session: RoundSession, client: SecAggClient, request: Any) -> list[UploadRecord]:
+    if session.before_unmask is not None:  # the opening is in the log first (M-232)
+        session.before_unmask()
     response = client.unmask(wire.unmask_request_from_proto(request))
     return [_send(session, "Unmask", "mask/unmask", wire.unmask_response_to_proto(response))]
 

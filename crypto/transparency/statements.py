@@ -22,11 +22,14 @@ from afl.crypto.errors import CryptoError
 __all__ = [
     "DP_RELEASE_CONTEXT",
     "KINDS",
+    "OPENING_CONTEXT",
     "STATEMENT_TAG",
     "StatementError",
     "decode_statement",
     "dp_release_signed_fields",
     "dp_release_statement",
+    "opening_signed_fields",
+    "opening_statement",
     "plan_statement",
     "roster_digest",
     "roster_fields",
@@ -47,6 +50,7 @@ KINDS = (
     "round-aborted",
     "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
     "dp-release",  # a site's ledger entry for a plan it uploads under, signed by the site
+    "opening",  # a site helps unmask a round's sums over these survivors, signed by the site
 )
 
 
@@ -98,6 +102,42 @@ def dp_release_statement(
         federation=federation,
         kind="dp-release",
         fields={"site": site, "entry": dict(entry), "signature": signature.hex()},
+    )
+
+
+#: The signature context of a site's opening statement (docs/protocol.md §11a, M-232).
+OPENING_CONTEXT = "opening"
+
+
+def opening_signed_fields(
+    *, federation: str, site: str, plan_sha256: bytes, release: Mapping[str, object]
+) -> tuple[str, str, str, str]:
+    """What a site signs (context :data:`OPENING_CONTEXT`) before it sends the unmask shares
+    of a masked round: (federation, site, SHA-256 of the signed plan in hex, JSON of the
+    round's release as the site knows it, in the `release` statement's form: round, run, the
+    survivors it signed, every planned release). Logged before any share leaves, so every
+    site's whole-history audit counts the release whatever the coordinator states of it."""
+    return (federation, site, plan_sha256.hex(), _json(release))
+
+
+def opening_statement(
+    *,
+    federation: str,
+    site: str,
+    plan_sha256: bytes,
+    release: Mapping[str, object],
+    signature: bytes,
+) -> bytes:
+    """The `opening` entry: fields {site, plan_sha256 (hex), release, signature (hex)}."""
+    return statement_bytes(
+        federation=federation,
+        kind="opening",
+        fields={
+            "site": site,
+            "plan_sha256": plan_sha256.hex(),
+            "release": dict(release),
+            "signature": signature.hex(),
+        },
     )
 
 

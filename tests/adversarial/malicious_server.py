@@ -38,11 +38,12 @@ members of the targeted release):
 * ``misstate-release`` (mask): the federation log's `release` statement of a published round
   names one survivor fewer than the sums hold (the last site): every other site's whole-history
   audit would then count that site's statistics as never released.
-* ``hide-release`` (mask): every masked round's sums are unmasked (kept in LOOT as
-  ``<run>/<round>/<release>``), then the round is aborted without the `release` statement the
-  honest coordinator logs for an aborted round whose sums it decoded (``"published": false``):
-  the federation log shows the round as never released, so a later run over fewer sites would
-  difference to the missing ones' statistics.
+* ``hide-release`` (mask): run-1's masked round's sums are unmasked (kept in LOOT as
+  ``<run>/<round>/<release>``, as every later round's), then the round is aborted without the
+  `release` statement the honest coordinator logs for an aborted round whose sums it decoded
+  (``"published": false``): the coordinator's books show the round as never released, so a
+  later run over fewer sites would difference to the missing ones' statistics. Later runs are
+  served honestly.
 * ``reuse-round-id`` (mask): the first round of a later run takes the id of an earlier run's
   published round (the coordinator renames the old round's rows in its own database), and the
   coordinator skips its own history audits (M-124: at submission, at plan time and before
@@ -475,6 +476,8 @@ def _hide_release(loot: Path) -> None:
     def hiding(self: MaskMode, view: Any, ctx: Any) -> Any:
         transition = drive(self, view, ctx)
         if transition is None or transition.stage != pb.ROUND_STAGE_SOLVING:
+            return transition
+        if view.row.run_id != "run-1":
             return transition
         # The honest coordinator would solve and log the release (or, aborting, note what it
         # decoded so that the abort logs it): neither happens.

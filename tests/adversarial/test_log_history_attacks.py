@@ -6,6 +6,11 @@
   the federation log; run 2 over {1..4} would difference to site-5's statistics. Each site that
   helped unmask run 1 recorded it (``state_dir/unmasked.json``) before it signed the survivors,
   counts it whatever the log says, warns that the log lacks it, and refuses run 2 naming site-5.
+* ``hide-release``, separate views: seven sites; run 1 over {5,6,7} is unmasked and hidden, run 2
+  over all seven is published, run 3 over {1,2,3} would give site-4's statistics as
+  run 2 - run 1 - run 3. Sites 1..3 never took part in run 1 and the coordinator's books hold no
+  release of it; they refuse run 3 naming site-4, because sites 5..7 logged their signed
+  `opening` statements of run 1 before they sent an unmask share (M-232).
 * ``reuse-round-id``: run 2's round takes the id of run 1's published round (over {1,2,3}), now
   over {1,2,3,4}, and the coordinator skips its own history audit (its own audit, and a site's
   own history, leave the plan's round id out: the two rounds would look like one release). The
@@ -71,6 +76,12 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
     assert all(name.startswith(f"run-1/{hidden.round_id}/") for name in taken), sorted(taken)
     statements = _statements(loop, store)
     assert not [f for kind, f in statements if kind == "release"], statements
+    # ... but each site logged its signed opening of the round before it sent an unmask share
+    # (M-232): every site's audit counts the release, whatever the coordinator states.
+    openings = [f for kind, f in statements if kind == "opening"]
+    assert sorted(str(f["site"]) for f in openings) == list(SITES), statements
+    assert all(f["release"]["round_id"] == hidden.round_id for f in openings)
+    assert all(f["release"]["survivors"] == list(SITES) for f in openings)
     assert ("round-aborted", hidden.round_id) in [(k, f.get("round_id")) for k, f in statements]
 
     for site in SITES:  # each member recorded, before it signed the survivors, what it unmasked
@@ -85,9 +96,59 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
         assert f"{hidden.round_id}/gram[all]" in reason, reason
         assert "keep those sites in the run" in reason and "DP" in reason, reason  # M-208
         log = (daemons.logs / f"{site}.log").read_text()
-        assert f"the federation log holds no release of round(s) {hidden.round_id}" in log
+        assert f"holds no release statement of round(s) {hidden.round_id}" in log
     assert "site-5" in second.reason and "M-206" in second.reason, second.reason
     assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-2")) == 0
+
+
+def test_a_hidden_release_reaches_the_audit_of_sites_that_never_took_part_in_it(
+    tmp_path: Path,
+) -> None:
+    sites = tuple(f"site-{i}" for i in range(1, 8))
+    first, last = sites[4:], sites[:3]
+    loop = federation(
+        tmp_path,
+        "mask",
+        sites=7,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": list(first)},
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("hide-release", loot))
+        daemons.start_clients()
+        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*sites), name="everyone")
+        everyone = daemons.wait_run("run-2")
+        assert everyone.state == "published", (everyone, daemons.log_tail())
+        daemons.submit(_participants(*last), name="three of the first four")
+        third = daemons.wait_run("run-3")
+        assert third.state == "aborted", daemons.log_tail()
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    (hidden,) = store.rounds("run-1")
+    taken = _loot(loot)
+    assert f"run-1/{hidden.round_id}/gram[all]" in taken, sorted(taken)
+    statements = _statements(loop, store)
+    released = [f["round_id"] for kind, f in statements if kind == "release"]
+    assert hidden.round_id not in released, statements  # the coordinator's books: never released
+    openings = [f for kind, f in statements if kind == "opening"]
+    assert {f["site"] for f in openings if f["release"]["round_id"] == hidden.round_id} == set(
+        first
+    ), statements
+
+    refused = _refusals("run-3", store)
+    assert refused and set(refused) <= set(last), (refused, daemons.log_tail())
+    for site, reason in refused.items():
+        assert "would expose" in reason and "site-4" in reason and "M-206" in reason, reason
+        assert f"{hidden.round_id}/gram[all]" in reason, reason
+        log = (daemons.logs / f"{site}.log").read_text()
+        assert f"holds no release statement of round(s) {hidden.round_id}" in log, log[-2000:]
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0
+    assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
 
 
 def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(

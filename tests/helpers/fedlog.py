@@ -31,6 +31,7 @@ LOG_RPCS = frozenset(
         "CosignCheckpoint",
         "GetLogEntries",
         "RecordDpRelease",
+        "RecordOpening",
     }
 )
 
@@ -45,7 +46,7 @@ class LogService:
         self.cosigned: list[str] = []
         self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
-        #: The site whose certificate the RPCs come with (RecordDpRelease checks it).
+        #: The site whose certificate the RPCs come with (RecordDpRelease, RecordOpening check it).
         self.caller = "site-1"
         #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
         self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
@@ -110,4 +111,6 @@ class LogService:
             return None
         if what == "RecordDpRelease":
             return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
+        if what == "RecordOpening":
+            return pb.LogProof(index=self.log.record_opening(self.caller, request.statement))
         raise AssertionError(f"not a log RPC: {what}")

@@ -145,7 +145,7 @@ def test_a_quorum_wait_ends_when_the_site_refuses_the_plan_meanwhile(tmp_path: P
     waiting.join(60)  # generous: a wait on the hour-long deadline would not end here
     assert not waiting.is_alive()
     (why,) = result
-    assert why.startswith("the plan's log check was stopped") and "1 witness(es)" in why, why
+    assert why.startswith("the log check of the plan was stopped") and "1 witness(es)" in why, why
 
 
 def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(

@@ -202,6 +202,11 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
                 _registered_method=True)
+        self.RecordOpening = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/RecordOpening',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -456,6 +461,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordOpening(self, request, context):
+        """The calling site's `opening` statement (it helps unmask a masked round's sums over the
+        survivors it signed), appended to the log once (a second call with the same statement
+        answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
+        survivors, it states the round's plan (its releases, survivors among its participants) and
+        its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
+        the round's current plan in the log is not the one it names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -622,6 +639,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'RecordDpRelease': grpc.unary_unary_rpc_method_handler(
                     servicer.RecordDpRelease,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
+            ),
+            'RecordOpening': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordOpening,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
             ),
     }
@@ -1517,6 +1539,33 @@ class Coordinator:
             target,
             '/afl.proto.v1.Coordinator/RecordDpRelease',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.DpRelease.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordOpening(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/RecordOpening',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.SerializeToString,
             afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
             options,
             channel_credentials,

@@ -153,6 +153,14 @@ class CoordinatorStub:
     once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
     names the caller and its signature verifies under the caller's enrolled identity key.
     """
+    RecordOpening: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]
+    """The calling site's `opening` statement (it helps unmask a masked round's sums over the
+    survivors it signed), appended to the log once (a second call with the same statement
+    answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
+    survivors, it states the round's plan (its releases, survivors among its participants) and
+    its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
+    the round's current plan in the log is not the one it names.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -251,6 +259,14 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
     once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
     names the caller and its signature verifies under the caller's enrolled identity key.
+    """
+    RecordOpening: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]  # type: ignore[assignment]
+    """The calling site's `opening` statement (it helps unmask a masked round's sums over the
+    survivors it signed), appended to the log once (a second call with the same statement
+    answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
+    survivors, it states the round's plan (its releases, survivors among its participants) and
+    its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
+    the round's current plan in the log is not the one it names.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -545,6 +561,20 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """The calling site's `dp-release` statement (its signed DP-ledger entry), appended to the log
         once (a second call with the same statement answers its index). PERMISSION_DENIED unless it
         names the caller and its signature verifies under the caller's enrolled identity key.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordOpening(
+        self,
+        request: _coordinator_pb2.Opening,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
+        """The calling site's `opening` statement (it helps unmask a masked round's sums over the
+        survivors it signed), appended to the log once (a second call with the same statement
+        answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
+        survivors, it states the round's plan (its releases, survivors among its participants) and
+        its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
+        the round's current plan in the log is not the one it names.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

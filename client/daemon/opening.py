@@ -1,0 +1,176 @@
+"""A site's `opening` statement: its signed word, in the federation log, that it helps unmask a
+masked round's sums over the survivors it signed (docs/protocol.md §11a, M-232).
+
+A coordinator that unmasks a round and then leaves its `release` statement out of the log (or
+aborts the round and says nothing) would hide that release from every site that did not help
+unmask it, and a later pair of plans over those sites could difference to one of them. So before
+a site sends its unmask shares it logs an `opening` statement (:func:`opening_of`): the round's
+release as the site knows it (round, run, the survivors it signed, every planned release, in the
+`release` statement's form) and the plan's SHA-256, signed with its identity key. It waits, as
+for a plan (M-193), until the statement is in a checkpoint cosigned by a quorum of the roster
+(:class:`OpeningPublication`, run in a background thread while the site's consistency signature
+goes and the coordinator gathers the others). No share leaves before; a coordinator that drops
+the statement unmasks nothing, and hiding it from the quorum's view needs a colluding quorum.
+
+Every site's whole-history audit counts the releases of the openings in the log whose signature
+verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
+coordinator states of the round. A statement that does not verify is not counted (only the
+coordinator could have appended it, and an honest survivor's statement is there as well).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from afl.client.daemon.background import Background
+from afl.client.daemon.transparency import Call, LogEvidence, LogWitness
+from afl.client.daemon.transport import DaemonError
+from afl.client.policy.loghistory import release_fields
+from afl.crypto.errors import CryptoError
+from afl.crypto.identity.signatures import sign_fields, verify_fields
+from afl.crypto.transparency.statements import (
+    OPENING_CONTEXT,
+    opening_signed_fields,
+    opening_statement,
+)
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+
+__all__ = ["OpeningPublication", "opened_releases", "opening_of"]
+
+
+def opening_of(
+    key: Ed25519PrivateKey,
+    *,
+    federation: str,
+    site: str,
+    plan: cpb.ReleasePlan,
+    plan_sha256: bytes,
+    survivors: Collection[str],
+) -> bytes:
+    """The `opening` statement of ``plan``'s round unmasked over ``survivors``, signed by the
+    site's identity ``key``."""
+    release = release_fields(plan, survivors=survivors)
+    signature = sign_fields(
+        key,
+        context=OPENING_CONTEXT,
+        fields=opening_signed_fields(
+            federation=federation, site=site, plan_sha256=plan_sha256, release=release
+        ),
+    )
+    return opening_statement(
+        federation=federation,
+        site=site,
+        plan_sha256=plan_sha256,
+        release=release,
+        signature=signature,
+    )
+
+
+def opened_releases(
+    statements: Iterable[tuple[str, Mapping[str, Any]]],
+    *,
+    federation: str,
+    keys: Mapping[str, Ed25519PublicKey],
+    verified: set[str] | None = None,
+) -> list[Mapping[str, Any]]:
+    """The release fields of every `opening` statement whose signature verifies under the
+    ``keys`` (the roster) of the site it names, which its survivors list (module docstring).
+    ``verified``: signatures (hex) already verified, skipped and extended (a daemon keeps one
+    set, so each statement is verified once)."""
+    out: list[Mapping[str, Any]] = []
+    for kind, fields in statements:
+        if kind != "opening":
+            continue
+        site, release = fields.get("site"), fields.get("release")
+        signature, digest = fields.get("signature"), fields.get("plan_sha256")
+        key = keys.get(site) if isinstance(site, str) else None
+        if (
+            key is None
+            or not isinstance(release, Mapping)
+            or not isinstance(signature, str)
+            or not isinstance(digest, str)
+            or site not in (release.get("survivors") or ())
+        ):
+            continue
+        if verified is None or signature not in verified:
+            try:
+                verify_fields(
+                    key,
+                    bytes.fromhex(signature),
+                    context=OPENING_CONTEXT,
+                    fields=opening_signed_fields(
+                        federation=federation,
+                        site=str(site),
+                        plan_sha256=bytes.fromhex(digest),
+                        release=release,
+                    ),
+                )
+            except (CryptoError, ValueError):
+                continue
+            if verified is not None:
+                verified.add(signature)
+        out.append(release)
+    return out
+
+
+class OpeningPublication:
+    """One masked round's opening (module docstring): :meth:`start` logs it in a background
+    thread once the survivors are known, :meth:`wait` returns once it is in a quorum-cosigned
+    checkpoint (before an unmask share leaves; :class:`DaemonError` naming the cause when it is
+    not), :meth:`end` stops and joins the thread on every path."""
+
+    def __init__(
+        self,
+        witness: LogWitness,
+        call: Call,
+        *,
+        key: Ed25519PrivateKey,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        quorum_wait: Callable[..., tuple[str, pb.CosignedLogCheckpoint | None]],
+    ) -> None:
+        self.witness, self.call, self.key = witness, call, key
+        self.plan, self.plan_sha256 = plan, plan_sha256
+        self.quorum_wait = quorum_wait
+        self.stop = threading.Event()
+        self._task: Background[None] | None = None
+
+    def start(self, survivors: Collection[str]) -> None:
+        statement = opening_of(
+            self.key,
+            federation=self.witness.federation_id,
+            site=self.witness.site_id,
+            plan=self.plan,
+            plan_sha256=self.plan_sha256,
+            survivors=survivors,
+        )
+        self._task = Background(
+            lambda: self._publish(statement), name=f"opening-{self.plan.round_id}"
+        )
+
+    def _publish(self, statement: bytes) -> None:
+        what = f"this site's opening of round {self.plan.round_id}"
+        try:
+            self.call("RecordOpening", pb.Opening(statement=statement))
+        except DaemonError as exc:
+            raise DaemonError(
+                f"the coordinator did not log {what} ({exc}): no unmask share is sent"
+            ) from exc
+        problem, _ = self.quorum_wait(statement=statement, what=what, stop=self.stop)
+        if problem:
+            raise DaemonError(f"{problem}: no unmask share is sent")
+
+    def wait(self) -> None:
+        if self._task is None:
+            raise DaemonError("no opening was logged for the survivors: no unmask share is sent")
+        self._task.wait()
+
+    def end(self) -> None:
+        if self._task is not None:
+            self.stop.set()
+            self._task.join(raising=LogEvidence)

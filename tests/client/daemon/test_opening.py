@@ -1,0 +1,259 @@
+"""A site's `opening` statement (docs/protocol.md §11a, M-232), against the coordinator's real
+log (:class:`afl.server.transparency.FederationLog` on a real store) behind the in-process RPC
+stand-in: the site logs its signed word that it helps unmask a round over the survivors it
+signed, and sends no unmask share until that statement is in a checkpoint a quorum of the roster
+cosigned; the coordinator appends only a statement its caller signed, over a plan in the log;
+every site's audit counts only openings that verify under the roster."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from afl.client.daemon.opening import OpeningPublication, opened_releases, opening_of
+from afl.client.daemon.rpc import CoordinatorClient
+from afl.client.daemon.transparency import LogWitness
+from afl.client.daemon.transport import DaemonError
+from afl.client.modes.base import RoundSession
+from afl.client.modes.mask import MASK_STEPS
+from afl.client.policy.loghistory import logged_rounds, release_fields
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.transparency.statements import decode_statement, opening_statement
+from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
+from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
+from tests.helpers.fedlog import LogService
+
+FED = "fed-opening"
+COORDINATOR = generate_identity_key()
+SITES = {f"site-{i}": generate_identity_key() for i in (1, 2, 3)}
+ROSTER = {s: public_key_to_raw(k) for s, k in SITES.items()}
+SURVIVORS = ("site-1", "site-2", "site-3")
+
+
+def _plan(round_id: str = "r1-open") -> cpb.ReleasePlan:
+    return cpb.ReleasePlan(
+        round_id=round_id,
+        run_id="run-1",
+        participants=list(SURVIVORS),
+        releases=[
+            cpb.Release(
+                name="gram[all]",
+                kind=cpb.STATISTIC_KIND_GRAM,
+                member_site_ids=list(SURVIVORS),
+            )
+        ],
+    )
+
+
+def _coordinator(state: Path) -> LogService:
+    service = LogService(state, key=COORDINATOR, federation_id=FED)
+    for site, key in ROSTER.items():
+        service.enrol(site, key)
+    return service
+
+
+def _witness(state: Path, site: str = "site-1", *, quorum: int = 0) -> LogWitness:
+    return LogWitness(
+        state / site,
+        site_id=site,
+        federation_id=FED,
+        key=SITES[site],
+        coordinator_key=COORDINATOR.public_key(),
+        roster=ROSTER,
+        quorum=quorum,
+    )
+
+
+def _publication(
+    witness: LogWitness, call: Any, plan: cpb.ReleasePlan, plan_sha: bytes, *, wait_s: float = 60
+) -> OpeningPublication:
+    return OpeningPublication(
+        witness,
+        call,
+        key=SITES[witness.site_id],
+        plan=plan,
+        plan_sha256=plan_sha,
+        quorum_wait=lambda **step: witness.quorum_problem(
+            call, wait_s=wait_s, poll_s=0.01, max_poll_s=0.05, **step
+        ),
+    )
+
+
+def _statements(service: LogService) -> list[tuple[str, dict[str, object]]]:
+    return [
+        decode_statement(entry, federation=FED)
+        for _, _, entry, _ in service.store.log_entries(0, service.store.log_size())
+    ]
+
+
+def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path: Path) -> None:
+    """Two of the three roster sites must cosign a checkpoint that holds the statement: the
+    wait returns only after the second witness cosigned one."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    witness = _witness(tmp_path)
+    publication = _publication(witness, coordinator.call, plan, plan_sha)
+    publication.start(SURVIVORS)
+    other = _witness(tmp_path, "site-2")
+    done = threading.Event()
+
+    def wait() -> None:
+        publication.wait()
+        done.set()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        assert not done.wait(0.5)  # one cosignature of three: no quorum yet
+        assert [k for k, _ in _statements(coordinator)][-1] == "opening"
+        coordinator.caller = "site-2"  # the second witness cosigns the newest checkpoint
+        other.witness(coordinator.call)
+        assert done.wait(60)
+    finally:
+        publication.end()
+        waiter.join(timeout=60)
+    (kind, fields) = _statements(coordinator)[-1]
+    assert kind == "opening" and fields["site"] == "site-1"
+    assert fields["release"] == release_fields(plan, survivors=SURVIVORS)
+    assert fields["plan_sha256"] == plan_sha.hex()
+
+
+def test_a_coordinator_that_drops_the_opening_gets_no_unmask_share(tmp_path: Path) -> None:
+    """RecordOpening answered, nothing appended: the wait fails naming the cause, and the
+    masked exchange's unmask step sends nothing."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    honest = coordinator.call
+
+    def dropping(what: str, request: object) -> object:
+        if what == "RecordOpening":
+            return pb.LogProof(index=0)
+        return honest(what, request)
+
+    witness = _witness(tmp_path, quorum=1)
+    publication = _publication(witness, dropping, plan, plan_sha, wait_s=0.3)
+    publication.start(SURVIVORS)
+    sent: list[str] = []
+    session = RoundSession(
+        rpc=cast(CoordinatorClient, SimpleNamespace(call=lambda what, m: sent.append(what))),
+        round_id=plan.round_id,
+        site_id="site-1",
+        plan=plan,
+        identity_key=SITES["site-1"],
+        before_unmask=publication.wait,
+    )
+    unmask = MASK_STEPS[-1]
+    assert unmask.get == "GetUnmaskRequest"
+    with pytest.raises(DaemonError, match="this site's opening of round r1-open is not in a"):
+        unmask.act(session, cast(Any, None), None)
+    publication.end()
+    assert sent == []
+    assert "opening" not in [k for k, _ in _statements(coordinator)]
+
+
+def test_an_opening_is_needed_before_the_unmask_share(tmp_path: Path) -> None:
+    witness = _witness(tmp_path, quorum=1)
+    publication = _publication(witness, lambda what, request: None, _plan(), b"\0" * 32)
+    with pytest.raises(DaemonError, match="no opening was logged for the survivors"):
+        publication.wait()
+    publication.end()  # nothing started: nothing to join
+
+
+def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged_plan(
+    tmp_path: Path,
+) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    record = coordinator.log.record_opening
+
+    def mine(site: str, **change: Any) -> bytes:
+        args: dict[str, Any] = {
+            "federation": FED, "site": site, "plan": plan, "plan_sha256": plan_sha,
+            "survivors": SURVIVORS,
+        }  # fmt: skip
+        return opening_of(SITES[site], **{**args, **change})
+
+    with pytest.raises(NotPermittedError, match="names site 'site-2', the caller is 'site-1'"):
+        record("site-1", mine("site-2"))
+    forged = opening_statement(
+        federation=FED,
+        site="site-1",
+        plan_sha256=plan_sha,
+        release=release_fields(plan, survivors=SURVIVORS),
+        signature=b"\1" * 64,
+    )
+    with pytest.raises(NotPermittedError, match="opening signature does not verify"):
+        record("site-1", forged)
+    with pytest.raises(NotPermittedError, match="does not list it among the survivors"):
+        record("site-1", mine("site-1", survivors=("site-2", "site-3")))
+    with pytest.raises(WrongStageError, match="holds no plan of round 'r1-open' with the digest"):
+        record("site-1", mine("site-1", plan_sha256=b"\2" * 32))
+    other = cpb.ReleasePlan()
+    other.CopyFrom(plan)
+    other.releases[0].member_site_ids[:] = ["site-1", "site-2"]  # not the logged plan's members
+    with pytest.raises(NotPermittedError, match="misstates round r1-open's plan"):
+        record("site-1", mine("site-1", plan=other))
+    with pytest.raises(NotPermittedError, match="misstates round r1-open's plan"):
+        record("site-1", mine("site-1", survivors=("site-1", "site-4")))  # not a participant
+    with pytest.raises(InvalidRequestError, match="not a well-formed opening"):
+        record("site-1", _statements_bytes(coordinator)[0])  # the plan statement
+    size = coordinator.store.log_size()
+    first = record("site-1", mine("site-1"))
+    assert record("site-1", mine("site-1")) == first == size  # appended once
+    assert coordinator.store.log_size() == size + 1
+
+
+def _statements_bytes(service: LogService) -> list[bytes]:
+    return [entry for _, _, entry, _ in service.store.log_entries(0, service.store.log_size())]
+
+
+def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: Path) -> None:
+    plan = _plan()
+    plan_sha = b"\3" * 32
+    release = release_fields(plan, survivors=SURVIVORS)
+    good = opening_of(
+        SITES["site-2"],
+        federation=FED,
+        site="site-2",
+        plan=plan,
+        plan_sha256=plan_sha,
+        survivors=SURVIVORS,
+    )
+    by_stranger = opening_of(
+        generate_identity_key(),
+        federation=FED,
+        site="site-3",
+        plan=plan,
+        plan_sha256=plan_sha,
+        survivors=SURVIVORS,
+    )
+    not_a_survivor = opening_of(
+        SITES["site-1"],
+        federation=FED,
+        site="site-1",
+        plan=plan,
+        plan_sha256=plan_sha,
+        survivors=("site-2", "site-3"),
+    )
+    statements = [decode_statement(s, federation=FED) for s in (good, by_stranger, not_a_survivor)]
+    keys = _witness(tmp_path).roster
+    verified: set[str] = set()
+    opened = opened_releases(statements, federation=FED, keys=keys, verified=verified)
+    assert opened == [release] and len(verified) == 1
+    # counted as a released round of the log (its survivors, its planned releases)
+    (released,) = logged_rounds([("release", r) for r in opened])
+    assert released.round_id == plan.round_id and tuple(released.contributors) == SURVIVORS
+    # verified once: a statement whose signature was verified is not verified again
+    assert opened_releases(statements[:1], federation=FED, keys=keys, verified=verified) == [
+        release
+    ]
+    other_federation = opened_releases(statements[:1], federation="fed-other", keys=keys)
+    assert other_federation == []
