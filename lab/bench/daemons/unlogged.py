@@ -18,7 +18,8 @@ overlap: the sum overstates the log's wall time.
   checkpoint, nor waits for a quorum, nor checks the plan's inclusion or the log's history
   (``_plan_in_log`` finds nothing to refuse and ``_logged`` returns the policy's decision as it
   is), nor checks the published round's
-  `release` statement, nor publishes or reconciles its DP ledger in the log; the coordinator appends no statement (``Store.append_log`` does nothing, so no
+  `release` statement, nor publishes or reconciles its DP ledger in the log, nor logs a masked
+  round's `opening` (its unmask shares go at once); the coordinator appends no statement (``Store.append_log`` does nothing, so no
   leaf is hashed or stored) and signs no checkpoint (nobody asks for one).
 
 The ``unlogged`` variant removes a protocol rule (docs/protocol.md §11a: no site acts on a plan
@@ -44,8 +45,8 @@ __all__ = ["CLIENT_METHODS", "SERVER_METHODS", "VARIANTS", "LogTimer", "main"]
 VARIANTS = ("shipped", "unlogged")
 #: (module, class, method) of the site's federation-log work: the plan's log check (witness,
 #: quorum wait, inclusion proof, whole-history audit), witnessing on status answers and after a
-#: model, the check of the published round's `release` statement, and the DP ledger's anchoring
-#: (start-up reconciliation, a release's statement).
+#: model, the check of the published round's `release` statement, the DP ledger's anchoring
+#: (start-up reconciliation, a release's statement) and a masked round's `opening` statement.
 CLIENT_METHODS = (
     ("afl.client.daemon.loop", "ClientDaemon", "_plan_in_log"),
     ("afl.client.daemon.loop", "ClientDaemon", "_logged"),
@@ -53,6 +54,7 @@ CLIENT_METHODS = (
     ("afl.client.daemon.transparency", "LogWitness", "check_release"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "reconcile"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "publish"),
+    ("afl.client.daemon.opening", "OpeningPublication", "_publish"),
 )
 #: The coordinator's: a statement appended in its state change's transaction, checkpoints signed
 #: and served, cosignatures verified and kept, proofs and entries served.
@@ -65,6 +67,7 @@ SERVER_METHODS = (
     ("afl.server.transparency", "FederationLog", "inclusion"),
     ("afl.server.transparency", "FederationLog", "entries"),
     ("afl.server.transparency", "FederationLog", "record_dp_release"),
+    ("afl.server.transparency", "FederationLog", "record_opening"),
 )
 
 
@@ -105,6 +108,7 @@ class LogTimer:
 def _unlogged_client() -> None:
     from afl.client.daemon.anchor import LedgerAnchor
     from afl.client.daemon.loop import ClientDaemon
+    from afl.client.daemon.opening import OpeningPublication
     from afl.client.daemon.transparency import LogWitness
     from afl.client.policy.plan import PolicyDecision
 
@@ -124,6 +128,7 @@ def _unlogged_client() -> None:
     LedgerAnchor.reconcile = nothing  # type: ignore[method-assign]
     LedgerAnchor.publish = nothing  # type: ignore[method-assign]
     LogWitness.check_release = nothing  # type: ignore[method-assign]
+    OpeningPublication._publish = nothing  # type: ignore[method-assign]
 
 
 def _unlogged_server() -> None:
