@@ -26,7 +26,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -650,11 +650,21 @@ class Coordinator:
         with self.lock:
             return pb.LogProof(index=self.log.record_dp_release(site_id, bytes(request.statement)))
 
-    def log_opening(self, site_id: str, request: pb.Opening) -> pb.LogProof:
-        """Append the caller's signed opening of a masked round (docs/protocol.md M-232)."""
+    def log_opening(
+        self,
+        site_id: str,
+        request: pb.Opening,
+        *,
+        survivors_of: Callable[[str], Sequence[str]],
+    ) -> pb.LogProof:
+        """Append the caller's signed opening of a masked round (docs/protocol.md M-232);
+        ``survivors_of``: the round's survivor list as the masked exchange holds it."""
         self.require_enrolled(site_id)
         with self.lock:
-            return pb.LogProof(index=self.log.record_opening(site_id, bytes(request.statement)))
+            index = self.log.record_opening(
+                site_id, bytes(request.statement), survivors_of=survivors_of
+            )
+        return pb.LogProof(index=index)
 
     def log_cosign(self, site_id: str, request: pb.LogCosignature) -> None:
         """Keep the caller's cosignature (its certificate names the witness)."""

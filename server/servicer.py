@@ -343,7 +343,11 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     def RecordOpening(self, request: pb.Opening, context: grpc.ServicerContext) -> Any:
         return self._call(
-            "RecordOpening", context, lambda s: self.coordinator.log_opening(s, request)
+            "RecordOpening",
+            context,
+            lambda s: self.coordinator.log_opening(
+                s, request, survivors_of=lambda r: self._mask.survivors(s, r).survivors
+            ),
         )
 
     # --- MASK mode ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ without a coordinator-side round of its own.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -177,11 +178,20 @@ class FederationLog:
         self._check_release_bound(site_id, entry)
         return self.store.append_log("dp-release", fields)
 
-    def record_opening(self, site_id: str, statement: bytes) -> int:
+    def record_opening(
+        self,
+        site_id: str,
+        statement: bytes,
+        *,
+        survivors_of: Callable[[str], Sequence[str]],
+    ) -> int:
         """Append ``site_id``'s `opening` statement once; its index (docs/protocol.md M-232).
-        It must name the caller, list the caller among the survivors, verify under the caller's
-        enrolled identity key, and name a plan (round id, SHA-256) the log holds: a site cannot
-        add releases of rounds that were never planned to every site's audit."""
+        It must name the caller, verify under the caller's enrolled identity key, name the
+        round's current plan (in the log), and state exactly that plan's releases over exactly
+        the round's survivors, ``survivors_of(round id)`` (the masked round's survivor list,
+        which raises :class:`WrongStageError` outside its consistency check and unmask stages
+        or for a caller that is not a participant): a site adds to every site's audit only the
+        release of a round it is unmasking, as it is."""
         fields = self._site_statement(
             site_id,
             statement,
@@ -225,17 +235,17 @@ class FederationLog:
                 "opening names (or it is no longer the round's plan)"
             )
         plan = cpb.ReleasePlan.FromString(row.plan)
-        named = [str(s) for s in survivors]
+        actual = sorted(survivors_of(round_id))
         stated = wire.release_statement_fields(
             round_id=plan.round_id,
             run_id=plan.run_id,
-            survivors=named,
+            survivors=actual,
             releases=[(r.name, r.kind, r.class_names, r.member_site_ids) for r in plan.releases],
         )
-        if release != stated or not set(named) <= set(plan.participants):
+        if release != stated:
             raise NotPermittedError(
-                f"an opening of {site_id} misstates round {round_id}'s plan: its releases or "
-                "survivors are not the plan's"
+                f"an opening of {site_id} misstates round {round_id}: its releases or survivors "
+                f"are not the plan's over the round's survivors {actual}"
             )
         found = self.store.log_index(leaf_hash(statement))
         if found is not None:

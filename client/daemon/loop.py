@@ -452,14 +452,21 @@ class ClientDaemon:
             return decision
         try:
             logged = self.log_witness.statements(self.rpc.call, checkpoint)
-            opened = opened_releases(
-                logged,
-                federation=self.config.federation_id,
-                keys=self.log_witness.roster,
-                verified=self._openings_verified,
-            )
-            statements, unlogged = with_unmasked(logged, [*self.store.unmasked(), *opened])
+            statements, unlogged = with_unmasked(logged, self.store.unmasked())
             rounds = logged_rounds(statements)
+            claimed = logged_rounds(
+                ("release", fields)
+                for fields in opened_releases(
+                    logged,
+                    federation=self.config.federation_id,
+                    keys=self.log_witness.roster,
+                    verified=self._openings_verified,
+                )
+            )
+            known = {r.round_id for r in rounds}
+            unlogged = sorted(
+                {*unlogged, *(r.round_id for r in claimed if r.round_id not in known)}
+            )
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
                 False, f"the federation's history cannot be audited from its log: {exc}"
@@ -471,7 +478,9 @@ class ClientDaemon:
                 "them as released",
                 self.site_id, ", ".join(unlogged),
             )  # fmt: skip
-        problem, detail = whole_history_problem(plan, rounds=rounds, min_cohort=policy.min_cohort)
+        problem, detail = whole_history_problem(
+            plan, rounds=rounds, claimed=claimed, min_cohort=policy.min_cohort
+        )
         if detail is not None and unlogged:
             detail["unmasked_not_logged"] = unlogged
         audit = {**decision.audit, "whole_history": detail} if detail else decision.audit
@@ -504,9 +513,13 @@ class ClientDaemon:
         )
         seen = (r.round_id, 0 if taking_part else r.stage) if r is not None else ("", 0)
         seen_key = (*seen, response.latest_model_round_id)
-        # Past its plan review, no site of the round waits for a quorum on the log until the
-        # model: the idle re-witnessing stops there (it put a cosignature, a commit at the
-        # coordinator and three RPCs on every site every few seconds of the exchange).
+        # Past its plan review, a participant's idle re-witnessing stops (it put a cosignature,
+        # a commit at the coordinator and three RPCs on every site every few seconds of the
+        # exchange). The one quorum wait inside a round, the survivors' openings (M-232), is
+        # cosigned by the survivors' own polls and by the sites outside the round, which witness
+        # at every stage change (a survivor starts logging its opening as it sends its
+        # consistency signature, so the unmask stage mostly begins after the openings) and
+        # every IDLE_WITNESS_S.
         quiet = r is not None and taking_part and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         now = time.monotonic()
         if seen_key == self._witnessed_key and (quiet or now - self._witnessed_at < IDLE_WITNESS_S):

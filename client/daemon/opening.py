@@ -15,13 +15,18 @@ the statement unmasks nothing, and hiding it from the quorum's view needs a coll
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
 coordinator states of the round. A statement that does not verify is not counted (only the
-coordinator could have appended it, and an honest survivor's statement is there as well).
+coordinator could have appended it, and an honest survivor's statement is there as well). An
+opening is one site's claim: the audit counts its release as released (stricter), never as
+something known before that a new plan may repeat (``claimed`` in
+:func:`afl.client.policy.loghistory.whole_history_problem`), so a false one cannot let a plan
+through.
 """
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -29,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from afl.client.daemon.background import Background
 from afl.client.daemon.transparency import Call, LogEvidence, LogWitness
 from afl.client.daemon.transport import DaemonError
-from afl.client.policy.loghistory import release_fields
+from afl.client.policy.loghistory import LogHistoryError, logged_rounds, release_fields
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import sign_fields, verify_fields
 from afl.crypto.transparency.statements import (
@@ -72,16 +77,19 @@ def opening_of(
 
 
 def opened_releases(
-    statements: Iterable[tuple[str, Mapping[str, Any]]],
+    statements: Sequence[tuple[str, Mapping[str, Any]]],
     *,
     federation: str,
     keys: Mapping[str, Ed25519PublicKey],
     verified: set[str] | None = None,
 ) -> list[Mapping[str, Any]]:
-    """The release fields of every `opening` statement whose signature verifies under the
-    ``keys`` (the roster) of the site it names, which its survivors list (module docstring).
-    ``verified``: signatures (hex) already verified, skipped and extended (a daemon keeps one
-    set, so each statement is verified once)."""
+    """The release fields of every `opening` statement of the log that is well formed (a
+    release as :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan
+    the log holds (its round id and SHA-256), lists the site it names among the survivors, and
+    verifies under that site's key in ``keys`` (the roster). ``verified``: the statements
+    (their fields as canonical JSON, signature included) already verified, skipped and extended
+    (a daemon keeps one set, so each statement is verified once)."""
+    plans = {(f.get("round_id"), f.get("plan_sha256")) for kind, f in statements if kind == "plan"}
     out: list[Mapping[str, Any]] = []
     for kind, fields in statements:
         if kind != "opening":
@@ -94,10 +102,13 @@ def opened_releases(
             or not isinstance(release, Mapping)
             or not isinstance(signature, str)
             or not isinstance(digest, str)
-            or site not in (release.get("survivors") or ())
+            or (release.get("round_id"), digest) not in plans
+            or not _well_formed(release)
+            or site not in release["survivors"]
         ):
             continue
-        if verified is None or signature not in verified:
+        seen = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+        if verified is None or seen not in verified:
             try:
                 verify_fields(
                     key,
@@ -113,9 +124,17 @@ def opened_releases(
             except (CryptoError, ValueError):
                 continue
             if verified is not None:
-                verified.add(signature)
+                verified.add(seen)
         out.append(release)
     return out
+
+
+def _well_formed(release: Mapping[str, Any]) -> bool:
+    try:
+        logged_rounds([("release", release)])
+    except LogHistoryError:
+        return False
+    return True
 
 
 class OpeningPublication:

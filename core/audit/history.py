@@ -71,12 +71,17 @@ def history_exposures(
     history: Sequence[Release],
     sites: Collection[str],
     min_cohort: int,
+    known_from: Sequence[Release] | None = None,
 ) -> tuple[LeakageReport, list[Exposure]]:
     """The audit of ``plan`` together with ``history`` (names distinct from the plan's), and
     the exposures (single sites, and groups smaller than ``min_cohort``) that this plan adds:
     determined by plan and history together, with a certificate that needs an earlier release,
     and not determined by the history alone (what was known before stays known; refusing the
-    plan would not hide it)."""
+    plan would not hide it). ``known_from`` (default: ``history``) is the part of the history
+    whose exposures count as known before: releases the auditing party only has another
+    party's claim of (a site's signed opening) belong in ``history``, where they can make the
+    audit stricter, and not here, where a false claim of an earlier exposure would let a plan
+    through."""
     earlier = {r.name for r in history}
     universe = sorted({*sites, *(s for r in (*plan, *history) for s in r.members)}, key=str)
     report = audit_releases([*plan, *history], universe, min_cohort=min_cohort)
@@ -86,7 +91,8 @@ def history_exposures(
         if any(name in earlier for name, _ in e.certificate)
     ]
     if found:
-        alone = audit_releases(list(history), universe, min_cohort=min_cohort)
+        before = list(history if known_from is None else known_from)
+        alone = audit_releases(before, universe, min_cohort=min_cohort)
         known = {(e.sites, e.quantity) for e in (*alone.exposed_sites, *alone.small_groups)}
         found = [e for e in found if (e.sites, e.quantity) not in known]
     return report, found

@@ -17,7 +17,7 @@ from afl.crypto.transparency.statements import decode_statement
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.errors import InvalidRequestError
+from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.store import EnrolmentRow, Store
 from afl.server.transparency import FederationLog
 
@@ -36,6 +36,10 @@ LOG_RPCS = frozenset(
 )
 
 
+def _no_masked_round(round_id: str) -> Sequence[str]:
+    raise WrongStageError(f"round {round_id!r} is not in a masked exchange")
+
+
 class LogService:
     """The log RPCs (no transport); ``offer`` replaces the checkpoint answer (a lying
     coordinator), ``on_cosign`` sees each cosignature before it is kept."""
@@ -48,6 +52,8 @@ class LogService:
         self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
         #: The site whose certificate the RPCs come with (RecordDpRelease, RecordOpening check it).
         self.caller = "site-1"
+        #: A masked round's survivors (RecordOpening checks an opening states them).
+        self.survivors_of: Callable[[str], Sequence[str]] = _no_masked_round
         #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
         self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
@@ -112,5 +118,8 @@ class LogService:
         if what == "RecordDpRelease":
             return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
         if what == "RecordOpening":
-            return pb.LogProof(index=self.log.record_opening(self.caller, request.statement))
+            index = self.log.record_opening(
+                self.caller, request.statement, survivors_of=self.survivors_of
+            )
+            return pb.LogProof(index=index)
         raise AssertionError(f"not a log RPC: {what}")

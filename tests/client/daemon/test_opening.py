@@ -20,9 +20,13 @@ from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
 from afl.client.modes.base import RoundSession
 from afl.client.modes.mask import MASK_STEPS
-from afl.client.policy.loghistory import logged_rounds, release_fields
+from afl.client.policy.loghistory import logged_rounds, release_fields, whole_history_problem
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
-from afl.crypto.transparency.statements import decode_statement, opening_statement
+from afl.crypto.transparency.statements import (
+    decode_statement,
+    opening_statement,
+    plan_statement,
+)
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
@@ -54,6 +58,7 @@ def _coordinator(state: Path) -> LogService:
     service = LogService(state, key=COORDINATOR, federation_id=FED)
     for site, key in ROSTER.items():
         service.enrol(site, key)
+    service.survivors_of = lambda round_id: SURVIVORS  # the masked round's, at the coordinator
     return service
 
 
@@ -172,7 +177,9 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
     coordinator = _coordinator(tmp_path / "server")
     plan = _plan()
     plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
-    record = coordinator.log.record_opening
+
+    def record(site: str, statement: bytes) -> int:
+        return coordinator.log.record_opening(site, statement, survivors_of=lambda r: SURVIVORS)
 
     def mine(site: str, **change: Any) -> bytes:
         args: dict[str, Any] = {
@@ -199,10 +206,17 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
     other = cpb.ReleasePlan()
     other.CopyFrom(plan)
     other.releases[0].member_site_ids[:] = ["site-1", "site-2"]  # not the logged plan's members
-    with pytest.raises(NotPermittedError, match="misstates round r1-open's plan"):
+    with pytest.raises(NotPermittedError, match="misstates round r1-open: its releases"):
         record("site-1", mine("site-1", plan=other))
-    with pytest.raises(NotPermittedError, match="misstates round r1-open's plan"):
-        record("site-1", mine("site-1", survivors=("site-1", "site-4")))  # not a participant
+    for fewer in (("site-1",), ("site-1", "site-2")):  # not the round's survivors
+        with pytest.raises(NotPermittedError, match="over the round's survivors"):
+            record("site-1", mine("site-1", survivors=fewer))
+
+    def not_masking(round_id: str) -> list[str]:
+        raise WrongStageError(f"round {round_id!r} is ROUND_STAGE_PLAN_REVIEW")
+
+    with pytest.raises(WrongStageError, match="PLAN_REVIEW"):  # outside the last two stages
+        coordinator.log.record_opening("site-1", mine("site-1"), survivors_of=not_masking)
     with pytest.raises(InvalidRequestError, match="not a well-formed opening"):
         record("site-1", _statements_bytes(coordinator)[0])  # the plan statement
     size = coordinator.store.log_size()
@@ -243,7 +257,10 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
         plan_sha256=plan_sha,
         survivors=("site-2", "site-3"),
     )
-    statements = [decode_statement(s, federation=FED) for s in (good, by_stranger, not_a_survivor)]
+    planned = plan_statement(federation=FED, round_id=plan.round_id, plan_sha256=plan_sha)
+    statements = [
+        decode_statement(s, federation=FED) for s in (planned, good, by_stranger, not_a_survivor)
+    ]
     keys = _witness(tmp_path).roster
     verified: set[str] = set()
     opened = opened_releases(statements, federation=FED, keys=keys, verified=verified)
@@ -251,9 +268,57 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
     # counted as a released round of the log (its survivors, its planned releases)
     (released,) = logged_rounds([("release", r) for r in opened])
     assert released.round_id == plan.round_id and tuple(released.contributors) == SURVIVORS
-    # verified once: a statement whose signature was verified is not verified again
-    assert opened_releases(statements[:1], federation=FED, keys=keys, verified=verified) == [
+    # verified once: a statement that verified is not verified again ...
+    assert opened_releases(statements[:2], federation=FED, keys=keys, verified=verified) == [
         release
     ]
-    other_federation = opened_releases(statements[:1], federation="fed-other", keys=keys)
-    assert other_federation == []
+    # ... which is the whole statement: the same signature over other survivors is not counted
+    kind, fields = statements[1]
+    forged = {**fields, "release": release_fields(plan, survivors=("site-2",))}
+    copied = opened_releases(
+        [statements[0], (kind, forged)], federation=FED, keys=keys, verified=verified
+    )
+    assert copied == []
+    assert opened_releases(statements[:2], federation="fed-other", keys=keys) == []
+    # an opening of a plan the log does not hold, or malformed, is not counted
+    assert opened_releases(statements[1:2], federation=FED, keys=keys) == []
+    malformed = {**fields, "release": {**release, "round_id": None}}
+    assert opened_releases([statements[0], (kind, malformed)], federation=FED, keys=keys) == []
+
+
+def _plan_over(round_id: str, sites: tuple[str, ...]) -> cpb.ReleasePlan:
+    return cpb.ReleasePlan(
+        round_id=round_id,
+        run_id=f"run-{round_id}",
+        participants=list(sites),
+        releases=[
+            cpb.Release(name="gram[all]", kind=cpb.STATISTIC_KIND_GRAM, member_site_ids=list(sites))
+        ],
+    )
+
+
+def _released(round_id: str, planned: tuple[str, ...], survivors: tuple[str, ...]) -> Any:
+    return ("release", release_fields(_plan_over(round_id, planned), survivors=survivors))
+
+
+def test_an_opening_makes_the_audit_stricter_never_more_lenient() -> None:
+    """One site's signed claims count as releases, never as what was known before: claimed
+    releases of r1 over {M} and {M, V} (which would make V's statistics look exposed already)
+    do not let through a plan that differences the logged r1 to V."""
+    everyone = ("site-1", "site-2", "site-3", "V", "M")
+    logged = logged_rounds([_released("r1", everyone, everyone)])
+    plan = _plan_over("r3", ("site-1", "site-2", "site-3", "M"))
+    claimed = logged_rounds(
+        [_released("r1", everyone, ("M",)), _released("r1", everyone, ("M", "V"))]
+    )
+    problem, _ = whole_history_problem(plan, rounds=logged, claimed=claimed, min_cohort=1)
+    assert "would expose" in problem and "V" in problem, problem
+    # had the claims been taken as the log's releases, V would count as exposed before
+    lenient, _ = whole_history_problem(plan, rounds=[*logged, *claimed], min_cohort=1)
+    assert lenient == ""
+    # a claim alone is a release: it refuses a plan that differences it to one site
+    alone = logged_rounds([_released("r1", everyone, ("site-1", "site-2", "site-3", "V"))])
+    strict, _ = whole_history_problem(
+        _plan_over("r4", ("site-1", "site-2", "site-3")), rounds=[], claimed=alone, min_cohort=1
+    )
+    assert "would expose" in strict and "V" in strict, strict

@@ -464,10 +464,11 @@ class CoordinatorServicer:
     def RecordOpening(self, request, context):
         """The calling site's `opening` statement (it helps unmask a masked round's sums over the
         survivors it signed), appended to the log once (a second call with the same statement
-        answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
-        survivors, it states the round's plan (its releases, survivors among its participants) and
-        its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
-        the round's current plan in the log is not the one it names.
+        answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
+        (its releases) over exactly the round's survivors and its signature verifies under the
+        caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
+        is not the one it names, or the masked round is not in its consistency check or unmask
+        stage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -156,10 +156,11 @@ class CoordinatorStub:
     RecordOpening: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]
     """The calling site's `opening` statement (it helps unmask a masked round's sums over the
     survivors it signed), appended to the log once (a second call with the same statement
-    answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
-    survivors, it states the round's plan (its releases, survivors among its participants) and
-    its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
-    the round's current plan in the log is not the one it names.
+    answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
+    (its releases) over exactly the round's survivors and its signature verifies under the
+    caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
+    is not the one it names, or the masked round is not in its consistency check or unmask
+    stage.
     """
 
 @_typing.type_check_only
@@ -263,10 +264,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     RecordOpening: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]  # type: ignore[assignment]
     """The calling site's `opening` statement (it helps unmask a masked round's sums over the
     survivors it signed), appended to the log once (a second call with the same statement
-    answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
-    survivors, it states the round's plan (its releases, survivors among its participants) and
-    its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
-    the round's current plan in the log is not the one it names.
+    answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
+    (its releases) over exactly the round's survivors and its signature verifies under the
+    caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
+    is not the one it names, or the masked round is not in its consistency check or unmask
+    stage.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -571,10 +573,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
         """The calling site's `opening` statement (it helps unmask a masked round's sums over the
         survivors it signed), appended to the log once (a second call with the same statement
-        answers its index). PERMISSION_DENIED unless it names the caller, the caller is one of its
-        survivors, it states the round's plan (its releases, survivors among its participants) and
-        its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION when
-        the round's current plan in the log is not the one it names.
+        answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
+        (its releases) over exactly the round's survivors and its signature verifies under the
+        caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
+        is not the one it names, or the masked round is not in its consistency check or unmask
+        stage.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
