@@ -3,15 +3,14 @@ joins it where its result is needed (:meth:`Background.wait` returns it, or re-r
 step raised), and in a ``finally`` on every other path (:meth:`Background.error`), so no thread
 outlives the part of the round that started it.
 
-The site runs four federation-log steps this way (their rules: docs/protocol.md §11a, M-193,
-M-195, M-230, M-232; the order of a round: docs/architecture.md): the DP-ledger statement, logged
-while a masked round's keys and shares go (:meth:`afl.client.daemon.anchor.LedgerAnchor.
+The site runs three federation-log steps this way (their rules: docs/protocol.md §11a, M-193,
+M-195, M-230; the order of a round: docs/architecture.md): the DP-ledger statement, logged while
+a masked round's keys and shares go (:meth:`afl.client.daemon.anchor.LedgerAnchor.
 start_publishing`); the log's check of a new plan (the site cosigns the checkpoint that holds it,
 waits for the roster's quorum and verifies the plan's inclusion) while the site checks the plan
-itself (:class:`afl.client.daemon.loop.PlanLogCheck`); a masked round's `opening` statement,
-logged while the consistency signature goes and waited for before the unmask shares
-(:class:`afl.client.daemon.opening.OpeningPublication`); and the check of a published round's
-`release` statement, while the site verifies the model.
+itself (:class:`afl.client.daemon.loop.PlanLogCheck`); and the check of a published round's
+`release` statement, while the site verifies the model. (A masked round's `opening`, M-232, is
+waited for in the round's own thread, at the unmask stage: :mod:`afl.client.daemon.opening`.)
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ class ClientDaemon:
         self._witnessed_at = 0.0
         self._witnessed_key: tuple[str, int, str] | None = None
         self._running_round = ""  # the round run_round is in (its own steps witness the log)
-        self._openings_verified: set[str] = set()  # opening signatures verified (one each)
+        self._openings_verified: set[str] = set()  # opening statements verified (one each)
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
@@ -516,9 +516,9 @@ class ClientDaemon:
         # Past its plan review, a participant's idle re-witnessing stops (it put a cosignature,
         # a commit at the coordinator and three RPCs on every site every few seconds of the
         # exchange). The one quorum wait inside a round, the survivors' openings (M-232), is
-        # cosigned by the survivors' own polls and by the sites outside the round, which witness
-        # at every stage change (a survivor starts logging its opening as it sends its
-        # consistency signature, so the unmask stage mostly begins after the openings) and
+        # cosigned by the survivors' own polls at the unmask stage and by the sites outside the
+        # round, which witness at every stage change (each survivor logs its opening before its
+        # consistency signature, so the unmask stage begins with every opening in the log) and
         # every IDLE_WITNESS_S.
         quiet = r is not None and taking_part and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         now = time.monotonic()
@@ -854,16 +854,11 @@ class ClientDaemon:
                 session, payloads, already_complete=set(status.caller_uploads_complete)
             )
         finally:
-            # No thread outlives the round. Its error shows at the first upload (the opening's:
-            # before the unmask shares); if the exchange failed first, the exchange's error is
-            # raised, unless the log showed a split view or other evidence, which stops the site
-            # whatever else went wrong.
-            try:
-                if opening is not None:
-                    opening.end()
-            finally:
-                if publication is not None:
-                    publication.join(raising=LogEvidence)
+            # No thread outlives the round. Its error shows at the first upload; if the exchange
+            # failed first, the exchange's error is raised, unless the log showed a split view
+            # or other evidence, which stops the site whatever else went wrong.
+            if publication is not None:
+                publication.join(raising=LogEvidence)
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -934,8 +929,9 @@ class ClientDaemon:
     def _opening(
         self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, wait_s: float
     ) -> OpeningPublication:
-        """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), waited for
-        as long as a stage (the round's ``stage_timeout_s``, else this site's upload timeout)."""
+        """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), logged from
+        the survivors check and waited for before the unmask shares, as long as a stage (the
+        round's ``stage_timeout_s``, else this site's upload timeout)."""
         t = self.config.timing
         wait = float(wait_s or t.upload_timeout_s)
         return OpeningPublication(
@@ -998,7 +994,7 @@ class ClientDaemon:
     ) -> Callable[[Sequence[str]], None]:
         """MASK: refuse (RoundFailed) when unmasking over the survivors would expose a site by
         differencing (:func:`afl.client.policy.plan.survivor_problem`), else record them in the
-        history and start logging the ``opening`` statement; all before this site signs them or
+        history and log the ``opening`` statement; all before this site signs them or
         sends an unmask share. A refused survivor
         set is not recorded: with every honest survivor refusing, nothing is unmasked over it,
         and recording it would make every later plan over the planned members look like a
@@ -1019,7 +1015,7 @@ class ClientDaemon:
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
             self.store.record_survivors(plan.round_id, survivors)
             self.store.record_unmasking(plan, survivors)  # for the whole-history audit
-            if opening is not None:  # every site's audit: in the log before any unmask share
+            if opening is not None:  # every site's audit: in the log before the signature
                 opening.start(survivors)
 
         return check

@@ -6,11 +6,11 @@ aborts the round and says nothing) would hide that release from every site that 
 unmask it, and a later pair of plans over those sites could difference to one of them. So before
 a site sends its unmask shares it logs an `opening` statement (:func:`opening_of`): the round's
 release as the site knows it (round, run, the survivors it signed, every planned release, in the
-`release` statement's form) and the plan's SHA-256, signed with its identity key. It waits, as
-for a plan (M-193), until the statement is in a checkpoint cosigned by a quorum of the roster
-(:class:`OpeningPublication`, run in a background thread while the site's consistency signature
-goes and the coordinator gathers the others). No share leaves before; a coordinator that drops
-the statement unmasks nothing, and hiding it from the quorum's view needs a colluding quorum.
+`release` statement's form) and the plan's SHA-256, signed with its identity key, before its
+consistency signature; at the unmask stage it waits, as for a plan (M-193), until the statement
+is in a checkpoint cosigned by a quorum of the roster (:class:`OpeningPublication`). No share
+leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
+quorum's view needs a colluding quorum.
 
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
@@ -25,14 +25,12 @@ through.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from afl.client.daemon.background import Background
-from afl.client.daemon.transparency import Call, LogEvidence, LogWitness
+from afl.client.daemon.transparency import Call, LogWitness
 from afl.client.daemon.transport import DaemonError
 from afl.client.policy.loghistory import LogHistoryError, logged_rounds, release_fields
 from afl.crypto.errors import CryptoError
@@ -138,10 +136,15 @@ def _well_formed(release: Mapping[str, Any]) -> bool:
 
 
 class OpeningPublication:
-    """One masked round's opening (module docstring): :meth:`start` logs it in a background
-    thread once the survivors are known, :meth:`wait` returns once it is in a quorum-cosigned
-    checkpoint (before an unmask share leaves; :class:`DaemonError` naming the cause when it is
-    not), :meth:`end` stops and joins the thread on every path."""
+    """One masked round's opening (module docstring). :meth:`start` logs it when the site has
+    checked the survivors, before its consistency signature leaves, so every survivor's opening
+    is in the log once the coordinator has their signatures and opens the unmask stage;
+    :meth:`wait`, at that stage and before any unmask share is computed, returns once the
+    statement is in a quorum-cosigned checkpoint (:class:`DaemonError` naming the cause when
+    it is not). Waiting there, every survivor cosigns the same checkpoint, the one holding all
+    their openings: a quorum gathers on it at once, where survivors waiting from the moment
+    each logged its own would cosign a checkpoint per opening, and those that found their
+    quorum early would stop cosigning before the last openings were in."""
 
     def __init__(
         self,
@@ -156,8 +159,8 @@ class OpeningPublication:
         self.witness, self.call, self.key = witness, call, key
         self.plan, self.plan_sha256 = plan, plan_sha256
         self.quorum_wait = quorum_wait
-        self.stop = threading.Event()
-        self._task: Background[None] | None = None
+        self.what = f"this site's opening of round {plan.round_id}"
+        self.statement = b""
 
     def start(self, survivors: Collection[str]) -> None:
         statement = opening_of(
@@ -168,28 +171,17 @@ class OpeningPublication:
             plan_sha256=self.plan_sha256,
             survivors=survivors,
         )
-        self._task = Background(
-            lambda: self._publish(statement), name=f"opening-{self.plan.round_id}"
-        )
-
-    def _publish(self, statement: bytes) -> None:
-        what = f"this site's opening of round {self.plan.round_id}"
         try:
             self.call("RecordOpening", pb.Opening(statement=statement))
         except DaemonError as exc:
             raise DaemonError(
-                f"the coordinator did not log {what} ({exc}): no unmask share is sent"
+                f"the coordinator did not log {self.what} ({exc}): no unmask share is sent"
             ) from exc
-        problem, _ = self.quorum_wait(statement=statement, what=what, stop=self.stop)
-        if problem:
-            raise DaemonError(f"{problem}: no unmask share is sent")
+        self.statement = statement
 
     def wait(self) -> None:
-        if self._task is None:
+        if not self.statement:
             raise DaemonError("no opening was logged for the survivors: no unmask share is sent")
-        self._task.wait()
-
-    def end(self) -> None:
-        if self._task is not None:
-            self.stop.set()
-            self._task.join(raising=LogEvidence)
+        problem, _ = self.quorum_wait(statement=self.statement, what=self.what)
+        if problem:
+            raise DaemonError(f"{problem}: no unmask share is sent")

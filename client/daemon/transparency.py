@@ -359,19 +359,28 @@ class LogWitness:
         stop: threading.Event | None = None,
     ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why ``statement`` (``what``, for the message) is not yet in a checkpoint cosigned by
-        a quorum of the roster ("" once its inclusion proof verifies in one this site witnessed,
-        polling from ``poll_s`` up to ``wait_s``), and that checkpoint (None until then)."""
+        a quorum of the roster ("" once it is, polling from ``poll_s`` up to ``wait_s``), and
+        that checkpoint (None until then). Each poll witnesses (cosigns) the newest checkpoint.
+        The quorum may gather on the first checkpoint this wait found the statement in while the
+        newest has fewer cosignatures (sites that found their quorum there stopped polling), so
+        that one is asked for again when the newest lacks the quorum."""
         leaf = leaf_hash(statement)
         deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
+        held: pb.CosignedLogCheckpoint | None = None  # the first checkpoint that holds it
         while True:
             if stop is not None and stop.is_set():
                 return f"the log check of {what} was stopped: {why}", None
             answer = self.witness(call)
             size = int(answer.checkpoint.size)
             try:
-                self.quorum_on(answer)
-                self.check_inclusion(call, leaf, answer)
-                return "", answer
+                if held is None:
+                    self.check_inclusion(call, leaf, answer)
+                    held = answer
+                found, why = self._quorum_among(call, answer, held)
+                if found is not None:
+                    if found.checkpoint != held.checkpoint:
+                        self.check_inclusion(call, leaf, found)
+                    return "", found
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)
             except DaemonError as exc:  # not in this checkpoint yet
@@ -386,6 +395,32 @@ class LogWitness:
             else:
                 time.sleep(delay)
             delay = min(delay * 1.5, max_poll_s)
+
+    def _quorum_among(
+        self, call: Call, newest: pb.CosignedLogCheckpoint, held: pb.CosignedLogCheckpoint
+    ) -> tuple[pb.CosignedLogCheckpoint | None, str]:
+        """``newest`` if a quorum cosigned it, else ``held`` (fetched again with the
+        cosignatures it has now) if a quorum cosigned that, else None and why not."""
+        try:
+            self.quorum_on(newest)
+            return newest, ""
+        except CheckpointError as exc:
+            why = str(exc)
+            if newest.checkpoint == held.checkpoint:
+                return None, why
+        again: pb.CosignedLogCheckpoint = call(
+            "GetCheckpoint", pb.CheckpointRequest(size=int(held.checkpoint.size))
+        )
+        if again.checkpoint != held.checkpoint:
+            raise DaemonError(
+                f"the coordinator served another checkpoint of size {held.checkpoint.size} "
+                "than the one this site cosigned"
+            )
+        try:
+            self.quorum_on(again)
+        except CheckpointError:
+            return None, why
+        return again, ""
 
     def check_release(
         self, call: Call, plan: cpb.ReleasePlan, *, survivors: Collection[str] | None

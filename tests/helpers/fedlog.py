@@ -87,7 +87,7 @@ class LogService:
         if what == "GetCheckpoint":
             if self.offer is not None:
                 return self.offer()
-            found = self.log.checkpoint()
+            found = self.log.cosigned(request.size) if request.size else self.log.checkpoint()
             return pb.CosignedLogCheckpoint(
                 checkpoint=wire.checkpoint_to_proto(found.signed),
                 cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],

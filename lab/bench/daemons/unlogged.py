@@ -54,7 +54,8 @@ CLIENT_METHODS = (
     ("afl.client.daemon.transparency", "LogWitness", "check_release"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "reconcile"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "publish"),
-    ("afl.client.daemon.opening", "OpeningPublication", "_publish"),
+    ("afl.client.daemon.opening", "OpeningPublication", "start"),
+    ("afl.client.daemon.opening", "OpeningPublication", "wait"),
 )
 #: The coordinator's: a statement appended in its state change's transaction, checkpoints signed
 #: and served, cosignatures verified and kept, proofs and entries served.
@@ -128,7 +129,8 @@ def _unlogged_client() -> None:
     LedgerAnchor.reconcile = nothing  # type: ignore[method-assign]
     LedgerAnchor.publish = nothing  # type: ignore[method-assign]
     LogWitness.check_release = nothing  # type: ignore[method-assign]
-    OpeningPublication._publish = nothing  # type: ignore[method-assign]
+    OpeningPublication.start = nothing  # type: ignore[method-assign]
+    OpeningPublication.wait = nothing  # type: ignore[method-assign]
 
 
 def _unlogged_server() -> None:

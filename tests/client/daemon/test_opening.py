@@ -121,7 +121,6 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
         other.witness(coordinator.call)
         assert done.wait(60)
     finally:
-        publication.end()
         waiter.join(timeout=60)
     (kind, fields) = _statements(coordinator)[-1]
     assert kind == "opening" and fields["site"] == "site-1"
@@ -158,7 +157,6 @@ def test_a_coordinator_that_drops_the_opening_gets_no_unmask_share(tmp_path: Pat
     assert unmask.get == "GetUnmaskRequest"
     with pytest.raises(DaemonError, match="this site's opening of round r1-open is not in a"):
         unmask.act(session, cast(Any, None), None)
-    publication.end()
     assert sent == []
     assert "opening" not in [k for k, _ in _statements(coordinator)]
 
@@ -168,7 +166,6 @@ def test_an_opening_is_needed_before_the_unmask_share(tmp_path: Path) -> None:
     publication = _publication(witness, lambda what, request: None, _plan(), b"\0" * 32)
     with pytest.raises(DaemonError, match="no opening was logged for the survivors"):
         publication.wait()
-    publication.end()  # nothing started: nothing to join
 
 
 def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged_plan(
@@ -322,3 +319,42 @@ def test_an_opening_makes_the_audit_stricter_never_more_lenient() -> None:
         _plan_over("r4", ("site-1", "site-2", "site-3")), rounds=[], claimed=alone, min_cohort=1
     )
     assert "would expose" in strict and "V" in strict, strict
+
+
+def test_a_quorum_on_the_first_checkpoint_that_holds_it_counts_after_the_log_grew(
+    tmp_path: Path,
+) -> None:
+    """Sites that found their quorum on a checkpoint stop cosigning; when the log grows after
+    it, a site still waiting must not need a quorum on the newest checkpoint: the one it first
+    found its statement in, cosigned by a quorum meanwhile, is enough."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    witness, other = _witness(tmp_path), _witness(tmp_path, "site-2")
+    publication = _publication(witness, coordinator.call, plan, plan_sha)
+    publication.start(SURVIVORS)
+    held = int(coordinator.log.checkpoint().signed.checkpoint.size)
+    polls = 0
+
+    def growing(what: str, request: Any) -> Any:
+        nonlocal polls
+        if what == "GetCheckpoint" and not request.size:
+            polls += 1
+            if polls == 2:  # site-2 cosigns the checkpoint site-1 first saw; then the log grows
+                coordinator.caller = "site-2"
+                other.witness(coordinator.call)
+                coordinator.caller = "site-1"
+                coordinator.publish_plan("r2-later", b"another plan")
+        return coordinator.call(what, request)
+
+    problem, found = witness.quorum_problem(
+        growing,
+        statement=publication.statement,
+        what="the opening",
+        wait_s=60,
+        poll_s=0.01,
+        max_poll_s=0.05,
+    )
+    assert problem == "" and found is not None
+    assert int(found.checkpoint.size) == held < coordinator.store.log_size()
+    assert {c.witness for c in found.cosignatures} >= {"site-1", "site-2"}
