@@ -51,6 +51,31 @@ def _loot(path: Path) -> dict[str, list[float]]:
     return found
 
 
+def _hidden(
+    loop: LoopbackFederation, loot: Path, *, opened_by: tuple[str, ...]
+) -> tuple[Store, Any, dict[str, list[float]], list[tuple[str, dict[str, Any]]]]:
+    """The store, run-1's round, the loot and the log's statements, once checked that the attack
+    happened (the coordinator unmasked run 1's sums and the log has no release statement of it)
+    and that each of ``opened_by`` logged its signed opening of the round over them before it
+    sent an unmask share (M-232), which every site's audit counts whatever the coordinator
+    states."""
+    store = _store(loop)
+    (hidden,) = store.rounds("run-1")
+    taken = _loot(loot)
+    assert f"run-1/{hidden.round_id}/gram[all]" in taken, sorted(taken)
+    statements = _statements(loop, store)
+    released = [f["round_id"] for kind, f in statements if kind == "release"]
+    assert hidden.round_id not in released, statements
+    openings = [
+        f
+        for kind, f in statements
+        if kind == "opening" and f["release"]["round_id"] == hidden.round_id
+    ]
+    assert sorted(str(f["site"]) for f in openings) == sorted(opened_by), statements
+    assert all(f["release"]["survivors"] == sorted(opened_by) for f in openings), openings
+    return store, hidden, taken, statements
+
+
 def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_differences_it(
     tmp_path: Path,
 ) -> None:
@@ -68,20 +93,8 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
     finally:
         daemons.stop()
 
-    store = _store(loop)
-    (hidden,) = store.rounds("run-1")
-    # The attack happened: the coordinator unmasked run 1's sums, and the log released nothing.
-    taken = _loot(loot)
-    assert f"run-1/{hidden.round_id}/gram[all]" in taken, sorted(taken)
+    store, hidden, taken, statements = _hidden(loop, loot, opened_by=SITES)
     assert all(name.startswith(f"run-1/{hidden.round_id}/") for name in taken), sorted(taken)
-    statements = _statements(loop, store)
-    assert not [f for kind, f in statements if kind == "release"], statements
-    # ... but each site logged its signed opening of the round before it sent an unmask share
-    # (M-232): every site's audit counts the release, whatever the coordinator states.
-    openings = [f for kind, f in statements if kind == "opening"]
-    assert sorted(str(f["site"]) for f in openings) == list(SITES), statements
-    assert all(f["release"]["round_id"] == hidden.round_id for f in openings)
-    assert all(f["release"]["survivors"] == list(SITES) for f in openings)
     assert ("round-aborted", hidden.round_id) in [(k, f.get("round_id")) for k, f in statements]
 
     for site in SITES:  # each member recorded, before it signed the survivors, what it unmasked
@@ -128,17 +141,7 @@ def test_a_hidden_release_reaches_the_audit_of_sites_that_never_took_part_in_it(
     finally:
         daemons.stop()
 
-    store = _store(loop)
-    (hidden,) = store.rounds("run-1")
-    taken = _loot(loot)
-    assert f"run-1/{hidden.round_id}/gram[all]" in taken, sorted(taken)
-    statements = _statements(loop, store)
-    released = [f["round_id"] for kind, f in statements if kind == "release"]
-    assert hidden.round_id not in released, statements  # the coordinator's books: never released
-    openings = [f for kind, f in statements if kind == "opening"]
-    assert {f["site"] for f in openings if f["release"]["round_id"] == hidden.round_id} == set(
-        first
-    ), statements
+    store, hidden, taken, _ = _hidden(loop, loot, opened_by=first)
 
     refused = _refusals("run-3", store)
     assert refused and set(refused) <= set(last), (refused, daemons.log_tail())

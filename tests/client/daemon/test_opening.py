@@ -230,30 +230,15 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
     plan = _plan()
     plan_sha = b"\3" * 32
     release = release_fields(plan, survivors=SURVIVORS)
-    good = opening_of(
-        SITES["site-2"],
-        federation=FED,
-        site="site-2",
-        plan=plan,
-        plan_sha256=plan_sha,
-        survivors=SURVIVORS,
-    )
-    by_stranger = opening_of(
-        generate_identity_key(),
-        federation=FED,
-        site="site-3",
-        plan=plan,
-        plan_sha256=plan_sha,
-        survivors=SURVIVORS,
-    )
-    not_a_survivor = opening_of(
-        SITES["site-1"],
-        federation=FED,
-        site="site-1",
-        plan=plan,
-        plan_sha256=plan_sha,
-        survivors=("site-2", "site-3"),
-    )
+
+    def signed(key: Any, site: str, survivors: tuple[str, ...] = SURVIVORS) -> bytes:
+        return opening_of(
+            key, federation=FED, site=site, plan=plan, plan_sha256=plan_sha, survivors=survivors
+        )
+
+    good = signed(SITES["site-2"], "site-2")
+    by_stranger = signed(generate_identity_key(), "site-3")
+    not_a_survivor = signed(SITES["site-1"], "site-1", ("site-2", "site-3"))
     planned = plan_statement(federation=FED, round_id=plan.round_id, plan_sha256=plan_sha)
     statements = [
         decode_statement(s, federation=FED) for s in (planned, good, by_stranger, not_a_survivor)
