@@ -15,7 +15,6 @@ without a coordinator-side round of its own.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
+from afl.crypto.identity.signed_blobs import blob_sha256
 from afl.crypto.transparency.checkpoint import (
     Checkpoint,
     Cosignature,
@@ -228,7 +228,7 @@ class FederationLog:
             self.store.log_index(leaf_hash(planned)) is None
             or row is None
             or row.plan is None
-            or hashlib.sha256(row.plan).digest() != plan_sha256
+            or blob_sha256(row.plan) != plan_sha256
         ):
             raise WrongStageError(
                 f"the federation log holds no plan of round {round_id!r} with the digest the "
