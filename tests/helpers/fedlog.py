@@ -5,14 +5,16 @@ stand-in (the site's :class:`~afl.client.daemon.transparency.LogWitness` calls t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
 from afl.client.policy.loghistory import release_fields
+from afl.crypto.identity.signatures import public_key_to_raw
 from afl.crypto.transparency.statements import decode_statement
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
@@ -21,7 +23,7 @@ from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.store import EnrolmentRow, Store
 from afl.server.transparency import FederationLog
 
-__all__ = ["LOG_RPCS", "LogService"]
+__all__ = ["LOG_RPCS", "LogService", "site_witness"]
 
 LOG_RPCS = frozenset(
     {
@@ -34,6 +36,28 @@ LOG_RPCS = frozenset(
         "RecordOpening",
     }
 )
+
+
+def site_witness(
+    state: Path,
+    *,
+    federation: str,
+    site: str,
+    keys: Mapping[str, Ed25519PrivateKey],
+    coordinator: Ed25519PrivateKey,
+    quorum: int = 0,
+) -> LogWitness:
+    """``site``'s witness of ``coordinator``'s log, its state in ``state``, the roster the
+    public keys of ``keys`` (every site's identity key)."""
+    return LogWitness(
+        state,
+        site_id=site,
+        federation_id=federation,
+        key=keys[site],
+        coordinator_key=coordinator.public_key(),
+        roster={s: public_key_to_raw(k) for s, k in keys.items()},
+        quorum=quorum,
+    )
 
 
 def _no_masked_round(round_id: str) -> Sequence[str]:

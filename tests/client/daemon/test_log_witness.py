@@ -24,7 +24,7 @@ from afl.crypto.transparency.statements import statement_bytes
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.helpers.calls import record_calls
-from tests.helpers.fedlog import LogService
+from tests.helpers.fedlog import LogService, site_witness
 
 FED = "fed-witness"
 COORDINATOR = generate_identity_key()
@@ -40,14 +40,8 @@ def _coordinator(state: Path) -> LogService:
 
 
 def _witness(state: Path, site: str = "site-1", quorum: int = 0) -> LogWitness:
-    return LogWitness(
-        state,
-        site_id=site,
-        federation_id=FED,
-        key=SITES[site],
-        coordinator_key=COORDINATOR.public_key(),
-        roster=ROSTER,
-        quorum=quorum,
+    return site_witness(
+        state, federation=FED, site=site, keys=SITES, coordinator=COORDINATOR, quorum=quorum
     )
 
 

@@ -30,7 +30,7 @@ from afl.crypto.transparency.statements import (
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
-from tests.helpers.fedlog import LogService
+from tests.helpers.fedlog import LogService, site_witness
 
 FED = "fed-opening"
 COORDINATOR = generate_identity_key()
@@ -63,14 +63,8 @@ def _coordinator(state: Path) -> LogService:
 
 
 def _witness(state: Path, site: str = "site-1", *, quorum: int = 0) -> LogWitness:
-    return LogWitness(
-        state / site,
-        site_id=site,
-        federation_id=FED,
-        key=SITES[site],
-        coordinator_key=COORDINATOR.public_key(),
-        roster=ROSTER,
-        quorum=quorum,
+    return site_witness(
+        state / site, federation=FED, site=site, keys=SITES, coordinator=COORDINATOR, quorum=quorum
     )
 
 
