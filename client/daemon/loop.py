@@ -142,11 +142,11 @@ class PlanLogCheck:
     def __init__(self, daemon: ClientDaemon, cfg: pb.RoundConfig) -> None:
         self.round_id = cfg.round_id
         self.plan_sha256 = signed_blobs.blob_sha256(cfg.release_plan.plan)  # the plan's digest
-        wait_s = float(cfg.stage_timeout_s or daemon.config.timing.upload_timeout_s)
+        stage_timeout_s = float(cfg.stage_timeout_s)
         self.stop = threading.Event()
         self._task = Background(
             lambda: daemon._plan_in_log(
-                self.round_id, self.plan_sha256, wait_s=wait_s, stop=self.stop
+                self.round_id, self.plan_sha256, stage_timeout_s=stage_timeout_s, stop=self.stop
             ),
             name=f"plan-log-{cfg.round_id}",
         )
@@ -392,7 +392,7 @@ class ClientDaemon:
         )
 
     def _plan_in_log(
-        self, round_id: str, plan_sha256: bytes, *, wait_s: float, stop: threading.Event
+        self, round_id: str, plan_sha256: bytes, *, stage_timeout_s: float, stop: threading.Event
     ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why the federation log forbids acting on the plan ``plan_sha256`` of ``round_id``
         ("" when a checkpoint cosigned by a quorum of the roster holds it,
@@ -400,17 +400,15 @@ class ClientDaemon:
         plan itself (:class:`PlanLogCheck`); it also fetches the log's statements up to that
         checkpoint for the whole-history audit. ``stop``: the site refused the plan meanwhile."""
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
-        t = self.config.timing
         self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
+        wait_s, poll_s, max_poll_s = self._quorum_polling(stage_timeout_s)
         problem, checkpoint = self.log_witness.plan_problem(
             self.rpc.call,
             round_id=round_id,
             plan_sha256=plan_sha256,
             wait_s=wait_s,
-            # The quorum's cosignatures arrive within moments of this site's own: poll briefly
-            # at first (a few small RPCs), then back off.
-            poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
-            max_poll_s=t.max_poll_interval_s,
+            poll_s=poll_s,
+            max_poll_s=max_poll_s,
             stop=stop,
         )
         if checkpoint is not None and not stop.is_set() and not self.config.policy.allow_exposure:
@@ -834,7 +832,7 @@ class ClientDaemon:
         payloads = self._claim(cfg, plan, plan_sha, payloads, status)
         publication = self._record(cfg, plan, plan_sha, report)
         opening = (
-            self._opening(plan, plan_sha, wait_s=cfg.stage_timeout_s)
+            self._opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
             if plan.aggregation == cpb.AGGREGATION_MODE_MASK
             else None
         )
@@ -926,14 +924,21 @@ class ClientDaemon:
             before_unmask=opening.wait if opening is not None else None,
         )
 
+    def _quorum_polling(self, stage_timeout_s: float) -> tuple[float, float, float]:
+        """(wait_s, poll_s, max_poll_s) of a wait for the roster's quorum on the log: as long
+        as a stage (the round's ``stage_timeout_s``, else this site's upload timeout). The
+        quorum's cosignatures arrive within moments of this site's own: poll briefly at first
+        (a few small RPCs), then back off."""
+        t = self.config.timing
+        wait_s = float(stage_timeout_s or t.upload_timeout_s)
+        return wait_s, min(t.poll_interval_s, QUORUM_POLL_S), t.max_poll_interval_s
+
     def _opening(
-        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, wait_s: float
+        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
     ) -> OpeningPublication:
         """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), logged from
-        the survivors check and waited for before the unmask shares, as long as a stage (the
-        round's ``stage_timeout_s``, else this site's upload timeout)."""
-        t = self.config.timing
-        wait = float(wait_s or t.upload_timeout_s)
+        the survivors check and waited for before the unmask shares (:meth:`_quorum_polling`)."""
+        wait_s, poll_s, max_poll_s = self._quorum_polling(stage_timeout_s)
         return OpeningPublication(
             self.log_witness,
             self.rpc.call,
@@ -941,11 +946,7 @@ class ClientDaemon:
             plan=plan,
             plan_sha256=plan_sha256,
             quorum_wait=lambda **step: self.log_witness.quorum_problem(
-                self.rpc.call,
-                wait_s=wait,
-                poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
-                max_poll_s=t.max_poll_interval_s,
-                **step,
+                self.rpc.call, wait_s=wait_s, poll_s=poll_s, max_poll_s=max_poll_s, **step
             ),
         )
 
