@@ -38,7 +38,7 @@ from afl.client.daemon.evaluation import (
     is_candidate,
     save_evaluation,
 )
-from afl.client.daemon.opening import OpeningPublication, opened_releases
+from afl.client.daemon.opening import OpeningPublication, opened_releases, witnessed_releases
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
@@ -450,21 +450,20 @@ class ClientDaemon:
             return decision
         try:
             logged = self.log_witness.statements(self.rpc.call, checkpoint)
-            statements, unlogged = with_unmasked(logged, self.store.unmasked())
-            rounds = logged_rounds(statements)
-            claimed = logged_rounds(
-                ("release", fields)
-                for fields in opened_releases(
-                    logged,
-                    federation=self.config.federation_id,
-                    keys=self.log_witness.roster,
-                    verified=self._openings_verified,
-                )
+            own = self.store.unmasked()
+            statements, unlogged = with_unmasked(logged, own)
+            opened = opened_releases(
+                logged,
+                federation=self.config.federation_id,
+                keys=self.log_witness.roster,
+                verified=self._openings_verified,
             )
-            known = {r.round_id for r in rounds}
-            unlogged = sorted(
-                {*unlogged, *(r.round_id for r in claimed if r.round_id not in known)}
-            )
+            in_log = {f.get("round_id") for kind, f in logged if kind == "release"}
+            unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
+            # Every release counts; only those no single party's word makes are known before
+            # (M-233): this site's own unmasked rounds and releases every survivor opened.
+            rounds = logged_rounds([*statements, *(("release", o.release) for o in opened)])
+            known = logged_rounds(("release", f) for f in (*own, *witnessed_releases(opened)))
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
                 False, f"the federation's history cannot be audited from its log: {exc}"
@@ -477,7 +476,7 @@ class ClientDaemon:
                 self.site_id, ", ".join(unlogged),
             )  # fmt: skip
         problem, detail = whole_history_problem(
-            plan, rounds=rounds, claimed=claimed, min_cohort=policy.min_cohort
+            plan, rounds=rounds, known=known, min_cohort=policy.min_cohort
         )
         if detail is not None and unlogged:
             detail["unmasked_not_logged"] = unlogged

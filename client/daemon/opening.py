@@ -15,18 +15,22 @@ quorum's view needs a colluding quorum.
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
 coordinator states of the round. A statement that does not verify is not counted (only the
-coordinator could have appended it, and an honest survivor's statement is there as well). An
-opening is one site's claim: the audit counts its release as released (stricter), never as
-something known before that a new plan may repeat (``claimed`` in
-:func:`afl.client.policy.loghistory.whole_history_problem`), so a false one cannot let a plan
-through.
+coordinator could have appended it, and an honest survivor's statement is there as well).
+
+What was known before a plan (the exposures the audit does not blame on it) must not rest on any
+one party's word (M-233): neither on one site's opening nor on the coordinator's `release`
+statements, which the members of a made-up round are not there to contradict. Only a release
+that every one of its survivors signed, the same release in an opening each
+(:func:`witnessed_releases`), and the rounds this site helped unmask itself count as known
+before (``known`` in :func:`afl.client.policy.loghistory.whole_history_problem`); every other
+release counts as released only, which can make the audit stricter and never more lenient.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -43,7 +47,16 @@ from afl.crypto.transparency.statements import (
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["OpeningPublication", "opened_releases", "opening_of"]
+__all__ = ["Opened", "OpeningPublication", "opened_releases", "opening_of", "witnessed_releases"]
+
+
+class Opened(NamedTuple):
+    """An opening of the log that verified (:func:`opened_releases`): its signer, the plan's
+    SHA-256 (hex) and the release it states."""
+
+    site: str
+    plan_sha256: str
+    release: Mapping[str, Any]
 
 
 def opening_of(
@@ -80,15 +93,16 @@ def opened_releases(
     federation: str,
     keys: Mapping[str, Ed25519PublicKey],
     verified: set[str] | None = None,
-) -> list[Mapping[str, Any]]:
-    """The release fields of every `opening` statement of the log that is well formed (a
-    release as :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan
-    the log holds (its round id and SHA-256), lists the site it names among the survivors, and
-    verifies under that site's key in ``keys`` (the roster). ``verified``: the statements
-    (their fields as canonical JSON, signature included) already verified, skipped and extended
-    (a daemon keeps one set, so each statement is verified once)."""
+) -> list[Opened]:
+    """Every `opening` statement of the log that is well formed (its release as
+    :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan the log holds
+    (its round id and SHA-256), lists the site it names among the survivors, and verifies under
+    that site's key in ``keys`` (the roster): its signer, plan digest and release fields.
+    ``verified``: the statements (their fields as canonical JSON, signature included) already
+    verified, skipped and extended (a daemon keeps one set, so each statement is verified
+    once)."""
     plans = {(f.get("round_id"), f.get("plan_sha256")) for kind, f in statements if kind == "plan"}
-    out: list[Mapping[str, Any]] = []
+    out: list[Opened] = []
     for kind, fields in statements:
         if kind != "opening":
             continue
@@ -123,8 +137,24 @@ def opened_releases(
                 continue
             if verified is not None:
                 verified.add(seen)
-        out.append(release)
+        out.append(Opened(str(site), digest, release))
     return out
+
+
+def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
+    """The releases of ``opened`` (:func:`opened_releases`) that every survivor they name
+    signed: the same release fields of the same plan in an opening of each. No party's word
+    alone makes one: a coordinator cannot sign for a site, and a site that states survivors
+    other than the round's real ones would need each of them to sign the same false list."""
+    signers: dict[str, set[str]] = {}
+    releases: dict[str, Mapping[str, Any]] = {}
+    for o in opened:
+        key = json.dumps([o.plan_sha256, o.release], sort_keys=True, separators=(",", ":"))
+        signers.setdefault(key, set()).add(o.site)
+        releases[key] = o.release
+    return [
+        release for key, release in releases.items() if set(release["survivors"]) <= signers[key]
+    ]
 
 
 def _well_formed(release: Mapping[str, Any]) -> bool:

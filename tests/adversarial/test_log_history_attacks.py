@@ -18,7 +18,14 @@
   which joined after run 1, finds a release of that round id in the log and refuses the plan (a
   round id is planned once, M-206), with site-5 (a witness only) completing the log quorum.
 
-Nothing of either run 2 is uploaded or unmasked: the coordinator's loot holds run 1's sums only.
+* ``fake-release``: runs over {1,2,5} and {3,4} are published, and the coordinator logs a
+  release of a made-up round over site-5 alone; the run over {1,2,3,4} would give site-5's
+  statistics as G(125) - G(1234) + G(34). Judged with the made-up release as known before, the
+  plan would add nothing; the sites count as known before only releases that every survivor
+  signed an opening of (M-233), and refuse it naming site-5 and the two real rounds.
+
+Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
+sums only.
 """
 
 from __future__ import annotations
@@ -216,3 +223,42 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
     assert store.uploads(reused.round_id) == {}
     taken = _loot(loot)
     assert taken and all(name.startswith("run-1/") for name in taken), sorted(taken)
+
+
+def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
+    v = "site-5"
+    loop = federation(
+        tmp_path,
+        "mask",
+        sites=5,
+        serve=True,
+        round_settings={"min_participants": 2, "participants": ["site-1", "site-2", v]},
+        policy={"min_cohort": 2, "witness_quorum": 2},  # runs of two are their own quorum
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("fake-release", loot))
+        daemons.start_clients()
+        assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
+        daemons.submit(_participants("site-3", "site-4"), name="C, D")
+        assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
+        daemons.submit(_participants(*SITES[:4]), name="A, B, C, D")
+        third = daemons.wait_run("run-3")
+        assert third.state == "aborted", daemons.log_tail()
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    first, second = (store.rounds(r)[0].round_id for r in ("run-1", "run-2"))
+    statements = _statements(loop, store)
+    made_up = [f for kind, f in statements if kind == "release" and f["run_id"] == "run-0"]
+    assert [(f["round_id"], f["survivors"]) for f in made_up] == [(f"{first}-made-up", [v])]
+    assert not [r for r in store.rounds() if r.round_id == f"{first}-made-up"]
+    refused = _refusals("run-3", store)
+    assert refused and set(refused) <= set(SITES[:4]), (refused, daemons.log_tail())
+    for reason in refused.values():
+        assert "would expose" in reason and v in reason and "M-206" in reason, reason
+        assert f"{first}/gram[all]" in reason and f"{second}/gram[all]" in reason, reason
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0
+    assert not [name for name in _loot(loot) if name.startswith("run-3/")], sorted(_loot(loot))
