@@ -40,7 +40,7 @@ from afl.server.store import Store
 from tests.adversarial import malicious_server
 from tests.e2e.faults.harness import federation
 from tests.e2e.processes import Daemons
-from tests.e2e.test_whole_history_audit import _participants, _refusals, _store
+from tests.e2e.test_whole_history_audit import _participants, _refusals, _store, separate_views
 
 SITES = tuple(f"site-{i}" for i in range(1, 6))
 
@@ -227,14 +227,7 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
 
 def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
     v = "site-5"
-    loop = federation(
-        tmp_path,
-        "mask",
-        sites=5,
-        serve=True,
-        round_settings={"min_participants": 2, "participants": ["site-1", "site-2", v]},
-        policy={"min_cohort": 2, "witness_quorum": 2},  # runs of two are their own quorum
-    )
+    loop = separate_views(tmp_path)
     loot = tmp_path / "loot.json"
     daemons = Daemons(loop)
     try:
