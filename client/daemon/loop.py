@@ -38,7 +38,12 @@ from afl.client.daemon.evaluation import (
     is_candidate,
     save_evaluation,
 )
-from afl.client.daemon.opening import OpeningPublication, opened_releases, witnessed_releases
+from afl.client.daemon.opening import (
+    OpeningPublication,
+    counted_releases,
+    opened_releases,
+    witnessed_releases,
+)
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
@@ -462,7 +467,9 @@ class ClientDaemon:
             unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
             # Every release counts; only those no single party's word makes are known before
             # (M-233): this site's own unmasked rounds and releases every survivor opened.
-            rounds = logged_rounds([*statements, *(("release", o.release) for o in opened)])
+            rounds = logged_rounds(
+                [*statements, *(("release", r) for r in counted_releases(opened))]
+            )
             known = logged_rounds(("release", f) for f in (*own, *witnessed_releases(opened)))
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
