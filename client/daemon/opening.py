@@ -174,10 +174,12 @@ def counted_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
     A masked round's release over the survivors its openings state: its sums hold every
     survivor's masked input, whether or not each survivor lived to log its opening. A CKKS
     round's release over the participants that signed an opening of it only: its sums can be
-    decrypted only once every participant's ciphertext is in them, and no site's ciphertext
-    leaves before its opening is in the log, so a round some participants never opened was
-    never decrypted (a round aborted during its uploads is then no sum over sites that never
-    uploaded)."""
+    decrypted only once every participant's ciphertext is in them, and no honest site's
+    ciphertext leaves before its opening is in the log, so a round some participants never
+    opened was decrypted only if those uploaded without one, colluding with the coordinator
+    (the sum's part that this leaves out is theirs, which they know); a round aborted during
+    its uploads is no sum over sites that never uploaded, and re-planning without them adds
+    nothing."""
     out: list[Mapping[str, Any]] = []
     for first, signers in _by_release(opened):
         release = first.release
