@@ -54,6 +54,12 @@ members of the targeted release):
   the last site alone: every later audit would count that site's statistics as exposed before,
   so a plan that really differences them out would not be blamed for it. The coordinator skips
   its own history audits (M-124); unmasked sums go to LOOT as ``<run>/<round>/<release>``.
+* ``unwitness-fake-release`` (mask): ``fake-release``, and the coordinator also refuses to log
+  the last site's (site-5's) `opening` statements: site-5 stops before its consistency
+  signature, but its masked input is already in U3, and the round is unmasked over U3 with the
+  other survivors' signatures (t of them suffice), so run-1's release is real and no longer
+  witnessed by every survivor (M-233). The consistency stage closes without waiting for
+  site-5's signature.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -112,6 +118,7 @@ ATTACKS = (
     "hide-release",
     "reuse-round-id",
     "fake-release",
+    "unwitness-fake-release",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -574,6 +581,30 @@ def _fake_release(loot: Path) -> None:
     RoundMachine._log_stage = faking  # type: ignore[method-assign]
 
 
+def _refuse_last_opening() -> None:
+    """The coordinator does not log site-5's `opening` statements (it answers as if refused)."""
+    from afl.server.coordinator import Coordinator
+    from afl.server.errors import NotPermittedError
+
+    honest = Coordinator.log_opening
+
+    def refusing(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
+        if site_id == "site-5":
+            raise NotPermittedError("the coordinator does not log this opening")
+        return honest(self, site_id, request, **kw)
+
+    Coordinator.log_opening = refusing  # type: ignore[method-assign]
+    close = MaskMode._close
+
+    def closing(stage: int, state: Any) -> int:
+        following = close(stage, state)
+        if following == pb.ROUND_STAGE_CONSISTENCY_CHECK:
+            state.expected.discard("site-5")  # no wait for the signature it cannot send
+        return following
+
+    MaskMode._close = staticmethod(closing)  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -604,8 +635,10 @@ def main() -> int:
         _hide_release(loot)
     if attack == "reuse-round-id":
         _reuse_round_id(loot)
-    if attack == "fake-release":
+    if attack in ("fake-release", "unwitness-fake-release"):
         _fake_release(loot)
+    if attack == "unwitness-fake-release":
+        _refuse_last_opening()
     return daemon.main(args)
 
 
