@@ -60,6 +60,10 @@ members of the targeted release):
   other survivors' signatures (t of them suffice), so run-1's release is real and no longer
   witnessed by every survivor (M-233). The consistency stage closes without waiting for
   site-5's signature.
+* ``drop-at-upload`` (mask): the coordinator refuses site-8's masked input (as if it dropped
+  out; site-8 takes part in run-3 only) and closes the upload stage without it, so run-3's round is unmasked over the
+  other participants; it skips its own history audits (M-124, before unmasking too); unmasked
+  sums go to LOOT as ``<run>/<round>/<release>``.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -119,6 +123,7 @@ ATTACKS = (
     "reuse-round-id",
     "fake-release",
     "unwitness-fake-release",
+    "drop-at-upload",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -605,6 +610,28 @@ def _refuse_last_opening() -> None:
     MaskMode._close = staticmethod(closing)  # type: ignore[method-assign]
 
 
+def _drop_at_upload(loot: Path) -> None:
+    """A round is unmasked without site-8's masked input (site-8 takes part in run-3 only)."""
+    _record_unmasked(loot, by_round=True)
+    _skip_history_audits()
+    check_upload, close = MaskMode.check_upload, MaskMode._close
+    dropped = "site-8"
+
+    def ignoring(self: MaskMode, view: Any, ctx: Any, *, site_id: str, **kw: Any) -> None:
+        if site_id == dropped:
+            raise InvalidRequestError("masked input refused")  # the coordinator drops it
+        check_upload(self, view, ctx, site_id=site_id, **kw)
+
+    def closing(stage: int, state: Any) -> int:
+        following = close(stage, state)
+        if following == pb.ROUND_STAGE_UPLOAD:
+            state.expected.discard(dropped)  # no wait for the input it refuses
+        return following
+
+    MaskMode.check_upload = ignoring  # type: ignore[method-assign]
+    MaskMode._close = staticmethod(closing)  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -637,6 +664,8 @@ def main() -> int:
         _reuse_round_id(loot)
     if attack in ("fake-release", "unwitness-fake-release"):
         _fake_release(loot)
+    if attack == "drop-at-upload":
+        _drop_at_upload(loot)
     if attack == "unwitness-fake-release":
         _refuse_last_opening()
     return daemon.main(args)
