@@ -835,6 +835,19 @@ class ClientDaemon:
             if plan.aggregation == cpb.AGGREGATION_MODE_MASK
             else None
         )
+        # In CKKS the opening (over every participant) is logged and waited for while the site
+        # encrypts, before its first statistic leaves (M-232).
+        opened = (
+            self._ckks_opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
+            if plan.aggregation == cpb.AGGREGATION_MODE_CKKS
+            else None
+        )
+        waits = [b.wait for b in (publication, opened) if b is not None]
+
+        def before_statistics() -> None:
+            for wait in waits:
+                wait()
+
         t0 = time.perf_counter()
         try:
             session = self.round_session(
@@ -844,7 +857,7 @@ class ClientDaemon:
                 survivor_floors=decision.survivor_floors,
                 graph_nonce=graph_nonce,
                 covered=bool(decision.audit.get("covered_by_dp")),
-                before_statistics=publication.wait if publication is not None else None,
+                before_statistics=before_statistics if waits else None,
                 opening=opening,
             )
             records = mode.exchange(
@@ -854,8 +867,9 @@ class ClientDaemon:
             # No thread outlives the round. Its error shows at the first upload; if the exchange
             # failed first, the exchange's error is raised, unless the log showed a split view
             # or other evidence, which stops the site whatever else went wrong.
-            if publication is not None:
-                publication.join(raising=LogEvidence)
+            for thread in (publication, opened):
+                if thread is not None:
+                    thread.join(raising=LogEvidence)
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -933,10 +947,16 @@ class ClientDaemon:
         return wait_s, min(t.poll_interval_s, QUORUM_POLL_S), t.max_poll_interval_s
 
     def _opening(
-        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
+        self,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        *,
+        stage_timeout_s: float,
+        withheld: str = "no unmask share is sent",
     ) -> OpeningPublication:
-        """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), logged from
-        the survivors check and waited for before the unmask shares (:meth:`_quorum_polling`)."""
+        """The round's `opening` statement (:mod:`afl.client.daemon.opening`): in MASK logged
+        from the survivors check and waited for before the unmask shares
+        (:meth:`_quorum_polling`)."""
         wait_s, poll_s, max_poll_s = self._quorum_polling(stage_timeout_s)
         return OpeningPublication(
             self.log_witness,
@@ -947,7 +967,24 @@ class ClientDaemon:
             quorum_wait=lambda **step: self.log_witness.quorum_problem(
                 self.rpc.call, wait_s=wait_s, poll_s=poll_s, max_poll_s=max_poll_s, **step
             ),
+            withheld=withheld,
         )
+
+    def _ckks_opening(
+        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
+    ) -> Background[None]:
+        """The CKKS round's `opening` over every participant (a CKKS sum holds them all, or the
+        round aborts), logged and waited for in a thread from the upload stage on; the uploads
+        wait for it."""
+        opening = self._opening(
+            plan, plan_sha256, stage_timeout_s=stage_timeout_s, withheld="no statistic is sent"
+        )
+
+        def publish() -> None:
+            opening.start(plan.participants)
+            opening.wait()
+
+        return Background(publish, name=f"opening-{plan.round_id}")
 
     def _replay_problem(
         self, status: pb.RoundStatus, plan: cpb.ReleasePlan, plan_sha: bytes

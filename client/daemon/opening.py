@@ -1,5 +1,6 @@
 """A site's `opening` statement: its signed word, in the federation log, that it helps unmask a
-masked round's sums over the survivors it signed (docs/protocol.md §11a, M-232).
+masked round's sums over the survivors it signed, or that its ciphertexts enter a CKKS round's
+sums over every participant (docs/protocol.md §11a, M-232).
 
 A coordinator that unmasks a round and then leaves its `release` statement out of the log (or
 aborts the round and says nothing) would hide that release from every site that did not help
@@ -10,7 +11,9 @@ release as the site knows it (round, run, the survivors it signed, every planned
 consistency signature; at the unmask stage it waits, as for a plan (M-193), until the statement
 is in a checkpoint cosigned by a quorum of the roster (:class:`OpeningPublication`). No share
 leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
-quorum's view needs a colluding quorum.
+quorum's view needs a colluding quorum. A CKKS site logs the same statement over every
+participant as its upload stage begins and sends its first ciphertext only once the statement is
+in such a checkpoint: the coordinator that has the round decrypted cannot hide it either.
 
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
@@ -166,15 +169,17 @@ def _well_formed(release: Mapping[str, Any]) -> bool:
 
 
 class OpeningPublication:
-    """One masked round's opening (module docstring). :meth:`start` logs it when the site has
-    checked the survivors, before its consistency signature leaves, so every survivor's opening
-    is in the log once the coordinator has their signatures and opens the unmask stage;
+    """One round's opening (module docstring). In ``mask``, :meth:`start` logs it when the site
+    has checked the survivors, before its consistency signature leaves, so every survivor's
+    opening is in the log once the coordinator has their signatures and opens the unmask stage;
     :meth:`wait`, at that stage and before any unmask share is computed, returns once the
     statement is in a quorum-cosigned checkpoint (:class:`DaemonError` naming the cause when
     it is not). Waiting there, every survivor cosigns the same checkpoint, the one holding all
     their openings: a quorum gathers on it at once, where survivors waiting from the moment
     each logged its own would cosign a checkpoint per opening, and those that found their
-    quorum early would stop cosigning before the last openings were in."""
+    quorum early would stop cosigning before the last openings were in. In ``ckks`` the site
+    starts it over every participant as its upload stage begins (while it encrypts) and waits
+    for it before its first statistic leaves (``withheld``: what is not sent until then)."""
 
     def __init__(
         self,
@@ -185,10 +190,11 @@ class OpeningPublication:
         plan: cpb.ReleasePlan,
         plan_sha256: bytes,
         quorum_wait: Callable[..., tuple[str, pb.CosignedLogCheckpoint | None]],
+        withheld: str = "no unmask share is sent",
     ) -> None:
         self.witness, self.call, self.key = witness, call, key
         self.plan, self.plan_sha256 = plan, plan_sha256
-        self.quorum_wait = quorum_wait
+        self.quorum_wait, self.withheld = quorum_wait, withheld
         self.what = f"this site's opening of round {plan.round_id}"
         self.statement = b""
 
@@ -205,13 +211,13 @@ class OpeningPublication:
             self.call("RecordOpening", pb.Opening(statement=statement))
         except DaemonError as exc:
             raise DaemonError(
-                f"the coordinator did not log {self.what} ({exc}): no unmask share is sent"
+                f"the coordinator did not log {self.what} ({exc}): {self.withheld}"
             ) from exc
         self.statement = statement
 
     def wait(self) -> None:
         if not self.statement:
-            raise DaemonError("no opening was logged for the survivors: no unmask share is sent")
+            raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
         problem, _ = self.quorum_wait(statement=self.statement, what=self.what)
         if problem:
-            raise DaemonError(f"{problem}: no unmask share is sent")
+            raise DaemonError(f"{problem}: {self.withheld}")

@@ -49,6 +49,12 @@ members of the targeted release):
   coordinator skips its own history audits (M-124: at submission, at plan time and before
   unmasking), as if the two rounds were one release; unmasked sums go to LOOT as
   ``<run>/<round>/<release>``.
+* ``hide-release-ckks`` (ckks): the same as ``hide-release`` in a CKKS federation: run-1's
+  round is decrypted (every release's sum kept in LOOT as ``<run>/<round>/<release>``), then
+  aborted with no `release` statement; later runs are served honestly.
+* ``refuse-opening`` (any mode): the coordinator logs no `opening` statement (RecordOpening
+  is refused), so the openings every site logs before its statistics (ckks) or unmask shares
+  (mask) never reach the log.
 * ``fake-release`` (mask): once run-1's round is published, the coordinator also logs a
   `release` statement of a round that never existed (run-0), stating run-1's releases over
   the last site alone: every later audit would count that site's statistics as exposed before,
@@ -122,6 +128,8 @@ ATTACKS = (
     "hide-release",
     "reuse-round-id",
     "fake-release",
+    "hide-release-ckks",
+    "refuse-opening",
     "unwitness-fake-release",
     "drop-at-upload",
 )
@@ -504,6 +512,40 @@ def _hide_release(loot: Path) -> None:
     MaskMode.drive = hiding  # type: ignore[method-assign]
 
 
+def _hide_release_ckks(loot: Path) -> None:
+    """A CKKS round whose sums were decrypted is aborted, and nothing of it is released."""
+    from afl.core.aggregation import AggregationError
+
+    honest = CkksMode.sums
+
+    def hiding(self: CkksMode, view: Any, ctx: Any) -> Any:
+        sums = honest(self, view, ctx)
+        if sums is None:
+            return sums
+        for name, values in sums.items():
+            _keep(loot, f"{view.row.run_id}/{view.round_id}/{name}", values)
+        if view.row.run_id != "run-1":
+            return sums
+        # The honest coordinator would solve and log the release: neither happens.
+        raise AggregationError("aborted after decrypting")
+
+    CkksMode.sums = hiding  # type: ignore[method-assign]
+
+
+def _refuse_opening(only: str = "") -> None:
+    """The coordinator logs no `opening` statement (``only``: none of that site's)."""
+    from afl.server.coordinator import Coordinator
+
+    honest = Coordinator.log_opening
+
+    def refusing(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
+        if not only or site_id == only:
+            raise InvalidRequestError("this coordinator logs no openings")
+        return honest(self, site_id, request, **kw)
+
+    Coordinator.log_opening = refusing  # type: ignore[method-assign]
+
+
 def _skip_history_audits() -> None:
     """The coordinator's own audits of the federation's history (M-124) look away."""
     from afl.server import runs
@@ -587,18 +629,9 @@ def _fake_release(loot: Path) -> None:
 
 
 def _refuse_last_opening() -> None:
-    """The coordinator does not log site-5's `opening` statements (it answers as if refused)."""
-    from afl.server.coordinator import Coordinator
-    from afl.server.errors import NotPermittedError
-
-    honest = Coordinator.log_opening
-
-    def refusing(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
-        if site_id == "site-5":
-            raise NotPermittedError("the coordinator does not log this opening")
-        return honest(self, site_id, request, **kw)
-
-    Coordinator.log_opening = refusing  # type: ignore[method-assign]
+    """The coordinator does not log site-5's `opening` statements, and closes the consistency
+    check without waiting for its signature."""
+    _refuse_opening(only="site-5")
     close = MaskMode._close
 
     def closing(stage: int, state: Any) -> int:
@@ -664,6 +697,11 @@ def main() -> int:
         _reuse_round_id(loot)
     if attack in ("fake-release", "unwitness-fake-release"):
         _fake_release(loot)
+    if attack == "hide-release-ckks":
+        _hide_release_ckks(loot)
+    if attack == "refuse-opening":
+        _record_decryptions(loot)
+        _refuse_opening()
     if attack == "drop-at-upload":
         _drop_at_upload(loot)
     if attack == "unwitness-fake-release":

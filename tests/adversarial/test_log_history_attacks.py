@@ -11,6 +11,9 @@
   run 2 - run 1 - run 3. Sites 1..3 never took part in run 1 and the coordinator's books hold no
   release of it; they refuse run 3 naming site-4, because sites 5..7 logged their signed
   `opening` statements of run 1 before they sent an unmask share (M-232).
+* ``hide-release-ckks``, separate views in ``ckks``: the same seven-site runs; run 1's round is
+  decrypted and hidden. Sites 1..3 refuse run 3 naming site-4, because sites 5..7 logged their
+  signed openings of run 1 over its participants before their first ciphertext left (M-232).
 * ``reuse-round-id``: run 2's round takes the id of run 1's published round (over {1,2,3}), now
   over {1,2,3,4}, and the coordinator skips its own history audit (its own audit, and a site's
   own history, leave the plan's round id out: the two rounds would look like one release). The
@@ -53,7 +56,7 @@ from afl.server.store import Store
 from tests.adversarial import malicious_server
 from tests.e2e.faults.harness import federation
 from tests.e2e.processes import Daemons
-from tests.e2e.test_whole_history_audit import _participants, _refusals, _store
+from tests.e2e.test_whole_history_audit import _participants, _refusals, _store, separate_views
 
 SITES = tuple(f"site-{i}" for i in range(1, 6))
 
@@ -134,22 +137,24 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
     assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-2")) == 0
 
 
+@pytest.mark.parametrize("mode", ["mask", "ckks"])
 def test_a_hidden_release_reaches_the_audit_of_sites_that_never_took_part_in_it(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     sites = tuple(f"site-{i}" for i in range(1, 8))
     first, last = sites[4:], sites[:3]
     loop = federation(
         tmp_path,
-        "mask",
+        mode,
         sites=7,
         serve=True,
         round_settings={"min_participants": 3, "participants": list(first)},
     )
     loot = tmp_path / "loot.json"
+    attack = "hide-release" if mode == "mask" else "hide-release-ckks"
     daemons = Daemons(loop)
     try:
-        daemons.start_server(command=malicious_server.command("hide-release", loot))
+        daemons.start_server(command=malicious_server.command(attack, loot))
         daemons.start_clients()
         assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
         daemons.submit(_participants(*sites), name="everyone")
@@ -240,14 +245,7 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
 
 def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
     v = "site-5"
-    loop = federation(
-        tmp_path,
-        "mask",
-        sites=5,
-        serve=True,
-        round_settings={"min_participants": 2, "participants": ["site-1", "site-2", v]},
-        policy={"min_cohort": 2, "witness_quorum": 2},  # runs of two are their own quorum
-    )
+    loop = separate_views(tmp_path)
     loot = tmp_path / "loot.json"
     daemons = Daemons(loop)
     try:
