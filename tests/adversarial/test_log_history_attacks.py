@@ -291,14 +291,7 @@ def test_a_made_up_release_does_not_hide_a_round_one_survivor_could_not_open(
     G(125) - G(1234) + G(34), from real releases only: sites 3 and 4 must refuse it (or, with
     another fix, run 1 is not unmasked without site-5's opening)."""
     v = "site-5"
-    loop = federation(
-        tmp_path,
-        "mask",
-        sites=5,
-        serve=True,
-        round_settings={"min_participants": 2, "participants": ["site-1", "site-2", v]},
-        policy={"min_cohort": 2, "witness_quorum": 2},  # runs of two are their own quorum
-    )
+    loop = separate_views(tmp_path)
     loot = tmp_path / "loot.json"
     daemons = Daemons(loop)
     try:
