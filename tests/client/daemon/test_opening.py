@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import numpy as np
 import pytest
 
 from afl.client.daemon.opening import (
@@ -425,3 +426,71 @@ def test_a_ckks_round_counts_over_the_participants_that_opened_it() -> None:
     # one site's claim over others in ckks counts over that site alone, and witnesses nothing
     (alone,) = counted_releases(opened("ckks", "site-3"))
     assert alone["survivors"] == ["site-3"]
+
+
+def _site_audit(
+    opened: list[Opened], statements: list[Any], plan: cpb.ReleasePlan, *, min_cohort: int
+) -> str:
+    """The whole-history audit of ``plan`` as :meth:`ClientDaemon._whole_history` composes it
+    for a site with no masked rounds of its own: every release the log states and every
+    opening counted (:func:`counted_releases`), the openings as the signed part, the witnessed
+    ones as known before."""
+    counted = [("release", r) for r in counted_releases(opened)]
+    problem, _ = whole_history_problem(
+        plan,
+        rounds=logged_rounds([*statements, *counted]),
+        known=logged_rounds(("release", r) for r in witnessed_releases(opened)),
+        signed=logged_rounds(counted),
+        min_cohort=min_cohort,
+    )
+    return problem
+
+
+@pytest.mark.xfail(strict=True, reason="review of 861eb95: a CKKS round counts over its openers")
+def test_a_participant_that_uploads_without_opening_hides_itself_from_a_decrypted_ckks_sum() -> (
+    None
+):
+    """Review of 861eb95 (malicious coordinator, one colluding participant C): the CKKS round
+    r1 over {H, C, A1, A2} is decrypted (every participant's tags and ciphertext are in the sum,
+    which the decryptor checks), but C uploaded without logging an opening; the coordinator
+    aborts r1 after the decryption (no release statement) or states it over {H, A1, A2} (CKKS
+    members check no survivors, M-230). Every audit counts r1 over its openers {H, A1, A2}, so
+    the plan r2 over {C, A1, A2} adds no exposure; yet the two real sums give H's statistics to
+    anyone who holds them: G(H C A1 A2) - G(C A1 A2) = G(H). Counting r1 over every participant
+    its openings state (as db29bb1 did) refuses r2."""
+    sites = ("H", "C", "A1", "A2")
+    r1 = _plan_over("r1", sites)
+    r1.aggregation = cpb.AGGREGATION_MODE_CKKS
+    release = release_fields(r1, survivors=sites)  # what every opening of r1 states
+    opened = [Opened(s, "aa" * 32, "ckks", release) for s in ("H", "A1", "A2")]
+    r2 = _plan_over("r2", ("C", "A1", "A2"))
+    # the oracle: the two real sums, on generated Gram matrices
+    rng = np.random.default_rng(7)
+    gram = {s: (lambda x: x.T @ x)(rng.normal(size=(6, 3))) for s in sites}
+    real_r1, real_r2 = sum(gram[s] for s in sites), sum(gram[s] for s in ("C", "A1", "A2"))
+    assert np.allclose(real_r1 - real_r2, gram["H"])
+    aborted: list[Any] = []
+    misstated = [_released("r1", sites, ("H", "A1", "A2"))]
+    for statements in (aborted, misstated):
+        problem = _site_audit(opened, statements, r2, min_cohort=3)
+        assert "would expose" in problem and "H" in problem, problem
+
+
+@pytest.mark.xfail(strict=True, reason="review of 861eb95: a CKKS round counts over its openers")
+def test_a_ckks_site_lost_before_its_opening_does_not_stop_every_later_plan() -> None:
+    """Review of 861eb95 (liveness, no attacker needed): the CKKS round r1 over {1, 2, 3}
+    (min_cohort 3) aborts because site-3 is lost before its opening (a crash, or one malicious
+    site that never opens); sites 1 and 2 had logged theirs. r1 was never decrypted, but every
+    audit counts it over its openers {1, 2}: a sum of a group below min_cohort that the
+    signed history determines and the witnessed history (empty) does not. Each later plan is
+    then refused for it: r1 again over {1, 2, 3} once site-3 is back, or a plan over sites
+    that never took part in r1, so the federation never publishes again. (Before 861eb95 r1
+    counted over {1, 2, 3}: no such group.)"""
+    sites = ("site-1", "site-2", "site-3")
+    r1 = _plan_over("r1", sites)
+    r1.aggregation = cpb.AGGREGATION_MODE_CKKS
+    release = release_fields(r1, survivors=sites)
+    opened = [Opened(s, "aa" * 32, "ckks", release) for s in sites[:2]]
+    for later in (sites, ("site-4", "site-5", "site-6")):
+        problem = _site_audit(opened, [], _plan_over("r2", later), min_cohort=3)
+        assert problem == "", (later, problem)
