@@ -39,6 +39,11 @@
   site-8's masked input: unmasked over {1,2,3,4} it would give site-5's statistics as
   G(567) - G(123467) + G(1234). The survivors audit the sums as they would be unmasked with
   the log's whole history again before they sign the survivors (M-206), and refuse.
+* ``hide-release-ckks`` with a colluding participant (review of 861eb95, strict xfail): eight
+  sites, min cohort 2; run 1 over {5,6,7,8} is decrypted and hidden, and site-8
+  (tests/adversarial/unopened_client.py) uploaded without logging its opening, so the audits
+  count run 1 over {5,6,7}; after run 2 over all eight, run 3 over {1,2,3} looks like
+  G(4) + G(8), yet the real sums give site-4 alone. It is published today.
 
 Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
 sums only.
@@ -50,13 +55,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from afl.crypto.transparency.statements import decode_statement
 from afl.lab.demo.federation import LoopbackFederation
 from afl.server.store import Store
-from tests.adversarial import malicious_server
+from tests.adversarial import malicious_server, unopened_client
 from tests.e2e.faults.harness import federation
+from tests.e2e.loopback import cached_statistics
 from tests.e2e.processes import Daemons
 from tests.e2e.test_whole_history_audit import _participants, _refusals, _store, separate_views
 
@@ -77,7 +84,11 @@ def _loot(path: Path) -> dict[str, list[float]]:
 
 
 def _hidden(
-    loop: LoopbackFederation, loot: Path, *, opened_by: tuple[str, ...]
+    loop: LoopbackFederation,
+    loot: Path,
+    *,
+    opened_by: tuple[str, ...],
+    survivors: tuple[str, ...] = (),
 ) -> tuple[Store, Any, dict[str, list[float]], list[tuple[str, dict[str, Any]]]]:
     """The store, run-1's round, the loot and the log's statements, once checked that the attack
     happened (the coordinator unmasked run 1's sums and the log has no release statement of it)
@@ -97,7 +108,8 @@ def _hidden(
         if kind == "opening" and f["release"]["round_id"] == hidden.round_id
     ]
     assert sorted(str(f["site"]) for f in openings) == sorted(opened_by), statements
-    assert all(f["release"]["survivors"] == sorted(opened_by) for f in openings), openings
+    stated = sorted(survivors or opened_by)
+    assert all(f["release"]["survivors"] == stated for f in openings), openings
     return store, hidden, taken, statements
 
 
@@ -361,4 +373,55 @@ def test_a_made_up_drop_out_does_not_difference_a_site_through_the_log_s_history
     store = _store(loop)
     assert not _refusals("run-3", store)  # the plan adds nothing to the history as planned
     taken = _loot(loot)
+    assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
+
+
+@pytest.mark.xfail(strict=True, reason="review of 861eb95: a CKKS round counts over its openers")
+def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audit(
+    tmp_path: Path,
+) -> None:
+    """Review of 861eb95: ``hide-release-ckks`` with one colluding participant, eight sites,
+    min cohort 2. Run 1 over {5,6,7,8} is decrypted and hidden; site-8 (the colluder,
+    tests/adversarial/unopened_client.py) uploaded without logging its opening, so every
+    audit counts run 1 over its openers {5,6,7}. Run 2 over all eight is published; run 3 over
+    {1,2,3} then looks like G(1..8) - G(567) - G(123) = G(4) + G(8), a group min cohort 2
+    allows, while the real sums give site-4 alone: G(1..8) - G(5678) - G(123). Sites 1..3 must
+    refuse run 3 naming site-4."""
+    sites = tuple(f"site-{i}" for i in range(1, 9))
+    first = sites[4:]
+    loop = federation(
+        tmp_path,
+        "ckks",
+        sites=8,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": list(first)},
+        policy={"min_cohort": 2},
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("hide-release-ckks", loot))
+        daemons.start_clients(commands={"site-8": unopened_client.command()})
+        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*sites), name="everyone")
+        everyone = daemons.wait_run("run-2")
+        assert everyone.state == "published", (everyone, daemons.log_tail())
+        daemons.submit(_participants(*sites[:3]), name="three of the first four")
+        third = daemons.wait_run("run-3")
+    finally:
+        daemons.stop()
+
+    store, _, taken, _ = _hidden(loop, loot, opened_by=first[:3], survivors=first)
+    if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
+        gram = {k.split("/")[0]: np.array(v) for k, v in taken.items() if k.endswith("/gram[all]")}
+        leaked = gram["run-2"] - gram["run-1"] - gram["run-3"]
+        (own,), _ = cached_statistics(loop, ["site-4"])
+        d = own.gram.shape[0]
+        full = own.gram.ravel() if leaked.size == d * d else own.gram[np.triu_indices(d)]
+        assert np.allclose(leaked, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
+    assert third.state == "aborted", (third, daemons.log_tail())
+    refused = _refusals("run-3", store)
+    assert refused and set(refused) <= set(sites[:3]), (refused, daemons.log_tail())
+    for reason in refused.values():
+        assert "would expose" in reason and "site-4" in reason, reason
     assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
