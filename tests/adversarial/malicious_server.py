@@ -70,6 +70,11 @@ members of the targeted release):
   out; site-8 takes part in run-3 only) and closes the upload stage without it, so run-3's round is unmasked over the
   other participants; it skips its own history audits (M-124, before unmasking too); unmasked
   sums go to LOOT as ``<run>/<round>/<release>``.
+* ``skip-review-ckks`` (ckks): ``hide-release-ckks``, and the coordinator tells run-3's
+  participants that they already accepted its plan (``RoundStatus.caller_accepted_plan``, from
+  decisions it makes up for them), so its round opens its upload stage at once: a site that
+  believes it (a site restarted after it accepted) skips the plan's log check and its
+  whole-history audit (docs/protocol.md M-193, M-206).
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -132,6 +137,7 @@ ATTACKS = (
     "refuse-opening",
     "unwitness-fake-release",
     "drop-at-upload",
+    "skip-review-ckks",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -532,6 +538,30 @@ def _hide_release_ckks(loot: Path) -> None:
     CkksMode.sums = hiding  # type: ignore[method-assign]
 
 
+def _accepted_for_them(run_id: str) -> None:
+    """Every participant of ``run_id``'s rounds has accepted their plan, says the coordinator."""
+    from afl.server.store import Store
+
+    decisions, decision = Store.decisions, Store.decision
+
+    def ours(store: Store, round_id: str) -> bool:
+        row = store.round(round_id)
+        return row is not None and row.run_id == run_id
+
+    def made_up(self: Store, round_id: str) -> dict[str, tuple[bool, str]]:
+        if not ours(self, round_id):
+            return decisions(self, round_id)
+        row = self.round(round_id)
+        assert row is not None
+        return {s: (True, "") for s in row.participants}
+
+    def one(self: Store, round_id: str, site_id: str) -> tuple[bool, str] | None:
+        return (True, "") if ours(self, round_id) else decision(self, round_id, site_id)
+
+    Store.decisions = made_up  # type: ignore[method-assign]
+    Store.decision = one  # type: ignore[method-assign]
+
+
 def _refuse_opening(only: str = "") -> None:
     """The coordinator logs no `opening` statement (``only``: none of that site's)."""
     from afl.server.coordinator import Coordinator
@@ -697,8 +727,10 @@ def main() -> int:
         _reuse_round_id(loot)
     if attack in ("fake-release", "unwitness-fake-release"):
         _fake_release(loot)
-    if attack == "hide-release-ckks":
+    if attack in ("hide-release-ckks", "skip-review-ckks"):
         _hide_release_ckks(loot)
+    if attack == "skip-review-ckks":
+        _accepted_for_them("run-3")
     if attack == "refuse-opening":
         _record_decryptions(loot)
         _refuse_opening()

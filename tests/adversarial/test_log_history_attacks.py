@@ -44,6 +44,9 @@
   (tests/adversarial/unopened_client.py) uploaded without logging its opening, so the audits
   count run 1 over {5,6,7}; after run 2 over all eight, run 3 over {1,2,3} looks like
   G(4) + G(8), yet the real sums give site-4 alone. It is published today.
+* ``skip-review-ckks`` (review, strict xfail): the seven-site ckks runs; for run 3 the
+  coordinator reports that each participant already accepted the plan, so the daemons skip
+  their plan review (log check, whole-history audit) and upload; site-4's Gram follows.
 
 Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
 sums only.
@@ -376,6 +379,17 @@ def test_a_made_up_drop_out_does_not_difference_a_site_through_the_log_s_history
     assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
 
 
+def _assert_gram_of(site: str, loop: LoopbackFederation, taken: dict[str, list[float]]) -> None:
+    """The loot's Gram sums of runs 1..3 (one round each) give ``site``'s own Gram as
+    G(run 2) - G(run 1) - G(run 3): checked against the site's cached statistics."""
+    gram = {k.split("/")[0]: np.array(v) for k, v in taken.items() if k.endswith("/gram[all]")}
+    leaked = gram["run-2"] - gram["run-1"] - gram["run-3"]
+    (own,), _ = cached_statistics(loop, [site])
+    d = own.gram.shape[0]
+    full = own.gram.ravel() if leaked.size == d * d else own.gram[np.triu_indices(d)]
+    assert np.allclose(leaked, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
+
+
 @pytest.mark.xfail(strict=True, reason="review of 861eb95: a CKKS round counts over its openers")
 def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audit(
     tmp_path: Path,
@@ -413,15 +427,51 @@ def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audi
 
     store, _, taken, _ = _hidden(loop, loot, opened_by=first[:3], survivors=first)
     if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
-        gram = {k.split("/")[0]: np.array(v) for k, v in taken.items() if k.endswith("/gram[all]")}
-        leaked = gram["run-2"] - gram["run-1"] - gram["run-3"]
-        (own,), _ = cached_statistics(loop, ["site-4"])
-        d = own.gram.shape[0]
-        full = own.gram.ravel() if leaked.size == d * d else own.gram[np.triu_indices(d)]
-        assert np.allclose(leaked, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
+        _assert_gram_of("site-4", loop, taken)
     assert third.state == "aborted", (third, daemons.log_tail())
     refused = _refusals("run-3", store)
     assert refused and set(refused) <= set(sites[:3]), (refused, daemons.log_tail())
     for reason in refused.values():
         assert "would expose" in reason and "site-4" in reason, reason
     assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="review: a site trusts the coordinator's caller_accepted_plan"
+)
+def test_a_coordinator_that_says_a_site_accepted_does_not_skip_its_whole_history_audit(
+    tmp_path: Path,
+) -> None:
+    """Review (older than M-232): ``skip-review-ckks``, the seven-site runs of the hidden
+    release test in ``ckks``. For run 3 over {1,2,3}, which every one of them refuses when it
+    reviews the plan, the coordinator reports that each already accepted (a site restarted
+    after it accepted is told the same): the daemon then skips its plan review, the log check
+    and the whole-history audit (``reviewing`` in ClientDaemon.run_round), checks the plan
+    against its own history only, and uploads. Run 3 must not be decrypted."""
+    sites = tuple(f"site-{i}" for i in range(1, 8))
+    first, last = sites[4:], sites[:3]
+    loop = federation(
+        tmp_path,
+        "ckks",
+        sites=7,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": list(first)},
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("skip-review-ckks", loot))
+        daemons.start_clients()
+        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*sites), name="everyone")
+        everyone = daemons.wait_run("run-2")
+        assert everyone.state == "published", (everyone, daemons.log_tail())
+        daemons.submit(_participants(*last), name="three of the first four")
+        third = daemons.wait_run("run-3")
+    finally:
+        daemons.stop()
+
+    _, _, taken, _ = _hidden(loop, loot, opened_by=first)
+    if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
+        _assert_gram_of("site-4", loop, taken)
+    assert not [name for name in taken if name.startswith("run-3/")], (third, sorted(taken))
