@@ -154,34 +154,52 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
     assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-2")) == 0
 
 
+def _hidden_then_three(
+    tmp_path: Path,
+    mode: str,
+    attack: str,
+    *,
+    sites: int = 7,
+    policy: dict[str, Any] | None = None,
+    commands: dict[str, tuple[str, ...]] | None = None,
+) -> tuple[LoopbackFederation, Path, Daemons, Any]:
+    """The separate-views runs of ``attack``: run 1 over sites 5 and up (hidden), run 2 over every
+    site (published), run 3 over sites 1..3; the federation, the loot, the (stopped) daemons
+    and run 3's outcome."""
+    everyone = tuple(f"site-{i}" for i in range(1, sites + 1))
+    loop = federation(
+        tmp_path,
+        mode,
+        sites=sites,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": list(everyone[4:])},
+        policy=policy,
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command(attack, loot))
+        daemons.start_clients(commands=commands)
+        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*everyone), name="everyone")
+        second = daemons.wait_run("run-2")
+        assert second.state == "published", (second, daemons.log_tail())
+        daemons.submit(_participants(*everyone[:3]), name="three of the first four")
+        third = daemons.wait_run("run-3")
+    finally:
+        daemons.stop()
+    return loop, loot, daemons, third
+
+
 @pytest.mark.parametrize("mode", ["mask", "ckks"])
 def test_a_hidden_release_reaches_the_audit_of_sites_that_never_took_part_in_it(
     tmp_path: Path, mode: str
 ) -> None:
     sites = tuple(f"site-{i}" for i in range(1, 8))
     first, last = sites[4:], sites[:3]
-    loop = federation(
-        tmp_path,
-        mode,
-        sites=7,
-        serve=True,
-        round_settings={"min_participants": 3, "participants": list(first)},
-    )
-    loot = tmp_path / "loot.json"
     attack = "hide-release" if mode == "mask" else "hide-release-ckks"
-    daemons = Daemons(loop)
-    try:
-        daemons.start_server(command=malicious_server.command(attack, loot))
-        daemons.start_clients()
-        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
-        daemons.submit(_participants(*sites), name="everyone")
-        everyone = daemons.wait_run("run-2")
-        assert everyone.state == "published", (everyone, daemons.log_tail())
-        daemons.submit(_participants(*last), name="three of the first four")
-        third = daemons.wait_run("run-3")
-        assert third.state == "aborted", daemons.log_tail()
-    finally:
-        daemons.stop()
+    loop, loot, daemons, third = _hidden_then_three(tmp_path, mode, attack)
+    assert third.state == "aborted", daemons.log_tail()
 
     store, hidden, taken, _ = _hidden(loop, loot, opened_by=first)
 
@@ -403,27 +421,14 @@ def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audi
     refuse run 3 naming site-4."""
     sites = tuple(f"site-{i}" for i in range(1, 9))
     first = sites[4:]
-    loop = federation(
+    loop, loot, daemons, third = _hidden_then_three(
         tmp_path,
         "ckks",
+        "hide-release-ckks",
         sites=8,
-        serve=True,
-        round_settings={"min_participants": 3, "participants": list(first)},
         policy={"min_cohort": 2},
+        commands={"site-8": unopened_client.command()},
     )
-    loot = tmp_path / "loot.json"
-    daemons = Daemons(loop)
-    try:
-        daemons.start_server(command=malicious_server.command("hide-release-ckks", loot))
-        daemons.start_clients(commands={"site-8": unopened_client.command()})
-        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
-        daemons.submit(_participants(*sites), name="everyone")
-        everyone = daemons.wait_run("run-2")
-        assert everyone.state == "published", (everyone, daemons.log_tail())
-        daemons.submit(_participants(*sites[:3]), name="three of the first four")
-        third = daemons.wait_run("run-3")
-    finally:
-        daemons.stop()
 
     store, _, taken, _ = _hidden(loop, loot, opened_by=first[:3], survivors=first)
     if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
@@ -448,29 +453,8 @@ def test_a_coordinator_that_says_a_site_accepted_does_not_skip_its_whole_history
     after it accepted is told the same): the daemon then skips its plan review, the log check
     and the whole-history audit (``reviewing`` in ClientDaemon.run_round), checks the plan
     against its own history only, and uploads. Run 3 must not be decrypted."""
-    sites = tuple(f"site-{i}" for i in range(1, 8))
-    first, last = sites[4:], sites[:3]
-    loop = federation(
-        tmp_path,
-        "ckks",
-        sites=7,
-        serve=True,
-        round_settings={"min_participants": 3, "participants": list(first)},
-    )
-    loot = tmp_path / "loot.json"
-    daemons = Daemons(loop)
-    try:
-        daemons.start_server(command=malicious_server.command("skip-review-ckks", loot))
-        daemons.start_clients()
-        assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
-        daemons.submit(_participants(*sites), name="everyone")
-        everyone = daemons.wait_run("run-2")
-        assert everyone.state == "published", (everyone, daemons.log_tail())
-        daemons.submit(_participants(*last), name="three of the first four")
-        third = daemons.wait_run("run-3")
-    finally:
-        daemons.stop()
-
+    first = tuple(f"site-{i}" for i in range(5, 8))
+    loop, loot, _, third = _hidden_then_three(tmp_path, "ckks", "skip-review-ckks")
     _, _, taken, _ = _hidden(loop, loot, opened_by=first)
     if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
         _assert_gram_of("site-4", loop, taken)
