@@ -27,8 +27,11 @@ resume the round (the server keeps the first tags; the round then times out and 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -155,7 +158,10 @@ class CkksMode:
         already_complete: Collection[str] = (),
     ) -> list[UploadRecord]:
         plan = session.plan
+        start = time.perf_counter()
         ctx, ann = fetch_public_context(session, session.peer_keys)
+        session.timings["ckks_context"] = time.perf_counter() - start
+        start = time.perf_counter()
         todo = [p for p in payloads if p.slot not in already_complete]
         tags = {p.slot: ckks.new_tag(num_summands=_slot_release(plan, p.slot)[1]) for p in todo}
         if todo:
@@ -184,19 +190,68 @@ class CkksMode:
                     sealed=wire.sealed_tags_to_proto(sealed, decryptor=ann.decryptor_site_id),
                 ),
             )
-        records = []
-        for item in payloads:
-            if item.slot in already_complete:
-                records.append(skipped_record(item))
-                continue
-            prescale, k = _slot_release(plan, item.slot)
-            values = np.frombuffer(item.payload, dtype="<f8")
-            try:
-                blobs = ckks.encrypt_block_bytes(
-                    ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
-                )
-            except CryptoError as exc:
-                raise PayloadError(f"slot {item.slot}: {exc}") from exc
-            packed = ckks.pack_ciphertexts(blobs)
-            records.append(upload_record(session, item.slot, item.releases, packed))
-        return records
+        session.timings["ckks_tags"] = time.perf_counter() - start
+        start = time.perf_counter()
+        sent = _encrypt_and_upload(session, ctx, todo, tags)
+        session.timings["ckks_encrypt"] = sent.encrypt_s
+        session.timings["ckks_encrypt_and_upload"] = time.perf_counter() - start
+        return [
+            skipped_record(item) if item.slot in already_complete else sent.records[item.slot]
+            for item in payloads
+        ]
+
+
+@dataclass
+class _Sent:
+    """What :func:`_encrypt_and_upload` sent: the record of each slot, and the seconds spent
+    encrypting."""
+
+    records: dict[str, UploadRecord] = field(default_factory=dict)
+    encrypt_s: float = 0.0
+
+
+def _encrypt_and_upload(
+    session: RoundSession, ctx: Any, todo: Sequence[SlotPayload], tags: Mapping[str, float]
+) -> _Sent:
+    """Step 4 of the module docstring: encrypt each slot and upload it, the uploads one at a time
+    on one worker thread while the next slots are encrypted (the smallest slots first, so the
+    class vectors' round trips overlap the Gram's encryption instead of following it). The
+    first failed upload stops the encryption and the uploads after it, and is raised; no thread
+    outlives the call."""
+    plan, sent, failed = session.plan, _Sent(), threading.Event()
+
+    def upload(item: SlotPayload, packed: bytes) -> UploadRecord | None:
+        if failed.is_set():
+            return None  # an earlier upload failed: nothing more leaves
+        try:
+            return upload_record(session, item.slot, item.releases, packed)
+        except BaseException:
+            failed.set()
+            raise
+
+    uploads: list[tuple[str, Future[UploadRecord | None]]] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckks-upload") as uploader:
+        try:
+            for item in sorted(todo, key=lambda p: len(p.payload)):
+                if failed.is_set():
+                    break  # raised below
+                prescale, k = _slot_release(plan, item.slot)
+                values = np.frombuffer(item.payload, dtype="<f8")
+                start = time.perf_counter()
+                try:
+                    blobs = ckks.encrypt_block_bytes(
+                        ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
+                    )
+                except CryptoError as exc:
+                    raise PayloadError(f"slot {item.slot}: {exc}") from exc
+                packed = ckks.pack_ciphertexts(blobs)
+                sent.encrypt_s += time.perf_counter() - start
+                uploads.append((item.slot, uploader.submit(upload, item, packed)))
+        except BaseException:
+            failed.set()  # an encryption failed: the queued uploads send nothing
+            raise
+    for slot, future in uploads:  # every upload has ended: the first failure is raised
+        record = future.result()
+        if record is not None:
+            sent.records[slot] = record
+    return sent

@@ -10,14 +10,18 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import numpy as np
 import pytest
 
 from afl.client.config import TimingConfig
 from afl.client.daemon.rpc import CoordinatorClient
-from afl.client.daemon.transport import DaemonError, RetryPolicy
+from afl.client.daemon.transport import DaemonError, RemoteCallError, RetryPolicy
 from afl.client.modes.base import RoundSession
-from afl.client.modes.ckks import fetch_public_context
+from afl.client.modes.ckks import _encrypt_and_upload, fetch_public_context
+from afl.client.payloads.stats import SlotPayload, encode_float64
 from afl.crypto import kdf
+from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.wire import (
     CKKS_CONTEXT_CONTEXT,
@@ -146,3 +150,68 @@ def test_sealed_tags_open_only_for_the_decryptor_and_binding() -> None:
         open_tags(sealed, binding=binding,
                   sender_identity=signatures.generate_identity_key().public_key(),
                   recipient_private_key=recipient)  # fmt: skip
+
+
+class _UploadRpc:
+    """Records each upload (slot, bytes); raises ``RemoteCallError`` for the slot ``fail``."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+        self.sent: list[tuple[str, bytes]] = []
+
+    def upload(self, data: bytes, *, round_id: str, release_name: str) -> pb.UploadReceipt:
+        self.sent.append((release_name, data))
+        if release_name == self.fail:
+            raise RemoteCallError("upload", grpc.StatusCode.FAILED_PRECONDITION, "round aborted")
+        return pb.UploadReceipt(release_name=release_name)
+
+
+def _upload_session(rpc: _UploadRpc, sizes: dict[str, int]) -> RoundSession:
+    plan = cpb.ReleasePlan(round_id="r1")
+    for slot in sizes:
+        release = plan.releases.add(name=slot, member_site_ids=["site-1", "site-2"])
+        release.encoding.ckks.prescale = 1.0
+    return RoundSession(
+        rpc=rpc,  # type: ignore[arg-type]
+        round_id="r1",
+        site_id="site-1",
+        plan=plan,
+        identity_key=signatures.generate_identity_key(),
+    )
+
+
+def _slots(sizes: dict[str, int]) -> list[SlotPayload]:
+    rng = np.random.default_rng(1)
+    payloads = []
+    for slot, n in sizes.items():
+        data = encode_float64(rng.uniform(-1.0, 1.0, size=n))
+        payloads.append(SlotPayload(slot, (slot,), data, hashlib.sha256(data).hexdigest()))
+    return payloads
+
+
+def test_every_slot_is_encrypted_and_uploaded_smallest_first(private_ctx: Any) -> None:
+    """The uploads run on a worker while the next slots are encrypted, the small class vectors
+    first; the records come back in the payloads' order, each naming what the server got."""
+    ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+    sizes = {"gram": 3 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}
+    rpc = _UploadRpc()
+    payloads = _slots(sizes)
+    tags = {slot: ckks.new_tag(num_summands=2) for slot in sizes}
+    sent = _encrypt_and_upload(_upload_session(rpc, sizes), ctx, payloads, tags)
+    assert [slot for slot, _ in rpc.sent] == ["b[A]", "b[B]", "gram"]
+    for slot, data in rpc.sent:
+        record = sent.records[slot]
+        assert record.sha256 == hashlib.sha256(data).hexdigest() and record.bytes == len(data)
+        blobs = ckks.unpack_ciphertexts(data)  # what the coordinator parses and checks
+        assert len(ckks.deserialize_ciphertexts(ctx, blobs, length=sizes[slot])) == len(blobs)
+    assert sent.encrypt_s > 0
+
+
+def test_a_failed_upload_stops_the_uploads_after_it_and_is_raised(private_ctx: Any) -> None:
+    ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+    sizes = {"gram": 2 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}
+    rpc = _UploadRpc(fail="b[A]")
+    tags = {slot: ckks.new_tag(num_summands=2) for slot in sizes}
+    with pytest.raises(RemoteCallError, match="round aborted"):
+        _encrypt_and_upload(_upload_session(rpc, sizes), ctx, _slots(sizes), tags)
+    assert [slot for slot, _ in rpc.sent] == ["b[A]"]  # nothing left after the failure
