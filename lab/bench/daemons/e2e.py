@@ -233,7 +233,7 @@ def _timed(argv: Sequence[str]) -> tuple[float, float]:
 
 def _serve(root: Path) -> tuple[subprocess.Popen[str], Path]:
     """A provisioned federation under ``root`` with its afl-server running; the admin kit."""
-    from afl.lab.demo.federation import free_port
+    from afl.lab.demo.federation import LISTENING, free_port
     from afl.ops.provisioning import provision
 
     federation = provision(
@@ -257,7 +257,7 @@ def _serve(root: Path) -> tuple[subprocess.Popen[str], Path]:
     )
     assert server.stderr is not None
     for line in server.stderr:
-        if "afl-server listening on port" in line:
+        if LISTENING in line:
             return server, federation.root / "admins" / "operator" / "admin.toml"
     raise RuntimeError(f"afl-server exited with {server.wait()} before listening")
 
