@@ -657,8 +657,8 @@ class Coordinator:
         *,
         survivors_of: Callable[[str], Sequence[str]],
     ) -> pb.LogProof:
-        """Append the caller's signed opening of a masked round (docs/protocol.md M-232);
-        ``survivors_of``: the round's survivor list as the masked exchange holds it."""
+        """Append the caller's signed opening of a masked or CKKS round (docs/protocol.md
+        M-232); ``survivors_of``: the round's survivors as its exchange holds them."""
         self.require_enrolled(site_id)
         with self.lock:
             index = self.log.record_opening(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -346,9 +346,16 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             "RecordOpening",
             context,
             lambda s: self.coordinator.log_opening(
-                s, request, survivors_of=lambda r: self._mask.survivors(s, r).survivors
+                s, request, survivors_of=lambda r: self._opening_survivors(s, r)
             ),
         )
+
+    def _opening_survivors(self, site: str, round_id: str) -> Sequence[str]:
+        """The survivors an opening of ``round_id`` must state: the CKKS round's participants,
+        else the masked round's survivor list (each raises outside the stages that take one)."""
+        if self._ckks.runs_ckks(round_id):
+            return self._ckks.opening_survivors(site, round_id)
+        return self._mask.survivors(site, round_id).survivors
 
     # --- MASK mode ---------------------------------------------------------------------------
 

@@ -188,10 +188,11 @@ class FederationLog:
         """Append ``site_id``'s `opening` statement once; its index (docs/protocol.md M-232).
         It must name the caller, verify under the caller's enrolled identity key, name the
         round's current plan (in the log), and state exactly that plan's releases over exactly
-        the round's survivors, ``survivors_of(round id)`` (the masked round's survivor list,
-        which raises :class:`WrongStageError` outside its consistency check and unmask stages
-        or for a caller that is not a participant): a site adds to every site's audit only the
-        release of a round it is unmasking, as it is."""
+        the round's survivors, ``survivors_of(round id)`` (a masked round's survivor list in its
+        consistency check and unmask stages, a CKKS round's participants in its upload stage;
+        it raises :class:`WrongStageError` otherwise, or for a caller that is not a
+        participant): a site adds to every site's audit only the release of a round it is
+        unmasking or uploading to, as it is."""
         fields = self._site_statement(
             site_id,
             statement,

@@ -38,7 +38,7 @@ from afl.client.daemon.evaluation import (
     is_candidate,
     save_evaluation,
 )
-from afl.client.daemon.opening import OpeningPublication, opened_releases
+from afl.client.daemon.opening import OpeningPublication, opened_releases, witnessed_releases
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
@@ -450,21 +450,20 @@ class ClientDaemon:
             return decision
         try:
             logged = self.log_witness.statements(self.rpc.call, checkpoint)
-            statements, unlogged = with_unmasked(logged, self.store.unmasked())
-            rounds = logged_rounds(statements)
-            claimed = logged_rounds(
-                ("release", fields)
-                for fields in opened_releases(
-                    logged,
-                    federation=self.config.federation_id,
-                    keys=self.log_witness.roster,
-                    verified=self._openings_verified,
-                )
+            own = self.store.unmasked()
+            statements, unlogged = with_unmasked(logged, own)
+            opened = opened_releases(
+                logged,
+                federation=self.config.federation_id,
+                keys=self.log_witness.roster,
+                verified=self._openings_verified,
             )
-            known = {r.round_id for r in rounds}
-            unlogged = sorted(
-                {*unlogged, *(r.round_id for r in claimed if r.round_id not in known)}
-            )
+            in_log = {f.get("round_id") for kind, f in logged if kind == "release"}
+            unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
+            # Every release counts; only those no single party's word makes are known before
+            # (M-233): this site's own unmasked rounds and releases every survivor opened.
+            rounds = logged_rounds([*statements, *(("release", o.release) for o in opened)])
+            known = logged_rounds(("release", f) for f in (*own, *witnessed_releases(opened)))
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
                 False, f"the federation's history cannot be audited from its log: {exc}"
@@ -477,7 +476,7 @@ class ClientDaemon:
                 self.site_id, ", ".join(unlogged),
             )  # fmt: skip
         problem, detail = whole_history_problem(
-            plan, rounds=rounds, claimed=claimed, min_cohort=policy.min_cohort
+            plan, rounds=rounds, known=known, min_cohort=policy.min_cohort
         )
         if detail is not None and unlogged:
             detail["unmasked_not_logged"] = unlogged
@@ -836,6 +835,19 @@ class ClientDaemon:
             if plan.aggregation == cpb.AGGREGATION_MODE_MASK
             else None
         )
+        # In CKKS the opening (over every participant) is logged and waited for while the site
+        # encrypts, before its first statistic leaves (M-232).
+        opened = (
+            self._ckks_opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
+            if plan.aggregation == cpb.AGGREGATION_MODE_CKKS
+            else None
+        )
+        waits = [b.wait for b in (publication, opened) if b is not None]
+
+        def before_statistics() -> None:
+            for wait in waits:
+                wait()
+
         t0 = time.perf_counter()
         try:
             session = self.round_session(
@@ -845,7 +857,7 @@ class ClientDaemon:
                 survivor_floors=decision.survivor_floors,
                 graph_nonce=graph_nonce,
                 covered=bool(decision.audit.get("covered_by_dp")),
-                before_statistics=publication.wait if publication is not None else None,
+                before_statistics=before_statistics if waits else None,
                 opening=opening,
             )
             records = mode.exchange(
@@ -855,8 +867,9 @@ class ClientDaemon:
             # No thread outlives the round. Its error shows at the first upload; if the exchange
             # failed first, the exchange's error is raised, unless the log showed a split view
             # or other evidence, which stops the site whatever else went wrong.
-            if publication is not None:
-                publication.join(raising=LogEvidence)
+            for thread in (publication, opened):
+                if thread is not None:
+                    thread.join(raising=LogEvidence)
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -934,10 +947,16 @@ class ClientDaemon:
         return wait_s, min(t.poll_interval_s, QUORUM_POLL_S), t.max_poll_interval_s
 
     def _opening(
-        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
+        self,
+        plan: cpb.ReleasePlan,
+        plan_sha256: bytes,
+        *,
+        stage_timeout_s: float,
+        withheld: str = "no unmask share is sent",
     ) -> OpeningPublication:
-        """The MASK round's `opening` statement (:mod:`afl.client.daemon.opening`), logged from
-        the survivors check and waited for before the unmask shares (:meth:`_quorum_polling`)."""
+        """The round's `opening` statement (:mod:`afl.client.daemon.opening`): in MASK logged
+        from the survivors check and waited for before the unmask shares
+        (:meth:`_quorum_polling`)."""
         wait_s, poll_s, max_poll_s = self._quorum_polling(stage_timeout_s)
         return OpeningPublication(
             self.log_witness,
@@ -948,7 +967,24 @@ class ClientDaemon:
             quorum_wait=lambda **step: self.log_witness.quorum_problem(
                 self.rpc.call, wait_s=wait_s, poll_s=poll_s, max_poll_s=max_poll_s, **step
             ),
+            withheld=withheld,
         )
+
+    def _ckks_opening(
+        self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
+    ) -> Background[None]:
+        """The CKKS round's `opening` over every participant (a CKKS sum holds them all, or the
+        round aborts), logged and waited for in a thread from the upload stage on; the uploads
+        wait for it."""
+        opening = self._opening(
+            plan, plan_sha256, stage_timeout_s=stage_timeout_s, withheld="no statistic is sent"
+        )
+
+        def publish() -> None:
+            opening.start(plan.participants)
+            opening.wait()
+
+        return Background(publish, name=f"opening-{plan.round_id}")
 
     def _replay_problem(
         self, status: pb.RoundStatus, plan: cpb.ReleasePlan, plan_sha: bytes

@@ -1,5 +1,6 @@
 """A site's `opening` statement: its signed word, in the federation log, that it helps unmask a
-masked round's sums over the survivors it signed (docs/protocol.md §11a, M-232).
+masked round's sums over the survivors it signed, or that its ciphertexts enter a CKKS round's
+sums over every participant (docs/protocol.md §11a, M-232).
 
 A coordinator that unmasks a round and then leaves its `release` statement out of the log (or
 aborts the round and says nothing) would hide that release from every site that did not help
@@ -10,23 +11,29 @@ release as the site knows it (round, run, the survivors it signed, every planned
 consistency signature; at the unmask stage it waits, as for a plan (M-193), until the statement
 is in a checkpoint cosigned by a quorum of the roster (:class:`OpeningPublication`). No share
 leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
-quorum's view needs a colluding quorum.
+quorum's view needs a colluding quorum. A CKKS site logs the same statement over every
+participant as its upload stage begins and sends its first ciphertext only once the statement is
+in such a checkpoint: the coordinator that has the round decrypted cannot hide it either.
 
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
 coordinator states of the round. A statement that does not verify is not counted (only the
-coordinator could have appended it, and an honest survivor's statement is there as well). An
-opening is one site's claim: the audit counts its release as released (stricter), never as
-something known before that a new plan may repeat (``claimed`` in
-:func:`afl.client.policy.loghistory.whole_history_problem`), so a false one cannot let a plan
-through.
+coordinator could have appended it, and an honest survivor's statement is there as well).
+
+What was known before a plan (the exposures the audit does not blame on it) must not rest on any
+one party's word (M-233): neither on one site's opening nor on the coordinator's `release`
+statements, which the members of a made-up round are not there to contradict. Only a release
+that every one of its survivors signed, the same release in an opening each
+(:func:`witnessed_releases`), and the rounds this site helped unmask itself count as known
+before (``known`` in :func:`afl.client.policy.loghistory.whole_history_problem`); every other
+release counts as released only, which can make the audit stricter and never more lenient.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -43,7 +50,16 @@ from afl.crypto.transparency.statements import (
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["OpeningPublication", "opened_releases", "opening_of"]
+__all__ = ["Opened", "OpeningPublication", "opened_releases", "opening_of", "witnessed_releases"]
+
+
+class Opened(NamedTuple):
+    """An opening of the log that verified (:func:`opened_releases`): its signer, the plan's
+    SHA-256 (hex) and the release it states."""
+
+    site: str
+    plan_sha256: str
+    release: Mapping[str, Any]
 
 
 def opening_of(
@@ -80,15 +96,16 @@ def opened_releases(
     federation: str,
     keys: Mapping[str, Ed25519PublicKey],
     verified: set[str] | None = None,
-) -> list[Mapping[str, Any]]:
-    """The release fields of every `opening` statement of the log that is well formed (a
-    release as :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan
-    the log holds (its round id and SHA-256), lists the site it names among the survivors, and
-    verifies under that site's key in ``keys`` (the roster). ``verified``: the statements
-    (their fields as canonical JSON, signature included) already verified, skipped and extended
-    (a daemon keeps one set, so each statement is verified once)."""
+) -> list[Opened]:
+    """Every `opening` statement of the log that is well formed (its release as
+    :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan the log holds
+    (its round id and SHA-256), lists the site it names among the survivors, and verifies under
+    that site's key in ``keys`` (the roster): its signer, plan digest and release fields.
+    ``verified``: the statements (their fields as canonical JSON, signature included) already
+    verified, skipped and extended (a daemon keeps one set, so each statement is verified
+    once)."""
     plans = {(f.get("round_id"), f.get("plan_sha256")) for kind, f in statements if kind == "plan"}
-    out: list[Mapping[str, Any]] = []
+    out: list[Opened] = []
     for kind, fields in statements:
         if kind != "opening":
             continue
@@ -123,8 +140,24 @@ def opened_releases(
                 continue
             if verified is not None:
                 verified.add(seen)
-        out.append(release)
+        out.append(Opened(str(site), digest, release))
     return out
+
+
+def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
+    """The releases of ``opened`` (:func:`opened_releases`) that every survivor they name
+    signed: the same release fields of the same plan in an opening of each. No party's word
+    alone makes one: a coordinator cannot sign for a site, and a site that states survivors
+    other than the round's real ones would need each of them to sign the same false list."""
+    signers: dict[str, set[str]] = {}
+    releases: dict[str, Mapping[str, Any]] = {}
+    for o in opened:
+        key = json.dumps([o.plan_sha256, o.release], sort_keys=True, separators=(",", ":"))
+        signers.setdefault(key, set()).add(o.site)
+        releases[key] = o.release
+    return [
+        release for key, release in releases.items() if set(release["survivors"]) <= signers[key]
+    ]
 
 
 def _well_formed(release: Mapping[str, Any]) -> bool:
@@ -136,15 +169,17 @@ def _well_formed(release: Mapping[str, Any]) -> bool:
 
 
 class OpeningPublication:
-    """One masked round's opening (module docstring). :meth:`start` logs it when the site has
-    checked the survivors, before its consistency signature leaves, so every survivor's opening
-    is in the log once the coordinator has their signatures and opens the unmask stage;
+    """One round's opening (module docstring). In ``mask``, :meth:`start` logs it when the site
+    has checked the survivors, before its consistency signature leaves, so every survivor's
+    opening is in the log once the coordinator has their signatures and opens the unmask stage;
     :meth:`wait`, at that stage and before any unmask share is computed, returns once the
     statement is in a quorum-cosigned checkpoint (:class:`DaemonError` naming the cause when
     it is not). Waiting there, every survivor cosigns the same checkpoint, the one holding all
     their openings: a quorum gathers on it at once, where survivors waiting from the moment
     each logged its own would cosign a checkpoint per opening, and those that found their
-    quorum early would stop cosigning before the last openings were in."""
+    quorum early would stop cosigning before the last openings were in. In ``ckks`` the site
+    starts it over every participant as its upload stage begins (while it encrypts) and waits
+    for it before its first statistic leaves (``withheld``: what is not sent until then)."""
 
     def __init__(
         self,
@@ -155,10 +190,11 @@ class OpeningPublication:
         plan: cpb.ReleasePlan,
         plan_sha256: bytes,
         quorum_wait: Callable[..., tuple[str, pb.CosignedLogCheckpoint | None]],
+        withheld: str = "no unmask share is sent",
     ) -> None:
         self.witness, self.call, self.key = witness, call, key
         self.plan, self.plan_sha256 = plan, plan_sha256
-        self.quorum_wait = quorum_wait
+        self.quorum_wait, self.withheld = quorum_wait, withheld
         self.what = f"this site's opening of round {plan.round_id}"
         self.statement = b""
 
@@ -175,13 +211,13 @@ class OpeningPublication:
             self.call("RecordOpening", pb.Opening(statement=statement))
         except DaemonError as exc:
             raise DaemonError(
-                f"the coordinator did not log {self.what} ({exc}): no unmask share is sent"
+                f"the coordinator did not log {self.what} ({exc}): {self.withheld}"
             ) from exc
         self.statement = statement
 
     def wait(self) -> None:
         if not self.statement:
-            raise DaemonError("no opening was logged for the survivors: no unmask share is sent")
+            raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
         problem, _ = self.quorum_wait(statement=self.statement, what=self.what)
         if problem:
-            raise DaemonError(f"{problem}: no unmask share is sent")
+            raise DaemonError(f"{problem}: {self.withheld}")

@@ -136,22 +136,24 @@ def whole_history_problem(
     *,
     rounds: Sequence[ReleasedRound],
     min_cohort: int,
-    claimed: Sequence[ReleasedRound] = (),
+    known: Sequence[ReleasedRound] | None = None,
 ) -> tuple[str, dict[str, object] | None]:
     """Why this site refuses ``plan`` given every released round of the log ("" when nothing
     new is exposed), and the audit's detail (None without a history): the plan's releases over
     its participants, differenced with every earlier release over its survivors, must not
     determine any site's statistics nor the sum of a group smaller than ``min_cohort``.
-    ``claimed``: rounds known only from other sites' signed openings (M-232); they count as
-    releases, never as what was known before (:func:`afl.core.audit.history.history_exposures`
-    ``known_from``), so a false one can only make the audit stricter."""
-    if any(r.round_id == plan.round_id for r in (*rounds, *claimed)):
+    ``known``: the rounds whose exposures count as known before the plan (default: all of
+    ``rounds``). A site passes only the rounds no single party's word makes (M-233: its own
+    unmasked rounds, releases every survivor signed an opening of); the others count as
+    releases only (:func:`afl.core.audit.history.history_exposures` ``known_from``), so a false
+    one, the coordinator's or one site's, can only make the audit stricter."""
+    if any(r.round_id == plan.round_id for r in rounds):
         return (
             f"the federation log already holds a release of round {plan.round_id}: a round id "
             f"is planned once ({RULE})",
             None,
         )
-    history = history_releases([*rounds, *claimed])
+    history = history_releases(rounds)
     if not history:
         return "", None
     report, exposed = history_exposures(
@@ -159,7 +161,7 @@ def whole_history_problem(
         history=history,
         sites=list(plan.participants),
         min_cohort=min_cohort,
-        known_from=history_releases(rounds) if claimed else None,
+        known_from=None if known is None else history_releases(known),
     )
     detail: dict[str, object] = {
         "rounds": len(rounds),

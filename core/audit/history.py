@@ -77,11 +77,28 @@ def history_exposures(
     the exposures (single sites, and groups smaller than ``min_cohort``) that this plan adds:
     determined by plan and history together, with a certificate that needs an earlier release,
     and not determined by the history alone (what was known before stays known; refusing the
-    plan would not hide it). ``known_from`` (default: ``history``) is the part of the history
-    whose exposures count as known before: releases the auditing party only has another
-    party's claim of (a site's signed opening) belong in ``history``, where they can make the
-    audit stricter, and not here, where a false claim of an earlier exposure would let a plan
-    through."""
+    plan would not hide it).
+
+    ``known_from``: the part of the history that no single party's word makes (default: all of
+    it). The rest (a release only the coordinator states, or only one site's opening) may be
+    false, and a false release that isolates a site would make the site look exposed before,
+    letting through a plan that really exposes it. So the plan must also add nothing to
+    ``known_from`` alone: an exposure of plan and ``known_from`` together that ``known_from``
+    alone does not determine counts too. Every release of the history still counts as
+    released (stricter), and what the whole history alone determines is still not blamed on
+    the plan (a false release cannot stop every later plan)."""
+    report, found = _added(plan, history, sites=sites, min_cohort=min_cohort)
+    if known_from is not None and _distinct(known_from) != _distinct(history):
+        _, witnessed = _added(plan, known_from, sites=sites, min_cohort=min_cohort)
+        seen = {(e.sites, e.quantity) for e in found}
+        found += [e for e in witnessed if (e.sites, e.quantity) not in seen]
+    return report, found
+
+
+def _added(
+    plan: Sequence[Release], history: Sequence[Release], *, sites: Collection[str], min_cohort: int
+) -> tuple[LeakageReport, list[Exposure]]:
+    """The audit of ``plan`` with ``history``, and the exposures it adds to ``history`` alone."""
     earlier = {r.name for r in history}
     universe = sorted({*sites, *(s for r in (*plan, *history) for s in r.members)}, key=str)
     report = audit_releases([*plan, *history], universe, min_cohort=min_cohort)
@@ -91,11 +108,15 @@ def history_exposures(
         if any(name in earlier for name, _ in e.certificate)
     ]
     if found:
-        before = list(history if known_from is None else known_from)
-        alone = audit_releases(before, universe, min_cohort=min_cohort)
+        alone = audit_releases(list(history), universe, min_cohort=min_cohort)
         known = {(e.sites, e.quantity) for e in (*alone.exposed_sites, *alone.small_groups)}
         found = [e for e in found if (e.sites, e.quantity) not in known]
     return report, found
+
+
+def _distinct(releases: Sequence[Release]) -> set[tuple[str, frozenset[int | str], str]]:
+    """The distinct sums of ``releases`` (a name's ``~n`` suffix depends on order)."""
+    return {(r.name.split("~")[0], frozenset(r.members), r.quantity) for r in releases}
 
 
 def history_refusal(

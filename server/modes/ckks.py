@@ -507,6 +507,31 @@ class CkksRequests:
             data = mode.aggregate(view, self.access.context, release)
         return view.round_id, request.release_name, data
 
+    # --- openings (docs/protocol.md M-232) -------------------------------------------------------
+
+    def runs_ckks(self, round_id: str) -> bool:
+        """Whether ``round_id`` is a round of this coordinator run in ``ckks``."""
+        with self.access.lock:
+            try:
+                view = self.access.find(round_id or "-")
+            except WrongStageError:
+                return False
+            return isinstance(self.access.mode_of(view), CkksMode)
+
+    def opening_survivors(self, site_id: str, round_id: str) -> list[str]:
+        """The survivors a participant's `opening` of the CKKS round ``round_id`` must state:
+        every participant (a CKKS sum holds every participant's ciphertext, or the round aborts),
+        taken only while the round is in its upload stage, before the site's first statistic
+        (:class:`WrongStageError` otherwise)."""
+        with participant_round(self.access, site_id, round_id) as view:
+            mode = self._mode(view)
+            if view.stage != pb.ROUND_STAGE_UPLOAD:
+                raise WrongStageError(
+                    f"round {view.round_id!r} is {wire.stage_name(view.stage)}: a CKKS round "
+                    "takes openings in its upload stage"
+                )
+            return list(mode.contributors(view))
+
     # --- tags ----------------------------------------------------------------------------------
 
     def send_tags(self, site_id: str, request: pb.SendAggregateTagsRequest) -> None:

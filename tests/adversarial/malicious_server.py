@@ -49,6 +49,17 @@ members of the targeted release):
   coordinator skips its own history audits (M-124: at submission, at plan time and before
   unmasking), as if the two rounds were one release; unmasked sums go to LOOT as
   ``<run>/<round>/<release>``.
+* ``hide-release-ckks`` (ckks): the same as ``hide-release`` in a CKKS federation: run-1's
+  round is decrypted (every release's sum kept in LOOT as ``<run>/<round>/<release>``), then
+  aborted with no `release` statement; later runs are served honestly.
+* ``refuse-opening`` (any mode): the coordinator logs no `opening` statement (RecordOpening
+  is refused), so the openings every site logs before its statistics (ckks) or unmask shares
+  (mask) never reach the log.
+* ``fake-release`` (mask): once run-1's round is published, the coordinator also logs a
+  `release` statement of a round that never existed (run-0), stating run-1's releases over
+  the last site alone: every later audit would count that site's statistics as exposed before,
+  so a plan that really differences them out would not be blamed for it. The coordinator skips
+  its own history audits (M-124); unmasked sums go to LOOT as ``<run>/<round>/<release>``.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -106,6 +117,9 @@ ATTACKS = (
     "misstate-release",
     "hide-release",
     "reuse-round-id",
+    "fake-release",
+    "hide-release-ckks",
+    "refuse-opening",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -486,6 +500,35 @@ def _hide_release(loot: Path) -> None:
     MaskMode.drive = hiding  # type: ignore[method-assign]
 
 
+def _hide_release_ckks(loot: Path) -> None:
+    """A CKKS round whose sums were decrypted is aborted, and nothing of it is released."""
+    from afl.core.aggregation import AggregationError
+
+    honest = CkksMode.sums
+
+    def hiding(self: CkksMode, view: Any, ctx: Any) -> Any:
+        sums = honest(self, view, ctx)
+        if sums is None:
+            return sums
+        for name, values in sums.items():
+            _keep(loot, f"{view.row.run_id}/{view.round_id}/{name}", values)
+        if view.row.run_id != "run-1":
+            return sums
+        # The honest coordinator would solve and log the release: neither happens.
+        raise AggregationError("aborted after decrypting")
+
+    CkksMode.sums = hiding  # type: ignore[method-assign]
+
+
+def _refuse_opening() -> None:
+    from afl.server.coordinator import Coordinator
+
+    def refusing(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
+        raise InvalidRequestError("this coordinator logs no openings")
+
+    Coordinator.log_opening = refusing  # type: ignore[method-assign]
+
+
 def _skip_history_audits() -> None:
     """The coordinator's own audits of the federation's history (M-124) look away."""
     from afl.server import runs
@@ -538,6 +581,36 @@ def _reuse_round_id(loot: Path) -> None:
     RoundMachine._new_round = reusing  # type: ignore[method-assign]
 
 
+def _fake_release(loot: Path) -> None:
+    """A made-up round's release statement, over one site alone, after run-1's round."""
+    from afl.server.rounds import RoundMachine
+
+    _record_unmasked(loot, by_round=True)
+    _skip_history_audits()
+    honest = RoundMachine._log_stage
+    faked: list[str] = []
+
+    def faking(self: RoundMachine, view: Any, stage: int, *, reason: str, detail: Any) -> None:
+        honest(self, view, stage, reason=reason, detail=detail)
+        if faked or not detail or view.row.run_id != "run-1":
+            return
+        fields = self._release_fields(view)
+        survivors = fields["survivors"]
+        assert isinstance(survivors, list)
+        faked.append(view.round_id)
+        self.store.append_log(
+            "release",
+            {
+                **fields,
+                "round_id": f"{view.round_id}-made-up",
+                "run_id": "run-0",
+                "survivors": survivors[-1:],
+            },
+        )
+
+    RoundMachine._log_stage = faking  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -568,6 +641,13 @@ def main() -> int:
         _hide_release(loot)
     if attack == "reuse-round-id":
         _reuse_round_id(loot)
+    if attack == "fake-release":
+        _fake_release(loot)
+    if attack == "hide-release-ckks":
+        _hide_release_ckks(loot)
+    if attack == "refuse-opening":
+        _record_decryptions(loot)
+        _refuse_opening()
     return daemon.main(args)
 
 

@@ -11,6 +11,9 @@
   run 2 - run 1 - run 3. Sites 1..3 never took part in run 1 and the coordinator's books hold no
   release of it; they refuse run 3 naming site-4, because sites 5..7 logged their signed
   `opening` statements of run 1 before they sent an unmask share (M-232).
+* ``hide-release-ckks``, separate views in ``ckks``: the same seven-site runs; run 1's round is
+  decrypted and hidden. Sites 1..3 refuse run 3 naming site-4, because sites 5..7 logged their
+  signed openings of run 1 over its participants before their first ciphertext left (M-232).
 * ``reuse-round-id``: run 2's round takes the id of run 1's published round (over {1,2,3}), now
   over {1,2,3,4}, and the coordinator skips its own history audit (its own audit, and a site's
   own history, leave the plan's round id out: the two rounds would look like one release). The
@@ -18,7 +21,14 @@
   which joined after run 1, finds a release of that round id in the log and refuses the plan (a
   round id is planned once, M-206), with site-5 (a witness only) completing the log quorum.
 
-Nothing of either run 2 is uploaded or unmasked: the coordinator's loot holds run 1's sums only.
+* ``fake-release``: runs over {1,2,5} and {3,4} are published, and the coordinator logs a
+  release of a made-up round over site-5 alone; the run over {1,2,3,4} would give site-5's
+  statistics as G(125) - G(1234) + G(34). Judged with the made-up release as known before, the
+  plan would add nothing; the sites count as known before only releases that every survivor
+  signed an opening of (M-233), and refuse it naming site-5 and the two real rounds.
+
+Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
+sums only.
 """
 
 from __future__ import annotations
@@ -27,13 +37,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from afl.crypto.transparency.statements import decode_statement
 from afl.lab.demo.federation import LoopbackFederation
 from afl.server.store import Store
 from tests.adversarial import malicious_server
 from tests.e2e.faults.harness import federation
 from tests.e2e.processes import Daemons
-from tests.e2e.test_whole_history_audit import _participants, _refusals, _store
+from tests.e2e.test_whole_history_audit import _participants, _refusals, _store, separate_views
 
 SITES = tuple(f"site-{i}" for i in range(1, 6))
 
@@ -114,22 +126,24 @@ def test_a_round_unmasked_and_left_out_of_the_log_still_stops_the_run_that_diffe
     assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-2")) == 0
 
 
+@pytest.mark.parametrize("mode", ["mask", "ckks"])
 def test_a_hidden_release_reaches_the_audit_of_sites_that_never_took_part_in_it(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     sites = tuple(f"site-{i}" for i in range(1, 8))
     first, last = sites[4:], sites[:3]
     loop = federation(
         tmp_path,
-        "mask",
+        mode,
         sites=7,
         serve=True,
         round_settings={"min_participants": 3, "participants": list(first)},
     )
     loot = tmp_path / "loot.json"
+    attack = "hide-release" if mode == "mask" else "hide-release-ckks"
     daemons = Daemons(loop)
     try:
-        daemons.start_server(command=malicious_server.command("hide-release", loot))
+        daemons.start_server(command=malicious_server.command(attack, loot))
         daemons.start_clients()
         assert daemons.wait_run("run-1").state == "aborted", daemons.log_tail()
         daemons.submit(_participants(*sites), name="everyone")
@@ -216,3 +230,35 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
     assert store.uploads(reused.round_id) == {}
     taken = _loot(loot)
     assert taken and all(name.startswith("run-1/") for name in taken), sorted(taken)
+
+
+def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
+    v = "site-5"
+    loop = separate_views(tmp_path)
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("fake-release", loot))
+        daemons.start_clients()
+        assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
+        daemons.submit(_participants("site-3", "site-4"), name="C, D")
+        assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
+        daemons.submit(_participants(*SITES[:4]), name="A, B, C, D")
+        third = daemons.wait_run("run-3")
+        assert third.state == "aborted", daemons.log_tail()
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    first, second = (store.rounds(r)[0].round_id for r in ("run-1", "run-2"))
+    statements = _statements(loop, store)
+    made_up = [f for kind, f in statements if kind == "release" and f["run_id"] == "run-0"]
+    assert [(f["round_id"], f["survivors"]) for f in made_up] == [(f"{first}-made-up", [v])]
+    assert not [r for r in store.rounds() if r.round_id == f"{first}-made-up"]
+    refused = _refusals("run-3", store)
+    assert refused and set(refused) <= set(SITES[:4]), (refused, daemons.log_tail())
+    for reason in refused.values():
+        assert "would expose" in reason and v in reason and "M-206" in reason, reason
+        assert f"{first}/gram[all]" in reason and f"{second}/gram[all]" in reason, reason
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0
+    assert not [name for name in _loot(loot) if name.startswith("run-3/")], sorted(_loot(loot))

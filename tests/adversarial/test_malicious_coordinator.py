@@ -22,6 +22,9 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
 8. ``weaken-graph``: a sparse masking graph of degree 2 and neighbourhood threshold 2 in the
    signed plan (each site recomputes its failure probability with its own colluder bound and
    refuses before sending anything).
+9. ``refuse-opening`` (ckks): the coordinator logs no site's `opening` statement, which would
+   let it hide the round's release from every other site's audit (M-232): no site sends a
+   statistic, so nothing is decrypted.
 """
 
 from __future__ import annotations
@@ -129,6 +132,21 @@ def test_tags_forged_by_the_coordinator_are_refused(tmp_path: Path) -> None:
     assert set(_decryptor_outcomes(loop).values()) == {"DECRYPTION_STATUS_REFUSED_TAG_MISMATCH"}
     log = run.logs["decryptor"].read_text()
     assert re.search(r"tags from site-2 refused: .*signature", log), log[-2000:]
+
+
+def test_a_ckks_round_whose_openings_are_not_logged_sends_no_statistic(tmp_path: Path) -> None:
+    loop, run, loot = _ckks_attack(tmp_path, "refuse-opening")
+    assert set(run.client_rcs.values()) <= {EXIT_ABORTED, 1}, run.logs
+    assert 0 not in run.client_rcs.values(), run.client_rcs
+    for site in loop.site_ids:
+        log = run.logs[site].read_text()
+        assert re.search(
+            r"the coordinator did not log this site's opening of round \S+ \(.*logs no "
+            r"openings.*\): no statistic is sent",
+            log,
+        ), log[-3000:]
+    assert _loot(loot) == {}  # nothing was decrypted
+    _no_model_and_no_uploads_kept(loop, uploads=False)
 
 
 def _shorten_wait(loop: LoopbackFederation, seconds: float) -> None:

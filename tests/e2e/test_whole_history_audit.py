@@ -45,10 +45,9 @@ def _refusals(run_id: str, store: Store) -> dict[str, str]:
     return out
 
 
-def test_sites_refuse_plans_that_the_log_s_history_differences_to_another_site(
-    tmp_path: Path,
-) -> None:
-    loop = federation(
+def separate_views(tmp_path: Path) -> Any:
+    """Five masked sites that serve several runs, the first over {1, 2, 5}, at min_cohort 2."""
+    return federation(
         tmp_path,
         "mask",
         sites=5,
@@ -60,6 +59,12 @@ def test_sites_refuse_plans_that_the_log_s_history_differences_to_another_site(
         # round event wakes them).
         policy={"min_cohort": 2, "witness_quorum": 2},
     )
+
+
+def test_sites_refuse_plans_that_the_log_s_history_differences_to_another_site(
+    tmp_path: Path,
+) -> None:
+    loop = separate_views(tmp_path)
     daemons = Daemons(loop)
     try:
         daemons.start_server(crash_at=("no-history-audit", "-"))

@@ -14,7 +14,13 @@ from typing import Any, cast
 
 import pytest
 
-from afl.client.daemon.opening import OpeningPublication, opened_releases, opening_of
+from afl.client.daemon.opening import (
+    Opened,
+    OpeningPublication,
+    opened_releases,
+    opening_of,
+    witnessed_releases,
+)
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
@@ -240,14 +246,12 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
     keys = _witness(tmp_path).roster
     verified: set[str] = set()
     opened = opened_releases(statements, federation=FED, keys=keys, verified=verified)
-    assert opened == [release] and len(verified) == 1
+    assert opened == [Opened("site-2", plan_sha.hex(), release)] and len(verified) == 1
     # counted as a released round of the log (its survivors, its planned releases)
-    (released,) = logged_rounds([("release", r) for r in opened])
+    (released,) = logged_rounds([("release", o.release) for o in opened])
     assert released.round_id == plan.round_id and tuple(released.contributors) == SURVIVORS
     # verified once: a statement that verified is not verified again ...
-    assert opened_releases(statements[:2], federation=FED, keys=keys, verified=verified) == [
-        release
-    ]
+    assert opened_releases(statements[:2], federation=FED, keys=keys, verified=verified) == opened
     # ... which is the whole statement: the same signature over other survivors is not counted
     kind, fields = statements[1]
     forged = {**fields, "release": release_fields(plan, survivors=("site-2",))}
@@ -277,27 +281,52 @@ def _released(round_id: str, planned: tuple[str, ...], survivors: tuple[str, ...
     return ("release", release_fields(_plan_over(round_id, planned), survivors=survivors))
 
 
-def test_an_opening_makes_the_audit_stricter_never_more_lenient() -> None:
-    """One site's signed claims count as releases, never as what was known before: claimed
-    releases of r1 over {M} and {M, V} (which would make V's statistics look exposed already)
-    do not let through a plan that differences the logged r1 to V."""
+def test_an_unwitnessed_release_makes_the_audit_stricter_never_more_lenient() -> None:
+    """A release no single party's word may make known before (one site's opening, the
+    coordinator's statement of a round nobody else signed) counts as released, never as what
+    was known before: releases of r1 over {M} and {M, V} (which would make V's statistics look
+    exposed already) do not let through a plan that differences the witnessed r1 to V."""
     everyone = ("site-1", "site-2", "site-3", "V", "M")
-    logged = logged_rounds([_released("r1", everyone, everyone)])
+    witnessed = logged_rounds([_released("r1", everyone, everyone)])
     plan = _plan_over("r3", ("site-1", "site-2", "site-3", "M"))
     claimed = logged_rounds(
         [_released("r1", everyone, ("M",)), _released("r1", everyone, ("M", "V"))]
     )
-    problem, _ = whole_history_problem(plan, rounds=logged, claimed=claimed, min_cohort=1)
+    every = [*witnessed, *claimed]
+    problem, _ = whole_history_problem(plan, rounds=every, known=witnessed, min_cohort=1)
     assert "would expose" in problem and "V" in problem, problem
-    # had the claims been taken as the log's releases, V would count as exposed before
-    lenient, _ = whole_history_problem(plan, rounds=[*logged, *claimed], min_cohort=1)
+    # had the claims been taken as known before, V would count as exposed before
+    lenient, _ = whole_history_problem(plan, rounds=every, min_cohort=1)
     assert lenient == ""
     # a claim alone is a release: it refuses a plan that differences it to one site
     alone = logged_rounds([_released("r1", everyone, ("site-1", "site-2", "site-3", "V"))])
     strict, _ = whole_history_problem(
-        _plan_over("r4", ("site-1", "site-2", "site-3")), rounds=[], claimed=alone, min_cohort=1
+        _plan_over("r4", ("site-1", "site-2", "site-3")), rounds=alone, known=[], min_cohort=1
     )
     assert "would expose" in strict and "V" in strict, strict
+
+
+def test_a_release_is_witnessed_only_when_every_survivor_signed_the_same_opening() -> None:
+    """M-233: the known-before part of the history is what every survivor of a release signed
+    alike; a release that one site states (or one survivor fewer signed, or that the survivors
+    stated differently, or under another plan) is not."""
+    plan = _plan()
+    release = release_fields(plan, survivors=SURVIVORS)
+    by = {s: Opened(s, "aa" * 32, release) for s in SURVIVORS}
+    assert witnessed_releases(list(by.values())) == [release]
+    assert witnessed_releases([by["site-1"], by["site-2"]]) == []  # site-3 did not sign
+    assert witnessed_releases([*by.values(), *by.values()]) == [release]  # repeats add nothing
+    # the same signers, one of them under another plan digest or over other survivors
+    assert (
+        witnessed_releases([by["site-1"], by["site-2"], Opened("site-3", "bb" * 32, release)]) == []
+    )
+    fewer = release_fields(plan, survivors=SURVIVORS[:2])
+    mixed = [Opened("site-1", "aa" * 32, fewer), Opened("site-2", "aa" * 32, fewer), by["site-3"]]
+    assert witnessed_releases(mixed) == [fewer]  # {1, 2} signed the two-site release ...
+    # ... and a claim over one site is witnessed by that site alone, as it should be: the
+    # coordinator can make such a statement only with the site's own key
+    lone = release_fields(plan, survivors=("site-3",))
+    assert witnessed_releases([Opened("site-3", "aa" * 32, lone)]) == [lone]
 
 
 def test_a_quorum_on_the_first_checkpoint_that_holds_it_counts_after_the_log_grew(

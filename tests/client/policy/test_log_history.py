@@ -271,3 +271,36 @@ def test_a_round_id_stated_twice_is_two_sums_and_a_released_round_id_is_not_plan
     )
     reason, _ = whole_history_problem(_plan("r1", FIVE), rounds=logged_rounds(log), min_cohort=2)
     assert "already holds a release of round r1" in reason
+
+
+def test_a_made_up_release_neither_lets_a_plan_through_nor_stops_every_later_plan() -> None:
+    """M-233: the coordinator logs a release of a round nobody took part in (r0: site-5 alone),
+    which would make site-5's statistics look exposed before. Runs over {1,2,5} and {3,4} were
+    witnessed (every survivor signed an opening). The plan over {1,2,3,4} gives site-5 as
+    G(125) - G(1234) + G(34): judged with the made-up release as known before it passed; with
+    only the witnessed releases known before it is refused, naming site-5. A plan that adds
+    nothing to the witnessed history (all five sites) still passes: the made-up release alone
+    does not stop the federation."""
+    one_two_five, three_four = ["site-1", "site-2", "site-5"], ["site-3", "site-4"]
+    witnessed = logged_rounds(
+        _log(("r1", one_two_five, one_two_five), ("r2", three_four, three_four))
+    )
+    made_up = logged_rounds(_log(("r0", ["site-5"], ["site-5"])))
+    every = [*made_up, *witnessed]
+    plan = _plan("r3", FIVE[:4])
+    assert whole_history_problem(plan, rounds=every, min_cohort=2)[0] == ""  # the old rule
+    reason, detail = whole_history_problem(plan, rounds=every, known=witnessed, min_cohort=2)
+    assert "would expose" in reason and "site-5" in reason, reason
+    assert "r1/gram[all]" in reason and "r2/gram[all]" in reason, reason
+    assert detail is not None and not detail["passed"]
+    assert (
+        whole_history_problem(_plan("r3", FIVE), rounds=every, known=witnessed, min_cohort=2)[0]
+        == ""
+    )
+    # what the witnessed history shows alone is known before, as it always was
+    leaked = logged_rounds(_log(("r1", FIVE, FIVE), ("r2", FIVE[:4], FIVE[:4])))
+    again = _plan("r3", FIVE)
+    assert (
+        whole_history_problem(again, rounds=[*made_up, *leaked], known=leaked, min_cohort=2)[0]
+        == ""
+    )

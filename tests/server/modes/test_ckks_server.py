@@ -27,7 +27,12 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.config import load_config
 from afl.server.daemon import main as daemon
-from afl.server.errors import ConfigError, InvalidRequestError, NotPermittedError
+from afl.server.errors import (
+    ConfigError,
+    InvalidRequestError,
+    NotPermittedError,
+    WrongStageError,
+)
 from afl.server.modes.base import ModeEnvironment, RoundAccess
 from afl.server.modes.ckks import CkksMode, CkksRequests
 from afl.server.modes.ckks_context import CkksContexts, PublishedContext
@@ -208,3 +213,47 @@ def test_a_decryption_outcome_counts_only_for_the_federation_round_and_plan_it_w
     # Bound right, the signature verifies; this stand-in round plans no release of that name.
     with pytest.raises(InvalidRequestError, match="no release named 'gram'"):
         requests.report("dec", outcome())
+
+
+def test_a_ckks_round_takes_a_participant_s_opening_over_every_participant_in_its_upload_stage() -> (
+    None
+):
+    """M-232 in ``ckks``: an opening of a CKKS round must state every participant as its
+    survivors (a CKKS sum holds every participant's ciphertext, or the round aborts), from a
+    participant, while the round is in its upload stage (before the site's first statistic);
+    a round of another mode, or none, is not a CKKS round."""
+    participants = ["site-1", "site-2", "site-3"]
+    ckks_round = SimpleNamespace(
+        round_id="r1-c", stage=pb.ROUND_STAGE_UPLOAD, row=SimpleNamespace(participants=participants)
+    )
+    masked_round = SimpleNamespace(round_id="r1-m", stage=pb.ROUND_STAGE_UPLOAD)
+    rounds = {"r1-c": ckks_round, "r1-m": masked_round}
+
+    def find(round_id: str) -> Any:
+        if round_id not in rounds:
+            raise WrongStageError(f"no round {round_id!r} on this server")
+        return rounds[round_id]
+
+    def require_participant(view: Any, site_id: str) -> None:
+        if site_id not in view.row.participants:
+            raise NotPermittedError(f"site {site_id!r} is not a participant")
+
+    ckks_mode = CkksMode.__new__(CkksMode)  # contributors() reads the round's participants
+    access = SimpleNamespace(
+        require_enrolled=lambda site: None,
+        require_participant=require_participant,
+        lock=threading.RLock(),
+        find=find,
+        advance=lambda: None,
+        mode_of=lambda view: ckks_mode if view is ckks_round else object(),
+    )
+    requests = CkksRequests(cast(RoundAccess, access), cast(CkksContexts, None))
+    assert requests.runs_ckks("r1-c")
+    assert not requests.runs_ckks("r1-m") and not requests.runs_ckks("r9-none")
+    assert requests.opening_survivors("site-2", "r1-c") == participants
+    with pytest.raises(NotPermittedError, match="not a participant"):
+        requests.opening_survivors("site-9", "r1-c")
+    for stage in (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_SOLVING, pb.ROUND_STAGE_PUBLISHED):
+        ckks_round.stage = stage
+        with pytest.raises(WrongStageError, match="takes openings in its upload stage"):
+            requests.opening_survivors("site-2", "r1-c")
