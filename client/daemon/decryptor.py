@@ -11,7 +11,9 @@ Startup: load (or create once, then keep under ``state_dir/ckks/``, mode 0600) t
 CKKS context with its secret key and an X25519 key for receiving aggregate tags; enrol; upload
 the PUBLIC context (no secret, Galois or relinearization keys) and publish a signed announcement.
 
-Loop: ``GetDecryptionJobs`` for the current round. For each round, :class:`RoundDecryptor`
+Loop: ``GetDecryptionJobs`` for the current round; its jobs run on :data:`JOB_WORKERS` threads
+(one job's transfers and report overlap another's decryption; the decryptions take turns). For
+each round, :class:`RoundDecryptor`
 verifies the server's signature on the release plan (key from the kit), refuses plans not in CKKS
 mode, plans whose roster digest is not the one of its kit's roster (``[peers]`` and itself) and
 plans naming a participant the federation CA revoked (``[tls] crl``; both checks are the sites'
@@ -109,7 +111,7 @@ __all__ = [
 log = logging.getLogger("afl.client.daemon.decryptor")
 
 #: Jobs of a round served at once: one job's download, result upload and report overlap another
-#: job's decryption (the decryptions take turns; :meth:`RoundDecryptor.decrypt`).
+#: job's decryption (the decryptions take turns: :attr:`RoundDecryptor.turn`).
 JOB_WORKERS = 2
 
 
@@ -260,7 +262,9 @@ class RoundDecryptor:
         )
         self.senders: set[str] = set()
         self.site_bound = site_bound  # one member's dataset bound (None: not checked)
-        self._decrypting = threading.Lock()  # one decryption at a time (decrypt-once state)
+        #: Held while one job is decrypted: concurrent jobs take turns (the decrypt-once record
+        #: is shared); re-entrant, so a caller may hold it around :meth:`decrypt` to time it.
+        self.turn = threading.RLock()
 
     def add_tags(self, sealed: pb.SealedMessage) -> None:
         """Open one site's sealed AggregateTags and register them (each sender once); a
@@ -299,7 +303,7 @@ class RoundDecryptor:
     def decrypt(self, job: pb.DecryptionJob, aggregate: bytes) -> tuple[int, str, bytes]:
         """(status, reason, float64 result bytes) for one job; never raises for a refusal.
         Thread-safe: concurrent jobs take turns (the decrypt-once record is shared)."""
-        with self._decrypting:
+        with self.turn:
             return self._decrypt(job, aggregate)
 
     def _decrypt(self, job: pb.DecryptionJob, aggregate: bytes) -> tuple[int, str, bytes]:
@@ -492,7 +496,7 @@ class DecryptorDaemon:
         """One job: download the aggregate, decrypt it (or refuse), upload the result, report
         the signed outcome. Jobs run on :data:`JOB_WORKERS` threads, so one job's transfers
         overlap another's decryption; the decryptions themselves take turns
-        (:meth:`RoundDecryptor.decrypt`)."""
+        (:attr:`RoundDecryptor.turn`)."""
         rpc = self._rpc()
         t0 = time.perf_counter()
         aggregate = rpc.download(
@@ -503,10 +507,13 @@ class DecryptorDaemon:
             )
         )
         t1 = time.perf_counter()
-        status, reason, result = work.decrypt(job, aggregate)
+        with work.turn:  # decrypt_s: this job's decryption, not its wait for another's
+            t2 = time.perf_counter()
+            status, reason, result = work.decrypt(job, aggregate)
+            decrypt_s = time.perf_counter() - t2
         self._record(
             round_id=round_id, release=job.release_name, status=status,
-            download_s=t1 - t0, decrypt_s=time.perf_counter() - t1, size=len(aggregate),
+            download_s=t1 - t0, decrypt_s=decrypt_s, size=len(aggregate),
         )  # fmt: skip
         digest = hashlib.sha256(result).digest() if result else b""
         if result:

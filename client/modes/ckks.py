@@ -16,7 +16,9 @@ Between the accepted plan and the model, a site
    :func:`afl.crypto.ckks.wire.seal_tags`; the server can neither read nor forge them);
 4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
    the tags in slot 0 of every ciphertext (:func:`afl.crypto.ckks.scheme.encrypt_block_bytes`) and streams the
-   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
+   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``): the smallest slots first, each
+   uploaded on a worker thread while the next is encrypted, so the class vectors' round trips
+   overlap the Gram's encryption (the first failed upload stops the rest and is raised).
 
 ``encode`` runs before the context is known, so it only checks the declared bound (values that
 would overflow the slot budget are refused with an error, never clipped) and keeps float64.

@@ -14,7 +14,8 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
                          tags, encryption and streamed upload; MASK: all five stages)
     bytes_sent_per_site  payload bytes a site uploaded (CKKS: serialized ciphertexts)
     wall_seconds         the whole run, process start-up included
-    decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding)
+    decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding; its
+                         jobs overlap, so this sum can exceed their share of the round)
     download_seconds     CKKS only: the decryptor fetching the homomorphic sums
     server_peak_rss_mib  afl-server's peak resident memory (the kernel's VmHWM; Linux, else null)
     site_peak_rss_mib    the largest peak resident memory of the K site daemons
