@@ -3,7 +3,8 @@
 
 Between the accepted plan and the model, a site
 
-1. fetches the decryptor's announcement (``GetCkksContext``): it must name the decryptor pinned
+1. fetches the decryptor's announcement (``GetCkksContext``; the daemon starts steps 1-2 once
+   the site accepted the plan, :class:`ContextPrefetch`): it must name the decryptor pinned
    in the site's policy (``[policy] ckks_decryptor``, never this site) and carry that site's
    signature (context "ckks-context", :mod:`afl.crypto.ckks.wire`), checked with its identity
    key from the startup kit's [peers];
@@ -40,6 +41,7 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.background import Background
 from afl.client.daemon.rpc import STAGE_POLL_CAP_S
 from afl.client.daemon.transport import DaemonError, RemoteCallError
 from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
@@ -53,10 +55,12 @@ from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CkksMode", "fetch_public_context"]
+__all__ = ["CkksMode", "ContextPrefetch", "fetch_public_context"]
 
 
-def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
+def _poll_context(
+    session: RoundSession, deadline_s: float, stop: threading.Event
+) -> pb.CkksContextAnnouncement:
     rpc = session.rpc
     delay, start = rpc.retry.initial_s, time.monotonic()
     while True:
@@ -70,15 +74,19 @@ def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnn
                 raise
             if time.monotonic() - start > deadline_s:
                 raise DaemonError("the decryptor published no CKKS context in time") from exc
-            time.sleep(delay)
+            if stop.wait(delay):
+                raise DaemonError(
+                    "the round ended before the decryptor published its context"
+                ) from exc
             delay = min(2 * delay, STAGE_POLL_CAP_S)  # the decryptor is usually moments away
 
 
 def fetch_public_context(
-    session: RoundSession, peers: Mapping[str, bytes]
+    session: RoundSession, peers: Mapping[str, bytes], *, stop: threading.Event | None = None
 ) -> tuple[Any, pb.CkksContextAnnouncement]:
-    """Steps 1-2 of the module docstring: the verified public context and its announcement."""
-    ann = _poll_context(session, session.rpc.timing.upload_timeout_s)
+    """Steps 1-2 of the module docstring: the verified public context and its announcement
+    (``stop`` set: a fetch still waiting for the decryptor gives up)."""
+    ann = _poll_context(session, session.rpc.timing.upload_timeout_s, stop or threading.Event())
     decryptor = ann.decryptor_site_id
     if session.ckks_decryptor is None:
         raise DaemonError("no CKKS decryptor is pinned in this site's [policy] ckks_decryptor")
@@ -113,6 +121,28 @@ def fetch_public_context(
         return ckks.load_public_context(data), ann
     except CryptoError as exc:
         raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
+
+
+class ContextPrefetch:
+    """Steps 1-2 of the module docstring in a background thread, which the daemon starts once the
+    site accepted the plan, so that the exchange encrypts at once (the context is fetched while
+    the round reaches its upload stage and the site records it); :meth:`end` stops a fetch still
+    waiting for the decryptor and joins it, so no thread outlives the round."""
+
+    def __init__(self, session: RoundSession, peers: Mapping[str, bytes]) -> None:
+        self._stop = threading.Event()
+        self._task = Background(
+            lambda: fetch_public_context(session, peers, stop=self._stop),
+            name=f"ckks-context-{session.round_id}",
+        )
+
+    def result(self) -> tuple[Any, pb.CkksContextAnnouncement]:
+        """The verified context and its announcement; raises what the fetch raised."""
+        return self._task.wait()
+
+    def end(self) -> None:
+        self._stop.set()
+        self._task.error()
 
 
 def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
@@ -161,7 +191,8 @@ class CkksMode:
     ) -> list[UploadRecord]:
         plan = session.plan
         start = time.perf_counter()
-        ctx, ann = fetch_public_context(session, session.peer_keys)
+        fetched = session.ckks_context  # fetched ahead by the daemon (ContextPrefetch)
+        ctx, ann = fetched() if fetched else fetch_public_context(session, session.peer_keys)
         session.timings["ckks_context"] = time.perf_counter() - start
         start = time.perf_counter()
         todo = [p for p in payloads if p.slot not in already_complete]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from afl.client.config import TimingConfig
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transport import DaemonError, RemoteCallError, RetryPolicy
 from afl.client.modes.base import RoundSession
-from afl.client.modes.ckks import _encrypt_and_upload, fetch_public_context
+from afl.client.modes.ckks import ContextPrefetch, _encrypt_and_upload, fetch_public_context
 from afl.client.payloads.stats import SlotPayload, encode_float64
 from afl.crypto import kdf
 from afl.crypto.ckks import params as cp
@@ -215,3 +216,66 @@ def test_a_failed_upload_stops_the_uploads_after_it_and_is_raised(private_ctx: A
     with pytest.raises(RemoteCallError, match="round aborted"):
         _encrypt_and_upload(_upload_session(rpc, sizes), ctx, _slots(sizes), tags)
     assert [slot for slot, _ in rpc.sent] == ["b[A]"]  # nothing left after the failure
+
+
+class _NotPublished(grpc.RpcError):  # type: ignore[misc]
+    """What the coordinator answers before the decryptor published its context."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "the decryptor has not published its CKKS context yet"
+
+
+class _LateStub(FakeStub):
+    """Refuses ``GetCkksContext`` until ``published`` is set."""
+
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        super().__init__(announcement, data)
+        self.published = threading.Event()
+        self.asked = threading.Event()
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        self.asked.set()
+        if not self.published.is_set():
+            raise _NotPublished()
+        return self.announcement
+
+
+def _waiting_session(stub: Any) -> RoundSession:
+    """A session whose context wait is long (the upload timeout): only ``end`` cuts it short."""
+    session = _session(stub)
+    timing = TimingConfig(rpc_timeout_s=1.0, upload_timeout_s=600.0)
+    rpc = CoordinatorClient(stub, site_id="site-1", timing=timing, retry=session.rpc.retry)
+    return dataclasses.replace(session, rpc=rpc)
+
+
+def test_the_context_fetched_ahead_is_the_verified_one_and_waits_for_the_decryptor(
+    private_ctx: Any,
+) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    stub = _LateStub(_announce(data), data)
+    prefetch = ContextPrefetch(_waiting_session(stub), PEERS)
+    try:
+        assert stub.asked.wait(timeout=120)  # polling while the decryptor has not published
+        stub.published.set()
+        ctx, ann = prefetch.result()
+        assert not ctx.is_private() and ann.decryptor_site_id == "dec"
+    finally:
+        prefetch.end()
+    forged = FakeStub(_announce(data, signer=signatures.generate_identity_key()), data)
+    refused = ContextPrefetch(_session(forged), PEERS)
+    with pytest.raises(DaemonError, match="not signed by the decryptor"):
+        refused.result()  # the exchange raises what the fetch found
+    refused.end()
+
+
+def test_ending_the_round_stops_a_fetch_still_waiting_for_the_decryptor(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    stub = _LateStub(_announce(data), data)  # never published
+    prefetch = ContextPrefetch(_waiting_session(stub), PEERS)
+    assert stub.asked.wait(timeout=120)
+    prefetch.end()  # returns once the thread ended, long before the 600 s upload timeout
+    with pytest.raises(DaemonError, match="round ended before the decryptor published"):
+        prefetch.result()
