@@ -197,11 +197,17 @@ class FederationLog:
             site_id,
             statement,
             kind="opening",
-            fields=frozenset({"site", "plan_sha256", "release", "signature"}),
+            fields=frozenset({"site", "plan_sha256", "mode", "release", "signature"}),
         )
-        release, digest = fields["release"], fields["plan_sha256"]
-        if not isinstance(release, dict) or not isinstance(digest, str):
-            raise InvalidRequestError("an opening statement carries no release or plan digest")
+        release, digest, mode = fields["release"], fields["plan_sha256"], fields["mode"]
+        if (
+            not isinstance(release, dict)
+            or not isinstance(digest, str)
+            or not isinstance(mode, str)
+        ):
+            raise InvalidRequestError(
+                "an opening statement carries no release, plan digest or mode"
+            )
         try:
             plan_sha256 = bytes.fromhex(digest)
         except ValueError as exc:
@@ -214,6 +220,7 @@ class FederationLog:
                 federation=self.federation_id,
                 site=site_id,
                 plan_sha256=plan_sha256,
+                mode=mode,
                 release=release,
             ),
         )
@@ -236,6 +243,15 @@ class FederationLog:
                 "opening names (or it is no longer the round's plan)"
             )
         plan = cpb.ReleasePlan.FromString(row.plan)
+        try:
+            planned_mode = wire.opening_mode(plan)
+        except wire.WireError as exc:
+            raise WrongStageError(str(exc)) from exc
+        if mode != planned_mode:
+            raise NotPermittedError(
+                f"an opening of {site_id} states mode {mode[:16]!r}; round {round_id} runs "
+                f"{planned_mode}"
+            )
         actual = sorted(survivors_of(round_id))
         stated = wire.release_statement_fields(
             round_id=plan.round_id,

@@ -19,6 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import settings
 
 # One compute thread per process (a caller's own setting wins): the suite runs one pytest worker
 # per core and the daemons beside them, where OpenMP/BLAS thread pools only contend and spin
@@ -26,6 +27,12 @@ import pytest
 # thread, 10.7 s with two). Set before any test imports torch or numpy; subprocesses inherit it.
 for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
+
+# No per-example time limit for property tests: Hypothesis's default (200 ms) failed a CKKS
+# example with DeadlineExceeded on the loaded 2-core machine, and a test must not depend on
+# machine load. A test's own @settings still sets its example count.
+settings.register_profile("afl", deadline=None)
+settings.load_profile("afl")
 
 if TYPE_CHECKING:
     from afl.ops.provisioning import ProvisionedFederation

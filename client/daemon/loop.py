@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,12 @@ from afl.client.daemon.evaluation import (
     is_candidate,
     save_evaluation,
 )
-from afl.client.daemon.opening import OpeningPublication, opened_releases, witnessed_releases
+from afl.client.daemon.opening import (
+    OpeningPublication,
+    counted_releases,
+    opened_releases,
+    witnessed_releases,
+)
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
@@ -91,6 +96,7 @@ from afl.client.policy.loghistory import (
 from afl.client.policy.plan import PolicyDecision, check_plan, survivor_problem
 from afl.client.policy.roster import kit_revocations, revoked_participant, roster_problem
 from afl.client.retention import enforce_retention
+from afl.core.audit.history import ReleasedRound
 from afl.core.data.featurecache import FeatureCache, open_cache
 from afl.core.refinement import RefinementParams
 from afl.core.row_bounds import RowBounds, measure
@@ -129,6 +135,15 @@ def _version() -> str:
         return metadata.version("afl")
     except metadata.PackageNotFoundError:  # pragma: no cover
         return "0+unknown"
+
+
+class LogHistory(NamedTuple):
+    """The log's history a plan was audited with (:meth:`ClientDaemon._whole_history`): every
+    released round, the rounds some site signed, and those no single party's word makes."""
+
+    rounds: list[ReleasedRound]
+    known: list[ReleasedRound]
+    signed: list[ReleasedRound]
 
 
 class PlanLogCheck:
@@ -205,6 +220,8 @@ class ClientDaemon:
         self._running_round = ""  # the round run_round is in (its own steps witness the log)
         self._context: ContextPrefetch | None = None  # CKKS: the round's context, fetched ahead
         self._openings_verified: set[str] = set()  # opening statements verified (one each)
+        # The log's history each accepted plan was audited with (the survivors check's too).
+        self._log_history: dict[str, LogHistory] = {}
         self.ledger = DpLedger(config.state_dir / "dp-ledger")
         self.anchor = LedgerAnchor(
             self.ledger, self.log_witness, key=self.identity, config=str(config.path)
@@ -464,7 +481,9 @@ class ClientDaemon:
             unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
             # Every release counts; only those no single party's word makes are known before
             # (M-233): this site's own unmasked rounds and releases every survivor opened.
-            rounds = logged_rounds([*statements, *(("release", o.release) for o in opened)])
+            counted = [("release", r) for r in counted_releases(opened)]
+            rounds = logged_rounds([*statements, *counted])
+            signed = logged_rounds([*(("release", f) for f in own), *counted])
             known = logged_rounds(("release", f) for f in (*own, *witnessed_releases(opened)))
         except (DaemonError, LogHistoryError) as exc:
             return PolicyDecision(
@@ -477,8 +496,10 @@ class ClientDaemon:
                 "them as released",
                 self.site_id, ", ".join(unlogged),
             )  # fmt: skip
+        # Kept for the survivors check, which audits the sums as they will be unmasked.
+        self._log_history = {plan.round_id: LogHistory(rounds, known, signed)}  # one round
         problem, detail = whole_history_problem(
-            plan, rounds=rounds, known=known, min_cohort=policy.min_cohort
+            plan, rounds=rounds, known=known, signed=signed, min_cohort=policy.min_cohort
         )
         if detail is not None and unlogged:
             detail["unmasked_not_logged"] = unlogged
@@ -1068,7 +1089,7 @@ class ClientDaemon:
                 history=self.store.history(exclude_round=plan.round_id),
                 planned_history=self.store.history(exclude_round=plan.round_id, planned=True),
                 covered=covered,
-            )
+            ) or self._whole_history_over(plan, survivors, covered=covered)
             if problem:
                 log.warning("site=%s REFUSED round %s: %s", self.site_id, plan.round_id, problem)
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
@@ -1078,6 +1099,37 @@ class ClientDaemon:
                 opening.start(survivors)
 
         return check
+
+    def _whole_history_over(
+        self, plan: cpb.ReleasePlan, survivors: Sequence[str], *, covered: bool
+    ) -> str:
+        """Why the plan's sums, as they will be unmasked over ``survivors``, expose a site
+        through the log's whole history ("" when they do not, M-206): the history the plan was
+        audited with at plan time, the plan cut to the survivors (a drop-out the coordinator
+        reports changes which sums are released)."""
+        history = self._log_history.pop(plan.round_id, None)
+        policy = self.config.policy
+        if history is None or policy.allow_exposure or covered:
+            return ""
+        alive = set(survivors)
+        cut = cpb.ReleasePlan()
+        cut.CopyFrom(plan)
+        del cut.participants[:]
+        cut.participants.extend(s for s in plan.participants if s in alive)
+        for release in cut.releases:
+            kept = [m for m in release.member_site_ids if m in alive]
+            del release.member_site_ids[:]
+            release.member_site_ids.extend(kept)
+        problem, _ = whole_history_problem(
+            cut,
+            rounds=history.rounds,
+            known=history.known,
+            signed=history.signed,
+            min_cohort=policy.min_cohort,
+        )
+        if not problem:
+            return ""
+        return f"this site refuses to unmask over the survivors {sorted(alive)}: {problem}"
 
     def receive_model(
         self,

@@ -44,21 +44,32 @@ from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import sign_fields, verify_fields
 from afl.crypto.transparency.statements import (
     OPENING_CONTEXT,
+    OPENING_MODES,
     opening_signed_fields,
     opening_statement,
 )
+from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["Opened", "OpeningPublication", "opened_releases", "opening_of", "witnessed_releases"]
+__all__ = [
+    "Opened",
+    "OpeningPublication",
+    "counted_releases",
+    "opened_releases",
+    "opening_of",
+    "witnessed_releases",
+]
 
 
 class Opened(NamedTuple):
     """An opening of the log that verified (:func:`opened_releases`): its signer, the plan's
-    SHA-256 (hex) and the release it states."""
+    SHA-256 (hex), the round's aggregation mode ("mask" or "ckks") and the release it
+    states."""
 
     site: str
     plan_sha256: str
+    mode: str
     release: Mapping[str, Any]
 
 
@@ -71,20 +82,22 @@ def opening_of(
     plan_sha256: bytes,
     survivors: Collection[str],
 ) -> bytes:
-    """The `opening` statement of ``plan``'s round unmasked over ``survivors``, signed by the
-    site's identity ``key``."""
-    release = release_fields(plan, survivors=survivors)
+    """The `opening` statement of ``plan``'s round (a masked or CKKS round) over
+    ``survivors``, signed by the site's identity ``key`` (:class:`afl.proto.wire.WireError`
+    for another mode)."""
+    release, mode = release_fields(plan, survivors=survivors), wire.opening_mode(plan)
     signature = sign_fields(
         key,
         context=OPENING_CONTEXT,
         fields=opening_signed_fields(
-            federation=federation, site=site, plan_sha256=plan_sha256, release=release
+            federation=federation, site=site, plan_sha256=plan_sha256, mode=mode, release=release
         ),
     )
     return opening_statement(
         federation=federation,
         site=site,
         plan_sha256=plan_sha256,
+        mode=mode,
         release=release,
         signature=signature,
     )
@@ -100,7 +113,7 @@ def opened_releases(
     """Every `opening` statement of the log that is well formed (its release as
     :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan the log holds
     (its round id and SHA-256), lists the site it names among the survivors, and verifies under
-    that site's key in ``keys`` (the roster): its signer, plan digest and release fields.
+    that site's key in ``keys`` (the roster): its signer, plan digest, mode and release.
     ``verified``: the statements (their fields as canonical JSON, signature included) already
     verified, skipped and extended (a daemon keeps one set, so each statement is verified
     once)."""
@@ -111,9 +124,11 @@ def opened_releases(
             continue
         site, release = fields.get("site"), fields.get("release")
         signature, digest = fields.get("signature"), fields.get("plan_sha256")
+        mode = fields.get("mode")
         key = keys.get(site) if isinstance(site, str) else None
         if (
             key is None
+            or mode not in OPENING_MODES
             or not isinstance(release, Mapping)
             or not isinstance(signature, str)
             or not isinstance(digest, str)
@@ -133,6 +148,7 @@ def opened_releases(
                         federation=federation,
                         site=str(site),
                         plan_sha256=bytes.fromhex(digest),
+                        mode=str(mode),
                         release=release,
                     ),
                 )
@@ -140,7 +156,37 @@ def opened_releases(
                 continue
             if verified is not None:
                 verified.add(seen)
-        out.append(Opened(str(site), digest, release))
+        out.append(Opened(str(site), digest, str(mode), release))
+    return out
+
+
+def _by_release(opened: Sequence[Opened]) -> list[tuple[Opened, set[str]]]:
+    """Each distinct (plan, mode, release) of ``opened``, once, with the sites that signed it."""
+    groups: dict[str, tuple[Opened, set[str]]] = {}
+    for o in opened:
+        key = json.dumps([o.plan_sha256, o.mode, o.release], sort_keys=True, separators=(",", ":"))
+        groups.setdefault(key, (o, set()))[1].add(o.site)
+    return list(groups.values())
+
+
+def counted_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
+    """What the openings of ``opened`` say was released, for the whole-history audit (M-232).
+    A masked round's release over the survivors its openings state: its sums hold every
+    survivor's masked input, whether or not each survivor lived to log its opening. A CKKS
+    round's release over the participants that signed an opening of it only: its sums can be
+    decrypted only once every participant's ciphertext is in them, and no honest site's
+    ciphertext leaves before its opening is in the log, so a round some participants never
+    opened was decrypted only if those uploaded without one, colluding with the coordinator
+    (the sum's part that this leaves out is theirs, which they know); a round aborted during
+    its uploads is no sum over sites that never uploaded, and re-planning without them adds
+    nothing."""
+    out: list[Mapping[str, Any]] = []
+    for first, signers in _by_release(opened):
+        release = first.release
+        if first.mode == "ckks":
+            survivors = sorted(signers & set(release["survivors"]))
+            release = {**release, "survivors": survivors}
+        out.append(release)
     return out
 
 
@@ -149,14 +195,10 @@ def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
     signed: the same release fields of the same plan in an opening of each. No party's word
     alone makes one: a coordinator cannot sign for a site, and a site that states survivors
     other than the round's real ones would need each of them to sign the same false list."""
-    signers: dict[str, set[str]] = {}
-    releases: dict[str, Mapping[str, Any]] = {}
-    for o in opened:
-        key = json.dumps([o.plan_sha256, o.release], sort_keys=True, separators=(",", ":"))
-        signers.setdefault(key, set()).add(o.site)
-        releases[key] = o.release
     return [
-        release for key, release in releases.items() if set(release["survivors"]) <= signers[key]
+        first.release
+        for first, signers in _by_release(opened)
+        if set(first.release["survivors"]) <= signers
     ]
 
 

@@ -137,16 +137,19 @@ def whole_history_problem(
     rounds: Sequence[ReleasedRound],
     min_cohort: int,
     known: Sequence[ReleasedRound] | None = None,
+    signed: Sequence[ReleasedRound] | None = None,
 ) -> tuple[str, dict[str, object] | None]:
     """Why this site refuses ``plan`` given every released round of the log ("" when nothing
     new is exposed), and the audit's detail (None without a history): the plan's releases over
     its participants, differenced with every earlier release over its survivors, must not
     determine any site's statistics nor the sum of a group smaller than ``min_cohort``.
     ``known``: the rounds whose exposures count as known before the plan (default: all of
-    ``rounds``). A site passes only the rounds no single party's word makes (M-233: its own
-    unmasked rounds, releases every survivor signed an opening of); the others count as
-    releases only (:func:`afl.core.audit.history.history_exposures` ``known_from``), so a false
-    one, the coordinator's or one site's, can only make the audit stricter."""
+    ``rounds``); ``signed``: the rounds some site signed (default: ``known``). A site
+    passes as ``known`` only the rounds no single party's word makes (M-233: its own unmasked
+    rounds, releases every survivor signed an opening of) and as ``signed`` those and every
+    other verified opening; the coordinator's statements count as releases only
+    (:func:`afl.core.audit.history.history_exposures`), so a false one, the coordinator's or
+    one site's, can only make the audit stricter."""
     if any(r.round_id == plan.round_id for r in rounds):
         return (
             f"the federation log already holds a release of round {plan.round_id}: a round id "
@@ -162,6 +165,7 @@ def whole_history_problem(
         sites=list(plan.participants),
         min_cohort=min_cohort,
         known_from=None if known is None else history_releases(known),
+        signed=None if signed is None else history_releases(signed),
     )
     detail: dict[str, object] = {
         "rounds": len(rounds),

@@ -72,6 +72,7 @@ def history_exposures(
     sites: Collection[str],
     min_cohort: int,
     known_from: Sequence[Release] | None = None,
+    signed: Sequence[Release] | None = None,
 ) -> tuple[LeakageReport, list[Exposure]]:
     """The audit of ``plan`` together with ``history`` (names distinct from the plan's), and
     the exposures (single sites, and groups smaller than ``min_cohort``) that this plan adds:
@@ -79,28 +80,44 @@ def history_exposures(
     and not determined by the history alone (what was known before stays known; refusing the
     plan would not hide it).
 
-    ``known_from``: the part of the history that no single party's word makes (default: all of
-    it). The rest (a release only the coordinator states, or only one site's opening) may be
-    false, and a false release that isolates a site would make the site look exposed before,
-    letting through a plan that really exposes it. So the plan must also add nothing to
-    ``known_from`` alone: an exposure of plan and ``known_from`` together that ``known_from``
-    alone does not determine counts too. Every release of the history still counts as
-    released (stricter), and what the whole history alone determines is still not blamed on
-    the plan (a false release cannot stop every later plan)."""
-    report, found = _added(plan, history, sites=sites, min_cohort=min_cohort)
-    if known_from is not None and _distinct(known_from) != _distinct(history):
-        _, witnessed = _added(plan, known_from, sites=sites, min_cohort=min_cohort)
+    A site's audit holds releases of three kinds of evidence (docs/protocol.md M-233):
+    ``history``, every release the log states (the coordinator's statements may be false);
+    ``signed``, the part some site signed (its openings, its own records), which a coordinator
+    alone cannot make up; ``known_from``, the part that no single party's word makes (every
+    survivor signed it), the only part whose exposures may excuse a plan as known before.
+    A release only the coordinator states, over one site, would make that site look exposed
+    before and let through a plan that really exposes it; so the plan must also add nothing,
+    together with ``signed``, to what ``known_from`` alone determines (a real round one
+    survivor could not sign is in ``signed``, and the plan that differences it is refused).
+    What ``history`` alone determines is still not blamed on the plan in the first check, so
+    a made-up release cannot stop every later plan. Defaults: ``known_from`` is ``history``
+    (one party's books: the coordinator's own audit), ``signed`` is ``known_from``."""
+    report, found = _added(plan, history, excused_by=history, sites=sites, min_cohort=min_cohort)
+    if signed is None and known_from is None:
+        return report, found
+    excuse = list(history if known_from is None else known_from)
+    signed_part = list(excuse if signed is None else signed)
+    if _distinct(excuse) != _distinct(history):
+        _, more = _added(plan, signed_part, excused_by=excuse, sites=sites, min_cohort=min_cohort)
         seen = {(e.sites, e.quantity) for e in found}
-        found += [e for e in witnessed if (e.sites, e.quantity) not in seen]
+        found += [e for e in more if (e.sites, e.quantity) not in seen]
     return report, found
 
 
 def _added(
-    plan: Sequence[Release], history: Sequence[Release], *, sites: Collection[str], min_cohort: int
+    plan: Sequence[Release],
+    history: Sequence[Release],
+    *,
+    excused_by: Sequence[Release],
+    sites: Collection[str],
+    min_cohort: int,
 ) -> tuple[LeakageReport, list[Exposure]]:
-    """The audit of ``plan`` with ``history``, and the exposures it adds to ``history`` alone."""
+    """The audit of ``plan`` with ``history``, and the exposures it adds that need an earlier
+    release and that ``excused_by`` alone does not determine."""
     earlier = {r.name for r in history}
-    universe = sorted({*sites, *(s for r in (*plan, *history) for s in r.members)}, key=str)
+    universe = sorted(
+        {*sites, *(s for r in (*plan, *history, *excused_by) for s in r.members)}, key=str
+    )
     report = audit_releases([*plan, *history], universe, min_cohort=min_cohort)
     found = [
         e
@@ -108,7 +125,7 @@ def _added(
         if any(name in earlier for name, _ in e.certificate)
     ]
     if found:
-        alone = audit_releases(list(history), universe, min_cohort=min_cohort)
+        alone = audit_releases(list(excused_by), universe, min_cohort=min_cohort)
         known = {(e.sites, e.quantity) for e in (*alone.exposed_sites, *alone.small_groups)}
         found = [e for e in found if (e.sites, e.quantity) not in known]
     return report, found

@@ -23,6 +23,7 @@ __all__ = [
     "DP_RELEASE_CONTEXT",
     "KINDS",
     "OPENING_CONTEXT",
+    "OPENING_MODES",
     "STATEMENT_TAG",
     "StatementError",
     "decode_statement",
@@ -109,15 +110,20 @@ def dp_release_statement(
 OPENING_CONTEXT = "opening"
 
 
+#: The aggregation modes an opening is signed in: what its release's sum holds differs.
+OPENING_MODES = ("mask", "ckks")
+
+
 def opening_signed_fields(
-    *, federation: str, site: str, plan_sha256: bytes, release: Mapping[str, object]
-) -> tuple[str, str, str, str]:
+    *, federation: str, site: str, plan_sha256: bytes, mode: str, release: Mapping[str, object]
+) -> tuple[str, str, str, str, str]:
     """What a site signs (context :data:`OPENING_CONTEXT`) before it sends the unmask shares
-    of a masked round: (federation, site, SHA-256 of the signed plan in hex, JSON of the
-    round's release as the site knows it, in the `release` statement's form: round, run, the
-    survivors it signed, every planned release). Logged before any share leaves, so every
-    site's whole-history audit counts the release whatever the coordinator states of it."""
-    return (federation, site, plan_sha256.hex(), _json(release))
+    of a masked round, or its first ciphertext of a CKKS round: (federation, site, SHA-256 of
+    the signed plan in hex, the round's aggregation ``mode`` (:data:`OPENING_MODES`), JSON of
+    the round's release as the site knows it, in the `release` statement's form: round, run,
+    the survivors, every planned release). Logged before any of it leaves, so every site's
+    whole-history audit counts the release whatever the coordinator states of it."""
+    return (federation, site, plan_sha256.hex(), mode, _json(release))
 
 
 def opening_statement(
@@ -125,16 +131,18 @@ def opening_statement(
     federation: str,
     site: str,
     plan_sha256: bytes,
+    mode: str,
     release: Mapping[str, object],
     signature: bytes,
 ) -> bytes:
-    """The `opening` entry: fields {site, plan_sha256 (hex), release, signature (hex)}."""
+    """The `opening` entry: fields {site, plan_sha256 (hex), mode, release, signature (hex)}."""
     return statement_bytes(
         federation=federation,
         kind="opening",
         fields={
             "site": site,
             "plan_sha256": plan_sha256.hex(),
+            "mode": mode,
             "release": dict(release),
             "signature": signature.hex(),
         },

@@ -60,6 +60,16 @@ members of the targeted release):
   the last site alone: every later audit would count that site's statistics as exposed before,
   so a plan that really differences them out would not be blamed for it. The coordinator skips
   its own history audits (M-124); unmasked sums go to LOOT as ``<run>/<round>/<release>``.
+* ``unwitness-fake-release`` (mask): ``fake-release``, and the coordinator also refuses to log
+  the last site's (site-5's) `opening` statements: site-5 stops before its consistency
+  signature, but its masked input is already in U3, and the round is unmasked over U3 with the
+  other survivors' signatures (t of them suffice), so run-1's release is real and no longer
+  witnessed by every survivor (M-233). The consistency stage closes without waiting for
+  site-5's signature.
+* ``drop-at-upload`` (mask): the coordinator refuses site-8's masked input (as if it dropped
+  out; site-8 takes part in run-3 only) and closes the upload stage without it, so run-3's round is unmasked over the
+  other participants; it skips its own history audits (M-124, before unmasking too); unmasked
+  sums go to LOOT as ``<run>/<round>/<release>``.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -120,6 +130,8 @@ ATTACKS = (
     "fake-release",
     "hide-release-ckks",
     "refuse-opening",
+    "unwitness-fake-release",
+    "drop-at-upload",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -520,11 +532,16 @@ def _hide_release_ckks(loot: Path) -> None:
     CkksMode.sums = hiding  # type: ignore[method-assign]
 
 
-def _refuse_opening() -> None:
+def _refuse_opening(only: str = "") -> None:
+    """The coordinator logs no `opening` statement (``only``: none of that site's)."""
     from afl.server.coordinator import Coordinator
 
+    honest = Coordinator.log_opening
+
     def refusing(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
-        raise InvalidRequestError("this coordinator logs no openings")
+        if not only or site_id == only:
+            raise InvalidRequestError("this coordinator logs no openings")
+        return honest(self, site_id, request, **kw)
 
     Coordinator.log_opening = refusing  # type: ignore[method-assign]
 
@@ -611,6 +628,43 @@ def _fake_release(loot: Path) -> None:
     RoundMachine._log_stage = faking  # type: ignore[method-assign]
 
 
+def _refuse_last_opening() -> None:
+    """The coordinator does not log site-5's `opening` statements, and closes the consistency
+    check without waiting for its signature."""
+    _refuse_opening(only="site-5")
+    close = MaskMode._close
+
+    def closing(stage: int, state: Any) -> int:
+        following = close(stage, state)
+        if following == pb.ROUND_STAGE_CONSISTENCY_CHECK:
+            state.expected.discard("site-5")  # no wait for the signature it cannot send
+        return following
+
+    MaskMode._close = staticmethod(closing)  # type: ignore[method-assign]
+
+
+def _drop_at_upload(loot: Path) -> None:
+    """A round is unmasked without site-8's masked input (site-8 takes part in run-3 only)."""
+    _record_unmasked(loot, by_round=True)
+    _skip_history_audits()
+    check_upload, close = MaskMode.check_upload, MaskMode._close
+    dropped = "site-8"
+
+    def ignoring(self: MaskMode, view: Any, ctx: Any, *, site_id: str, **kw: Any) -> None:
+        if site_id == dropped:
+            raise InvalidRequestError("masked input refused")  # the coordinator drops it
+        check_upload(self, view, ctx, site_id=site_id, **kw)
+
+    def closing(stage: int, state: Any) -> int:
+        following = close(stage, state)
+        if following == pb.ROUND_STAGE_UPLOAD:
+            state.expected.discard(dropped)  # no wait for the input it refuses
+        return following
+
+    MaskMode.check_upload = ignoring  # type: ignore[method-assign]
+    MaskMode._close = staticmethod(closing)  # type: ignore[method-assign]
+
+
 def main() -> int:
     attack, loot, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     if attack in ("forward-single", "forged-tags"):
@@ -641,13 +695,17 @@ def main() -> int:
         _hide_release(loot)
     if attack == "reuse-round-id":
         _reuse_round_id(loot)
-    if attack == "fake-release":
+    if attack in ("fake-release", "unwitness-fake-release"):
         _fake_release(loot)
     if attack == "hide-release-ckks":
         _hide_release_ckks(loot)
     if attack == "refuse-opening":
         _record_decryptions(loot)
         _refuse_opening()
+    if attack == "drop-at-upload":
+        _drop_at_upload(loot)
+    if attack == "unwitness-fake-release":
+        _refuse_last_opening()
     return daemon.main(args)
 
 

@@ -27,6 +27,19 @@
   plan would add nothing; the sites count as known before only releases that every survivor
   signed an opening of (M-233), and refuse it naming site-5 and the two real rounds.
 
+* ``unwitness-fake-release``: as ``fake-release``, but run 1 over {1,2,5} is unmasked over
+  all three while the coordinator refuses to log site-5's opening, so run 1 is real and not
+  witnessed; run 2 over {1,2,3,4} is witnessed, and run 3 over {3,4} gives site-5 as
+  G(125) - G(1234) + G(34). Sites 3 and 4 know before only run 2, which run 3 adds nothing
+  to, and the made-up release covers the whole history's exposure; but run 1 is among what
+  some site signed (sites 1 and 2 opened it), and run 3 adds site-5's exposure to that part,
+  so they refuse it (M-233).
+* ``drop-at-upload``: eight sites; runs over {5,6,7} and {1,2,3,4,6,7} are published; run 3
+  over {1,2,3,4,8} passes every whole-history audit as planned, then the coordinator refuses
+  site-8's masked input: unmasked over {1,2,3,4} it would give site-5's statistics as
+  G(567) - G(123467) + G(1234). The survivors audit the sums as they would be unmasked with
+  the log's whole history again before they sign the survivors (M-206), and refuse.
+
 Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
 sums only.
 """
@@ -262,3 +275,90 @@ def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path
         assert f"{first}/gram[all]" in reason and f"{second}/gram[all]" in reason, reason
     assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0
     assert not [name for name in _loot(loot) if name.startswith("run-3/")], sorted(_loot(loot))
+
+
+def test_a_made_up_release_does_not_hide_a_round_one_survivor_could_not_open(
+    tmp_path: Path,
+) -> None:
+    """``unwitness-fake-release``: run 1 over {1,2,5} is unmasked over all three although the
+    coordinator refused to log site-5's opening (sites 1 and 2 signed the consistency check,
+    t of them suffice); run 2 over {1,2,3,4} is published and witnessed; the coordinator logs
+    a made-up release over site-5 alone. Run 3 over {3,4} gives site-5's statistics as
+    G(125) - G(1234) + G(34), from real releases only: sites 3 and 4 refuse it, because the
+    openings of sites 1 and 2 put run 1 among what some site signed (M-233)."""
+    v = "site-5"
+    loop = separate_views(tmp_path)
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("unwitness-fake-release", loot))
+        daemons.start_clients()
+        # a masked round tolerates a survivor that does not sign: run 1 is unmasked
+        assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
+        daemons.submit(_participants(*SITES[:4]), name="A, B, C, D")
+        assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
+        daemons.submit(_participants("site-3", "site-4"), name="C, D")
+        third = daemons.wait_run("run-3")
+    finally:
+        daemons.stop()
+
+    store = _store(loop)
+    (first,) = store.rounds("run-1")
+    statements = _statements(loop, store)
+    opened = {f["site"] for kind, f in statements if kind == "opening"}
+    released = [
+        f for kind, f in statements if kind == "release" and f["round_id"] == first.round_id
+    ]
+    assert released and released[0]["survivors"] == ["site-1", "site-2", v]  # the sum holds site-5
+    assert v not in opened  # ... and site-5 never opened it: the release is not witnessed
+    assert {"site-1", "site-2", "site-3", "site-4"} <= opened
+    taken = _loot(loot)
+    assert third.state == "aborted", sorted(taken)  # published: the coordinator holds site-5's sums
+    refused = _refusals("run-3", store)
+    assert refused and set(refused) <= {"site-3", "site-4"}, refused
+    for reason in refused.values():
+        assert "would expose" in reason and v in reason, reason
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0
+
+
+def test_a_made_up_drop_out_does_not_difference_a_site_through_the_log_s_history(
+    tmp_path: Path,
+) -> None:
+    """``drop-at-upload``, eight sites, min cohort 2: run 1 over {5,6,7} and run 2 over
+    {1,2,3,4,6,7} are published; run 3 over {1,2,3,4,8} adds nothing to the log's history as
+    planned (every participant's whole-history audit passes it), but the coordinator refuses
+    site-8's masked input, and unmasked over {1,2,3,4} it gives site-5's statistics as
+    G(567) - G(123467) + G(1234). Sites 1..4 never shared a run with site-5; their survivor
+    check reads only their own history (runs 2 and 3), where {1,2,3,4} exposes the group
+    {6,7}, which min cohort 2 allows. Nothing of run 3 may be unmasked."""
+    sites = tuple(f"site-{i}" for i in range(1, 9))
+    loop = federation(
+        tmp_path,
+        "mask",
+        sites=8,
+        serve=True,
+        round_settings={"min_participants": 3, "participants": ["site-5", "site-6", "site-7"]},
+        policy={"min_cohort": 2, "witness_quorum": 2},
+    )
+    loot = tmp_path / "loot.json"
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server(command=malicious_server.command("drop-at-upload", loot))
+        daemons.start_clients()
+        assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
+        daemons.submit(_participants(*sites[:4], "site-6", "site-7"), name="1-4, 6, 7")
+        assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
+        daemons.submit(_participants(*sites[:4], "site-8"), name="1-4, 8")
+        # Each survivor refuses at its survivors check; the coordinator would wait for their
+        # signatures until the stage's deadline, so the test stops once all four refused.
+        logs = daemons.wait_logged("refuses to unmask over the survivors", sites=sites[:4])
+    finally:
+        daemons.stop()
+
+    for site, log in logs.items():
+        refusal = next(line for line in log.splitlines() if "refuses to unmask" in line)
+        assert "site-5" in refusal and "M-206" in refusal, (site, refusal)
+    store = _store(loop)
+    assert not _refusals("run-3", store)  # the plan adds nothing to the history as planned
+    taken = _loot(loot)
+    assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)

@@ -175,6 +175,24 @@ class Daemons:
                 raise AssertionError(f"reports of {round_id} missing\n{self.log_tail()}")
             time.sleep(0.3)
 
+    def wait_logged(
+        self, text: str, *, sites: Sequence[str], timeout_s: float = 300.0
+    ) -> dict[str, str]:
+        """Every one of ``sites``' logs once each holds ``text`` (by site)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            logs = {
+                s: (self.logs / f"{s}.log").read_text(encoding="utf-8", errors="replace")
+                for s in sites
+            }
+            if all(text in log for log in logs.values()):
+                return logs
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{text!r} not logged by every one of {sites}\n{self.log_tail()}"
+                )
+            time.sleep(0.3)
+
     def model(self, run_id: str) -> pb.SignedModel:
         signed: pb.SignedModel = self.call(self.admin.GetRunModel, apb.RunRef(run_id=run_id))
         return signed

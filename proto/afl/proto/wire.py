@@ -97,6 +97,7 @@ __all__ = [
     "evaluation_spec",
     "iter_chunks",
     "masked_upload",
+    "opening_mode",
     "read_evaluation",
     "release_length",
     "release_statement_fields",
@@ -168,6 +169,15 @@ def release_statement_fields(
             for name, kind, classes, members in releases
         ],
     }
+
+
+def opening_mode(plan: cpb.ReleasePlan) -> str:
+    """The ``mode`` field of an `opening` statement of ``plan``'s round (docs/protocol.md
+    M-232): "mask" or "ckks" (:class:`WireError` for a mode whose sites sign no opening)."""
+    modes = {cpb.AGGREGATION_MODE_MASK: "mask", cpb.AGGREGATION_MODE_CKKS: "ckks"}
+    if plan.aggregation not in modes:
+        raise WireError(f"round {plan.round_id!r} does not run mask or ckks: no opening is signed")
+    return modes[plan.aggregation]
 
 
 def stage_name(stage: int) -> str:

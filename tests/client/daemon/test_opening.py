@@ -17,6 +17,7 @@ import pytest
 from afl.client.daemon.opening import (
     Opened,
     OpeningPublication,
+    counted_releases,
     opened_releases,
     opening_of,
     witnessed_releases,
@@ -27,9 +28,11 @@ from afl.client.daemon.transport import DaemonError
 from afl.client.modes.base import RoundSession
 from afl.client.modes.mask import MASK_STEPS
 from afl.client.policy.loghistory import logged_rounds, release_fields, whole_history_problem
-from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw, sign_fields
 from afl.crypto.transparency.statements import (
+    OPENING_CONTEXT,
     decode_statement,
+    opening_signed_fields,
     opening_statement,
     plan_statement,
 )
@@ -50,6 +53,7 @@ def _plan(round_id: str = "r1-open") -> cpb.ReleasePlan:
         round_id=round_id,
         run_id="run-1",
         participants=list(SURVIVORS),
+        aggregation=cpb.AGGREGATION_MODE_MASK,
         releases=[
             cpb.Release(
                 name="gram[all]",
@@ -191,6 +195,7 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
         federation=FED,
         site="site-1",
         plan_sha256=plan_sha,
+        mode="mask",
         release=release_fields(plan, survivors=SURVIVORS),
         signature=b"\1" * 64,
     )
@@ -198,6 +203,23 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
         record("site-1", forged)
     with pytest.raises(NotPermittedError, match="does not list it among the survivors"):
         record("site-1", mine("site-1", survivors=("site-2", "site-3")))
+    release = release_fields(plan, survivors=SURVIVORS)  # signed, but in another mode
+    in_ckks = opening_statement(
+        federation=FED,
+        site="site-1",
+        plan_sha256=plan_sha,
+        mode="ckks",
+        release=release,
+        signature=sign_fields(
+            SITES["site-1"],
+            context=OPENING_CONTEXT,
+            fields=opening_signed_fields(
+                federation=FED, site="site-1", plan_sha256=plan_sha, mode="ckks", release=release
+            ),
+        ),
+    )
+    with pytest.raises(NotPermittedError, match="states mode 'ckks'; round r1-open runs mask"):
+        record("site-1", in_ckks)
     with pytest.raises(WrongStageError, match="holds no plan of round 'r1-open' with the digest"):
         record("site-1", mine("site-1", plan_sha256=b"\2" * 32))
     other = cpb.ReleasePlan()
@@ -246,7 +268,7 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
     keys = _witness(tmp_path).roster
     verified: set[str] = set()
     opened = opened_releases(statements, federation=FED, keys=keys, verified=verified)
-    assert opened == [Opened("site-2", plan_sha.hex(), release)] and len(verified) == 1
+    assert opened == [Opened("site-2", plan_sha.hex(), "mask", release)] and len(verified) == 1
     # counted as a released round of the log (its survivors, its planned releases)
     (released,) = logged_rounds([("release", o.release) for o in opened])
     assert released.round_id == plan.round_id and tuple(released.contributors) == SURVIVORS
@@ -312,21 +334,28 @@ def test_a_release_is_witnessed_only_when_every_survivor_signed_the_same_opening
     stated differently, or under another plan) is not."""
     plan = _plan()
     release = release_fields(plan, survivors=SURVIVORS)
-    by = {s: Opened(s, "aa" * 32, release) for s in SURVIVORS}
+    by = {s: Opened(s, "aa" * 32, "mask", release) for s in SURVIVORS}
     assert witnessed_releases(list(by.values())) == [release]
     assert witnessed_releases([by["site-1"], by["site-2"]]) == []  # site-3 did not sign
     assert witnessed_releases([*by.values(), *by.values()]) == [release]  # repeats add nothing
     # the same signers, one of them under another plan digest or over other survivors
     assert (
-        witnessed_releases([by["site-1"], by["site-2"], Opened("site-3", "bb" * 32, release)]) == []
+        witnessed_releases(
+            [by["site-1"], by["site-2"], Opened("site-3", "bb" * 32, "mask", release)]
+        )
+        == []
     )
     fewer = release_fields(plan, survivors=SURVIVORS[:2])
-    mixed = [Opened("site-1", "aa" * 32, fewer), Opened("site-2", "aa" * 32, fewer), by["site-3"]]
+    mixed = [
+        Opened("site-1", "aa" * 32, "mask", fewer),
+        Opened("site-2", "aa" * 32, "mask", fewer),
+        by["site-3"],
+    ]
     assert witnessed_releases(mixed) == [fewer]  # {1, 2} signed the two-site release ...
     # ... and a claim over one site is witnessed by that site alone, as it should be: the
     # coordinator can make such a statement only with the site's own key
     lone = release_fields(plan, survivors=("site-3",))
-    assert witnessed_releases([Opened("site-3", "aa" * 32, lone)]) == [lone]
+    assert witnessed_releases([Opened("site-3", "aa" * 32, "mask", lone)]) == [lone]
 
 
 def test_a_quorum_on_the_first_checkpoint_that_holds_it_counts_after_the_log_grew(
@@ -366,3 +395,33 @@ def test_a_quorum_on_the_first_checkpoint_that_holds_it_counts_after_the_log_gre
     assert problem == "" and found is not None
     assert int(found.checkpoint.size) == held < coordinator.store.log_size()
     assert {c.witness for c in found.cosignatures} >= {"site-1", "site-2"}
+
+
+def test_a_ckks_round_counts_over_the_participants_that_opened_it() -> None:
+    """A CKKS sum can be decrypted only once every participant's ciphertext is in it, and no
+    ciphertext leaves before its site's opening is in the log: a CKKS round counts as a release
+    over the participants that opened it (a round aborted during its uploads is no sum over a
+    site that never uploaded, so re-planning without that site is not refused), and as known
+    before only when every participant opened it. A masked round counts over the survivors
+    its openings state (their masked inputs are in the sum whether or not each one lived to
+    log its opening)."""
+    plan = _plan()
+    release = release_fields(plan, survivors=SURVIVORS)
+
+    def opened(mode: str, *sites: str) -> list[Opened]:
+        return [Opened(s, "aa" * 32, mode, release) for s in sites]
+
+    two = opened("ckks", "site-1", "site-2")
+    (counted,) = counted_releases(two)
+    assert counted["survivors"] == ["site-1", "site-2"]
+    assert {k: v for k, v in counted.items() if k != "survivors"} == {
+        k: v for k, v in release.items() if k != "survivors"
+    }
+    assert witnessed_releases(two) == []
+    every = opened("ckks", *SURVIVORS)
+    assert counted_releases(every) == [release] == witnessed_releases(every)
+    assert counted_releases(opened("mask", "site-1", "site-2")) == [release]
+    assert witnessed_releases(opened("mask", "site-1", "site-2")) == []
+    # one site's claim over others in ckks counts over that site alone, and witnesses nothing
+    (alone,) = counted_releases(opened("ckks", "site-3"))
+    assert alone["survivors"] == ["site-3"]

@@ -304,3 +304,38 @@ def test_a_made_up_release_neither_lets_a_plan_through_nor_stops_every_later_pla
         whole_history_problem(again, rounds=[*made_up, *leaked], known=leaked, min_cohort=2)[0]
         == ""
     )
+
+
+def test_a_made_up_release_does_not_hide_a_real_round_that_was_not_witnessed() -> None:
+    """A masked round is unmasked over its survivors U3 once t of them signed the consistency
+    check (afl.crypto.secagg.client: fewer than t signatures refuse, a missing one does not),
+    so a survivor whose opening the coordinator refused to log (or who crashed before logging
+    it) is in the sum, and the release is in the log (the other survivors' openings, the
+    coordinator's statement) without being witnessed. r1 over {1,2,5} is such a round (site-5's
+    opening was not logged); r2 over {1,2,3,4} was witnessed; r0 is made up over site-5 alone.
+    The plan r3 over {3,4} gives site-5 as G(125) - G(1234) + G(34) from real releases only. Its
+    participants never took part in r1 (their own records hold r2), so what they know before
+    is r2 alone, which the plan adds nothing to; the whole history adds site-5's exposure only
+    together with r0, which the whole-history rule counts as known before. The plan is refused
+    because r1 is among what some site signed (sites 1 and 2 opened it), and the plan adds
+    site-5's exposure to that part of the history (M-233)."""
+    one_two_five, one_to_four, three_four = ["site-1", "site-2", "site-5"], FIVE[:4], FIVE[2:4]
+    unwitnessed = logged_rounds(_log(("r1", one_two_five, one_two_five)))
+    witnessed = logged_rounds(_log(("r2", one_to_four, one_to_four)))
+    made_up = logged_rounds(_log(("r0", ["site-5"], ["site-5"])))
+    plan = _plan("r3", three_four)
+    real = [*unwitnessed, *witnessed]
+    # the real history alone: the plan exposes site-5, and every rule refuses it
+    refused, _ = whole_history_problem(plan, rounds=real, known=witnessed, min_cohort=2)
+    assert "would expose" in refused and "site-5" in refused, refused
+    # with the made-up release in the log, as site-3 or site-4 audits it (M-233): r1 is not
+    # witnessed, but the openings of sites 1 and 2 put it among what some site signed
+    reason, _ = whole_history_problem(
+        plan, rounds=[*made_up, *real], known=witnessed, signed=real, min_cohort=2
+    )
+    assert "would expose" in reason and "site-5" in reason, reason
+    # had only the witnessed part counted as signed, the made-up release would have hidden it
+    lenient, _ = whole_history_problem(
+        plan, rounds=[*made_up, *real], known=witnessed, signed=witnessed, min_cohort=2
+    )
+    assert lenient == ""
