@@ -11,7 +11,9 @@ Startup: load (or create once, then keep under ``state_dir/ckks/``, mode 0600) t
 CKKS context with its secret key and an X25519 key for receiving aggregate tags; enrol; upload
 the PUBLIC context (no secret, Galois or relinearization keys) and publish a signed announcement.
 
-Loop: ``GetDecryptionJobs`` for the current round. For each round, :class:`RoundDecryptor`
+Loop: ``GetDecryptionJobs`` for the current round; its jobs run on :data:`JOB_WORKERS` threads
+(one job's transfers and report overlap another's decryption; the decryptions take turns). For
+each round, :class:`RoundDecryptor`
 verifies the server's signature on the release plan (key from the kit), refuses plans not in CKKS
 mode, plans whose roster digest is not the one of its kit's roster (``[peers]`` and itself) and
 plans naming a participant the federation CA revoked (``[tls] crl``; both checks are the sites'
@@ -40,8 +42,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +109,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("afl.client.daemon.decryptor")
+
+#: Jobs of a round served at once: one job's download, result upload and report overlap another
+#: job's decryption (the decryptions take turns: :attr:`RoundDecryptor.turn`).
+JOB_WORKERS = 2
 
 
 class PlanRefused(DaemonError):
@@ -254,6 +262,9 @@ class RoundDecryptor:
         )
         self.senders: set[str] = set()
         self.site_bound = site_bound  # one member's dataset bound (None: not checked)
+        #: Held while one job is decrypted: concurrent jobs take turns (the decrypt-once record
+        #: is shared); re-entrant, so a caller may hold it around :meth:`decrypt` to time it.
+        self.turn = threading.RLock()
 
     def add_tags(self, sealed: pb.SealedMessage) -> None:
         """Open one site's sealed AggregateTags and register them (each sender once); a
@@ -290,7 +301,12 @@ class RoundDecryptor:
         self.senders.add(sender)
 
     def decrypt(self, job: pb.DecryptionJob, aggregate: bytes) -> tuple[int, str, bytes]:
-        """(status, reason, float64 result bytes) for one job; never raises for a refusal."""
+        """(status, reason, float64 result bytes) for one job; never raises for a refusal.
+        Thread-safe: concurrent jobs take turns (the decrypt-once record is shared)."""
+        with self.turn:
+            return self._decrypt(job, aggregate)
+
+    def _decrypt(self, job: pb.DecryptionJob, aggregate: bytes) -> tuple[int, str, bytes]:
         try:
             if hashlib.sha256(aggregate).digest() != job.ciphertext_sha256:
                 raise CkksMalformedError("aggregate bytes differ from the job's digest")
@@ -367,6 +383,7 @@ class DecryptorDaemon:
         self.revocations = kit_revocations(config)
         self.rounds: dict[str, RoundDecryptor] = {}
         self.refused: set[tuple[str, bytes]] = set()  # (round, plan digest) reported refused
+        self._recording = threading.Lock()  # job timings appended by concurrent jobs
         self.rpc: CoordinatorClient | None = None
         # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
         self.log_witness = LogWitness.for_site(config, self.identity)
@@ -465,39 +482,56 @@ class DecryptorDaemon:
                 work.add_tags(sealed)
             except CryptoError as exc:
                 log.warning("decryptor: tags from %s refused: %s", sealed.sender_site_id, exc)
-        for job in jobs.jobs:
-            t0 = time.perf_counter()
-            aggregate = rpc.download(
-                pb.DownloadRequest(
-                    round_id=jobs.round_id,
-                    kind=pb.PAYLOAD_KIND_CKKS_AGGREGATE,
-                    release_name=job.release_name,
-                )
-            )
-            t1 = time.perf_counter()
-            status, reason, result = work.decrypt(job, aggregate)
-            self._record(
-                round_id=jobs.round_id, release=job.release_name, status=status,
-                download_s=t1 - t0, decrypt_s=time.perf_counter() - t1, size=len(aggregate),
-            )  # fmt: skip
-            digest = hashlib.sha256(result).digest() if result else b""
-            if result:
-                rpc.upload(
-                    result,
-                    round_id=jobs.round_id,
-                    release_name=job.release_name,
-                    kind=pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE,
-                )
-            release = work.releases.get(job.release_name)
-            grid = release.encoding.ckks.grid_step if release is not None else 0.0
-            rpc.call(
-                "ReportDecryption",
-                self.outcome(
-                    jobs.round_id, work.plan_sha256, job.release_name, status, reason, digest, grid
-                ),
-            )
-            log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
+        with ThreadPoolExecutor(max_workers=JOB_WORKERS, thread_name_prefix="decrypt-job") as pool:
+            futures = [pool.submit(self._serve_job, work, jobs.round_id, job) for job in jobs.jobs]
+            try:
+                for future in futures:
+                    future.result()  # the first failure is raised once the running jobs end
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         return len(jobs.jobs)
+
+    def _serve_job(self, work: RoundDecryptor, round_id: str, job: pb.DecryptionJob) -> None:
+        """One job: download the aggregate, decrypt it (or refuse), upload the result, report
+        the signed outcome. Jobs run on :data:`JOB_WORKERS` threads, so one job's transfers
+        overlap another's decryption; the decryptions themselves take turns
+        (:attr:`RoundDecryptor.turn`)."""
+        rpc = self._rpc()
+        t0 = time.perf_counter()
+        aggregate = rpc.download(
+            pb.DownloadRequest(
+                round_id=round_id,
+                kind=pb.PAYLOAD_KIND_CKKS_AGGREGATE,
+                release_name=job.release_name,
+            )
+        )
+        t1 = time.perf_counter()
+        with work.turn:  # decrypt_s: this job's decryption, not its wait for another's
+            t2 = time.perf_counter()
+            status, reason, result = work.decrypt(job, aggregate)
+            decrypt_s = time.perf_counter() - t2
+        self._record(
+            round_id=round_id, release=job.release_name, status=status,
+            download_s=t1 - t0, decrypt_s=decrypt_s, size=len(aggregate),
+        )  # fmt: skip
+        digest = hashlib.sha256(result).digest() if result else b""
+        if result:
+            rpc.upload(
+                result,
+                round_id=round_id,
+                release_name=job.release_name,
+                kind=pb.PAYLOAD_KIND_DECRYPTED_AGGREGATE,
+            )
+        release = work.releases.get(job.release_name)
+        grid = release.encoding.ckks.grid_step if release is not None else 0.0
+        rpc.call(
+            "ReportDecryption",
+            self.outcome(
+                round_id, work.plan_sha256, job.release_name, status, reason, digest, grid
+            ),
+        )
+        log.info("decryptor: %s %s", job.release_name, pb.DecryptionStatus.Name(status))  # type: ignore[arg-type]
 
     def _refuse(self, jobs: pb.DecryptionJobs, plan_sha: bytes, reason: str) -> None:
         """Report a signed ``REFUSED_PLAN`` outcome for each job of a plan this decryptor
@@ -521,9 +555,10 @@ class DecryptorDaemon:
         """Append one job's timing to ``state_dir/ckks/decryptions.jsonl`` (no values)."""
         fields["status"] = pb.DecryptionStatus.Name(fields["status"])
         path = self.config.state_dir / "ckks" / "decryptions.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(fields) + "\n")
+        with self._recording:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(fields) + "\n")
 
     def outcome(
         self,

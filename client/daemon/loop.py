@@ -69,6 +69,7 @@ from afl.client.daemon.verify import (
 )
 from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
+from afl.client.modes.ckks import ContextPrefetch
 from afl.client.modes.registry import MODES
 from afl.client.payloads.dispatch import (
     ROUND_TWO_KINDS,
@@ -217,6 +218,7 @@ class ClientDaemon:
         self._witnessed_at = 0.0
         self._witnessed_key: tuple[str, int, str] | None = None
         self._running_round = ""  # the round run_round is in (its own steps witness the log)
+        self._context: ContextPrefetch | None = None  # CKKS: the round's context, fetched ahead
         self._openings_verified: set[str] = set()  # opening statements verified (one each)
         # The log's history each accepted plan was audited with (the survivors check's too).
         self._log_history: dict[str, LogHistory] = {}
@@ -840,6 +842,18 @@ class ClientDaemon:
         assert plan is not None
         self.store.remember(plan)
         mode = self.modes[plan.aggregation]
+        if plan.aggregation == cpb.AGGREGATION_MODE_CKKS:  # checked while the round goes on
+            self._context = ContextPrefetch(
+                RoundSession(
+                    rpc=self.rpc,
+                    round_id=round_id,
+                    site_id=self.site_id,
+                    plan=plan,
+                    identity_key=self.identity,
+                    ckks_decryptor=self.config.policy.ckks_decryptor,
+                ),
+                self.config.peers,
+            )
         class_names = list(cfg.class_names)
         payloads = self.payloads(cfg, plan, mode, report)
         t0 = time.perf_counter()
@@ -891,6 +905,7 @@ class ClientDaemon:
             for thread in (publication, opened):
                 if thread is not None:
                     thread.join(raising=LogEvidence)
+            self._end_context()
         if publication is not None:
             publication.wait()  # every slot was held already (a resumed round): logged all the same
         self.store.uploads.finish(round_id)
@@ -956,7 +971,14 @@ class ClientDaemon:
             survivors_check=self._survivors_check(plan, covered=covered, opening=opening),
             before_statistics=before_statistics,
             before_unmask=opening.wait if opening is not None else None,
+            ckks_context=self._context.result if self._context is not None else None,
         )
+
+    def _end_context(self) -> None:
+        """End the round's CKKS context fetch (:class:`ContextPrefetch`), if any."""
+        if self._context is not None:
+            self._context.end()
+            self._context = None
 
     def _quorum_polling(self, stage_timeout_s: float) -> tuple[float, float, float]:
         """(wait_s, poll_s, max_poll_s) of a wait for the roster's quorum on the log: as long
@@ -1268,6 +1290,7 @@ class ClientDaemon:
                     raise aborted from exc
                 finally:
                     self._running_round = ""
+                    self._end_context()  # a round that failed before its exchange
             except RoundFailed as exc:
                 code = self._finish(report, exc.outcome, exc.reason)
                 # An aborted round is usually followed by a replacement round (new plan) with

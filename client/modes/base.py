@@ -25,7 +25,7 @@ import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -76,6 +76,9 @@ class RoundSession:
     #: site's `opening` statement of the round is in a quorum-cosigned checkpoint of the
     #: federation log (docs/protocol.md M-232), which the daemon logs from the survivors check on.
     before_unmask: Callable[[], None] | None = None
+    #: CKKS: the decryptor's verified public context and its announcement, fetched ahead by the
+    #: daemon (:class:`afl.client.modes.ckks.ContextPrefetch`); None: the exchange fetches it.
+    ckks_context: Callable[[], tuple[Any, pb.CkksContextAnnouncement]] | None = None
     #: Where the exchange's time went, by step (seconds; the site's round report shows them).
     timings: dict[str, float] = field(default_factory=dict)
 

@@ -3,7 +3,8 @@
 
 Between the accepted plan and the model, a site
 
-1. fetches the decryptor's announcement (``GetCkksContext``): it must name the decryptor pinned
+1. fetches the decryptor's announcement (``GetCkksContext``; the daemon starts steps 1-2 once
+   the site accepted the plan, :class:`ContextPrefetch`): it must name the decryptor pinned
    in the site's policy (``[policy] ckks_decryptor``, never this site) and carry that site's
    signature (context "ckks-context", :mod:`afl.crypto.ckks.wire`), checked with its identity
    key from the startup kit's [peers];
@@ -16,7 +17,9 @@ Between the accepted plan and the model, a site
    :func:`afl.crypto.ckks.wire.seal_tags`; the server can neither read nor forge them);
 4. encrypts each slot's float64 values x as x·s (s = the plan's ``CkksEncoding.prescale``) with
    the tags in slot 0 of every ciphertext (:func:`afl.crypto.ckks.scheme.encrypt_block_bytes`) and streams the
-   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``).
+   packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``): the smallest slots first, each
+   uploaded on a worker thread while the next is encrypted, so the class vectors' round trips
+   overlap the Gram's encryption (the first failed upload stops the rest and is raised).
 
 ``encode`` runs before the context is known, so it only checks the declared bound (values that
 would overflow the slot budget are refused with an error, never clipped) and keeps float64.
@@ -27,14 +30,18 @@ resume the round (the server keeps the first tags; the round then times out and 
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 from numpy.typing import NDArray
 
+from afl.client.daemon.background import Background
 from afl.client.daemon.rpc import STAGE_POLL_CAP_S
 from afl.client.daemon.transport import DaemonError, RemoteCallError
 from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
@@ -48,10 +55,12 @@ from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CkksMode", "fetch_public_context"]
+__all__ = ["CkksMode", "ContextPrefetch", "fetch_public_context"]
 
 
-def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnnouncement:
+def _poll_context(
+    session: RoundSession, deadline_s: float, stop: threading.Event
+) -> pb.CkksContextAnnouncement:
     rpc = session.rpc
     delay, start = rpc.retry.initial_s, time.monotonic()
     while True:
@@ -65,15 +74,19 @@ def _poll_context(session: RoundSession, deadline_s: float) -> pb.CkksContextAnn
                 raise
             if time.monotonic() - start > deadline_s:
                 raise DaemonError("the decryptor published no CKKS context in time") from exc
-            time.sleep(delay)
+            if stop.wait(delay):
+                raise DaemonError(
+                    "the round ended before the decryptor published its context"
+                ) from exc
             delay = min(2 * delay, STAGE_POLL_CAP_S)  # the decryptor is usually moments away
 
 
 def fetch_public_context(
-    session: RoundSession, peers: Mapping[str, bytes]
+    session: RoundSession, peers: Mapping[str, bytes], *, stop: threading.Event | None = None
 ) -> tuple[Any, pb.CkksContextAnnouncement]:
-    """Steps 1-2 of the module docstring: the verified public context and its announcement."""
-    ann = _poll_context(session, session.rpc.timing.upload_timeout_s)
+    """Steps 1-2 of the module docstring: the verified public context and its announcement
+    (``stop`` set: a fetch still waiting for the decryptor gives up)."""
+    ann = _poll_context(session, session.rpc.timing.upload_timeout_s, stop or threading.Event())
     decryptor = ann.decryptor_site_id
     if session.ckks_decryptor is None:
         raise DaemonError("no CKKS decryptor is pinned in this site's [policy] ckks_decryptor")
@@ -108,6 +121,28 @@ def fetch_public_context(
         return ckks.load_public_context(data), ann
     except CryptoError as exc:
         raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
+
+
+class ContextPrefetch:
+    """Steps 1-2 of the module docstring in a background thread, which the daemon starts once the
+    site accepted the plan, so that the exchange encrypts at once (the context is fetched while
+    the round reaches its upload stage and the site records it); :meth:`end` stops a fetch still
+    waiting for the decryptor and joins it, so no thread outlives the round."""
+
+    def __init__(self, session: RoundSession, peers: Mapping[str, bytes]) -> None:
+        self._stop = threading.Event()
+        self._task = Background(
+            lambda: fetch_public_context(session, peers, stop=self._stop),
+            name=f"ckks-context-{session.round_id}",
+        )
+
+    def result(self) -> tuple[Any, pb.CkksContextAnnouncement]:
+        """The verified context and its announcement; raises what the fetch raised."""
+        return self._task.wait()
+
+    def end(self) -> None:
+        self._stop.set()
+        self._task.error()
 
 
 def _slot_release(plan: cpb.ReleasePlan, slot: str) -> tuple[float, int]:
@@ -155,7 +190,11 @@ class CkksMode:
         already_complete: Collection[str] = (),
     ) -> list[UploadRecord]:
         plan = session.plan
-        ctx, ann = fetch_public_context(session, session.peer_keys)
+        start = time.perf_counter()
+        fetched = session.ckks_context  # fetched ahead by the daemon (ContextPrefetch)
+        ctx, ann = fetched() if fetched else fetch_public_context(session, session.peer_keys)
+        session.timings["ckks_context"] = time.perf_counter() - start
+        start = time.perf_counter()
         todo = [p for p in payloads if p.slot not in already_complete]
         tags = {p.slot: ckks.new_tag(num_summands=_slot_release(plan, p.slot)[1]) for p in todo}
         if todo:
@@ -184,19 +223,68 @@ class CkksMode:
                     sealed=wire.sealed_tags_to_proto(sealed, decryptor=ann.decryptor_site_id),
                 ),
             )
-        records = []
-        for item in payloads:
-            if item.slot in already_complete:
-                records.append(skipped_record(item))
-                continue
-            prescale, k = _slot_release(plan, item.slot)
-            values = np.frombuffer(item.payload, dtype="<f8")
-            try:
-                blobs = ckks.encrypt_block_bytes(
-                    ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
-                )
-            except CryptoError as exc:
-                raise PayloadError(f"slot {item.slot}: {exc}") from exc
-            packed = ckks.pack_ciphertexts(blobs)
-            records.append(upload_record(session, item.slot, item.releases, packed))
-        return records
+        session.timings["ckks_tags"] = time.perf_counter() - start
+        start = time.perf_counter()
+        sent = _encrypt_and_upload(session, ctx, todo, tags)
+        session.timings["ckks_encrypt"] = sent.encrypt_s
+        session.timings["ckks_encrypt_and_upload"] = time.perf_counter() - start
+        return [
+            skipped_record(item) if item.slot in already_complete else sent.records[item.slot]
+            for item in payloads
+        ]
+
+
+@dataclass
+class _Sent:
+    """What :func:`_encrypt_and_upload` sent: the record of each slot, and the seconds spent
+    encrypting."""
+
+    records: dict[str, UploadRecord] = field(default_factory=dict)
+    encrypt_s: float = 0.0
+
+
+def _encrypt_and_upload(
+    session: RoundSession, ctx: Any, todo: Sequence[SlotPayload], tags: Mapping[str, float]
+) -> _Sent:
+    """Step 4 of the module docstring: encrypt each slot and upload it, the uploads one at a time
+    on one worker thread while the next slots are encrypted (the smallest slots first, so the
+    class vectors' round trips overlap the Gram's encryption instead of following it). The
+    first failed upload stops the encryption and the uploads after it, and is raised; no thread
+    outlives the call."""
+    plan, sent, failed = session.plan, _Sent(), threading.Event()
+
+    def upload(item: SlotPayload, packed: bytes) -> UploadRecord | None:
+        if failed.is_set():
+            return None  # an earlier upload failed: nothing more leaves
+        try:
+            return upload_record(session, item.slot, item.releases, packed)
+        except BaseException:
+            failed.set()
+            raise
+
+    uploads: list[tuple[str, Future[UploadRecord | None]]] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckks-upload") as uploader:
+        try:
+            for item in sorted(todo, key=lambda p: len(p.payload)):
+                if failed.is_set():
+                    break  # raised below
+                prescale, k = _slot_release(plan, item.slot)
+                values = np.frombuffer(item.payload, dtype="<f8")
+                start = time.perf_counter()
+                try:
+                    blobs = ckks.encrypt_block_bytes(
+                        ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
+                    )
+                except CryptoError as exc:
+                    raise PayloadError(f"slot {item.slot}: {exc}") from exc
+                packed = ckks.pack_ciphertexts(blobs)
+                sent.encrypt_s += time.perf_counter() - start
+                uploads.append((item.slot, uploader.submit(upload, item, packed)))
+        except BaseException:
+            failed.set()  # an encryption failed: the queued uploads send nothing
+            raise
+    for slot, future in uploads:  # every upload has ended: the first failure is raised
+        record = future.result()
+        if record is not None:
+            sent.records[slot] = record
+    return sent

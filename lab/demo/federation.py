@@ -46,8 +46,10 @@ from afl.server import toml_text
 from afl.server.config import round_template
 
 __all__ = [
+    "LISTENING",
     "LoopbackFederation",
     "LoopbackRun",
+    "await_listening",
     "ckks_round_settings",
     "free_port",
     "mask_round_settings",
@@ -434,6 +436,10 @@ def run_loopback(
     helpers: list[subprocess.Popen[bytes]] = []  # the CKKS decryptor: runs until stopped
     try:
         if fed.decryptor_config is not None:
+            # A standing service in a deployment: started once the coordinator listens, it has
+            # published its context before the round opens (started earlier, its first connection
+            # is refused and its back-off can hold the sites' uploads back).
+            await_listening(server, logs["server"], timeout_s=min(60.0, timeout_s))
             logs["decryptor"] = logs_dir / "decryptor.log"
             handles.append(open(logs["decryptor"], "wb"))  # noqa: SIM115
             cmd = [*CLIENT_COMMAND, "run", "--config", str(fed.decryptor_config)]
@@ -499,6 +505,23 @@ def run_loopback(
             h.close()
     wall = time.perf_counter() - start
     return LoopbackRun(server_rc, rcs, site_reports(fed), wall, logs)
+
+
+#: What ``afl-server`` prints (to stderr) once it accepts connections.
+LISTENING = "afl-server listening on port"
+
+
+def await_listening(
+    server: subprocess.Popen[bytes], log_path: Path, *, timeout_s: float, poll_s: float = 0.02
+) -> bool:
+    """Wait until ``server`` has written :data:`LISTENING` to ``log_path``; False (without
+    waiting longer) when it exited first or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while server.poll() is None and time.monotonic() < deadline:
+        if LISTENING.encode() in log_path.read_bytes():
+            return True
+        time.sleep(poll_s)
+    return False
 
 
 def site_reports(fed: LoopbackFederation) -> dict[str, dict[str, dict[str, Any]]]:

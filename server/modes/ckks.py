@@ -484,16 +484,17 @@ class CkksRequests:
             )
 
     def get_context(self, site_id: str) -> pb.CkksContextAnnouncement:
+        """The published announcement. Read without the coordinator's lock: the published
+        context is set once and never replaced (:meth:`CkksContexts.publish`), so a site's
+        fetch never queues behind the round's other calls."""
         self.access.require_enrolled(site_id)
-        with self.access.lock:
-            return self.contexts.context().announcement
+        return self.contexts.context().announcement
 
     def download(self, site_id: str, request: pb.DownloadRequest) -> tuple[str, str, bytes]:
         """(round_id, name, bytes) of the context (any enrolled site) or an aggregate."""
         self.access.require_enrolled(site_id)
-        if request.kind == pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT:
-            with self.access.lock:
-                return request.round_id, "ckks/context", self.contexts.context().data
+        if request.kind == pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT:  # set once: no lock (get_context)
+            return request.round_id, "ckks/context", self.contexts.context().data
         if request.kind != pb.PAYLOAD_KIND_CKKS_AGGREGATE:
             raise InvalidRequestError("Download serves CKKS_PUBLIC_CONTEXT or CKKS_AGGREGATE")
         self._require_decryptor(site_id)

@@ -71,7 +71,8 @@ class CkksContexts:
         return cls(state_dir=config.state_dir, configured_context=config.ckks_public_context)
 
     def publish(self, published: PublishedContext) -> None:
-        """Record the decryptor's checked public context (persisted when a state dir is set)."""
+        """Record the decryptor's checked public context (persisted when a state dir is set).
+        Set once and never replaced: readers may take :attr:`published` without a lock."""
         ckks.ensure_public(published.ctx)
         if self.configured is not None and self.configured[0] != published.data:
             raise InvalidRequestError("the published context differs from the configured one")

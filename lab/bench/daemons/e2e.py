@@ -14,7 +14,8 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
                          tags, encryption and streamed upload; MASK: all five stages)
     bytes_sent_per_site  payload bytes a site uploaded (CKKS: serialized ciphertexts)
     wall_seconds         the whole run, process start-up included
-    decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding)
+    decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding; its
+                         jobs overlap, so this sum can exceed their share of the round)
     download_seconds     CKKS only: the decryptor fetching the homomorphic sums
     server_peak_rss_mib  afl-server's peak resident memory (the kernel's VmHWM; Linux, else null)
     site_peak_rss_mib    the largest peak resident memory of the K site daemons
@@ -233,7 +234,7 @@ def _timed(argv: Sequence[str]) -> tuple[float, float]:
 
 def _serve(root: Path) -> tuple[subprocess.Popen[str], Path]:
     """A provisioned federation under ``root`` with its afl-server running; the admin kit."""
-    from afl.lab.demo.federation import free_port
+    from afl.lab.demo.federation import LISTENING, free_port
     from afl.ops.provisioning import provision
 
     federation = provision(
@@ -257,7 +258,7 @@ def _serve(root: Path) -> tuple[subprocess.Popen[str], Path]:
     )
     assert server.stderr is not None
     for line in server.stderr:
-        if "afl-server listening on port" in line:
+        if LISTENING in line:
             return server, federation.root / "admins" / "operator" / "admin.toml"
     raise RuntimeError(f"afl-server exited with {server.wait()} before listening")
 

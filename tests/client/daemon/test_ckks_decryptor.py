@@ -10,6 +10,8 @@ import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
+import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -600,3 +602,46 @@ def test_a_refused_plan_is_reported_to_the_coordinator_as_a_signed_refusal(
     )  # fmt: skip
     assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()  # no key applied
     assert daemon.serve_once() == 0 and len(coordinator.outcomes) == 1  # reported once
+
+
+def test_a_rounds_jobs_are_served_together_and_each_is_decrypted_once(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """The jobs of a round run on two workers: the first job's download is held until another
+    job has reported its outcome (which a one-job-at-a-time decryptor never gets to), and every
+    release still gets exactly one signed outcome, its result and one decrypt-once record."""
+    fed = Federation(keys)
+    names = [r.name for r in fed.plan.releases]
+    aggregates = {name: fed.aggregate(name) for name in names}
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    coordinator.jobs = pb.DecryptionJobs(
+        round_id=fed.plan.round_id,
+        release_plan=fed.signed,
+        jobs=[_job(name, aggregates[name]) for name in names],
+    )
+    coordinator.tags = True
+    reported, held = threading.Event(), []
+
+    def download(request: pb.DownloadRequest) -> bytes:
+        if request.release_name == names[0]:
+            held.append(reported.wait(timeout=120))  # generous: no timing is asserted
+        return aggregates[request.release_name]
+
+    def call(what: str, request: Any, **kw: Any) -> Any:
+        if what == "ReportDecryption":
+            coordinator.outcomes.append((request, aggregates[request.release_name]))
+            reported.set()
+            return cpb.Ack()
+        return _Coordinator.call(coordinator, what, request, **kw)
+
+    coordinator.download = download  # type: ignore[method-assign]
+    coordinator.call = call  # type: ignore[method-assign]
+    assert daemon.serve_once() == len(names) >= 2
+    assert held == [True]  # another job reported while the first one's download was held
+    outcomes = {o.release_name: o for o, _ in coordinator.outcomes}
+    assert sorted(outcomes) == sorted(names) and len(coordinator.outcomes) == len(names)
+    assert all(o.status == pb.DECRYPTION_STATUS_DECRYPTED for o in outcomes.values())
+    ledger = DecryptionLedger(tmp_path / "state" / "ckks").used(fed.plan.round_id)
+    assert sorted(ledger) == sorted(names)
+    records = (tmp_path / "state" / "ckks" / "decryptions.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["release"] for line in records) == sorted(names)

@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import numpy as np
 import pytest
 
 from afl.client.config import TimingConfig
 from afl.client.daemon.rpc import CoordinatorClient
-from afl.client.daemon.transport import DaemonError, RetryPolicy
+from afl.client.daemon.transport import DaemonError, RemoteCallError, RetryPolicy
 from afl.client.modes.base import RoundSession
-from afl.client.modes.ckks import fetch_public_context
+from afl.client.modes.ckks import ContextPrefetch, _encrypt_and_upload, fetch_public_context
+from afl.client.payloads.stats import SlotPayload, encode_float64
 from afl.crypto import kdf
+from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.wire import (
     CKKS_CONTEXT_CONTEXT,
@@ -146,3 +151,131 @@ def test_sealed_tags_open_only_for_the_decryptor_and_binding() -> None:
         open_tags(sealed, binding=binding,
                   sender_identity=signatures.generate_identity_key().public_key(),
                   recipient_private_key=recipient)  # fmt: skip
+
+
+class _UploadRpc:
+    """Records each upload (slot, bytes); raises ``RemoteCallError`` for the slot ``fail``."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+        self.sent: list[tuple[str, bytes]] = []
+
+    def upload(self, data: bytes, *, round_id: str, release_name: str) -> pb.UploadReceipt:
+        self.sent.append((release_name, data))
+        if release_name == self.fail:
+            raise RemoteCallError("upload", grpc.StatusCode.FAILED_PRECONDITION, "round aborted")
+        return pb.UploadReceipt(release_name=release_name)
+
+
+def _upload_session(rpc: _UploadRpc, sizes: dict[str, int]) -> RoundSession:
+    plan = cpb.ReleasePlan(round_id="r1")
+    for slot in sizes:
+        release = plan.releases.add(name=slot, member_site_ids=["site-1", "site-2"])
+        release.encoding.ckks.prescale = 1.0
+    return RoundSession(
+        rpc=rpc,  # type: ignore[arg-type]
+        round_id="r1",
+        site_id="site-1",
+        plan=plan,
+        identity_key=signatures.generate_identity_key(),
+    )
+
+
+def _slots(sizes: dict[str, int]) -> list[SlotPayload]:
+    rng = np.random.default_rng(1)
+    payloads = []
+    for slot, n in sizes.items():
+        data = encode_float64(rng.uniform(-1.0, 1.0, size=n))
+        payloads.append(SlotPayload(slot, (slot,), data, hashlib.sha256(data).hexdigest()))
+    return payloads
+
+
+def test_every_slot_is_encrypted_and_uploaded_smallest_first(private_ctx: Any) -> None:
+    """The uploads run on a worker while the next slots are encrypted, the small class vectors
+    first; the records come back in the payloads' order, each naming what the server got."""
+    ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+    sizes = {"gram": 3 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}
+    rpc = _UploadRpc()
+    payloads = _slots(sizes)
+    tags = {slot: ckks.new_tag(num_summands=2) for slot in sizes}
+    sent = _encrypt_and_upload(_upload_session(rpc, sizes), ctx, payloads, tags)
+    assert [slot for slot, _ in rpc.sent] == ["b[A]", "b[B]", "gram"]
+    for slot, data in rpc.sent:
+        record = sent.records[slot]
+        assert record.sha256 == hashlib.sha256(data).hexdigest() and record.bytes == len(data)
+        blobs = ckks.unpack_ciphertexts(data)  # what the coordinator parses and checks
+        assert len(ckks.deserialize_ciphertexts(ctx, blobs, length=sizes[slot])) == len(blobs)
+    assert sent.encrypt_s > 0
+
+
+def test_a_failed_upload_stops_the_uploads_after_it_and_is_raised(private_ctx: Any) -> None:
+    ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+    sizes = {"gram": 2 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}
+    rpc = _UploadRpc(fail="b[A]")
+    tags = {slot: ckks.new_tag(num_summands=2) for slot in sizes}
+    with pytest.raises(RemoteCallError, match="round aborted"):
+        _encrypt_and_upload(_upload_session(rpc, sizes), ctx, _slots(sizes), tags)
+    assert [slot for slot, _ in rpc.sent] == ["b[A]"]  # nothing left after the failure
+
+
+class _NotPublished(grpc.RpcError):  # type: ignore[misc]
+    """What the coordinator answers before the decryptor published its context."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "the decryptor has not published its CKKS context yet"
+
+
+class _LateStub(FakeStub):
+    """Refuses ``GetCkksContext`` until ``published`` is set."""
+
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        super().__init__(announcement, data)
+        self.published = threading.Event()
+        self.asked = threading.Event()
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        self.asked.set()
+        if not self.published.is_set():
+            raise _NotPublished()
+        return self.announcement
+
+
+def _waiting_session(stub: Any) -> RoundSession:
+    """A session whose context wait is long (the upload timeout): only ``end`` cuts it short."""
+    session = _session(stub)
+    timing = TimingConfig(rpc_timeout_s=1.0, upload_timeout_s=600.0)
+    rpc = CoordinatorClient(stub, site_id="site-1", timing=timing, retry=session.rpc.retry)
+    return dataclasses.replace(session, rpc=rpc)
+
+
+def test_the_context_fetched_ahead_is_the_verified_one_and_waits_for_the_decryptor(
+    private_ctx: Any,
+) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    stub = _LateStub(_announce(data), data)
+    prefetch = ContextPrefetch(_waiting_session(stub), PEERS)
+    try:
+        assert stub.asked.wait(timeout=120)  # polling while the decryptor has not published
+        stub.published.set()
+        ctx, ann = prefetch.result()
+        assert not ctx.is_private() and ann.decryptor_site_id == "dec"
+    finally:
+        prefetch.end()
+    forged = FakeStub(_announce(data, signer=signatures.generate_identity_key()), data)
+    refused = ContextPrefetch(_session(forged), PEERS)
+    with pytest.raises(DaemonError, match="not signed by the decryptor"):
+        refused.result()  # the exchange raises what the fetch found
+    refused.end()
+
+
+def test_ending_the_round_stops_a_fetch_still_waiting_for_the_decryptor(private_ctx: Any) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    stub = _LateStub(_announce(data), data)  # never published
+    prefetch = ContextPrefetch(_waiting_session(stub), PEERS)
+    assert stub.asked.wait(timeout=120)
+    prefetch.end()  # returns once the thread ended, long before the 600 s upload timeout
+    with pytest.raises(DaemonError, match="round ended before the decryptor published"):
+        prefetch.result()
