@@ -814,6 +814,8 @@ class ClientDaemon:
                 replay = self._replay_problem(status, plan, plan_sha)
                 if replay:
                     decision = PolicyDecision(False, replay, decision.audit)
+            if not reviewing and decision.accept and plan is not None:
+                decision = self._accepted_before(round_id, plan_sha, decision)
             report.plan = plan_summary(cfg, plan, decision, plan_sha)
             if reviewing:
                 if decision.accept:  # only a plan the federation log holds under a quorum
@@ -1100,6 +1102,24 @@ class ClientDaemon:
 
         return check
 
+    def _accepted_before(
+        self, round_id: str, plan_sha: bytes, decision: PolicyDecision
+    ) -> PolicyDecision:
+        """``decision``, or a refusal when the coordinator says this site accepted the plan of
+        ``round_id`` (so its review, the plan's log check and the whole-history audit are
+        skipped) but this site holds no claim of an upload under that plan: only its own record
+        shows it accepted (a site claims its upload right after its review, M-200)."""
+        record = self.store.uploads.get(round_id)
+        if record is not None and record.plan_sha256 == plan_sha.hex():
+            return decision
+        return PolicyDecision(
+            False,
+            f"the coordinator says this site accepted the plan of round {round_id}, but this "
+            "site holds no record of taking part under it (it never reviewed it, or stopped "
+            "before its exchange began): it takes no part without its own review",
+            decision.audit,
+        )
+
     def _whole_history_over(
         self, plan: cpb.ReleasePlan, survivors: Sequence[str], *, covered: bool
     ) -> str:
@@ -1109,13 +1129,10 @@ class ClientDaemon:
         reports changes which sums are released)."""
         history = self._log_history.pop(plan.round_id, None)
         policy = self.config.policy
-        if policy.allow_exposure or covered:
+        # None: no log was read for this plan (the Flower relay carries none; a plan this site
+        # did not review itself is refused before its exchange, _accepted_before).
+        if policy.allow_exposure or covered or history is None:
             return ""
-        if history is None:  # a masked exchange is never resumed: its plan check ran here
-            return (
-                f"this site holds no whole-history audit of round {plan.round_id}'s plan: "
-                "no unmask share is sent"
-            )
         alive = set(survivors)
         cut = cpb.ReleasePlan()
         cut.CopyFrom(plan)

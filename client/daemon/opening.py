@@ -170,24 +170,16 @@ def _by_release(opened: Sequence[Opened]) -> list[tuple[Opened, set[str]]]:
 
 
 def counted_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
-    """What the openings of ``opened`` say was released, for the whole-history audit (M-232).
-    A masked round's release over the survivors its openings state: its sums hold every
-    survivor's masked input, whether or not each survivor lived to log its opening. A CKKS
-    round's release over the participants that signed an opening of it only: its sums can be
-    decrypted only once every participant's ciphertext is in them, and no honest site's
-    ciphertext leaves before its opening is in the log, so a round some participants never
-    opened was decrypted only if those uploaded without one, colluding with the coordinator
-    (the sum's part that this leaves out is theirs, which they know); a round aborted during
-    its uploads is no sum over sites that never uploaded, and re-planning without them adds
-    nothing."""
-    out: list[Mapping[str, Any]] = []
-    for first, signers in _by_release(opened):
-        release = first.release
-        if first.mode == "ckks":
-            survivors = sorted(signers & set(release["survivors"]))
-            release = {**release, "survivors": survivors}
-        out.append(release)
-    return out
+    """What the openings of ``opened`` say was released, for the whole-history audit (M-232):
+    each distinct release once, over the survivors it states, whoever signed it. A masked
+    round's sums hold every survivor's masked input whether or not each survivor lived to log
+    its opening; a CKKS round's hold every participant's ciphertext, and a participant that
+    colludes with the coordinator may upload without an opening, so counting a CKKS round only
+    over the participants that opened it would hide the colluder's part from the audit and let
+    a later plan difference an honest site out. (The price: a CKKS round aborted during its
+    uploads counts over every participant, so a re-plan without a site it lost is refused;
+    docs/protocol.md §11a.)"""
+    return [first.release for first, _ in _by_release(opened)]
 
 
 def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:

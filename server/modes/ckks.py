@@ -521,8 +521,8 @@ class CkksRequests:
     def opening_survivors(self, site_id: str, round_id: str) -> list[str]:
         """The survivors a participant's `opening` of the CKKS round ``round_id`` must state:
         every participant (a CKKS sum holds every participant's ciphertext, or the round aborts),
-        taken only while the round is in its upload stage, before the site's first statistic
-        (:class:`WrongStageError` otherwise)."""
+        taken only while the round is in its upload stage (:class:`WrongStageError` otherwise;
+        the site itself sends no statistic before its opening is logged)."""
         with participant_round(self.access, site_id, round_id) as view:
             mode = self._mode(view)
             if view.stage != pb.ROUND_STAGE_UPLOAD:

@@ -39,14 +39,15 @@
   site-8's masked input: unmasked over {1,2,3,4} it would give site-5's statistics as
   G(567) - G(123467) + G(1234). The survivors audit the sums as they would be unmasked with
   the log's whole history again before they sign the survivors (M-206), and refuse.
-* ``hide-release-ckks`` with a colluding participant (review of 861eb95, strict xfail): eight
-  sites, min cohort 2; run 1 over {5,6,7,8} is decrypted and hidden, and site-8
-  (tests/adversarial/unopened_client.py) uploaded without logging its opening, so the audits
-  count run 1 over {5,6,7}; after run 2 over all eight, run 3 over {1,2,3} looks like
-  G(4) + G(8), yet the real sums give site-4 alone. It is published today.
-* ``skip-review-ckks`` (review, strict xfail): the seven-site ckks runs; for run 3 the
-  coordinator reports that each participant already accepted the plan, so the daemons skip
-  their plan review (log check, whole-history audit) and upload; site-4's Gram follows.
+* ``hide-release-ckks`` with a colluding participant: eight sites, min cohort 2; run 1 over
+  {5,6,7,8} is decrypted and hidden, and site-8 (tests/adversarial/unopened_client.py) uploaded
+  without logging its opening. Had the audits counted run 1 over its openers {5,6,7}, run 3
+  over {1,2,3} would look like G(4) + G(8) after run 2 over all eight, yet the real sums give
+  site-4 alone; they count it over every participant its openings state, and refuse run 3.
+* ``skip-review-ckks``: the seven-site ckks runs; for run 3 the coordinator reports that each
+  participant already accepted the plan, which would skip their plan review (log check,
+  whole-history audit); a site takes part only under a plan its own upload register shows it
+  accepted, so each refuses.
 
 Nothing of a refused run is uploaded or unmasked: the coordinator's loot holds the earlier runs'
 sums only.
@@ -162,10 +163,12 @@ def _hidden_then_three(
     sites: int = 7,
     policy: dict[str, Any] | None = None,
     commands: dict[str, tuple[str, ...]] | None = None,
+    until_logged: str = "",
 ) -> tuple[LoopbackFederation, Path, Daemons, Any]:
     """The separate-views runs of ``attack``: run 1 over sites 5 and up (hidden), run 2 over every
     site (published), run 3 over sites 1..3; the federation, the loot, the (stopped) daemons
-    and run 3's outcome."""
+    and run 3's outcome (with ``until_logged``: None, the daemons are stopped once sites 1..3
+    each logged that text, since the coordinator would wait for them until its deadline)."""
     everyone = tuple(f"site-{i}" for i in range(1, sites + 1))
     loop = federation(
         tmp_path,
@@ -185,7 +188,11 @@ def _hidden_then_three(
         second = daemons.wait_run("run-2")
         assert second.state == "published", (second, daemons.log_tail())
         daemons.submit(_participants(*everyone[:3]), name="three of the first four")
-        third = daemons.wait_run("run-3")
+        if until_logged:
+            daemons.wait_logged(until_logged, sites=everyone[:3])
+            third = None
+        else:
+            third = daemons.wait_run("run-3")
     finally:
         daemons.stop()
     return loop, loot, daemons, third
@@ -408,17 +415,17 @@ def _assert_gram_of(site: str, loop: LoopbackFederation, taken: dict[str, list[f
     assert np.allclose(leaked, full, rtol=1e-6, atol=1e-6 * np.abs(full).max())
 
 
-@pytest.mark.xfail(strict=True, reason="review of 861eb95: a CKKS round counts over its openers")
 def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audit(
     tmp_path: Path,
 ) -> None:
     """Review of 861eb95: ``hide-release-ckks`` with one colluding participant, eight sites,
     min cohort 2. Run 1 over {5,6,7,8} is decrypted and hidden; site-8 (the colluder,
-    tests/adversarial/unopened_client.py) uploaded without logging its opening, so every
-    audit counts run 1 over its openers {5,6,7}. Run 2 over all eight is published; run 3 over
-    {1,2,3} then looks like G(1..8) - G(567) - G(123) = G(4) + G(8), a group min cohort 2
-    allows, while the real sums give site-4 alone: G(1..8) - G(5678) - G(123). Sites 1..3 must
-    refuse run 3 naming site-4."""
+    tests/adversarial/unopened_client.py) uploaded without logging its opening. Run 2 over
+    all eight is published. Had the audits counted run 1 over its openers {5,6,7}, run 3 over
+    {1,2,3} would look like G(1..8) - G(567) - G(123) = G(4) + G(8), a group min cohort 2
+    allows, while the real sums give site-4 alone: G(1..8) - G(5678) - G(123). Every audit
+    counts run 1 over every participant its openings state, so sites 1..3 refuse run 3 naming
+    site-4."""
     sites = tuple(f"site-{i}" for i in range(1, 9))
     first = sites[4:]
     loop, loot, daemons, third = _hidden_then_three(
@@ -441,9 +448,6 @@ def test_a_ckks_participant_that_uploads_without_opening_is_left_out_of_the_audi
     assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review: a site trusts the coordinator's caller_accepted_plan"
-)
 def test_a_coordinator_that_says_a_site_accepted_does_not_skip_its_whole_history_audit(
     tmp_path: Path,
 ) -> None:
@@ -454,8 +458,11 @@ def test_a_coordinator_that_says_a_site_accepted_does_not_skip_its_whole_history
     and the whole-history audit (``reviewing`` in ClientDaemon.run_round), checks the plan
     against its own history only, and uploads. Run 3 must not be decrypted."""
     first = tuple(f"site-{i}" for i in range(5, 8))
-    loop, loot, _, third = _hidden_then_three(tmp_path, "ckks", "skip-review-ckks")
+    refusal = "holds no record of taking part under it"
+    loop, loot, _, _ = _hidden_then_three(
+        tmp_path, "ckks", "skip-review-ckks", until_logged=refusal
+    )
     _, _, taken, _ = _hidden(loop, loot, opened_by=first)
-    if third.state == "published":  # what the attack gave: site-4's Gram, from the real sums
-        _assert_gram_of("site-4", loop, taken)
-    assert not [name for name in taken if name.startswith("run-3/")], (third, sorted(taken))
+    assert not [name for name in taken if name.startswith("run-3/")], sorted(taken)
+    store = _store(loop)
+    assert sum(len(store.uploads(r.round_id)) for r in store.rounds("run-3")) == 0

@@ -6,11 +6,7 @@ Usage: ``python faulty_client.py POINT <afl-client arguments>``. The process kil
 * ``after-upload``: a site, once the coordinator's receipt of its first upload came back (the
   upload is stored; the site's report and model are not);
 * ``after-decrypt-record``: the CKKS decryptor, once its decrypt-once record of the first release
-  is on disk (before the secret key is applied and before the outcome is reported);
-* ``before-opening``: a site, as it is about to log its `opening` statement of a round
-  (docs/protocol.md M-232; in CKKS as its upload stage begins, before any statistic leaves);
-* ``after-opening``: a site, once the coordinator took its `opening` statement (in CKKS before
-  any statistic leaves: the site dies while it encrypts or waits for the log's quorum).
+  is on disk (before the secret key is applied and before the outcome is reported).
 
 The faults are injected here, around the real daemon, so no product code path knows them.
 """
@@ -24,7 +20,6 @@ from typing import Any
 
 from afl.client import cli
 from afl.client.daemon.decryptor import DecryptionLedger
-from afl.client.daemon.opening import OpeningPublication
 from afl.client.daemon.rpc import CoordinatorClient
 
 
@@ -53,16 +48,6 @@ def install(point: str) -> None:
             _kill()
 
         setattr(DecryptionLedger, "record", patched_record)  # noqa: B010
-    elif point == "before-opening":
-        setattr(OpeningPublication, "start", lambda self, survivors: _kill())  # noqa: B010
-    elif point == "after-opening":
-        start = OpeningPublication.start
-
-        def patched_start(self: OpeningPublication, survivors: Any) -> None:
-            start(self, survivors)
-            _kill()
-
-        setattr(OpeningPublication, "start", patched_start)  # noqa: B010
     else:
         raise SystemExit(f"unknown crash point {point!r}")
 
