@@ -285,22 +285,35 @@ def test_a_round_id_reused_after_its_release_is_refused_and_never_unmasked(
     assert taken and all(name.startswith("run-1/") for name in taken), sorted(taken)
 
 
-def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
-    v = "site-5"
+def _separate_runs(
+    tmp_path: Path, attack: str, *, second: tuple[str, ...], third: tuple[str, ...]
+) -> tuple[LoopbackFederation, Path, Daemons, Any]:
+    """The separate-views federation under ``attack``: run 1 over {1,2,5} and run 2 over
+    ``second`` published, then run 3 over ``third``; the federation, the loot, the (stopped)
+    daemons and run 3's outcome."""
     loop = separate_views(tmp_path)
     loot = tmp_path / "loot.json"
     daemons = Daemons(loop)
     try:
-        daemons.start_server(command=malicious_server.command("fake-release", loot))
+        daemons.start_server(command=malicious_server.command(attack, loot))
         daemons.start_clients()
+        # (with a survivor that could not sign, a masked round is still unmasked)
         assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
-        daemons.submit(_participants("site-3", "site-4"), name="C, D")
+        daemons.submit(_participants(*second), name="second")
         assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
-        daemons.submit(_participants(*SITES[:4]), name="A, B, C, D")
-        third = daemons.wait_run("run-3")
-        assert third.state == "aborted", daemons.log_tail()
+        daemons.submit(_participants(*third), name="third")
+        outcome = daemons.wait_run("run-3")
     finally:
         daemons.stop()
+    return loop, loot, daemons, outcome
+
+
+def test_a_made_up_release_does_not_let_a_plan_expose_the_site_it_names(tmp_path: Path) -> None:
+    v = "site-5"
+    loop, loot, daemons, third = _separate_runs(
+        tmp_path, "fake-release", second=("site-3", "site-4"), third=SITES[:4]
+    )
+    assert third.state == "aborted", daemons.log_tail()
 
     store = _store(loop)
     first, second = (store.rounds(r)[0].round_id for r in ("run-1", "run-2"))
@@ -327,20 +340,9 @@ def test_a_made_up_release_does_not_hide_a_round_one_survivor_could_not_open(
     G(125) - G(1234) + G(34), from real releases only: sites 3 and 4 refuse it, because the
     openings of sites 1 and 2 put run 1 among what some site signed (M-233)."""
     v = "site-5"
-    loop = separate_views(tmp_path)
-    loot = tmp_path / "loot.json"
-    daemons = Daemons(loop)
-    try:
-        daemons.start_server(command=malicious_server.command("unwitness-fake-release", loot))
-        daemons.start_clients()
-        # a masked round tolerates a survivor that does not sign: run 1 is unmasked
-        assert daemons.wait_run("run-1").state == "published", daemons.log_tail()
-        daemons.submit(_participants(*SITES[:4]), name="A, B, C, D")
-        assert daemons.wait_run("run-2").state == "published", daemons.log_tail()
-        daemons.submit(_participants("site-3", "site-4"), name="C, D")
-        third = daemons.wait_run("run-3")
-    finally:
-        daemons.stop()
+    loop, loot, _, third = _separate_runs(
+        tmp_path, "unwitness-fake-release", second=SITES[:4], third=("site-3", "site-4")
+    )
 
     store = _store(loop)
     (first,) = store.rounds("run-1")
