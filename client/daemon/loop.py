@@ -1133,25 +1133,17 @@ class ClientDaemon:
         # did not review itself is refused before its exchange, _accepted_before).
         if policy.allow_exposure or covered or history is None:
             return ""
-        alive = set(survivors)
-        cut = cpb.ReleasePlan()
-        cut.CopyFrom(plan)
-        del cut.participants[:]
-        cut.participants.extend(s for s in plan.participants if s in alive)
-        for release in cut.releases:
-            kept = [m for m in release.member_site_ids if m in alive]
-            del release.member_site_ids[:]
-            release.member_site_ids.extend(kept)
         problem, _ = whole_history_problem(
-            cut,
+            plan,
             rounds=history.rounds,
             known=history.known,
             signed=history.signed,
             min_cohort=policy.min_cohort,
+            survivors=survivors,
         )
         if not problem:
             return ""
-        return f"this site refuses to unmask over the survivors {sorted(alive)}: {problem}"
+        return f"this site refuses to unmask over the survivors {sorted(survivors)}: {problem}"
 
     def receive_model(
         self,

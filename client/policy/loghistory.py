@@ -24,6 +24,7 @@ evaluation statistics depend on the run's model.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from afl.client.policy.plan import audit_view
@@ -138,6 +139,7 @@ def whole_history_problem(
     min_cohort: int,
     known: Sequence[ReleasedRound] | None = None,
     signed: Sequence[ReleasedRound] | None = None,
+    survivors: Collection[str] | None = None,
 ) -> tuple[str, dict[str, object] | None]:
     """Why this site refuses ``plan`` given every released round of the log ("" when nothing
     new is exposed), and the audit's detail (None without a history): the plan's releases over
@@ -149,7 +151,9 @@ def whole_history_problem(
     rounds, releases every survivor signed an opening of) and as ``signed`` those and every
     other verified opening; the coordinator's statements count as releases only
     (:func:`afl.core.audit.history.history_exposures`), so a false one, the coordinator's or
-    one site's, can only make the audit stricter."""
+    one site's, can only make the audit stricter. ``survivors``: the sites the plan's sums will
+    actually hold (a masked round's survivor list, M-206): each release over its members among
+    them, the participants cut likewise."""
     if any(r.round_id == plan.round_id for r in rounds):
         return (
             f"the federation log already holds a release of round {plan.round_id}: a round id "
@@ -159,10 +163,15 @@ def whole_history_problem(
     history = history_releases(rounds)
     if not history:
         return "", None
+    releases, sites = audit_view(list(plan.releases)), list(plan.participants)
+    if survivors is not None:
+        alive = set(survivors)
+        releases = [replace(r, members=r.members & alive) for r in releases]
+        sites = [s for s in sites if s in alive]
     report, exposed = history_exposures(
-        audit_view(list(plan.releases)),
+        releases,
         history=history,
-        sites=list(plan.participants),
+        sites=sites,
         min_cohort=min_cohort,
         known_from=None if known is None else history_releases(known),
         signed=None if signed is None else history_releases(signed),
