@@ -159,20 +159,18 @@ def verify(log: LogExport, *, quorum: int = 0, extra: Sequence[Path] = ()) -> li
         verify_checkpoint,
         verify_cosignature,
     )
-    from afl.crypto.transparency.merkle import (
-        MerkleProofError,
-        consistency_proof,
-        leaf_hash,
-        root_hash,
-        verify_consistency,
-    )
+    from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash, verify_consistency
     from afl.crypto.transparency.statements import StatementError, decode_statement
+    from afl.crypto.transparency.tree import MerkleTree
 
     problems: list[str] = []
     coordinator = load_public_key_raw(log.coordinator_key)
     keys = {s: load_public_key_raw(k) for s, k in log.roster.items()}
     need = quorum or len(keys) // 2 + 1
-    leaves = [leaf_hash(entry) for _, entry, _ in log.entries]
+    tree = MerkleTree(leaf_hash(entry) for _, entry, _ in log.entries)  # O(log² n) a checkpoint
+    cosigned: dict[int, list[tuple[str, bytes, bytes]]] = {}
+    for c_size, witness, c_root, c_sig in log.cosignatures:
+        cosigned.setdefault(c_size, []).append((witness, c_root, c_sig))
     for i, (kind, entry, _) in enumerate(log.entries):
         try:
             decoded, _ = decode_statement(entry, federation=log.federation)
@@ -189,7 +187,7 @@ def verify(log: LogExport, *, quorum: int = 0, extra: Sequence[Path] = ()) -> li
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
-        if size > len(leaves) or root_hash(leaves[:size]) != root:
+        if size > len(tree) or tree.root(size) != root:
             problems.append(f"checkpoint {checkpoint.describe()} is not a root of these statements")
             continue
         if previous is not None and previous.size > 0:
@@ -199,7 +197,7 @@ def verify(log: LogExport, *, quorum: int = 0, extra: Sequence[Path] = ()) -> li
                     new_size=size,
                     old_root=previous.root,
                     new_root=root,
-                    proof=consistency_proof(leaves[:size], previous.size),
+                    proof=tree.consistency_proof(previous.size, size),
                 )
             except MerkleProofError as exc:
                 problems.append(
@@ -207,13 +205,13 @@ def verify(log: LogExport, *, quorum: int = 0, extra: Sequence[Path] = ()) -> li
                 )
         previous = checkpoint
         witnesses = set()
-        for c_size, witness, c_root, c_sig in log.cosignatures:
-            if c_size != size or witness not in keys:
+        for witness, c_root, c_sig in cosigned.get(size, ()):
+            if witness not in keys:
                 continue
             try:
                 verify_cosignature(
                     keys[witness],
-                    Cosignature(witness, Checkpoint(log.federation, c_size, c_root), c_sig),
+                    Cosignature(witness, Checkpoint(log.federation, size, c_root), c_sig),
                 )
             except CheckpointError as exc:
                 problems.append(str(exc))
@@ -239,7 +237,7 @@ def verify(log: LogExport, *, quorum: int = 0, extra: Sequence[Path] = ()) -> li
             except (CheckpointError, KeyError, ValueError, TypeError) as exc:
                 problems.append(f"{path}: {exc}")
                 continue
-            if cp.size > len(leaves) or root_hash(leaves[: cp.size]) != cp.root:
+            if cp.size > len(tree) or tree.root(cp.size) != cp.root:
                 problems.append(
                     f"{path}: checkpoint {cp.describe()} is signed by the coordinator but is not "
                     "a checkpoint of this log (a split view)"

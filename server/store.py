@@ -28,6 +28,7 @@ from afl.crypto.canonical import canonical_encode
 from afl.crypto.identity.pki import make_private_dir, write_private_file
 from afl.crypto.transparency.merkle import leaf_hash, root_hash
 from afl.crypto.transparency.statements import statement_bytes
+from afl.crypto.transparency.tree import MerkleTree
 from afl.proto.v1.coordinator_pb2 import (
     ROUND_STAGE_ADVERTISE_KEYS,
     ROUND_STAGE_CONSISTENCY_CHECK,
@@ -302,7 +303,7 @@ class Store:
         checking its anchor, even while the server runs; :class:`StateError` when there is none."""
         self.state_dir, self.read_only = Path(state_dir), read_only
         self._federation_id, self._depth = federation_id, 0
-        self._leaves: list[bytes] = []  # committed leaf hashes of the federation log, in order
+        self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
         if read_only:
@@ -1281,16 +1282,20 @@ class Store:
         """The number of statements in the federation log (inside a transaction: its own too)."""
         return int(self._db.execute("SELECT COUNT(*) FROM fedlog").fetchone()[0])
 
-    def log_leaves(self, size: int | None = None) -> list[bytes]:
-        """The leaf hashes of the first ``size`` statements (all when None), committed ones
-        cached in memory."""
+    def log_tree(self) -> MerkleTree:
+        """The federation log's Merkle tree (its roots and proofs cost O(log² n), not O(n):
+        :class:`afl.crypto.transparency.tree.MerkleTree`), committed statements kept in memory
+        and grown from the database. Inside a transaction with statements of its own, a tree
+        of its whole view (built afresh, not kept: the transaction may roll back)."""
         rows = self._db.execute(
-            "SELECT leaf FROM fedlog WHERE idx >= ? ORDER BY idx", (len(self._leaves),)
+            "SELECT leaf FROM fedlog WHERE idx >= ? ORDER BY idx", (len(self._tree),)
         ).fetchall()
-        leaves = self._leaves + [bytes(r[0]) for r in rows]
-        if not self._depth:
-            self._leaves = leaves
-        return leaves if size is None else leaves[:size]
+        if not rows:
+            return self._tree
+        if self._depth:
+            return MerkleTree([*self._tree.leaves, *(bytes(r[0]) for r in rows)])
+        self._tree.extend(bytes(r[0]) for r in rows)
+        return self._tree
 
     def log_entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
         """(index, kind, statement bytes, time) of the statements ``start`` <= index < ``end``."""

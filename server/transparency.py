@@ -30,13 +30,7 @@ from afl.crypto.transparency.checkpoint import (
     sign_checkpoint,
     verify_cosignature,
 )
-from afl.crypto.transparency.merkle import (
-    MerkleProofError,
-    consistency_proof,
-    inclusion_proof,
-    leaf_hash,
-    root_hash,
-)
+from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash
 from afl.crypto.transparency.statements import (
     DP_RELEASE_CONTEXT,
     OPENING_CONTEXT,
@@ -79,7 +73,7 @@ class FederationLog:
         size = self.store.log_size()
         last = self.store.log_checkpoint()
         if last is None or last[0] < size:
-            root = root_hash(self.store.log_leaves(size))
+            root = self.store.log_tree().root(size)
             signed = sign_checkpoint(self._key, Checkpoint(self.federation_id, size, root))
             self.store.put_log_checkpoint(size=size, root=root, signature=signed.signature)
             last = (size, root, signed.signature)
@@ -311,7 +305,7 @@ class FederationLog:
                 f"no consistency proof from size {old_size} to size {new_size} (the log has "
                 f"{self.store.log_size()} statements)"
             )
-        return consistency_proof(self.store.log_leaves(new_size), old_size)
+        return self.store.log_tree().consistency_proof(old_size, new_size)
 
     def inclusion(self, *, leaf: bytes, index: int, size: int) -> tuple[int, list[bytes]]:
         """(index, RFC 9162 PATH) of a statement in the tree of ``size``: by its leaf hash when
@@ -324,7 +318,7 @@ class FederationLog:
         if not 0 < size <= self.store.log_size():
             raise InvalidRequestError(f"the log has no tree of size {size}")
         try:
-            return index, inclusion_proof(self.store.log_leaves(size), index)
+            return index, self.store.log_tree().inclusion_proof(index, size)
         except MerkleProofError as exc:
             raise InvalidRequestError(str(exc)) from exc
 

@@ -51,10 +51,10 @@ from afl.crypto.transparency.checkpoint import (
 from afl.crypto.transparency.merkle import (
     MerkleProofError,
     leaf_hash,
-    root_hash,
     verify_inclusion,
 )
 from afl.crypto.transparency.statements import StatementError, decode_statement, plan_statement
+from afl.crypto.transparency.tree import MerkleTree
 from afl.crypto.transparency.witness import SplitViewError, WitnessError, witness_checkpoint
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
@@ -158,6 +158,7 @@ class LogWitness:
         self.last: SignedCheckpoint | None = None
         self.acknowledged = 0
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
+        self._tree = MerkleTree()  # their leaf hashes: a root of any size costs O(log² n)
         self._decoded: list[tuple[str, Mapping[str, object]]] = []  # its first statements
         #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
         self._verified_on: Checkpoint | None = None
@@ -459,30 +460,36 @@ class LogWitness:
         self, call: Call, answer: pb.CosignedLogCheckpoint
     ) -> list[tuple[str, Mapping[str, object]]]:
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
-        entries = self._entries[:size]
-        while len(entries) < size:
-            request = pb.LogEntriesRequest(start=len(entries), end=size)
-            got = list(call("GetLogEntries", request).entries)
+        new: list[bytes] = []  # past the verified prefix
+        while len(self._entries) + len(new) < size:
+            start = len(self._entries) + len(new)
+            got = list(call("GetLogEntries", pb.LogEntriesRequest(start=start, end=size)).entries)
             if not got:
-                raise DaemonError(f"the coordinator served no log entry from index {len(entries)}")
+                raise DaemonError(f"the coordinator served no log entry from index {start}")
             for entry in got:
-                if int(entry.index) != len(entries) or len(entries) >= size:
+                at = len(self._entries) + len(new)
+                if int(entry.index) != at or at >= size:
                     raise DaemonError(
-                        f"the coordinator served log entry {entry.index} where entry "
-                        f"{len(entries)} of {size} was asked for"
+                        f"the coordinator served log entry {entry.index} where entry {at} of "
+                        f"{size} was asked for"
                     )
-                entries.append(bytes(entry.statement))
-        if root_hash([leaf_hash(e) for e in entries]) != root:
-            self._entries, self._decoded = [], []
-            raise DaemonError(
-                f"the log entries the coordinator served do not hash to the root of the "
-                f"cosigned checkpoint of size {size}"
-            )
-        decoded = self._decoded[:size]  # those of the verified prefix: entries[:len(decoded)]
+                new.append(bytes(entry.statement))
+        self._tree.extend(leaf_hash(e) for e in new)
         try:
-            for entry in entries[len(decoded) :]:
-                decoded.append(_statement(entry, self.federation_id))
-        except StatementError as exc:
-            raise DaemonError(f"the federation log holds an entry that is not ours: {exc}") from exc
-        self._entries, self._decoded = entries, decoded
-        return list(decoded)
+            if self._tree.root(size) != root:
+                raise DaemonError(
+                    f"the log entries the coordinator served do not hash to the root of the "
+                    f"cosigned checkpoint of size {size}"
+                )
+            try:
+                decoded = [_statement(e, self.federation_id) for e in new]
+            except StatementError as exc:
+                raise DaemonError(
+                    f"the federation log holds an entry that is not ours: {exc}"
+                ) from exc
+        except DaemonError:  # nothing of this answer is kept; the next call fetches afresh
+            self._entries, self._decoded, self._tree = [], [], MerkleTree()
+            raise
+        self._entries.extend(new)
+        self._decoded.extend(decoded)
+        return self._decoded[:size]

@@ -11,7 +11,7 @@ Functions work on the list of leaf hashes the log stores, never on the entries t
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from afl.crypto.errors import CryptoError
 
@@ -19,11 +19,15 @@ __all__ = [
     "EMPTY_ROOT",
     "HASH_SIZE",
     "MerkleProofError",
+    "RangeHash",
     "consistency_proof",
     "inclusion_proof",
     "leaf_hash",
     "node_hash",
+    "range_path",
+    "range_subproof",
     "root_hash",
+    "split_point",
     "verify_consistency",
     "verify_inclusion",
 ]
@@ -47,7 +51,7 @@ def node_hash(left: bytes, right: bytes) -> bytes:
     return hashlib.sha256(b"\x01" + left + right).digest()
 
 
-def _split(n: int) -> int:
+def split_point(n: int) -> int:
     """The largest power of two smaller than n (n > 1)."""
     return 1 << ((n - 1).bit_length() - 1)
 
@@ -76,17 +80,7 @@ def inclusion_proof(leaves: Sequence[bytes], index: int) -> list[bytes]:
     n = len(leaves)
     if not 0 <= index < n:
         raise MerkleProofError(f"leaf {index} is not in a tree of size {n}")
-    return _path(index, leaves)
-
-
-def _path(m: int, d: Sequence[bytes]) -> list[bytes]:
-    n = len(d)
-    if n == 1:
-        return []
-    k = _split(n)
-    if m < k:
-        return [*_path(m, d[:k]), root_hash(d[k:])]
-    return [*_path(m - k, d[k:]), root_hash(d[:k])]
+    return range_path(index, 0, n, _over(leaves))
 
 
 def consistency_proof(leaves: Sequence[bytes], old_size: int) -> list[bytes]:
@@ -94,17 +88,39 @@ def consistency_proof(leaves: Sequence[bytes], old_size: int) -> list[bytes]:
     n = len(leaves)
     if not 0 < old_size <= n:
         raise MerkleProofError(f"no consistency proof from size {old_size} to size {n}")
-    return _subproof(old_size, leaves, True)
+    return range_subproof(old_size, 0, n, True, _over(leaves))
 
 
-def _subproof(m: int, d: Sequence[bytes], b: bool) -> list[bytes]:
-    n = len(d)
+#: MTH(D[lo:hi]) of one tree, for ``0 <= lo < hi <= n``: the proofs below ask only for ranges
+#: of the RFC's recursive split (:class:`afl.crypto.transparency.tree.MerkleTree` answers the
+#: perfect ones from its cache).
+RangeHash = Callable[[int, int], bytes]
+
+
+def _over(leaves: Sequence[bytes]) -> RangeHash:
+    return lambda lo, hi: root_hash(leaves[lo:hi])
+
+
+def range_path(m: int, lo: int, hi: int, mth: RangeHash) -> list[bytes]:
+    """PATH(m, D[lo:hi]) (§2.1.3.1), ``m`` relative to ``lo``, with subtree hashes from ``mth``."""
+    n = hi - lo
+    if n == 1:
+        return []
+    k = split_point(n)
+    if m < k:
+        return [*range_path(m, lo, lo + k, mth), mth(lo + k, hi)]
+    return [*range_path(m - k, lo + k, hi, mth), mth(lo, lo + k)]
+
+
+def range_subproof(m: int, lo: int, hi: int, b: bool, mth: RangeHash) -> list[bytes]:
+    """SUBPROOF(m, D[lo:hi], b) (§2.1.4.1), with subtree hashes from ``mth``."""
+    n = hi - lo
     if m == n:
-        return [] if b else [root_hash(d)]
-    k = _split(n)
+        return [] if b else [mth(lo, hi)]
+    k = split_point(n)
     if m <= k:
-        return [*_subproof(m, d[:k], b), root_hash(d[k:])]
-    return [*_subproof(m - k, d[k:], False), root_hash(d[:k])]
+        return [*range_subproof(m, lo, lo + k, b, mth), mth(lo + k, hi)]
+    return [*range_subproof(m - k, lo + k, hi, False, mth), mth(lo, lo + k)]
 
 
 def verify_inclusion(

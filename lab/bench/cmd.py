@@ -38,6 +38,10 @@ SUITES: dict[str, tuple[str, str]] = {
         "daemons.logcost",
         "a masked round through the daemons with the federation log and witnessing vs without",
     ),
+    "fedlog": (
+        "fedlog",
+        "a witnessing call's Merkle work as the federation log grows: kept tree vs list",
+    ),
     "startup": ("daemons.e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 

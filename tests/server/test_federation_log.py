@@ -44,6 +44,25 @@ def test_a_state_change_and_its_statement_commit_together_or_not_at_all(tmp_path
     assert (kind, fields["state"], fields["reason"]) == ("run-ended", "aborted", "by admin")
 
 
+def test_the_kept_tree_holds_committed_statements_and_a_transaction_sees_its_own(
+    tmp_path: Path,
+) -> None:
+    store = _store(tmp_path)
+    store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    committed = store.log_tree().root()
+    with pytest.raises(RuntimeError), store.transaction():
+        store.create_run(run_id="run-2", name="b", settings={}, submitted_by="op")
+        inside = store.log_tree()  # its own statement too, not kept
+        assert len(inside) == 2 and inside.root(1) == committed
+        raise RuntimeError("crash before commit")
+    assert len(store.log_tree()) == 1 and store.log_tree().root() == committed
+    store.create_run(run_id="run-3", name="c", settings={}, submitted_by="op")
+    leaves = [leaf_hash(entry) for _, _, entry, _ in store.log_entries(0, 10)]
+    assert store.log_tree().leaves == leaves  # the rolled-back statement never entered it
+    reopened = _store(tmp_path)  # a restart builds the same tree from the database
+    assert reopened.log_tree().root() == store.log_tree().root()
+
+
 def test_a_plan_statement_is_what_a_site_rebuilds_from_the_plan(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.create_round(

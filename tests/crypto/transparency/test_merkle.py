@@ -20,6 +20,7 @@ from afl.crypto.transparency.merkle import (
     verify_consistency,
     verify_inclusion,
 )
+from tests.helpers.rfc9162 import ref_mth, ref_path, ref_subproof
 
 #: The reference tree of Certificate Transparency's test data (RFC 6962/9162 hashing): leaf
 #: inputs, and the root of the tree of the first n of them.
@@ -43,48 +44,6 @@ CT_ROOTS = {
     7: "ddb89be403809e325750d3d263cd78929c2942b7942a34b77e122c9594a74c8c",
     8: "5dc9da79a70659a9ad559cb701ded9a2ab9d823aad2f4960cfe370eff4604328",
 }
-
-
-# --- RFC 9162 §2.1, transcribed from its recursive definitions (independent of the module) ---
-def _h(data: bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-def _k(n: int) -> int:
-    k = 1
-    while k * 2 < n:
-        k *= 2
-    return k
-
-
-def ref_mth(d: list[bytes]) -> bytes:
-    n = len(d)
-    if n == 0:
-        return _h(b"")
-    if n == 1:
-        return _h(b"\x00" + d[0])
-    k = _k(n)
-    return _h(b"\x01" + ref_mth(d[:k]) + ref_mth(d[k:]))
-
-
-def ref_path(m: int, d: list[bytes]) -> list[bytes]:
-    n = len(d)
-    if n == 1:
-        return []
-    k = _k(n)
-    if m < k:
-        return [*ref_path(m, d[:k]), ref_mth(d[k:])]
-    return [*ref_path(m - k, d[k:]), ref_mth(d[:k])]
-
-
-def ref_subproof(m: int, d: list[bytes], b: bool) -> list[bytes]:
-    n = len(d)
-    if m == n:
-        return [] if b else [ref_mth(d)]
-    k = _k(n)
-    if m <= k:
-        return [*ref_subproof(m, d[:k], b), ref_mth(d[k:])]
-    return [*ref_subproof(m - k, d[k:], False), ref_mth(d[:k])]
 
 
 def pymerkle_root(entries: list[bytes]) -> bytes:

@@ -175,3 +175,19 @@ def test_suites_are_registered_and_write_json_and_png(
         assert all(lib["num_threads"] == 1 for lib in data["machine"]["blas"])
     png = (tmp_path / files[1]).read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def test_fedlog_bench_times_the_same_answers_from_the_list_and_the_kept_tree(
+    tmp_path: Path,
+) -> None:
+    from afl.lab.bench import fedlog
+
+    out = tmp_path / "fedlog.json"
+    args = argparse.Namespace(sizes=[1, 37, 300], repeats=1, out=str(out))
+    assert fedlog.run(args) == 0  # it raises when the tree and the list disagree
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["benchmark"] == "fedlog" and [r["size"] for r in doc["results"]] == [1, 37, 300]
+    for row in doc["results"]:
+        assert _positive(row["tree_append_seconds_per_leaf"])
+        for name in ("root", "consistency_proof", "inclusion_proof"):
+            assert _positive(row[name]["list_seconds"]) and _positive(row[name]["tree_seconds"])
