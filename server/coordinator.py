@@ -58,7 +58,7 @@ from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
-from afl.server.transparency import CosignedCheckpoint, FederationLog
+from afl.server.transparency import FederationLog
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
 
@@ -613,12 +613,14 @@ class Coordinator:
 
     # --- the federation log (afl.server.transparency) -------------------------------------------
 
-    def log_checkpoint(self, site_id: str, size: int = 0) -> pb.CosignedLogCheckpoint:
-        """The newest checkpoint (``size`` 0) or that of ``size``, with its cosignatures."""
+    def log_checkpoint(
+        self, site_id: str, request: pb.CheckpointRequest | None = None
+    ) -> pb.CosignedLogCheckpoint:
+        """The newest checkpoint (``request.size`` 0) or that of ``request.size``, with its
+        cosignatures and the proofs the request asks for (:meth:`FederationLog.answer`)."""
         self.require_enrolled(site_id)
         with self.lock:
-            found = self.log.cosigned(size) if size else self.log.checkpoint()
-        return _cosigned_to_proto(found)
+            return self.log.answer(request or pb.CheckpointRequest())
 
     def log_consistency(self, site_id: str, old_size: int, new_size: int) -> pb.LogProof:
         self.require_enrolled(site_id)
@@ -684,10 +686,3 @@ class Coordinator:
             "log checkpoint cosigned",
             extra={"site_id": site_id, "size": int(request.size), "cosignatures": count},
         )
-
-
-def _cosigned_to_proto(found: CosignedCheckpoint) -> pb.CosignedLogCheckpoint:
-    return pb.CosignedLogCheckpoint(
-        checkpoint=wire.checkpoint_to_proto(found.signed),
-        cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
-    )

@@ -301,7 +301,7 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     def GetCheckpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> Any:
         return self._call(
-            "GetCheckpoint", context, lambda s: self.coordinator.log_checkpoint(s, request.size)
+            "GetCheckpoint", context, lambda s: self.coordinator.log_checkpoint(s, request)
         )
 
     def GetConsistencyProof(

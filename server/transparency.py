@@ -42,10 +42,11 @@ from afl.crypto.transparency.statements import (
 )
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
+from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, NotPermittedError, WrongStageError
 from afl.server.store import Store
 
-__all__ = ["MAX_ENTRIES", "CosignedCheckpoint", "FederationLog"]
+__all__ = ["MAX_ENTRIES", "CosignedCheckpoint", "FederationLog", "cosigned_to_proto"]
 
 #: The most statements one GetLogEntries answer carries.
 MAX_ENTRIES = 1000
@@ -57,6 +58,23 @@ class CosignedCheckpoint:
 
     signed: SignedCheckpoint
     cosignatures: tuple[Cosignature, ...]
+
+
+def cosigned_to_proto(
+    found: CosignedCheckpoint,
+    *,
+    consistency: Sequence[bytes] = (),
+    inclusion: tuple[int, Sequence[bytes]] | None = None,
+) -> pb.CosignedLogCheckpoint:
+    """The GetCheckpoint answer: ``found`` with the proofs asked for (none by default)."""
+    answer = pb.CosignedLogCheckpoint(
+        checkpoint=wire.checkpoint_to_proto(found.signed),
+        cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
+        consistency=consistency,
+    )
+    if inclusion is not None:
+        answer.inclusion.CopyFrom(pb.LogProof(index=inclusion[0], hashes=inclusion[1]))
+    return answer
 
 
 class FederationLog:
@@ -321,6 +339,44 @@ class FederationLog:
             return index, self.store.log_tree().inclusion_proof(index, size)
         except MerkleProofError as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+    def answer(self, request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        """The GetCheckpoint answer to a witnessing site (one call per witnessing step): the
+        newest checkpoint (``request.size`` 0) or that of ``request.size``, its cosignatures and
+        the proofs :meth:`proofs` gives for it. A newest checkpoint smaller than
+        ``consistency_from`` comes without a consistency proof (none exists; the site keeps the
+        smaller checkpoint as evidence)."""
+        size, since = int(request.size), int(request.consistency_from)
+        found = self.cosigned(size) if size else self.checkpoint()
+        signed_size = found.signed.checkpoint.size
+        consistency, inclusion = self.proofs(
+            signed_size,
+            consistency_from=since if size else min(since, signed_size),
+            inclusion_leaf=bytes(request.inclusion_leaf),
+        )
+        return cosigned_to_proto(found, consistency=consistency, inclusion=inclusion)
+
+    def proofs(
+        self, size: int, *, consistency_from: int, inclusion_leaf: bytes
+    ) -> tuple[list[bytes], tuple[int, list[bytes]] | None]:
+        """What a witnessing site asks for with the checkpoint of ``size`` (it signed it): the
+        consistency proof from ``consistency_from`` (empty unless 0 < it < ``size``) and the
+        (index, PATH) of the statement with leaf hash ``inclusion_leaf`` in that tree (None
+        when none is asked for or the first ``size`` statements do not hold it).
+        :class:`InvalidRequestError` naming both sizes when ``consistency_from`` > ``size``."""
+        if consistency_from > size:
+            raise InvalidRequestError(
+                f"no consistency proof from size {consistency_from} to the checkpoint of size "
+                f"{size}: the older size is larger"
+            )
+        tree = self.store.log_tree()
+        consistency = (
+            tree.consistency_proof(consistency_from, size) if 0 < consistency_from < size else []
+        )
+        index = self.store.log_index(inclusion_leaf) if inclusion_leaf else None
+        if index is None or index >= size:
+            return consistency, None
+        return consistency, (index, tree.inclusion_proof(index, size))
 
     def entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
         """Statements ``start`` <= index < ``end`` (at most :data:`MAX_ENTRIES`)."""

@@ -223,9 +223,10 @@ class LedgerAnchor:
             self.key, federation=self.witness.federation_id, site=self.witness.site_id, entry=entry
         )
         call("RecordDpRelease", pb.DpRelease(statement=statement))
-        answer = self.witness.witness(call)
+        leaf = leaf_hash(statement)
+        answer = self.witness.witness(call, inclusion_leaf=leaf)
         try:
-            self.witness.check_inclusion(call, leaf_hash(statement), answer)
+            self.witness.check_inclusion(leaf, answer)
         except (MerkleProofError, DaemonError) as exc:
             raise DaemonError(
                 f"the federation log does not hold this site's dp-release of round "

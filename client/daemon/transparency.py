@@ -4,14 +4,15 @@ the log holds it under a quorum-cosigned checkpoint (docs/protocol.md §11a, M-1
 ``state_dir/log-witness.json`` (written atomically BEFORE the cosignature leaves) holds the last
 checkpoint this site cosigned, with the coordinator's signature. Before the site answers a plan:
 
-1. it fetches the coordinator's newest checkpoint, checks the coordinator's signature and its
-   federation, and an RFC 9162 consistency proof from the last checkpoint it cosigned
-   (:func:`afl.crypto.transparency.witness.witness_checkpoint`); then it records the new one and
-   sends its cosignature (CosignCheckpoint);
+1. it fetches the coordinator's newest checkpoint with, in the same answer (GetCheckpoint), the
+   RFC 9162 consistency proof from the last checkpoint it cosigned and the inclusion proof of
+   the statement it waits for; it checks the coordinator's signature, the federation and the
+   consistency proof (:func:`afl.crypto.transparency.witness.witness_checkpoint`); then it
+   records the new one and sends its cosignature (CosignCheckpoint);
 2. it counts the cosignatures the coordinator holds on that checkpoint that verify under the
    roster's identity keys of the startup kit (never keys the coordinator sends);
 3. once at least ``[policy] witness_quorum`` roster sites (default: a majority) cosigned it, it
-   checks the plan's inclusion proof in it: the plan is a statement every quorum witness's log
+   checks the plan's inclusion proof in it (the one the answer carries): the plan is a statement every quorum witness's log
    holds, so a coordinator that shows different plans to different sites needs a colluding
    quorum. It polls (the newest checkpoint each time) until then, up to the round's stage
    timeout, and refuses the plan with the reason after it.
@@ -223,28 +224,39 @@ class LogWitness:
         dump_json(path, dict(doc))
         return path
 
-    def witness(self, call: Call) -> pb.CosignedLogCheckpoint:
+    def witness(self, call: Call, *, inclusion_leaf: bytes = b"") -> pb.CosignedLogCheckpoint:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
-        step 1); the answer, with the coordinator's cosignatures. :class:`SplitViewDetected`
-        when it does not, after the evidence is written."""
+        step 1); the answer, with the coordinator's cosignatures (and the inclusion proof of
+        the statement with leaf hash ``inclusion_leaf`` when the checkpoint holds it, for
+        :meth:`check_inclusion`). :class:`SplitViewDetected` when it does not extend it, after
+        the evidence is written."""
         with self._lock:
-            return self._witness(call)
+            return self._witness(call, inclusion_leaf)
 
-    def _witness(self, call: Call) -> pb.CosignedLogCheckpoint:
-        answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", pb.CheckpointRequest())
+    def _witness(self, call: Call, inclusion_leaf: bytes) -> pb.CosignedLogCheckpoint:
+        previous = self.last
+        # One call: the checkpoint, the consistency proof from the last one this site cosigned
+        # and the inclusion proof it waits for (docs/protocol.md §11a).
+        request = pb.CheckpointRequest(
+            consistency_from=previous.checkpoint.size if previous is not None else 0,
+            inclusion_leaf=inclusion_leaf,
+        )
+        answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", request)
         try:
             offered = wire.checkpoint_from_proto(answer.checkpoint)
         except wire.WireError as exc:
             raise DaemonError(f"the coordinator's log checkpoint is malformed: {exc}") from exc
-        previous = self.last
         if previous is not None and previous.checkpoint == offered.checkpoint:
             return answer  # cosigned already
         proof: list[bytes] = []
         if previous is not None and 0 < previous.checkpoint.size < offered.checkpoint.size:
-            request = pb.ConsistencyProofRequest(
-                old_size=previous.checkpoint.size, new_size=offered.checkpoint.size
-            )
-            proof = list(call("GetConsistencyProof", request).hashes)
+            proof = list(answer.consistency)  # a wrong one is a split view (witness_checkpoint)
+            if not proof:  # as an unanswered GetConsistencyProof was: refused, not cosigned
+                raise DaemonError(
+                    f"the coordinator's log checkpoint of size {offered.checkpoint.size} came "
+                    f"without the consistency proof from size {previous.checkpoint.size} this "
+                    "site cosigned: refused"
+                )
         try:
             cosignature = witness_checkpoint(
                 witness=self.site_id,
@@ -304,19 +316,22 @@ class LogWitness:
                 verified=self._verified,
             )
 
-    def check_inclusion(self, call: Call, leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
-        """Fetch and verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf``
-        in the answer's checkpoint (:class:`MerkleProofError`; :class:`DaemonError` when the
-        coordinator has no such statement)."""
-        size = int(answer.checkpoint.size)
-        proof: pb.LogProof = call(
-            "GetInclusionProof", pb.InclusionProofRequest(leaf_hash=leaf, size=size)
-        )
+    @staticmethod
+    def check_inclusion(leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
+        """Verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf`` in the
+        answer's checkpoint, as the answer carries it (asked for with :meth:`witness`'s
+        ``inclusion_leaf``): :class:`MerkleProofError` when it does not verify,
+        :class:`DaemonError` when the answer carries none (the checkpoint does not hold it)."""
+        if not answer.HasField("inclusion"):
+            raise DaemonError(
+                f"the coordinator answered no inclusion proof in the log checkpoint of size "
+                f"{answer.checkpoint.size}"
+            )
         verify_inclusion(
             leaf=leaf,
-            index=int(proof.index),
-            tree_size=size,
-            proof=list(proof.hashes),
+            index=int(answer.inclusion.index),
+            tree_size=int(answer.checkpoint.size),
+            proof=list(answer.inclusion.hashes),
             root=bytes(answer.checkpoint.root),
         )
 
@@ -371,16 +386,16 @@ class LogWitness:
         while True:
             if stop is not None and stop.is_set():
                 return f"the log check of {what} was stopped: {why}", None
-            answer = self.witness(call)
+            answer = self.witness(call, inclusion_leaf=leaf)
             size = int(answer.checkpoint.size)
             try:
                 if held is None:
-                    self.check_inclusion(call, leaf, answer)
+                    self.check_inclusion(leaf, answer)
                     held = answer
                 found, why = self._quorum_among(call, answer, held)
                 if found is not None:
-                    if found.checkpoint != held.checkpoint:
-                        self.check_inclusion(call, leaf, found)
+                    if found.checkpoint != held.checkpoint:  # the newest: its own proof
+                        self.check_inclusion(leaf, found)
                     return "", found
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)

@@ -32,7 +32,8 @@ members of the targeted release):
   of a round they took part in), so they score it; what comes back is DP-noised.
 * ``split-view`` (any mode): the coordinator shows two histories. Sites ``SPLIT_GROUP`` see a
   forged federation log in which every plan statement is replaced (checkpoints the coordinator
-  signs, consistency proofs and entries of the forged tree, their cosignatures kept apart), the
+  signs, the consistency and inclusion proofs they carry and the entries of the forged tree,
+  their cosignatures kept apart), the
   others see the true log; once a site of the group cosigned a forged checkpoint, it is shown the
   true one (the coordinator needs its cosignature for a quorum).
 * ``misstate-release`` (mask): the federation log's `release` statement of a published round
@@ -392,10 +393,15 @@ def _weaken_graph() -> None:
 
 def _split_view() -> None:
     from afl.crypto.transparency.checkpoint import Checkpoint, Cosignature, sign_checkpoint
-    from afl.crypto.transparency.merkle import consistency_proof, leaf_hash, root_hash
+    from afl.crypto.transparency.merkle import (
+        consistency_proof,
+        inclusion_proof,
+        leaf_hash,
+        root_hash,
+    )
     from afl.crypto.transparency.statements import decode_statement, plan_statement
-    from afl.server.coordinator import Coordinator, _cosigned_to_proto
-    from afl.server.transparency import CosignedCheckpoint, FederationLog
+    from afl.server.coordinator import Coordinator
+    from afl.server.transparency import CosignedCheckpoint, FederationLog, cosigned_to_proto
 
     forged_cosigs: dict[tuple[int, bytes], dict[str, Any]] = {}
     cosigned_forged: set[str] = set()
@@ -434,15 +440,27 @@ def _split_view() -> None:
     honest_entries = Coordinator.log_entries
     honest_cosign = Coordinator.log_cosign
 
-    def log_checkpoint(self: Coordinator, site_id: str, size: int = 0) -> Any:
+    def log_checkpoint(
+        self: Coordinator, site_id: str, request: pb.CheckpointRequest | None = None
+    ) -> Any:
+        """The forged checkpoint with the proofs the site asks for, in the forged log (they
+        verify there: the attack is the two views, not a broken proof)."""
         if not forged_view(self, site_id):
-            return honest_checkpoint(self, site_id, size)
+            return honest_checkpoint(self, site_id, request)
+        request = request or pb.CheckpointRequest()
         with self.lock:
-            n = size or self.store.log_size()
-            root = root_hash(forged_leaves(self.log, n))
+            n = int(request.size) or self.store.log_size()
+            leaves = forged_leaves(self.log, n)
+            root = root_hash(leaves)
             signed = sign_checkpoint(self.log._key, Checkpoint(self.log.federation_id, n, root))
             cosigs = tuple(forged_cosigs.get((n, root), {}).values())
-        return _cosigned_to_proto(CosignedCheckpoint(signed, cosigs))
+        since, wanted = int(request.consistency_from), bytes(request.inclusion_leaf)
+        index = leaves.index(wanted) if wanted in leaves else None
+        return cosigned_to_proto(
+            CosignedCheckpoint(signed, cosigs),
+            consistency=consistency_proof(leaves, since) if 0 < since < n else [],
+            inclusion=None if index is None else (index, inclusion_proof(leaves, index)),
+        )
 
     def log_consistency(self: Coordinator, site_id: str, old_size: int, new_size: int) -> Any:
         if not forged_view(self, site_id):

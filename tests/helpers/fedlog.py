@@ -16,7 +16,6 @@ from afl.client.daemon.transport import DaemonError
 from afl.client.policy.loghistory import release_fields
 from afl.crypto.identity.signatures import public_key_to_raw
 from afl.crypto.transparency.statements import decode_statement
-from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, WrongStageError
@@ -65,15 +64,15 @@ def _no_masked_round(round_id: str) -> Sequence[str]:
 
 
 class LogService:
-    """The log RPCs (no transport); ``offer`` replaces the checkpoint answer (a lying
-    coordinator), ``on_cosign`` sees each cosignature before it is kept."""
+    """The log RPCs (no transport); ``offer`` replaces the checkpoint answer to a request (a
+    lying coordinator), ``on_cosign`` sees each cosignature before it is kept."""
 
     def __init__(self, state: Path, *, key: Ed25519PrivateKey, federation_id: str) -> None:
         self.store = Store(state, federation_id=federation_id)
         self.log = FederationLog(self.store, key=key, federation_id=federation_id)
         self.cosigned: list[str] = []
         self.on_cosign: Callable[[pb.LogCosignature], None] = lambda request: None
-        self.offer: Callable[[], pb.CosignedLogCheckpoint] | None = None
+        self.offer: Callable[[pb.CheckpointRequest], pb.CosignedLogCheckpoint] | None = None
         #: The site whose certificate the RPCs come with (RecordDpRelease, RecordOpening check it).
         self.caller = "site-1"
         #: A masked round's survivors (RecordOpening checks an opening states them).
@@ -110,12 +109,8 @@ class LogService:
     def call(self, what: str, request: Any) -> Any:
         if what == "GetCheckpoint":
             if self.offer is not None:
-                return self.offer()
-            found = self.log.cosigned(request.size) if request.size else self.log.checkpoint()
-            return pb.CosignedLogCheckpoint(
-                checkpoint=wire.checkpoint_to_proto(found.signed),
-                cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
-            )
+                return self.offer(request)
+            return self.log.answer(request)
         if what == "GetConsistencyProof":
             return pb.LogProof(hashes=self.log.consistency(request.old_size, request.new_size))
         if what == "GetInclusionProof":

@@ -22,6 +22,9 @@ from afl.core.aggregation import GramScope, class_b_sums, federated_solve, plan_
 from afl.core.refinement import RefinementParams, pseudo_label_projection, solve_round2
 from afl.core.row_bounds import measure
 from afl.core.stats import LocalStats, local_statistics
+from afl.crypto.identity.signed_blobs import blob_sha256
+from afl.crypto.transparency.merkle import leaf_hash, verify_consistency, verify_inclusion
+from afl.crypto.transparency.statements import plan_statement
 from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
@@ -466,3 +469,38 @@ def test_a_plaintext_upload_no_dataset_of_the_declared_size_could_produce_is_ref
         site.upload_all(config, plan, stats[s])
     _, weights = sites["s1"].model(key)
     assert np.isfinite(weights).all()
+
+
+def test_one_checkpoint_call_carries_a_witness_s_proofs(
+    federation: ProvisionedFederation, make_server: Callable[..., CoordinatorServer]
+) -> None:
+    """GetCheckpoint over TLS answers the consistency proof from the caller's last cosigned size
+    and the plan's inclusion proof (docs/protocol.md §11a); a size above the asked checkpoint's
+    is INVALID_ARGUMENT naming both sizes."""
+    server = make_server()
+    sites = connect(federation, server.port)
+    config, _ = enrol_and_accept(sites, server_key(federation))
+    stub = sites["s1"].stub
+    plan = plan_statement(
+        federation=federation.federation_id,
+        round_id=config.round_id,
+        plan_sha256=blob_sha256(config.release_plan.plan),
+    )
+    request = coordinator_pb2.CheckpointRequest(consistency_from=1, inclusion_leaf=leaf_hash(plan))
+    answer = stub.GetCheckpoint(request, timeout=10)
+    size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
+    (first,) = stub.GetLogEntries(coordinator_pb2.LogEntriesRequest(start=0, end=1)).entries
+    assert size > 1  # the enrolments, the run and the plan
+    verify_consistency(
+        old_size=1, new_size=size, old_root=leaf_hash(first.statement), new_root=root,
+        proof=list(answer.consistency),
+    )  # fmt: skip
+    verify_inclusion(
+        leaf=leaf_hash(plan), index=int(answer.inclusion.index), tree_size=size,
+        proof=list(answer.inclusion.hashes), root=root,
+    )  # fmt: skip
+    too_far = coordinator_pb2.CheckpointRequest(size=size, consistency_from=size + 1)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetCheckpoint(too_far, timeout=10)
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert f"from size {size + 1} to the checkpoint of size {size}" in str(info.value.details())

@@ -17,6 +17,8 @@ from afl.crypto.identity.signatures import generate_identity_key
 from afl.crypto.transparency.checkpoint import verify_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash, verify_consistency, verify_inclusion
 from afl.crypto.transparency.statements import decode_statement, plan_statement
+from afl.proto import wire
+from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, StateError
 from afl.server.store import DB_NAME, Store
 from afl.server.transparency import FederationLog
@@ -183,3 +185,47 @@ def test_a_cosignature_is_kept_only_from_the_enrolled_key_on_a_signed_checkpoint
         log.cosign("site-1", size=1, root=checkpoint.root, signature=forged.signature)
     assert log.cosign("site-1", size=1, root=checkpoint.root, signature=good.signature) == 1
     assert [c.witness for c in log.cosigned(1).cosignatures] == ["site-1"]
+
+
+def test_a_checkpoint_answer_carries_the_proofs_the_witnessing_site_asks_for(
+    tmp_path: Path,
+) -> None:
+    """One GetCheckpoint answer per witnessing step (docs/protocol.md §11a): the consistency
+    proof from the caller's last cosigned size and the inclusion proof of the statement it waits
+    for, each verifying under RFC 9162 against the answered checkpoint's root; a statement the
+    checkpoint does not hold gets no proof (the site polls on), and an older size above the
+    asked one is refused naming both sizes."""
+    store = _store(tmp_path)
+    log = FederationLog(store, key=KEY, federation_id=FED)
+    for n in range(3):
+        store.create_run(run_id=f"run-{n}", name="a", settings={}, submitted_by="op")
+    old = log.checkpoint().signed.checkpoint
+    for n in range(3, 7):
+        store.create_run(run_id=f"run-{n}", name="a", settings={}, submitted_by="op")
+    entries = [entry for _, _, entry, _ in store.log_entries(0, 7)]
+    asked = leaf_hash(entries[5])
+    answer = log.answer(pb.CheckpointRequest(consistency_from=old.size, inclusion_leaf=asked))
+    new = verify_checkpoint(KEY.public_key(), wire.checkpoint_from_proto(answer.checkpoint))
+    assert (new.size, old.size) == (7, 3)
+    verify_consistency(
+        old_size=3, new_size=7, old_root=old.root, new_root=new.root, proof=list(answer.consistency)
+    )
+    assert answer.HasField("inclusion") and answer.inclusion.index == 5
+    verify_inclusion(
+        leaf=asked, index=5, tree_size=7, proof=list(answer.inclusion.hashes), root=new.root
+    )
+    # The checkpoint of an older size: the statement appended after it is not in it.
+    at_old = log.answer(pb.CheckpointRequest(size=old.size, inclusion_leaf=asked))
+    assert at_old.checkpoint.size == 3 and not at_old.HasField("inclusion")
+    assert not log.answer(pb.CheckpointRequest(inclusion_leaf=leaf_hash(b"never"))).HasField(
+        "inclusion"
+    )
+    # Nothing to prove from 0 (a first checkpoint) or from the same size.
+    for since in (0, 7):
+        assert list(log.answer(pb.CheckpointRequest(consistency_from=since)).consistency) == []
+    with pytest.raises(InvalidRequestError, match="from size 7 to the checkpoint of size 3"):
+        log.answer(pb.CheckpointRequest(size=3, consistency_from=7))
+    # The newest checkpoint smaller than what the caller cosigned comes without a proof: the
+    # site keeps it as evidence of a log that shrank.
+    rolled_back = log.answer(pb.CheckpointRequest(consistency_from=9))
+    assert rolled_back.checkpoint.size == 7 and list(rolled_back.consistency) == []

@@ -58,12 +58,15 @@ CLIENT_METHODS = (
     ("afl.client.daemon.opening", "OpeningPublication", "wait"),
 )
 #: The coordinator's: a statement appended in its state change's transaction, checkpoints signed
-#: and served, cosignatures verified and kept, proofs and entries served.
+#: and served, cosignatures verified and kept, proofs and entries served (``proofs``: those a
+#: GetCheckpoint answer carries, one call per answer beside its ``checkpoint`` or ``cosigned``;
+#: ``consistency`` and ``inclusion``: the separate GetConsistencyProof, GetInclusionProof).
 SERVER_METHODS = (
     ("afl.server.store", "Store", "append_log"),
     ("afl.server.transparency", "FederationLog", "checkpoint"),
     ("afl.server.transparency", "FederationLog", "cosigned"),
     ("afl.server.transparency", "FederationLog", "cosign"),
+    ("afl.server.transparency", "FederationLog", "proofs"),
     ("afl.server.transparency", "FederationLog", "consistency"),
     ("afl.server.transparency", "FederationLog", "inclusion"),
     ("afl.server.transparency", "FederationLog", "entries"),

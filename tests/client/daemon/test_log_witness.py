@@ -9,18 +9,20 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from afl.client.daemon import transparency as transparency_module
-from afl.client.daemon.transparency import WITNESS_STATE, LogWitness, SplitViewDetected
+from afl.client.daemon.transparency import WITNESS_STATE, Call, LogWitness, SplitViewDetected
 from afl.client.daemon.transport import DaemonError
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw
 from afl.crypto.transparency import checkpoint as checkpoint_module
 from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash
-from afl.crypto.transparency.statements import statement_bytes
+from afl.crypto.transparency.statements import plan_statement, statement_bytes
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.helpers.calls import record_calls
@@ -67,7 +69,9 @@ def test_a_split_view_keeps_both_checkpoints_and_stops(tmp_path: Path) -> None:
     witness = _witness(tmp_path / "site")
     honest = witness.witness(coordinator.call).checkpoint
     other = sign_checkpoint(COORDINATOR, Checkpoint(FED, honest.size, leaf_hash(b"other")))
-    coordinator.offer = lambda: pb.CosignedLogCheckpoint(checkpoint=wire.checkpoint_to_proto(other))
+    coordinator.offer = lambda _: pb.CosignedLogCheckpoint(
+        checkpoint=wire.checkpoint_to_proto(other)
+    )
     with pytest.raises(SplitViewDetected) as caught:
         witness.witness(coordinator.call)
     line = str(caught.value)
@@ -103,9 +107,13 @@ def test_a_plan_is_accepted_only_under_a_quorum_of_roster_cosignatures(tmp_path:
     # not counted: the coordinator's store would refuse it, so it is slipped into the answer.
     checkpoint = coordinator.log.checkpoint().signed.checkpoint
     forged = cosign(generate_identity_key(), witness="site-3", checkpoint=checkpoint)
-    honest_answer = coordinator.call("GetCheckpoint", pb.CheckpointRequest())
-    honest_answer.cosignatures.append(wire.cosignature_to_proto(forged))
-    coordinator.offer = lambda: honest_answer
+
+    def with_forged(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        answer = coordinator.log.answer(request)
+        answer.cosignatures.append(wire.cosignature_to_proto(forged))
+        return answer
+
+    coordinator.offer = with_forged
     assert "1 witness(es)" in problem()
     coordinator.offer = None
     _witness(tmp_path / "s2", "site-2").witness(coordinator.call)  # a second roster site
@@ -207,3 +215,115 @@ def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded
     assert len(decoded) == answer.checkpoint.size  # nor by another site
     with pytest.raises(TypeError):
         first[0][1]["site"] = "another"  # type: ignore[index]
+
+
+def _calls(coordinator: LogService, seen: list[str]) -> Call:
+    def call(what: str, request: Any) -> Any:
+        seen.append(what)
+        return coordinator.call(what, request)
+
+    return call
+
+
+def test_a_witnessing_step_is_one_checkpoint_call_and_the_cosignature(tmp_path: Path) -> None:
+    """The consistency proof and the plan's inclusion proof come with the checkpoint: a site
+    that witnesses a grown log and finds its plan under a quorum calls GetCheckpoint and
+    CosignCheckpoint only, and the proofs it verified are the ones it asked for."""
+    coordinator = _coordinator(tmp_path / "server")
+    site1, site2 = _witness(tmp_path / "s1"), _witness(tmp_path / "s2", "site-2")
+    site1.witness(coordinator.call)
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site2.witness(coordinator.call)  # the quorum's other cosignature, on the grown log
+    asked: list[pb.CheckpointRequest] = []
+
+    def answer(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        asked.append(request)
+        return coordinator.log.answer(request)
+
+    coordinator.offer = answer
+    seen: list[str] = []
+    why, found = site1.plan_problem(
+        _calls(coordinator, seen), round_id="r1-abc", plan_sha256=plan_sha, wait_s=60.0,
+        poll_s=0.01, max_poll_s=0.05,
+    )  # fmt: skip
+    assert why == "" and found is not None
+    assert seen == ["GetCheckpoint", "CosignCheckpoint"]
+    (request,) = asked
+    statement = plan_statement(federation=FED, round_id="r1-abc", plan_sha256=plan_sha)
+    assert request.consistency_from == len(ROSTER) < found.checkpoint.size  # the enrolments
+    assert request.inclusion_leaf == leaf_hash(statement)
+
+
+def _tampered(coordinator: LogService, change: Callable[[pb.CosignedLogCheckpoint], None]) -> None:
+    def offer(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        answer = coordinator.log.answer(request)
+        change(answer)
+        return answer
+
+    coordinator.offer = offer
+
+
+def test_a_wrong_consistency_proof_in_the_answer_is_a_split_view(tmp_path: Path) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+    cosigned = witness.witness(coordinator.call).checkpoint
+    coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+
+    def wrong(answer: pb.CosignedLogCheckpoint) -> None:
+        assert answer.consistency  # the honest proof, then one hash of it replaced
+        answer.consistency[0] = leaf_hash(b"not the log")
+
+    _tampered(coordinator, wrong)
+    with pytest.raises(SplitViewDetected, match="two inconsistent checkpoints"):
+        witness.witness(coordinator.call)
+    (evidence,) = (tmp_path / "site" / "log-evidence").glob("split-view-*.json")
+    doc = json.loads(evidence.read_text())
+    assert doc["cosigned"]["root"] == cosigned.root.hex()
+    assert doc["consistency_proof"][0] == leaf_hash(b"not the log").hex()
+    assert coordinator.cosigned == ["site-1"]  # the grown checkpoint is never cosigned
+    assert witness.last is not None and witness.last.checkpoint.size == cosigned.size
+
+
+def test_a_checkpoint_without_its_consistency_proof_is_refused_and_not_cosigned(
+    tmp_path: Path,
+) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+    cosigned = witness.witness(coordinator.call).checkpoint
+    coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    _tampered(coordinator, lambda answer: answer.ClearField("consistency"))
+    with pytest.raises(
+        DaemonError, match=f"without the consistency proof from size {cosigned.size}"
+    ):
+        witness.witness(coordinator.call)
+    assert coordinator.cosigned == ["site-1"]
+    assert witness.last is not None and witness.last.checkpoint.size == cosigned.size
+    assert not (tmp_path / "site" / "log-evidence").exists()  # no evidence of a split: refused
+    coordinator.offer = None
+    witness.witness(coordinator.call)  # the honest answer is cosigned
+    assert coordinator.cosigned == ["site-1", "site-1"]
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        (lambda a: a.inclusion.hashes.__setitem__(0, leaf_hash(b"x")), "does not lead to the"),
+        (lambda a: setattr(a.inclusion, "index", a.inclusion.index - 1), "does not lead to the"),
+        (lambda a: a.inclusion.hashes.pop(), "shorter than the tree needs"),
+        (lambda a: a.ClearField("inclusion"), "answered no inclusion proof"),
+    ],
+)
+def test_a_wrong_or_missing_inclusion_proof_in_the_answer_is_refused(
+    tmp_path: Path, change: Callable[[pb.CosignedLogCheckpoint], None], refusal: str
+) -> None:
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    for site in SITES:  # the whole roster cosigned: only the inclusion proof is missing
+        _witness(tmp_path / site, site).witness(coordinator.call)
+    _tampered(coordinator, change)
+    why, found = _witness(tmp_path / "site-1").plan_problem(
+        coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=0.0, poll_s=0.01,
+        max_poll_s=0.01,
+    )  # fmt: skip
+    assert found is None and refusal in why, why
+    assert why.startswith("the plan is not in a federation-log checkpoint cosigned by a quorum")

@@ -2282,16 +2282,30 @@ class CheckpointRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SIZE_FIELD_NUMBER: _builtins.int
+    CONSISTENCY_FROM_FIELD_NUMBER: _builtins.int
+    INCLUSION_LEAF_FIELD_NUMBER: _builtins.int
     size: _builtins.int
     """The size of a checkpoint the coordinator signed before; 0: the newest. [visible: server]"""
+    consistency_from: _builtins.int
+    """The size of the last checkpoint the caller cosigned (0: none): the answer carries the
+    consistency proof from it. INVALID_ARGUMENT when it is above a given `size`; above the
+    newest size the newest checkpoint comes without a proof (the caller keeps a smaller
+    checkpoint than it cosigned as evidence). [visible: server]
+    """
+    inclusion_leaf: _builtins.bytes
+    """A statement's leaf hash SHA-256(0x00 || statement) (empty: none): the answer carries its
+    inclusion proof when the answered checkpoint holds it. [visible: server]
+    """
     def __init__(
         self,
         *,
         size: _builtins.int = ...,
+        consistency_from: _builtins.int = ...,
+        inclusion_leaf: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency_from", b"consistency_from", "inclusion_leaf", b"inclusion_leaf", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2303,6 +2317,8 @@ class CosignedLogCheckpoint(_message.Message):
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     COSIGNATURES_FIELD_NUMBER: _builtins.int
+    CONSISTENCY_FIELD_NUMBER: _builtins.int
+    INCLUSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def checkpoint(self) -> Global___LogCheckpoint:
         """The checkpoint. [visible: every site]"""
@@ -2311,15 +2327,31 @@ class CosignedLogCheckpoint(_message.Message):
     def cosignatures(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogCosignature]:
         """The cosignatures the coordinator holds on exactly that checkpoint. [visible: every site]"""
 
+    @_builtins.property
+    def consistency(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """RFC 9162 PROOF(consistency_from, D[size]) from the request's `consistency_from` to this
+        checkpoint's size, in RFC 9162 order; empty unless 0 < consistency_from < size (the caller
+        refuses a checkpoint whose proof is missing or does not verify). [visible: every site]
+        """
+
+    @_builtins.property
+    def inclusion(self) -> Global___LogProof:
+        """The RFC 9162 inclusion proof (index and PATH) of the statement with the request's
+        `inclusion_leaf` in this checkpoint; absent when none was asked for or the checkpoint does
+        not hold it (not an error: the caller polls again). [visible: every site]
+        """
+
     def __init__(
         self,
         *,
         checkpoint: Global___LogCheckpoint | None = ...,
         cosignatures: _abc.Iterable[Global___LogCosignature] | None = ...,
+        consistency: _abc.Iterable[_builtins.bytes] | None = ...,
+        inclusion: Global___LogProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "inclusion", b"inclusion"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "cosignatures", b"cosignatures"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "cosignatures", b"cosignatures", "inclusion", b"inclusion"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -416,7 +416,9 @@ class CoordinatorServicer:
         """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
         roster change, run, signed plan, release (with its survivors) and publication.
         The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
-        the checkpoint of a given size. Enrolled sites only.
+        the checkpoint of a given size; with the consistency proof from the caller's last cosigned
+        size and the inclusion proof of a statement when asked for (a site's witnessing step in one
+        call). Enrolled sites only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -135,7 +135,9 @@ class CoordinatorStub:
     """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
     roster change, run, signed plan, release (with its survivors) and publication.
     The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
-    the checkpoint of a given size. Enrolled sites only.
+    the checkpoint of a given size; with the consistency proof from the caller's last cosigned
+    size and the inclusion proof of a statement when asked for (a site's witnessing step in one
+    call). Enrolled sites only.
     """
     GetConsistencyProof: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencyProofRequest, _coordinator_pb2.LogProof]
     """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes."""
@@ -243,7 +245,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
     roster change, run, signed plan, release (with its survivors) and publication.
     The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
-    the checkpoint of a given size. Enrolled sites only.
+    the checkpoint of a given size; with the consistency proof from the caller's last cosigned
+    size and the inclusion proof of a statement when asked for (a site's witnessing step in one
+    call). Enrolled sites only.
     """
     GetConsistencyProof: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencyProofRequest, _coordinator_pb2.LogProof]  # type: ignore[assignment]
     """RFC 9162 PROOF(old_size, D[new_size]); INVALID_ARGUMENT outside the log's sizes."""
@@ -516,7 +520,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """The federation log (docs/protocol.md §11a): an append-only RFC 9162 Merkle log of every
         roster change, run, signed plan, release (with its survivors) and publication.
         The newest checkpoint (signed when the log grew) with the witnesses' cosignatures on it, or
-        the checkpoint of a given size. Enrolled sites only.
+        the checkpoint of a given size; with the consistency proof from the caller's last cosigned
+        size and the inclusion proof of a statement when asked for (a site's witnessing step in one
+        call). Enrolled sites only.
         """
 
     @_abc_1.abstractmethod
