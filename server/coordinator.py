@@ -58,7 +58,7 @@ from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
-from afl.server.transparency import FederationLog
+from afl.server.transparency import FederationLog, cosigned_to_proto
 
 __all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
 
@@ -668,15 +668,16 @@ class Coordinator:
             )
         return pb.LogProof(index=index)
 
-    def log_cosign(self, site_id: str, request: pb.LogCosignature) -> None:
-        """Keep the caller's cosignature (its certificate names the witness)."""
+    def log_cosign(self, site_id: str, request: pb.LogCosignature) -> pb.CosignedLogCheckpoint:
+        """Keep the caller's cosignature (its certificate names the witness); the checkpoint
+        with the cosignatures it now has."""
         self.require_enrolled(site_id)
         if request.witness != site_id:
             raise NotPermittedError(
                 f"a cosignature names witness {request.witness!r}, the caller is {site_id!r}"
             )
         with self.lock:
-            count = self.log.cosign(
+            found = self.log.cosign(
                 site_id,
                 size=int(request.size),
                 root=bytes(request.root),
@@ -684,5 +685,10 @@ class Coordinator:
             )
         log.info(
             "log checkpoint cosigned",
-            extra={"site_id": site_id, "size": int(request.size), "cosignatures": count},
+            extra={
+                "site_id": site_id,
+                "size": int(request.size),
+                "cosignatures": len(found.cosignatures),
+            },
         )
+        return cosigned_to_proto(found)

@@ -329,11 +329,7 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
 
     def CosignCheckpoint(self, request: pb.LogCosignature, context: grpc.ServicerContext) -> Any:
         return self._call(
-            "CosignCheckpoint",
-            context,
-            lambda s: self._ack(
-                "cosignature kept", lambda: self.coordinator.log_cosign(s, request)
-            ),
+            "CosignCheckpoint", context, lambda s: self.coordinator.log_cosign(s, request)
         )
 
     def RecordDpRelease(self, request: pb.DpRelease, context: grpc.ServicerContext) -> Any:

@@ -113,9 +113,11 @@ class FederationLog:
         )
         return CosignedCheckpoint(signed, cosignatures)
 
-    def cosign(self, site_id: str, *, size: int, root: bytes, signature: bytes) -> int:
-        """Keep ``site_id``'s cosignature of the checkpoint (size, root); the number of
-        cosignatures that checkpoint now has."""
+    def cosign(
+        self, site_id: str, *, size: int, root: bytes, signature: bytes
+    ) -> CosignedCheckpoint:
+        """Keep ``site_id``'s cosignature of the checkpoint (size, root); that checkpoint with
+        the cosignatures it now has."""
         signed = self.signed(size)
         if root != signed.checkpoint.root:
             raise InvalidRequestError(
@@ -130,7 +132,7 @@ class FederationLog:
         except CryptoError as exc:
             raise NotPermittedError(str(exc)) from exc
         self.store.put_log_cosignature(size=size, root=root, witness=site_id, signature=signature)
-        return len(self.store.log_cosignatures(size))
+        return self.cosigned(size)
 
     def _site_statement(
         self, site_id: str, statement: bytes, *, kind: str, fields: frozenset[str]

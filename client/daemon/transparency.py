@@ -8,7 +8,8 @@ checkpoint this site cosigned, with the coordinator's signature. Before the site
    RFC 9162 consistency proof from the last checkpoint it cosigned and the inclusion proof of
    the statement it waits for; it checks the coordinator's signature, the federation and the
    consistency proof (:func:`afl.crypto.transparency.witness.witness_checkpoint`); then it
-   records the new one and sends its cosignature (CosignCheckpoint);
+   records the new one and sends its cosignature (CosignCheckpoint, answered with the
+   cosignatures the coordinator then holds on it);
 2. it counts the cosignatures the coordinator holds on that checkpoint that verify under the
    roster's identity keys of the startup kit (never keys the coordinator sends);
 3. once at least ``[policy] witness_quorum`` roster sites (default: a majority) cosigned it, it
@@ -284,8 +285,12 @@ class LogWitness:
         self.last = offered
         self._save()  # before the cosignature leaves
         mine = wire.cosignature_to_proto(cosignature)
-        call("CosignCheckpoint", mine)
-        answer.cosignatures.append(mine)  # counted at once, as the coordinator now holds it
+        now: pb.CosignedLogCheckpoint = call("CosignCheckpoint", mine)
+        if now.checkpoint == answer.checkpoint:  # the cosignatures it holds now: no extra poll
+            del answer.cosignatures[:]
+            answer.cosignatures.extend(now.cosignatures)
+        if mine not in answer.cosignatures:  # counted at once, as the coordinator now holds it
+            answer.cosignatures.append(mine)
         log.info(
             "site=%s cosigned log checkpoint %s",
             self.site_id,

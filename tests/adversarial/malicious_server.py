@@ -483,18 +483,19 @@ def _split_view() -> None:
             ]
         )
 
-    def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> None:
+    def log_cosign(self: Coordinator, site_id: str, request: pb.LogCosignature) -> Any:
         with self.lock:
             signed = self.log.store.log_checkpoint(int(request.size))
         if signed is not None and signed[1] == bytes(request.root):
-            honest_cosign(self, site_id, request)
-            return
+            return honest_cosign(self, site_id, request)
         checkpoint = Checkpoint(self.log.federation_id, int(request.size), bytes(request.root))
         key = (checkpoint.size, checkpoint.root)
         forged_cosigs.setdefault(key, {})[site_id] = Cosignature(
             site_id, checkpoint, bytes(request.signature)
         )
         cosigned_forged.add(site_id)
+        forged = sign_checkpoint(self.log._key, checkpoint)
+        return cosigned_to_proto(CosignedCheckpoint(forged, tuple(forged_cosigs[key].values())))
 
     Coordinator.log_checkpoint = log_checkpoint  # type: ignore[method-assign]
     Coordinator.log_consistency = log_consistency  # type: ignore[method-assign]

@@ -20,7 +20,7 @@ from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.errors import InvalidRequestError, WrongStageError
 from afl.server.store import EnrolmentRow, Store
-from afl.server.transparency import FederationLog
+from afl.server.transparency import FederationLog, cosigned_to_proto
 
 __all__ = ["LOG_RPCS", "LogService", "site_witness"]
 
@@ -129,11 +129,11 @@ class LogService:
             return self.serve_entries(answer)
         if what == "CosignCheckpoint":
             self.on_cosign(request)
-            self.log.cosign(
+            found = self.log.cosign(
                 request.witness, size=request.size, root=request.root, signature=request.signature
             )
             self.cosigned.append(request.witness)
-            return None
+            return cosigned_to_proto(found)
         if what == "RecordDpRelease":
             return pb.LogProof(index=self.log.record_dp_release(self.caller, request.statement))
         if what == "RecordOpening":

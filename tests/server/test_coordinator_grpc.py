@@ -23,9 +23,11 @@ from afl.core.refinement import RefinementParams, pseudo_label_projection, solve
 from afl.core.row_bounds import measure
 from afl.core.stats import LocalStats, local_statistics
 from afl.crypto.identity.signed_blobs import blob_sha256
+from afl.crypto.transparency.checkpoint import Checkpoint, cosign
 from afl.crypto.transparency.merkle import leaf_hash, verify_consistency, verify_inclusion
 from afl.crypto.transparency.statements import plan_statement
 from afl.ops.provisioning import ProvisionedFederation, provision
+from afl.proto import wire
 from afl.proto.v1 import common_pb2, coordinator_pb2
 from afl.server.config import load_config
 from afl.server.daemon.main import CoordinatorServer
@@ -475,8 +477,9 @@ def test_one_checkpoint_call_carries_a_witness_s_proofs(
     federation: ProvisionedFederation, make_server: Callable[..., CoordinatorServer]
 ) -> None:
     """GetCheckpoint over TLS answers the consistency proof from the caller's last cosigned size
-    and the plan's inclusion proof (docs/protocol.md §11a); a size above the asked checkpoint's
-    is INVALID_ARGUMENT naming both sizes."""
+    and the plan's inclusion proof (docs/protocol.md §11a), CosignCheckpoint the cosignatures
+    held once the caller's is kept; a size above the asked checkpoint's is INVALID_ARGUMENT
+    naming both sizes."""
     server = make_server()
     sites = connect(federation, server.port)
     config, _ = enrol_and_accept(sites, server_key(federation))
@@ -499,6 +502,15 @@ def test_one_checkpoint_call_carries_a_witness_s_proofs(
         leaf=leaf_hash(plan), index=int(answer.inclusion.index), tree_size=size,
         proof=list(answer.inclusion.hashes), root=root,
     )  # fmt: skip
+    # The cosignature's answer: the checkpoint with the cosignatures now held, the caller's.
+    mine = cosign(
+        sites["s1"].identity,
+        witness="s1",
+        checkpoint=Checkpoint(federation.federation_id, size, root),
+    )
+    held = stub.CosignCheckpoint(wire.cosignature_to_proto(mine), timeout=10)
+    assert held.checkpoint == answer.checkpoint
+    assert [c.witness for c in held.cosignatures] == ["s1"]
     too_far = coordinator_pb2.CheckpointRequest(size=size, consistency_from=size + 1)
     with pytest.raises(grpc.RpcError) as info:
         stub.GetCheckpoint(too_far, timeout=10)

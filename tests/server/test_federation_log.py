@@ -183,7 +183,8 @@ def test_a_cosignature_is_kept_only_from_the_enrolled_key_on_a_signed_checkpoint
     forged = cosign(generate_identity_key(), witness="site-1", checkpoint=checkpoint)
     with pytest.raises(NotPermittedError):
         log.cosign("site-1", size=1, root=checkpoint.root, signature=forged.signature)
-    assert log.cosign("site-1", size=1, root=checkpoint.root, signature=good.signature) == 1
+    kept = log.cosign("site-1", size=1, root=checkpoint.root, signature=good.signature)
+    assert kept.signed.checkpoint == checkpoint and kept.cosignatures == (good,)
     assert [c.witness for c in log.cosigned(1).cosignatures] == ["site-1"]
 
 

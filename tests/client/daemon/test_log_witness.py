@@ -327,3 +327,28 @@ def test_a_wrong_or_missing_inclusion_proof_in_the_answer_is_refused(
     )  # fmt: skip
     assert found is None and refusal in why, why
     assert why.startswith("the plan is not in a federation-log checkpoint cosigned by a quorum")
+
+
+def test_the_cosignature_s_answer_shows_a_quorum_completed_meanwhile(tmp_path: Path) -> None:
+    """CosignCheckpoint answers the cosignatures the coordinator holds once it kept the caller's:
+    a quorum another site completed between this site's GetCheckpoint and its cosignature is
+    seen without another poll."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1, site2 = _witness(tmp_path / "s1"), _witness(tmp_path / "s2", "site-2")
+    seen: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        seen.append(what)
+        if what == "CosignCheckpoint" and request.witness == "site-1":
+            site2.witness(coordinator.call)  # site-2 cosigns the same checkpoint meanwhile
+        return coordinator.call(what, request)
+
+    why, found = site1.plan_problem(
+        call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=60.0, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    assert why == "" and found is not None
+    assert seen == ["GetCheckpoint", "CosignCheckpoint"]
+    assert {c.witness for c in found.cosignatures} == {"site-1", "site-2"}
+    assert found.HasField("inclusion")  # the answer keeps the proof the site verified

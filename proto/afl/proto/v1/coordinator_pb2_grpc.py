@@ -195,7 +195,7 @@ class CoordinatorStub:
         self.CosignCheckpoint = channel.unary_unary(
                 '/afl.proto.v1.Coordinator/CosignCheckpoint',
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
-                response_deserializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.FromString,
                 _registered_method=True)
         self.RecordDpRelease = channel.unary_unary(
                 '/afl.proto.v1.Coordinator/RecordDpRelease',
@@ -447,7 +447,9 @@ class CoordinatorServicer:
 
     def CosignCheckpoint(self, request, context):
         """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
-        from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+        from the last one it cosigned); the answer is that checkpoint with the cosignatures the
+        coordinator now holds on it, the caller's among them (the site that completes a quorum sees
+        it without another poll; no proofs). PERMISSION_DENIED unless it verifies under the site's
         enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -637,7 +639,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'CosignCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.CosignCheckpoint,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.FromString,
-                    response_serializer=afl_dot_proto_dot_v1_dot_common__pb2.Ack.SerializeToString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.SerializeToString,
             ),
             'RecordDpRelease': grpc.unary_unary_rpc_method_handler(
                     servicer.RecordDpRelease,
@@ -1515,7 +1517,7 @@ class Coordinator:
             target,
             '/afl.proto.v1.Coordinator/CosignCheckpoint',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.LogCosignature.SerializeToString,
-            afl_dot_proto_dot_v1_dot_common__pb2.Ack.FromString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.CosignedLogCheckpoint.FromString,
             options,
             channel_credentials,
             insecure,

@@ -145,9 +145,11 @@ class CoordinatorStub:
     """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size."""
     GetLogEntries: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LogEntriesRequest, _coordinator_pb2.LogEntries]
     """The statements of a range of indices (at most 1000 per answer)."""
-    CosignCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _common_pb2.Ack]
+    CosignCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _coordinator_pb2.CosignedLogCheckpoint]
     """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
-    from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+    from the last one it cosigned); the answer is that checkpoint with the cosignatures the
+    coordinator now holds on it, the caller's among them (the site that completes a quorum sees
+    it without another poll; no proofs). PERMISSION_DENIED unless it verifies under the site's
     enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
     """
     RecordDpRelease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.DpRelease, _coordinator_pb2.LogProof]
@@ -255,9 +257,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """RFC 9162 PATH of a statement (by leaf hash, or by index) in the tree of a given size."""
     GetLogEntries: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LogEntriesRequest, _coordinator_pb2.LogEntries]  # type: ignore[assignment]
     """The statements of a range of indices (at most 1000 per answer)."""
-    CosignCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _common_pb2.Ack]  # type: ignore[assignment]
+    CosignCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LogCosignature, _coordinator_pb2.CosignedLogCheckpoint]  # type: ignore[assignment]
     """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
-    from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+    from the last one it cosigned); the answer is that checkpoint with the cosignatures the
+    coordinator now holds on it, the caller's among them (the site that completes a quorum sees
+    it without another poll; no proofs). PERMISSION_DENIED unless it verifies under the site's
     enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
     """
     RecordDpRelease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.DpRelease, _coordinator_pb2.LogProof]  # type: ignore[assignment]
@@ -554,9 +558,11 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _coordinator_pb2.LogCosignature,
         context: _ServicerContext,
-    ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
+    ) -> _typing.Union[_coordinator_pb2.CosignedLogCheckpoint, _abc.Awaitable[_coordinator_pb2.CosignedLogCheckpoint]]:
         """The calling site's cosignature of a checkpoint it witnessed (it verified a consistency proof
-        from the last one it cosigned). PERMISSION_DENIED unless it verifies under the site's
+        from the last one it cosigned); the answer is that checkpoint with the cosignatures the
+        coordinator now holds on it, the caller's among them (the site that completes a quorum sees
+        it without another poll; no proofs). PERMISSION_DENIED unless it verifies under the site's
         enrolled identity key; FAILED_PRECONDITION for a checkpoint this coordinator never signed.
         """
 
