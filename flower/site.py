@@ -540,6 +540,7 @@ class FlowerDecryptor(DecryptorDaemon, FlowerSteps):
     """
 
     STOPS = (*FlowerSteps.STOPS, CryptoError)
+    logs_decryption = False  # the relay carries no federation log (docs/protocol.md §11a)
 
     @property
     def site_id(self) -> str:

@@ -668,6 +668,16 @@ class Coordinator:
             )
         return pb.LogProof(index=index)
 
+    def log_decrypting(
+        self, site_id: str, request: pb.Decrypting, *, solving: Callable[[str], bytes]
+    ) -> pb.LogProof:
+        """Append the decryptor's signed `decrypting` statement of a CKKS round (docs/protocol.md
+        M-235); ``solving``: the digest of the round's plan while its decryptor may decrypt."""
+        self.require_enrolled(site_id)
+        with self.lock:
+            index = self.log.record_decrypting(site_id, bytes(request.statement), solving=solving)
+        return pb.LogProof(index=index)
+
     def log_cosign(self, site_id: str, request: pb.LogCosignature) -> pb.CosignedLogCheckpoint:
         """Keep the caller's cosignature (its certificate names the witness); the checkpoint
         with the cosignatures it now has."""

@@ -346,6 +346,15 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
             ),
         )
 
+    def RecordDecrypting(self, request: pb.Decrypting, context: grpc.ServicerContext) -> Any:
+        return self._call(
+            "RecordDecrypting",
+            context,
+            lambda s: self.coordinator.log_decrypting(
+                s, request, solving=lambda r: self._ckks.decrypting_plan(s, r)
+            ),
+        )
+
     def _opening_survivors(self, site: str, round_id: str) -> Sequence[str]:
         """The survivors an opening of ``round_id`` must state: the CKKS round's participants,
         else the masked round's survivor list (each raises outside the stages that take one)."""

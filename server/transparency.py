@@ -32,10 +32,12 @@ from afl.crypto.transparency.checkpoint import (
 )
 from afl.crypto.transparency.merkle import MerkleProofError, leaf_hash
 from afl.crypto.transparency.statements import (
+    DECRYPTING_CONTEXT,
     DP_RELEASE_CONTEXT,
     OPENING_CONTEXT,
     StatementError,
     decode_statement,
+    decrypting_signed_fields,
     dp_release_signed_fields,
     opening_signed_fields,
     plan_statement,
@@ -282,6 +284,53 @@ class FederationLog:
         if found is not None:
             return found
         return self.store.append_log("opening", fields)
+
+    def record_decrypting(
+        self, site_id: str, statement: bytes, *, solving: Callable[[str], bytes]
+    ) -> int:
+        """Append the decryptor's `decrypting` statement once; its index (docs/protocol.md
+        M-235). It must name the caller and verify under the caller's enrolled identity key,
+        and name the plan ``solving(round id)`` answers: the SHA-256 of the current plan of a
+        CKKS round in its solving stage whose caller is the federation's decryptor (it raises
+        otherwise). The plan must be in the log."""
+        fields = self._site_statement(
+            site_id,
+            statement,
+            kind="decrypting",
+            fields=frozenset({"site", "round_id", "plan_sha256", "signature"}),
+        )
+        round_id, digest = fields["round_id"], fields["plan_sha256"]
+        if not isinstance(round_id, str) or not isinstance(digest, str):
+            raise InvalidRequestError("a decrypting statement carries no round or plan digest")
+        try:
+            plan_sha256 = bytes.fromhex(digest)
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"a decrypting statement's plan digest is not hex: {exc}"
+            ) from exc
+        self._verify_site(
+            site_id,
+            fields["signature"],
+            context=DECRYPTING_CONTEXT,
+            fields=decrypting_signed_fields(
+                federation=self.federation_id,
+                decryptor=site_id,
+                round_id=round_id,
+                plan_sha256=plan_sha256,
+            ),
+        )
+        planned = plan_statement(
+            federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
+        )
+        if solving(round_id) != plan_sha256 or self.store.log_index(leaf_hash(planned)) is None:
+            raise WrongStageError(
+                f"round {round_id!r}'s current plan in the log is not the one the decrypting "
+                "statement names"
+            )
+        found = self.store.log_index(leaf_hash(statement))
+        if found is not None:
+            return found
+        return self.store.append_log("decrypting", fields)
 
     def _check_release_bound(self, site_id: str, entry: dict[str, object]) -> None:
         """A site's ledger holds one entry per round, numbered 1, 2, ...

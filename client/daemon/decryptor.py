@@ -57,7 +57,12 @@ from numpy.typing import NDArray
 from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
-from afl.client.daemon.transparency import IDLE_WITNESS_S, LogWitness, SplitViewDetected
+from afl.client.daemon.transparency import (
+    IDLE_WITNESS_S,
+    QUORUM_POLL_S,
+    LogWitness,
+    SplitViewDetected,
+)
 from afl.client.daemon.transport import (
     INSECURE_SITE_HEADER,
     CoordinatorRefused,
@@ -94,6 +99,12 @@ from afl.crypto.errors import (
 from afl.crypto.identity import pki, signatures
 from afl.crypto.identity.revocation import PeerRevocations
 from afl.crypto.identity.signed_blobs import blob_sha256
+from afl.crypto.transparency.statements import (
+    DECRYPTING_CONTEXT,
+    decode_statement,
+    decrypting_signed_fields,
+    decrypting_statement,
+)
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -364,6 +375,10 @@ def _site_bound(config: ClientConfig) -> InfluenceBound | None:
 class DecryptorDaemon:
     """The decryptor's process: publish the public context, then serve decryption jobs."""
 
+    #: Whether a round's `decrypting` statement is logged, under a quorum, before its first
+    #: decryption (M-235); a relay that carries no federation log (the Flower app) sets False.
+    logs_decryption = True
+
     def __init__(
         self, config: ClientConfig, *, insecure: bool = False, max_idle_s: float | None = None
     ) -> None:
@@ -383,6 +398,8 @@ class DecryptorDaemon:
         self.revocations = kit_revocations(config)
         self.rounds: dict[str, RoundDecryptor] = {}
         self.refused: set[tuple[str, bytes]] = set()  # (round, plan digest) reported refused
+        #: (round, plan digest) whose `decrypting` statement a quorum checkpoint holds (M-235)
+        self.decrypting: set[tuple[str, bytes]] = set()
         self._recording = threading.Lock()  # job timings appended by concurrent jobs
         self.rpc: CoordinatorClient | None = None
         # The decryptor witnesses the federation log too (docs/protocol.md §11a, M-192).
@@ -476,6 +493,11 @@ class DecryptorDaemon:
             self._refuse(jobs, refusal[1], str(exc))
             self.refused.add(refusal)
             return len(jobs.jobs)
+        problem = self._decrypting(work)  # in the log first (M-235)
+        if problem:
+            self._refuse(jobs, refusal[1], problem)
+            self.refused.add(refusal)
+            return len(jobs.jobs)
         tags: pb.SealedMessages = rpc.call("GetAggregateTags", cpb.RoundRef(round_id=jobs.round_id))
         for sealed in tags.messages:
             try:
@@ -491,6 +513,64 @@ class DecryptorDaemon:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         return len(jobs.jobs)
+
+    def _decrypting(self, work: RoundDecryptor) -> str:
+        """Log this decryptor's signed `decrypting` statement of the round (docs/protocol.md
+        M-235) and wait until a checkpoint cosigned by a quorum of the roster holds it, before
+        the secret key touches any of the round's sums; why it must not decrypt ("" when it
+        may): the log records the round as aborted before the statement (a coordinator that
+        aborted a round, so that every site's audit counts it as never released, does not get
+        it decrypted afterwards). :class:`DaemonError` when the statement is not logged under
+        a quorum (the next poll tries again; nothing is decrypted meanwhile)."""
+        round_id, plan_sha256 = work.plan.round_id, work.plan_sha256
+        if not self.logs_decryption or (round_id, plan_sha256) in self.decrypting:
+            return ""
+        call, federation, me = self._rpc().call, self.config.federation_id, self.config.site_id
+        signature = signatures.sign_fields(
+            self.identity,
+            context=DECRYPTING_CONTEXT,
+            fields=decrypting_signed_fields(
+                federation=federation, decryptor=me, round_id=round_id, plan_sha256=plan_sha256
+            ),
+        )
+        statement = decrypting_statement(
+            federation=federation,
+            decryptor=me,
+            round_id=round_id,
+            plan_sha256=plan_sha256,
+            signature=signature,
+        )
+        what = f"this decryptor's decrypting statement of round {round_id}"
+        try:
+            call("RecordDecrypting", pb.Decrypting(statement=statement))
+        except CoordinatorRefused:
+            raise
+        except DaemonError as exc:
+            raise DaemonError(
+                f"the coordinator did not log {what} ({exc}): nothing decrypted"
+            ) from exc
+        t = self.config.timing
+        problem, checkpoint = self.log_witness.quorum_problem(
+            call,
+            statement=statement,
+            what=what,
+            wait_s=t.upload_timeout_s,
+            poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
+            max_poll_s=t.max_poll_interval_s,
+        )
+        if problem or checkpoint is None:
+            raise DaemonError(f"{problem}: nothing decrypted")
+        mine = decode_statement(statement, federation=federation)[1]
+        for kind, fields in self.log_witness.statements(call, checkpoint):
+            if kind == "decrypting" and dict(fields) == mine:
+                break
+            if kind == "round-aborted" and fields.get("round_id") == round_id:
+                return (
+                    f"the federation log records round {round_id} as aborted before this "
+                    "decryptor's decrypting statement: it decrypts no sum of an aborted round"
+                )
+        self.decrypting.add((round_id, plan_sha256))
+        return ""
 
     def _serve_job(self, work: RoundDecryptor, round_id: str, job: pb.DecryptionJob) -> None:
         """One job: download the aggregate, decrypt it (or refuse), upload the result, report

@@ -41,6 +41,7 @@ from afl.client.daemon.evaluation import (
 from afl.client.daemon.opening import (
     OpeningPublication,
     counted_releases,
+    never_decrypted,
     opened_releases,
     witnessed_releases,
 )
@@ -126,6 +127,9 @@ _OUTCOME_EXIT: dict[int, int] = {
     pb.CLIENT_OUTCOME_FAILED: EXIT_FAILED,
 }
 log = logging.getLogger("afl.client")
+#: The longest pause (seconds) between a CKKS participant's witnessing steps while its round is
+#: decrypted (:meth:`ClientDaemon._witness_while_decrypted`): the decryptor's quorum waits on them.
+DECRYPTION_WITNESS_MAX_S = 0.25
 _PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
@@ -477,6 +481,13 @@ class ClientDaemon:
                 keys=self.log_witness.roster,
                 verified=self._openings_verified,
             )
+            dead = never_decrypted(  # CKKS rounds aborted and never decrypted (M-235)
+                logged,
+                federation=self.config.federation_id,
+                decryptor=policy.ckks_decryptor,
+                keys=self.log_witness.roster,
+            )
+            opened = [o for o in opened if o.mode != "ckks" or o.release["round_id"] not in dead]
             in_log = {f.get("round_id") for kind, f in logged if kind == "release"}
             unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
             # Every release counts; only those no single party's word makes are known before
@@ -915,7 +926,18 @@ class ClientDaemon:
         timings.update(session.timings)
         report.sent(records)
         t0 = time.perf_counter()
-        status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        decrypting = (
+            self._witness_while_decrypted(round_id)
+            if plan.aggregation == cpb.AGGREGATION_MODE_CKKS
+            else None
+        )
+        try:
+            status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+        finally:
+            if decrypting is not None:
+                stop, witnessing = decrypting
+                stop.set()
+                witnessing.join(raising=LogEvidence)  # a split view stops the site
         timings["wait_model"] = time.perf_counter() - t0
         if is_evaluation_plan(plan):  # the run's evaluation round: its signed result
             assert report.evaluation is not None  # what it scored (self.payloads)
@@ -981,6 +1003,26 @@ class ClientDaemon:
         if self._context is not None:
             self._context.end()
             self._context = None
+
+    def _witness_while_decrypted(self, round_id: str) -> tuple[threading.Event, Background[None]]:
+        """While this site waits for its CKKS round's model: witness the log's newest checkpoint
+        in a thread, polling from :data:`QUORUM_POLL_S` and backing off to
+        :data:`DECRYPTION_WITNESS_MAX_S`, until the returned event is set. The decryptor
+        decrypts only once its `decrypting` statement is in a checkpoint cosigned by a quorum
+        of the roster (M-235), and the round's participants witness nothing else meanwhile
+        (:meth:`_observe`): without this, the quorum would wait for the model that waits for it.
+        A failed step is logged and retried; a split view stops the site."""
+        stop = threading.Event()
+        t = self.config.timing
+        ceiling = min(t.max_poll_interval_s, DECRYPTION_WITNESS_MAX_S)
+
+        def witness() -> None:
+            delay = min(t.poll_interval_s, QUORUM_POLL_S)
+            while not stop.wait(delay):
+                self._witness_log()
+                delay = min(delay * 1.5, ceiling)
+
+        return stop, Background(witness, name=f"decrypting-{round_id}")
 
     def _quorum_polling(self, stage_timeout_s: float) -> tuple[float, float, float]:
         """(wait_s, poll_s, max_poll_s) of a wait for the roster's quorum on the log: as long

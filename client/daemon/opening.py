@@ -43,8 +43,10 @@ from afl.client.policy.loghistory import LogHistoryError, logged_rounds, release
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import sign_fields, verify_fields
 from afl.crypto.transparency.statements import (
+    DECRYPTING_CONTEXT,
     OPENING_CONTEXT,
     OPENING_MODES,
+    decrypting_signed_fields,
     opening_signed_fields,
     opening_statement,
 )
@@ -56,6 +58,7 @@ __all__ = [
     "Opened",
     "OpeningPublication",
     "counted_releases",
+    "never_decrypted",
     "opened_releases",
     "opening_of",
     "witnessed_releases",
@@ -192,6 +195,52 @@ def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
         for first, signers in _by_release(opened)
         if set(first.release["survivors"]) <= signers
     ]
+
+
+def never_decrypted(
+    statements: Sequence[tuple[str, Mapping[str, Any]]],
+    *,
+    federation: str,
+    decryptor: str | None,
+    keys: Mapping[str, Ed25519PublicKey],
+) -> set[str]:
+    """The CKKS rounds the log shows were never decrypted and never will be (docs/protocol.md
+    M-235): a `round-aborted` statement of the round and no `decrypting` statement of it that
+    verifies under the key of ``decryptor`` (the federation's decryptor, pinned in the site's
+    policy) in ``keys`` (the roster). The decryptor logs that statement in a quorum-cosigned
+    checkpoint before it decrypts any of a round's sums, and refuses a round the log records
+    as aborted before it, so such a round's openings release nothing: a site lost during the
+    uploads does not make the re-plan without it look like a difference of two releases.
+    Without a pinned decryptor (or its key) no round qualifies: every opening counts."""
+    key = keys.get(decryptor) if decryptor else None
+    if key is None or decryptor is None:
+        return set()
+    aborted: set[str] = set()
+    decrypted: set[str] = set()
+    for kind, fields in statements:
+        round_id = fields.get("round_id")
+        if not isinstance(round_id, str):
+            continue
+        if kind == "round-aborted":
+            aborted.add(round_id)
+        elif kind == "decrypting" and fields.get("site") == decryptor:
+            signature, digest = fields.get("signature"), fields.get("plan_sha256")
+            try:
+                verify_fields(
+                    key,
+                    bytes.fromhex(str(signature)),
+                    context=DECRYPTING_CONTEXT,
+                    fields=decrypting_signed_fields(
+                        federation=federation,
+                        decryptor=decryptor,
+                        round_id=round_id,
+                        plan_sha256=bytes.fromhex(str(digest)),
+                    ),
+                )
+            except (CryptoError, ValueError):
+                continue
+            decrypted.add(round_id)
+    return aborted - decrypted
 
 
 def _well_formed(release: Mapping[str, Any]) -> bool:

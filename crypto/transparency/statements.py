@@ -20,6 +20,7 @@ from afl.crypto.canonical import canonical_encode
 from afl.crypto.errors import CryptoError
 
 __all__ = [
+    "DECRYPTING_CONTEXT",
     "DP_RELEASE_CONTEXT",
     "KINDS",
     "OPENING_CONTEXT",
@@ -27,6 +28,8 @@ __all__ = [
     "STATEMENT_TAG",
     "StatementError",
     "decode_statement",
+    "decrypting_signed_fields",
+    "decrypting_statement",
     "dp_release_signed_fields",
     "dp_release_statement",
     "opening_signed_fields",
@@ -52,6 +55,7 @@ KINDS = (
     "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
     "dp-release",  # a site's ledger entry for a plan it uploads under, signed by the site
     "opening",  # a site helps unmask a round's sums over these survivors, signed by the site
+    "decrypting",  # the CKKS decryptor decrypts a round's sums, signed before it does (M-235)
 )
 
 
@@ -144,6 +148,39 @@ def opening_statement(
             "plan_sha256": plan_sha256.hex(),
             "mode": mode,
             "release": dict(release),
+            "signature": signature.hex(),
+        },
+    )
+
+
+#: The signature context of the CKKS decryptor's `decrypting` statement (docs/protocol.md §11a,
+#: M-235); distinct from the context of its per-release decryption outcomes.
+DECRYPTING_CONTEXT = "decrypting"
+
+
+def decrypting_signed_fields(
+    *, federation: str, decryptor: str, round_id: str, plan_sha256: bytes
+) -> tuple[str, str, str, str]:
+    """What the decryptor signs (context :data:`DECRYPTING_CONTEXT`) before it decrypts any
+    sum of a CKKS round: (federation, decryptor, round id, SHA-256 of the signed plan in hex).
+    Logged, in a quorum-cosigned checkpoint, before the first decryption: a round without one
+    was never decrypted, and once the log records the round as aborted before the statement,
+    an honest decryptor never decrypts it."""
+    return (federation, decryptor, round_id, plan_sha256.hex())
+
+
+def decrypting_statement(
+    *, federation: str, decryptor: str, round_id: str, plan_sha256: bytes, signature: bytes
+) -> bytes:
+    """The `decrypting` entry: fields {site (the decryptor), round_id, plan_sha256 (hex),
+    signature (hex)}."""
+    return statement_bytes(
+        federation=federation,
+        kind="decrypting",
+        fields={
+            "site": decryptor,
+            "round_id": round_id,
+            "plan_sha256": plan_sha256.hex(),
             "signature": signature.hex(),
         },
     )

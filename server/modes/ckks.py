@@ -532,6 +532,21 @@ class CkksRequests:
                 )
             return list(mode.contributors(view))
 
+    def decrypting_plan(self, site_id: str, round_id: str) -> bytes:
+        """The SHA-256 of the plan the decryptor's `decrypting` statement of ``round_id`` must
+        name (M-235): taken only from the federation's decryptor, for a CKKS round in its
+        solving stage (:class:`WrongStageError` otherwise)."""
+        self._require_decryptor(site_id)
+        with self.access.lock:
+            view = self.access.find(round_id or "-")
+            self._mode(view)
+            if view.stage != pb.ROUND_STAGE_SOLVING or view.row.plan is None:
+                raise WrongStageError(
+                    f"round {view.round_id!r} is {wire.stage_name(view.stage)}: its decryptor "
+                    "states its decryption in the solving stage"
+                )
+            return blob_sha256(view.row.plan)
+
     # --- tags ----------------------------------------------------------------------------------
 
     def send_tags(self, site_id: str, request: pb.SendAggregateTagsRequest) -> None:

@@ -76,6 +76,10 @@ members of the targeted release):
   decisions it makes up for them), so its round opens its upload stage at once: a site that
   believes it (a site restarted after it accepted) skips the plan's log check and its
   whole-history audit (docs/protocol.md M-193, M-206).
+* ``abort-then-decrypt`` (ckks): once run-1's round has every upload, the coordinator logs the
+  round's `round-aborted` statement (every site's audit would then count its sums as never
+  released, M-235) and still hands its sums to the decryptor; what comes back decrypted goes
+  to LOOT.
 * ``weaken-graph`` (mask, sparse graph): the signed plan's masking graph has degree k = 2 and
   neighbourhood threshold t_N = 2 (two colluding neighbours would unmask a site), with the
   failure probability those numbers give stated truthfully.
@@ -139,6 +143,7 @@ ATTACKS = (
     "unwitness-fake-release",
     "drop-at-upload",
     "skip-review-ckks",
+    "abort-then-decrypt",
 )
 #: The raw features the crafted DP model's columns read (w_c = e_j).
 CRAFTED_FEATURES = (0, 3)
@@ -557,6 +562,30 @@ def _hide_release_ckks(loot: Path) -> None:
     CkksMode.sums = hiding  # type: ignore[method-assign]
 
 
+def _abort_then_decrypt() -> None:
+    """Run-1's CKKS round is logged as aborted as it reaches SOLVING, and decrypted all the same."""
+    from afl.server.modes.ckks import CkksRequests
+
+    jobs = CkksRequests.jobs
+    logged: set[str] = set()
+
+    def aborted_first(self: CkksRequests, site_id: str, request: Any) -> Any:
+        with self.access.lock:
+            view = self.access.find(request.round_id)
+            if (
+                view.row.run_id == "run-1"
+                and view.stage == pb.ROUND_STAGE_SOLVING
+                and view.round_id not in logged
+            ):
+                self.access.store.append_log(
+                    "round-aborted", {"round_id": view.round_id, "reason": "a site was lost"}
+                )
+                logged.add(view.round_id)
+        return jobs(self, site_id, request)
+
+    CkksRequests.jobs = aborted_first  # type: ignore[method-assign]
+
+
 def _accepted_for_them(run_id: str) -> None:
     """Every participant of ``run_id``'s rounds has accepted their plan, says the coordinator."""
     from afl.server.store import Store
@@ -757,6 +786,9 @@ def main() -> int:
         _drop_at_upload(loot)
     if attack == "unwitness-fake-release":
         _refuse_last_opening()
+    if attack == "abort-then-decrypt":
+        _record_decryptions(loot)
+        _abort_then_decrypt()
     return daemon.main(args)
 
 

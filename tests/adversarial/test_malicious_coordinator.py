@@ -149,6 +149,32 @@ def test_a_ckks_round_whose_openings_are_not_logged_sends_no_statistic(tmp_path:
     _no_model_and_no_uploads_kept(loop, uploads=False)
 
 
+def test_a_ckks_round_the_log_records_as_aborted_is_not_decrypted_afterwards(
+    tmp_path: Path,
+) -> None:
+    """M-235: the coordinator logs the round's abort (every site's audit would count its sums
+    as never released, so a re-plan without one of its sites would pass) and hands the sums to
+    the decryptor all the same. The decryptor logs its `decrypting` statement, finds the abort
+    before it in the log and refuses: nothing is decrypted, the round ends without a model."""
+    loop, run, loot = _ckks_attack(tmp_path, "abort-then-decrypt")
+    assert _loot(loot) == {}, sorted(_loot(loot))  # nothing was decrypted
+    assert _decryptor_outcomes(loop) == {}  # no job reached the key (a refusal, reported)
+    assert loop.decryptor_config is not None
+    state = loop.decryptor_config.parent / "state" / "ckks"
+    assert not (state / "decrypted.json").exists()  # the secret key touched nothing
+    for site in loop.site_ids:
+        report = run.final_report(site)
+        assert report["outcome"] == "ABORTED" and "model" not in report, report
+        assert "aborted before this decryptor's decrypting statement" in report["reason"], report
+    store = _store(loop)
+    try:
+        assert store.model() is None
+        kinds = [kind for _, kind, _, _ in store.log_entries(0, store.log_size())]
+        assert kinds.index("round-aborted") < kinds.index("decrypting"), kinds
+    finally:
+        store.close()
+
+
 def _shorten_wait(loop: LoopbackFederation, seconds: float) -> None:
     """Sites that never see a round (it was refused and aborted before their next poll, and no
     replacement comes) give up after ``seconds`` instead of waiting for another round."""

@@ -115,3 +115,74 @@ def test_ckks_federation_matches_plaintext_within_derived_bound(tmp_path: Path) 
         assert outcome.result_sha256.hex() == next(
             d["result_sha256"] for d in records if d["release"] == outcome.release_name
         )
+
+
+def test_a_ckks_run_that_lost_a_site_during_its_uploads_publishes_over_the_others(
+    tmp_path: Path,
+) -> None:
+    """M-235 through the daemons: site-4 logs its opening of the round and is lost before its
+    ciphertexts (tests/e2e/vanishing_client.py). The upload stage times out, the round aborts
+    (never decrypted: no `decrypting` statement of it is in the log) and the coordinator
+    re-plans over the three sites that uploaded. Every opening of the aborted round counted it
+    as released over all four until the decryptor's statement existed, so the re-plan differed
+    from it by site-4 alone and every site refused it; now the run publishes the three sites'
+    model (the oracle: a plaintext solve of their statistics)."""
+    from afl.crypto.transparency.statements import decode_statement
+    from tests.e2e import vanishing_client
+    from tests.e2e.faults.harness import federation
+    from tests.e2e.processes import Daemons
+    from tests.helpers.numeric import relative_error
+
+    loop = federation(
+        tmp_path,
+        "ckks",
+        sites=4,
+        serve=True,
+        round_settings={"min_participants": 3, "upload_timeout_s": 45.0},
+    )
+    daemons = Daemons(loop)
+    try:
+        daemons.start_server()
+        daemons.start_clients(commands={"site-4": vanishing_client.command("opening")})
+        run = daemons.wait_run("run-1")
+        assert run.state == "published", (run, daemons.log_tail())
+        assert daemons.clients["site-4"].wait(timeout=120) == vanishing_client.EXIT_CODE
+    finally:
+        daemons.stop()
+
+    store = Store(loop.server_config.parent / "state", federation_id=loop.provisioned.federation_id)
+    try:
+        lost, replanned = store.rounds("run-1")
+        fed = loop.provisioned.federation_id
+        statements = [
+            decode_statement(entry, federation=fed)
+            for _, _, entry, _ in store.log_entries(0, store.log_size())
+        ]
+        aborted = {f["round_id"] for kind, f in statements if kind == "round-aborted"}
+        decrypting = {f["round_id"] for kind, f in statements if kind == "decrypting"}
+        opened = set()
+        for kind, f in statements:
+            release = f.get("release")
+            if (
+                kind == "opening"
+                and isinstance(release, dict)
+                and release["round_id"] == lost.round_id
+            ):
+                opened.add(f["site"])
+        assert lost.round_id in aborted and lost.round_id not in decrypting, statements
+        assert opened == {"site-1", "site-2", "site-3", "site-4"}, opened
+        assert replanned.round_id in decrypting
+        model = store.model(replanned.round_id)
+        assert model is not None
+        published = pb.Model.FromString(model[1])
+    finally:
+        store.close()
+    three = ["site-1", "site-2", "site-3"]
+    assert sorted(published.contributors) == three
+    stats, _ = cached_statistics(loop, three)
+    w_ref, _ = federated_solve(stats, gamma=1.0, gram_scope="global")
+    w = np.frombuffer(published.weights.data, dtype="<f8").reshape(w_ref.shape)
+    assert relative_error(w, w_ref) <= 1e-4
+    everyone, _ = cached_statistics(loop, [*three, "site-4"])
+    w_four, _ = federated_solve(everyone, gamma=1.0, gram_scope="global")
+    assert relative_error(w_four, w_ref) > 1e-3  # the oracle tells the two models apart

@@ -2,7 +2,8 @@
 
 Usage: ``python vanishing_client.py STAGE <afl-client arguments>``. The process exits abruptly
 (``os._exit(70)``: no report, no goodbye) right after sending the MASK message of ``STAGE``
-(``advertise``, ``share-keys``, ``consistency``) or, for ``masked-input``, after its masked
+(``advertise``, ``share-keys``, ``consistency``), or its `opening` statement (``opening``: a CKKS
+site lost during its uploads, once its opening is logged), or, for ``masked-input``, after its masked
 uploads, before it asks for the survivor list, or, for ``plan-review``, before it answers the
 release plan. The fault is injected here, around the real
 daemon's RPC client, so no product code path knows about it.
@@ -18,7 +19,12 @@ from afl.client import cli
 from afl.client.daemon.rpc import CoordinatorClient
 
 EXIT_CODE = 70
-AFTER = {"advertise": "AdvertiseKeys", "share-keys": "ShareKeys", "consistency": "ConsistencyCheck"}
+AFTER = {
+    "advertise": "AdvertiseKeys",
+    "share-keys": "ShareKeys",
+    "consistency": "ConsistencyCheck",
+    "opening": "RecordOpening",
+}
 BEFORE = {"masked-input": "GetSurvivors", "plan-review": "RespondToPlan"}
 
 

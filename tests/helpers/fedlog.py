@@ -33,6 +33,7 @@ LOG_RPCS = frozenset(
         "GetLogEntries",
         "RecordDpRelease",
         "RecordOpening",
+        "RecordDecrypting",
     }
 )
 
@@ -63,6 +64,10 @@ def _no_masked_round(round_id: str) -> Sequence[str]:
     raise WrongStageError(f"round {round_id!r} is not in a masked exchange")
 
 
+def _not_solving(round_id: str) -> bytes:
+    raise WrongStageError(f"round {round_id!r} is not a CKKS round being decrypted")
+
+
 class LogService:
     """The log RPCs (no transport); ``offer`` replaces the checkpoint answer to a request (a
     lying coordinator), ``on_cosign`` sees each cosignature before it is kept."""
@@ -77,11 +82,13 @@ class LogService:
         self.caller = "site-1"
         #: A masked round's survivors (RecordOpening checks an opening states them).
         self.survivors_of: Callable[[str], Sequence[str]] = _no_masked_round
+        #: The plan digest of a CKKS round its decryptor may decrypt (RecordDecrypting checks it).
+        self.solving: Callable[[str], bytes] = _not_solving
         #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
         self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
-    def enrol(self, site_id: str, identity_public_key: bytes) -> None:
-        row = EnrolmentRow(site_id, identity_public_key, "participant", ("a",), "bb", 4)
+    def enrol(self, site_id: str, identity_public_key: bytes, *, role: str = "participant") -> None:
+        row = EnrolmentRow(site_id, identity_public_key, role, ("a",), "bb", 4)
         self.store.put_enrolment(row, software_version="test")
 
     def publish_plan(self, round_id: str, plan: bytes) -> bytes:
@@ -140,5 +147,8 @@ class LogService:
             index = self.log.record_opening(
                 self.caller, request.statement, survivors_of=self.survivors_of
             )
+            return pb.LogProof(index=index)
+        if what == "RecordDecrypting":
+            index = self.log.record_decrypting(self.caller, request.statement, solving=self.solving)
             return pb.LogProof(index=index)
         raise AssertionError(f"not a log RPC: {what}")

@@ -5,6 +5,7 @@ restart never shrinks it below a signed checkpoint; the proofs it serves verify 
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import sqlite3
 from pathlib import Path
@@ -13,14 +14,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from afl.crypto.identity.signatures import generate_identity_key
+from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw, sign_fields
 from afl.crypto.transparency.checkpoint import verify_checkpoint
 from afl.crypto.transparency.merkle import leaf_hash, verify_consistency, verify_inclusion
-from afl.crypto.transparency.statements import decode_statement, plan_statement
+from afl.crypto.transparency.statements import (
+    DECRYPTING_CONTEXT,
+    decode_statement,
+    decrypting_signed_fields,
+    decrypting_statement,
+    plan_statement,
+)
 from afl.proto import wire
 from afl.proto.v1 import coordinator_pb2 as pb
-from afl.server.errors import InvalidRequestError, StateError
-from afl.server.store import DB_NAME, Store
+from afl.server.errors import InvalidRequestError, NotPermittedError, StateError, WrongStageError
+from afl.server.store import DB_NAME, EnrolmentRow, Store
 from afl.server.transparency import FederationLog
 
 FED = "fed-log-test"
@@ -230,3 +237,59 @@ def test_a_checkpoint_answer_carries_the_proofs_the_witnessing_site_asks_for(
     # site keeps it as evidence of a log that shrank.
     rolled_back = log.answer(pb.CheckpointRequest(consistency_from=9))
     assert rolled_back.checkpoint.size == 7 and list(rolled_back.consistency) == []
+
+
+def test_the_coordinator_appends_only_the_decrypting_statement_its_decryptor_signed(
+    tmp_path: Path,
+) -> None:
+    """M-235: a `decrypting` statement is appended once, when it names the caller, verifies
+    under the caller's enrolled key and names the plan of the round being decrypted, which the
+    log holds; anything else is refused and appends nothing."""
+    store = _store(tmp_path)
+    log = FederationLog(store, key=KEY, federation_id=FED)
+    decryptor = generate_identity_key()
+    store.put_enrolment(
+        EnrolmentRow("dec", public_key_to_raw(decryptor), "decryptor", (), "bb", 0),
+        software_version="test",
+    )
+    plan = b"the signed plan of r1-c"
+    digest = hashlib.sha256(plan).digest()
+    store.create_round(
+        round_id="r1-c", run_id="run-1", number=1, parent_round_id="", stage=1,
+        participants=[], deadline_ms=0,
+    )  # fmt: skip
+    store.update_round("r1-c", stage=2, deadline_ms=0, plan=plan, plan_signature=b"s")
+    assert store.log_index(
+        leaf_hash(plan_statement(federation=FED, round_id="r1-c", plan_sha256=digest))
+    )
+
+    def statement(key: object = decryptor, *, site: str = "dec", round_id: str = "r1-c") -> bytes:
+        signature = sign_fields(
+            key,  # type: ignore[arg-type]
+            context=DECRYPTING_CONTEXT,
+            fields=decrypting_signed_fields(
+                federation=FED, decryptor=site, round_id=round_id, plan_sha256=digest
+            ),
+        )
+        return decrypting_statement(
+            federation=FED, decryptor=site, round_id=round_id, plan_sha256=digest,
+            signature=signature,
+        )  # fmt: skip
+
+    def solving(round_id: str) -> bytes:
+        return digest if round_id == "r1-c" else b""
+
+    size = store.log_size()
+    with pytest.raises(NotPermittedError, match="names site 'site-1', the caller is 'dec'"):
+        log.record_decrypting("dec", statement(site="site-1"), solving=solving)
+    with pytest.raises(NotPermittedError, match="decrypting signature does not verify"):
+        log.record_decrypting("dec", statement(generate_identity_key()), solving=solving)
+    with pytest.raises(WrongStageError, match="not the one the decrypting statement names"):
+        log.record_decrypting("dec", statement(round_id="r2-other"), solving=solving)
+    with pytest.raises(WrongStageError, match="not the one the decrypting statement names"):
+        log.record_decrypting("dec", statement(), solving=lambda round_id: b"\x01" * 32)
+    assert store.log_size() == size  # nothing appended
+    index = log.record_decrypting("dec", statement(), solving=solving)
+    assert index == size and log.record_decrypting("dec", statement(), solving=solving) == index
+    kind, fields = decode_statement(store.log_entries(index, index + 1)[0][2], federation=FED)
+    assert kind == "decrypting" and fields["site"] == "dec" and fields["round_id"] == "r1-c"

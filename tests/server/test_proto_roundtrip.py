@@ -293,6 +293,7 @@ def test_service_declares_the_rpcs_with_their_streaming_kinds() -> None:
         "CosignCheckpoint",
         "RecordDpRelease",
         "RecordOpening",
+        "RecordDecrypting",
     }
     assert set(methods) == expected
     streaming = {name: (m.client_streaming, m.server_streaming) for name, m in methods.items()}

@@ -41,11 +41,12 @@ from afl.crypto.ckks.wire import (
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity import pki, signatures
 from afl.crypto.identity.revocation import PeerRevocations, issue_crl
-from afl.crypto.transparency.statements import roster_digest
+from afl.crypto.transparency.statements import decode_statement, roster_digest
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.server.modes.ckks import CkksMode
 from afl.server.plan.release import build_plan, round1_releases, sign_plan
+from tests.helpers.fedlog import LOG_RPCS, LogService, site_witness
 
 SITES = ("site-1", "site-2", "site-3")
 D = 6
@@ -368,14 +369,32 @@ def test_keys_are_created_once_and_kept_private(tmp_path: Any) -> None:
 class _Coordinator:
     """What a DecryptorDaemon's RPC client returns: the current ``jobs`` (any round id the
     coordinator likes, with the signed plan), the sealed tags when ``tags`` is set, ``data`` as
-    the aggregate of every job; outcomes and results are recorded."""
+    the aggregate of every job; outcomes and results are recorded. The federation log is a real
+    one (:class:`tests.helpers.fedlog.LogService`) holding the plan, in which the three sites
+    witness each checkpoint that holds the decryptor's `decrypting` statement."""
 
-    def __init__(self, fed: Federation) -> None:
+    def __init__(self, fed: Federation, tmp_path: Any) -> None:
         self.fed = fed
         self.jobs = pb.DecryptionJobs()
         self.tags = False
         self.data = b""
         self.outcomes: list[tuple[pb.DecryptionOutcome, bytes]] = []
+        self.log = LogService(tmp_path / "coordinator", key=fed.server_key, federation_id="fed")
+        self.log.caller = "decryptor"
+        self.log.enrol("decryptor", ROSTER["decryptor"], role="decryptor")
+        keys = {**IDENTITIES, "decryptor": DECRYPTOR}
+        self.witnesses = []
+        for site in SITES:
+            self.log.enrol(site, PEERS[site])
+            folder = tmp_path / "witnesses" / site
+            folder.mkdir(parents=True)
+            self.witnesses.append(
+                site_witness(
+                    folder, federation="fed", site=site, keys=keys, coordinator=fed.server_key
+                )
+            )
+        digest = self.log.publish_plan(fed.plan.round_id, fed.signed.plan)
+        self.log.solving = lambda round_id: digest if round_id == fed.plan.round_id else b""
 
     def serve(self, round_id: str, data: bytes, *, tags: bool) -> None:
         self.jobs = pb.DecryptionJobs(
@@ -384,6 +403,12 @@ class _Coordinator:
         self.data, self.tags = data, tags
 
     def call(self, what: str, request: Any, **kw: Any) -> Any:
+        if what in LOG_RPCS:
+            answer = self.log.call(what, request)
+            if what == "RecordDecrypting":  # the sites witness the checkpoint that holds it
+                for witness in self.witnesses:
+                    witness.witness(self.log.call)
+            return answer
         if what == "GetDecryptionJobs":
             return self.jobs
         if what == "GetAggregateTags":
@@ -413,7 +438,7 @@ def _daemon(keys: DecryptorKeys, fed: Federation, tmp_path: Any) -> tuple[Any, _
     )  # fmt: skip
     daemon = DecryptorDaemon(config)
     daemon.keys = keys
-    coordinator = _Coordinator(fed)
+    coordinator = _Coordinator(fed, tmp_path)
     daemon.rpc = coordinator  # type: ignore[assignment]
     return daemon, coordinator
 
@@ -645,3 +670,85 @@ def test_a_rounds_jobs_are_served_together_and_each_is_decrypted_once(
     assert sorted(ledger) == sorted(names)
     records = (tmp_path / "state" / "ckks" / "decryptions.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["release"] for line in records) == sorted(names)
+
+
+def test_the_decrypting_statement_is_in_a_quorum_checkpoint_before_the_key_touches_a_sum(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """M-235: the decryptor logs its signed `decrypting` statement of the round, waits until a
+    checkpoint cosigned by a quorum of the roster holds it, and only then decrypts (the
+    decrypt-once record, written before the key is applied, comes after it). A second poll of
+    the same round logs nothing again."""
+    fed = Federation(keys)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    ledger = tmp_path / "state" / "ckks" / "decrypted.json"
+    seen: list[tuple[str, bool]] = []
+    plain = coordinator.call
+
+    def call(what: str, request: Any, **kw: Any) -> Any:
+        seen.append((what, ledger.exists()))
+        return plain(what, request, **kw)
+
+    coordinator.call = call  # type: ignore[method-assign]
+    coordinator.serve(fed.plan.round_id, fed.aggregate("b[A]"), tags=True)
+    assert daemon.serve_once() == 1
+    assert [o.status for o, _ in coordinator.outcomes] == [pb.DECRYPTION_STATUS_DECRYPTED]
+    assert ("RecordDecrypting", False) in seen  # before the decrypt-once record
+    entries = coordinator.log.store.log_entries(0, coordinator.log.store.log_size())
+    statements = [decode_statement(e, federation="fed") for _, _, e, _ in entries]
+    decrypting = [f for kind, f in statements if kind == "decrypting"]
+    assert len(decrypting) == 1 and decrypting[0]["round_id"] == fed.plan.round_id
+    cosigners = {c.witness for c in coordinator.log.log.checkpoint().cosignatures}
+    assert len(cosigners) >= 3  # a majority of the four-party roster
+    seen.clear()
+    coordinator.serve(fed.plan.round_id, fed.aggregate("b[A]"), tags=True)
+    daemon.serve_once()
+    assert "RecordDecrypting" not in [what for what, _ in seen]
+
+
+def test_a_round_the_log_records_as_aborted_is_not_decrypted(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """M-235: a coordinator that logged the round's abort (so that every site's audit counts the
+    round as never released) and then hands out its sums gets a signed refusal; the key touches
+    nothing. Its `decrypting` statement is logged all the same (after the abort), so the round
+    would count as released if it had been decrypted."""
+    fed = Federation(keys)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    coordinator.log.store.append_log(
+        "round-aborted", {"round_id": fed.plan.round_id, "reason": "a site was lost"}
+    )
+    coordinator.serve(fed.plan.round_id, fed.aggregate("b[A]"), tags=True)
+    assert daemon.serve_once() == 1
+    [(outcome, _)] = coordinator.outcomes
+    assert outcome.status == pb.DECRYPTION_STATUS_REFUSED_PLAN
+    assert "records round r1-x as aborted before this decryptor's decrypting statement" in (
+        outcome.reason
+    )
+    assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()  # no key applied
+
+
+def test_a_coordinator_that_does_not_log_the_decrypting_statement_gets_nothing_decrypted(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """The coordinator answers RecordDecrypting but appends nothing: the decryptor's quorum wait
+    finds no inclusion proof and it decrypts nothing (its run loop polls again)."""
+    fed = Federation(keys)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    daemon.config = dataclasses.replace(
+        daemon.config,
+        timing=dataclasses.replace(daemon.config.timing, upload_timeout_s=0.2),
+    )
+    plain = coordinator.call
+
+    def call(what: str, request: Any, **kw: Any) -> Any:
+        if what == "RecordDecrypting":
+            return pb.LogProof(index=0)
+        return plain(what, request, **kw)
+
+    coordinator.call = call  # type: ignore[method-assign]
+    coordinator.serve(fed.plan.round_id, fed.aggregate("b[A]"), tags=True)
+    with pytest.raises(DaemonError, match=r"decrypting statement of round r1-x.*nothing decrypted"):
+        daemon.serve_once()
+    assert coordinator.outcomes == []
+    assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()

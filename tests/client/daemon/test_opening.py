@@ -19,6 +19,7 @@ from afl.client.daemon.opening import (
     Opened,
     OpeningPublication,
     counted_releases,
+    never_decrypted,
     opened_releases,
     opening_of,
     witnessed_releases,
@@ -31,8 +32,11 @@ from afl.client.modes.mask import MASK_STEPS
 from afl.client.policy.loghistory import logged_rounds, release_fields, whole_history_problem
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw, sign_fields
 from afl.crypto.transparency.statements import (
+    DECRYPTING_CONTEXT,
     OPENING_CONTEXT,
     decode_statement,
+    decrypting_signed_fields,
+    decrypting_statement,
     opening_signed_fields,
     opening_statement,
     plan_statement,
@@ -484,3 +488,62 @@ def test_a_ckks_site_lost_before_its_opening_does_not_stop_every_later_plan() ->
     for later in (sites, ("site-4", "site-5", "site-6")):
         problem = _site_audit(opened, [], _plan_over("r2", later), min_cohort=3)
         assert problem == "", (later, problem)
+
+
+def _decrypting(key: Any, *, decryptor: str, round_id: str) -> tuple[str, dict[str, object]]:
+    digest = bytes(32)
+    signature = sign_fields(
+        key,
+        context=DECRYPTING_CONTEXT,
+        fields=decrypting_signed_fields(
+            federation=FED, decryptor=decryptor, round_id=round_id, plan_sha256=digest
+        ),
+    )
+    entry = decrypting_statement(
+        federation=FED, decryptor=decryptor, round_id=round_id, plan_sha256=digest,
+        signature=signature,
+    )  # fmt: skip
+    return decode_statement(entry, federation=FED)
+
+
+def test_a_ckks_round_aborted_and_never_decrypted_does_not_stop_the_re_plan_without_its_lost_site() -> (
+    None
+):
+    """M-235: the CKKS round r1 over {1, 2, 3, 4} aborts during its uploads (site-4 lost after
+    every participant logged its opening). Counted over every participant, r1 and the re-plan
+    r2 over {1, 2, 3} would difference to site-4, so r2 was refused until site-4 came back. The
+    decryptor logs a `decrypting` statement, in a quorum checkpoint, before it decrypts any
+    sum, and refuses a round the log records as aborted before it: a round the log records as
+    aborted with no such statement was never decrypted and never will be, and r2 passes. With
+    the decryptor's statement (r1 was decrypted, then aborted), or without the abort (r1 may
+    still be decrypted), r2 is refused naming site-4; a statement the decryptor did not sign,
+    or one signed for another round, does not count as a decryption."""
+    sites = ("site-1", "site-2", "site-3", "site-4")
+    decryptor = generate_identity_key()
+    keys = {
+        **{s: generate_identity_key().public_key() for s in sites},
+        "dec": decryptor.public_key(),
+    }
+    r1 = _plan_over("r1", sites)
+    r1.aggregation = cpb.AGGREGATION_MODE_CKKS
+    release = release_fields(r1, survivors=sites)
+    opened = [Opened(s, "aa" * 32, "ckks", release) for s in sites]
+    r2 = _plan_over("r2", sites[:3])
+    aborted = ("round-aborted", {"round_id": "r1", "reason": "site-4 was lost"})
+
+    def audit(statements: list[Any]) -> str:
+        dead = never_decrypted(statements, federation=FED, decryptor="dec", keys=keys)
+        alive = [o for o in opened if o.mode != "ckks" or o.release["round_id"] not in dead]
+        return _site_audit(alive, [], r2, min_cohort=1)
+
+    assert audit([aborted]) == ""
+    forged = _decrypting(generate_identity_key(), decryptor="dec", round_id="r1")
+    elsewhere = _decrypting(decryptor, decryptor="dec", round_id="r9")
+    assert audit([aborted, forged, elsewhere]) == ""
+    decrypted = _decrypting(decryptor, decryptor="dec", round_id="r1")
+    for statements in ([decrypted, aborted], [aborted, decrypted], []):
+        problem = audit(statements)
+        assert "would expose" in problem and "site-4" in problem, (statements, problem)
+    # no pinned decryptor (or no key for it): every opening counts
+    assert never_decrypted([aborted], federation=FED, decryptor=None, keys=keys) == set()
+    assert never_decrypted([aborted], federation=FED, decryptor="other", keys=keys) == set()

@@ -257,3 +257,43 @@ def test_a_ckks_round_takes_a_participant_s_opening_over_every_participant_in_it
         ckks_round.stage = stage
         with pytest.raises(WrongStageError, match="takes openings in its upload stage"):
             requests.opening_survivors("site-2", "r1-c")
+
+
+def test_only_the_decryptor_states_its_decryption_and_only_while_the_round_is_solving() -> None:
+    """M-235: the plan digest a `decrypting` statement must name is answered only to the
+    federation's decryptor, for a CKKS round in its solving stage."""
+    plan = b"the signed plan bytes"
+    ckks_round = SimpleNamespace(
+        round_id="r1-c", stage=pb.ROUND_STAGE_SOLVING, row=SimpleNamespace(plan=plan)
+    )
+    masked_round = SimpleNamespace(round_id="r1-m", stage=pb.ROUND_STAGE_SOLVING)
+    rounds = {"r1-c": ckks_round, "r1-m": masked_round}
+
+    def find(round_id: str) -> Any:
+        if round_id not in rounds:
+            raise WrongStageError(f"no round {round_id!r} on this server")
+        return rounds[round_id]
+
+    ckks_mode = CkksMode.__new__(CkksMode)
+    access = SimpleNamespace(
+        require_enrolled=lambda site: None,
+        lock=threading.RLock(),
+        find=find,
+        mode_of=lambda view: ckks_mode if view is ckks_round else object(),
+        config=SimpleNamespace(
+            sites={
+                "site-1": SimpleNamespace(role="participant"),
+                "dec": SimpleNamespace(role="decryptor"),
+            }
+        ),
+    )
+    requests = CkksRequests(cast(RoundAccess, access), cast(CkksContexts, None))
+    assert requests.decrypting_plan("dec", "r1-c") == hashlib.sha256(plan).digest()
+    with pytest.raises(NotPermittedError, match="not the federation's CKKS decryptor"):
+        requests.decrypting_plan("site-1", "r1-c")
+    with pytest.raises(WrongStageError, match="does not run aggregation = 'ckks'"):
+        requests.decrypting_plan("dec", "r1-m")
+    for stage in (pb.ROUND_STAGE_UPLOAD, pb.ROUND_STAGE_PUBLISHED, pb.ROUND_STAGE_ABORTED):
+        ckks_round.stage = stage
+        with pytest.raises(WrongStageError, match="states its decryption in the solving stage"):
+            requests.decrypting_plan("dec", "r1-c")

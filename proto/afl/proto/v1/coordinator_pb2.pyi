@@ -2484,6 +2484,32 @@ class Opening(_message.Message):
 Global___Opening: _TypeAlias = Opening  # noqa: Y015
 
 @_typing.final
+class Decrypting(_message.Message):
+    """The decryptor's signed statement that it decrypts a CKKS round's sums (docs/protocol.md §11a,
+    M-235).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATEMENT_FIELD_NUMBER: _builtins.int
+    statement: _builtins.bytes
+    """The statement's canonical bytes (kind decrypting: decryptor, round, plan digest, the
+    decryptor's signature). [visible: server; every site through the log]
+    """
+    def __init__(
+        self,
+        *,
+        statement: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["statement", b"statement"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Decrypting: _TypeAlias = Decrypting  # noqa: Y015
+
+@_typing.final
 class LogEntriesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -207,6 +207,11 @@ class CoordinatorStub:
                 request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.SerializeToString,
                 response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
                 _registered_method=True)
+        self.RecordDecrypting = channel.unary_unary(
+                '/afl.proto.v1.Coordinator/RecordDecrypting',
+                request_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Decrypting.SerializeToString,
+                response_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -478,6 +483,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordDecrypting(self, request, context):
+        """The CKKS decryptor's `decrypting` statement (it is about to decrypt a round's sums),
+        appended to the log once (a second call with the same statement answers its index).
+        PERMISSION_DENIED unless the caller is the federation's decryptor, the statement names it
+        and its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION
+        unless it names the current plan (in the log) of a CKKS round in its solving stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -649,6 +665,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'RecordOpening': grpc.unary_unary_rpc_method_handler(
                     servicer.RecordOpening,
                     request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.FromString,
+                    response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
+            ),
+            'RecordDecrypting': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordDecrypting,
+                    request_deserializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.Decrypting.FromString,
                     response_serializer=afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.SerializeToString,
             ),
     }
@@ -1571,6 +1592,33 @@ class Coordinator:
             target,
             '/afl.proto.v1.Coordinator/RecordOpening',
             afl_dot_proto_dot_v1_dot_coordinator__pb2.Opening.SerializeToString,
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordDecrypting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afl.proto.v1.Coordinator/RecordDecrypting',
+            afl_dot_proto_dot_v1_dot_coordinator__pb2.Decrypting.SerializeToString,
             afl_dot_proto_dot_v1_dot_coordinator__pb2.LogProof.FromString,
             options,
             channel_credentials,

@@ -166,6 +166,13 @@ class CoordinatorStub:
     is not the one it names, or the masked round is not in its consistency check or unmask
     stage.
     """
+    RecordDecrypting: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.Decrypting, _coordinator_pb2.LogProof]
+    """The CKKS decryptor's `decrypting` statement (it is about to decrypt a round's sums),
+    appended to the log once (a second call with the same statement answers its index).
+    PERMISSION_DENIED unless the caller is the federation's decryptor, the statement names it
+    and its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION
+    unless it names the current plan (in the log) of a CKKS round in its solving stage.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -277,6 +284,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
     is not the one it names, or the masked round is not in its consistency check or unmask
     stage.
+    """
+    RecordDecrypting: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.Decrypting, _coordinator_pb2.LogProof]  # type: ignore[assignment]
+    """The CKKS decryptor's `decrypting` statement (it is about to decrypt a round's sums),
+    appended to the log once (a second call with the same statement answers its index).
+    PERMISSION_DENIED unless the caller is the federation's decryptor, the statement names it
+    and its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION
+    unless it names the current plan (in the log) of a CKKS round in its solving stage.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -590,6 +604,19 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
         is not the one it names, or the masked round is not in its consistency check or unmask
         stage.
+        """
+
+    @_abc_1.abstractmethod
+    def RecordDecrypting(
+        self,
+        request: _coordinator_pb2.Decrypting,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
+        """The CKKS decryptor's `decrypting` statement (it is about to decrypt a round's sums),
+        appended to the log once (a second call with the same statement answers its index).
+        PERMISSION_DENIED unless the caller is the federation's decryptor, the statement names it
+        and its signature verifies under the caller's enrolled identity key; FAILED_PRECONDITION
+        unless it names the current plan (in the log) of a CKKS round in its solving stage.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
