@@ -13,9 +13,9 @@ checkpoint this site cosigned, with the coordinator's signature. Before the site
 2. it counts the cosignatures the coordinator holds on that checkpoint that verify under the
    roster's identity keys of the startup kit (never keys the coordinator sends);
 3. once at least ``[policy] witness_quorum`` roster sites (default: a majority) cosigned it, it
-   checks the plan's inclusion proof in it (the one the answer carries): the plan is a statement every quorum witness's log
-   holds, so a coordinator that shows different plans to different sites needs a colluding
-   quorum. It polls (the newest checkpoint each time) until then, up to the round's stage
+   checks the plan's inclusion proof in it (the one the answer carries): the plan is a
+   statement every quorum witness's log holds, so a coordinator that shows different plans to
+   different sites needs a colluding quorum. It polls (the newest checkpoint each time) until then, up to the round's stage
    timeout, and refuses the plan with the reason after it.
 
 Two checkpoints the coordinator signed that cannot both be views of one log (smaller, another
