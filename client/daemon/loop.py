@@ -885,10 +885,10 @@ class ClientDaemon:
         )
         # In CKKS the opening (over every participant) is logged and waited for while the site
         # encrypts, before its first statistic leaves (M-232).
-        opened = (
+        ckks_opening, opened = (
             self._ckks_opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
             if plan.aggregation == cpb.AGGREGATION_MODE_CKKS
-            else None
+            else (None, None)
         )
         waits = [b.wait for b in (publication, opened) if b is not None]
 
@@ -915,6 +915,8 @@ class ClientDaemon:
             # No thread outlives the round. Its error shows at the first upload; if the exchange
             # failed first, the exchange's error is raised, unless the log showed a split view
             # or other evidence, which stops the site whatever else went wrong.
+            if ckks_opening is not None:  # a failed exchange does not wait for its quorum
+                ckks_opening.stopped.set()
             for thread in (publication, opened):
                 if thread is not None:
                     thread.join(raising=LogEvidence)
@@ -1059,10 +1061,11 @@ class ClientDaemon:
 
     def _ckks_opening(
         self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
-    ) -> Background[None]:
+    ) -> tuple[OpeningPublication, Background[None]]:
         """The CKKS round's `opening` over every participant (a CKKS sum holds them all, or the
         round aborts), logged and waited for in a thread from the upload stage on; the uploads
-        wait for it."""
+        wait for it. Setting the publication's ``stopped`` ends the wait at its next poll (the
+        round ended first)."""
         opening = self._opening(
             plan, plan_sha256, stage_timeout_s=stage_timeout_s, withheld="no statistic is sent"
         )
@@ -1071,7 +1074,7 @@ class ClientDaemon:
             opening.start(plan.participants)
             opening.wait()
 
-        return Background(publish, name=f"opening-{plan.round_id}")
+        return opening, Background(publish, name=f"opening-{plan.round_id}")
 
     def _replay_problem(
         self, status: pb.RoundStatus, plan: cpb.ReleasePlan, plan_sha: bytes

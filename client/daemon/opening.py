@@ -32,6 +32,7 @@ release counts as released only, which can make the audit stricter and never mor
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -280,6 +281,8 @@ class OpeningPublication:
         self.quorum_wait, self.withheld = quorum_wait, withheld
         self.what = f"this site's opening of round {plan.round_id}"
         self.statement = b""
+        #: Set: the round ended meanwhile; a wait in progress returns at its next poll.
+        self.stopped = threading.Event()
 
     def start(self, survivors: Collection[str]) -> None:
         statement = opening_of(
@@ -301,6 +304,6 @@ class OpeningPublication:
     def wait(self) -> None:
         if not self.statement:
             raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
-        problem, _ = self.quorum_wait(statement=self.statement, what=self.what)
+        problem, _ = self.quorum_wait(statement=self.statement, what=self.what, stop=self.stopped)
         if problem:
             raise DaemonError(f"{problem}: {self.withheld}")

@@ -137,6 +137,33 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
     assert fields["plan_sha256"] == plan_sha.hex()
 
 
+def test_a_round_that_ended_stops_the_wait_for_the_opening_s_quorum(tmp_path: Path) -> None:
+    """A CKKS site whose exchange failed while its opening waited for the roster's quorum (here:
+    no other witness ever cosigns) sets ``stopped``: the wait ends at its next poll with the
+    cause, instead of holding the site's failure report for the stage timeout (600 s here)."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    publication = _publication(_witness(tmp_path), coordinator.call, plan, plan_sha, wait_s=600)
+    publication.start(SURVIVORS)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            publication.wait()
+        except DaemonError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    publication.stopped.set()
+    waiter.join(timeout=120)  # generous: no timing is asserted beyond "long before 600 s"
+    assert not waiter.is_alive()
+    [error] = raised
+    assert "the log check of this site's opening of round r1-open was stopped" in str(error)
+    assert "no unmask share is sent" in str(error)
+
+
 def test_a_coordinator_that_drops_the_opening_gets_no_unmask_share(tmp_path: Path) -> None:
     """RecordOpening answered, nothing appended: the wait fails naming the cause, and the
     masked exchange's unmask step sends nothing."""
