@@ -25,6 +25,8 @@ from afl.client.daemon.decryptor import (
     RoundDecryptor,
     load_or_create_keys,
 )
+from afl.client.daemon.opening import never_decrypted
+from afl.client.daemon.transparency import LogWitness
 from afl.client.daemon.transport import DaemonError
 from afl.core.influence import InfluenceBound
 from afl.crypto import aead, kdf
@@ -752,3 +754,131 @@ def test_a_coordinator_that_does_not_log_the_decrypting_statement_gets_nothing_d
         daemon.serve_once()
     assert coordinator.outcomes == []
     assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()
+
+
+def _restored_copy(coordinator: _Coordinator, fed: Federation, folder: Any) -> LogService:
+    """The coordinator's log as a backup taken while the round's plan was its last statement
+    (the same enrolments and plan, so the same entries and root): what an acknowledged restore
+    (M-142) puts back."""
+    copy = LogService(folder, key=fed.server_key, federation_id="fed")
+    copy.caller = "decryptor"
+    copy.enrol("decryptor", ROSTER["decryptor"], role="decryptor")
+    for site in SITES:
+        copy.enrol(site, PEERS[site])
+    copy.publish_plan(fed.plan.round_id, fed.signed.plan)
+    copy.solving = coordinator.log.solving
+    return copy
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "review of M-235: an acknowledged restore (the coordinator's word, M-142) drops the "
+        "round's round-aborted statement after the sites' audits counted the round as never "
+        "decrypted; the decryptor, which never witnessed the abort, then decrypts it"
+    ),
+)
+def test_a_round_the_sites_counted_as_never_decrypted_is_not_decrypted_after_a_restore(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """A malicious coordinator (no colluding site) aborts a CKKS round after its uploads ("a
+    site was lost"); a quorum of the sites cosigns the log that records the abort with no
+    `decrypting` statement, so every site's audit counts the round as never decrypted
+    (``never_decrypted``) and accepts the re-plan over the other participants, which is then
+    released (the sum without the "lost" site). The coordinator then acknowledges a restore of
+    its state from a copy taken before the abort: the sites follow it (M-142), the decryptor,
+    whose idle witnessing the coordinator answered with the checkpoint before the abort, sees
+    a log that merely grew. Its `decrypting` statement reaches a quorum with no abort before it,
+    and it decrypts: the coordinator holds the sum over every participant and the sum without
+    the lost site, that is the lost site's statistics. Nothing may be decrypted here."""
+    fed = Federation(keys)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    round_id = fed.plan.round_id
+    daemon.log_witness.witness(coordinator.call)  # the decryptor's last cosigned checkpoint
+    backup = _restored_copy(coordinator, fed, tmp_path / "backup")
+    coordinator.log.store.append_log("round-aborted", {"round_id": round_id, "reason": "lost"})
+    answers = [w.witness(coordinator.call) for w in coordinator.witnesses]
+    cosigners = {c.witness for c in coordinator.log.log.checkpoint().cosignatures}
+    assert cosigners == set(SITES)  # a quorum (three of the four-party roster)
+    site = coordinator.witnesses[0]
+    logged = site.statements(coordinator.call, answers[0])
+    dead = never_decrypted(logged, federation="fed", decryptor="decryptor", keys=site.roster)
+    assert dead == {round_id}  # every site's audit lets the re-plan without the lost site pass
+    # ... the re-plan is released; then the coordinator's operator "acknowledges a restore":
+    coordinator.log = backup
+    for witness in coordinator.witnesses:
+        witness.restore_acknowledged(1)
+    coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
+    with contextlib.suppress(DaemonError):
+        daemon.serve_once()
+    decrypted = [o for o, _ in coordinator.outcomes if o.status == pb.DECRYPTION_STATUS_DECRYPTED]
+    assert decrypted == []
+    assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "review of M-235: the sites' audit and the decryptor decide 'aborted' vs 'decrypting' "
+        "on their own views of the log; with a five-party roster and its majority quorum (3) "
+        "one colluding site cosigns both forks, so each view has a quorum"
+    ),
+)
+def test_one_colluding_witness_cannot_show_the_sites_an_abort_and_the_decryptor_none(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """A five-party roster (site-1..3 in the CKKS round, site-4 outside it, the decryptor),
+    quorum 3 (the default majority). The coordinator forks its log after the round's plan.
+    Fork X, shown to site-1 and site-2: the round aborted ("site-3 lost") with no `decrypting`
+    statement, cosigned by site-1, site-2 and the colluding site-4, so their audits count the
+    round as never decrypted and accept a re-plan without site-3. Fork Y, shown to the
+    decryptor and site-3: no abort; the decryptor's `decrypting` statement is cosigned by the
+    decryptor, site-3 and site-4 (the colluder cosigns both forks). The decryptor decrypts the
+    sum over site-1..3; with the re-plan's sum, the coordinator holds site-3's statistics. One
+    colluding site is 2q - n for n = 5, q = 3: before M-235 the round's own participants'
+    openings (in their own view) made it count, so a fork between them and the decryptor hid
+    nothing. Nothing may be decrypted here."""
+    site4 = signatures.generate_identity_key()
+    peers = {**PEERS, "site-4": signatures.public_key_to_raw(site4)}
+    roster = {**peers, "decryptor": signatures.public_key_to_raw(DECRYPTOR)}
+    identities = {**IDENTITIES, "site-4": site4, "decryptor": DECRYPTOR}
+    fed = Federation(keys, roster=roster)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    daemon.config = dataclasses.replace(daemon.config, peers=peers)
+    daemon.log_witness = LogWitness.for_site(daemon.config, daemon.identity)
+    round_id = fed.plan.round_id
+
+    def fork(name: str) -> LogService:
+        log = LogService(tmp_path / name, key=fed.server_key, federation_id="fed")
+        log.caller = "decryptor"
+        log.enrol("decryptor", roster["decryptor"], role="decryptor")
+        for site in peers:
+            log.enrol(site, peers[site])
+        digest = log.publish_plan(round_id, fed.signed.plan)
+        log.solving = lambda r: digest if r == round_id else b""
+        return log
+
+    def witness(site: str, folder: str) -> LogWitness:
+        (tmp_path / folder).mkdir()
+        return site_witness(
+            tmp_path / folder, federation="fed", site=site, keys=identities,
+            coordinator=fed.server_key,
+        )  # fmt: skip
+
+    x, y = fork("fork-x"), fork("fork-y")
+    x.store.append_log("round-aborted", {"round_id": round_id, "reason": "site-3 lost"})
+    site1 = witness("site-1", "x1")
+    for w in (site1, witness("site-2", "x2"), witness("site-4", "x4")):
+        w.witness(x.call)
+    answer = x.call("GetCheckpoint", pb.CheckpointRequest())
+    assert len(site1.quorum_on(answer)) == 3  # site-1's (and site-2's) quorum holds the abort
+    logged = site1.statements(x.call, answer)
+    dead = never_decrypted(logged, federation="fed", decryptor="decryptor", keys=site1.roster)
+    assert dead == {round_id}  # so site-1's audit accepts the re-plan without site-3
+    coordinator.log = y  # the decryptor's view; site-3 and the colluder witness it
+    coordinator.witnesses = [witness("site-3", "y3"), witness("site-4", "y4")]
+    coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
+    with contextlib.suppress(DaemonError):
+        daemon.serve_once()
+    decrypted = [o for o, _ in coordinator.outcomes if o.status == pb.DECRYPTION_STATUS_DECRYPTED]
+    assert decrypted == []
