@@ -25,8 +25,8 @@ from afl.client.daemon.decryptor import (
     RoundDecryptor,
     load_or_create_keys,
 )
-from afl.client.daemon.opening import never_decrypted
-from afl.client.daemon.transparency import LogWitness
+from afl.client.daemon.opening import never_decrypted, undecrypted_aborts
+from afl.client.daemon.transparency import LogWitness, SplitViewDetected
 from afl.client.daemon.transport import DaemonError
 from afl.core.influence import InfluenceBound
 from afl.crypto import aead, kdf
@@ -770,27 +770,36 @@ def _restored_copy(coordinator: _Coordinator, fed: Federation, folder: Any) -> L
     return copy
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "review of M-235: an acknowledged restore (the coordinator's word, M-142) drops the "
-        "round's round-aborted statement after the sites' audits counted the round as never "
-        "decrypted; the decryptor, which never witnessed the abort, then decrypts it"
-    ),
-)
-def test_a_round_the_sites_counted_as_never_decrypted_is_not_decrypted_after_a_restore(
+def _discounted(site: LogWitness, call: Any, answer: Any, *, wait_s: float = 0.3) -> set[str]:
+    """The CKKS rounds ``site``'s whole-history audit counts as never decrypted at the
+    checkpoint ``answer`` (as :meth:`ClientDaemon._never_decrypted` composes it): aborted, no
+    `decrypting` statement, and the decryptor's cosignature on a checkpoint holding the abort
+    (waited for ``wait_s``)."""
+    logged = site.statements(call, answer)
+    aborts = undecrypted_aborts(logged, federation="fed", decryptor="decryptor", keys=site.roster)
+    if not aborts:
+        return set()
+    seen = site.cosigned_by(
+        call, "decryptor", covering=max(aborts.values()) + 1, wait_s=wait_s, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    return never_decrypted(aborts, seen_by_decryptor=seen)
+
+
+def test_a_round_whose_abort_the_decryptor_never_cosigned_counts_and_an_acknowledged_restore_does_not_change_it(
     keys: DecryptorKeys, tmp_path: Any
 ) -> None:
-    """A malicious coordinator (no colluding site) aborts a CKKS round after its uploads ("a
-    site was lost"); a quorum of the sites cosigns the log that records the abort with no
-    `decrypting` statement, so every site's audit counts the round as never decrypted
-    (``never_decrypted``) and accepts the re-plan over the other participants, which is then
-    released (the sum without the "lost" site). The coordinator then acknowledges a restore of
-    its state from a copy taken before the abort: the sites follow it (M-142), the decryptor,
-    whose idle witnessing the coordinator answered with the checkpoint before the abort, sees
-    a log that merely grew. Its `decrypting` statement reaches a quorum with no abort before it,
-    and it decrypts: the coordinator holds the sum over every participant and the sum without
-    the lost site, that is the lost site's statistics. Nothing may be decrypted here."""
+    """Review of M-235 (first version: an aborted round without a `decrypting` statement counted
+    as never decrypted at once). A malicious coordinator aborts a CKKS round after its uploads
+    ("a site was lost"); a quorum of the sites cosigns the log that records the abort while the
+    coordinator shows the decryptor only the checkpoint before it. The sites' audits would then
+    have discounted the round and accepted a re-plan without the "lost" site, and, after an
+    acknowledged restore of a copy taken before the abort (M-142: the sites follow it), the
+    decryptor decrypted the round: the two sums differ by the lost site's statistics. Now a
+    site discounts an aborted round only once the decryptor cosigned a checkpoint that holds
+    the abort: here it never did, so the round counts at every site (the re-plan is refused),
+    and once the decryptor has cosigned the abort, the restored log is a split view to it and
+    nothing is decrypted."""
     fed = Federation(keys)
     daemon, coordinator = _daemon(keys, fed, tmp_path)
     round_id = fed.plan.round_id
@@ -801,43 +810,33 @@ def test_a_round_the_sites_counted_as_never_decrypted_is_not_decrypted_after_a_r
     cosigners = {c.witness for c in coordinator.log.log.checkpoint().cosignatures}
     assert cosigners == set(SITES)  # a quorum (three of the four-party roster)
     site = coordinator.witnesses[0]
-    logged = site.statements(coordinator.call, answers[0])
-    dead = never_decrypted(logged, federation="fed", decryptor="decryptor", keys=site.roster)
-    assert dead == {round_id}  # every site's audit lets the re-plan without the lost site pass
-    # ... the re-plan is released; then the coordinator's operator "acknowledges a restore":
+    assert _discounted(site, coordinator.call, answers[0]) == set()  # the round counts
+    # The decryptor cosigns the checkpoint that holds the abort: now the sites discount it...
+    daemon.log_witness.witness(coordinator.call)
+    assert _discounted(site, coordinator.call, answers[0]) == {round_id}
+    # ... and a restore of the copy from before the abort is a split view to the decryptor.
     coordinator.log = backup
     for witness in coordinator.witnesses:
         witness.restore_acknowledged(1)
     coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
-    with contextlib.suppress(DaemonError):
+    with pytest.raises(SplitViewDetected):
         daemon.serve_once()
-    decrypted = [o for o, _ in coordinator.outcomes if o.status == pb.DECRYPTION_STATUS_DECRYPTED]
-    assert decrypted == []
+    assert [o for o, _ in coordinator.outcomes] == []
     assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "review of M-235: the sites' audit and the decryptor decide 'aborted' vs 'decrypting' "
-        "on their own views of the log; with a five-party roster and its majority quorum (3) "
-        "one colluding site cosigns both forks, so each view has a quorum"
-    ),
-)
-def test_one_colluding_witness_cannot_show_the_sites_an_abort_and_the_decryptor_none(
+def test_a_fork_with_one_colluding_witness_does_not_let_the_sites_discount_a_round_the_decryptor_decrypts(
     keys: DecryptorKeys, tmp_path: Any
 ) -> None:
-    """A five-party roster (site-1..3 in the CKKS round, site-4 outside it, the decryptor),
-    quorum 3 (the default majority). The coordinator forks its log after the round's plan.
-    Fork X, shown to site-1 and site-2: the round aborted ("site-3 lost") with no `decrypting`
-    statement, cosigned by site-1, site-2 and the colluding site-4, so their audits count the
-    round as never decrypted and accept a re-plan without site-3. Fork Y, shown to the
-    decryptor and site-3: no abort; the decryptor's `decrypting` statement is cosigned by the
-    decryptor, site-3 and site-4 (the colluder cosigns both forks). The decryptor decrypts the
-    sum over site-1..3; with the re-plan's sum, the coordinator holds site-3's statistics. One
-    colluding site is 2q - n for n = 5, q = 3: before M-235 the round's own participants'
-    openings (in their own view) made it count, so a fork between them and the decryptor hid
-    nothing. Nothing may be decrypted here."""
+    """Review of M-235: a five-party roster (site-1..3 in the CKKS round, site-4 outside it, the
+    decryptor), quorum 3 (the default majority). The coordinator forks its log after the round's
+    plan. Fork X, shown to site-1 and site-2: the round aborted ("site-3 lost") with no
+    `decrypting` statement, cosigned by site-1, site-2 and the colluding site-4. Fork Y, shown
+    to the decryptor and site-3: no abort; the decryptor's `decrypting` statement is cosigned by
+    the decryptor, site-3 and site-4, and it decrypts. One colluder is 2q - n for n = 5. The
+    first version let site-1 and site-2 discount the round (and accept a re-plan without
+    site-3); now they wait for the decryptor's cosignature on a checkpoint of their fork that
+    holds the abort, which it never gives (it is on fork Y), so the round counts."""
     site4 = signatures.generate_identity_key()
     peers = {**PEERS, "site-4": signatures.public_key_to_raw(site4)}
     roster = {**peers, "decryptor": signatures.public_key_to_raw(DECRYPTOR)}
@@ -872,13 +871,10 @@ def test_one_colluding_witness_cannot_show_the_sites_an_abort_and_the_decryptor_
         w.witness(x.call)
     answer = x.call("GetCheckpoint", pb.CheckpointRequest())
     assert len(site1.quorum_on(answer)) == 3  # site-1's (and site-2's) quorum holds the abort
-    logged = site1.statements(x.call, answer)
-    dead = never_decrypted(logged, federation="fed", decryptor="decryptor", keys=site1.roster)
-    assert dead == {round_id}  # so site-1's audit accepts the re-plan without site-3
     coordinator.log = y  # the decryptor's view; site-3 and the colluder witness it
     coordinator.witnesses = [witness("site-3", "y3"), witness("site-4", "y4")]
     coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
-    with contextlib.suppress(DaemonError):
-        daemon.serve_once()
+    daemon.serve_once()
     decrypted = [o for o, _ in coordinator.outcomes if o.status == pb.DECRYPTION_STATUS_DECRYPTED]
-    assert decrypted == []
+    assert decrypted  # fork Y holds no abort: the decryptor decrypts
+    assert _discounted(site1, x.call, answer) == set()  # so site-1's audit still counts it

@@ -574,7 +574,7 @@ def test_a_ckks_round_aborted_and_never_decrypted_does_not_stop_the_re_plan_with
     elsewhere = _decrypting(decryptor, decryptor="dec", round_id="r9")
     assert audit([aborted, forged, elsewhere]) == ""
     decrypted = _decrypting(decryptor, decryptor="dec", round_id="r1")
-    refusals = (
+    refusals: tuple[tuple[list[Any], int | None], ...] = (
         ([decrypted, aborted], None),
         ([aborted, decrypted], None),
         ([], None),
