@@ -39,10 +39,12 @@ from afl.client.daemon.evaluation import (
     save_evaluation,
 )
 from afl.client.daemon.opening import (
+    Opened,
     OpeningPublication,
     counted_releases,
     never_decrypted,
     opened_releases,
+    undecrypted_aborts,
     witnessed_releases,
 )
 from afl.client.daemon.report import RoundReport
@@ -130,6 +132,10 @@ log = logging.getLogger("afl.client")
 #: The longest pause (seconds) between a CKKS participant's witnessing steps while its round is
 #: decrypted (:meth:`ClientDaemon._witness_while_decrypted`): the decryptor's quorum waits on them.
 DECRYPTION_WITNESS_MAX_S = 0.25
+#: How long (seconds) a site's audit waits for the decryptor's cosignature on a checkpoint that
+#: holds a CKKS round's abort before counting that round as released (M-235): a few of the
+#: decryptor's idle witnessing steps (every IDLE_WITNESS_S).
+DECRYPTOR_SEEN_S = 4 * IDLE_WITNESS_S
 _PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
@@ -481,12 +487,7 @@ class ClientDaemon:
                 keys=self.log_witness.roster,
                 verified=self._openings_verified,
             )
-            dead = never_decrypted(  # CKKS rounds aborted and never decrypted (M-235)
-                logged,
-                federation=self.config.federation_id,
-                decryptor=policy.ckks_decryptor,
-                keys=self.log_witness.roster,
-            )
+            dead = self._never_decrypted(logged, opened)  # M-235
             opened = [o for o in opened if o.mode != "ckks" or o.release["round_id"] not in dead]
             in_log = {f.get("round_id") for kind, f in logged if kind == "release"}
             unlogged = sorted({*unlogged, *(str(o.release["round_id"]) for o in opened)} - in_log)
@@ -518,6 +519,43 @@ class ClientDaemon:
         if problem:
             return PolicyDecision(False, f"this site refuses: {problem}", audit)
         return replace(decision, audit=audit)
+
+    def _never_decrypted(
+        self, logged: Sequence[tuple[str, Mapping[str, Any]]], opened: Sequence[Opened]
+    ) -> set[str]:
+        """The CKKS rounds whose openings release nothing (M-235): the log records them as
+        aborted, holds no `decrypting` statement of them, and the pinned decryptor has cosigned
+        a checkpoint that holds the abort (this site waits up to :data:`DECRYPTOR_SEEN_S` for
+        it: the decryptor witnesses every :data:`IDLE_WITNESS_S`). Without that cosignature
+        each such round counts as released, and the site says so."""
+        policy = self.config.policy
+        aborts = undecrypted_aborts(
+            logged,
+            federation=self.config.federation_id,
+            decryptor=policy.ckks_decryptor,
+            keys=self.log_witness.roster,
+        )
+        ckks = {str(o.release["round_id"]) for o in opened if o.mode == "ckks"}
+        aborts = {r: i for r, i in aborts.items() if r in ckks}
+        if not aborts or policy.ckks_decryptor is None:
+            return set()
+        t = self.config.timing
+        seen = self.log_witness.cosigned_by(
+            self.rpc.call,
+            policy.ckks_decryptor,
+            covering=max(aborts.values()) + 1,
+            wait_s=DECRYPTOR_SEEN_S,
+            poll_s=min(t.poll_interval_s, 0.05),
+            max_poll_s=t.max_poll_interval_s,
+        )
+        dead = never_decrypted(aborts, seen_by_decryptor=seen)
+        if len(dead) < len(aborts):
+            log.warning(
+                "site=%s: the decryptor %s has not cosigned a log checkpoint that holds the "
+                "abort of CKKS round(s) %s: its audit counts them as released",
+                self.site_id, policy.ckks_decryptor, ", ".join(sorted(set(aborts) - dead)),
+            )  # fmt: skip
+        return dead
 
     def _observe(self, response: pb.StatusResponse) -> None:
         """Every status answer: the restore check (:class:`Witness`), and, at most every
@@ -885,10 +923,10 @@ class ClientDaemon:
         )
         # In CKKS the opening (over every participant) is logged and waited for while the site
         # encrypts, before its first statistic leaves (M-232).
-        opened = (
+        ckks_opening, opened = (
             self._ckks_opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
             if plan.aggregation == cpb.AGGREGATION_MODE_CKKS
-            else None
+            else (None, None)
         )
         waits = [b.wait for b in (publication, opened) if b is not None]
 
@@ -915,6 +953,8 @@ class ClientDaemon:
             # No thread outlives the round. Its error shows at the first upload; if the exchange
             # failed first, the exchange's error is raised, unless the log showed a split view
             # or other evidence, which stops the site whatever else went wrong.
+            if ckks_opening is not None:  # a failed exchange does not wait for its quorum
+                ckks_opening.stopped.set()
             for thread in (publication, opened):
                 if thread is not None:
                     thread.join(raising=LogEvidence)
@@ -1059,10 +1099,11 @@ class ClientDaemon:
 
     def _ckks_opening(
         self, plan: cpb.ReleasePlan, plan_sha256: bytes, *, stage_timeout_s: float
-    ) -> Background[None]:
+    ) -> tuple[OpeningPublication, Background[None]]:
         """The CKKS round's `opening` over every participant (a CKKS sum holds them all, or the
         round aborts), logged and waited for in a thread from the upload stage on; the uploads
-        wait for it."""
+        wait for it. Setting the publication's ``stopped`` ends the wait at its next poll (the
+        round ended first)."""
         opening = self._opening(
             plan, plan_sha256, stage_timeout_s=stage_timeout_s, withheld="no statistic is sent"
         )
@@ -1071,7 +1112,7 @@ class ClientDaemon:
             opening.start(plan.participants)
             opening.wait()
 
-        return Background(publish, name=f"opening-{plan.round_id}")
+        return opening, Background(publish, name=f"opening-{plan.round_id}")
 
     def _replay_problem(
         self, status: pb.RoundStatus, plan: cpb.ReleasePlan, plan_sha: bytes

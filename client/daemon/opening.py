@@ -32,6 +32,7 @@ release counts as released only, which can make the audit stricter and never mor
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -61,6 +62,7 @@ __all__ = [
     "never_decrypted",
     "opened_releases",
     "opening_of",
+    "undecrypted_aborts",
     "witnessed_releases",
 ]
 
@@ -197,32 +199,32 @@ def witnessed_releases(opened: Sequence[Opened]) -> list[Mapping[str, Any]]:
     ]
 
 
-def never_decrypted(
+def undecrypted_aborts(
     statements: Sequence[tuple[str, Mapping[str, Any]]],
     *,
     federation: str,
     decryptor: str | None,
     keys: Mapping[str, Ed25519PublicKey],
-) -> set[str]:
-    """The CKKS rounds the log shows were never decrypted and never will be (docs/protocol.md
-    M-235): a `round-aborted` statement of the round and no `decrypting` statement of it that
-    verifies under the key of ``decryptor`` (the federation's decryptor, pinned in the site's
-    policy) in ``keys`` (the roster). The decryptor logs that statement in a quorum-cosigned
-    checkpoint before it decrypts any of a round's sums, and refuses a round the log records
-    as aborted before it, so such a round's openings release nothing: a site lost during the
-    uploads does not make the re-plan without it look like a difference of two releases.
-    Without a pinned decryptor (or its key) no round qualifies: every opening counts."""
+) -> dict[str, int]:
+    """The rounds the log records as aborted (`round-aborted`) with no `decrypting` statement
+    that verifies under the key of ``decryptor`` (the federation's decryptor, pinned in the
+    site's policy) in ``keys`` (the roster), each with the index of its first abort statement
+    (docs/protocol.md M-235). Such a CKKS round was never decrypted and never will be, once the
+    decryptor has cosigned a checkpoint that holds the abort (:func:`never_decrypted`): it logs
+    that statement, in a quorum-cosigned checkpoint, before it decrypts any of a round's sums,
+    and refuses a round the log records as aborted before it. Without a pinned decryptor (or its
+    key) there are none: every opening counts."""
     key = keys.get(decryptor) if decryptor else None
     if key is None or decryptor is None:
-        return set()
-    aborted: set[str] = set()
+        return {}
+    aborted: dict[str, int] = {}
     decrypted: set[str] = set()
-    for kind, fields in statements:
+    for index, (kind, fields) in enumerate(statements):
         round_id = fields.get("round_id")
         if not isinstance(round_id, str):
             continue
         if kind == "round-aborted":
-            aborted.add(round_id)
+            aborted.setdefault(round_id, index)
         elif kind == "decrypting" and fields.get("site") == decryptor:
             signature, digest = fields.get("signature"), fields.get("plan_sha256")
             try:
@@ -240,7 +242,18 @@ def never_decrypted(
             except (CryptoError, ValueError):
                 continue
             decrypted.add(round_id)
-    return aborted - decrypted
+    return {r: i for r, i in aborted.items() if r not in decrypted}
+
+
+def never_decrypted(aborts: Mapping[str, int], *, seen_by_decryptor: int) -> set[str]:
+    """The rounds of ``aborts`` (:func:`undecrypted_aborts`) whose abort is among the first
+    ``seen_by_decryptor`` statements: the size of a checkpoint of this site's log that the
+    decryptor cosigned. Its openings release nothing (M-235): the decryptor keeps the last
+    checkpoint it cosigned and never cosigns one that does not extend it, so every statement it
+    logs later comes after the abort, and it refuses the round; a log shown to the decryptor
+    without the abort (a fork, or a restore that drops it) is a split view to it. A round whose
+    abort the decryptor has not cosigned still counts as released, decrypted or pending."""
+    return {r for r, index in aborts.items() if index < seen_by_decryptor}
 
 
 def _well_formed(release: Mapping[str, Any]) -> bool:
@@ -280,6 +293,8 @@ class OpeningPublication:
         self.quorum_wait, self.withheld = quorum_wait, withheld
         self.what = f"this site's opening of round {plan.round_id}"
         self.statement = b""
+        #: Set: the round ended meanwhile; a wait in progress returns at its next poll.
+        self.stopped = threading.Event()
 
     def start(self, survivors: Collection[str]) -> None:
         statement = opening_of(
@@ -301,6 +316,6 @@ class OpeningPublication:
     def wait(self) -> None:
         if not self.statement:
             raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
-        problem, _ = self.quorum_wait(statement=self.statement, what=self.what)
+        problem, _ = self.quorum_wait(statement=self.statement, what=self.what, stop=self.stopped)
         if problem:
             raise DaemonError(f"{problem}: {self.withheld}")

@@ -321,6 +321,43 @@ class LogWitness:
                 verified=self._verified,
             )
 
+    def cosigned_by(
+        self,
+        call: Call,
+        witness: str,
+        *,
+        covering: int,
+        wait_s: float,
+        poll_s: float,
+        max_poll_s: float,
+    ) -> int:
+        """The size of the log's newest checkpoint once ``witness`` (a roster party: its key
+        from the kit) has cosigned it and it holds at least ``covering`` statements; 0 when that
+        does not happen within ``wait_s``. Each poll witnesses the newest checkpoint, so the one
+        returned extends every checkpoint this site cosigned: ``witness``'s own chain of
+        checkpoints then holds this site's view of the log's first ``covering`` statements."""
+        key = self.roster.get(witness)
+        if key is None:
+            return 0
+        deadline, delay = time.monotonic() + wait_s, poll_s
+        while True:
+            answer = self.witness(call)
+            try:
+                signed = wire.checkpoint_from_proto(answer.checkpoint).checkpoint
+                if signed.size >= covering:
+                    cosignatures = [
+                        wire.cosignature_from_proto(c, federation=self.federation_id)
+                        for c in answer.cosignatures
+                    ]
+                    quorum_witnesses(signed, cosignatures, witness_keys={witness: key}, quorum=1)
+                    return signed.size
+            except (CheckpointError, wire.WireError):
+                pass
+            if time.monotonic() >= deadline:
+                return 0
+            time.sleep(delay)
+            delay = min(delay * 1.5, max_poll_s)
+
     @staticmethod
     def check_inclusion(leaf: bytes, answer: pb.CosignedLogCheckpoint) -> None:
         """Verify the RFC 9162 inclusion proof of the statement with leaf hash ``leaf`` in the

@@ -30,7 +30,8 @@ def main() -> int:
         if skipped:
             return honest(self, plan, plan_sha256, **kw)
         skipped.append(plan.round_id)
-        return Background(lambda: None, name=f"no-opening-{plan.round_id}")
+        opening = self._opening(plan, plan_sha256, stage_timeout_s=kw["stage_timeout_s"])
+        return opening, Background(lambda: None, name=f"no-opening-{plan.round_id}")
 
     setattr(ClientDaemon, "_ckks_opening", unopened)  # noqa: B010
     return cli.main(sys.argv[1:])

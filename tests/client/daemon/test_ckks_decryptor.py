@@ -25,6 +25,8 @@ from afl.client.daemon.decryptor import (
     RoundDecryptor,
     load_or_create_keys,
 )
+from afl.client.daemon.opening import never_decrypted, undecrypted_aborts
+from afl.client.daemon.transparency import LogWitness, SplitViewDetected
 from afl.client.daemon.transport import DaemonError
 from afl.core.influence import InfluenceBound
 from afl.crypto import aead, kdf
@@ -752,3 +754,127 @@ def test_a_coordinator_that_does_not_log_the_decrypting_statement_gets_nothing_d
         daemon.serve_once()
     assert coordinator.outcomes == []
     assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()
+
+
+def _restored_copy(coordinator: _Coordinator, fed: Federation, folder: Any) -> LogService:
+    """The coordinator's log as a backup taken while the round's plan was its last statement
+    (the same enrolments and plan, so the same entries and root): what an acknowledged restore
+    (M-142) puts back."""
+    copy = LogService(folder, key=fed.server_key, federation_id="fed")
+    copy.caller = "decryptor"
+    copy.enrol("decryptor", ROSTER["decryptor"], role="decryptor")
+    for site in SITES:
+        copy.enrol(site, PEERS[site])
+    copy.publish_plan(fed.plan.round_id, fed.signed.plan)
+    copy.solving = coordinator.log.solving
+    return copy
+
+
+def _discounted(site: LogWitness, call: Any, answer: Any, *, wait_s: float = 0.3) -> set[str]:
+    """The CKKS rounds ``site``'s whole-history audit counts as never decrypted at the
+    checkpoint ``answer`` (as :meth:`ClientDaemon._never_decrypted` composes it): aborted, no
+    `decrypting` statement, and the decryptor's cosignature on a checkpoint holding the abort
+    (waited for ``wait_s``)."""
+    logged = site.statements(call, answer)
+    aborts = undecrypted_aborts(logged, federation="fed", decryptor="decryptor", keys=site.roster)
+    if not aborts:
+        return set()
+    seen = site.cosigned_by(
+        call, "decryptor", covering=max(aborts.values()) + 1, wait_s=wait_s, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    return never_decrypted(aborts, seen_by_decryptor=seen)
+
+
+def test_a_round_whose_abort_the_decryptor_never_cosigned_counts_and_an_acknowledged_restore_does_not_change_it(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """Review of M-235 (first version: an aborted round without a `decrypting` statement counted
+    as never decrypted at once). A malicious coordinator aborts a CKKS round after its uploads
+    ("a site was lost"); a quorum of the sites cosigns the log that records the abort while the
+    coordinator shows the decryptor only the checkpoint before it. The sites' audits would then
+    have discounted the round and accepted a re-plan without the "lost" site, and, after an
+    acknowledged restore of a copy taken before the abort (M-142: the sites follow it), the
+    decryptor decrypted the round: the two sums differ by the lost site's statistics. Now a
+    site discounts an aborted round only once the decryptor cosigned a checkpoint that holds
+    the abort: here it never did, so the round counts at every site (the re-plan is refused),
+    and once the decryptor has cosigned the abort, the restored log is a split view to it and
+    nothing is decrypted."""
+    fed = Federation(keys)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    round_id = fed.plan.round_id
+    daemon.log_witness.witness(coordinator.call)  # the decryptor's last cosigned checkpoint
+    backup = _restored_copy(coordinator, fed, tmp_path / "backup")
+    coordinator.log.store.append_log("round-aborted", {"round_id": round_id, "reason": "lost"})
+    answers = [w.witness(coordinator.call) for w in coordinator.witnesses]
+    cosigners = {c.witness for c in coordinator.log.log.checkpoint().cosignatures}
+    assert cosigners == set(SITES)  # a quorum (three of the four-party roster)
+    site = coordinator.witnesses[0]
+    assert _discounted(site, coordinator.call, answers[0]) == set()  # the round counts
+    # The decryptor cosigns the checkpoint that holds the abort: now the sites discount it...
+    daemon.log_witness.witness(coordinator.call)
+    assert _discounted(site, coordinator.call, answers[0]) == {round_id}
+    # ... and a restore of the copy from before the abort is a split view to the decryptor.
+    coordinator.log = backup
+    for witness in coordinator.witnesses:
+        witness.restore_acknowledged(1)
+    coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
+    with pytest.raises(SplitViewDetected):
+        daemon.serve_once()
+    assert [o for o, _ in coordinator.outcomes] == []
+    assert not (tmp_path / "state" / "ckks" / "decrypted.json").exists()
+
+
+def test_a_fork_with_one_colluding_witness_does_not_let_the_sites_discount_a_round_the_decryptor_decrypts(
+    keys: DecryptorKeys, tmp_path: Any
+) -> None:
+    """Review of M-235: a five-party roster (site-1..3 in the CKKS round, site-4 outside it, the
+    decryptor), quorum 3 (the default majority). The coordinator forks its log after the round's
+    plan. Fork X, shown to site-1 and site-2: the round aborted ("site-3 lost") with no
+    `decrypting` statement, cosigned by site-1, site-2 and the colluding site-4. Fork Y, shown
+    to the decryptor and site-3: no abort; the decryptor's `decrypting` statement is cosigned by
+    the decryptor, site-3 and site-4, and it decrypts. One colluder is 2q - n for n = 5. The
+    first version let site-1 and site-2 discount the round (and accept a re-plan without
+    site-3); now they wait for the decryptor's cosignature on a checkpoint of their fork that
+    holds the abort, which it never gives (it is on fork Y), so the round counts."""
+    site4 = signatures.generate_identity_key()
+    peers = {**PEERS, "site-4": signatures.public_key_to_raw(site4)}
+    roster = {**peers, "decryptor": signatures.public_key_to_raw(DECRYPTOR)}
+    identities = {**IDENTITIES, "site-4": site4, "decryptor": DECRYPTOR}
+    fed = Federation(keys, roster=roster)
+    daemon, coordinator = _daemon(keys, fed, tmp_path)
+    daemon.config = dataclasses.replace(daemon.config, peers=peers)
+    daemon.log_witness = LogWitness.for_site(daemon.config, daemon.identity)
+    round_id = fed.plan.round_id
+
+    def fork(name: str) -> LogService:
+        log = LogService(tmp_path / name, key=fed.server_key, federation_id="fed")
+        log.caller = "decryptor"
+        log.enrol("decryptor", roster["decryptor"], role="decryptor")
+        for site in peers:
+            log.enrol(site, peers[site])
+        digest = log.publish_plan(round_id, fed.signed.plan)
+        log.solving = lambda r: digest if r == round_id else b""
+        return log
+
+    def witness(site: str, folder: str) -> LogWitness:
+        (tmp_path / folder).mkdir()
+        return site_witness(
+            tmp_path / folder, federation="fed", site=site, keys=identities,
+            coordinator=fed.server_key,
+        )  # fmt: skip
+
+    x, y = fork("fork-x"), fork("fork-y")
+    x.store.append_log("round-aborted", {"round_id": round_id, "reason": "site-3 lost"})
+    site1 = witness("site-1", "x1")
+    for w in (site1, witness("site-2", "x2"), witness("site-4", "x4")):
+        w.witness(x.call)
+    answer = x.call("GetCheckpoint", pb.CheckpointRequest())
+    assert len(site1.quorum_on(answer)) == 3  # site-1's (and site-2's) quorum holds the abort
+    coordinator.log = y  # the decryptor's view; site-3 and the colluder witness it
+    coordinator.witnesses = [witness("site-3", "y3"), witness("site-4", "y4")]
+    coordinator.serve(round_id, fed.aggregate("b[A]"), tags=True)
+    daemon.serve_once()
+    decrypted = [o for o, _ in coordinator.outcomes if o.status == pb.DECRYPTION_STATUS_DECRYPTED]
+    assert decrypted  # fork Y holds no abort: the decryptor decrypts
+    assert _discounted(site1, x.call, answer) == set()  # so site-1's audit still counts it

@@ -22,6 +22,7 @@ from afl.client.daemon.opening import (
     never_decrypted,
     opened_releases,
     opening_of,
+    undecrypted_aborts,
     witnessed_releases,
 )
 from afl.client.daemon.rpc import CoordinatorClient
@@ -135,6 +136,33 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
     assert kind == "opening" and fields["site"] == "site-1"
     assert fields["release"] == release_fields(plan, survivors=SURVIVORS)
     assert fields["plan_sha256"] == plan_sha.hex()
+
+
+def test_a_round_that_ended_stops_the_wait_for_the_opening_s_quorum(tmp_path: Path) -> None:
+    """A CKKS site whose exchange failed while its opening waited for the roster's quorum (here:
+    no other witness ever cosigns) sets ``stopped``: the wait ends at its next poll with the
+    cause, instead of holding the site's failure report for the stage timeout (600 s here)."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    publication = _publication(_witness(tmp_path), coordinator.call, plan, plan_sha, wait_s=600)
+    publication.start(SURVIVORS)
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            publication.wait()
+        except DaemonError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    publication.stopped.set()
+    waiter.join(timeout=120)  # generous: no timing is asserted beyond "long before 600 s"
+    assert not waiter.is_alive()
+    [error] = raised
+    assert "the log check of this site's opening of round r1-open was stopped" in str(error)
+    assert "no unmask share is sent" in str(error)
 
 
 def test_a_coordinator_that_drops_the_opening_gets_no_unmask_share(tmp_path: Path) -> None:
@@ -514,7 +542,8 @@ def test_a_ckks_round_aborted_and_never_decrypted_does_not_stop_the_re_plan_with
     r2 over {1, 2, 3} would difference to site-4, so r2 was refused until site-4 came back. The
     decryptor logs a `decrypting` statement, in a quorum checkpoint, before it decrypts any
     sum, and refuses a round the log records as aborted before it: a round the log records as
-    aborted with no such statement was never decrypted and never will be, and r2 passes. With
+    aborted with no such statement, whose abort the decryptor has cosigned, was never decrypted
+    and never will be, and r2 passes. Until the decryptor cosigned the abort, r1 counts. With
     the decryptor's statement (r1 was decrypted, then aborted), or without the abort (r1 may
     still be decrypted), r2 is refused naming site-4; a statement the decryptor did not sign,
     or one signed for another round, does not count as a decryption."""
@@ -531,8 +560,12 @@ def test_a_ckks_round_aborted_and_never_decrypted_does_not_stop_the_re_plan_with
     r2 = _plan_over("r2", sites[:3])
     aborted = ("round-aborted", {"round_id": "r1", "reason": "site-4 was lost"})
 
-    def audit(statements: list[Any]) -> str:
-        dead = never_decrypted(statements, federation=FED, decryptor="dec", keys=keys)
+    def audit(statements: list[Any], *, seen: int | None = None) -> str:
+        """The audit of r2 when the decryptor cosigned a checkpoint of the first ``seen``
+        statements (all of them by default)."""
+        aborts = undecrypted_aborts(statements, federation=FED, decryptor="dec", keys=keys)
+        covered = len(statements) if seen is None else seen
+        dead = never_decrypted(aborts, seen_by_decryptor=covered)
         alive = [o for o in opened if o.mode != "ckks" or o.release["round_id"] not in dead]
         return _site_audit(alive, [], r2, min_cohort=1)
 
@@ -541,9 +574,19 @@ def test_a_ckks_round_aborted_and_never_decrypted_does_not_stop_the_re_plan_with
     elsewhere = _decrypting(decryptor, decryptor="dec", round_id="r9")
     assert audit([aborted, forged, elsewhere]) == ""
     decrypted = _decrypting(decryptor, decryptor="dec", round_id="r1")
-    for statements in ([decrypted, aborted], [aborted, decrypted], []):
-        problem = audit(statements)
-        assert "would expose" in problem and "site-4" in problem, (statements, problem)
+    refusals: tuple[tuple[list[Any], int | None], ...] = (
+        ([decrypted, aborted], None),
+        ([aborted, decrypted], None),
+        ([], None),
+        # the decryptor has not cosigned a checkpoint that holds the abort (a fork shown to
+        # the sites, or a log it may yet see without the abort after a restore): r1 counts
+        ([aborted], 0),
+        ([elsewhere, aborted], 1),
+    )
+    for statements, seen in refusals:
+        problem = audit(statements, seen=seen)
+        assert "would expose" in problem and "site-4" in problem, (statements, seen, problem)
+    assert audit([elsewhere, aborted], seen=2) == ""
     # no pinned decryptor (or no key for it): every opening counts
-    assert never_decrypted([aborted], federation=FED, decryptor=None, keys=keys) == set()
-    assert never_decrypted([aborted], federation=FED, decryptor="other", keys=keys) == set()
+    assert undecrypted_aborts([aborted], federation=FED, decryptor=None, keys=keys) == {}
+    assert undecrypted_aborts([aborted], federation=FED, decryptor="other", keys=keys) == {}
