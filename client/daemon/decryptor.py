@@ -58,7 +58,6 @@ from afl.client.config import ClientConfig
 from afl.client.connectivity import connect
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transparency import (
-    IDLE_WITNESS_S,
     QUORUM_POLL_S,
     LogWitness,
     SplitViewDetected,
@@ -124,6 +123,10 @@ log = logging.getLogger("afl.client.daemon.decryptor")
 #: Jobs of a round served at once: one job's download, result upload and report overlap another
 #: job's decryption (the decryptions take turns: :attr:`RoundDecryptor.turn`).
 JOB_WORKERS = 2
+#: How often the idle decryptor witnesses the log's newest checkpoint (seconds). One process per
+#: federation: more often than the sites (afl.client.daemon.transparency.IDLE_WITNESS_S), since a
+#: site's audit waits for its cosignature on a checkpoint that holds a CKKS round's abort (M-235).
+WITNESS_S = 1.0
 
 
 class PlanRefused(DaemonError):
@@ -407,10 +410,10 @@ class DecryptorDaemon:
         self._witnessed_at = 0.0
 
     def witness(self) -> None:
-        """Cosign the log's newest checkpoint (at most every :data:`IDLE_WITNESS_S`); a split
+        """Cosign the log's newest checkpoint (at most every :data:`WITNESS_S`); a split
         view stops the decryptor (:class:`SplitViewDetected`)."""
         now = time.monotonic()
-        if now - self._witnessed_at < IDLE_WITNESS_S:
+        if now - self._witnessed_at < WITNESS_S:
             return
         self._witnessed_at = now
         self.log_witness.witness(self._rpc().call)

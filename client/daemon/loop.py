@@ -133,9 +133,9 @@ log = logging.getLogger("afl.client")
 #: decrypted (:meth:`ClientDaemon._witness_while_decrypted`): the decryptor's quorum waits on them.
 DECRYPTION_WITNESS_MAX_S = 0.25
 #: How long (seconds) a site's audit waits for the decryptor's cosignature on a checkpoint that
-#: holds a CKKS round's abort before counting that round as released (M-235): a few of the
-#: decryptor's idle witnessing steps (every IDLE_WITNESS_S).
-DECRYPTOR_SEEN_S = 4 * IDLE_WITNESS_S
+#: holds a CKKS round's abort before counting that round as released (M-235): many of the
+#: decryptor's idle witnessing steps (every second or two, afl.client.daemon.decryptor.WITNESS_S).
+DECRYPTOR_SEEN_S = 20.0
 _PSEUDO = (*ROUND_TWO_KINDS, cpb.STATISTIC_KIND_PSEUDO_FEATURE_SUM, cpb.STATISTIC_KIND_PSEUDO_COUNT)
 
 
@@ -526,7 +526,7 @@ class ClientDaemon:
         """The CKKS rounds whose openings release nothing (M-235): the log records them as
         aborted, holds no `decrypting` statement of them, and the pinned decryptor has cosigned
         a checkpoint that holds the abort (this site waits up to :data:`DECRYPTOR_SEEN_S` for
-        it: the decryptor witnesses every :data:`IDLE_WITNESS_S`). Without that cosignature
+        it: the idle decryptor witnesses every second or two). Without that cosignature
         each such round counts as released, and the site says so."""
         policy = self.config.policy
         aborts = undecrypted_aborts(

@@ -138,7 +138,7 @@ def test_a_ckks_run_that_lost_a_site_during_its_uploads_publishes_over_the_other
         "ckks",
         sites=4,
         serve=True,
-        round_settings={"min_participants": 3, "upload_timeout_s": 30.0},
+        round_settings={"min_participants": 3, "upload_timeout_s": 20.0},
     )
     daemons = Daemons(loop)
     try:
