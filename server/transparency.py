@@ -224,10 +224,7 @@ class FederationLog:
             raise InvalidRequestError(
                 "an opening statement carries no release, plan digest or mode"
             )
-        try:
-            plan_sha256 = bytes.fromhex(digest)
-        except ValueError as exc:
-            raise InvalidRequestError(f"an opening's plan digest is not hex: {exc}") from exc
+        plan_sha256 = _hex_digest(digest, "an opening's plan digest")
         self._verify_site(
             site_id,
             fields["signature"],
@@ -302,12 +299,7 @@ class FederationLog:
         round_id, digest = fields["round_id"], fields["plan_sha256"]
         if not isinstance(round_id, str) or not isinstance(digest, str):
             raise InvalidRequestError("a decrypting statement carries no round or plan digest")
-        try:
-            plan_sha256 = bytes.fromhex(digest)
-        except ValueError as exc:
-            raise InvalidRequestError(
-                f"a decrypting statement's plan digest is not hex: {exc}"
-            ) from exc
+        plan_sha256 = _hex_digest(digest, "a decrypting statement's plan digest")
         self._verify_site(
             site_id,
             fields["signature"],
@@ -434,3 +426,11 @@ class FederationLog:
         if start < 0 or end < start:
             raise InvalidRequestError(f"no log entries from {start} to {end}")
         return self.store.log_entries(start, min(end, start + MAX_ENTRIES))
+
+
+def _hex_digest(value: str, what: str) -> bytes:
+    """``value`` (a statement's hex field) as bytes; :class:`InvalidRequestError` naming ``what``."""
+    try:
+        return bytes.fromhex(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{what} is not hex: {exc}") from exc

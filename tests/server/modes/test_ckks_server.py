@@ -215,6 +215,28 @@ def test_a_decryption_outcome_counts_only_for_the_federation_round_and_plan_it_w
         requests.report("dec", outcome())
 
 
+def _two_rounds(ckks_round: Any, **access: Any) -> CkksRequests:
+    """CkksRequests over a stand-in coordinator with two rounds at ``ckks_round``'s stage: r1-c
+    (``ckks_round``, in ``ckks``) and r1-m (another mode); ``access``: its other members."""
+    masked_round = SimpleNamespace(round_id="r1-m", stage=ckks_round.stage)
+    rounds = {"r1-c": ckks_round, "r1-m": masked_round}
+
+    def find(round_id: str) -> Any:
+        if round_id not in rounds:
+            raise WrongStageError(f"no round {round_id!r} on this server")
+        return rounds[round_id]
+
+    ckks_mode = CkksMode.__new__(CkksMode)  # contributors() reads the round's participants
+    stand_in = SimpleNamespace(
+        require_enrolled=lambda site: None,
+        lock=threading.RLock(),
+        find=find,
+        mode_of=lambda view: ckks_mode if view is ckks_round else object(),
+        **access,
+    )
+    return CkksRequests(cast(RoundAccess, stand_in), cast(CkksContexts, None))
+
+
 def test_a_ckks_round_takes_a_participant_s_opening_over_every_participant_in_its_upload_stage() -> (
     None
 ):
@@ -226,28 +248,14 @@ def test_a_ckks_round_takes_a_participant_s_opening_over_every_participant_in_it
     ckks_round = SimpleNamespace(
         round_id="r1-c", stage=pb.ROUND_STAGE_UPLOAD, row=SimpleNamespace(participants=participants)
     )
-    masked_round = SimpleNamespace(round_id="r1-m", stage=pb.ROUND_STAGE_UPLOAD)
-    rounds = {"r1-c": ckks_round, "r1-m": masked_round}
-
-    def find(round_id: str) -> Any:
-        if round_id not in rounds:
-            raise WrongStageError(f"no round {round_id!r} on this server")
-        return rounds[round_id]
 
     def require_participant(view: Any, site_id: str) -> None:
         if site_id not in view.row.participants:
             raise NotPermittedError(f"site {site_id!r} is not a participant")
 
-    ckks_mode = CkksMode.__new__(CkksMode)  # contributors() reads the round's participants
-    access = SimpleNamespace(
-        require_enrolled=lambda site: None,
-        require_participant=require_participant,
-        lock=threading.RLock(),
-        find=find,
-        advance=lambda: None,
-        mode_of=lambda view: ckks_mode if view is ckks_round else object(),
+    requests = _two_rounds(
+        ckks_round, require_participant=require_participant, advance=lambda: None
     )
-    requests = CkksRequests(cast(RoundAccess, access), cast(CkksContexts, None))
     assert requests.runs_ckks("r1-c")
     assert not requests.runs_ckks("r1-m") and not requests.runs_ckks("r9-none")
     assert requests.opening_survivors("site-2", "r1-c") == participants
@@ -266,28 +274,11 @@ def test_only_the_decryptor_states_its_decryption_and_only_while_the_round_is_so
     ckks_round = SimpleNamespace(
         round_id="r1-c", stage=pb.ROUND_STAGE_SOLVING, row=SimpleNamespace(plan=plan)
     )
-    masked_round = SimpleNamespace(round_id="r1-m", stage=pb.ROUND_STAGE_SOLVING)
-    rounds = {"r1-c": ckks_round, "r1-m": masked_round}
-
-    def find(round_id: str) -> Any:
-        if round_id not in rounds:
-            raise WrongStageError(f"no round {round_id!r} on this server")
-        return rounds[round_id]
-
-    ckks_mode = CkksMode.__new__(CkksMode)
-    access = SimpleNamespace(
-        require_enrolled=lambda site: None,
-        lock=threading.RLock(),
-        find=find,
-        mode_of=lambda view: ckks_mode if view is ckks_round else object(),
-        config=SimpleNamespace(
-            sites={
-                "site-1": SimpleNamespace(role="participant"),
-                "dec": SimpleNamespace(role="decryptor"),
-            }
-        ),
-    )
-    requests = CkksRequests(cast(RoundAccess, access), cast(CkksContexts, None))
+    sites = {
+        "site-1": SimpleNamespace(role="participant"),
+        "dec": SimpleNamespace(role="decryptor"),
+    }
+    requests = _two_rounds(ckks_round, config=SimpleNamespace(sites=sites))
     assert requests.decrypting_plan("dec", "r1-c") == hashlib.sha256(plan).digest()
     with pytest.raises(NotPermittedError, match="not the federation's CKKS decryptor"):
         requests.decrypting_plan("site-1", "r1-c")
