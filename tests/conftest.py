@@ -46,31 +46,20 @@ pytest.register_assert_rewrite(
 )
 
 
-# The test files that took longest (the twenty slowest of `make test` on the 2-core machine,
-# 2026-11-27, longest first: test_federation_sparse.py 149 s of one worker, the twentieth
-# 21 s): the suite starts them first, so that under `--dist loadfile` none of them is the last
+# The test files that took longest (the ten slowest measured on the 2-core machine, longest
+# first): the suite starts them first, so that under `--dist loadfile` none of them is the last
 # file a worker starts (the run's tail). Any other file keeps its place after them.
 LONGEST_FIRST = (
-    "tests/e2e/test_federation_sparse.py",
-    "tests/adversarial/test_log_history_attacks.py",
-    "tests/e2e/test_restart.py",
-    "tests/adversarial/test_malicious_coordinator.py",
-    "tests/e2e/test_history_audit.py",
     "tests/test_operations_doc.py",
-    "tests/e2e/test_runs.py",
-    "tests/e2e/test_federation_mask.py",
-    "tests/adversarial/test_split_view.py",
-    "tests/e2e/test_simulate_default.py",
+    "tests/e2e/test_federation_dp_rounds.py",
+    "tests/e2e/test_federation_dp_mask.py",
+    "tests/lab/simulate/test_image_federation.py",
     "tests/client/model/test_export.py",
-    "tests/e2e/test_federation_ckks.py",
-    "tests/flower/test_flower_app.py",
-    "tests/e2e/test_federation.py",
-    "tests/e2e/test_dp_evaluation.py",
-    "tests/flower/test_flower_doc.py",
-    "tests/flower/test_relay.py",
-    "tests/e2e/test_federated_evaluation.py",
-    "tests/e2e/test_model_product.py",
-    "tests/e2e/test_onboarding.py",
+    "tests/e2e/test_simulate_default.py",
+    "tests/e2e/test_federation_dp_ckks.py",
+    "tests/e2e/test_attack_dp_adversary.py",
+    "tests/e2e/test_federation_dp.py",
+    "tests/e2e/test_restart.py",
 )
 
 
