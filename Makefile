@@ -39,8 +39,9 @@ proto: install
 typecheck: install
 	$(BIN)/mypy core crypto client server ops flower lab tests proto/afl/proto/wire.py
 
-# -n auto: one pytest worker per CPU (pytest-xdist); --dist loadfile keeps a module's tests, and
-# the federation its module-scoped fixtures provision once, on one worker.
+# -n auto: three pytest workers per two CPUs (pytest-xdist; tests/conftest.py says why);
+# --dist loadfile keeps a module's tests, and the federation its module-scoped fixtures provision
+# once, on one worker.
 test: lint typecheck
 	$(BIN)/pytest -m "not slow" -q -n auto --dist loadfile
 

@@ -46,20 +46,35 @@ pytest.register_assert_rewrite(
 )
 
 
-# The test files that took longest (the ten slowest measured on the 2-core machine, longest
-# first): the suite starts them first, so that under `--dist loadfile` none of them is the last
-# file a worker starts (the run's tail). Any other file keeps its place after them.
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (``make test``): three pytest workers for every two usable cores. The suite's
+    federations spend much of their time waiting on their own daemons (stage barriers, TLS round
+    trips, fsyncs): with one worker per core the 2-core machine was 58 % busy and the suite took
+    689 s; three workers, 74 % and 557 s; four, 82 % and 550 s at twice the load average (one run
+    each, near idle, 2026-11-27). More workers than that only add load."""
+    del config
+    return max(1, (3 * len(os.sched_getaffinity(0)) + 1) // 2)
+
+
+# The test files that took longest (the fourteen slowest, measured by `pytest --durations=0 -n 3`
+# on the 2-core machine, 2026-11-27, longest first: one worker's seconds): the suite starts them
+# first, so that under `--dist loadfile` none of them is the last file a worker starts (the run's
+# tail). Any other file keeps its place after them.
 LONGEST_FIRST = (
-    "tests/test_operations_doc.py",
-    "tests/e2e/test_federation_dp_rounds.py",
-    "tests/e2e/test_federation_dp_mask.py",
-    "tests/lab/simulate/test_image_federation.py",
-    "tests/client/model/test_export.py",
-    "tests/e2e/test_simulate_default.py",
-    "tests/e2e/test_federation_dp_ckks.py",
-    "tests/e2e/test_attack_dp_adversary.py",
-    "tests/e2e/test_federation_dp.py",
-    "tests/e2e/test_restart.py",
+    "tests/e2e/test_federation_sparse.py",  # 157 s
+    "tests/adversarial/test_log_history_attacks.py",  # 96 s
+    "tests/adversarial/test_malicious_coordinator.py",  # 84 s
+    "tests/e2e/test_restart.py",  # 76 s
+    "tests/test_operations_doc.py",  # 71 s
+    "tests/e2e/test_history_audit.py",  # 67 s
+    "tests/e2e/test_federation_mask.py",  # 51 s
+    "tests/e2e/test_runs.py",  # 46 s
+    "tests/adversarial/test_split_view.py",  # 45 s
+    "tests/client/model/test_export.py",  # 41 s
+    "tests/flower/test_relay.py",  # 40 s
+    "tests/e2e/test_simulate_default.py",  # 38 s
+    "tests/e2e/test_federation_ckks.py",  # 37 s
+    "tests/e2e/test_federated_evaluation.py",  # 31 s
 )
 
 
