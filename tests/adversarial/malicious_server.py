@@ -572,12 +572,13 @@ def _abort_then_decrypt() -> None:
     def aborted_first(self: CkksRequests, site_id: str, request: Any) -> Any:
         with self.access.lock:  # the answer's jobs leave only after the abort is logged
             answer = jobs(self, site_id, request)
-            view = self.access.find(answer.round_id or "-")
-            if answer.jobs and view.row.run_id == "run-1" and view.round_id not in logged:
-                self.access.store.append_log(
-                    "round-aborted", {"round_id": view.round_id, "reason": "a site was lost"}
-                )
-                logged.add(view.round_id)
+            if answer.jobs and answer.round_id not in logged:
+                view = self.access.find(answer.round_id)
+                if view.row.run_id == "run-1":
+                    self.access.store.append_log(
+                        "round-aborted", {"round_id": view.round_id, "reason": "a site was lost"}
+                    )
+                    logged.add(view.round_id)
             return answer
 
     CkksRequests.jobs = aborted_first  # type: ignore[method-assign]
