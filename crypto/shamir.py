@@ -15,6 +15,7 @@ needed; shares serialize to a fixed 2 + 66 bytes.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,13 +200,25 @@ def lagrange_weights_at_zero(indices: Sequence[int]) -> list[int]:
     return weights
 
 
+#: How many tuples of share indices :func:`reconstruct_many` keeps the Lagrange weights of (a
+#: K = 256 round needs one per site; the indices are public x-coordinates, not secrets).
+WEIGHTS_CACHE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=WEIGHTS_CACHE_SIZE)
+def _cached_weights(indices: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(lagrange_weights_at_zero(indices))
+
+
 def reconstruct_many(share_sets: Sequence[Sequence[Share]], *, threshold: int) -> list[bytes]:
     """Recover many 32-byte secrets, each from the first ``threshold`` of its shares.
 
     Same result as :func:`reconstruct_secret` per set, but the Lagrange weights are computed
     once per distinct tuple of share indices (t modular inversions instead of t per secret),
-    which is the common case in Unmask, where the same t holders answer for every secret.
-    Extra shares beyond ``threshold`` are ignored (not cross-checked).
+    which is the common case in Unmask, where the same t holders answer for every secret, and
+    kept for later calls (:data:`WEIGHTS_CACHE_SIZE` tuples): a site's secrets of every release
+    are held by the same neighbours. Extra shares beyond ``threshold`` are ignored (not
+    cross-checked).
 
     Raises:
         ShamirError: a set has fewer than ``threshold`` shares or duplicate indices, or a result
@@ -213,17 +226,14 @@ def reconstruct_many(share_sets: Sequence[Sequence[Share]], *, threshold: int) -
     """
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
         raise ShamirError("threshold must be an int >= 1")
-    cache: dict[tuple[int, ...], list[int]] = {}
     out: list[bytes] = []
     for shares in share_sets:
         _check_shares(shares)
         if len(shares) < threshold:
             raise ShamirError(f"need at least {threshold} shares to reconstruct, got {len(shares)}")
         basis = shares[:threshold]
-        key = tuple(s.index for s in basis)
-        if key not in cache:
-            cache[key] = lagrange_weights_at_zero(key)
-        value = sum(w * s.value for w, s in zip(cache[key], basis, strict=True)) % PRIME
+        weights = _cached_weights(tuple(s.index for s in basis))
+        value = sum(w * s.value for w, s in zip(weights, basis, strict=True)) % PRIME
         if value >= 1 << (8 * SECRET_BYTES):
             raise ShamirError("reconstructed value is not a 32-byte secret (wrong or mixed shares)")
         out.append(value.to_bytes(SECRET_BYTES, "big"))

@@ -89,6 +89,10 @@ class Coordinator:
         self.lock: threading.Condition = self.machine.lock
         self._clock = clock
         self._challenges: dict[str, dict[bytes, float]] = {}  # site -> nonce -> expiry (s)
+        # site -> its enrolment as last read from the store: every request checks its caller's,
+        # and a hit here does not wait for the lock (the stored row changes only in enroll,
+        # which drops the site's entry under the lock once the new row is committed).
+        self._enrolled: dict[str, EnrolmentRow] = {}
         self.log = FederationLog(store, key=identity_key, federation_id=config.federation_id)
         with self.lock:
             self.machine.advance()
@@ -121,8 +125,12 @@ class Coordinator:
     def require_enrolled(self, site_id: str) -> EnrolmentRow:
         """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
         self._known(site_id)
-        with self.lock:
-            row = self.store.enrolment(site_id)
+        row = self._enrolled.get(site_id)
+        if row is None:
+            with self.lock:
+                row = self.store.enrolment(site_id)
+                if row is not None:
+                    self._enrolled[site_id] = row
         if row is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         return row
@@ -214,6 +222,7 @@ class Coordinator:
                 ),
                 software_version=request.software_version,
             )
+            self._enrolled.pop(site_id, None)  # the next check reads the committed row
             self.store.audit("enrolled", {"site_id": site_id, **({"note": note} if note else {})})
             self.metrics.enrolments.inc()
             log.info("site enrolled", extra={"site_id": site_id, "note": note})

@@ -972,7 +972,9 @@ class ClientDaemon:
             else None
         )
         try:
-            status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
+            status = self.rpc.await_stage(
+                round_id, at_least=pb.ROUND_STAGE_PUBLISHED, stage_only=True
+            )
         finally:
             if decrypting is not None:
                 stop, witnessing = decrypting

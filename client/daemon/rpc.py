@@ -14,7 +14,12 @@ once).
 
 Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
 subscription open in a background thread (reconnecting with back-off) and wakes the waiting
-daemon on every event, which then reads its own status with ``GetStatus``. Polling is the
+daemon on every event, which then reads its own status with ``GetStatus``; a wait for a stage
+that needs only the stage (:meth:`CoordinatorClient.await_stage` with ``stage_only``: the masked
+exchange's barriers, the wait for the model) returns without that call once the stream's newest
+event of the round shows the stage reached or the round aborted, since the event carries the
+round's stage from the same authenticated coordinator; the restore check (M-142) still reads
+every ``GetStatus`` answer, and a re-opened stream starts with no status. Polling is the
 fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
 ``poll_interval_s`` and growing by 1.5x per idle poll up to ``max_poll_interval_s``; while the
 stream is up a poll still happens every ``max_poll_interval_s`` as a safety net. Waits give up
@@ -90,6 +95,9 @@ class RoundWatcher:
         self.connected = False
         self.unavailable = False
         self.events_received = 0
+        #: round id -> the round's status in the newest event of the open stream (emptied when
+        #: the stream is re-opened: a restarted coordinator speaks for itself afresh).
+        self.latest: dict[str, pb.RoundStatus] = {}
         self._thread = threading.Thread(target=self._run, name="afl-watch-rounds", daemon=True)
 
     def start(self) -> RoundWatcher:
@@ -110,8 +118,10 @@ class RoundWatcher:
                 self._call = self._stub.WatchRounds(
                     pb.WatchRequest(), metadata=self._metadata or None
                 )
+                self.latest = {}
                 self.connected = True
-                for _event in self._call:
+                for event in self._call:
+                    self.latest[event.status.round_id] = event.status
                     self.events_received += 1
                     self._event.set()
                     delay = 0.5
@@ -122,6 +132,7 @@ class RoundWatcher:
                     return
             finally:
                 self.connected = False
+                self.latest = {}
                 self._event.set()  # a waiter re-reads its status (and falls back to polling)
             self._stopped.wait(delay)
             delay = min(2 * delay, 10.0)
@@ -130,6 +141,15 @@ class RoundWatcher:
         """Block until the next round event (or ``timeout``)."""
         self._event.wait(timeout)
         self._event.clear()
+
+    def reached(self, round_id: str, at_least: int) -> pb.RoundStatus | None:
+        """The round's status in the open stream's newest event of it, if that shows the round
+        at ``at_least`` or later, or aborted; else None (no stream, no event of the round yet,
+        or an earlier stage)."""
+        r = self.latest.get(round_id) if self.connected else None
+        if r is None or not (r.stage >= at_least or r.stage == pb.ROUND_STAGE_ABORTED):
+            return None
+        return r
 
 
 #: How often a site waiting for a round logs what it waits for (seconds).
@@ -366,13 +386,22 @@ class CoordinatorClient:
                 raise DaemonError(f"no round opened within max_wait_s = {t.max_wait_s:g} s")
             delay = self._pause(delay)
 
-    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
-        """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts."""
+    def await_stage(
+        self, round_id: str, *, at_least: int, stage_only: bool = False
+    ) -> pb.RoundStatus:
+        """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts. The
+        answer is the round's status as this site's ``GetStatus`` gave it; ``stage_only`` (the
+        caller reads only its stage): or as the stream's event of the stage did (module
+        docstring), which carries none of the caller's own fields (its uploads, its plan
+        decision)."""
         t = self.timing
         start = time.monotonic()
         delay = t.poll_interval_s
         while True:
-            r = self.status(round_id).round
+            watcher = self.watcher if stage_only else None
+            r = watcher.reached(round_id, at_least) if watcher is not None else None
+            if r is None:
+                r = self.status(round_id).round
             if r.stage == pb.ROUND_STAGE_ABORTED:
                 raise RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
             if r.stage >= at_least:

@@ -96,7 +96,7 @@ class MaskMode:
             answer = None
             start = time.perf_counter()
             if step.get:
-                rpc.await_stage(rid, at_least=step.stage)
+                rpc.await_stage(rid, at_least=step.stage, stage_only=True)
                 answer = rpc.call(step.get, cpb.RoundRef(round_id=rid))
             got = time.perf_counter()
             sent += step.act(session, client, answer)

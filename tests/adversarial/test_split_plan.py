@@ -76,7 +76,9 @@ class _Relay:
     adverts: list[AdvertiseKeys]
     sent: list[str] = field(default_factory=list)
 
-    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
+    def await_stage(
+        self, round_id: str, *, at_least: int, stage_only: bool = False
+    ) -> pb.RoundStatus:
         return pb.RoundStatus(round_id=round_id, stage=at_least)  # type: ignore[arg-type]
 
     def call(self, method: str, request: Any, **kw: Any) -> Any:

@@ -111,7 +111,9 @@ class Coordinator:
             return cpb.Ack()
         raise AssertionError(f"unexpected call {what}")
 
-    def await_stage(self, round_id: str, *, at_least: int) -> pb.RoundStatus:
+    def await_stage(
+        self, round_id: str, *, at_least: int, stage_only: bool = False
+    ) -> pb.RoundStatus:
         stage: Any = at_least
         if at_least == pb.ROUND_STAGE_PUBLISHED:  # its release is in the log (M-230), as the
             cfg = self.config(round_id)  # coordinator logs it in the PUBLISHED transition

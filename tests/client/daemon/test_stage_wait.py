@@ -1,0 +1,156 @@
+"""A site's wait for a stage (afl.client.daemon.rpc): with the WatchRounds stream up, a wait that
+reads only the stage ends on the stream's event of that stage without another GetStatus; a wait
+that reads the caller's own fields asks GetStatus again; a stream that closes forgets what it
+showed; an abort announced on the stream ends the wait with its reason. The coordinator is a stub
+whose stream delivers the stage's event when the first GetStatus has been answered."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from afl.client.config import TimingConfig
+from afl.client.daemon import rpc
+from afl.client.daemon.transport import RetryPolicy
+from afl.proto.v1 import coordinator_pb2 as pb
+
+
+class _Stream:
+    """A WatchRounds call: events put into ``queue`` in order; ``cancel`` ends it."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[pb.RoundEvent | None] = queue.Queue()
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> pb.RoundEvent:
+        item = self.queue.get(timeout=30)
+        if item is None:
+            raise StopIteration
+        return item
+
+    def cancel(self) -> None:
+        self.queue.put(None)
+
+
+class _GoneAway(grpc.RpcError):  # type: ignore[misc]
+    """What a stream re-opened at a coordinator without WatchRounds raises."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNIMPLEMENTED
+
+
+def _status(stage: pb.RoundStage.ValueType, reason: str = "") -> pb.RoundStatus:
+    return pb.RoundStatus(round_id="r1", stage=stage, abort_reason=reason)
+
+
+class _Coordinator:
+    """GetStatus answers ``at`` (the caller's uploads listed); the first answer makes the stream
+    announce ``then``, as a coordinator closing the stage right after the site asked."""
+
+    def __init__(self, at: pb.RoundStatus, then: pb.RoundStatus) -> None:
+        self.at, self.then = at, then
+        self.status_calls = 0
+        self.stream = _Stream()
+        self.streams = 0
+
+    def WatchRounds(self, request: Any, **kw: Any) -> _Stream:
+        self.streams += 1
+        if self.streams > 1:  # re-opened after it ended: the site polls from then on
+            raise _GoneAway()
+        return self.stream
+
+    def GetStatus(self, request: Any, **kw: Any) -> pb.StatusResponse:
+        self.status_calls += 1
+        if self.status_calls == 1:
+            self.stream.queue.put(pb.RoundEvent(sequence=1, status=self.then))
+        answer = pb.StatusResponse(enrolled=True, round=self.at)
+        answer.round.caller_uploads_complete.append("gram[all]")
+        return answer
+
+
+def _client(stub: _Coordinator) -> rpc.CoordinatorClient:
+    # No safety-net poll within the test: only the stream's event can end a wait early.
+    timing = TimingConfig(poll_interval_s=0.01, max_poll_interval_s=60.0, max_wait_s=60.0)
+    client = rpc.CoordinatorClient(stub, site_id="s1", timing=timing, retry=RetryPolicy())
+    watcher = client.watch()
+    deadline = time.monotonic() + 30
+    while not watcher.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watcher.connected
+    return client
+
+
+def test_a_stage_only_wait_ends_on_the_streamed_event_without_another_status_call() -> None:
+    stub = _Coordinator(
+        _status(pb.ROUND_STAGE_SHARE_KEYS), then=_status(pb.ROUND_STAGE_CONSISTENCY_CHECK)
+    )
+    client = _client(stub)
+    try:
+        r = client.await_stage("r1", at_least=pb.ROUND_STAGE_CONSISTENCY_CHECK, stage_only=True)
+    finally:
+        client.close()
+    assert r.stage == pb.ROUND_STAGE_CONSISTENCY_CHECK
+    assert stub.status_calls == 1  # the status read before the wait, none after the event
+
+
+def test_a_wait_that_reads_its_own_fields_asks_the_coordinator() -> None:
+    stub = _Coordinator(_status(pb.ROUND_STAGE_UPLOAD), then=_status(pb.ROUND_STAGE_UPLOAD))
+    stub.at = _status(pb.ROUND_STAGE_PLAN_REVIEW)
+    client = _client(stub)
+    answers = [_status(pb.ROUND_STAGE_PLAN_REVIEW), _status(pb.ROUND_STAGE_UPLOAD)]
+
+    def status(request: Any, **kw: Any) -> pb.StatusResponse:
+        stub.at = answers.pop(0) if len(answers) > 1 else answers[0]
+        return _Coordinator.GetStatus(stub, request)
+
+    stub.GetStatus = status  # type: ignore[method-assign]
+    try:
+        r = client.await_stage("r1", at_least=pb.ROUND_STAGE_UPLOAD)
+    finally:
+        client.close()
+    assert r.stage == pb.ROUND_STAGE_UPLOAD
+    assert list(r.caller_uploads_complete) == ["gram[all]"]  # GetStatus's answer, not the event's
+    assert stub.status_calls == 2
+
+
+def test_an_abort_on_the_stream_ends_the_wait_with_its_reason() -> None:
+    stub = _Coordinator(
+        _status(pb.ROUND_STAGE_SHARE_KEYS),
+        then=_status(pb.ROUND_STAGE_ABORTED, "too few survivors"),
+    )
+    client = _client(stub)
+    try:
+        with pytest.raises(rpc.RoundFailed, match="round aborted: too few survivors"):
+            client.await_stage("r1", at_least=pb.ROUND_STAGE_UNMASK, stage_only=True)
+    finally:
+        client.close()
+    assert stub.status_calls == 1
+
+
+def test_a_closed_stream_forgets_what_it_showed() -> None:
+    stub = _Coordinator(_status(pb.ROUND_STAGE_UNMASK), then=_status(pb.ROUND_STAGE_UNMASK))
+    client = _client(stub)
+    watcher = client.watcher
+    assert watcher is not None
+    try:
+        stub.stream.queue.put(pb.RoundEvent(sequence=1, status=_status(pb.ROUND_STAGE_UNMASK)))
+        deadline = time.monotonic() + 30
+        while watcher.reached("r1", pb.ROUND_STAGE_UNMASK) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert watcher.reached("r1", pb.ROUND_STAGE_PUBLISHED) is None  # an earlier stage
+        assert watcher.reached("r2", pb.ROUND_STAGE_UNMASK) is None  # another round
+        stub.stream.cancel()  # the coordinator went away: the stream ends, none is re-opened
+        while not watcher.unavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not watcher.connected and not watcher.latest
+        assert watcher.reached("r1", pb.ROUND_STAGE_UNMASK) is None
+    finally:
+        client.close()
