@@ -201,8 +201,9 @@ def lagrange_weights_at_zero(indices: Sequence[int]) -> list[int]:
 
 
 #: How many tuples of share indices :func:`reconstruct_many` keeps the Lagrange weights of (a
-#: K = 256 round needs one per site; the indices are public x-coordinates, not secrets).
-WEIGHTS_CACHE_SIZE = 4096
+#: K = 256 round needs one per site; the indices are public x-coordinates, not secrets; at most
+#: ≈ 20 MB with t = 170, a full graph's threshold at K = 256).
+WEIGHTS_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=WEIGHTS_CACHE_SIZE)

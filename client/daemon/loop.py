@@ -972,9 +972,10 @@ class ClientDaemon:
             else None
         )
         try:
-            status = self.rpc.await_stage(
-                round_id, at_least=pb.ROUND_STAGE_PUBLISHED, stage_only=True
-            )
+            # Not stage_only: the GetStatus answer at PUBLISHED names this round's model as the
+            # latest, which the restore check records before the site completes the round
+            # (M-142).
+            status = self.rpc.await_stage(round_id, at_least=pb.ROUND_STAGE_PUBLISHED)
         finally:
             if decrypting is not None:
                 stop, witnessing = decrypting

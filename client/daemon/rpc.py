@@ -14,12 +14,14 @@ once).
 
 Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
 subscription open in a background thread (reconnecting with back-off) and wakes the waiting
-daemon on every event, which then reads its own status with ``GetStatus``; a wait for a stage
-that needs only the stage (:meth:`CoordinatorClient.await_stage` with ``stage_only``: the masked
-exchange's barriers, the wait for the model) returns without that call once the stream's newest
-event of the round shows the stage reached or the round aborted, since the event carries the
-round's stage from the same authenticated coordinator; the restore check (M-142) still reads
-every ``GetStatus`` answer, and a re-opened stream starts with no status. Polling is the
+daemon on every event, which then reads its own status with ``GetStatus``. A wait that needs
+only the stage (:meth:`CoordinatorClient.await_stage` with ``stage_only``: the masked exchange's
+barriers, inside a round whose status the site read when the wait began) returns without that
+call once the stream's newest event of the round shows the stage reached or the round aborted:
+the event carries the round's stage from the same authenticated coordinator, committed before it
+was announced, and a re-opened stream starts with no status. The waits whose answer the restore
+check needs (M-142: the wait for a round, for the upload stage, and for the model, whose answer
+names the latest model) always read ``GetStatus``. Polling is the
 fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
 ``poll_interval_s`` and growing by 1.5x per idle poll up to ``max_poll_interval_s``; while the
 stream is up a poll still happens every ``max_poll_interval_s`` as a safety net. Waits give up
@@ -95,9 +97,9 @@ class RoundWatcher:
         self.connected = False
         self.unavailable = False
         self.events_received = 0
-        #: round id -> the round's status in the newest event of the open stream (emptied when
-        #: the stream is re-opened: a restarted coordinator speaks for itself afresh).
-        self.latest: dict[str, pb.RoundStatus] = {}
+        #: round id -> the round's status in the newest event of the open stream; None while no
+        #: stream is open (a fresh dict per stream: a restarted coordinator speaks afresh).
+        self.latest: dict[str, pb.RoundStatus] | None = None
         self._thread = threading.Thread(target=self._run, name="afl-watch-rounds", daemon=True)
 
     def start(self) -> RoundWatcher:
@@ -118,10 +120,11 @@ class RoundWatcher:
                 self._call = self._stub.WatchRounds(
                     pb.WatchRequest(), metadata=self._metadata or None
                 )
-                self.latest = {}
+                latest: dict[str, pb.RoundStatus] = {}
+                self.latest = latest
                 self.connected = True
                 for event in self._call:
-                    self.latest[event.status.round_id] = event.status
+                    latest[event.status.round_id] = event.status
                     self.events_received += 1
                     self._event.set()
                     delay = 0.5
@@ -132,7 +135,7 @@ class RoundWatcher:
                     return
             finally:
                 self.connected = False
-                self.latest = {}
+                self.latest = None
                 self._event.set()  # a waiter re-reads its status (and falls back to polling)
             self._stopped.wait(delay)
             delay = min(2 * delay, 10.0)
@@ -146,7 +149,8 @@ class RoundWatcher:
         """The round's status in the open stream's newest event of it, if that shows the round
         at ``at_least`` or later, or aborted; else None (no stream, no event of the round yet,
         or an earlier stage)."""
-        r = self.latest.get(round_id) if self.connected else None
+        latest = self.latest  # one read: the open stream's statuses, or None
+        r = latest.get(round_id) if latest is not None else None
         if r is None or not (r.stage >= at_least or r.stage == pb.ROUND_STAGE_ABORTED):
             return None
         return r

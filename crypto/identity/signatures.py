@@ -64,6 +64,8 @@ def verify(public_key: Ed25519PublicKey, signature: bytes, message: bytes) -> No
     verifies, nothing OpenSSL refuses is accepted, and a small-order public key (which OpenSSL
     accepts with a forged signature on any message) verifies nothing
     (tests/crypto/identity/test_signatures.py: RFC 8032's vectors, OpenSSL as the oracle)."""
+    if not isinstance(public_key, Ed25519PublicKey):  # libsodium reads 32 bytes of any key
+        raise TypeError(f"public_key must be an Ed25519 key, got {type(public_key).__name__}")
     if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
         raise SignatureError(f"an Ed25519 signature must be {SIGNATURE_BYTES} bytes")
     if not isinstance(message, bytes):

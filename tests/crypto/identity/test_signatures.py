@@ -216,3 +216,10 @@ def test_small_order_public_key_refused() -> None:
     pub.verify(forged, b"any message at all")  # OpenSSL: no exception
     with pytest.raises(SignatureError):
         verify(pub, forged, b"any message at all")
+
+
+def test_verify_needs_an_ed25519_key() -> None:
+    """libsodium reads 32 bytes of whatever key it is handed: another key type is refused first."""
+    other = X25519PrivateKey.generate().public_key()
+    with pytest.raises(TypeError, match="Ed25519"):
+        verify(other, sign(KEY, b"m"), b"m")  # type: ignore[arg-type]
