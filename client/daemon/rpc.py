@@ -394,10 +394,9 @@ class CoordinatorClient:
         self, round_id: str, *, at_least: int, stage_only: bool = False
     ) -> pb.RoundStatus:
         """Poll until the round reaches ``at_least``; :class:`RoundFailed` if it aborts. The
-        answer is the round's status as this site's ``GetStatus`` gave it; ``stage_only`` (the
-        caller reads only its stage): or as the stream's event of the stage did (module
-        docstring), which carries none of the caller's own fields (its uploads, its plan
-        decision)."""
+        answer is the round's status as this site's ``GetStatus`` gave it, or, with
+        ``stage_only`` (the caller reads only the stage), as the stream's event of the stage gave
+        it (module docstring), without the caller's own fields (its uploads, its decision)."""
         t = self.timing
         start = time.monotonic()
         delay = t.poll_interval_s
