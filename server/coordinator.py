@@ -122,15 +122,20 @@ class Coordinator:
         if site_id not in self.config.sites:
             raise NotPermittedError(f"site {site_id!r} is not provisioned in this federation")
 
-    def require_enrolled(self, site_id: str) -> EnrolmentRow:
-        """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
-        self._known(site_id)
+    def _enrolment(self, site_id: str) -> EnrolmentRow | None:
+        """The site's committed enrolment, from memory once read (the lock only on a miss)."""
         row = self._enrolled.get(site_id)
         if row is None:
             with self.lock:
                 row = self.store.enrolment(site_id)
                 if row is not None:
                     self._enrolled[site_id] = row
+        return row
+
+    def require_enrolled(self, site_id: str) -> EnrolmentRow:
+        """The caller's enrolment; :class:`NotPermittedError` for strangers and the unenrolled."""
+        self._known(site_id)
+        row = self._enrolment(site_id)
         if row is None:
             raise NotPermittedError(f"site {site_id!r} has not enrolled; call Enroll first")
         return row
@@ -243,7 +248,7 @@ class Coordinator:
     def status(self, site_id: str, round_id: str = "") -> pb.StatusResponse:
         self._known(site_id)
         with self.lock:
-            enrolled = self.store.enrolment(site_id) is not None
+            enrolled = self._enrolment(site_id) is not None
             view = self.machine.find(round_id)
             latest = self.store.model()
             response = pb.StatusResponse(

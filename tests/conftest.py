@@ -22,9 +22,10 @@ import pytest
 from hypothesis import settings
 
 # One compute thread per process (a caller's own setting wins): the suite runs more pytest
-# workers than cores (three per two) and the daemons beside them, where OpenMP/BLAS thread pools only contend and spin
-# (DenseNet-121 inference of 10 images on the loaded 2-core machine: 1.6 s of CPU with one
-# thread, 10.7 s with two). Set before any test imports torch or numpy; subprocesses inherit it.
+# workers than cores (three per two) and the daemons beside them, where OpenMP/BLAS thread pools
+# only contend and spin (DenseNet-121 inference of 10 images on the loaded 2-core machine: 1.6 s
+# of CPU with one thread, 10.7 s with two). Set before any test imports torch or numpy;
+# subprocesses inherit it.
 for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 

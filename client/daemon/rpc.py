@@ -94,13 +94,17 @@ class RoundWatcher:
         self._event = threading.Event()
         self._stopped = threading.Event()
         self._call: Any = None
-        self.connected = False
         self.unavailable = False
         self.events_received = 0
         #: round id -> the round's status in the newest event of the open stream; None while no
         #: stream is open (a fresh dict per stream: a restarted coordinator speaks afresh).
         self.latest: dict[str, pb.RoundStatus] | None = None
         self._thread = threading.Thread(target=self._run, name="afl-watch-rounds", daemon=True)
+
+    @property
+    def connected(self) -> bool:
+        """Whether a stream is open."""
+        return self.latest is not None
 
     def start(self) -> RoundWatcher:
         self._thread.start()
@@ -122,7 +126,6 @@ class RoundWatcher:
                 )
                 latest: dict[str, pb.RoundStatus] = {}
                 self.latest = latest
-                self.connected = True
                 for event in self._call:
                     latest[event.status.round_id] = event.status
                     self.events_received += 1
@@ -134,7 +137,6 @@ class RoundWatcher:
                     log.info("the coordinator offers no WatchRounds stream: polling instead")
                     return
             finally:
-                self.connected = False
                 self.latest = None
                 self._event.set()  # a waiter re-reads its status (and falls back to polling)
             self._stopped.wait(delay)
