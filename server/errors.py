@@ -15,6 +15,7 @@ __all__ = [
     "RefusedError",
     "ServerError",
     "StateError",
+    "StoppingError",
     "WrongStageError",
 ]
 
@@ -46,6 +47,11 @@ class ConflictError(ServerError):
 
 class DiskFullError(ServerError):
     """The coordinator's disk is full: a payload could not be stored (RESOURCE_EXHAUSTED)."""
+
+
+class StoppingError(ServerError):
+    """The coordinator is stopping: a call still in flight when the state store closed
+    (UNAVAILABLE, which sites retry against the restarted coordinator)."""
 
 
 class ConfigError(ValueError):

@@ -45,6 +45,7 @@ from afl.server.errors import (
     InvalidRequestError,
     NotPermittedError,
     RefusedError,
+    StoppingError,
     WrongStageError,
 )
 from afl.server.limits import IdleStreamError, LimitExceededError, SiteStreams, idle_limited
@@ -71,6 +72,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (RefusedError, grpc.StatusCode.FAILED_PRECONDITION),
     (ConflictError, grpc.StatusCode.ALREADY_EXISTS),
     (DiskFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StoppingError, grpc.StatusCode.UNAVAILABLE),
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (IdleStreamError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (wire.WireLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -35,7 +35,7 @@ from afl.proto.v1.coordinator_pb2 import (
     SignedEvaluation,
     SignedModel,
 )
-from afl.server.errors import DiskFullError, StateError
+from afl.server.errors import DiskFullError, StateError, StoppingError
 
 __all__ = [
     "ANCHOR_NAME",
@@ -290,6 +290,18 @@ def _run_row(r: Sequence[Any]) -> RunRow:
     return RunRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], int(r[6]), int(r[7]))
 
 
+class _ClosedConnection(sqlite3.Connection):
+    """What :meth:`Store.close` leaves in place of the database: a gRPC handler still running
+    after the server's grace period gets :class:`StoppingError` (UNAVAILABLE, which sites
+    retry), not sqlite3's "Cannot operate on a closed database" as an internal error."""
+
+    def execute(self, *_args: Any, **_kwargs: Any) -> sqlite3.Cursor:
+        raise StoppingError("the coordinator is stopping: its state store is closed; retry")
+
+    def executescript(self, *_args: Any, **_kwargs: Any) -> sqlite3.Cursor:
+        return self.execute()
+
+
 class Store:
     """SQLite state of one federation in ``state_dir`` (created if missing and unanchored)."""
 
@@ -346,8 +358,10 @@ class Store:
         self._write_anchor()
 
     def close(self) -> None:
-        """Close the database (pending transactions are already committed)."""
+        """Close the database (pending transactions are already committed); later calls raise
+        :class:`StoppingError`."""
         self._db.close()
+        self._db = sqlite3.connect(":memory:", factory=_ClosedConnection)
 
     # --- integrity ---------------------------------------------------------------------------
 

@@ -229,7 +229,9 @@ class CoordinatorServer:
             if self._ticker.is_alive():
                 self._ticker.join(timeout=5)
             self._close_metrics()
-            self.store.close()
+            # gRPC lets a handler run on past the grace period: close between its transactions.
+            with self.coordinator.lock:
+                self.store.close()
             log.info("afl-server stopped")
         finally:
             self._finished.set()

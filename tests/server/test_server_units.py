@@ -26,6 +26,7 @@ from afl.server.errors import (
     InvalidRequestError,
     NotPermittedError,
     StateError,
+    StoppingError,
     WrongStageError,
 )
 from afl.server.modes.base import decode_float64
@@ -183,6 +184,7 @@ def test_store_audit_chain_and_state_checks(tmp_path: Path) -> None:
         (NotPermittedError("x"), grpc.StatusCode.PERMISSION_DENIED),
         (WrongStageError("x"), grpc.StatusCode.FAILED_PRECONDITION),
         (ConflictError("x"), grpc.StatusCode.ALREADY_EXISTS),
+        (StoppingError("x"), grpc.StatusCode.UNAVAILABLE),
         (WireLimitError("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (WireError("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (SignatureError("x"), grpc.StatusCode.PERMISSION_DENIED),
@@ -300,6 +302,36 @@ def test_wait_returns_only_once_the_stop_has_closed_the_store(
         stopper.join(timeout=60)
     waiter.join(timeout=60)
     assert not waiter.is_alive()
+
+
+def test_a_call_past_the_grace_period_finds_the_store_stopping_not_closed(
+    federation: ProvisionedFederation, tmp_path: Path
+) -> None:
+    """gRPC lets a handler run on after ``stop(grace)``: the store closes between the
+    coordinator's locked sections, and a later call gets StoppingError (UNAVAILABLE, retried by
+    sites), not sqlite3's closed-database error as an internal one with a traceback."""
+    import threading
+    from dataclasses import replace
+
+    config = load_config(federation.server_dir / "server.toml")
+    server = daemon.CoordinatorServer(
+        replace(config, listen="127.0.0.1:0", state_dir=tmp_path / "state")
+    )
+    server.start()
+    site = next(iter(federation.site_dirs))
+    stopper = threading.Thread(target=server.stop, args=(None,))
+    with server.coordinator.lock:  # a handler inside a transition
+        stopper.start()
+        stopper.join(timeout=0.5)
+        assert stopper.is_alive(), "the store closed while a locked section was running"
+        assert server.store.enrolment(site) is None  # still open
+    stopper.join(timeout=60)
+    assert not stopper.is_alive()
+    with pytest.raises(StoppingError, match="stopping"):
+        server.coordinator.require_enrolled(site)
+    with pytest.raises(StoppingError), server.store.transaction():
+        pass
+    assert status_for(StoppingError("x"))[0] is grpc.StatusCode.UNAVAILABLE
 
 
 def test_afl_server_process_stops_gracefully_on_sigterm(
