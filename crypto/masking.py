@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 
 from afl.crypto.canonical import DOMAIN_TAG, Field
 from afl.crypto.errors import MaskingError
-from afl.crypto.prg import check_seed, expand_seed
+from afl.crypto.prg import add_stream, check_seed, expand_seed
 
 __all__ = [
     "dropout_correction",
@@ -92,21 +92,25 @@ def pairwise_mask(
     n = _check_length(length)
     _check_members(my_id, members)
     ctx = _context(round_id, release, "pairwise")
-    if out is not None and (out.dtype != np.uint64 or out.shape != (n,)):
-        raise MaskingError(f"out must be a uint64 vector of length {n}")
+    if out is not None and (
+        out.dtype != np.uint64
+        or out.shape != (n,)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise MaskingError(f"out must be a writable, contiguous uint64 vector of length {n}")
     total = np.zeros(n, dtype=np.uint64) if out is None else out
     for peer in members:
         if peer == my_id:
             continue
         if peer not in pairwise_seeds:
             raise MaskingError(f"no pairwise seed with release member {peer!r}")
-        stream = expand_seed(
-            check_seed(pairwise_seeds[peer], what="pairwise seed"), n_words=n, context=ctx
+        add_stream(
+            check_seed(pairwise_seeds[peer], what="pairwise seed"),
+            out=total,
+            context=ctx,
+            subtract=peer < my_id,
         )
-        if peer > my_id:
-            np.add(total, stream, out=total)
-        else:
-            np.subtract(total, stream, out=total)
     return total
 
 
@@ -135,7 +139,7 @@ def mask_input(
     if x.dtype != np.uint64 or x.ndim != 1:
         raise MaskingError("encoded input must be a 1-D uint64 vector (flatten blocks first)")
     n = x.shape[0]
-    y = x if overwrite and x.flags.writeable else x.copy()
+    y = x if overwrite and x.flags.writeable and x.flags.c_contiguous else x.copy()
     pairwise_mask(
         my_id=my_id,
         members=members,
@@ -145,8 +149,11 @@ def mask_input(
         release=release,
         out=y,
     )
-    s = self_mask(self_seed=self_seed, length=n, round_id=round_id, release=release)
-    np.add(y, s, out=y)
+    add_stream(
+        check_seed(self_seed, what="self-mask seed"),
+        out=y,
+        context=_context(round_id, release, "self"),
+    )
     return y
 
 
@@ -238,23 +245,23 @@ def unmask_total(
     if set(dropped_pairwise_seeds) != set(dropped):
         raise MaskingError("dropped_pairwise_seeds must cover exactly the dropped members")
     total = ring_sum([masked_total], length=n)
+    self_context = _context(round_id, release, "self")
     for s in survivors:
         if s not in self_seeds:
             raise MaskingError(f"missing the self-mask seed of survivor {s!r}")
-        np.subtract(
-            total,
-            self_mask(self_seed=self_seeds[s], length=n, round_id=round_id, release=release),
-            out=total,
-        )
+        seed = check_seed(self_seeds[s], what="self-mask seed")
+        add_stream(seed, out=total, context=self_context, subtract=True)
     for d in dropped:
+        # total - dropout_correction(d) = total + p_d over d's surviving neighbours: added in
+        # place, no vector per dropped site.
         masked_with = [s for s in survivors if neighbours is None or s in neighbours[d]]
-        correction = dropout_correction(
-            dropped_id=d,
-            survivors=masked_with,
-            dropped_seeds=dropped_pairwise_seeds[d],
+        pairwise_mask(
+            my_id=d,
+            members=[*masked_with, d],
+            pairwise_seeds=dropped_pairwise_seeds[d],
             length=n,
             round_id=round_id,
             release=release,
+            out=total,
         )
-        np.subtract(total, correction, out=total)
     return total

@@ -247,6 +247,28 @@ def test_errors() -> None:
         pairwise_mask(
             my_id="z", members=ids, pairwise_seeds=seeds["a"], length=4, round_id="r", release="g"
         )
+    with pytest.raises(MaskingError, match="contiguous"):
+        pairwise_mask(
+            my_id="a",
+            members=ids,
+            pairwise_seeds=seeds["a"],
+            length=4,
+            round_id="r",
+            release="g",
+            out=np.zeros(8, dtype=np.uint64)[::2],
+        )
+    strided = np.arange(8, dtype=np.uint64)[::2]  # masked in a copy, even with overwrite
+    masked = mask_input(
+        encoded=strided,
+        my_id="a",
+        members=ids,
+        pairwise_seeds=seeds["a"],
+        self_seed=bytes(32),
+        round_id="r",
+        release="g",
+        overwrite=True,
+    )
+    assert masked.flags.c_contiguous and list(strided) == [0, 2, 4, 6]
     with pytest.raises(MaskingError, match="duplicate"):
         pairwise_mask(
             my_id="a",

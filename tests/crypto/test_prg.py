@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.errors import InvalidSeedError
-from afl.crypto.prg import SEED_BYTES, check_seed, expand_seed
+from afl.crypto.prg import CHUNK_WORDS, SEED_BYTES, add_stream, check_seed, expand_seed
 
 seeds = st.binary(min_size=32, max_size=32)
 
@@ -103,3 +103,42 @@ def test_rejects_bad_lengths_and_allows_empty() -> None:
 def test_output_is_writable_copy() -> None:
     out = expand_seed(os.urandom(32), n_words=8)
     out += np.uint64(1)  # must not raise (not a read-only view of the cipher buffer)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=seeds,
+    n=st.sampled_from([1, 3, CHUNK_WORDS - 1, CHUNK_WORDS, CHUNK_WORDS + 1, 2 * CHUNK_WORDS + 7]),
+    subtract=st.booleans(),
+    base_seed=st.integers(0, 2**32 - 1),
+)
+def test_add_stream_adds_the_oracle_s_words_across_chunk_boundaries(
+    seed: bytes, n: int, subtract: bool, base_seed: int
+) -> None:
+    """The stream added (or subtracted) chunk by chunk is the CTR keystream of the ECB oracle:
+    the counter runs on across chunks as in one call, mod 2^64."""
+    base = np.random.default_rng(base_seed).integers(0, 2**64, size=n, dtype=np.uint64)
+    stream = _oracle(seed, n, ("r", "x"))
+    out = base.copy()
+    assert add_stream(seed, out=out, context=("r", "x"), subtract=subtract) is out
+    want = np.subtract(base, stream) if subtract else np.add(base, stream)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(expand_seed(seed, n_words=n, context=("r", "x")), stream)
+
+
+def test_add_stream_refuses_what_it_cannot_add_into_in_place() -> None:
+    seed = os.urandom(32)
+    read_only = np.zeros(4, dtype=np.uint64)
+    read_only.flags.writeable = False
+    for bad in (
+        np.zeros(4, dtype=np.int64),
+        np.zeros((2, 2), dtype=np.uint64),
+        np.zeros(8, dtype=np.uint64)[::2],
+        read_only,
+    ):
+        with pytest.raises(ValueError, match="out must be"):
+            add_stream(seed, out=bad)
+    with pytest.raises(InvalidSeedError):
+        add_stream(b"short", out=np.zeros(4, dtype=np.uint64))
+    empty = np.zeros(0, dtype=np.uint64)
+    assert add_stream(seed, out=empty) is empty
