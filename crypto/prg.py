@@ -102,12 +102,13 @@ def add_stream(
     # update_into writes the keystream straight into the buffer, which must have
     # block_size - 1 spare bytes; a chunk is a whole number of AES blocks, so the counter
     # runs on across chunks exactly as in one call.
-    buffer = bytearray(8 * CHUNK_WORDS + 15)
-    keystream = np.frombuffer(buffer, dtype="<u8", count=CHUNK_WORDS)
+    size = min(n, CHUNK_WORDS)
+    buffer = bytearray(8 * size + 15)
+    keystream = np.frombuffer(buffer, dtype="<u8", count=size)
     combine = np.subtract if subtract else np.add
     for start in range(0, n, CHUNK_WORDS):
-        m = min(CHUNK_WORDS, n - start)
-        if encryptor.update_into(_ZEROS[: 8 * m] if m < CHUNK_WORDS else _ZEROS, buffer) != 8 * m:
+        m = min(size, n - start)
+        if encryptor.update_into(_ZEROS[: 8 * m], buffer) != 8 * m:
             raise RuntimeError("AES-CTR produced an unexpected amount of keystream")
         part = out[start : start + m]
         combine(part, keystream[:m], out=part)

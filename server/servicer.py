@@ -220,13 +220,12 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
     def WatchRounds(
         self, request: pb.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.RoundEvent]:
-        def body(s: str) -> str:
+        def body(s: str) -> tuple[str, set[str]]:
             site = self.coordinator.require_enrolled(s).site_id
             self._stream_slot(site, "watch", context)
-            return site
+            return site, self.coordinator.rounds_up_to(request.after_round_id)
 
-        site = self._call("WatchRounds", context, body)
-        earlier = self.coordinator.rounds_up_to(request.after_round_id)
+        site, earlier = self._call("WatchRounds", context, body)
         sequence = 0
         while context.is_active() and not self._stopping():
             events, sequence = self.coordinator.events_after(

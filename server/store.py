@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from afl.core.erase import erase_file
 from afl.core.row_bounds import RowBounds
@@ -290,16 +290,17 @@ def _run_row(r: Sequence[Any]) -> RunRow:
     return RunRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5], int(r[6]), int(r[7]))
 
 
-class _ClosedConnection(sqlite3.Connection):
+class _ClosedConnection:
     """What :meth:`Store.close` leaves in place of the database: a gRPC handler still running
     after the server's grace period gets :class:`StoppingError` (UNAVAILABLE, which sites
-    retry), not sqlite3's "Cannot operate on a closed database" as an internal error."""
+    retry) from any use of it, not sqlite3's "Cannot operate on a closed database" as an
+    internal error. Closing it again does nothing."""
 
-    def execute(self, *_args: Any, **_kwargs: Any) -> sqlite3.Cursor:
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
         raise StoppingError("the coordinator is stopping: its state store is closed; retry")
-
-    def executescript(self, *_args: Any, **_kwargs: Any) -> sqlite3.Cursor:
-        return self.execute()
 
 
 class Store:
@@ -361,7 +362,7 @@ class Store:
         """Close the database (pending transactions are already committed); later calls raise
         :class:`StoppingError`."""
         self._db.close()
-        self._db = sqlite3.connect(":memory:", factory=_ClosedConnection)
+        self._db = cast(sqlite3.Connection, _ClosedConnection())
 
     # --- integrity ---------------------------------------------------------------------------
 

@@ -331,6 +331,9 @@ def test_a_call_past_the_grace_period_finds_the_store_stopping_not_closed(
         server.coordinator.require_enrolled(site)
     with pytest.raises(StoppingError), server.store.transaction():
         pass
+    with pytest.raises(StoppingError):
+        server.store._db.cursor()  # any use of the closed connection, not only execute
+    server.store.close()  # a second close does nothing
     assert status_for(StoppingError("x"))[0] is grpc.StatusCode.UNAVAILABLE
 
 
