@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,12 +131,13 @@ def test_add_stream_refuses_what_it_cannot_add_into_in_place() -> None:
     seed = os.urandom(32)
     read_only = np.zeros(4, dtype=np.uint64)
     read_only.flags.writeable = False
-    for bad in (
+    bad_arrays: list[Any] = [
         np.zeros(4, dtype=np.int64),
         np.zeros((2, 2), dtype=np.uint64),
         np.zeros(8, dtype=np.uint64)[::2],
         read_only,
-    ):
+    ]
+    for bad in bad_arrays:
         with pytest.raises(ValueError, match="out must be"):
             add_stream(seed, out=bad)
     with pytest.raises(InvalidSeedError):
