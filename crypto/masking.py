@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 
 from afl.crypto.canonical import DOMAIN_TAG, Field
 from afl.crypto.errors import MaskingError
-from afl.crypto.prg import add_stream, check_seed, expand_seed
+from afl.crypto.prg import add_stream, check_seed
 
 __all__ = [
     "dropout_correction",
@@ -62,6 +62,21 @@ def _check_members(my_id: str, members: Sequence[str]) -> None:
         raise MaskingError(f"site {my_id!r} is not a member of this release")
 
 
+def _accumulator(out: U64 | None, n: int) -> U64:
+    """``out`` checked to be a writable, contiguous uint64 vector of ``n`` (the streams are added
+    into it in place), or a new zero vector."""
+    if out is None:
+        return np.zeros(n, dtype=np.uint64)
+    if (
+        out.dtype != np.uint64
+        or out.shape != (n,)
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise MaskingError(f"out must be a writable, contiguous uint64 vector of length {n}")
+    return out
+
+
 def ring_sum(arrays: Iterable[U64], *, length: int) -> U64:
     """Σ arrays mod 2^64 (uint64 wrapping addition); zeros(length) for an empty iterable."""
     total = np.zeros(_check_length(length), dtype=np.uint64)
@@ -92,14 +107,7 @@ def pairwise_mask(
     n = _check_length(length)
     _check_members(my_id, members)
     ctx = _context(round_id, release, "pairwise")
-    if out is not None and (
-        out.dtype != np.uint64
-        or out.shape != (n,)
-        or not out.flags.c_contiguous
-        or not out.flags.writeable
-    ):
-        raise MaskingError(f"out must be a writable, contiguous uint64 vector of length {n}")
-    total = np.zeros(n, dtype=np.uint64) if out is None else out
+    total = _accumulator(out, n)
     for peer in members:
         if peer == my_id:
             continue
@@ -114,11 +122,22 @@ def pairwise_mask(
     return total
 
 
-def self_mask(*, self_seed: bytes, length: int, round_id: str, release: str) -> U64:
-    """PRG(b_i; R): the self mask of one site for one release."""
-    check_seed(self_seed, what="self-mask seed")
-    return expand_seed(
-        self_seed, n_words=_check_length(length), context=_context(round_id, release, "self")
+def self_mask(
+    *,
+    self_seed: bytes,
+    length: int,
+    round_id: str,
+    release: str,
+    out: U64 | None = None,
+    subtract: bool = False,
+) -> U64:
+    """PRG(b_i; R): the self mask of one site for one release. With ``out`` (a writable,
+    contiguous uint64 vector of ``length``) it is added into it (``subtract``: subtracted) and
+    ``out`` is returned."""
+    seed = check_seed(self_seed, what="self-mask seed")
+    total = _accumulator(out, _check_length(length))
+    return add_stream(
+        seed, out=total, context=_context(round_id, release, "self"), subtract=subtract
     )
 
 
@@ -149,12 +168,7 @@ def mask_input(
         release=release,
         out=y,
     )
-    add_stream(
-        check_seed(self_seed, what="self-mask seed"),
-        out=y,
-        context=_context(round_id, release, "self"),
-    )
-    return y
+    return self_mask(self_seed=self_seed, length=n, round_id=round_id, release=release, out=y)
 
 
 def dropout_correction(
@@ -165,12 +179,15 @@ def dropout_correction(
     length: int,
     round_id: str,
     release: str,
+    remove_from: U64 | None = None,
 ) -> U64:
     """Σ_{i∈survivors} (survivor i's mask term with dropped site d) (mod 2^64).
 
     Survivor i added +PRG(s_id) if d > i and -PRG(s_id) if d < i; this sum equals the negated
     pairwise mask of d restricted to the survivors. ``dropped_seeds`` maps survivor id → s_id
-    (the server recomputes them from d's reconstructed key).
+    (the server recomputes them from d's reconstructed key). With ``remove_from`` (a writable,
+    contiguous uint64 vector of ``length``) the correction is subtracted from it in place, which
+    is adding d's pairwise mask, and ``remove_from`` is returned.
     """
     if dropped_id in survivors:
         raise MaskingError(f"site {dropped_id!r} cannot be both dropped and a survivor")
@@ -181,8 +198,9 @@ def dropout_correction(
         length=length,
         round_id=round_id,
         release=release,
+        out=remove_from,
     )
-    return np.subtract(np.zeros_like(p_d), p_d)
+    return p_d if remove_from is not None else np.subtract(np.zeros_like(p_d), p_d)
 
 
 def unmask_sum(
@@ -245,23 +263,25 @@ def unmask_total(
     if set(dropped_pairwise_seeds) != set(dropped):
         raise MaskingError("dropped_pairwise_seeds must cover exactly the dropped members")
     total = ring_sum([masked_total], length=n)
-    self_context = _context(round_id, release, "self")
-    for s in survivors:
+    for s in survivors:  # each stream subtracted in place: no vector per survivor or drop-out
         if s not in self_seeds:
             raise MaskingError(f"missing the self-mask seed of survivor {s!r}")
-        seed = check_seed(self_seeds[s], what="self-mask seed")
-        add_stream(seed, out=total, context=self_context, subtract=True)
-    for d in dropped:
-        # total - dropout_correction(d) = total + p_d over d's surviving neighbours: added in
-        # place, no vector per dropped site.
-        masked_with = [s for s in survivors if neighbours is None or s in neighbours[d]]
-        pairwise_mask(
-            my_id=d,
-            members=[*masked_with, d],
-            pairwise_seeds=dropped_pairwise_seeds[d],
+        self_mask(
+            self_seed=self_seeds[s],
             length=n,
             round_id=round_id,
             release=release,
             out=total,
+            subtract=True,
+        )
+    for d in dropped:
+        dropout_correction(
+            dropped_id=d,
+            survivors=[s for s in survivors if neighbours is None or s in neighbours[d]],
+            dropped_seeds=dropped_pairwise_seeds[d],
+            length=n,
+            round_id=round_id,
+            release=release,
+            remove_from=total,
         )
     return total

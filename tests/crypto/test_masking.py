@@ -208,6 +208,18 @@ def test_dropout_correction_equals_survivors_terms() -> None:
         for i in survivors
     ]
     assert corr.tolist() == _oracle_sum(terms)
+    base = np.arange(8, dtype=np.uint64)
+    removed = dropout_correction(
+        dropped_id="c",
+        survivors=survivors,
+        dropped_seeds=seeds["c"],
+        length=8,
+        round_id="r",
+        release="x",
+        remove_from=base,
+    )
+    assert removed is base  # in place
+    assert removed.tolist() == [(i - c) % 2**64 for i, c in enumerate(corr.tolist())]
 
 
 def test_uploads_look_uniform_and_uncorrelated_with_inputs() -> None:
