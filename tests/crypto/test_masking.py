@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -187,14 +188,15 @@ def test_dropout_correction_equals_survivors_terms() -> None:
     ids = ["a", "b", "c", "d"]
     seeds = _pair_seeds(ids)
     survivors = ["a", "b", "d"]
-    corr = dropout_correction(
-        dropped_id="c",
-        survivors=survivors,
-        dropped_seeds=seeds["c"],
-        length=8,
-        round_id="r",
-        release="x",
-    )
+    of_c: dict[str, Any] = {
+        "dropped_id": "c",
+        "survivors": survivors,
+        "dropped_seeds": seeds["c"],
+        "length": 8,
+        "round_id": "r",
+        "release": "x",
+    }
+    corr = dropout_correction(**of_c)
     # Each survivor's own mask restricted to the pair {i, c}.
     terms = [
         pairwise_mask(
@@ -209,15 +211,7 @@ def test_dropout_correction_equals_survivors_terms() -> None:
     ]
     assert corr.tolist() == _oracle_sum(terms)
     base = np.arange(8, dtype=np.uint64)
-    removed = dropout_correction(
-        dropped_id="c",
-        survivors=survivors,
-        dropped_seeds=seeds["c"],
-        length=8,
-        round_id="r",
-        release="x",
-        remove_from=base,
-    )
+    removed = dropout_correction(**of_c, remove_from=base)
     assert removed is base  # in place
     assert removed.tolist() == [(i - c) % 2**64 for i, c in enumerate(corr.tolist())]
 
