@@ -60,11 +60,19 @@ from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
 from afl.server.transparency import FederationLog, cosigned_to_proto
 
-__all__ = ["ENROL_CHALLENGE_TTL_S", "MAX_OPEN_CHALLENGES", "SERVER_VERSION", "Coordinator"]
+__all__ = [
+    "CHECKPOINT_HOLD_MAX_S",
+    "ENROL_CHALLENGE_TTL_S",
+    "MAX_OPEN_CHALLENGES",
+    "SERVER_VERSION",
+    "Coordinator",
+]
 
 SERVER_VERSION = f"afl-server/{afl_version()}"
 ENROL_CHALLENGE_TTL_S = 300.0
 MAX_OPEN_CHALLENGES = 4
+#: The longest a GetCheckpoint answer is held for its ``wait_ms`` (docs/protocol.md §11a).
+CHECKPOINT_HOLD_MAX_S = 2.0
 _ROLES = {"participant": pb.SITE_ROLE_PARTICIPANT, "decryptor": pb.SITE_ROLE_DECRYPTOR}
 
 log = logging.getLogger("afl.server.coordinator")
@@ -87,6 +95,8 @@ class Coordinator:
         self.machine = RoundMachine(config, store, identity_key, metrics=self.metrics, clock=clock)
         self.store = store
         self.lock: threading.Condition = self.machine.lock
+        self._holding: set[str] = set()  # the sites with a held GetCheckpoint
+        self._holding_lock = threading.Lock()
         self._clock = clock
         self._challenges: dict[str, dict[bytes, float]] = {}  # site -> nonce -> expiry (s)
         # site -> its enrolment as last read from the store: every request checks its caller's,
@@ -631,10 +641,48 @@ class Coordinator:
         self, site_id: str, request: pb.CheckpointRequest | None = None
     ) -> pb.CosignedLogCheckpoint:
         """The newest checkpoint (``request.size`` 0) or that of ``request.size``, with its
-        cosignatures and the proofs the request asks for (:meth:`FederationLog.answer`)."""
+        cosignatures and the proofs the request asks for (:meth:`FederationLog.answer`). With
+        ``wait_ms`` and a condition (``wait_cosignatures``, ``wait_grown_past``) that the answer
+        does not meet yet, the answer is held until the store commits what meets it
+        (:mod:`afl.server.logwait`), at most :data:`CHECKPOINT_HOLD_MAX_S` and one held call
+        per caller (a second one is answered at once), and computed afresh."""
         self.require_enrolled(site_id)
+        request = request or pb.CheckpointRequest()
+        want, past = int(request.wait_cosignatures), int(request.wait_grown_past)
+        if past and request.size:
+            raise InvalidRequestError(
+                "wait_grown_past waits for the newest checkpoint: a request for the checkpoint "
+                f"of size {request.size} cannot ask for it"
+            )
         with self.lock:
-            return self.log.answer(request or pb.CheckpointRequest())
+            answer = self.log.answer(request)
+        hold_s = min(request.wait_ms / 1000, CHECKPOINT_HOLD_MAX_S)
+        met = (want and len(answer.cosignatures) >= want) or (
+            past and answer.checkpoint.size > past
+        )
+        if hold_s <= 0 or met or not (want or past) or not self._hold(site_id):
+            return answer
+        try:
+            self.store.log_changes.wait(
+                checkpoint=int(answer.checkpoint.size),
+                cosigners=[c.witness for c in answer.cosignatures],
+                want_cosigners=want,
+                grown_past=past,
+                timeout_s=hold_s,
+            )
+        finally:
+            with self._holding_lock:
+                self._holding.discard(site_id)
+        with self.lock:
+            return self.log.answer(request)
+
+    def _hold(self, site_id: str) -> bool:
+        """Take ``site_id``'s one held-GetCheckpoint slot (False: it holds one already)."""
+        with self._holding_lock:
+            if site_id in self._holding:
+                return False
+            self._holding.add(site_id)
+            return True
 
     def log_consistency(self, site_id: str, old_size: int, new_size: int) -> pb.LogProof:
         self.require_enrolled(site_id)

@@ -76,11 +76,14 @@ class StreamLimits:
 
 
 def worker_threads(limits: StreamLimits, *, sites: int) -> int:
-    """The gRPC worker pool: the configured size, or enough for every site's streams at once
+    """The gRPC worker pool: the configured size, or enough for every site's streams and its
+    one held GetCheckpoint (:meth:`afl.server.coordinator.Coordinator.log_checkpoint`) at once
     plus :data:`UNARY_WORKERS` (at least 32)."""
     if limits.worker_threads:
         return limits.worker_threads
-    per_site = limits.watch_streams_per_site + limits.uploads_per_site + limits.downloads_per_site
+    per_site = (
+        limits.watch_streams_per_site + limits.uploads_per_site + limits.downloads_per_site + 1
+    )
     return max(32, sites * per_site + UNARY_WORKERS)
 
 

@@ -36,6 +36,7 @@ from afl.proto.v1.coordinator_pb2 import (
     SignedModel,
 )
 from afl.server.errors import DiskFullError, StateError, StoppingError
+from afl.server.logwait import LogChanges
 
 __all__ = [
     "ANCHOR_NAME",
@@ -317,6 +318,11 @@ class Store:
         self.state_dir, self.read_only = Path(state_dir), read_only
         self._federation_id, self._depth = federation_id, 0
         self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
+        #: The log's committed size and recent cosigners, for held GetCheckpoint calls; what
+        #: the open transaction adds to them is told once it commits.
+        self.log_changes = LogChanges()
+        self._log_grew = False
+        self._cosigned_pending: list[tuple[int, str]] = []
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
         if read_only:
@@ -357,12 +363,14 @@ class Store:
         self._check_log()
         self._check_payloads()
         self._write_anchor()
+        self.log_changes.committed(size=self.log_size())
 
     def close(self) -> None:
         """Close the database (pending transactions are already committed); later calls raise
         :class:`StoppingError`."""
         self._db.close()
         self._db = cast(sqlite3.Connection, _ClosedConnection())
+        self.log_changes.close()
 
     # --- integrity ---------------------------------------------------------------------------
 
@@ -528,11 +536,16 @@ class Store:
             ).fetchall()[0][0]
         except BaseException:
             self._db.execute("ROLLBACK")
+            self._log_grew, self._cosigned_pending = False, []
             raise
         finally:
             self._depth = 0
         self._db.execute("COMMIT")
         self._write_anchor(int(commits))
+        if self._log_grew or self._cosigned_pending:
+            size = self.log_size() if self._log_grew else 0
+            cosigned, self._log_grew, self._cosigned_pending = self._cosigned_pending, False, []
+            self.log_changes.committed(size=size, cosigned=cosigned)
 
     _tx = transaction
 
@@ -1291,6 +1304,7 @@ class Store:
                 "INSERT INTO fedlog VALUES (?, ?, ?, ?, ?)",
                 (idx, kind, entry, leaf_hash(entry), now_ms()),
             )
+            self._log_grew = True
         return idx
 
     def log_size(self) -> int:
@@ -1367,6 +1381,7 @@ class Store:
                 "INSERT OR REPLACE INTO log_cosignatures VALUES (?, ?, ?, ?, ?)",
                 (size, witness, root, signature, now_ms()),
             )
+            self._cosigned_pending.append((size, witness))
 
     def log_cosignatures(self, size: int) -> list[tuple[str, bytes, bytes]]:
         """(witness, root, signature) of every cosignature on the checkpoint of ``size``."""

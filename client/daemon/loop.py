@@ -596,13 +596,20 @@ class ClientDaemon:
         self._witnessed_key = seen_key
         self._witness_log(now)
 
-    def _witness_log(self, now: float | None = None) -> None:
+    def _witness_log(self, now: float | None = None, *, hold_s: float = 0.0) -> None:
         """Witness the log's newest checkpoint; a split view stops the site, another failure is
-        logged (the next status answer tries again)."""
+        logged (the next status answer tries again). ``hold_s``: the coordinator may hold its
+        answer up to that long until the log grows past the last checkpoint this site cosigned
+        (a statement for it to cosign)."""
         self._witnessed_at = time.monotonic() if now is None else now
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        last = self.log_witness.last
         try:
-            self.log_witness.witness(self.rpc.call)
+            self.log_witness.witness(
+                self.rpc.call,
+                hold_s=hold_s,
+                wait_grown_past=last.checkpoint.size if last is not None else 0,
+            )
         except LogEvidence:
             raise
         except DaemonError as exc:
@@ -1049,8 +1056,10 @@ class ClientDaemon:
 
     def _witness_while_decrypted(self, round_id: str) -> tuple[threading.Event, Background[None]]:
         """While this site waits for its CKKS round's model: witness the log's newest checkpoint
-        in a thread, polling from :data:`QUORUM_POLL_S` and backing off to
-        :data:`DECRYPTION_WITNESS_MAX_S`, until the returned event is set. The decryptor
+        in a thread, pausing from :data:`QUORUM_POLL_S` and backing off to
+        :data:`DECRYPTION_WITNESS_MAX_S` between steps, until the returned event is set; the
+        coordinator holds each step's answer, as long, until the log grows (so the decryptor's
+        statement is cosigned as it is committed, not at the next step). The decryptor
         decrypts only once its `decrypting` statement is in a checkpoint cosigned by a quorum
         of the roster (M-235), and the round's participants witness nothing else meanwhile
         (:meth:`_observe`): without this, the quorum would wait for the model that waits for it.
@@ -1062,7 +1071,7 @@ class ClientDaemon:
         def witness() -> None:
             delay = min(t.poll_interval_s, QUORUM_POLL_S)
             while not stop.wait(delay):
-                self._witness_log()
+                self._witness_log(hold_s=ceiling)
                 delay = min(delay * 1.5, ceiling)
 
         return stop, Background(witness, name=f"decrypting-{round_id}")

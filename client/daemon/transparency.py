@@ -64,6 +64,8 @@ from afl.proto.v1 import coordinator_pb2 as pb
 
 __all__ = [
     "EVIDENCE_DIR",
+    "HOLD_MAX_S",
+    "HOLD_MIN_S",
     "IDLE_WITNESS_S",
     "QUORUM_POLL_S",
     "WITNESS_STATE",
@@ -85,6 +87,15 @@ IDLE_WITNESS_S = 5.0
 #: quorum that forms within moments of this site's own cosignature is seen within moments, and
 #: a long wait costs a few more small requests: ten in the first second, not six).
 QUORUM_POLL_S = 0.01
+#: The longest this site asks the coordinator to hold a GetCheckpoint answer (seconds; the
+#: coordinator caps it at the same; docs/protocol.md §11a). A wait for a quorum or for a statement
+#: to cosign asks for a held answer instead of sleeping, so it ends as the awaited cosignature or
+#: statement is committed, not at the next poll.
+HOLD_MAX_S = 2.0
+#: The shortest hold a quorum wait asks for after its first step (seconds): a hold ends as the
+#: quorum or a newer checkpoint is committed, so a longer one costs no latency, only fewer calls;
+#: it is short enough that a wait told to stop (the site refused the plan meanwhile) ends soon.
+HOLD_MIN_S = 0.1
 EVIDENCE_DIR = "log-evidence"
 Call = Callable[[str, Any], Any]
 
@@ -145,8 +156,11 @@ class LogWitness:
         coordinator_key: Ed25519PublicKey,
         roster: Mapping[str, bytes],
         quorum: int = 0,
+        hold_max_s: float = HOLD_MAX_S,
     ) -> None:
         self.path = Path(state_dir) / WITNESS_STATE
+        #: The longest a held GetCheckpoint may take (under the site's RPC deadline).
+        self.hold_max_s = hold_max_s
         self.evidence_dir = Path(state_dir) / EVIDENCE_DIR
         self.site_id, self.federation_id = site_id, federation_id
         self.key, self.coordinator_key = key, coordinator_key
@@ -192,6 +206,7 @@ class LogWitness:
             coordinator_key=load_public_key_raw(config.server_public_key),
             roster=kit_roster(config),
             quorum=config.policy.witness_quorum,
+            hold_max_s=min(HOLD_MAX_S, config.timing.rpc_timeout_s / 2),
         )
 
     def _save(self) -> None:
@@ -225,24 +240,62 @@ class LogWitness:
         dump_json(path, dict(doc))
         return path
 
-    def witness(self, call: Call, *, inclusion_leaf: bytes = b"") -> pb.CosignedLogCheckpoint:
+    def witness(
+        self,
+        call: Call,
+        *,
+        inclusion_leaf: bytes = b"",
+        hold_s: float = 0.0,
+        wait_cosignatures: int = 0,
+        wait_grown_past: int = 0,
+    ) -> pb.CosignedLogCheckpoint:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
         step 1); the answer, with the coordinator's cosignatures (and the inclusion proof of
         the statement with leaf hash ``inclusion_leaf`` when the checkpoint holds it, for
         :meth:`check_inclusion`). :class:`SplitViewDetected` when it does not extend it, after
-        the evidence is written."""
+        the evidence is written. With ``hold_s`` the coordinator holds its answer up to that
+        long (at most :attr:`hold_max_s`) until the checkpoint has ``wait_cosignatures`` or the
+        log grew past ``wait_grown_past`` statements; the call is held outside this witness's
+        lock, and its answer is asked for again should another step cosign meanwhile."""
+        if hold_s <= 0 or not (wait_cosignatures or wait_grown_past):
+            with self._lock:
+                return self._witness(call, inclusion_leaf)
         with self._lock:
-            return self._witness(call, inclusion_leaf)
+            previous = self.last
+        held: pb.CosignedLogCheckpoint = call(
+            "GetCheckpoint",
+            self._request(
+                previous,
+                inclusion_leaf,
+                wait_ms=max(1, int(min(hold_s, self.hold_max_s) * 1000)),
+                wait_cosignatures=wait_cosignatures,
+                wait_grown_past=wait_grown_past,
+            ),
+        )
+        with self._lock:  # a step that cosigned meanwhile made the held answer's proof stale
+            return self._witness(call, inclusion_leaf, held if self.last is previous else None)
 
-    def _witness(self, call: Call, inclusion_leaf: bytes) -> pb.CosignedLogCheckpoint:
-        previous = self.last
-        # One call: the checkpoint, the consistency proof from the last one this site cosigned
-        # and the inclusion proof it waits for (docs/protocol.md §11a).
-        request = pb.CheckpointRequest(
+    @staticmethod
+    def _request(
+        previous: SignedCheckpoint | None, inclusion_leaf: bytes, **wait: int
+    ) -> pb.CheckpointRequest:
+        """One call: the checkpoint, the consistency proof from the last one this site cosigned
+        and the inclusion proof it waits for (docs/protocol.md §11a)."""
+        return pb.CheckpointRequest(
             consistency_from=previous.checkpoint.size if previous is not None else 0,
             inclusion_leaf=inclusion_leaf,
+            **wait,
         )
-        answer: pb.CosignedLogCheckpoint = call("GetCheckpoint", request)
+
+    def _witness(
+        self,
+        call: Call,
+        inclusion_leaf: bytes,
+        answer: pb.CosignedLogCheckpoint | None = None,
+    ) -> pb.CosignedLogCheckpoint:
+        previous = self.last
+        if answer is None:
+            answer = call("GetCheckpoint", self._request(previous, inclusion_leaf))
         try:
             offered = wire.checkpoint_from_proto(answer.checkpoint)
         except wire.WireError as exc:
@@ -418,17 +471,29 @@ class LogWitness:
     ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why ``statement`` (``what``, for the message) is not yet in a checkpoint cosigned by
         a quorum of the roster ("" once it is, polling from ``poll_s`` up to ``wait_s``), and
-        that checkpoint (None until then). Each poll witnesses (cosigns) the newest checkpoint.
-        The quorum may gather on the first checkpoint this wait found the statement in while the
-        newest has fewer cosignatures (sites that found their quorum there stopped polling), so
-        that one is asked for again when the newest lacks the quorum."""
+        that checkpoint (None until then). Each poll witnesses (cosigns) the newest checkpoint;
+        after the first, the coordinator holds a poll's answer until the checkpoint has a
+        quorum's count of cosignatures or a newer checkpoint exists, for the back-off's delay
+        and at least :data:`HOLD_MIN_S` (a coordinator that answers at once is waited out here,
+        as it was polled before). The quorum may gather on the first checkpoint this wait found
+        the statement in while the newest has fewer cosignatures (sites that found their quorum
+        there stopped polling), so that one is asked for again when the newest lacks the
+        quorum."""
         leaf = leaf_hash(statement)
         deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
         held: pb.CosignedLogCheckpoint | None = None  # the first checkpoint that holds it
+        hold_s, size = 0.0, 0  # the first step answers at once: this site's cosignature first
         while True:
             if stop is not None and stop.is_set():
                 return f"the log check of {what} was stopped: {why}", None
-            answer = self.witness(call, inclusion_leaf=leaf)
+            asked = time.monotonic()
+            answer = self.witness(
+                call,
+                inclusion_leaf=leaf,
+                hold_s=hold_s,
+                wait_cosignatures=self.quorum,
+                wait_grown_past=size,  # a newer checkpoint to cosign ends the hold too
+            )
             size = int(answer.checkpoint.size)
             try:
                 if held is None:
@@ -443,15 +508,19 @@ class LogWitness:
                 why = str(exc)
             except DaemonError as exc:  # not in this checkpoint yet
                 why = f"{what} is not in log checkpoint size {size} ({exc})"
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return (
                     f"{what} is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
                 ), None
-            if stop is not None:
-                stop.wait(delay)
-            else:
-                time.sleep(delay)
+            rest = hold_s - (now - asked)  # what the coordinator did not hold
+            if rest > 0:
+                if stop is not None:
+                    stop.wait(rest)
+                else:
+                    time.sleep(rest)
+            hold_s = min(max(delay, HOLD_MIN_S), self.hold_max_s, deadline - time.monotonic())
             delay = min(delay * 1.5, max_poll_s)
 
     def _quorum_among(

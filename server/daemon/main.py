@@ -223,6 +223,7 @@ class CoordinatorServer:
         self._stopped.set()
         try:
             self._health.enter_graceful_shutdown()
+            self.store.log_changes.close()  # held GetCheckpoint calls answer within the grace
             self._grpc.stop(grace).wait()
             if self._health_grpc is not None:
                 self._health_grpc.stop(None)

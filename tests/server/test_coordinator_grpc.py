@@ -29,6 +29,7 @@ from afl.crypto.transparency.statements import plan_statement
 from afl.ops.provisioning import ProvisionedFederation, provision
 from afl.proto import wire
 from afl.proto.v1 import common_pb2, coordinator_pb2
+from afl.server import coordinator as coordinator_module
 from afl.server.config import load_config
 from afl.server.daemon.main import CoordinatorServer
 from tests.helpers.federation import FederationSpec
@@ -516,3 +517,53 @@ def test_one_checkpoint_call_carries_a_witness_s_proofs(
         stub.GetCheckpoint(too_far, timeout=10)
     assert info.value.code() == Code.INVALID_ARGUMENT
     assert f"from size {size + 1} to the checkpoint of size {size}" in str(info.value.details())
+
+
+def test_a_held_checkpoint_call_answers_when_the_cosignature_it_waits_for_is_kept(
+    federation: ProvisionedFederation,
+    make_server: Callable[..., CoordinatorServer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GetCheckpoint with ``wait_ms`` and ``wait_cosignatures`` over TLS is held until a
+    cosignature gives its checkpoint that many (docs/protocol.md §11a, M-239): the hold here
+    could last two minutes, so a call that returns within the test's 30 s was woken by the
+    cosignature. The caller's second held call is answered at once (one per caller), a wait for
+    growth with a ``size`` is INVALID_ARGUMENT, and a stopping server answers a held call
+    within its grace period."""
+    monkeypatch.setattr(coordinator_module, "CHECKPOINT_HOLD_MAX_S", 120.0)
+    server = make_server()
+    sites = connect(federation, server.port)
+    enrol_and_accept(sites, server_key(federation))
+    s1, s2 = sites["s1"].stub, sites["s2"].stub
+    answer = s1.GetCheckpoint(coordinator_pb2.CheckpointRequest(), timeout=10)
+    hold = coordinator_pb2.CheckpointRequest(wait_ms=120_000, wait_cosignatures=1)
+    held = s1.GetCheckpoint.future(hold, timeout=60)
+    deadline = time.monotonic() + 30
+    while "s1" not in server.coordinator._holding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "s1" in server.coordinator._holding and not held.done()
+    second = s1.GetCheckpoint(hold, timeout=30)  # a second hold would outlast this deadline
+    assert second.checkpoint == answer.checkpoint and not second.cosignatures
+    checkpoint = Checkpoint(
+        federation.federation_id, int(answer.checkpoint.size), bytes(answer.checkpoint.root)
+    )
+    mine = cosign(sites["s2"].identity, witness="s2", checkpoint=checkpoint)
+    s2.CosignCheckpoint(wire.cosignature_to_proto(mine), timeout=10)
+    woken = held.result(timeout=30)
+    assert woken.checkpoint == answer.checkpoint
+    assert [c.witness for c in woken.cosignatures] == ["s2"]
+    assert "s1" not in server.coordinator._holding
+    growth_of_a_size = coordinator_pb2.CheckpointRequest(
+        size=int(answer.checkpoint.size), wait_ms=1000, wait_grown_past=1
+    )
+    assert code_of(lambda: s1.GetCheckpoint(growth_of_a_size, timeout=10)) == Code.INVALID_ARGUMENT
+    # Held for growth past the newest size: the stop answers it (within the 2 s grace period).
+    grown = coordinator_pb2.CheckpointRequest(
+        wait_ms=120_000, wait_grown_past=int(answer.checkpoint.size)
+    )
+    held = s2.GetCheckpoint.future(grown, timeout=60)
+    deadline = time.monotonic() + 30
+    while "s2" not in server.coordinator._holding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    server.stop()
+    assert held.result(timeout=30).checkpoint == answer.checkpoint

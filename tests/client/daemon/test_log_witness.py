@@ -352,3 +352,86 @@ def test_the_cosignature_s_answer_shows_a_quorum_completed_meanwhile(tmp_path: P
     assert seen == ["GetCheckpoint", "CosignCheckpoint"]
     assert {c.witness for c in found.cosignatures} == {"site-1", "site-2"}
     assert found.HasField("inclusion")  # the answer keeps the proof the site verified
+
+
+def test_a_quorum_wait_asks_for_held_answers_and_waits_out_a_hold_the_coordinator_did_not_honour(
+    tmp_path: Path,
+) -> None:
+    """After its first step (answered at once: its cosignature goes first), a quorum wait asks
+    for answers held until the quorum's count of cosignatures or a newer checkpoint (M-236).
+    A coordinator that answers at once anyway is waited out at the site, as it was polled
+    before: a second's wait asks a dozen times at most, not hundreds. A coordinator that holds
+    the answer while the quorum's other cosignature comes ends the wait in two calls."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1 = _witness(tmp_path / "s1")
+    asked: list[pb.CheckpointRequest] = []
+
+    def at_once(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        asked.append(request)
+        return coordinator.log.answer(request)
+
+    coordinator.offer = at_once
+    why, found = site1.plan_problem(
+        coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=1.0, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    assert found is None and "1 witness(es)" in why, why
+    first, *then = asked
+    assert first.wait_ms == 0
+    held = [r for r in then if r.wait_ms]
+    assert held == then[: len(held)] and len(then) - len(held) <= 1  # past the deadline: none
+    assert 1 <= len(held) <= 12, len(held)
+    size = coordinator.log.checkpoint().signed.checkpoint.size
+    for request in held:
+        assert request.wait_cosignatures == site1.quorum == 2
+        assert request.wait_grown_past == size  # the newest it had seen
+        assert 0 < request.wait_ms <= transparency_module.HOLD_MIN_S * 1000
+    # A coordinator that honours the hold: site-2 cosigns while site-1's call is held.
+    site2 = _witness(tmp_path / "s2", "site-2")
+    coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    asked.clear()
+
+    def holding(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        asked.append(request)
+        if request.wait_ms:
+            coordinator.offer = None  # site-2's own calls go to the log as they are
+            site2.witness(coordinator.call)
+            coordinator.offer = holding
+        return coordinator.log.answer(request)
+
+    coordinator.offer = holding
+    why, found = site1.plan_problem(
+        coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=60.0, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    assert why == "" and found is not None
+    assert [r.wait_ms > 0 for r in asked] == [False, True]
+    assert {c.witness for c in found.cosignatures} == {"site-1", "site-2"}
+
+
+def test_a_held_answer_made_stale_by_another_step_is_asked_for_again(tmp_path: Path) -> None:
+    """A held GetCheckpoint runs outside the witness's lock (M-236): when another witnessing
+    step of the site cosigns a newer checkpoint meanwhile, the held answer (an older checkpoint,
+    its proof from a size the site no longer holds) is not taken for a split view; the site
+    asks again."""
+    coordinator = _coordinator(tmp_path / "server")
+    site1 = _witness(tmp_path / "s1")
+    site1.witness(coordinator.call)
+
+    def stale(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        if not request.wait_ms:
+            return coordinator.log.answer(request)
+        old = coordinator.log.answer(request)
+        coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+        site1.witness(coordinator.call)  # the other step: cosigns the grown log
+        return old
+
+    coordinator.offer = stale
+    last = site1.last
+    assert last is not None
+    answer = site1.witness(coordinator.call, hold_s=1.0, wait_grown_past=last.checkpoint.size)
+    assert site1.last is not None and answer.checkpoint.size == site1.last.checkpoint.size
+    assert answer.checkpoint.size > last.checkpoint.size
+    assert not (tmp_path / "s1" / "log-evidence").exists()
+    assert coordinator.cosigned == ["site-1", "site-1"]

@@ -2284,6 +2284,9 @@ class CheckpointRequest(_message.Message):
     SIZE_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FROM_FIELD_NUMBER: _builtins.int
     INCLUSION_LEAF_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    WAIT_COSIGNATURES_FIELD_NUMBER: _builtins.int
+    WAIT_GROWN_PAST_FIELD_NUMBER: _builtins.int
     size: _builtins.int
     """The size of a checkpoint the coordinator signed before; 0: the newest. [visible: server]"""
     consistency_from: _builtins.int
@@ -2296,16 +2299,35 @@ class CheckpointRequest(_message.Message):
     """A statement's leaf hash SHA-256(0x00 || statement) (empty: none): the answer carries its
     inclusion proof when the answered checkpoint holds it. [visible: server]
     """
+    wait_ms: _builtins.int
+    """Hold the answer up to this many milliseconds while neither condition below holds (0:
+    answer at once, as when neither condition is asked for). The coordinator caps the hold at
+    2000 ms, holds one call per caller at a time (a second is answered at once) and answers a
+    held call at once when it stops (UNAVAILABLE). A quorum wait asks for it instead of
+    polling. [visible: server]
+    """
+    wait_cosignatures: _builtins.int
+    """With `wait_ms`: answer once the answered checkpoint holds at least this many cosignatures
+    (a quorum wait; the caller verifies them). [visible: server]
+    """
+    wait_grown_past: _builtins.int
+    """With `wait_ms`, for the newest checkpoint (`size` 0; INVALID_ARGUMENT with a `size`):
+    answer once the log's newest checkpoint is larger than this size (a witness that waits for
+    a statement to cosign). [visible: server]
+    """
     def __init__(
         self,
         *,
         size: _builtins.int = ...,
         consistency_from: _builtins.int = ...,
         inclusion_leaf: _builtins.bytes = ...,
+        wait_ms: _builtins.int = ...,
+        wait_cosignatures: _builtins.int = ...,
+        wait_grown_past: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency_from", b"consistency_from", "inclusion_leaf", b"inclusion_leaf", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency_from", b"consistency_from", "inclusion_leaf", b"inclusion_leaf", "size", b"size", "wait_cosignatures", b"wait_cosignatures", "wait_grown_past", b"wait_grown_past", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
