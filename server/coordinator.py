@@ -52,6 +52,7 @@ from afl.server.errors import (
     NotPermittedError,
     WrongStageError,
 )
+from afl.server.limits import held_calls
 from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
 from afl.server.plan.release import RoundView
 from afl.server.reports import check_report
@@ -96,6 +97,7 @@ class Coordinator:
         self.store = store
         self.lock: threading.Condition = self.machine.lock
         self._holding: set[str] = set()  # the sites with a held GetCheckpoint
+        self._max_holding = held_calls(config.limits, sites=len(config.sites))
         self._holding_lock = threading.Lock()
         self._clock = clock
         self._challenges: dict[str, dict[bytes, float]] = {}  # site -> nonce -> expiry (s)
@@ -677,9 +679,10 @@ class Coordinator:
             return self.log.answer(request)
 
     def _hold(self, site_id: str) -> bool:
-        """Take ``site_id``'s one held-GetCheckpoint slot (False: it holds one already)."""
+        """Take ``site_id``'s one held-GetCheckpoint slot (False: it holds one already, or the
+        worker pool has no thread to spare for another)."""
         with self._holding_lock:
-            if site_id in self._holding:
+            if site_id in self._holding or len(self._holding) >= self._max_holding:
                 return False
             self._holding.add(site_id)
             return True

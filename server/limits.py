@@ -35,6 +35,7 @@ __all__ = [
     "LimitExceededError",
     "SiteStreams",
     "StreamLimits",
+    "held_calls",
     "idle_limited",
     "worker_threads",
 ]
@@ -81,10 +82,19 @@ def worker_threads(limits: StreamLimits, *, sites: int) -> int:
     plus :data:`UNARY_WORKERS` (at least 32)."""
     if limits.worker_threads:
         return limits.worker_threads
-    per_site = (
-        limits.watch_streams_per_site + limits.uploads_per_site + limits.downloads_per_site + 1
-    )
-    return max(32, sites * per_site + UNARY_WORKERS)
+    return max(32, sites * (_streams_per_site(limits) + 1) + UNARY_WORKERS)
+
+
+def held_calls(limits: StreamLimits, *, sites: int) -> int:
+    """How many GetCheckpoint answers the coordinator may hold at once: one per site, fewer
+    when a configured pool leaves fewer threads beyond the sites' streams and
+    :data:`UNARY_WORKERS` (then held calls never starve the calls that would end them)."""
+    spare = worker_threads(limits, sites=sites) - sites * _streams_per_site(limits)
+    return max(0, min(sites, spare - UNARY_WORKERS))
+
+
+def _streams_per_site(limits: StreamLimits) -> int:
+    return limits.watch_streams_per_site + limits.uploads_per_site + limits.downloads_per_site
 
 
 class SiteStreams:

@@ -517,10 +517,13 @@ class Store:
             self._depth += 1
             savepoint = f"nested_{self._depth}"
             self._db.execute(f"SAVEPOINT {savepoint}")
+            grew, kept = self._log_grew, len(self._cosigned_pending)
             try:
                 yield self._db
             except BaseException:
                 self._db.execute(f"ROLLBACK TO {savepoint}")
+                self._log_grew = grew  # what the inner block told of is undone with it
+                del self._cosigned_pending[kept:]
                 raise
             finally:
                 self._db.execute(f"RELEASE {savepoint}")
@@ -528,6 +531,7 @@ class Store:
             return
         self._db.execute("BEGIN IMMEDIATE")
         self._depth = 1
+        self._log_grew, self._cosigned_pending = False, []
         try:
             yield self._db
             commits = self._db.execute(
@@ -536,16 +540,15 @@ class Store:
             ).fetchall()[0][0]
         except BaseException:
             self._db.execute("ROLLBACK")
-            self._log_grew, self._cosigned_pending = False, []
             raise
         finally:
             self._depth = 0
         self._db.execute("COMMIT")
+        grew, cosigned = self._log_grew, self._cosigned_pending
+        self._log_grew, self._cosigned_pending = False, []
         self._write_anchor(int(commits))
-        if self._log_grew or self._cosigned_pending:
-            size = self.log_size() if self._log_grew else 0
-            cosigned, self._log_grew, self._cosigned_pending = self._cosigned_pending, False, []
-            self.log_changes.committed(size=size, cosigned=cosigned)
+        if grew or cosigned:  # told once committed (afl.server.logwait)
+            self.log_changes.committed(size=self.log_size() if grew else 0, cosigned=cosigned)
 
     _tx = transaction
 

@@ -51,6 +51,7 @@ from afl.client.daemon.report import RoundReport
 from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
 from afl.client.daemon.transparency import (
+    HOLD_MIN_S,
     IDLE_WITNESS_S,
     QUORUM_POLL_S,
     LogEvidence,
@@ -1058,8 +1059,9 @@ class ClientDaemon:
         """While this site waits for its CKKS round's model: witness the log's newest checkpoint
         in a thread, pausing from :data:`QUORUM_POLL_S` and backing off to
         :data:`DECRYPTION_WITNESS_MAX_S` between steps, until the returned event is set; the
-        coordinator holds each step's answer, as long, until the log grows (so the decryptor's
-        statement is cosigned as it is committed, not at the next step). The decryptor
+        coordinator holds each step's answer up to :data:`HOLD_MIN_S` until the log grows (so the
+        decryptor's statement is cosigned as it is committed, most often; a held call cannot be
+        interrupted, and the thread is joined once the model is published). The decryptor
         decrypts only once its `decrypting` statement is in a checkpoint cosigned by a quorum
         of the roster (M-235), and the round's participants witness nothing else meanwhile
         (:meth:`_observe`): without this, the quorum would wait for the model that waits for it.
@@ -1071,7 +1073,7 @@ class ClientDaemon:
         def witness() -> None:
             delay = min(t.poll_interval_s, QUORUM_POLL_S)
             while not stop.wait(delay):
-                self._witness_log(hold_s=ceiling)
+                self._witness_log(hold_s=min(ceiling, HOLD_MIN_S))  # joined once published
                 delay = min(delay * 1.5, ceiling)
 
         return stop, Background(witness, name=f"decrypting-{round_id}")

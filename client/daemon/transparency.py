@@ -173,6 +173,9 @@ class LogWitness:
             )
         self.last: SignedCheckpoint | None = None
         self.acknowledged = 0
+        #: Bumped whenever ``last`` changes (a cosignature, an acknowledged restore): a held
+        #: answer asked for under another value is stale.
+        self._changes = 0
         self._entries: list[bytes] = []  # a prefix of the log whose leaves gave a cosigned root
         self._tree = MerkleTree()  # their leaf hashes: a root of any size costs O(log² n)
         self._decoded: list[tuple[str, Mapping[str, object]]] = []  # its first statements
@@ -232,6 +235,7 @@ class LogWitness:
                  "last_cosigned": checkpoint_to_json(self.last)},
             )  # fmt: skip
         self.acknowledged, self.last = count, None
+        self._changes += 1
         self._save()
 
     def _evidence(self, name: str, doc: Mapping[str, object]) -> Path:
@@ -261,7 +265,7 @@ class LogWitness:
             with self._lock:
                 return self._witness(call, inclusion_leaf)
         with self._lock:
-            previous = self.last
+            previous, changes = self.last, self._changes
         held: pb.CosignedLogCheckpoint = call(
             "GetCheckpoint",
             self._request(
@@ -272,8 +276,8 @@ class LogWitness:
                 wait_grown_past=wait_grown_past,
             ),
         )
-        with self._lock:  # a step that cosigned meanwhile made the held answer's proof stale
-            return self._witness(call, inclusion_leaf, held if self.last is previous else None)
+        with self._lock:  # a step that cosigned (or a restore) meanwhile made the answer stale
+            return self._witness(call, inclusion_leaf, held if self._changes == changes else None)
 
     @staticmethod
     def _request(
@@ -336,6 +340,7 @@ class LogWitness:
         except WitnessError as exc:
             raise DaemonError(f"the coordinator's log checkpoint is refused: {exc}") from exc
         self.last = offered
+        self._changes += 1
         self._save()  # before the cosignature leaves
         mine = wire.cosignature_to_proto(cosignature)
         now: pb.CosignedLogCheckpoint = call("CosignCheckpoint", mine)
@@ -482,17 +487,20 @@ class LogWitness:
         leaf = leaf_hash(statement)
         deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
         held: pb.CosignedLogCheckpoint | None = None  # the first checkpoint that holds it
-        hold_s, size = 0.0, 0  # the first step answers at once: this site's cosignature first
+        # The first step answers at once (this site's cosignature first); each later one spans
+        # the back-off's delay (at least HOLD_MIN_S), held at the coordinator for as much of it
+        # as may be held, and the rest waited out here.
+        hold_s, span_s, size = 0.0, 0.0, 0
         while True:
             if stop is not None and stop.is_set():
                 return f"the log check of {what} was stopped: {why}", None
-            asked = time.monotonic()
+            asked, seen = time.monotonic(), size
             answer = self.witness(
                 call,
                 inclusion_leaf=leaf,
                 hold_s=hold_s,
                 wait_cosignatures=self.quorum,
-                wait_grown_past=size,  # a newer checkpoint to cosign ends the hold too
+                wait_grown_past=seen,  # a newer checkpoint to cosign ends the hold too
             )
             size = int(answer.checkpoint.size)
             try:
@@ -514,13 +522,19 @@ class LogWitness:
                     f"{what} is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
                 ), None
-            rest = hold_s - (now - asked)  # what the coordinator did not hold
+            # A newer checkpoint ended the hold: cosign it at once. Otherwise what the
+            # coordinator did not hold is waited out here (its count of cosignatures may include
+            # some this site does not count: it would answer at once again).
+            rest = span_s - (now - asked) if size <= seen else 0.0
             if rest > 0:
                 if stop is not None:
                     stop.wait(rest)
                 else:
                     time.sleep(rest)
-            hold_s = min(max(delay, HOLD_MIN_S), self.hold_max_s, deadline - time.monotonic())
+            # A held call cannot be interrupted: a wait that may be stopped holds briefly.
+            longest = self.hold_max_s if stop is None else min(HOLD_MIN_S, self.hold_max_s)
+            span_s = max(delay, HOLD_MIN_S)
+            hold_s = min(span_s, longest, deadline - time.monotonic())
             delay = min(delay * 1.5, max_poll_s)
 
     def _quorum_among(

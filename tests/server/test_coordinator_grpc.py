@@ -525,7 +525,7 @@ def test_a_held_checkpoint_call_answers_when_the_cosignature_it_waits_for_is_kep
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """GetCheckpoint with ``wait_ms`` and ``wait_cosignatures`` over TLS is held until a
-    cosignature gives its checkpoint that many (docs/protocol.md §11a, M-239): the hold here
+    cosignature gives its checkpoint that many (docs/protocol.md §11a, M-236): the hold here
     could last two minutes, so a call that returns within the test's 30 s was woken by the
     cosignature. The caller's second held call is answered at once (one per caller), a wait for
     growth with a ``size`` is INVALID_ARGUMENT, and a stopping server answers a held call
@@ -565,5 +565,6 @@ def test_a_held_checkpoint_call_answers_when_the_cosignature_it_waits_for_is_kep
     deadline = time.monotonic() + 30
     while "s2" not in server.coordinator._holding and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert "s2" in server.coordinator._holding and not held.done()
     server.stop()
     assert held.result(timeout=30).checkpoint == answer.checkpoint

@@ -7,6 +7,7 @@ own join, so a test that passed was woken, whatever the machine's load."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,16 +60,35 @@ def _stays_waiting(changes: LogChanges, nudge: Callable[[], None], **condition: 
     thread.join(JOIN_S)
 
 
+def _registered(changes: LogChanges, count: int) -> list[threading.Event]:
+    """The wake-up events of the ``count`` waiters ``changes`` holds, once they all wait."""
+    deadline = time.monotonic() + JOIN_S
+    while len(changes._waiting) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(changes._waiting) == count
+    return [waiter.woken for waiter in changes._waiting]
+
+
 def test_a_quorum_wait_wakes_when_the_cosigner_that_makes_the_count_is_committed() -> None:
+    """Only the commit that completes a waiter's count wakes it: a cosignature on another
+    checkpoint, a repeated or already counted cosigner, or one short of the count sets no
+    waiter's event (no thread wakes to find its condition unmet)."""
     changes = LogChanges(size=5)
     thread, result = _waiting(changes, cosigners=("a",), want_cosigners=3)
+    other, other_result = _waiting(changes, checkpoint=6, want_cosigners=1)
+    growth, growth_result = _waiting(changes, grown_past=5)
+    events = _registered(changes, 3)
     changes.committed(cosigned=[(5, "b")])  # 2 of 3: still waiting
-    changes.committed(cosigned=[(5, "a")])  # a cosigned before the wait began: not new
-    changes.committed(cosigned=[(4, "c"), (6, "d")])  # other checkpoints
-    thread.join(0.2)
-    assert thread.is_alive()
+    changes.committed(cosigned=[(5, "a"), (5, "b")])  # counted already
+    changes.committed(cosigned=[(4, "c")])  # a checkpoint nobody waits on
+    changes.committed(size=5)  # no growth
+    assert not any(event.is_set() for event in events)
     changes.committed(cosigned=[(5, "c")])
     assert _woken(thread, result)
+    assert not any(event.is_set() for event in _registered(changes, 2))
+    changes.committed(size=6, cosigned=[(6, "d")])
+    assert _woken(other, other_result) and _woken(growth, growth_result)
+    assert not changes._waiting and not changes._for_cosigners and not changes._for_growth
 
 
 def test_a_growth_wait_wakes_when_the_log_grows_past_the_size_it_saw() -> None:
@@ -130,8 +150,17 @@ def test_the_store_tells_what_a_transaction_committed_and_nothing_it_rolled_back
     with pytest.raises(RuntimeError), store.transaction():
         store.append_log("run-ended", {"run_id": "r1"})
         raise RuntimeError("the transition failed")
-    thread.join(0.2)
-    assert thread.is_alive()  # rolled back: the log did not grow
+    with store.transaction():  # an inner block that fails is undone with what it told
+        with pytest.raises(RuntimeError), store.transaction():
+            store.append_log("run-ended", {"run_id": "r1"})
+            store.put_log_cosignature(size=size, root=b"r" * 32, witness="s9", signature=b"s")
+            raise RuntimeError("the inner step failed")
+        store.audit("noted", {})
+    (event,) = _registered(store.log_changes, 1)
+    assert not event.is_set()  # rolled back: the log did not grow
+    assert not store.log_changes.wait(
+        checkpoint=size, cosigners=(), want_cosigners=1, grown_past=0, timeout_s=0.01
+    )  # nor was the rolled-back cosignature told
     with store.transaction():
         store.append_log("run-ended", {"run_id": "r1"})
         thread.join(0.2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -435,3 +436,86 @@ def test_a_held_answer_made_stale_by_another_step_is_asked_for_again(tmp_path: P
     assert answer.checkpoint.size > last.checkpoint.size
     assert not (tmp_path / "s1" / "log-evidence").exists()
     assert coordinator.cosigned == ["site-1", "site-1"]
+
+
+def test_a_held_answer_from_before_an_acknowledged_restore_is_asked_for_again(
+    tmp_path: Path,
+) -> None:
+    """An acknowledged restore during a held call (M-142, M-236) makes its answer stale even when
+    the site held no checkpoint before it (an earlier restore cleared it): the site witnesses the
+    restored log afresh, and the restored, shorter log is no split view."""
+    before = _coordinator(tmp_path / "before")
+    before.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    restored = _coordinator(tmp_path / "restored")  # fewer statements: what the backup held
+    serving = [before]
+
+    def call(what: str, request: Any) -> Any:
+        return serving[0].call(what, request)
+
+    site1 = _witness(tmp_path / "s1")
+    site1.witness(call)
+    site1.restore_acknowledged(1)  # the site now holds no checkpoint
+    assert site1.last is None
+
+    def restore_meanwhile(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        answer = before.log.answer(request)
+        if request.wait_ms:
+            site1.restore_acknowledged(2)
+            serving[0] = restored
+        return answer
+
+    before.offer = restore_meanwhile
+    answer = site1.witness(call, hold_s=1.0, wait_grown_past=1)
+    assert answer.checkpoint.size == restored.log.checkpoint().signed.checkpoint.size
+    assert answer.checkpoint.size < before.log.checkpoint().signed.checkpoint.size
+    site1.witness(call)  # the restored log again: no split view
+    assert not list((tmp_path / "s1" / "log-evidence").glob("split-view-*.json"))
+
+
+def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a held answer comes early because the log grew (M-236), the site cosigns the newer
+    checkpoint and asks again at once: it waits out no remainder of the step (here each step
+    spans a second, so four such waits would show)."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1, site2 = _witness(tmp_path / "s1"), _witness(tmp_path / "s2", "site-2")
+    slept: list[float] = []
+
+    class Clock:
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+    monkeypatch.setattr(transparency_module, "time", Clock)
+    asked: list[pb.CheckpointRequest] = []  # for the newest (the checkpoint that first held
+    # the plan is asked for again by size after each, its quorum counted there too)
+
+    def growing(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        if request.size:
+            return coordinator.log.answer(request)
+        asked.append(request)
+        if request.wait_ms:
+            if len(asked) < 6:  # the log grows while the call is held
+                coordinator.store.create_run(
+                    run_id=f"run-{len(asked)}", name="a", settings={}, submitted_by="op"
+                )
+            else:  # then the quorum's other cosignature comes
+                coordinator.offer = None
+                site2.witness(coordinator.call)
+                coordinator.offer = growing
+        return coordinator.log.answer(request)
+
+    coordinator.offer = growing
+    why, found = site1.plan_problem(
+        coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=60.0, poll_s=1.0,
+        max_poll_s=1.0,
+    )  # fmt: skip
+    assert why == "" and found is not None
+    assert [r.wait_ms > 0 for r in asked] == [False] + [True] * 5
+    assert [r.wait_grown_past for r in asked[1:]] == [r.consistency_from for r in asked[1:]]
+    assert slept == []
+    assert coordinator.cosigned.count("site-1") == 5  # the first checkpoint, the 4 grown ones

@@ -2302,9 +2302,9 @@ class CheckpointRequest(_message.Message):
     wait_ms: _builtins.int
     """Hold the answer up to this many milliseconds while neither condition below holds (0:
     answer at once, as when neither condition is asked for). The coordinator caps the hold at
-    2000 ms, holds one call per caller at a time (a second is answered at once) and answers a
-    held call at once when it stops (UNAVAILABLE). A quorum wait asks for it instead of
-    polling. [visible: server]
+    2000 ms, holds one call per caller at a time (a second is answered at once) and answers
+    every held call at once when it stops. A quorum wait asks for it instead of polling.
+    [visible: server]
     """
     wait_cosignatures: _builtins.int
     """With `wait_ms`: answer once the answered checkpoint holds at least this many cosignatures
