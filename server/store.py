@@ -40,7 +40,6 @@ from afl.server.logwait import LogChanges
 
 __all__ = [
     "ANCHOR_NAME",
-    "ANCHOR_SECTOR",
     "DB_NAME",
     "ENDED_RUN_STATES",
     "SCHEMA_VERSION",
@@ -59,9 +58,6 @@ __all__ = [
 SCHEMA_VERSION = 2
 DB_NAME = "server.sqlite3"
 ANCHOR_NAME = "anchor.json"
-#: The anchor is padded to whole sectors of this many bytes and rewritten in place
-#: (:meth:`Store._write_anchor`).
-ANCHOR_SECTOR = 512
 GENESIS = b"\x00" * 32
 
 _SCHEMA = """
@@ -329,7 +325,6 @@ class Store:
         self._cosigned_pending: list[tuple[int, str]] = []
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
-        self._anchor_fd: int | None = None  # anchor.json, open for in-place rewrites
         if read_only:
             if not self.path.is_file():
                 raise StateError(f"{self.state_dir}: no server state yet (afl-server never ran)")
@@ -376,9 +371,6 @@ class Store:
         self._db.close()
         self._db = cast(sqlite3.Connection, _ClosedConnection())
         self.log_changes.close()
-        if self._anchor_fd is not None:
-            os.close(self._anchor_fd)
-            self._anchor_fd = None
 
     # --- integrity ---------------------------------------------------------------------------
 
@@ -499,13 +491,7 @@ class Store:
                 )
 
     def _write_anchor(self, commits: int | None = None) -> None:
-        """Write the anchor: ``commits`` (read from meta when None), the last audit record.
-
-        After every commit, so it costs what a commit costs: the JSON is padded with spaces
-        (still JSON) to whole :data:`ANCHOR_SECTOR`-byte sectors, and once the file has that
-        size it is rewritten in place and ``fdatasync``-ed: its size never changes, so no
-        metadata is written, and a sector is written whole or not at all. A new file, or one of
-        another size (the first write of a start, a longer record), is replaced atomically."""
+        """Write the anchor: ``commits`` (read from meta when None), the last audit record."""
         count, head = self._audit_tail()
         anchor = {
             "federation_id": self._federation_id,
@@ -514,18 +500,7 @@ class Store:
             "audit_head": head.hex(),
             "log_size": self.log_size(),
         }
-        data = (json.dumps(anchor, sort_keys=True) + "\n").encode()
-        padded = data.ljust(-(-len(data) // ANCHOR_SECTOR) * ANCHOR_SECTOR, b" ")
-        fd = self._anchor_fd
-        if fd is not None and os.fstat(fd).st_size == len(padded):
-            os.pwrite(fd, padded, 0)
-            os.fdatasync(fd)
-            return
-        if fd is not None:
-            self._anchor_fd = None
-            os.close(fd)
-        write_private_file(self.anchor_path, padded)
-        self._anchor_fd = os.open(self.anchor_path, os.O_RDWR)  # not inherited (PEP 446)
+        write_private_file(self.anchor_path, (json.dumps(anchor, sort_keys=True) + "\n").encode())
 
     def anchor(self) -> dict[str, object]:
         """The anchor as last written (commits, audit count and head)."""

@@ -42,7 +42,6 @@ SUITES: dict[str, tuple[str, str]] = {
         "fedlog",
         "a witnessing call's Merkle work as the federation log grows: kept tree vs list",
     ),
-    "store": ("store", "a coordinator commit's cost: the anchor rewritten in place vs replaced"),
     "startup": ("daemons.e2e", "how long afl, afl-client, afl-server and afl admin take to answer"),
 }
 

@@ -28,7 +28,7 @@ from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
 from afl.server.errors import DiskFullError, StateError
 from afl.server.servicer import status_for
-from afl.server.store import ANCHOR_NAME, ANCHOR_SECTOR, DB_NAME, Store, backup_state
+from afl.server.store import ANCHOR_NAME, DB_NAME, Store, backup_state
 from tests.helpers.federation import FederationSpec
 from tests.helpers.inprocess import accept_plan, enrol
 
@@ -87,32 +87,6 @@ def test_intact_state_reopens_and_keeps_its_anchor(tmp_path: Path) -> None:
     anchor = json.loads((state / ANCHOR_NAME).read_text())
     assert anchor["audit_count"] == 10 and store.verify_audit_chain()
     store.close()
-
-
-def test_the_anchor_is_rewritten_in_place_after_every_commit(tmp_path: Path) -> None:
-    """After the first write of a start (atomic: a new file), every commit rewrites the anchor
-    in place (the same file, whole 512-byte sectors, its size unchanged) with the commit count
-    it records; the file stays JSON, and a longer record is written atomically anew."""
-    state = tmp_path / "state"
-    store = Store(state, federation_id="fed")
-    path = state / ANCHOR_NAME
-    inode, size = path.stat().st_ino, path.stat().st_size
-    assert size % ANCHOR_SECTOR == 0
-    for n in range(3):
-        store.audit("noted", {"n": n})
-        anchor = json.loads(path.read_text())
-        assert anchor["commits"] == store.anchor()["commits"] and anchor["audit_count"] == n + 1
-        assert (path.stat().st_ino, path.stat().st_size) == (inode, size)
-    store._federation_id = "f" * ANCHOR_SECTOR  # a record that needs another sector
-    store.audit("noted", {"n": 3})
-    assert path.stat().st_size == size + ANCHOR_SECTOR and path.stat().st_ino != inode
-    assert json.loads(path.read_text())["federation_id"] == "f" * ANCHOR_SECTOR
-    store._federation_id = "fed"
-    store.audit("noted", {"n": 4})
-    store.close()
-    reopened = Store(state, federation_id="fed")
-    assert reopened.anchor()["audit_count"] == 5
-    reopened.close()
 
 
 def test_a_missing_database_with_an_anchor_is_refused(tmp_path: Path) -> None:

@@ -177,22 +177,6 @@ def test_suites_are_registered_and_write_json_and_png(
     assert png.startswith(b"\x89PNG")
 
 
-def test_store_bench_times_commits_with_the_anchor_in_place_and_replaced(tmp_path: Path) -> None:
-    from afl.lab.bench import store
-
-    out = tmp_path / "store.json"
-    args = argparse.Namespace(commits=3, rounds=2, dir=str(tmp_path), out=str(out))
-    assert store.run(args) == 0
-    (row,) = json.loads(out.read_text(encoding="utf-8"))["results"]
-    for name in ("in_place", "replaced"):
-        assert _positive(row["seconds_per_commit"][name])
-        assert len(row["rounds_seconds_per_commit"][name]) == 2
-    assert row["replaced_over_in_place"] == (
-        row["seconds_per_commit"]["replaced"] / row["seconds_per_commit"]["in_place"]
-    )
-    assert not list(tmp_path.glob("tmp*"))  # the state folders are gone
-
-
 def test_fedlog_bench_times_the_same_answers_from_the_list_and_the_kept_tree(
     tmp_path: Path,
 ) -> None:
