@@ -546,9 +546,9 @@ class Store:
         self._db.execute("COMMIT")
         grew, cosigned = self._log_grew, self._cosigned_pending
         self._log_grew, self._cosigned_pending = False, []
-        self._write_anchor(int(commits))
-        if grew or cosigned:  # told once committed (afl.server.logwait)
+        if grew or cosigned:  # told once committed, whatever the anchor's write does
             self.log_changes.committed(size=self.log_size() if grew else 0, cosigned=cosigned)
+        self._write_anchor(int(commits))
 
     _tx = transaction
 

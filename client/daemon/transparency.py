@@ -490,7 +490,7 @@ class LogWitness:
         # The first step answers at once (this site's cosignature first); each later one spans
         # the back-off's delay (at least HOLD_MIN_S), held at the coordinator for as much of it
         # as may be held, and the rest waited out here.
-        hold_s, span_s, size = 0.0, 0.0, 0
+        hold_s, span_s, size, followed = 0.0, 0.0, 0, False
         while True:
             if stop is not None and stop.is_set():
                 return f"the log check of {what} was stopped: {why}", None
@@ -522,10 +522,12 @@ class LogWitness:
                     f"{what} is not in a federation-log checkpoint cosigned by a quorum of "
                     f"{self.quorum} roster sites after {wait_s:.0f} s: {why}"
                 ), None
-            # A newer checkpoint ended the hold: cosign it at once. Otherwise what the
-            # coordinator did not hold is waited out here (its count of cosignatures may include
-            # some this site does not count: it would answer at once again).
-            rest = span_s - (now - asked) if size <= seen else 0.0
+            # A newer checkpoint ended the hold: cosign it at once, but not twice in a row (a
+            # log that keeps growing is cosigned at most twice a step, as when it was polled).
+            # Otherwise what the coordinator did not hold is waited out here (its count of
+            # cosignatures may include some this site does not count: it would answer at once).
+            followed = size > seen > 0 and not followed
+            rest = 0.0 if followed else span_s - (now - asked)
             if rest > 0:
                 if stop is not None:
                     stop.wait(rest)

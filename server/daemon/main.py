@@ -107,6 +107,7 @@ class CoordinatorServer:
                 )
             self.coordinator = Coordinator(config, self.store, key, metrics=self.metrics)
         except StateError as exc:
+            self._close_store()
             self._close_metrics()
             if self._health_grpc is not None:
                 self._health_grpc.stop(None)  # the probes fail: the pod does not serve
@@ -117,6 +118,7 @@ class CoordinatorServer:
             attach_refusal(self._grpc, str(exc), service_names=("", SERVICE_NAME))
             raise RefusedState(str(exc), server=self._grpc, port=self.port) from exc
         except BaseException:
+            self._close_store()
             self._close_metrics()
             if self._health_grpc is not None:
                 self._health_grpc.stop(None)
@@ -182,6 +184,12 @@ class CoordinatorServer:
                 f"cannot serve metrics on {where}: {exc.strerror or exc} (another afl-server or "
                 "service holds it? set [server] metrics_port, or --metrics-port 0 to turn it off)"
             ) from exc
+
+    def _close_store(self) -> None:
+        """A start that failed after the store opened closes it (its database connection)."""
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
 
     def _close_metrics(self) -> None:
         http = self._metrics_http

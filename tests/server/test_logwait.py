@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from afl.server.limits import UNARY_WORKERS, StreamLimits, held_calls, worker_threads
 from afl.server.logwait import KEPT_CHECKPOINTS, LogChanges
 from afl.server.store import Store
 
@@ -172,3 +173,15 @@ def test_the_store_tells_what_a_transaction_committed_and_nothing_it_rolled_back
     late = _waiting(store.log_changes, want_cosigners=5)
     store.close()
     assert _woken(*late)
+
+
+def test_the_pool_spares_one_held_call_per_site_and_fewer_when_it_is_set_smaller() -> None:
+    """Held calls never take the threads the sites' streams and other calls need (M-236): the
+    default pool has one per site on top; a configured pool holds only what it spares."""
+    per_site = 2 + 2 + 2  # watches, uploads, downloads by default
+    assert worker_threads(StreamLimits(), sites=8) == 8 * (per_site + 1) + UNARY_WORKERS
+    assert held_calls(StreamLimits(), sites=8) == 8
+    assert held_calls(StreamLimits(), sites=1) == 1  # the 32-thread floor spares more: one a site
+    spare3 = StreamLimits(worker_threads=8 * per_site + UNARY_WORKERS + 3)
+    assert held_calls(spare3, sites=8) == 3
+    assert held_calls(StreamLimits(worker_threads=10), sites=8) == 0

@@ -472,12 +472,14 @@ def test_a_held_answer_from_before_an_acknowledged_restore_is_asked_for_again(
     assert not list((tmp_path / "s1" / "log-evidence").glob("split-view-*.json"))
 
 
-def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once(
+def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once_but_not_twice_in_a_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When a held answer comes early because the log grew (M-236), the site cosigns the newer
-    checkpoint and asks again at once: it waits out no remainder of the step (here each step
-    spans a second, so four such waits would show)."""
+    checkpoint and asks again at once, without waiting out the rest of the step (a second
+    here). A log that keeps growing is followed at once only every other time, so a
+    coordinator that grows its log without end gets two cosignatures a step, as it did when it
+    was polled: here four growths in a row give two waits."""
     coordinator = _coordinator(tmp_path / "server")
     plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
     site1, site2 = _witness(tmp_path / "s1"), _witness(tmp_path / "s2", "site-2")
@@ -517,5 +519,5 @@ def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once(
     assert why == "" and found is not None
     assert [r.wait_ms > 0 for r in asked] == [False] + [True] * 5
     assert [r.wait_grown_past for r in asked[1:]] == [r.consistency_from for r in asked[1:]]
-    assert slept == []
+    assert len(slept) == 2 and all(0.5 < s <= 1.0 for s in slept), slept
     assert coordinator.cosigned.count("site-1") == 5  # the first checkpoint, the 4 grown ones
