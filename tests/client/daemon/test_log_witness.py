@@ -355,6 +355,16 @@ def test_the_cosignature_s_answer_shows_a_quorum_completed_meanwhile(tmp_path: P
     assert found.HasField("inclusion")  # the answer keeps the proof the site verified
 
 
+def _cosigned_meanwhile(coordinator: LogService, witness: LogWitness) -> None:
+    """``witness`` cosigns the newest checkpoint while a call is held (its own calls go to the
+    log as they are, past the coordinator's ``offer``)."""
+    offer, coordinator.offer = coordinator.offer, None
+    try:
+        witness.witness(coordinator.call)
+    finally:
+        coordinator.offer = offer
+
+
 def test_a_quorum_wait_asks_for_held_answers_and_waits_out_a_hold_the_coordinator_did_not_honour(
     tmp_path: Path,
 ) -> None:
@@ -396,9 +406,7 @@ def test_a_quorum_wait_asks_for_held_answers_and_waits_out_a_hold_the_coordinato
     def holding(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
         asked.append(request)
         if request.wait_ms:
-            coordinator.offer = None  # site-2's own calls go to the log as they are
-            site2.witness(coordinator.call)
-            coordinator.offer = holding
+            _cosigned_meanwhile(coordinator, site2)
         return coordinator.log.answer(request)
 
     coordinator.offer = holding
@@ -506,9 +514,7 @@ def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once_but_not_twice_
                     run_id=f"run-{len(asked)}", name="a", settings={}, submitted_by="op"
                 )
             else:  # then the quorum's other cosignature comes
-                coordinator.offer = None
-                site2.witness(coordinator.call)
-                coordinator.offer = growing
+                _cosigned_meanwhile(coordinator, site2)
         return coordinator.log.answer(request)
 
     coordinator.offer = growing
