@@ -311,9 +311,11 @@ class ClientDaemon:
         plan_sha256: bytes | None,
         candidate: bool = False,
         expect_sha256: str = "",
+        witness: bool = True,
     ) -> tuple[VerifiedModel, int]:
         """Fetch, verify and keep the round's model (``candidate``: the candidate of a round in
-        VALIDATING, kept apart; ``expect_sha256``: the model must be these ``Model`` bytes)."""
+        VALIDATING, kept apart; ``expect_sha256``: the model must be these ``Model`` bytes;
+        ``witness`` False: the caller witnesses the log's newest checkpoint itself)."""
         assert self.stats is not None
         signed: pb.SignedModel = self.rpc.call("GetModel", pb.ModelRequest(round_id=round_id))
         verified = verify_model(
@@ -337,7 +339,8 @@ class ClientDaemon:
             self.store.save_model(round_id, signed, verified.weights)
             # the log's release of this model is in the newest checkpoint: cosign it, so that an
             # export of the model finds a quorum-cosigned checkpoint that holds it (M-198)
-            self._witness_log()
+            if witness:
+                self._witness_log()
         return verified, signed.ByteSize()
 
     def _round_problems(self, cfg: pb.RoundConfig) -> str:
@@ -999,6 +1002,8 @@ class ClientDaemon:
         candidate = status.stage == pb.ROUND_STAGE_VALIDATING  # the gate scores it first
         # The log's statement of what this round released is what every other site's
         # whole-history audit reads: its members check it (M-230), while the model is verified.
+        # The check witnesses the newest checkpoint, which holds that statement: it is the
+        # model's witnessing step too (M-198), so the model is kept without one of its own.
         survivors = self.store.survivors(round_id)
         checked = Background(
             lambda: self.log_witness.check_release(self.rpc.call, plan, survivors=survivors),
@@ -1011,6 +1016,7 @@ class ClientDaemon:
                 plan_sha256=plan_sha,
                 report=report,
                 candidate=candidate,
+                witness=False,
             )
         finally:
             checked.join(raising=LogEvidence)  # a misstated statement stops the site, whatever
@@ -1251,15 +1257,17 @@ class ClientDaemon:
         report: RoundReport,
         candidate: bool = False,
         expect_sha256: str = "",
+        witness: bool = True,
     ) -> None:
         """Fetch the round's signed model (or its candidate), verify it against the accepted
-        plan, keep it, and note it in ``report``."""
+        plan, keep it, and note it in ``report`` (``witness``: as :meth:`_model`)."""
         model, nbytes = self._model(
             round_id,
             class_names=class_names,
             plan_sha256=plan_sha256,
             candidate=candidate,
             expect_sha256=expect_sha256,
+            witness=witness,
         )
         report.bytes_received += nbytes
         if candidate:
