@@ -321,7 +321,7 @@ class Store:
         #: The log's committed size and recent cosigners, for held GetCheckpoint calls; what
         #: the open transaction adds to them is told once it commits.
         self.log_changes = LogChanges()
-        self._log_grew = False
+        self._log_grown_to = 0  # the log's size after the open transaction's appends (0: none)
         self._cosigned_pending: list[tuple[int, str]] = []
         self.path = self.state_dir / DB_NAME
         self.anchor_path = self.state_dir / ANCHOR_NAME
@@ -517,12 +517,12 @@ class Store:
             self._depth += 1
             savepoint = f"nested_{self._depth}"
             self._db.execute(f"SAVEPOINT {savepoint}")
-            grew, kept = self._log_grew, len(self._cosigned_pending)
+            grown_to, kept = self._log_grown_to, len(self._cosigned_pending)
             try:
                 yield self._db
             except BaseException:
                 self._db.execute(f"ROLLBACK TO {savepoint}")
-                self._log_grew = grew  # what the inner block told of is undone with it
+                self._log_grown_to = grown_to  # what the inner block told of is undone with it
                 del self._cosigned_pending[kept:]
                 raise
             finally:
@@ -531,7 +531,7 @@ class Store:
             return
         self._db.execute("BEGIN IMMEDIATE")
         self._depth = 1
-        self._log_grew, self._cosigned_pending = False, []
+        self._log_grown_to, self._cosigned_pending = 0, []
         try:
             yield self._db
             commits = self._db.execute(
@@ -544,10 +544,10 @@ class Store:
         finally:
             self._depth = 0
         self._db.execute("COMMIT")
-        grew, cosigned = self._log_grew, self._cosigned_pending
-        self._log_grew, self._cosigned_pending = False, []
-        if grew or cosigned:  # told once committed, whatever the anchor's write does
-            self.log_changes.committed(size=self.log_size() if grew else 0, cosigned=cosigned)
+        size, cosigned = self._log_grown_to, self._cosigned_pending
+        self._log_grown_to, self._cosigned_pending = 0, []
+        if size or cosigned:  # told once committed, whatever the anchor's write does
+            self.log_changes.committed(size=size, cosigned=cosigned)
         self._write_anchor(int(commits))
 
     _tx = transaction
@@ -1307,7 +1307,7 @@ class Store:
                 "INSERT INTO fedlog VALUES (?, ?, ?, ?, ?)",
                 (idx, kind, entry, leaf_hash(entry), now_ms()),
             )
-            self._log_grew = True
+            self._log_grown_to = idx + 1
         return idx
 
     def log_size(self) -> int:
