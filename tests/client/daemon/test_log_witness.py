@@ -527,3 +527,52 @@ def test_a_hold_that_a_newer_checkpoint_ended_is_followed_at_once_but_not_twice_
     assert [r.wait_grown_past for r in asked[1:]] == [r.consistency_from for r in asked[1:]]
     assert len(slept) == 2 and all(0.5 < s <= 1.0 for s in slept), slept
     assert coordinator.cosigned.count("site-1") == 5  # the first checkpoint, the 4 grown ones
+
+
+def test_a_lying_held_answer_is_refused_as_any_other(tmp_path: Path) -> None:
+    """A held answer (M-236) is checked as an unheld one: one whose consistency proof is wrong is
+    a split view, kept as evidence and never cosigned, and a cosignature the coordinator forged
+    into held answers does not count towards the quorum a wait asks for."""
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+    cosigned = witness.witness(coordinator.call).checkpoint
+    coordinator.store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    held: list[pb.CheckpointRequest] = []
+
+    def wrong_proof(answer: pb.CosignedLogCheckpoint) -> None:
+        answer.consistency[0] = leaf_hash(b"not the log")
+
+    def offer(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        if request.wait_ms:
+            held.append(request)
+        answer = coordinator.log.answer(request)
+        wrong_proof(answer)
+        return answer
+
+    coordinator.offer = offer
+    with pytest.raises(SplitViewDetected, match="two inconsistent checkpoints"):
+        witness.witness(coordinator.call, hold_s=1.0, wait_grown_past=cosigned.size)
+    assert len(held) == 1  # the lie came in the held answer
+    assert coordinator.cosigned == ["site-1"]
+    assert witness.last is not None and witness.last.checkpoint.size == cosigned.size
+    # A forged cosignature of site-3 (a key not the roster's) in every held answer.
+    plan_sha = coordinator.publish_plan("r1-abc", b"the signed plan")
+    site1 = _witness(tmp_path / "s1")
+    held.clear()
+
+    def forged(request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
+        answer = coordinator.log.answer(request)
+        if request.wait_ms:
+            held.append(request)
+            checkpoint = wire.checkpoint_from_proto(answer.checkpoint).checkpoint
+            fake = cosign(generate_identity_key(), witness="site-3", checkpoint=checkpoint)
+            answer.cosignatures.append(wire.cosignature_to_proto(fake))
+        return answer
+
+    coordinator.offer = forged
+    why, found = site1.plan_problem(
+        coordinator.call, round_id="r1-abc", plan_sha256=plan_sha, wait_s=0.5, poll_s=0.01,
+        max_poll_s=0.05,
+    )  # fmt: skip
+    assert found is None and "1 witness(es)" in why, why
+    assert held  # the waits were held answers, each with the forged cosignature
