@@ -73,7 +73,7 @@ from afl.client.daemon.verify import (
 )
 from afl.client.daemon.witness import Witness
 from afl.client.modes.base import AggregationMode, RoundSession
-from afl.client.modes.ckks import ContextPrefetch
+from afl.client.modes.ckks import ContextPrefetch, ZeroFiller, ciphertexts_for
 from afl.client.modes.registry import MODES
 from afl.client.payloads.dispatch import (
     ROUND_TWO_KINDS,
@@ -230,6 +230,7 @@ class ClientDaemon:
         self._witnessed_key: tuple[str, int, str] | None = None
         self._running_round = ""  # the round run_round is in (its own steps witness the log)
         self._context: ContextPrefetch | None = None  # CKKS: the round's context, fetched ahead
+        self._zeros: ZeroFiller | None = None  # CKKS: encryptions of zero drawn while waiting
         self._openings_verified: set[str] = set()  # opening statements verified (one each)
         # The log's history each accepted plan was audited with (the survivors check's too).
         self._log_history: dict[str, LogHistory] = {}
@@ -975,6 +976,7 @@ class ClientDaemon:
         self.store.uploads.finish(round_id)
         timings["upload"] = time.perf_counter() - t0
         timings.update(session.timings)
+        report.ckks = dict(session.ckks_counts) or None
         report.sent(records)
         t0 = time.perf_counter()
         decrypting = (
@@ -1053,6 +1055,7 @@ class ClientDaemon:
             before_statistics=before_statistics,
             before_unmask=opening.wait if opening is not None else None,
             ckks_context=self._context.result if self._context is not None else None,
+            ckks_zeros=self._zeros.zeros_for if self._zeros is not None else None,
         )
 
     def _end_context(self) -> None:
@@ -1363,9 +1366,30 @@ class ClientDaemon:
                 self.enroll()
                 self._reconcile_ledger()
                 self.rpc.watch()
+                self._zeros = self._zero_filler()
                 return self._rounds()
             finally:
+                if self._zeros is not None:
+                    self._zeros.close()
                 self.rpc.close()
+
+    def _zero_filler(self) -> ZeroFiller | None:
+        """A site whose policy pins a CKKS decryptor draws encryptions of zero while it waits
+        for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`), as many as a training round
+        of its statistics takes."""
+        decryptor = self.config.policy.ckks_decryptor
+        if not decryptor or decryptor == self.site_id or self.stats is None:
+            return None
+        session = RoundSession(  # outside any round: the context is the federation's
+            rpc=self.rpc,
+            round_id="",
+            site_id=self.site_id,
+            plan=cpb.ReleasePlan(),
+            identity_key=self.identity,
+            ckks_decryptor=decryptor,
+        )
+        want = ciphertexts_for(dim=self.stats.d, classes=int(self.labelled.sum()))
+        return ZeroFiller(session, self.config.peers, want=want).start()
 
     def _reconcile_ledger(self) -> None:
         """The DP ledger against this site's releases in the federation log (M-196), after the
@@ -1396,6 +1420,8 @@ class ClientDaemon:
             try:
                 try:
                     self._running_round = status.round_id
+                    if self._zeros is not None:  # drawn while idle, never during a round
+                        self._zeros.pause()
                     self.run_round(status, report)
                 except RemoteCallError as exc:
                     aborted = self._aborted_meanwhile(status.round_id)
@@ -1405,6 +1431,8 @@ class ClientDaemon:
                 finally:
                     self._running_round = ""
                     self._end_context()  # a round that failed before its exchange
+                    if self._zeros is not None:
+                        self._zeros.resume()
             except RoundFailed as exc:
                 code = self._finish(report, exc.outcome, exc.reason)
                 # An aborted round is usually followed by a replacement round (new plan) with

@@ -45,6 +45,9 @@ class RoundReport:
     reason: str = ""
     warnings: list[str] = field(default_factory=list)
     round_events_by_stream: int | None = None
+    #: CKKS: the ciphertexts this site encrypted and, of them, those made from an encryption of
+    #: zero drawn while it waited (afl.client.modes.ckks.ZeroFiller).
+    ckks: dict[str, int] | None = None
 
     def sent(self, records: Iterable[UploadRecord]) -> None:
         """Note uploads that left this site (their records and bytes)."""
@@ -79,6 +82,7 @@ class RoundReport:
             "uploads": self.uploads,
             "candidate": self.candidate,
             "model": self.model,
+            "ckks": self.ckks,
         }
         doc.update({key: value for key, value in optional.items() if value is not None})
         doc.update(outcome=self.outcome, reason=self.reason, warnings=list(self.warnings))

@@ -79,8 +79,14 @@ class RoundSession:
     #: CKKS: the decryptor's verified public context and its announcement, fetched ahead by the
     #: daemon (:class:`afl.client.modes.ckks.ContextPrefetch`); None: the exchange fetches it.
     ckks_context: Callable[[], tuple[Any, pb.CkksContextAnnouncement]] | None = None
+    #: CKKS: given the verified context's SHA-256, where the encryption takes its encryptions of
+    #: zero drawn ahead (:meth:`afl.client.modes.ckks.ZeroFiller.zeros_for`); None: none.
+    ckks_zeros: Callable[[bytes], Callable[[], Any | None]] | None = None
     #: Where the exchange's time went, by step (seconds; the site's round report shows them).
     timings: dict[str, float] = field(default_factory=dict)
+    #: CKKS: the ciphertexts encrypted, and those made from an encryption of zero drawn ahead
+    #: (the round report's ``ckks``).
+    ckks_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ Between the accepted plan and the model, a site
    packed ciphertexts (``Upload``, ``DTYPE_CKKS_VECTORS``): the smallest slots first, each
    uploaded on a worker thread while the next is encrypted, so the class vectors' round trips
    overlap the Gram's encryption (the first failed upload stops the rest and is raised).
+   Each ciphertext starts from an encryption of zero the daemon drew while it waited, under
+   the same verified context (:class:`ZeroFiller`), or is encrypted on the spot when none is
+   left: the same ciphertext either way (:mod:`afl.crypto.ckks.zeros`).
 
 ``encode`` runs before the context is known, so it only checks the declared bound (values that
 would overflow the slot budget are refused with an error, never clipped) and keeps float64.
@@ -30,9 +33,10 @@ resume the round (the server keeps the first tags; the round then times out and 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +53,22 @@ from afl.client.payloads.stats import PayloadError, SlotPayload, encode_float64
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
+from afl.crypto.ckks.zeros import ZeroPool
 from afl.crypto.errors import CryptoError
 from afl.crypto.identity.signatures import load_public_key_raw, verify_fields
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 
-__all__ = ["CkksMode", "ContextPrefetch", "fetch_public_context"]
+__all__ = [
+    "CkksMode",
+    "ContextPrefetch",
+    "ZeroFiller",
+    "ciphertexts_for",
+    "fetch_public_context",
+]
+
+log = logging.getLogger(__name__)
 
 
 def _poll_context(
@@ -121,6 +134,151 @@ def fetch_public_context(
         return ckks.load_public_context(data), ann
     except CryptoError as exc:
         raise DaemonError(f"unacceptable CKKS context: {exc}") from exc
+
+
+#: The most encryptions of zero a site keeps drawn ahead (131 kB each: 32 MiB; a d = 1024
+#: training round takes 65 for its Gram and one per class vector).
+ZERO_POOL_CAPACITY = 256
+#: A context fetch that failed is tried again after this long, doubling to ``ZERO_RETRY_MAX_S``.
+ZERO_RETRY_S = 1.0
+ZERO_RETRY_MAX_S = 60.0
+#: After a round, the site waits this long before it draws again: a daemon that leaves once its
+#: run is done draws nothing it will not use, and the round's last steps (other sites', on a
+#: shared machine) do not compete with the drawing.
+ZERO_REFILL_AFTER_S = 2.0
+#: How long :meth:`ZeroFiller.close` waits for its thread.
+ZERO_CLOSE_WAIT_S = 2.0
+
+
+def ciphertexts_for(*, dim: int, classes: int) -> int:
+    """The ciphertexts of a training round's uploads: the Gram's packed upper triangle and one
+    class vector of ``dim`` values for each of ``classes`` classes."""
+    gram = cp.num_ciphertexts(dim * (dim + 1) // 2)
+    return gram + classes * cp.num_ciphertexts(dim)
+
+
+class ZeroFiller:
+    """Encryptions of zero drawn while the site waits (:class:`afl.crypto.ckks.zeros.ZeroPool`,
+    docs/protocol.md §4.3), so that a round's exchange only encodes and adds its values.
+
+    A daemon thread fetches and checks the decryptor's context exactly as a round's exchange
+    does (:func:`fetch_public_context`: the pinned decryptor's signed announcement, the digest,
+    the vetted parameters), then draws up to the number of ciphertexts the site's next round is
+    expected to take (``want``), while no round runs (:meth:`pause`, :meth:`resume`).
+    A round takes them only under the context it verified itself (:meth:`zeros_for`); a pool
+    drawn under another context is dropped and drawn anew. Nothing is kept on disk: a daemon that
+    stops loses the pool. :meth:`close` stops and joins the thread."""
+
+    def __init__(
+        self,
+        session: RoundSession,
+        peers: Mapping[str, bytes],
+        *,
+        want: int,
+        refill_after_s: float = ZERO_REFILL_AFTER_S,
+    ) -> None:
+        self._session, self._peers = session, peers
+        self._want = max(0, min(int(want), ZERO_POOL_CAPACITY))
+        self._refill_after_s = refill_after_s
+        self._not_before = 0.0  # monotonic time before which nothing is drawn (after a round)
+        self._pool: ZeroPool | None = None
+        self._stale = False
+        self._paused = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._asked = 0  # ciphertexts the running round's exchange asked for
+        self._thread = threading.Thread(target=self._run, name="ckks-zeros", daemon=True)
+
+    def start(self) -> ZeroFiller:
+        self._thread.start()
+        return self
+
+    def ready(self) -> int:
+        """Encryptions of zero drawn and not yet taken."""
+        pool = self._pool
+        return len(pool) if pool is not None else 0
+
+    def pause(self) -> None:
+        """A round begins: draw nothing more until :meth:`resume` (the round's own steps never
+        compete with the drawing)."""
+        self._paused, self._asked = True, 0
+
+    def resume(self) -> None:
+        """The round ended: draw again, as many as its exchange asked for (at least), once
+        ``refill_after_s`` have passed."""
+        self._want = max(self._want, min(self._asked, ZERO_POOL_CAPACITY))
+        self._not_before = time.monotonic() + self._refill_after_s
+        self._paused = False
+        self._wake.set()
+
+    def zeros_for(self, context_sha256: bytes) -> Callable[[], Any | None]:
+        """What :func:`afl.crypto.ckks.scheme.encrypt_block_bytes` takes its encryptions of zero
+        from, for a round whose verified context has SHA-256 ``context_sha256``: the pool's,
+        each once, while they last and only if the pool was drawn under that context."""
+        pool = self._pool
+        if pool is not None and pool.context_sha256 != context_sha256:
+            self._stale = True  # the decryptor's context changed: drawn anew after the round
+
+        def take() -> Any | None:
+            self._asked += 1
+            return pool.take(context_sha256) if pool is not None else None
+
+        return take
+
+    def close(self) -> None:
+        """Stop drawing and drop the pool. The thread is joined for at most
+        ``ZERO_CLOSE_WAIT_S``: one still inside a context fetch (a coordinator that does not
+        answer) ends with it, and a daemon thread never holds the process up."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=ZERO_CLOSE_WAIT_S)
+        if self._pool is not None:
+            self._pool.clear()
+
+    def _drawing(self) -> bool:
+        return not (self._paused or self._stop.is_set())
+
+    def _run(self) -> None:
+        delay = ZERO_RETRY_S
+        while not self._stop.is_set():
+            if self._pool is None or (self._stale and not self._paused):
+                try:
+                    ctx, ann = fetch_public_context(self._session, self._peers, stop=self._stop)
+                except Exception as exc:  # best effort: a round then encrypts on the spot
+                    if self._stop.is_set():
+                        return
+                    log.info(
+                        "site=%s: no CKKS context to draw encryptions of zero under yet (%s); "
+                        "trying again in %.0f s",
+                        self._session.site_id,
+                        exc,
+                        delay,
+                    )
+                    self._stop.wait(delay)
+                    delay = min(2 * delay, ZERO_RETRY_MAX_S)
+                    continue
+                self._pool, self._stale = None, False
+                self._pool = ZeroPool(
+                    ctx, context_sha256=ann.context_sha256, capacity=ZERO_POOL_CAPACITY
+                )
+            wait_s = self._not_before - time.monotonic()
+            if self._drawing() and len(self._pool) < self._want and wait_s > 0:
+                self._stop.wait(wait_s)
+                continue
+            if self._drawing() and len(self._pool) < self._want:
+                t0 = time.perf_counter()
+                drawn = self._pool.fill(self._want, keep_going=self._drawing)
+                log.debug(
+                    "site=%s drew %d encryptions of zero in %.3f s (%d ready)",
+                    self._session.site_id,
+                    drawn,
+                    time.perf_counter() - t0,
+                    len(self._pool),
+                )
+                continue
+            self._wake.wait()
+            self._wake.clear()
 
 
 class ContextPrefetch:
@@ -225,8 +383,10 @@ class CkksMode:
             )
         session.timings["ckks_tags"] = time.perf_counter() - start
         start = time.perf_counter()
-        sent = _encrypt_and_upload(session, ctx, todo, tags)
+        zeros = session.ckks_zeros(ann.context_sha256) if session.ckks_zeros else None
+        sent = _encrypt_and_upload(session, ctx, todo, tags, zeros=zeros)
         session.timings["ckks_encrypt"] = sent.encrypt_s
+        session.ckks_counts.update(ciphertexts=sent.ciphertexts, drawn_ahead=sent.drawn_ahead)
         session.timings["ckks_encrypt_and_upload"] = time.perf_counter() - start
         return [
             skipped_record(item) if item.slot in already_complete else sent.records[item.slot]
@@ -241,17 +401,30 @@ class _Sent:
 
     records: dict[str, UploadRecord] = field(default_factory=dict)
     encrypt_s: float = 0.0
+    ciphertexts: int = 0  # encrypted
+    drawn_ahead: int = 0  # of which from an encryption of zero drawn ahead (ZeroFiller)
 
 
 def _encrypt_and_upload(
-    session: RoundSession, ctx: Any, todo: Sequence[SlotPayload], tags: Mapping[str, float]
+    session: RoundSession,
+    ctx: Any,
+    todo: Sequence[SlotPayload],
+    tags: Mapping[str, float],
+    *,
+    zeros: Callable[[], Any | None] | None = None,
 ) -> _Sent:
     """Step 4 of the module docstring: encrypt each slot and upload it, the uploads one at a time
     on one worker thread while the next slots are encrypted (the smallest slots first, so the
     class vectors' round trips overlap the Gram's encryption instead of following it). The
     first failed upload stops the encryption and the uploads after it, and is raised; no thread
-    outlives the call."""
+    outlives the call. ``zeros``: encryptions of zero drawn ahead (:class:`ZeroFiller`)."""
     plan, sent, failed = session.plan, _Sent(), threading.Event()
+
+    def zero() -> Any | None:
+        sent.ciphertexts += 1
+        drawn = zeros() if zeros is not None else None
+        sent.drawn_ahead += drawn is not None
+        return drawn
 
     def upload(item: SlotPayload, packed: bytes) -> UploadRecord | None:
         if failed.is_set():
@@ -273,7 +446,12 @@ def _encrypt_and_upload(
                 start = time.perf_counter()
                 try:
                     blobs = ckks.encrypt_block_bytes(
-                        ctx, values, prescale=prescale, num_summands=k, tag=tags[item.slot]
+                        ctx,
+                        values,
+                        prescale=prescale,
+                        num_summands=k,
+                        tag=tags[item.slot],
+                        zeros=zero,
                     )
                 except CryptoError as exc:
                     raise PayloadError(f"slot {item.slot}: {exc}") from exc

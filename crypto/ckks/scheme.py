@@ -40,7 +40,7 @@ import os
 import secrets
 import struct
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -340,7 +340,13 @@ def _checked_lanes(values: ArrayLike, *, prescale: float, num_summands: int, tag
 
 
 def encrypt_block_bytes(
-    ctx: Any, values: ArrayLike, *, prescale: float, num_summands: int, tag: float
+    ctx: Any,
+    values: ArrayLike,
+    *,
+    prescale: float,
+    num_summands: int,
+    tag: float,
+    zeros: Callable[[], Any | None] | None = None,
 ) -> list[bytes]:
     """Encrypt x·s in ceil(len/8190) ciphertexts of two lanes a slot, with the block tags in
     slot 0 (module docstring); each returned as a serialized TenSEAL ckks_vector (what a site
@@ -348,6 +354,10 @@ def encrypt_block_bytes(
 
     ``num_summands`` is the largest member count of the releases this upload enters; values must
     satisfy |x·s| <= 2^17/K and the tag |r| <= 2^17/K (``CkksRangeError`` otherwise).
+    ``zeros``: a source of fresh encryptions of zero under ``ctx``'s public key, each handed out
+    once (:class:`afl.crypto.ckks.zeros.ZeroPool`); a ciphertext is then that encryption plus the
+    encoded plaintext, which is what SEAL's ``encrypt`` computes. When it returns None the
+    ciphertext is encrypted on the spot.
     """
     check_parameters(ctx)
     lanes = _checked_lanes(values, prescale=prescale, num_summands=num_summands, tag=tag)
@@ -356,14 +366,20 @@ def encrypt_block_bytes(
     seal_ctx = ctx.seal_context().data
     encoder = seal.CKKSEncoder(seal_ctx)
     encryptor = seal.Encryptor(seal_ctx, ctx.public_key().data)
+    evaluator: Any = None
     memory = _SealFile()
     out: list[bytes] = []
     try:
         for row in slots:
             plain = seal.Plaintext()
             encoder.encode(row.tolist(), cp.GLOBAL_SCALE, plain)
-            cipher = seal.Ciphertext(seal_ctx)
-            encryptor.encrypt(plain, cipher)
+            cipher = zeros() if zeros is not None else None
+            if cipher is None:
+                cipher = seal.Ciphertext(seal_ctx)
+                encryptor.encrypt(plain, cipher)
+            else:  # c0 += m: Encryptor::encrypt's own last step
+                evaluator = evaluator or seal.Evaluator(seal_ctx)
+                evaluator.add_plain_inplace(cipher, plain)
             out.append(vector_bytes(memory.save(cipher), size=cp.SLOT_COUNT, scale=cp.GLOBAL_SCALE))
     finally:
         memory.close()

@@ -7,6 +7,10 @@ serializes the sums; the decryptor decrypts them with the tag check and the grid
 (:mod:`afl.crypto.ckks.scheme`, :mod:`afl.crypto.ckks.decrypt`). Reported (medians over ``repeats``):
 
     encrypt_seconds_mean / _max   one site's encryption + serialization (Gram and b)
+    draw_ahead_seconds_mean       drawing that site's encryptions of zero ahead (while it
+                                  waits for the round, afl.crypto.ckks.zeros)
+    encrypt_drawn_ahead_seconds_mean  the encryption + serialization from them (the round's
+                                  part); odd-numbered sites' uploads in the sums are these
     bytes_per_site                serialized ciphertext bytes one site uploads
     plaintext_bytes_per_site      the same vectors as float64 (8 bytes a value)
     server_seconds                deserialize + homomorphic sum + serialize (all blocks)
@@ -27,6 +31,7 @@ of two above the largest entries (times ``bound_slack``). Input data come from n
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -38,7 +43,8 @@ from numpy.typing import NDArray
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.decrypt import decrypt_release
-from afl.lab.bench.common import emit_json
+from afl.crypto.ckks.zeros import ZeroPool
+from afl.lab.bench.common import add_standing_argument, emit_json
 
 __all__ = ["add_arguments", "run", "run_ckks_bench"]
 
@@ -97,8 +103,10 @@ def _ckks_round(
     gram_times: list[float] = []
     uploads: list[dict[str, list[bytes]]] = []
     tags: dict[str, list[float]] = {name: [] for name in spec}
-    for site in inputs:
-        upload = {}
+    draw_times: list[float] = []
+    online_times: list[float] = []
+    for index, site in enumerate(inputs):
+        upload, drawn_upload = {}, {}
         site_seconds = 0.0
         for name, values in site.items():
             start = time.perf_counter()
@@ -112,7 +120,25 @@ def _ckks_round(
             if name == "gram":
                 gram_times.append(elapsed)
         enc_times.append(site_seconds)
-        uploads.append(upload)
+        # The same site with encryptions of zero drawn while it waited (afl.crypto.ckks.zeros).
+        count = sum(cp.num_ciphertexts(v.size) for v in site.values())
+        pool = ZeroPool(client_ctx, context_sha256=b"bench", capacity=count)
+        start = time.perf_counter()
+        pool.fill(count)
+        draw_times.append(time.perf_counter() - start)
+        take = functools.partial(pool.take, b"bench")
+        start = time.perf_counter()
+        for name, values in site.items():
+            drawn_upload[name] = ckks.encrypt_block_bytes(
+                client_ctx,
+                values,
+                prescale=spec[name][0],
+                num_summands=k,
+                tag=tags[name][-1],
+                zeros=take,
+            )
+        online_times.append(time.perf_counter() - start)
+        uploads.append(drawn_upload if index % 2 else upload)  # both kinds in every sum
     server_ctx = ckks.load_public_context(public_bytes)
     start = time.perf_counter()
     sum_seconds = 0.0
@@ -147,6 +173,8 @@ def _ckks_round(
         "decrypt_seconds": decrypt,
         "round_seconds_parallel": max(enc_times) + server + decrypt,
         "gram_encrypt_seconds_mean": float(np.mean(gram_times)),
+        "draw_ahead_seconds_mean": float(np.mean(draw_times)),
+        "encrypt_drawn_ahead_seconds_mean": float(np.mean(online_times)),
         "bytes_per_site": float(
             np.mean([sum(len(b) for v in u.values() for b in v) for u in uploads])
         ),
@@ -246,6 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-mask", action="store_true", help="with --e2e: skip the MASK comparison"
     )
+    add_standing_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,7 +283,13 @@ def run(args: argparse.Namespace) -> int:
         from afl.lab.bench.daemons.e2e import MODES, memory_summary, run_e2e_bench
 
         modes = [m for m in MODES if not (args.no_mask and m == "mask")]
-        row = run_e2e_bench(num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=modes)
+        row = run_e2e_bench(
+            num_sites=args.sites[0],
+            d=args.dim[0],
+            seed=args.seed,
+            modes=modes,
+            standing_s=args.standing_s,
+        )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: ckks round x{row['ckks_round_seconds_ratio']:.2f}"
             f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.2f}"
@@ -281,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             c = row["ckks"]
             print(
-                f"K={k:3d} d={d:5d}: encrypt {c['encrypt_seconds_mean']:.3f}s/site, "
+                f"K={k:3d} d={d:5d}: encrypt {c['encrypt_seconds_mean']:.3f}s/site "
+                f"({c['encrypt_drawn_ahead_seconds_mean']:.3f}s with zeros drawn ahead in "
+                f"{c['draw_ahead_seconds_mean']:.3f}s), "
                 f"{c['bytes_per_site'] / 1e6:.1f} MB/site (x{row['bytes_ratio']:.1f}), server "
                 f"{c['server_seconds']:.3f}s, decrypt {c['decrypt_seconds']:.3f}s, gram rel err "
                 f"{row['accuracy']['gram']['max_rel_error']:.2e}",

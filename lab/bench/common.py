@@ -20,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "add_blas_threads_argument",
+    "add_standing_argument",
     "best_seconds",
     "blas_threads",
     "describe_machine",
@@ -172,4 +173,17 @@ def format_machine(info: dict[str, Any]) -> str:
         f"machine: {info['platform']} ({info['processor']}), {info['cpu_count']} CPUs "
         f"({info['cpus_usable']} usable), Python {info['python']}, numpy {info['numpy']}\n"
         f"BLAS: {blas_text}"
+    )
+
+
+def add_standing_argument(parser: argparse.ArgumentParser) -> None:
+    """``--standing-s`` of the ``--e2e`` benches (:func:`afl.lab.bench.daemons.e2e.run_e2e_bench`)."""
+    parser.add_argument(
+        "--standing-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --e2e: K - 1 site daemons stand S seconds, enrolled, before the last one "
+        "starts (a deployment's daemons stand between runs; CKKS sites draw encryptions of zero "
+        "meanwhile); default 0: every daemon starts at once",
     )

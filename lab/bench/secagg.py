@@ -31,7 +31,7 @@ from afl.crypto.identity.signatures import generate_identity_key
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg.local import run_local_round
 from afl.crypto.secagg.messages import Stage
-from afl.lab.bench.common import emit_json
+from afl.lab.bench.common import add_standing_argument, emit_json
 
 __all__ = ["add_arguments", "run", "run_secagg_bench"]
 
@@ -181,6 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: masked vs plaintext rounds through the real daemons on loopback mTLS "
         "(first --sites and --dim; afl.lab.bench.daemons.e2e)",
     )
+    add_standing_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
         from afl.lab.bench.daemons.e2e import memory_summary, run_e2e_bench
 
         row = run_e2e_bench(
-            num_sites=args.sites[0], d=args.dim[0], seed=args.seed, modes=("plaintext", "mask")
+            num_sites=args.sites[0],
+            d=args.dim[0],
+            seed=args.seed,
+            modes=("plaintext", "mask"),
+            standing_s=args.standing_s,
         )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "

@@ -411,6 +411,7 @@ def run_loopback(
     sites_per_process: int = 1,
     on_started: Callable[[Mapping[str, int]], None] | None = None,
     on_wait: Callable[[], None] | None = None,
+    standing_s: float = 0.0,
 ) -> LoopbackRun:
     """Start ``afl-server`` and every ``afl-client run`` as subprocesses, wait for the clients,
     stop the server; logs go to ``<root>/logs``. ``client_commands`` replaces, per site, the
@@ -422,7 +423,10 @@ def run_loopback(
     ``host_command`` (default ``python -m afl.client.cli``) when given; a site's exit
     code is then the one its host reports. ``on_started`` gets the process ids ("server", and
     each client process by its first site, and "decryptor") once everything is started (memory
-    sampling); ``on_wait`` is called about once a second while the clients run (progress)."""
+    sampling); ``on_wait`` is called about once a second while the clients run (progress).
+    ``standing_s`` > 0 starts the last client process that long after the others, which enrol
+    and wait meanwhile, as a deployment's daemons stand between runs (the round starts when the
+    last one enrols)."""
     logs_dir = fed.root / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -452,6 +456,8 @@ def run_loopback(
         summaries: dict[str, Path] = {}
         for group in groups:
             first = group[0]
+            if standing_s > 0 and group is groups[-1] and len(groups) > 1:
+                time.sleep(standing_s)  # the others stand, enrolled (docstring)
             log_name = first if len(group) == 1 else f"host-{first}"
             logs[first] = logs_dir / f"{log_name}.log"
             handles.append(open(logs[first], "wb"))  # noqa: SIM115

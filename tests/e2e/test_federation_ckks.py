@@ -50,6 +50,9 @@ def test_ckks_federation_matches_plaintext_within_derived_bound(tmp_path: Path) 
     assert run.client_rcs == dict.fromkeys(loop.site_ids, 0), run.logs
     report = run.final_report("site-1")
     assert report["outcome"] == "COMPLETED" and report["model"]["signature_valid"]
+    for site in loop.site_ids:  # each ciphertext from a drawn encryption of zero or on the spot
+        counts = run.final_report(site)["ckks"]  # (M-237: which, depends on timing)
+        assert counts["ciphertexts"] == 1 + len(CLASSES) and 0 <= counts["drawn_ahead"] <= 4
     w_ckks = np.asarray(np.load(report["model"]["path"]), dtype=np.float64)
     # Ciphertexts went up, not float64: one 131 KB-class ciphertext per 4095 values at least.
     packed = D * (D + 1) // 2

@@ -17,6 +17,9 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
     decrypt_seconds      CKKS only: the decryptor's decryptions (tag check, grid rounding; its
                          jobs overlap, so this sum can exceed their share of the round)
     download_seconds     CKKS only: the decryptor fetching the homomorphic sums
+    ckks_ciphertexts     CKKS only: the ciphertexts the K sites encrypted, and
+    ckks_drawn_ahead     of them those made from an encryption of zero a site drew while it
+                         waited for the round (afl.crypto.ckks.zeros)
     server_peak_rss_mib  afl-server's peak resident memory (the kernel's VmHWM; Linux, else null)
     site_peak_rss_mib    the largest peak resident memory of the K site daemons
     decryptor_peak_rss_mib  CKKS only: the decryptor daemon's
@@ -125,6 +128,9 @@ def round_figures(
         if "decryptor" in memory.cpu:
             out["decryptor_cpu_seconds"] = memory.cpu["decryptor"]
     if loop.decryptor_config is not None:
+        counts = [r.get("ckks", {}) for r in finals]
+        out["ckks_ciphertexts"] = sum(int(c.get("ciphertexts", 0)) for c in counts)
+        out["ckks_drawn_ahead"] = sum(int(c.get("drawn_ahead", 0)) for c in counts)
         jobs_file = loop.decryptor_config.parent / "state" / "ckks" / "decryptions.jsonl"
         jobs = [json.loads(x) for x in jobs_file.read_text().splitlines() if x.strip()]
         out["decrypt_seconds"] = float(sum(j["decrypt_s"] for j in jobs))
@@ -161,12 +167,21 @@ def run_e2e_bench(
     seed: int = 0,
     modes: Sequence[str] = MODES,
     timeout_s: float = 900,
+    standing_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One loopback round per mode on the same caches; the figures of the module docstring."""
+    """One loopback round per mode on the same caches; the figures of the module docstring.
+    ``standing_s`` > 0: K − 1 sites stand that long, enrolled, before the last one starts
+    (:func:`afl.lab.demo.federation.run_loopback`), as a deployment's daemons do between runs;
+    0: every daemon starts at once and the round is the first thing the last one does."""
     if "plaintext" not in modes or len(set(modes)) < 2 or set(modes) - set(MODES):
         raise ValueError(f"modes must include plaintext and another mode, from {MODES}")
     feats, labels = random_sites(num_sites, d=d, rows=rows, seed=seed)
-    out: dict[str, Any] = {"num_sites": num_sites, "d": d, "rows_per_site": rows}
+    out: dict[str, Any] = {
+        "num_sites": num_sites,
+        "d": d,
+        "rows_per_site": rows,
+        "standing_s": standing_s,
+    }
     with tempfile.TemporaryDirectory(prefix="afl-bench-e2e-") as tmp:
         for mode in modes:
             settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 600.0}
@@ -189,7 +204,9 @@ def run_e2e_bench(
             memory = PeakMemory()
             load_start, before = os.getloadavg()[0], children_cpu()
             try:
-                run = run_loopback(loop, timeout_s=timeout_s, on_started=memory.watch)
+                run = run_loopback(
+                    loop, timeout_s=timeout_s, on_started=memory.watch, standing_s=standing_s
+                )
             finally:
                 memory.stop()
             out[mode] = round_figures(run, loop, memory)

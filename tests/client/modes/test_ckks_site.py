@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -19,7 +20,13 @@ from afl.client.config import TimingConfig
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transport import DaemonError, RemoteCallError, RetryPolicy
 from afl.client.modes.base import RoundSession
-from afl.client.modes.ckks import ContextPrefetch, _encrypt_and_upload, fetch_public_context
+from afl.client.modes.ckks import (
+    ContextPrefetch,
+    ZeroFiller,
+    _encrypt_and_upload,
+    ciphertexts_for,
+    fetch_public_context,
+)
 from afl.client.payloads.stats import SlotPayload, encode_float64
 from afl.crypto import kdf
 from afl.crypto.ckks import params as cp
@@ -279,3 +286,56 @@ def test_ending_the_round_stops_a_fetch_still_waiting_for_the_decryptor(private_
     prefetch.end()  # returns once the thread ended, long before the 600 s upload timeout
     with pytest.raises(DaemonError, match="round ended before the decryptor published"):
         prefetch.result()
+
+
+def _until(condition: Callable[[], bool], *, within_s: float = 120.0) -> bool:
+    """Whether ``condition`` held within ``within_s`` (generous: a loaded machine is slow)."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_site_draws_encryptions_of_zero_while_it_waits_and_only_for_its_context(
+    private_ctx: Any,
+) -> None:
+    """The filler draws what a round takes under the verified context, draws nothing while a
+    round's exchange runs, draws as many as the last exchange asked for after it, and gives
+    nothing for another context (which it then draws anew for)."""
+    data = ckks.public_context_bytes(private_ctx)
+    ann = _announce(data)
+    filler = ZeroFiller(_session(FakeStub(ann, data)), PEERS, want=3, refill_after_s=0.0).start()
+    try:
+        assert _until(lambda: filler.ready() == 3)
+        filler.pause()  # a round's exchange
+        take = filler.zeros_for(ann.context_sha256)
+        taken = [take() for _ in range(5)]
+        assert [z is not None for z in taken] == [True, True, True, False, False]
+        assert filler.ready() == 0  # nothing drawn while the exchange runs
+        filler.resume()  # the round asked for 5: the next one gets 5
+        assert _until(lambda: filler.ready() == 5)
+        other = filler.zeros_for(hashlib.sha256(b"another context").digest())
+        assert other() is None and filler.ready() == 5
+    finally:
+        filler.close()
+
+
+def test_the_filler_draws_nothing_under_a_forged_context_and_stops_at_once(
+    private_ctx: Any,
+) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    forged = _LateStub(_announce(data, signer=signatures.generate_identity_key()), data)
+    forged.published.set()
+    filler = ZeroFiller(_session(forged), PEERS, want=3).start()
+    assert forged.asked.wait(timeout=120)
+    take = filler.zeros_for(forged.announcement.context_sha256)
+    assert take() is None and filler.ready() == 0
+    filler.close()  # returns while the filler waits to try again (1 s, doubling to 60 s)
+    assert filler.ready() == 0
+
+
+def test_a_training_round_takes_its_grams_and_class_vectors_ciphertexts() -> None:
+    assert ciphertexts_for(dim=1024, classes=8) == 65 + 8  # 524,800 Gram values, 8,190 a ciphertext
+    assert ciphertexts_for(dim=24, classes=3) == 1 + 3
