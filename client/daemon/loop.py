@@ -1374,11 +1374,19 @@ class ClientDaemon:
                 self.rpc.close()
 
     def _zero_filler(self) -> ZeroFiller | None:
-        """A site whose policy pins a CKKS decryptor draws encryptions of zero while it waits
-        for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`), as many as a training round
-        of its statistics takes."""
-        decryptor = self.config.policy.ckks_decryptor
-        if not decryptor or decryptor == self.site_id or self.stats is None:
+        """A site whose policy allows ``ckks`` and pins a decryptor draws encryptions of zero
+        while it waits for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`, M-237): as
+        many as a training round over its cache's classes takes (not its labelled ones, which
+        its encryption's timing would then reveal), again after each round when it serves."""
+        policy = self.config.policy
+        decryptor = policy.ckks_decryptor
+        if (
+            "ckks" not in policy.allowed_aggregation
+            or not decryptor
+            or decryptor == self.site_id
+            or self.stats is None
+            or self.cache is None
+        ):
             return None
         session = RoundSession(  # outside any round: the context is the federation's
             rpc=self.rpc,
@@ -1388,8 +1396,9 @@ class ClientDaemon:
             identity_key=self.identity,
             ckks_decryptor=decryptor,
         )
-        want = ciphertexts_for(dim=self.stats.d, classes=int(self.labelled.sum()))
-        return ZeroFiller(session, self.config.peers, want=want).start()
+        want = ciphertexts_for(dim=self.stats.d, classes=len(self.cache.meta.classes))
+        filler = ZeroFiller(session, self.config.peers, want=want, refill=self.config.serve)
+        return filler.start()
 
     def _reconcile_ledger(self) -> None:
         """The DP ledger against this site's releases in the federation log (M-196), after the

@@ -241,14 +241,15 @@ class CoordinatorClient:
             metadata=self.metadata,
         )
 
-    def download(self, request: pb.DownloadRequest) -> bytes:
-        """A ``Download`` stream, reassembled and digest-checked."""
+    def download(self, request: pb.DownloadRequest, *, max_bytes: int = 1 << 30) -> bytes:
+        """A ``Download`` stream, reassembled and digest-checked (at most ``max_bytes``)."""
         return download_payload(
             self.stub,
             request,
             policy=self.retry,
             timeout_s=self.timing.upload_timeout_s,
             metadata=self.metadata,
+            max_bytes=max_bytes,
         )
 
     def enroll(

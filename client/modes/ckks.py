@@ -50,6 +50,7 @@ from afl.client.daemon.rpc import STAGE_POLL_CAP_S
 from afl.client.daemon.transport import DaemonError, RemoteCallError
 from afl.client.modes.base import RoundSession, UploadRecord, skipped_record, upload_record
 from afl.client.payloads.stats import PayloadError, SlotPayload, encode_float64
+from afl.core.packing import packed_length
 from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.wire import CKKS_CONTEXT_CONTEXT, context_fields, seal_tags
@@ -85,8 +86,10 @@ def _poll_context(
         except RemoteCallError as exc:
             if exc.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            if time.monotonic() - start > deadline_s:
-                raise DaemonError("the decryptor published no CKKS context in time") from exc
+            if time.monotonic() - start >= deadline_s:
+                raise ContextNotPublished(
+                    "the decryptor published no CKKS context in time"
+                ) from exc
             if stop.wait(delay):
                 raise DaemonError(
                     "the round ended before the decryptor published its context"
@@ -94,12 +97,26 @@ def _poll_context(
             delay = min(2 * delay, STAGE_POLL_CAP_S)  # the decryptor is usually moments away
 
 
+class ContextNotPublished(DaemonError):
+    """The coordinator holds no CKKS context from the decryptor (yet)."""
+
+
+#: The most bytes a site downloads as the public context (the vetted parameters' is ≈ 262 kB).
+CONTEXT_MAX_BYTES = 4 << 20
+
+
 def fetch_public_context(
-    session: RoundSession, peers: Mapping[str, bytes], *, stop: threading.Event | None = None
+    session: RoundSession,
+    peers: Mapping[str, bytes],
+    *,
+    stop: threading.Event | None = None,
+    wait_s: float | None = None,
 ) -> tuple[Any, pb.CkksContextAnnouncement]:
     """Steps 1-2 of the module docstring: the verified public context and its announcement
-    (``stop`` set: a fetch still waiting for the decryptor gives up)."""
-    ann = _poll_context(session, session.rpc.timing.upload_timeout_s, stop or threading.Event())
+    (``stop`` set: a fetch still waiting for the decryptor gives up; ``wait_s``: how long to
+    wait for the decryptor to publish, default the upload timeout, 0 asks once)."""
+    wait = session.rpc.timing.upload_timeout_s if wait_s is None else wait_s
+    ann = _poll_context(session, wait, stop or threading.Event())
     decryptor = ann.decryptor_site_id
     if session.ckks_decryptor is None:
         raise DaemonError("no CKKS decryptor is pinned in this site's [policy] ckks_decryptor")
@@ -126,7 +143,8 @@ def fetch_public_context(
     except CryptoError as exc:
         raise DaemonError("the CKKS context announcement is not signed by the decryptor") from exc
     data = session.rpc.download(
-        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT)
+        pb.DownloadRequest(round_id=session.round_id, kind=pb.PAYLOAD_KIND_CKKS_PUBLIC_CONTEXT),
+        max_bytes=CONTEXT_MAX_BYTES,
     )
     if hashlib.sha256(data).digest() != ann.context_sha256:
         raise DaemonError("the downloaded CKKS context differs from the signed announcement")
@@ -137,14 +155,15 @@ def fetch_public_context(
 
 
 #: The most encryptions of zero a site keeps drawn ahead (131 kB each: 32 MiB; a d = 1024
-#: training round takes 65 for its Gram and one per class vector).
+#: training round over 8 classes takes 65 for its Gram and one per class vector).
 ZERO_POOL_CAPACITY = 256
-#: A context fetch that failed is tried again after this long, doubling to ``ZERO_RETRY_MAX_S``.
+#: A context fetch that failed is tried again after this long, doubling to ``ZERO_RETRY_MAX_S``
+#: (one ``GetCkksContext`` a try: a federation whose decryptor never publishes costs a call a
+#: minute).
 ZERO_RETRY_S = 1.0
 ZERO_RETRY_MAX_S = 60.0
-#: After a round, the site waits this long before it draws again: a daemon that leaves once its
-#: run is done draws nothing it will not use, and the round's last steps (other sites', on a
-#: shared machine) do not compete with the drawing.
+#: After a round, a serving site waits this long before it draws again, so that the round's
+#: last steps (other parties', on a shared machine) do not compete with the drawing.
 ZERO_REFILL_AFTER_S = 2.0
 #: How long :meth:`ZeroFiller.close` waits for its thread.
 ZERO_CLOSE_WAIT_S = 2.0
@@ -153,21 +172,24 @@ ZERO_CLOSE_WAIT_S = 2.0
 def ciphertexts_for(*, dim: int, classes: int) -> int:
     """The ciphertexts of a training round's uploads: the Gram's packed upper triangle and one
     class vector of ``dim`` values for each of ``classes`` classes."""
-    gram = cp.num_ciphertexts(dim * (dim + 1) // 2)
-    return gram + classes * cp.num_ciphertexts(dim)
+    return cp.num_ciphertexts(packed_length(dim)) + classes * cp.num_ciphertexts(dim)
 
 
 class ZeroFiller:
-    """Encryptions of zero drawn while the site waits (:class:`afl.crypto.ckks.zeros.ZeroPool`,
-    docs/protocol.md §4.3), so that a round's exchange only encodes and adds its values.
+    """Encryptions of zero drawn while the site waits for a round
+    (:class:`afl.crypto.ckks.zeros.ZeroPool`, docs/protocol.md M-237), so that a round's
+    exchange only encodes and adds its values.
 
     A daemon thread fetches and checks the decryptor's context exactly as a round's exchange
     does (:func:`fetch_public_context`: the pinned decryptor's signed announcement, the digest,
-    the vetted parameters), then draws up to the number of ciphertexts the site's next round is
-    expected to take (``want``), while no round runs (:meth:`pause`, :meth:`resume`).
-    A round takes them only under the context it verified itself (:meth:`zeros_for`); a pool
-    drawn under another context is dropped and drawn anew. Nothing is kept on disk: a daemon that
-    stops loses the pool. :meth:`close` stops and joins the thread."""
+    the vetted parameters; one ``GetCkksContext`` a try, then it backs off), then draws up to
+    ``want`` (what the site's next round is expected to take). It starts nothing while a round
+    runs (:meth:`pause`; what is under way then, one encryption of zero or one fetch, ends),
+    and after a round only with ``refill`` (a serving daemon), ``refill_after_s`` later, as many
+    as that round asked for at least. A round takes them only under the context it verified
+    itself (:meth:`zeros_for`); a pool drawn under another context is dropped and drawn anew
+    after the round. The pool lives in the process's memory only, like the statistics it will
+    carry. :meth:`close` stops the thread."""
 
     def __init__(
         self,
@@ -175,12 +197,13 @@ class ZeroFiller:
         peers: Mapping[str, bytes],
         *,
         want: int,
+        refill: bool = True,
         refill_after_s: float = ZERO_REFILL_AFTER_S,
     ) -> None:
         self._session, self._peers = session, peers
         self._want = max(0, min(int(want), ZERO_POOL_CAPACITY))
-        self._refill_after_s = refill_after_s
-        self._not_before = 0.0  # monotonic time before which nothing is drawn (after a round)
+        self._refill, self._refill_after_s = refill, refill_after_s
+        self._not_before = 0.0  # monotonic time before which nothing starts (after a round)
         self._pool: ZeroPool | None = None
         self._stale = False
         self._paused = False
@@ -193,19 +216,27 @@ class ZeroFiller:
         self._thread.start()
         return self
 
+    @property
+    def context_sha256(self) -> bytes | None:
+        """SHA-256 of the context the pool is drawn under (None: none fetched yet)."""
+        pool = self._pool
+        return pool.context_sha256 if pool is not None else None
+
     def ready(self) -> int:
         """Encryptions of zero drawn and not yet taken."""
         pool = self._pool
         return len(pool) if pool is not None else 0
 
     def pause(self) -> None:
-        """A round begins: draw nothing more until :meth:`resume` (the round's own steps never
-        compete with the drawing)."""
+        """A round begins: start nothing until :meth:`resume`."""
         self._paused, self._asked = True, 0
 
     def resume(self) -> None:
-        """The round ended: draw again, as many as its exchange asked for (at least), once
-        ``refill_after_s`` have passed."""
+        """The round ended: with ``refill``, draw again ``refill_after_s`` from now, as many as
+        its exchange asked for at least; without, draw nothing more (a daemon that leaves once
+        its run is done)."""
+        if not self._refill:
+            return
         self._want = max(self._want, min(self._asked, ZERO_POOL_CAPACITY))
         self._not_before = time.monotonic() + self._refill_after_s
         self._paused = False
@@ -240,16 +271,36 @@ class ZeroFiller:
         return not (self._paused or self._stop.is_set())
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a defect, not a condition: no pool, rounds encrypt on the spot
+            log.error("site=%s stopped drawing encryptions of zero: %r", self._session.site_id, exc)
+
+    def _serve(self) -> None:
         delay = ZERO_RETRY_S
         while not self._stop.is_set():
-            if self._pool is None or (self._stale and not self._paused):
+            pool = self._pool
+            needs_pool = pool is None or self._stale
+            full = pool is not None and not needs_pool and len(pool) >= self._want
+            if not self._drawing() or full:
+                self._wake.wait()  # paused, or the pool is full: resume() or close() wakes it
+                self._wake.clear()
+                continue
+            wait_s = self._not_before - time.monotonic()
+            if wait_s > 0:
+                self._stop.wait(wait_s)
+                continue
+            if needs_pool:
                 try:
-                    ctx, ann = fetch_public_context(self._session, self._peers, stop=self._stop)
-                except Exception as exc:  # best effort: a round then encrypts on the spot
+                    ctx, ann = fetch_public_context(
+                        self._session, self._peers, stop=self._stop, wait_s=0.0
+                    )
+                except DaemonError as exc:
                     if self._stop.is_set():
                         return
-                    log.info(
-                        "site=%s: no CKKS context to draw encryptions of zero under yet (%s); "
+                    log.log(
+                        logging.INFO if isinstance(exc, ContextNotPublished) else logging.WARNING,
+                        "site=%s: no CKKS context to draw encryptions of zero under (%s); "
                         "trying again in %.0f s",
                         self._session.site_id,
                         exc,
@@ -258,27 +309,22 @@ class ZeroFiller:
                     self._stop.wait(delay)
                     delay = min(2 * delay, ZERO_RETRY_MAX_S)
                     continue
-                self._pool, self._stale = None, False
+                delay = ZERO_RETRY_S
                 self._pool = ZeroPool(
                     ctx, context_sha256=ann.context_sha256, capacity=ZERO_POOL_CAPACITY
                 )
-            wait_s = self._not_before - time.monotonic()
-            if self._drawing() and len(self._pool) < self._want and wait_s > 0:
-                self._stop.wait(wait_s)
+                self._stale = False
                 continue
-            if self._drawing() and len(self._pool) < self._want:
-                t0 = time.perf_counter()
-                drawn = self._pool.fill(self._want, keep_going=self._drawing)
-                log.debug(
-                    "site=%s drew %d encryptions of zero in %.3f s (%d ready)",
-                    self._session.site_id,
-                    drawn,
-                    time.perf_counter() - t0,
-                    len(self._pool),
-                )
-                continue
-            self._wake.wait()
-            self._wake.clear()
+            assert pool is not None
+            t0 = time.perf_counter()
+            drawn = pool.fill(self._want, keep_going=self._drawing)
+            log.debug(
+                "site=%s drew %d encryptions of zero in %.3f s (%d ready)",
+                self._session.site_id,
+                drawn,
+                time.perf_counter() - t0,
+                len(pool),
+            )
 
 
 class ContextPrefetch:

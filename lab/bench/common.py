@@ -176,14 +176,14 @@ def format_machine(info: dict[str, Any]) -> str:
     )
 
 
-def add_standing_argument(parser: argparse.ArgumentParser) -> None:
+def add_standing_argument(parser: argparse._ActionsContainer) -> None:
     """``--standing-s`` of the ``--e2e`` benches (:func:`afl.lab.bench.daemons.e2e.run_e2e_bench`)."""
     parser.add_argument(
         "--standing-s",
         type=float,
         default=0.0,
         metavar="S",
-        help="with --e2e: K - 1 site daemons stand S seconds, enrolled, before the last one "
-        "starts (a deployment's daemons stand between runs; CKKS sites draw encryptions of zero "
-        "meanwhile); default 0: every daemon starts at once",
+        help="the site daemons stand S seconds, enrolled, before the last client process "
+        "starts and its enrolment starts the round (a deployment's daemons stand between runs; "
+        "CKKS sites draw encryptions of zero meanwhile); default 0: every daemon starts at once",
     )

@@ -35,6 +35,7 @@ from afl.core.data.assignment import missing_m_assignment
 from afl.core.stats import local_statistics
 from afl.lab.bench.common import (
     add_blas_threads_argument,
+    add_standing_argument,
     blas_threads,
     describe_machine,
     format_machine,
@@ -196,6 +197,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e2e.add_argument("--dim", type=int, default=1024, help="d of the e2e sweep")
     e2e.add_argument("--rows", type=int, default=300, help="rows per site in the e2e sweep")
     e2e.add_argument("--hosts", type=int, default=4, help="afl-client run-many processes")
+    add_standing_argument(e2e)
     e2e.add_argument(
         "--full-max-sites", type=int, default=256, help="largest K run with the full graph"
     )
@@ -268,6 +270,7 @@ def _run_e2e(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             work_dir=args.work_dir,
             keep=args.keep_work,
+            standing_s=args.standing_s,
         )
     bench["blas_threads"] = args.blas_threads
     print(format_machine(bench["machine"]), file=sys.stderr)

@@ -52,7 +52,12 @@ from typing import Any
 
 import numpy as np
 
-from afl.lab.bench.common import describe_machine, emit_json, format_machine
+from afl.lab.bench.common import (
+    add_standing_argument,
+    describe_machine,
+    emit_json,
+    format_machine,
+)
 from afl.lab.bench.daemons.e2e import children_cpu, round_figures
 from afl.lab.bench.daemons.scaling_e2e import (
     CLASSES,
@@ -107,6 +112,7 @@ def _one_round(
     graph: str,
     hosts: int,
     timeout_s: float,
+    standing_s: float = 0.0,
 ) -> tuple[dict[str, Any], Any]:
     """One round of ``variant`` under ``root``: its figures and W."""
     loop = masked_federation(
@@ -131,6 +137,7 @@ def _one_round(
             host_command=wrapped,
             sites_per_process=per_process,
             on_started=memory.watch,
+            standing_s=standing_s,
         )
     finally:
         memory.stop()
@@ -173,8 +180,11 @@ def run_log_bench(
     hosts: int = 0,
     seed: int = 0,
     timeout_s: float = 900.0,
+    standing_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The with/without comparison of the module docstring; a JSON-ready dict."""
+    """The with/without comparison of the module docstring; a JSON-ready dict. ``standing_s``:
+    as in :func:`afl.lab.bench.daemons.e2e.run_e2e_bench` (K − 1 sites stand, enrolled, that
+    long before the last one starts)."""
     if num_sites < 3 or d < 1 or rows < 1 or repeats < 1 or hosts < 0:
         raise ValueError("need sites >= 3, dim >= 1, rows >= 1, repeats >= 1 and hosts >= 0")
     if graph not in GRAPHS:
@@ -195,6 +205,7 @@ def run_log_bench(
                     graph=graph,
                     hosts=hosts,
                     timeout_s=timeout_s,
+                    standing_s=standing_s,
                 )
                 figures["repetition"] = rep
                 runs[variant].append(figures)
@@ -208,6 +219,7 @@ def run_log_bench(
         "graph": graph,
         "hosts": hosts,
         "seed": seed,
+        "standing_s": standing_s,
         "machine": describe_machine(),
         "load_average_start": load_start,
         "load_average_end": list(os.getloadavg()),
@@ -257,6 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per round and stage")
     parser.add_argument("--out", metavar="FILE", help="write JSON here (default: stdout)")
+    add_standing_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
             hosts=args.hosts,
             seed=args.seed,
             timeout_s=args.timeout_s,
+            standing_s=args.standing_s,
         )
     except (ValueError, RuntimeError) as exc:
         print(f"afl bench log: {exc}", file=sys.stderr)

@@ -232,8 +232,11 @@ def scaling_e2e_point(
     seed: int,
     timeout_s: float,
     reference: NDArray[np.float64] | None = None,
+    standing_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One masked round over K sites with the given graph; the figures of the module docstring."""
+    """One masked round over K sites with the given graph; the figures of the module docstring.
+    ``standing_s``: the sites of every host process but the last stand that long, enrolled,
+    before it starts (:func:`afl.lab.demo.federation.run_loopback`)."""
     feats, labels = random_sites(k, d=d, rows=rows, seed=seed)
     loop = masked_federation(
         root, feats, labels, graph=graph, timeout_s=timeout_s, client_settings=CLIENT_TIMING
@@ -245,6 +248,7 @@ def scaling_e2e_point(
             timeout_s=timeout_s,
             sites_per_process=math.ceil(k / max(1, hosts)),
             on_started=memory.watch,
+            standing_s=standing_s,
         )
     finally:
         memory.stop()
@@ -267,6 +271,7 @@ def run_scaling_e2e(
     timeout_s: float = 1800.0,
     work_dir: str | None = None,
     keep: bool = False,
+    standing_s: float = 0.0,
 ) -> dict[str, Any]:
     """The sweep over ``sites`` × ``graphs`` (the full graph up to ``full_max_sites``);
     ``keep``: leave the federations (kits, logs, reports, server state) in ``work_dir``."""
@@ -298,6 +303,7 @@ def run_scaling_e2e(
                     seed=seed,
                     timeout_s=timeout_s,
                     reference=reference,
+                    standing_s=standing_s,
                 )
                 row["bench_seconds"] = time.perf_counter() - start
                 rows_out.append(row)
@@ -317,6 +323,7 @@ def run_scaling_e2e(
         "classes": len(CLASSES),
         "hosts": hosts,
         "seed": seed,
+        "standing_s": standing_s,
         "w_tolerance": W_TOLERANCE,
         "points": rows_out,
         "growth_exponents": exponents,

@@ -413,3 +413,57 @@ def test_a_model_file_whose_round_id_is_a_path_is_refused_by_evaluate(
         )
         write_local_evaluation(state, run)
     assert set(_files_outside(tmp_path, state)) == before
+
+
+class _Filler:
+    """What the daemon calls of its :class:`afl.client.modes.ckks.ZeroFiller`, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def zeros_for(self, context_sha256: bytes) -> Any:
+        return lambda: None
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+def test_the_zero_filler_rests_during_every_round_it_completed_or_refused(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """M-237: the site draws encryptions of zero only while it waits; each round, completed or
+    refused, pauses the drawing before its plan is read and resumes it after."""
+    daemon, coordinator, _ = site
+    filler = _Filler()
+    daemon._zeros = filler  # type: ignore[assignment]
+    coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", GLOBAL))
+    assert daemon._rounds() == 0
+    assert filler.calls == ["pause", "resume"]
+    refused = [_gram("gram[all]", SITES), _b("A", ("s3", "s4"))]  # a 2-member release
+    coordinator.announce("r1-bbbb", coordinator.round_config("r1-bbbb", refused))
+    daemon._rounds()
+    assert filler.calls == ["pause", "resume"] * 2
+
+
+def test_only_a_site_that_allows_ckks_and_pins_another_decryptor_draws_zeros(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    daemon, _, _ = site
+    assert daemon._zero_filler() is None  # plaintext only
+    for policy, draws in (
+        (LocalPolicy(allowed_aggregation=("ckks",), ckks_decryptor="s1"), True),
+        (LocalPolicy(allowed_aggregation=("mask",), ckks_decryptor="s1"), False),
+        (LocalPolicy(allowed_aggregation=("ckks",), ckks_decryptor=SITE), False),
+        (LocalPolicy(allowed_aggregation=("ckks",)), False),
+    ):
+        daemon.config = replace(daemon.config, policy=policy)
+        filler = daemon._zero_filler()
+        assert (filler is not None) == draws, policy
+        if filler is not None:
+            filler.close()

@@ -301,23 +301,78 @@ def _until(condition: Callable[[], bool], *, within_s: float = 120.0) -> bool:
 def test_the_site_draws_encryptions_of_zero_while_it_waits_and_only_for_its_context(
     private_ctx: Any,
 ) -> None:
-    """The filler draws what a round takes under the verified context, draws nothing while a
-    round's exchange runs, draws as many as the last exchange asked for after it, and gives
-    nothing for another context (which it then draws anew for)."""
+    """The filler draws what a round takes under the verified context, starts nothing while a
+    round runs (even when woken), draws as many as the last round asked for after it, and gives
+    nothing for another context: when the decryptor's context changes, it draws anew under the
+    new one after the round."""
     data = ckks.public_context_bytes(private_ctx)
     ann = _announce(data)
-    filler = ZeroFiller(_session(FakeStub(ann, data)), PEERS, want=3, refill_after_s=0.0).start()
+    stub = FakeStub(ann, data)
+    filler = ZeroFiller(_session(stub), PEERS, want=3, refill_after_s=0.0).start()
     try:
         assert _until(lambda: filler.ready() == 3)
-        filler.pause()  # a round's exchange
+        assert filler.context_sha256 == ann.context_sha256
+        filler.pause()  # a round begins
         take = filler.zeros_for(ann.context_sha256)
         taken = [take() for _ in range(5)]
         assert [z is not None for z in taken] == [True, True, True, False, False]
-        assert filler.ready() == 0  # nothing drawn while the exchange runs
+        filler._wake.set()  # woken during the round (as resume or close would wake it)
+        time.sleep(0.3)
+        assert filler.ready() == 0  # it drew nothing
         filler.resume()  # the round asked for 5: the next one gets 5
         assert _until(lambda: filler.ready() == 5)
-        other = filler.zeros_for(hashlib.sha256(b"another context").digest())
-        assert other() is None and filler.ready() == 5
+        renewed = ckks.public_context_bytes(ckks.create_private_context(n_threads=1))
+        stub.announcement, stub.data = _announce(renewed), renewed  # the decryptor's new key
+        filler.pause()
+        new_digest = stub.announcement.context_sha256
+        assert filler.zeros_for(new_digest)() is None and filler.ready() == 5
+        filler.resume()
+        assert _until(lambda: filler.context_sha256 == new_digest and filler.ready() == 5)
+        assert filler.zeros_for(new_digest)() is not None
+        assert filler.zeros_for(ann.context_sha256)() is None
+    finally:
+        filler.close()
+
+
+def test_a_daemon_that_leaves_after_its_run_draws_only_before_its_first_round(
+    private_ctx: Any,
+) -> None:
+    data = ckks.public_context_bytes(private_ctx)
+    filler = ZeroFiller(
+        _session(FakeStub(_announce(data), data)), PEERS, want=2, refill=False, refill_after_s=0
+    ).start()
+    try:
+        assert _until(lambda: filler.ready() == 2)
+        filler.pause()
+        take = filler.zeros_for(hashlib.sha256(data).digest())
+        assert take() is not None and take() is not None
+        filler.resume()
+        time.sleep(0.3)
+        assert filler.ready() == 0
+    finally:
+        filler.close()
+
+
+class _CountingStub(_LateStub):
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        super().__init__(announcement, data)
+        self.calls = 0
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        self.calls += 1
+        return super().GetCkksContext(request, **kw)
+
+
+def test_a_context_not_yet_published_is_asked_for_once_a_try(private_ctx: Any) -> None:
+    """While the decryptor has not published, the idle filler asks once and waits (1 s, doubling
+    to a minute) instead of polling as a round does."""
+    data = ckks.public_context_bytes(private_ctx)
+    stub = _CountingStub(_announce(data), data)  # never published
+    filler = ZeroFiller(_waiting_session(stub), PEERS, want=2).start()
+    try:
+        assert stub.asked.wait(timeout=120)
+        time.sleep(0.5)
+        assert stub.calls == 1 and filler.ready() == 0
     finally:
         filler.close()
 
