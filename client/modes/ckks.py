@@ -205,7 +205,8 @@ class ZeroFiller:
         self._refill, self._refill_after_s = refill, refill_after_s
         self._not_before = 0.0  # monotonic time before which nothing starts (after a round)
         self._pool: ZeroPool | None = None
-        self._stale = False
+        self._stale = False  # a round verified another context than the pool's: fetch anew
+        self._stale_marks = 0  # how often a round set _stale (a fetch under way keeps a new mark)
         self._paused = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -233,9 +234,12 @@ class ZeroFiller:
 
     def resume(self) -> None:
         """The round ended: with ``refill``, draw again ``refill_after_s`` from now, as many as
-        its exchange asked for at least; without, draw nothing more (a daemon that leaves once
-        its run is done)."""
+        its exchange asked for at least; without, draw nothing more and drop what is left (a
+        daemon that leaves once its run is done)."""
         if not self._refill:
+            pool = self._pool
+            if pool is not None:
+                pool.clear()
             return
         self._want = max(self._want, min(self._asked, ZERO_POOL_CAPACITY))
         self._not_before = time.monotonic() + self._refill_after_s
@@ -247,8 +251,9 @@ class ZeroFiller:
         from, for a round whose verified context has SHA-256 ``context_sha256``: the pool's,
         each once, while they last and only if the pool was drawn under that context."""
         pool = self._pool
-        if pool is not None and pool.context_sha256 != context_sha256:
-            self._stale = True  # the decryptor's context changed: drawn anew after the round
+        if pool is None or pool.context_sha256 != context_sha256:
+            self._stale = True  # the decryptor's context changed: fetched anew after the round
+            self._stale_marks += 1
 
         def take() -> Any | None:
             self._asked += 1
@@ -274,6 +279,9 @@ class ZeroFiller:
         try:
             self._serve()
         except Exception as exc:  # a defect, not a condition: no pool, rounds encrypt on the spot
+            if self._stop.is_set():  # e.g. a call on the channel the stopping daemon closed
+                log.debug("site=%s: drawing stopped: %r", self._session.site_id, exc)
+                return
             log.error("site=%s stopped drawing encryptions of zero: %r", self._session.site_id, exc)
 
     def _serve(self) -> None:
@@ -291,6 +299,7 @@ class ZeroFiller:
                 self._stop.wait(wait_s)
                 continue
             if needs_pool:
+                marks = self._stale_marks
                 try:
                     ctx, ann = fetch_public_context(
                         self._session, self._peers, stop=self._stop, wait_s=0.0
@@ -306,14 +315,16 @@ class ZeroFiller:
                         exc,
                         delay,
                     )
-                    self._stop.wait(delay)
+                    self._wake.wait(delay)  # close() or the end of a round cuts it short
+                    self._wake.clear()
                     delay = min(2 * delay, ZERO_RETRY_MAX_S)
                     continue
                 delay = ZERO_RETRY_S
                 self._pool = ZeroPool(
                     ctx, context_sha256=ann.context_sha256, capacity=ZERO_POOL_CAPACITY
                 )
-                self._stale = False
+                if self._stale_marks == marks:  # no round marked it stale during the fetch
+                    self._stale = False
                 continue
             assert pool is not None
             t0 = time.perf_counter()

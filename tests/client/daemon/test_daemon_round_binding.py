@@ -24,6 +24,7 @@ from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import DaemonError
 from afl.client.model.evaluate import evaluate_model, write_local_evaluation
 from afl.client.model.published import ModelFileError
+from afl.client.modes.ckks import ZeroFiller
 from afl.core.data.featurecache import CacheMeta, write_cache
 from afl.crypto.identity import signatures
 from afl.crypto.identity.signed_blobs import PLAN_CONTEXT, sign_blob
@@ -416,22 +417,24 @@ def test_a_model_file_whose_round_id_is_a_path_is_refused_by_evaluate(
 
 
 class _Filler:
-    """What the daemon calls of its :class:`afl.client.modes.ckks.ZeroFiller`, recorded."""
+    """What the daemon calls of its :class:`afl.client.modes.ckks.ZeroFiller`, recorded with
+    the round the daemon was in at the call."""
 
-    def __init__(self) -> None:
-        self.calls: list[str] = []
+    def __init__(self, daemon: ClientDaemon) -> None:
+        self.daemon = daemon
+        self.calls: list[tuple[str, str]] = []
 
     def pause(self) -> None:
-        self.calls.append("pause")
+        self.calls.append(("pause", self.daemon._running_round))
 
     def resume(self) -> None:
-        self.calls.append("resume")
+        self.calls.append(("resume", self.daemon._running_round))
 
     def zeros_for(self, context_sha256: bytes) -> Any:
         return lambda: None
 
     def close(self) -> None:
-        self.calls.append("close")
+        self.calls.append(("close", ""))
 
 
 def test_the_zero_filler_rests_during_every_round_it_completed_or_refused(
@@ -440,21 +443,23 @@ def test_the_zero_filler_rests_during_every_round_it_completed_or_refused(
     """M-237: the site draws encryptions of zero only while it waits; each round, completed or
     refused, pauses the drawing before its plan is read and resumes it after."""
     daemon, coordinator, _ = site
-    filler = _Filler()
+    filler = _Filler(daemon)
     daemon._zeros = filler  # type: ignore[assignment]
     coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", GLOBAL))
     assert daemon._rounds() == 0
-    assert filler.calls == ["pause", "resume"]
+    # paused once the round is taken up (before its plan is read), resumed after it ended
+    assert filler.calls == [("pause", "r1-aaaa"), ("resume", "")]
     refused = [_gram("gram[all]", SITES), _b("A", ("s3", "s4"))]  # a 2-member release
     coordinator.announce("r1-bbbb", coordinator.round_config("r1-bbbb", refused))
     daemon._rounds()
-    assert filler.calls == ["pause", "resume"] * 2
+    assert filler.calls[2:] == [("pause", "r1-bbbb"), ("resume", "")]
 
 
 def test_only_a_site_that_allows_ckks_and_pins_another_decryptor_draws_zeros(
-    site: tuple[ClientDaemon, Coordinator, Path],
+    site: tuple[ClientDaemon, Coordinator, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     daemon, _, _ = site
+    monkeypatch.setattr(ZeroFiller, "start", lambda self: self)  # which filler, not its thread
     assert daemon._zero_filler() is None  # plaintext only
     for policy, draws in (
         (LocalPolicy(allowed_aggregation=("ckks",), ckks_decryptor="s1"), True),

@@ -6,6 +6,7 @@ decryptor alone and signed by the site."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import threading
 import time
@@ -19,6 +20,7 @@ import pytest
 from afl.client.config import TimingConfig
 from afl.client.daemon.rpc import CoordinatorClient
 from afl.client.daemon.transport import DaemonError, RemoteCallError, RetryPolicy
+from afl.client.modes import ckks as ckks_mode
 from afl.client.modes.base import RoundSession
 from afl.client.modes.ckks import (
     ContextPrefetch,
@@ -38,6 +40,7 @@ from afl.crypto.ckks.wire import (
     open_tags,
     seal_tags,
 )
+from afl.crypto.ckks.zeros import ZeroPool
 from afl.crypto.errors import KeyAgreementError, SignatureError
 from afl.crypto.identity import signatures
 from afl.proto.v1 import common_pb2 as cpb
@@ -215,6 +218,33 @@ def test_every_slot_is_encrypted_and_uploaded_smallest_first(private_ctx: Any) -
     assert sent.encrypt_s > 0
 
 
+def test_the_exchange_takes_its_encryptions_of_zero_from_the_pool_while_they_last(
+    private_ctx: Any,
+) -> None:
+    """M-237: with a pool the exchange's ciphertexts are made from it, each zero once, and the
+    rest on the spot; every ciphertext decrypts to its values."""
+    ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
+    sizes = {"gram": 3 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}  # 5 ciphertexts
+    for drawn in (5, 2):
+        pool = ZeroPool(ctx, context_sha256=b"ctx", capacity=8)
+        pool.fill(drawn)
+        rpc = _UploadRpc()
+        tags = {slot: ckks.new_tag(num_summands=2) for slot in sizes}
+        take = functools.partial(pool.take, b"ctx")
+        payloads = _slots(sizes)
+        sent = _encrypt_and_upload(_upload_session(rpc, sizes), ctx, payloads, tags, zeros=take)
+        assert (sent.ciphertexts, sent.drawn_ahead, len(pool)) == (5, drawn, 0)
+        for slot, data in rpc.sent:
+            values = np.frombuffer(next(p for p in payloads if p.slot == slot).payload, "<f8")
+            vectors = ckks.deserialize_ciphertexts(
+                private_ctx, ckks.unpack_ciphertexts(data), length=sizes[slot]
+            )
+            lanes = np.concatenate(
+                [ckks.decode_lanes(private_ctx, v)[cp.TAG_LANES :] for v in vectors]
+            )
+            assert np.allclose(lanes[: sizes[slot]], values, atol=1e-6)
+
+
 def test_a_failed_upload_stops_the_uploads_after_it_and_is_raised(private_ctx: Any) -> None:
     ctx = ckks.load_public_context(ckks.public_context_bytes(private_ctx))
     sizes = {"gram": 2 * cp.DATA_SLOTS_PER_CIPHERTEXT, "b[A]": 10, "b[B]": 20}
@@ -353,19 +383,12 @@ def test_a_daemon_that_leaves_after_its_run_draws_only_before_its_first_round(
         filler.close()
 
 
-class _CountingStub(_LateStub):
-    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
-        super().__init__(announcement, data)
-        self.calls = 0
-
-    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
-        self.calls += 1
-        return super().GetCkksContext(request, **kw)
-
-
-def test_a_context_not_yet_published_is_asked_for_once_a_try(private_ctx: Any) -> None:
+def test_a_context_not_yet_published_is_asked_for_once_a_try(
+    private_ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While the decryptor has not published, the idle filler asks once and waits (1 s, doubling
-    to a minute) instead of polling as a round does."""
+    to a minute; here 30 s) instead of polling as a round does."""
+    monkeypatch.setattr(ckks_mode, "ZERO_RETRY_S", 30.0)
     data = ckks.public_context_bytes(private_ctx)
     stub = _CountingStub(_announce(data), data)  # never published
     filler = ZeroFiller(_waiting_session(stub), PEERS, want=2).start()
@@ -377,18 +400,33 @@ def test_a_context_not_yet_published_is_asked_for_once_a_try(private_ctx: Any) -
         filler.close()
 
 
-def test_the_filler_draws_nothing_under_a_forged_context_and_stops_at_once(
-    private_ctx: Any,
+class _CountingStub(_LateStub):
+    def __init__(self, announcement: pb.CkksContextAnnouncement, data: bytes) -> None:
+        super().__init__(announcement, data)
+        self.calls = 0
+
+    def GetCkksContext(self, request: Any, **kw: Any) -> pb.CkksContextAnnouncement:
+        self.calls += 1
+        return super().GetCkksContext(request, **kw)
+
+
+def test_the_filler_draws_nothing_under_a_forged_context_and_stops_when_closed(
+    private_ctx: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An announcement the pinned decryptor did not sign: the filler draws nothing, tries again
+    (here every 0.05 s), and its thread ends when the daemon closes it."""
+    monkeypatch.setattr(ckks_mode, "ZERO_RETRY_S", 0.05)
     data = ckks.public_context_bytes(private_ctx)
-    forged = _LateStub(_announce(data, signer=signatures.generate_identity_key()), data)
+    forged = _CountingStub(_announce(data, signer=signatures.generate_identity_key()), data)
     forged.published.set()
     filler = ZeroFiller(_session(forged), PEERS, want=3).start()
-    assert forged.asked.wait(timeout=120)
+    assert _until(lambda: forged.calls >= 2)  # the first try was refused in full
+    assert filler.context_sha256 is None and filler.ready() == 0
     take = filler.zeros_for(forged.announcement.context_sha256)
-    assert take() is None and filler.ready() == 0
-    filler.close()  # returns while the filler waits to try again (1 s, doubling to 60 s)
-    assert filler.ready() == 0
+    assert take() is None
+    filler.close()
+    filler._thread.join(timeout=120)
+    assert not filler._thread.is_alive()
 
 
 def test_a_training_round_takes_its_grams_and_class_vectors_ciphertexts() -> None:
