@@ -52,6 +52,7 @@ _KNOWN: dict[str, set[str]] = {
         "retry_attempts",
         "retry_window_s",
         "serve",
+        "ckks_draw_ahead",
     },
     "tls": {"ca_cert", "cert", "key", "crl"},
     "identity": {"key", "public_key", "server_public_key"},
@@ -199,6 +200,8 @@ class ClientConfig:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     warnings: tuple[str, ...] = ()
     serve: bool = False
+    #: CKKS: draw encryptions of zero while waiting for a round (docs/protocol.md M-237).
+    ckks_draw_ahead: bool = True
 
 
 class _Reader:
@@ -483,5 +486,6 @@ def load_client_config(path: str | os.PathLike[str]) -> ClientConfig:
         timing=_timing(r, client),
         retention=_retention(r),
         serve=r.boolean(client, "client", "serve", False),
+        ckks_draw_ahead=r.boolean(client, "client", "ckks_draw_ahead", True),
     )
     return ClientConfig(**{**config.__dict__, "warnings": tuple(r.warnings)})

@@ -49,7 +49,17 @@ ROSTER = "roster.json"
 _KEYS = ("site.key", "identity.key")
 _BUNDLE = ("ca.pem", "site.pem", ROSTER, "client.toml")
 # ClientConfig fields the site owns (set by its IT after import) and the fields the import checks.
-_SITE_OWNED = {"path", "state_dir", "data", "policy", "timing", "serve", "warnings", "retention"}
+_SITE_OWNED = {
+    "path",
+    "state_dir",
+    "data",
+    "policy",
+    "timing",
+    "serve",
+    "ckks_draw_ahead",
+    "warnings",
+    "retention",
+}
 _CHECKED = {
     "site_id",
     "federation_id",

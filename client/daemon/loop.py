@@ -48,7 +48,7 @@ from afl.client.daemon.opening import (
     witnessed_releases,
 )
 from afl.client.daemon.report import RoundReport
-from afl.client.daemon.rpc import CoordinatorClient, RoundFailed
+from afl.client.daemon.rpc import STOP_JOIN_S, CoordinatorClient, RoundFailed
 from afl.client.daemon.state import DaemonState, plan_summary
 from afl.client.daemon.transparency import (
     HOLD_MIN_S,
@@ -1353,35 +1353,40 @@ class ClientDaemon:
         self.retain()  # before the statistics are loaded: expired ones are recomputed
         if self.stats is None:
             self.prepare()
-        with connect(self.config, insecure=self.insecure) as channel:
-            self.rpc = CoordinatorClient(
-                pb_grpc.CoordinatorStub(channel),
-                site_id=self.site_id,
-                timing=self.config.timing,
-                retry=self.retry,
-                metadata=self.metadata,
-            )
-            self.rpc.observe = self._observe
-            try:
-                self.enroll()
-                self._reconcile_ledger()
-                self.rpc.watch()
-                self._zeros = self._zero_filler()
-                return self._rounds()
-            finally:
-                if self._zeros is not None:
-                    self._zeros.close()
-                self.rpc.close()
+        try:
+            with connect(self.config, insecure=self.insecure) as channel:
+                self.rpc = CoordinatorClient(
+                    pb_grpc.CoordinatorStub(channel),
+                    site_id=self.site_id,
+                    timing=self.config.timing,
+                    retry=self.retry,
+                    metadata=self.metadata,
+                )
+                self.rpc.observe = self._observe
+                try:
+                    self.enroll()
+                    self._reconcile_ledger()
+                    self.rpc.watch()
+                    self._zeros = self._zero_filler()
+                    return self._rounds()
+                finally:
+                    if self._zeros is not None:
+                        self._zeros.stop()
+                    self.rpc.close()
+        finally:  # the channel is closed: a call the filler still makes ends at once
+            if self._zeros is not None:
+                self._zeros.join(STOP_JOIN_S)
 
     def _zero_filler(self) -> ZeroFiller | None:
         """A site whose policy allows ``ckks`` and pins a decryptor draws encryptions of zero
-        while it waits for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`, M-237): as
+        (unless ``[client] ckks_draw_ahead = false``) while it waits for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`, M-237): as
         many as a training round over its cache's classes takes (not its labelled ones, which
         its encryption's timing would then reveal), again after each round when it serves."""
         policy = self.config.policy
         decryptor = policy.ckks_decryptor
         if (
-            "ckks" not in policy.allowed_aggregation
+            not self.config.ckks_draw_ahead
+            or "ckks" not in policy.allowed_aggregation
             or not decryptor
             or decryptor == self.site_id
             or self.stats is None

@@ -86,6 +86,10 @@ def check_enrolment(
         log.warning("site=%s enrolment: %s", site_id, response.message)
 
 
+#: How long :meth:`RoundWatcher.stop` waits for its thread (it ends at once once cancelled).
+STOP_JOIN_S = 60.0
+
+
 class RoundWatcher:
     """A ``WatchRounds`` subscription in a background thread (module docstring)."""
 
@@ -111,22 +115,34 @@ class RoundWatcher:
         return self
 
     def stop(self) -> None:
+        """End the stream and its thread, and let go of the call. A gRPC call's finalizer takes
+        the call's lock; run while the interpreter finalizes, it waits forever for a lock that a
+        daemon thread (this one, or gRPC's own) held when it was stopped, and the process never
+        exits (seen once in a CI run: a site hung after its report). So the thread is joined
+        until it ends (a cancelled call ends at once), and the call is dropped here, while
+        every thread still runs, not at exit."""
         self._stopped.set()
         call = self._call
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=STOP_JOIN_S)
+        if self._thread.is_alive():  # pragma: no cover - a gRPC call that ignored its cancel
+            log.warning("the WatchRounds stream did not end within %.0f s", STOP_JOIN_S)
+            return
+        del call
+        self._call = None  # its finalizer runs now
 
     def _run(self) -> None:
         delay = 0.5
         while not self._stopped.is_set():
             try:
-                self._call = self._stub.WatchRounds(
-                    pb.WatchRequest(), metadata=self._metadata or None
-                )
+                call = self._stub.WatchRounds(pb.WatchRequest(), metadata=self._metadata or None)
+                self._call = call
+                if self._stopped.is_set():  # stop() ran meanwhile and cancelled the call before
+                    call.cancel()
                 latest: dict[str, pb.RoundStatus] = {}
                 self.latest = latest
-                for event in self._call:
+                for event in call:
                     latest[event.status.round_id] = event.status
                     self.events_received += 1
                     self._event.set()

@@ -261,16 +261,25 @@ class ZeroFiller:
 
         return take
 
-    def close(self) -> None:
-        """Stop drawing and drop the pool. The thread is joined for at most
-        ``ZERO_CLOSE_WAIT_S``: one still inside a context fetch (a coordinator that does not
-        answer) ends with it, and a daemon thread never holds the process up."""
+    def stop(self) -> None:
+        """Stop drawing and drop the pool (a fetch under way ends with its call; the daemon
+        closes its channel, then :meth:`join`s the thread, so no thread is inside a gRPC call
+        when the interpreter finalizes)."""
         self._stop.set()
         self._wake.set()
+        pool = self._pool
+        if pool is not None:
+            pool.clear()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the stopped thread to end."""
         if self._thread.is_alive():
-            self._thread.join(timeout=ZERO_CLOSE_WAIT_S)
-        if self._pool is not None:
-            self._pool.clear()
+            self._thread.join(timeout=timeout_s)
+
+    def close(self) -> None:
+        """:meth:`stop`, then :meth:`join` for at most ``ZERO_CLOSE_WAIT_S``."""
+        self.stop()
+        self.join(ZERO_CLOSE_WAIT_S)
 
     def _drawing(self) -> bool:
         return not (self._paused or self._stop.is_set())

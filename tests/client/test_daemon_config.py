@@ -36,6 +36,16 @@ def test_provisioned_kit_loads_with_defaults(kit: Path) -> None:
     assert set(cfg.peers) == {"site-a", "site-b"}
     assert cfg.tls.cert.name == "site.pem"
     assert len(cfg.server_public_key) == 32
+    assert cfg.ckks_draw_ahead and not cfg.serve  # M-237: drawn ahead unless switched off
+
+
+def test_drawing_ahead_is_switched_off_in_client_and_must_be_a_boolean(
+    kit: Path, tmp_path: Path
+) -> None:
+    off = _rewrite(kit, tmp_path, client={"ckks_draw_ahead": False})
+    assert load_client_config(off).ckks_draw_ahead is False
+    with pytest.raises(ConfigError, match="ckks_draw_ahead"):
+        load_client_config(_rewrite(kit, tmp_path, client={"ckks_draw_ahead": "no"}))
 
 
 def test_data_and_policy_extensions(kit: Path, tmp_path: Path) -> None:

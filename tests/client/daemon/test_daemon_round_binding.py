@@ -433,8 +433,11 @@ class _Filler:
     def zeros_for(self, context_sha256: bytes) -> Any:
         return lambda: None
 
-    def close(self) -> None:
-        self.calls.append(("close", ""))
+    def stop(self) -> None:
+        self.calls.append(("stop", ""))
+
+    def join(self, timeout_s: float) -> None:
+        self.calls.append(("join", ""))
 
 
 def test_the_zero_filler_rests_during_every_round_it_completed_or_refused(
@@ -472,3 +475,5 @@ def test_only_a_site_that_allows_ckks_and_pins_another_decryptor_draws_zeros(
         assert (filler is not None) == draws, policy
         if filler is not None:
             filler.close()
+    daemon.config = replace(daemon.config, ckks_draw_ahead=False)  # [client] switches it off
+    assert daemon._zero_filler() is None

@@ -154,3 +154,30 @@ def test_a_closed_stream_forgets_what_it_showed() -> None:
         assert watcher.reached("r1", pb.ROUND_STAGE_UNMASK) is None
     finally:
         client.close()
+
+
+class _StoppedMeanwhile:
+    """A coordinator whose WatchRounds is answered while the watcher is being stopped: the
+    stop flag is set after the watcher checked it and before it holds the new call."""
+
+    def __init__(self) -> None:
+        self.watcher: rpc.RoundWatcher | None = None
+        self.stream = _Stream()
+
+    def WatchRounds(self, request: Any, **kw: Any) -> _Stream:
+        assert self.watcher is not None
+        self.watcher._stopped.set()  # what stop() does first, before it reads the call
+        return self.stream
+
+
+def test_a_stream_opened_while_the_watcher_stops_is_cancelled_and_let_go() -> None:
+    """No WatchRounds thread outlives the daemon's stop: a thread left in a gRPC call when the
+    interpreter finalizes would hang the daemon's exit (CHANGELOG, Fixed)."""
+    stub = _StoppedMeanwhile()
+    watcher = rpc.RoundWatcher(stub)
+    stub.watcher = watcher
+    watcher.start()
+    watcher._thread.join(timeout=20)  # the stream would block for 30 s if nobody cancelled it
+    assert not watcher._thread.is_alive()
+    watcher.stop()
+    assert watcher._call is None  # dropped while every thread runs, not at exit
