@@ -1379,9 +1379,10 @@ class ClientDaemon:
 
     def _zero_filler(self) -> ZeroFiller | None:
         """A site whose policy allows ``ckks`` and pins a decryptor draws encryptions of zero
-        (unless ``[client] ckks_draw_ahead = false``) while it waits for its rounds (:class:`afl.client.modes.ckks.ZeroFiller`, M-237): as
-        many as a training round over its cache's classes takes (not its labelled ones, which
-        its encryption's timing would then reveal), again after each round when it serves."""
+        (unless ``[client] ckks_draw_ahead = false``) while it waits for its rounds
+        (:class:`afl.client.modes.ckks.ZeroFiller`, M-237): as many as a training round over its
+        cache's classes takes (not its labelled ones, which its encryption's timing would then
+        reveal), again after each round when it serves."""
         policy = self.config.policy
         decryptor = policy.ckks_decryptor
         if (

@@ -205,8 +205,10 @@ class ZeroFiller:
         self._refill, self._refill_after_s = refill, refill_after_s
         self._not_before = 0.0  # monotonic time before which nothing starts (after a round)
         self._pool: ZeroPool | None = None
-        self._stale = False  # a round verified another context than the pool's: fetch anew
-        self._stale_marks = 0  # how often a round set _stale (a fetch under way keeps a new mark)
+        # Rounds that verified another context than the pool's, counted, and that count when
+        # the pool was last fetched: they differ while a fetch is due (one under way when a
+        # round marks the pool leaves the new mark due).
+        self._stale_marks = self._fetched_at = 0
         self._paused = False
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -252,8 +254,7 @@ class ZeroFiller:
         each once, while they last and only if the pool was drawn under that context."""
         pool = self._pool
         if pool is None or pool.context_sha256 != context_sha256:
-            self._stale = True  # the decryptor's context changed: fetched anew after the round
-            self._stale_marks += 1
+            self._stale_marks += 1  # the decryptor's context changed: fetched anew after the round
 
         def take() -> Any | None:
             self._asked += 1
@@ -297,7 +298,7 @@ class ZeroFiller:
         delay = ZERO_RETRY_S
         while not self._stop.is_set():
             pool = self._pool
-            needs_pool = pool is None or self._stale
+            needs_pool = pool is None or self._stale_marks != self._fetched_at
             full = pool is not None and not needs_pool and len(pool) >= self._want
             if not self._drawing() or full:
                 self._wake.wait()  # paused, or the pool is full: resume() or close() wakes it
@@ -332,8 +333,7 @@ class ZeroFiller:
                 self._pool = ZeroPool(
                     ctx, context_sha256=ann.context_sha256, capacity=ZERO_POOL_CAPACITY
                 )
-                if self._stale_marks == marks:  # no round marked it stale during the fetch
-                    self._stale = False
+                self._fetched_at = marks
                 continue
             assert pool is not None
             t0 = time.perf_counter()
