@@ -101,6 +101,13 @@ def class_b_sums(plan: AggregationPlan, bs: Sequence[NDArray[np.float64]]) -> ND
     return out
 
 
+def load_solver() -> None:
+    """Import the solver's scipy modules now (about 0.1 s): a daemon that will solve does it in a
+    thread at start, so that its first solve, under the coordinator's lock while every site
+    waits for the model, does not pay for it. Importing this module loads no scipy."""
+    import scipy.linalg  # noqa: F401
+
+
 def factor_regularised(
     gram_sum: NDArray[np.float64], gamma: float
 ) -> tuple[NDArray[np.float64], bool]:

@@ -27,6 +27,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -386,11 +387,32 @@ class Coordinator:
             view = self.machine.find(upload.round_id or "-")
             mode = self.machine.mode_of(view)
             planned = next((r for r in view.releases if r.name == upload.release_name), None)
+        staged = None
         if planned is not None and site_id in planned.members:
-            # The payload's own checks (CKKS: parsing every ciphertext) hold up no other call.
+            # The payload's own checks (CKKS: parsing every ciphertext) and its file (written and
+            # fsynced under a name of its own) hold up no other call.
             mode.prepare_upload(
                 site_id=site_id, release=planned, data=upload.data, sha256=upload.sha256
             )
+            try:
+                staged = self.store.stage_payload(
+                    view.round_id, site_id, data=upload.data, sha256=upload.sha256
+                )
+            except DiskFullError:
+                with self.lock:
+                    self.metrics.uploads.labels(outcome="disk-full").inc()
+                    self._hold_open(self.machine.find(view.round_id), site_id)
+                raise
+        try:
+            return self._store_upload(site_id, upload, staged)
+        finally:
+            if staged is not None and staged.exists():  # refused, or a duplicate: no row names it
+                self.store.discard_staged(staged)
+
+    def _store_upload(
+        self, site_id: str, upload: wire.AssembledPayload, staged: Path | None
+    ) -> pb.UploadReceipt:
+        """:meth:`upload`'s checks and commit under the lock (``staged``: its file, written)."""
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
             self.machine.require_participant(view, site_id)
@@ -435,6 +457,7 @@ class Coordinator:
                         "sha256": upload.sha256.hex(),
                         "bytes": len(upload.data),
                     },
+                    staged=staged,
                 )
             except DiskFullError:
                 self.metrics.uploads.labels(outcome="disk-full").inc()

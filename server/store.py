@@ -3,8 +3,9 @@ before their rows, and ``anchor.json`` outside the database so that a rolled-bac
 damaged state is refused at start-up (:class:`StateError`), never silently started fresh. Every
 write is one transaction; :meth:`Store.transaction` (re-entrant) makes a transition's state and
 its hash-chained audit record one. Tables, files and the anchor: docs/architecture.md §8;
-backups: docs/operations.md. A purge commits its intent before it unlinks, and
-:meth:`Store.sweep_payloads` removes what an interrupted purge or upload left at start-up.
+backups: docs/operations.md. A purge commits its intent before it erases (in the background for
+the daemon's store: ``background_erase``), and :meth:`Store.sweep_payloads` erases what an
+interrupted purge or upload left at start-up.
 Not thread-safe by itself: the coordinator serialises calls.
 """
 
@@ -14,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from afl.core.erase import erase_file
+from afl.core.erase import Eraser, erase_file
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
 from afl.crypto.identity.pki import make_private_dir, write_private_file
@@ -312,10 +314,22 @@ class Store:
         """The federation this state belongs to."""
         return self._federation_id
 
-    def __init__(self, state_dir: Path, *, federation_id: str, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        federation_id: str,
+        read_only: bool = False,
+        background_erase: bool = False,
+    ) -> None:
         """``read_only`` (`afl-server status`): open an existing state without writing to it or
-        checking its anchor, even while the server runs; :class:`StateError` when there is none."""
+        checking its anchor, even while the server runs; :class:`StateError` when there is none.
+        ``background_erase`` (the daemon's store): a purge's payload files are erased by an
+        :class:`afl.core.erase.Eraser` thread once its intent is committed, so the caller (the
+        coordinator, under its lock, announcing the round that ended the run) does not wait for
+        the disk; :meth:`close` waits for it."""
         self.state_dir, self.read_only = Path(state_dir), read_only
+        self._eraser = Eraser(name="afl-payload-eraser") if background_erase else None
         self._federation_id, self._depth = federation_id, 0
         self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
         #: The log's committed size and recent cosigners, for held GetCheckpoint calls; what
@@ -366,8 +380,11 @@ class Store:
         self.log_changes.committed(size=self.log_size())
 
     def close(self) -> None:
-        """Close the database (pending transactions are already committed); later calls raise
+        """Erase what purges handed to the background (``background_erase``), then close the
+        database (pending transactions are already committed); later calls raise
         :class:`StoppingError`."""
+        if self._eraser is not None:
+            self._eraser.close()
         self._db.close()
         self._db = cast(sqlite3.Connection, _ClosedConnection())
         self.log_changes.close()
@@ -887,6 +904,32 @@ class Store:
             for r in rows
         ]
 
+    def stage_payload(self, round_id: str, site_id: str, *, data: bytes, sha256: bytes) -> Path:
+        """Write an upload's payload file under a name of its own (``.<sha256>.<random>.staged``
+        beside where :meth:`put_upload` will keep it), before any lock is taken: the file and
+        its fsync are the upload's slow part. Hand it to :meth:`put_upload` (``staged``) or to
+        :meth:`discard_staged`; one a crash leaves behind is erased at the next start
+        (:meth:`sweep_payloads`: no row names it). :class:`DiskFullError` when the disk is full."""
+        folder = self.state_dir / "payloads" / round_id / site_id
+        name = f".{sha256.hex()}.{secrets.token_hex(8)}.staged"
+        return self._write_payload(folder, name, data)
+
+    def discard_staged(self, staged: Path) -> None:
+        """Erase a staged payload file that no row will name (the upload was refused)."""
+        _erase(staged)
+
+    def _write_payload(self, folder: Path, name: str, data: bytes) -> Path:
+        try:
+            make_private_dir(folder)
+            return write_private_file(folder / name, data)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"the coordinator's disk is full ({self.state_dir}): the upload was not "
+                    "stored; the operator must free space"
+                ) from exc
+            raise
+
     def put_upload(
         self,
         round_id: str,
@@ -896,22 +939,20 @@ class Store:
         data: bytes,
         sha256: bytes,
         audit: Mapping[str, object] | None = None,
+        staged: Path | None = None,
     ) -> UploadRow:
-        """Write the payload file, then commit its row (the caller checked for duplicates) and,
-        given ``audit``, its ``upload`` audit record in the same transaction (one commit and one
-        anchor write per upload, not two). :class:`DiskFullError` when the disk is full (nothing
-        is committed)."""
+        """Write the payload file (or move the ``staged`` one, :meth:`stage_payload`, into its
+        place: a rename), then commit its row (the caller checked for duplicates) and, given
+        ``audit``, its ``upload`` audit record in the same transaction (one commit and one anchor
+        write per upload, not two). :class:`DiskFullError` when the disk is full (nothing is
+        committed)."""
         folder = self.state_dir / "payloads" / round_id / site_id
-        try:
-            make_private_dir(folder)
-            path = write_private_file(folder / f"{sha256.hex()}.bin", data)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(
-                    f"the coordinator's disk is full ({self.state_dir}): the upload was not "
-                    "stored; the operator must free space"
-                ) from exc
-            raise
+        name = f"{sha256.hex()}.bin"
+        if staged is None:
+            path = self._write_payload(folder, name, data)
+        else:
+            path = folder / name
+            os.replace(staged, path)
         relative = str(path.relative_to(self.state_dir))
         with self._tx() as db:
             db.execute(
@@ -975,11 +1016,12 @@ class Store:
         deletion of their messages (each leaving its evidence: digest, and for
         :func:`kept_as_evidence` messages the signed bytes, never statistics) and, given
         ``audit`` and anything to delete, the "payloads-deleted" record naming the digest of every
-        file and message deleted, are committed in one transaction, then the files are unlinked.
-        A crash between the two leaves files whose rows say purged; :meth:`sweep_payloads`
-        removes them at the next start-up, so no statistic outlives its purge (docs/protocol.md
-        M-140)."""
-        assert not self._depth, "a purge commits its intent before it unlinks: never nested"
+        file and message deleted, are committed in one transaction, then the files are erased
+        (overwritten and unlinked; with ``background_erase`` by the eraser thread, after this
+        returns). A crash between the two leaves files whose rows say purged;
+        :meth:`sweep_payloads` erases them at the next start-up, so no statistic outlives its
+        purge (docs/protocol.md M-140)."""
+        assert not self._depth, "a purge commits its intent before it erases: never nested"
         paths: list[str] = []
         files: list[dict[str, object]] = []
         messages: list[dict[str, object]] = []
@@ -1027,13 +1069,27 @@ class Store:
                     "payloads-deleted",
                     {**audit, "files": len(files), "payloads": files, "messages": messages},
                 )
-        for path_text in paths:
-            _erase(self._payload_path(path_text))
-        for round_id in round_ids:
-            _remove_empty_folders(self.state_dir / "payloads" / round_id)
+        erased = [self._payload_path(p) for p in paths]
+        folders = [self.state_dir / "payloads" / round_id for round_id in round_ids]
+
+        def tidy() -> None:
+            for folder in folders:
+                _remove_empty_folders(folder)
+
+        if self._eraser is not None and erased:
+            self._eraser.submit(erased, then=tidy)
+        else:
+            for path in erased:
+                _erase(path)
+            tidy()
         if paths or messages:  # a purge with nothing to delete (retention re-checks) costs nothing
             self.scrub()
         return len(paths)
+
+    def drain_erasures(self, timeout_s: float | None = None) -> bool:
+        """Wait until the payload files purges handed to the background are erased (at most
+        ``timeout_s``); whether they are (True without ``background_erase``)."""
+        return self._eraser is None or self._eraser.drain(timeout_s)
 
     def scrub(self) -> None:
         """Leave no deleted row's bytes in the database files (M-175): ``secure_delete`` (on
@@ -1122,8 +1178,8 @@ class Store:
         return deleted
 
     def sweep_payloads(self) -> list[str]:
-        """Remove every file under ``payloads/`` that no unpurged upload row names: files of a
-        purge interrupted between its record and its unlinks, and files of an upload interrupted
+        """Erase every file under ``payloads/`` that no unpurged upload row names: files of a
+        purge interrupted between its record and its erasure, and files of an upload interrupted
         before its row was committed (and their ``.tmp`` leftovers). Appends one
         "payloads-swept" audit record listing what was removed (paths relative to the state
         folder: round, site and SHA-256) when anything was; returns that list. afl-server runs it
@@ -1146,8 +1202,8 @@ class Store:
         purged = {
             r[0] for r in self._db.execute("SELECT path FROM uploads WHERE purged = 1").fetchall()
         }
-        for name in removed:
-            (self.state_dir / name).unlink(missing_ok=True)
+        for name in removed:  # overwritten before unlinked, as a purge does (M-175)
+            _erase(self.state_dir / name)
         for folder in sorted(root.iterdir()):
             if folder.is_dir():
                 _remove_empty_folders(folder)

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from afl.core.about import afl_version
+from afl.core.aggregation import load_solver
 from afl.core.devmode import insecure_refusal
 from afl.core.memory import map_large_blocks
 from afl.crypto.errors import KeyFormatError
@@ -97,7 +98,10 @@ class CoordinatorServer:
             if health_listen:
                 self._health_grpc, self.health_port = self._bind_health(health_listen)
             self._metrics_http = self._bind_metrics() if config.metrics_port else None
-            self.store = Store(config.state_dir, federation_id=config.federation_id)
+            # A finished run's payload files are erased off the coordinator's lock (M-140).
+            self.store = Store(
+                config.state_dir, federation_id=config.federation_id, background_erase=True
+            )
             swept = self.store.sweep_payloads()  # the port is ours: no other server writes
             if swept:
                 log.warning(
@@ -214,6 +218,8 @@ class CoordinatorServer:
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._ticker.start()
+        # The first solve's scipy import is done while the sites enrol, not under the lock.
+        threading.Thread(target=load_solver, name="afl-load-solver", daemon=True).start()
         log.info(
             "afl-server started",
             extra={

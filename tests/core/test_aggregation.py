@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -137,3 +140,19 @@ def test_solve_errors_are_clear():
         )
     with pytest.raises(AggregationError, match="gram_scope"):
         plan_aggregation(np.ones((2, 1), dtype=bool), gram_scope="bogus")  # type: ignore[arg-type]
+
+
+def test_load_solver_imports_scipy_linalg_which_importing_the_module_does_not() -> None:
+    """afl-server calls it in a thread at start (its first solve, under the coordinator's lock,
+    does not wait for the import); importing afl.core.aggregation alone loads no scipy."""
+    code = (
+        "import sys\n"
+        "import afl.core.aggregation as a\n"
+        "before = 'scipy.linalg' in sys.modules\n"
+        "a.load_solver()\n"
+        "print(before, 'scipy.linalg' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]

@@ -13,6 +13,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,14 @@ from typing import Any
 import grpc
 import pytest
 
+from afl.core import erase as erase_module
 from afl.crypto.identity import signatures
 from afl.proto.v1 import coordinator_pb2 as pb
 from afl.proto.wire import AssembledPayload
 from afl.server import store as store_module
 from afl.server.config import load_config
 from afl.server.coordinator import Coordinator
-from afl.server.errors import DiskFullError, StateError
+from afl.server.errors import DiskFullError, StateError, WrongStageError
 from afl.server.servicer import status_for
 from afl.server.store import ANCHOR_NAME, DB_NAME, Store, backup_state
 from tests.helpers.federation import FederationSpec
@@ -258,11 +260,54 @@ def test_a_full_disk_is_resource_exhausted_with_a_reason(
     assert coordinator.store.uploads(view.round_id) == {}
 
 
-def _published_run(federation: Any, config: Any, now: list[float]) -> tuple[Coordinator, Any]:
-    """A coordinator on ``config`` whose clock reads ``now[0]``, and the round of its run, which
-    every site accepted and uploaded to (published)."""
+def test_an_uploads_file_is_written_while_other_calls_can_take_the_lock(
+    federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The payload file (written and fsynced: an upload's slow part) is staged before the
+    coordinator's lock is taken and moved into place under it; refused uploads and duplicates
+    leave no staged file behind."""
+    coordinator = _coordinator(federation, tmp_path / "state")
+    for site in SITES:
+        enrol(coordinator, federation, site)
+    view = coordinator.find("")
+    release = view.releases[0]
+    data = bytes(8 * release.length)
+    folder = tmp_path / "state" / "payloads" / view.round_id
+    stage, lock_free = coordinator.store.stage_payload, []
+
+    def take_the_lock() -> None:  # another call, in another thread
+        taken = coordinator.lock.acquire(timeout=30)
+        lock_free.append(taken)
+        if taken:
+            coordinator.lock.release()
+
+    def observed_stage(*args: Any, **kw: Any) -> Path:
+        other = threading.Thread(target=take_the_lock)
+        other.start()
+        other.join()
+        return stage(*args, **kw)
+
+    monkeypatch.setattr(coordinator.store, "stage_payload", observed_stage)
+    with pytest.raises(WrongStageError, match="accept the release plan"):
+        _upload(coordinator, SITES[0], view.round_id, release.name, data)  # before accepting
+    assert lock_free == [True]
+    assert not [p for p in folder.rglob("*") if p.is_file()]  # the refused upload's file: erased
+    accept_plan(coordinator, federation, SITES[0], view)
+    receipt = _upload(coordinator, SITES[0], view.round_id, release.name, data)
+    again = _upload(coordinator, SITES[0], view.round_id, release.name, data)  # a retry
+    assert lock_free == [True] * 3 and not receipt.duplicate and again.duplicate
+    files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+    assert files == [Path(SITES[0]) / f"{hashlib.sha256(data).hexdigest()}.bin"]
+
+
+def _published_run(
+    federation: Any, config: Any, now: list[float], **store_options: Any
+) -> tuple[Coordinator, Any]:
+    """A coordinator on ``config`` (its store opened with ``store_options``) whose clock reads
+    ``now[0]``, and the round of its run, which every site accepted and uploaded to
+    (published)."""
     key = signatures.load_private_key_pem((federation.server_dir / "identity.key").read_bytes())
-    store = Store(config.state_dir, federation_id=config.federation_id)
+    store = Store(config.state_dir, federation_id=config.federation_id, **store_options)
     coordinator = Coordinator(config, store, key, clock=lambda: now[0])
     for site in SITES:
         enrol(coordinator, federation, site)
@@ -291,6 +336,37 @@ def test_payloads_of_a_finished_run_follow_the_retention_setting(
     assert not folder.exists()
     entries = [e for _, e, *_ in coordinator.store.audit_entries()]
     assert "payloads-deleted" in entries
+
+
+def test_the_daemons_store_erases_a_finished_runs_payloads_after_the_call_that_ended_it(
+    federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``background_erase`` (afl-server's store) the last upload, which publishes the round
+    and ends the run, returns with the purge's intent committed (rows purged, the audit record)
+    while the files are still being erased: the coordinator's lock is not held for the disk.
+    Closing the store waits for the erasure (M-140)."""
+    gate, erased = threading.Event(), []
+
+    def slow_erase(path: Path, *, evidence: bool = True) -> dict[str, object]:
+        gate.wait(60)
+        erased.append(path)
+        return real_erase(path, evidence=evidence)
+
+    real_erase = erase_module.erase_file
+    monkeypatch.setattr(erase_module, "erase_file", slow_erase)
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=0.0)
+    coordinator, view = _published_run(federation, config, [1_000_000.0], background_erase=True)
+    store = coordinator.store
+    folder = config.state_dir / "payloads" / view.round_id
+    files = sorted(p for p in folder.rglob("*.bin"))
+    assert files and erased == []  # the run ended; nothing erased yet
+    entries = [e for _, e, *_ in store.audit_entries()]
+    assert "payloads-deleted" in entries
+    assert store.drain_erasures(timeout_s=0.1) is False
+    gate.set()
+    store.close()  # waits for the eraser
+    assert sorted(erased) == files and not folder.exists()
 
 
 def test_a_backup_of_a_running_state_restores_elsewhere(federation: Any, tmp_path: Path) -> None:

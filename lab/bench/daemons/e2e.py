@@ -29,6 +29,9 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
     cpu_seconds          CPU seconds of every process of the run (the kernel's account of the
                          children the run waited for: exact, start-up included)
     load_average         the 1-minute load average at the start and the end of the run
+    site_timings_s_median  each step of a site's round (its report's ``timings_s``: the plan
+                         check, the stage waits, each stage of the exchange, the wait for the
+                         model), the median over the K sites
 
 and the ratios to plaintext (same run, same machine), plus the max relative W difference.
 Pure per-site encryption time is measured in-process by ``afl bench ckks`` (no transport).
@@ -116,6 +119,10 @@ def round_figures(
     slowest = max(witnessed)
     out["log_witness_seconds"] = slowest[0]
     out["log_witness_share"] = slowest[0] / slowest[1] if slowest[1] > 0 else 0.0
+    out["site_timings_s_median"] = {  # each step of a site's round, median over the sites
+        key: float(np.median([float(r["timings_s"].get(key, 0.0)) for r in finals]))
+        for key in sorted({k for r in finals for k in r["timings_s"]})
+    }
     if memory is not None:
         sites = [v for name, v in memory.peaks.items() if name not in ("server", "decryptor")]
         out["server_peak_rss_mib"] = memory.peaks.get("server")

@@ -151,10 +151,6 @@ def _one_round(
         float(r["timings_s"].get("log_witness", 0.0)) for r in finals
     ]
     figures["site_log_seconds_per_process"] = per_process_s
-    figures["site_timings_s_median"] = {  # each step of a site's round, median over the sites
-        key: statistics.median(float(r["timings_s"].get(key, 0.0)) for r in finals)
-        for key in sorted({k for r in finals for k in r["timings_s"]})
-    }
     figures["site_log_seconds_max"] = max(per_process_s)
     figures["site_log_seconds_median"] = statistics.median(per_process_s)
     figures["site_log_seconds_mean_per_site"] = sum(per_process_s) / len(feats)

@@ -7,6 +7,7 @@ M-140)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def test_a_kill_between_the_purge_record_and_its_unlinks_leaves_no_payload_after
 
 def test_the_sweep_removes_an_upload_file_whose_row_was_never_committed(tmp_path: Path) -> None:
     """A crash between writing a payload file and committing its row (or a leftover .tmp)
-    leaves a file no row names: the sweep removes it too; files of live rows stay."""
+    leaves a file no row names: the sweep erases it too (overwritten, then unlinked); files of
+    live rows stay."""
     state = tmp_path / "state"
     store = Store(state, federation_id="fed")
     data = b"live statistics" * 10
@@ -80,6 +82,8 @@ def test_the_sweep_removes_an_upload_file_whose_row_was_never_committed(tmp_path
     orphan = state / "payloads" / "r1-x" / "site-b" / ("ab" * 32 + ".bin")
     orphan.parent.mkdir(parents=True)
     orphan.write_bytes(b"never committed")
+    witness = tmp_path / "orphan-link"  # a hard link outside the folder shows the inode's bytes
+    os.link(orphan, witness)
     leftover = row.path.with_name(row.path.name + ".tmp")
     leftover.write_bytes(b"half")
     reopened = Store(state, federation_id="fed")
@@ -89,5 +93,6 @@ def test_the_sweep_removes_an_upload_file_whose_row_was_never_committed(tmp_path
         )
         assert row.path.read_bytes() == data
         assert not orphan.parent.exists()
+        assert witness.read_bytes() == bytes(len(b"never committed"))  # overwritten (M-175)
     finally:
         reopened.close()
