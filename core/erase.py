@@ -62,10 +62,10 @@ class Eraser:
     """Erases files (:func:`erase_file`, no evidence digest: the caller recorded what it deletes)
     in one background thread, in the order they were handed over. :meth:`submit` returns at once;
     :meth:`drain` waits until everything handed over is erased; :meth:`close` drains and ends the
-    thread. A file already gone is skipped; one that cannot be erased is logged and left (the
-    coordinator's start-up sweep removes what a purge left behind, docs/protocol.md M-140), and
-    so is a failing ``then``. The thread is a daemon: a killed process leaves the rest to that
-    sweep."""
+    thread. A file already gone is skipped; one that cannot be erased is logged as an error and
+    kept for :meth:`retry_failed` (and the coordinator's start-up sweep erases what a purge left
+    behind, docs/protocol.md M-140); a failing ``then`` is logged. The thread is a daemon: a
+    killed process leaves the rest to that sweep."""
 
     def __init__(self, *, name: str = "afl-eraser") -> None:
         self.name = name
@@ -73,6 +73,7 @@ class Eraser:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._failed: list[Path] = []  # files that could not be erased, for retry_failed
 
     def submit(self, paths: Sequence[Path], *, then: Callable[[], None] | None = None) -> None:
         """Erase ``paths``, then call ``then`` (tidying the emptied folders), in the background;
@@ -97,13 +98,25 @@ class Eraser:
                 self._jobs.all_tasks_done.wait(left)
         return True
 
-    def close(self) -> None:
-        """Erase everything handed over, then end the thread (no later :meth:`submit`)."""
+    def retry_failed(self) -> int:
+        """Hand the files that could not be erased over again (a caller's periodic tick: a
+        long-running daemon does not keep them until its next start); how many."""
         with self._lock:
+            failed, self._failed = self._failed, []
+        if failed:
+            self.submit(failed)
+        return len(failed)
+
+    def close(self) -> None:
+        """Erase everything handed over, then end the thread (no later :meth:`submit`; a second
+        call does nothing more)."""
+        with self._lock:
+            closing = not self._closed
             self._closed, thread = True, self._thread
         if thread is None:
             return
-        self._jobs.put(None)
+        if closing:
+            self._jobs.put(None)
         thread.join()
 
     def _run(self) -> None:
@@ -115,10 +128,10 @@ class Eraser:
                         erase_file(path, evidence=False)
                     except FileNotFoundError:
                         pass
-                    except Exception as exc:  # keep erasing: what is left is swept at start-up
-                        log.warning(
-                            "could not erase %s (left for the start-up sweep): %s", path, exc
-                        )
+                    except Exception as exc:  # keep erasing; retried (retry_failed), swept
+                        with self._lock:
+                            self._failed.append(path)
+                        log.error("could not erase %s (tried again later): %s", path, exc)
                 if then is not None:
                     try:
                         then()

@@ -55,7 +55,7 @@ from afl.server.errors import (
 )
 from afl.server.limits import held_calls
 from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
-from afl.server.plan.release import RoundView
+from afl.server.plan.release import PlannedRelease, RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.solve.evaluation import EVALUATION_ROWS
@@ -379,67 +379,89 @@ class Coordinator:
             self.machine.advance()
 
     def upload(self, site_id: str, upload: wire.AssembledPayload) -> pb.UploadReceipt:
-        """Store one checked payload (see the module docstring for idempotency)."""
+        """Store one checked payload (see the module docstring for idempotency). The round's
+        state is checked under the lock; then, outside it, the mode prepares the payload (CKKS:
+        parses every ciphertext) and its file is written and fsynced under a name of its own
+        (:meth:`Store.stage_payload`), so neither holds up another call; under the lock again
+        the state is checked anew, the payload checked, the file renamed into place and its row
+        committed. A refused upload's staged file is erased; only an upload the round's state
+        allows gets one."""
         self.require_enrolled(site_id)
         if upload.kind not in (pb.PAYLOAD_KIND_UNSPECIFIED, pb.PAYLOAD_KIND_STATISTIC):
             raise InvalidRequestError("sites upload STATISTIC payloads only")
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
             mode = self.machine.mode_of(view)
-            planned = next((r for r in view.releases if r.name == upload.release_name), None)
-        staged = None
-        if planned is not None and site_id in planned.members:
-            # The payload's own checks (CKKS: parsing every ciphertext) and its file (written and
-            # fsynced under a name of its own) hold up no other call.
-            mode.prepare_upload(
-                site_id=site_id, release=planned, data=upload.data, sha256=upload.sha256
-            )
-            try:
-                staged = self.store.stage_payload(
-                    view.round_id, site_id, data=upload.data, sha256=upload.sha256
+            checked = self._upload_allowed(view, site_id, upload)
+            if isinstance(checked, pb.UploadReceipt):
+                return checked  # stored before: nothing to write
+            if view.stage not in (pb.ROUND_STAGE_PLAN_REVIEW, *mode.exchange_stages):
+                raise WrongStageError(
+                    f"round {view.round_id!r} is {wire.stage_name(view.stage)}, not accepting "
+                    "uploads"
                 )
-            except DiskFullError:
-                with self.lock:
-                    self.metrics.uploads.labels(outcome="disk-full").inc()
-                    self._hold_open(self.machine.find(view.round_id), site_id)
-                raise
+        mode.prepare_upload(
+            site_id=site_id, release=checked, data=upload.data, sha256=upload.sha256
+        )
+        try:
+            staged = self.store.stage_payload(
+                view.round_id, site_id, data=upload.data, sha256=upload.sha256
+            )
+        except DiskFullError:
+            with self.lock:
+                self.metrics.uploads.labels(outcome="disk-full").inc()
+                self._hold_open(self.machine.find(view.round_id), site_id)
+            raise
         try:
             return self._store_upload(site_id, upload, staged)
         finally:
-            if staged is not None and staged.exists():  # refused, or a duplicate: no row names it
+            if staged.exists():  # refused, or stored meanwhile by a retry: no row names it
                 self.store.discard_staged(staged)
 
+    def _upload_allowed(
+        self, view: RoundView, site_id: str, upload: wire.AssembledPayload
+    ) -> PlannedRelease | pb.UploadReceipt:
+        """The release ``upload`` is for, when ``site_id`` may upload it to ``view`` now (its
+        state: a participant, no other payload stored for it, the plan accepted, a member of
+        the release), or the receipt of the same payload stored before; raises otherwise.
+        Called with the lock held, before the payload is written and again before its row is
+        committed."""
+        self.machine.require_participant(view, site_id)
+        existing = self.store.site_uploads(view.round_id, site_id).get(upload.release_name)
+        if existing is not None:
+            if existing.sha256 != upload.sha256:
+                self.metrics.uploads.labels(outcome="conflict").inc()
+                raise ConflictError(
+                    f"release {upload.release_name!r} already holds a different payload from "
+                    "this site; uploads cannot be replaced"
+                )
+            self.metrics.uploads.labels(outcome="duplicate").inc()
+            return self._receipt(
+                view, existing.release_name, existing.sha256, existing.size, duplicate=True
+            )
+        decision = self.store.decision(view.round_id, site_id)
+        if view.stage in (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD) and (
+            decision is None or not decision[0]
+        ):
+            raise WrongStageError("accept the release plan (RespondToPlan) before uploading")
+        release = next((r for r in view.releases if r.name == upload.release_name), None)
+        if release is None:
+            raise InvalidRequestError(
+                f"no release named {upload.release_name!r} in round {view.round_id!r}"
+            )
+        if site_id not in release.members:
+            raise NotPermittedError(f"site {site_id!r} is not a member of {release.name!r}")
+        return release
+
     def _store_upload(
-        self, site_id: str, upload: wire.AssembledPayload, staged: Path | None
+        self, site_id: str, upload: wire.AssembledPayload, staged: Path
     ) -> pb.UploadReceipt:
         """:meth:`upload`'s checks and commit under the lock (``staged``: its file, written)."""
         with self.lock:
             view = self.machine.find(upload.round_id or "-")
-            self.machine.require_participant(view, site_id)
-            existing = self.store.site_uploads(view.round_id, site_id).get(upload.release_name)
-            if existing is not None:
-                if existing.sha256 != upload.sha256:
-                    self.metrics.uploads.labels(outcome="conflict").inc()
-                    raise ConflictError(
-                        f"release {upload.release_name!r} already holds a different payload from "
-                        "this site; uploads cannot be replaced"
-                    )
-                self.metrics.uploads.labels(outcome="duplicate").inc()
-                return self._receipt(
-                    view, existing.release_name, existing.sha256, existing.size, duplicate=True
-                )
-            decision = self.store.decision(view.round_id, site_id)
-            if view.stage in (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD) and (
-                decision is None or not decision[0]
-            ):
-                raise WrongStageError("accept the release plan (RespondToPlan) before uploading")
-            release = next((r for r in view.releases if r.name == upload.release_name), None)
-            if release is None:
-                raise InvalidRequestError(
-                    f"no release named {upload.release_name!r} in round {view.round_id!r}"
-                )
-            if site_id not in release.members:
-                raise NotPermittedError(f"site {site_id!r} is not a member of {release.name!r}")
+            release = self._upload_allowed(view, site_id, upload)
+            if isinstance(release, pb.UploadReceipt):
+                return release
             self.machine.mode_of(view).check_upload(
                 view, self.machine, site_id=site_id, release=release, data=upload.data
             )

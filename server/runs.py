@@ -238,10 +238,12 @@ class Runs:
 
     def purge_due(self, now_ms: int) -> None:
         """Delete the payloads of runs that ended more than ``payload_days`` ago and the reports
-        of those that ended more than ``reports_days`` ago (retention)."""
+        of those that ended more than ``reports_days`` ago (retention), and try again to erase
+        the payload files the background eraser could not; at most once a minute."""
         if now_ms < self._next_purge_ms:
             return
         self._next_purge_ms = now_ms + 60_000
+        self.store.retry_erasures()  # files the background eraser could not erase yet
         keep_ms = self.config.payload_retention_days * _DAY_MS
         reports = self.config.report_retention_days
         for row in self.store.runs():

@@ -6,7 +6,8 @@ its hash-chained audit record one. Tables, files and the anchor: docs/architectu
 backups: docs/operations.md. A purge commits its intent before it erases (in the background for
 the daemon's store: ``background_erase``), and :meth:`Store.sweep_payloads` erases what an
 interrupted purge or upload left at start-up.
-Not thread-safe by itself: the coordinator serialises calls.
+Not thread-safe by itself: the coordinator serialises calls (except :meth:`Store.stage_payload`
+and :meth:`Store.discard_staged`, which touch only their own files, never the database).
 """
 
 from __future__ import annotations
@@ -920,8 +921,12 @@ class Store:
 
     def _write_payload(self, folder: Path, name: str, data: bytes) -> Path:
         try:
-            make_private_dir(folder)
-            return write_private_file(folder / name, data)
+            try:
+                make_private_dir(folder)
+                return write_private_file(folder / name, data)
+            except FileNotFoundError:  # the eraser tidied the emptied folder away meanwhile
+                make_private_dir(folder)
+                return write_private_file(folder / name, data)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(
@@ -953,15 +958,24 @@ class Store:
         else:
             path = folder / name
             os.replace(staged, path)
+            _fsync_dir(folder)  # the rename is durable before the row that names it
         relative = str(path.relative_to(self.state_dir))
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO uploads (round_id, site_id, release_name, sha256, size, path, "
-                "received_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (round_id, site_id, release_name, sha256, len(data), relative, now_ms()),
-            )
-            if audit is not None:
-                self._append_audit(db, "upload", dict(audit))
+        try:
+            with self._tx() as db:
+                db.execute(
+                    "INSERT INTO uploads (round_id, site_id, release_name, sha256, size, path, "
+                    "received_ms) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (round_id, site_id, release_name, sha256, len(data), relative, now_ms()),
+                )
+                if audit is not None:
+                    self._append_audit(db, "upload", dict(audit))
+        except BaseException:  # no row names the file: it goes (unless another row names it)
+            with suppress(sqlite3.Error):
+                if not self._db.execute(
+                    "SELECT 1 FROM uploads WHERE path = ? LIMIT 1", (relative,)
+                ).fetchone():
+                    _erase(path)
+            raise
         return UploadRow(site_id, release_name, sha256, len(data), path)
 
     def uploads(self, round_id: str) -> dict[tuple[str, str], UploadRow]:
@@ -1078,13 +1092,18 @@ class Store:
 
         if self._eraser is not None and erased:
             self._eraser.submit(erased, then=tidy)
-        else:
+        elif erased:
             for path in erased:
                 _erase(path)
             tidy()
         if paths or messages:  # a purge with nothing to delete (retention re-checks) costs nothing
             self.scrub()
         return len(paths)
+
+    def retry_erasures(self) -> int:
+        """Hand the payload files the background eraser could not erase over again (the
+        retention tick, every minute); how many."""
+        return self._eraser.retry_failed() if self._eraser is not None else 0
 
     def drain_erasures(self, timeout_s: float | None = None) -> bool:
         """Wait until the payload files purges handed to the background are erased (at most
@@ -1180,7 +1199,7 @@ class Store:
     def sweep_payloads(self) -> list[str]:
         """Erase every file under ``payloads/`` that no unpurged upload row names: files of a
         purge interrupted between its record and its erasure, and files of an upload interrupted
-        before its row was committed (and their ``.tmp`` leftovers). Appends one
+        before its row was committed (its ``.staged`` file, and ``.tmp`` leftovers). Appends one
         "payloads-swept" audit record listing what was removed (paths relative to the state
         folder: round, site and SHA-256) when anything was; returns that list. afl-server runs it
         at every start, with its port bound (so no other server writes to the folder); never
@@ -1523,14 +1542,29 @@ def _erase(path: Path) -> None:
 
 
 def _remove_empty_folders(folder: Path) -> None:
-    """Remove ``folder`` and its sub-folders that hold no file (deepest first)."""
+    """Remove ``folder`` and its sub-folders that hold no file (deepest first); one that an
+    upload staging into it (or another tidy) changed meanwhile is left as it is."""
     if not folder.is_dir():
         return
-    for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if sub.is_dir() and not any(sub.iterdir()):
-            sub.rmdir()
-    if not any(folder.iterdir()):
-        folder.rmdir()
+    for sub in [
+        *sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True),
+        folder,
+    ]:
+        try:
+            if sub.is_dir() and not any(sub.iterdir()):
+                sub.rmdir()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:

@@ -236,17 +236,20 @@ class CoordinatorServer:
             return
         self._stopped.set()
         try:
-            self._health.enter_graceful_shutdown()
-            self.store.log_changes.close()  # held GetCheckpoint calls answer within the grace
-            self._grpc.stop(grace).wait()
-            if self._health_grpc is not None:
-                self._health_grpc.stop(None)
-            if self._ticker.is_alive():
-                self._ticker.join(timeout=5)
-            self._close_metrics()
-            # gRPC lets a handler run on past the grace period: close between its transactions.
-            with self.coordinator.lock:
-                self.store.close()
+            try:
+                self._health.enter_graceful_shutdown()
+                self.store.log_changes.close()  # held GetCheckpoint calls answer within the grace
+                self._grpc.stop(grace).wait()
+                if self._health_grpc is not None:
+                    self._health_grpc.stop(None)
+                if self._ticker.is_alive():
+                    self._ticker.join(timeout=5)
+                self._close_metrics()
+            finally:
+                # gRPC lets a handler run on past the grace period: close between its
+                # transactions; closing waits for the payload eraser (M-140).
+                with self.coordinator.lock:
+                    self.store.close()
             log.info("afl-server stopped")
         finally:
             self._finished.set()

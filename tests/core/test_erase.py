@@ -112,9 +112,35 @@ def test_a_file_that_cannot_be_erased_is_logged_and_the_rest_erased(
     assert failing_then[0]
     messages = [r.getMessage() for r in caplog.records]
     assert any("could not erase" in m and str(folder) in m for m in messages), messages
+    assert eraser.retry_failed() == 1  # the folder, kept for another try
     assert any("could not tidy up" in m for m in messages), messages
     assert not any(str(gone) in m for m in messages)
     eraser.close()
+
+
+def test_a_file_that_could_not_be_erased_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, witness = _file(tmp_path, "payload.bin", b"y" * 64)
+    real, broken = erase.erase_file, [True]
+
+    def flaky(target: Path, *, evidence: bool = True) -> dict[str, object]:
+        if broken[0]:
+            raise PermissionError(13, "Permission denied", str(target))
+        return real(target, evidence=evidence)
+
+    monkeypatch.setattr(erase, "erase_file", flaky)
+    eraser = Eraser()
+    eraser.submit([path])
+    assert eraser.drain(timeout_s=60) and path.exists()
+    broken[0] = False
+    assert eraser.retry_failed() == 1
+    assert eraser.drain(timeout_s=60) and not path.exists()
+    assert witness.read_bytes() == bytes(64)
+    assert eraser.retry_failed() == 0  # nothing left to try
+    eraser.close()
+    eraser.close()  # a second close returns at once
+    assert eraser.drain(timeout_s=60)
 
 
 def test_close_erases_what_was_handed_over_then_refuses_more(tmp_path: Path) -> None:

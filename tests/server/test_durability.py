@@ -264,8 +264,9 @@ def test_an_uploads_file_is_written_while_other_calls_can_take_the_lock(
     federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The payload file (written and fsynced: an upload's slow part) is staged before the
-    coordinator's lock is taken and moved into place under it; refused uploads and duplicates
-    leave no staged file behind."""
+    coordinator's lock is taken and moved into place under it (the same inode: not written
+    again); an upload the round's state refuses writes nothing, and a retry of a stored one
+    leaves no staged file behind."""
     coordinator = _coordinator(federation, tmp_path / "state")
     for site in SITES:
         enrol(coordinator, federation, site)
@@ -273,7 +274,7 @@ def test_an_uploads_file_is_written_while_other_calls_can_take_the_lock(
     release = view.releases[0]
     data = bytes(8 * release.length)
     folder = tmp_path / "state" / "payloads" / view.round_id
-    stage, lock_free = coordinator.store.stage_payload, []
+    stage, lock_free, inodes = coordinator.store.stage_payload, [], []
 
     def take_the_lock() -> None:  # another call, in another thread
         taken = coordinator.lock.acquire(timeout=30)
@@ -285,19 +286,63 @@ def test_an_uploads_file_is_written_while_other_calls_can_take_the_lock(
         other = threading.Thread(target=take_the_lock)
         other.start()
         other.join()
-        return stage(*args, **kw)
+        staged = stage(*args, **kw)
+        inodes.append(staged.stat().st_ino)
+        return staged
 
     monkeypatch.setattr(coordinator.store, "stage_payload", observed_stage)
     with pytest.raises(WrongStageError, match="accept the release plan"):
         _upload(coordinator, SITES[0], view.round_id, release.name, data)  # before accepting
-    assert lock_free == [True]
-    assert not [p for p in folder.rglob("*") if p.is_file()]  # the refused upload's file: erased
+    assert lock_free == [] and not folder.exists()  # refused before anything was written
     accept_plan(coordinator, federation, SITES[0], view)
     receipt = _upload(coordinator, SITES[0], view.round_id, release.name, data)
+    final = folder / SITES[0] / f"{hashlib.sha256(data).hexdigest()}.bin"
+    assert lock_free == [True] and final.stat().st_ino == inodes[0]  # renamed, not rewritten
     again = _upload(coordinator, SITES[0], view.round_id, release.name, data)  # a retry
-    assert lock_free == [True] * 3 and not receipt.duplicate and again.duplicate
-    files = sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
-    assert files == [Path(SITES[0]) / f"{hashlib.sha256(data).hexdigest()}.bin"]
+    assert not receipt.duplicate and again.duplicate and lock_free == [True]  # nothing staged
+    assert sorted(p for p in folder.rglob("*") if p.is_file()) == [final]
+
+
+def test_a_staged_upload_whose_commit_fails_leaves_no_file(
+    federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload file renamed into place whose row then fails to commit is erased (no row
+    names it); the site can retry the upload. Staging survives the eraser removing the emptied
+    folder between the folder's creation and the file's."""
+    coordinator = _coordinator(federation, tmp_path / "state")
+    for site in SITES:
+        enrol(coordinator, federation, site)
+    view = coordinator.find("")
+    accept_plan(coordinator, federation, SITES[0], view)
+    release = view.releases[0]
+    data = bytes(8 * release.length)
+    folder = tmp_path / "state" / "payloads" / view.round_id
+    append_audit = store_module.Store._append_audit
+
+    def failing_audit(db: Any, event: str, detail: Any) -> None:
+        if event == "upload":
+            raise sqlite3.OperationalError("disk I/O error")
+        append_audit(db, event, detail)
+
+    monkeypatch.setattr(store_module.Store, "_append_audit", staticmethod(failing_audit))
+    with pytest.raises(sqlite3.OperationalError):
+        _upload(coordinator, SITES[0], view.round_id, release.name, data)
+    assert not [p for p in folder.rglob("*") if p.is_file()]
+    assert coordinator.store.uploads(view.round_id) == {}
+    monkeypatch.setattr(store_module.Store, "_append_audit", staticmethod(append_audit))
+    write = getattr(store_module, "write_private_file")  # noqa: B009 (not exported)
+    removed: list[Path] = []
+
+    def folder_gone_once(path: Any, data: bytes) -> Path:
+        if not removed:  # the eraser's tidy removed the emptied folder meanwhile
+            removed.append(Path(path).parent)
+            Path(path).parent.rmdir()
+        return Path(write(path, data))
+
+    monkeypatch.setattr(store_module, "write_private_file", folder_gone_once)
+    receipt = _upload(coordinator, SITES[0], view.round_id, release.name, data)
+    assert removed and not receipt.duplicate
+    assert (folder / SITES[0] / f"{hashlib.sha256(data).hexdigest()}.bin").read_bytes() == data
 
 
 def _published_run(
