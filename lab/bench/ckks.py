@@ -44,7 +44,12 @@ from afl.crypto.ckks import params as cp
 from afl.crypto.ckks import scheme as ckks
 from afl.crypto.ckks.decrypt import decrypt_release
 from afl.crypto.ckks.zeros import ZeroPool
-from afl.lab.bench.common import add_standing_argument, emit_json
+from afl.lab.bench.common import (
+    add_e2e_repeats_argument,
+    add_standing_argument,
+    emit_json,
+    repetition_ratios,
+)
 
 __all__ = ["add_arguments", "run", "run_ckks_bench"]
 
@@ -275,6 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-mask", action="store_true", help="with --e2e: skip the MASK comparison"
     )
     add_standing_argument(parser)
+    add_e2e_repeats_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -289,12 +295,19 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             modes=modes,
             standing_s=args.standing_s,
+            repeats=args.e2e_repeats,
         )
         print(
             f"e2e K={row['num_sites']} d={row['d']}: ckks round x{row['ckks_round_seconds_ratio']:.2f}"
+            f"{repetition_ratios(row, 'ckks')}"
             f", bytes x{row['ckks_bytes_sent_per_site_ratio']:.2f}"
             f", all processes' CPU x{row['ckks_cpu_seconds_ratio']:.2f} vs plaintext"
-            + (f"; mask round x{row['mask_round_seconds_ratio']:.2f}" if "mask" in row else "")
+            + (
+                f"; mask round x{row['mask_round_seconds_ratio']:.2f}"
+                f"{repetition_ratios(row, 'mask')}"
+                if "mask" in row
+                else ""
+            )
             + "; "
             f"{memory_summary(row)}",
             file=sys.stderr,

@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -187,3 +187,23 @@ def add_standing_argument(parser: argparse._ActionsContainer) -> None:
         "starts and its enrolment starts the round (a deployment's daemons stand between runs; "
         "CKKS sites draw encryptions of zero meanwhile); default 0: every daemon starts at once",
     )
+
+
+def add_e2e_repeats_argument(parser: argparse._ActionsContainer) -> None:
+    """``--e2e-repeats`` of ``afl bench secagg|ckks --e2e``
+    (:func:`afl.lab.bench.daemons.e2e.run_e2e_bench`)."""
+    parser.add_argument(
+        "--e2e-repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --e2e: R rounds per mode, each on a fresh federation, interleaved with the "
+        "modes' order rotating; the figures are the medians, each round's are kept, and the "
+        "per-round ratios listed (default 1)",
+    )
+
+
+def repetition_ratios(row: Mapping[str, Any], mode: str) -> str:
+    """ ", per round x1.02 x0.97 ..." for a ``--e2e-repeats`` row ("" for one round)."""
+    ratios = row.get(f"{mode}_round_seconds_ratio_per_repetition")
+    return (" (per round " + " ".join(f"x{r:.2f}" for r in ratios) + ")") if ratios else ""

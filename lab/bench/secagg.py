@@ -31,7 +31,12 @@ from afl.crypto.identity.signatures import generate_identity_key
 from afl.crypto.secagg.config import ReleaseSpec, RoundConfig
 from afl.crypto.secagg.local import run_local_round
 from afl.crypto.secagg.messages import Stage
-from afl.lab.bench.common import add_standing_argument, emit_json
+from afl.lab.bench.common import (
+    add_e2e_repeats_argument,
+    add_standing_argument,
+    emit_json,
+    repetition_ratios,
+)
 
 __all__ = ["add_arguments", "run", "run_secagg_bench"]
 
@@ -182,6 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(first --sites and --dim; afl.lab.bench.daemons.e2e)",
     )
     add_standing_argument(parser)
+    add_e2e_repeats_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -195,9 +201,11 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             modes=("plaintext", "mask"),
             standing_s=args.standing_s,
+            repeats=args.e2e_repeats,
         )
         print(
-            f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}, "
+            f"e2e K={row['num_sites']} d={row['d']}: round x{row['mask_round_seconds_ratio']:.2f}"
+            f"{repetition_ratios(row, 'mask')}, "
             f"bytes/site x{row['mask_bytes_sent_per_site_ratio']:.2f}, all processes' CPU "
             f"x{row['mask_cpu_seconds_ratio']:.2f}; {memory_summary(row)}",
             file=sys.stderr,

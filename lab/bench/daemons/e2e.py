@@ -36,6 +36,15 @@ features, numpy RNG: data, not secrets) once per mode: ``plaintext`` (the refere
 and the ratios to plaintext (same run, same machine), plus the max relative W difference.
 Pure per-site encryption time is measured in-process by ``afl bench ckks`` (no transport).
 
+With ``repeats`` R > 1 (``--e2e-repeats``) every mode runs R rounds, each on a freshly
+provisioned federation, interleaved, the modes' order rotating from one repetition to the next
+(plaintext, ckks, mask; then ckks, mask, plaintext; ...) so that no mode always runs first or
+last. Each mode's figures are then the medians over its R rounds (``site_timings_s_median``: per
+step; ``load_average``: the first round's start and the last round's end), its rounds' own
+figures are kept under ``repetitions``, and beside each ratio of medians the per-repetition
+ratios of the round time are listed (``<mode>_round_seconds_ratio_per_repetition``). The W
+difference is the largest over the repetitions.
+
 `afl bench startup` (this module's ``add_arguments`` and ``run``) times the commands operators
 and sites type, each as a fresh process, ``repeats`` times, against a federation provisioned in a
 temporary folder (no CKKS) whose ``afl-server`` runs for ``afl admin ls``. Reported per command
@@ -175,60 +184,104 @@ def run_e2e_bench(
     modes: Sequence[str] = MODES,
     timeout_s: float = 900,
     standing_s: float = 0.0,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """One loopback round per mode on the same caches; the figures of the module docstring.
-    ``standing_s`` > 0: K − 1 sites stand that long, enrolled, before the last one starts
-    (:func:`afl.lab.demo.federation.run_loopback`), as a deployment's daemons do between runs;
-    0: every daemon starts at once and the round is the first thing the last one does."""
+    """``repeats`` loopback rounds per mode on the same caches, interleaved; the figures of the
+    module docstring. ``standing_s`` > 0: K − 1 sites stand that long, enrolled, before the last
+    one starts (:func:`afl.lab.demo.federation.run_loopback`), as a deployment's daemons do
+    between runs; 0: every daemon starts at once and the round is the first thing the last one
+    does."""
     if "plaintext" not in modes or len(set(modes)) < 2 or set(modes) - set(MODES):
         raise ValueError(f"modes must include plaintext and another mode, from {MODES}")
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
     feats, labels = random_sites(num_sites, d=d, rows=rows, seed=seed)
     out: dict[str, Any] = {
         "num_sites": num_sites,
         "d": d,
         "rows_per_site": rows,
         "standing_s": standing_s,
+        "repeats": repeats,
     }
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="afl-bench-e2e-") as tmp:
-        for mode in modes:
-            settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 600.0}
-            if mode == "mask":
-                settings.update(mask_round_settings(feats))
-            if mode == "ckks":
-                settings.update(ckks_round_settings(feats))
-            loop = prepare_loopback(
-                Path(tmp) / mode,
-                classes=CLASSES,
-                site_features=feats,
-                site_labels=labels,
-                active=np.ones((num_sites, len(CLASSES)), dtype=bool),
-                test_features=feats[0][:10],
-                test_labels=labels[0][:10],
-                round_settings=settings,
-                decryptor=mode == "ckks",
-                allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
-            )
-            memory = PeakMemory()
-            load_start, before = os.getloadavg()[0], children_cpu()
-            try:
-                run = run_loopback(
-                    loop, timeout_s=timeout_s, on_started=memory.watch, standing_s=standing_s
+        for repetition in range(repeats):
+            turn = repetition % len(modes)
+            for mode in [*modes[turn:], *modes[:turn]]:
+                settings: dict[str, Any] = {"gram_scope": "global", "upload_timeout_s": 600.0}
+                if mode == "mask":
+                    settings.update(mask_round_settings(feats))
+                if mode == "ckks":
+                    settings.update(ckks_round_settings(feats))
+                loop = prepare_loopback(
+                    Path(tmp) / f"{mode}-{repetition}",
+                    classes=CLASSES,
+                    site_features=feats,
+                    site_labels=labels,
+                    active=np.ones((num_sites, len(CLASSES)), dtype=bool),
+                    test_features=feats[0][:10],
+                    test_labels=labels[0][:10],
+                    round_settings=settings,
+                    decryptor=mode == "ckks",
+                    allow_plaintext=mode == "plaintext",  # the baseline: sites opt in
                 )
-            finally:
-                memory.stop()
-            out[mode] = round_figures(run, loop, memory)
-            out[mode]["cpu_seconds"] = children_cpu() - before
-            out[mode]["load_average"] = [load_start, os.getloadavg()[0]]
-    w_plain = out["plaintext"].pop("weights")
+                memory = PeakMemory()
+                load_start, before = os.getloadavg()[0], children_cpu()
+                try:
+                    run = run_loopback(
+                        loop, timeout_s=timeout_s, on_started=memory.watch, standing_s=standing_s
+                    )
+                finally:
+                    memory.stop()
+                figures = round_figures(run, loop, memory)
+                figures["cpu_seconds"] = children_cpu() - before
+                figures["load_average"] = [load_start, os.getloadavg()[0]]
+                runs[mode].append(figures)
+    weights = {mode: [r.pop("weights") for r in runs[mode]] for mode in modes}
+    for mode in modes:
+        out[mode] = combine_repetitions(runs[mode])
     for mode in modes:
         if mode == "plaintext":
             continue
-        w = out[mode].pop("weights")
-        out[f"{mode}_w_relative_difference"] = float(
-            np.linalg.norm(w - w_plain) / np.linalg.norm(w_plain)
+        out[f"{mode}_w_relative_difference"] = max(
+            float(np.linalg.norm(w - p) / np.linalg.norm(p))
+            for w, p in zip(weights[mode], weights["plaintext"], strict=True)
         )
         for key in _KEYS:
             out[f"{mode}_{key}_ratio"] = out[mode][key] / out["plaintext"][key]
+        if repeats > 1:
+            out[f"{mode}_round_seconds_ratio_per_repetition"] = [
+                r["round_seconds"] / p["round_seconds"]
+                for r, p in zip(runs[mode], runs["plaintext"], strict=True)
+            ]
+    return out
+
+
+def combine_repetitions(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's figures over its repetitions (module docstring): the median of each number
+    (None where one of them is None), of each step of ``site_timings_s_median``, the first
+    round's start and the last round's end of ``load_average``; with more than one, the rounds'
+    own figures under ``repetitions``."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [r.get(key) for r in runs]
+        if key == "load_average":
+            out[key] = [runs[0][key][0], runs[-1][key][-1]]
+        elif isinstance(first, dict):
+            steps = sorted({k for v in values if isinstance(v, dict) for k in v})
+            out[key] = {
+                k: float(np.median([float(v.get(k, 0.0)) for v in values if isinstance(v, dict)]))
+                for k in steps
+            }
+        elif isinstance(first, bool) or not isinstance(first, (int, float)):
+            out[key] = first
+        elif any(v is None for v in values):
+            out[key] = None
+        else:
+            out[key] = float(np.median([float(v) for v in values if v is not None]))
+    out["repetitions"] = [dict(r) for r in runs]
     return out
 
 

@@ -11,14 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from afl.lab.bench.daemons.e2e import memory_summary, run_e2e_bench
+from afl.lab.bench.daemons.e2e import combine_repetitions, memory_summary, run_e2e_bench
 from afl.lab.bench.daemons.scaling_e2e import PeakMemory, cpu_seconds, rss_mib
 
 
 @pytest.mark.slow
 def test_e2e_bench_row_is_complete_and_consistent() -> None:
-    row = run_e2e_bench(num_sites=3, d=8, rows=60, modes=("plaintext", "ckks"), standing_s=1.0)
+    row = run_e2e_bench(
+        num_sites=3, d=8, rows=60, modes=("plaintext", "ckks"), standing_s=1.0, repeats=2
+    )
     assert row["ckks_w_relative_difference"] < 1e-6 and row["standing_s"] == 1.0
+    assert [len(row[m]["repetitions"]) for m in ("plaintext", "ckks")] == [2, 2]
+    per_round = row["ckks_round_seconds_ratio_per_repetition"]
+    assert len(per_round) == 2 and min(per_round) <= row["ckks_round_seconds_ratio"] * 1.0001
+    assert max(per_round) >= row["ckks_round_seconds_ratio"] * 0.9999
     # 3 sites × (Gram + 8 class vectors); how many came from zeros drawn ahead depends on timing
     assert row["ckks"]["ckks_ciphertexts"] == 27 and 0 <= row["ckks"]["ckks_drawn_ahead"] <= 27
     assert row["ckks_bytes_sent_per_site_ratio"] > 10  # one ciphertext per block vs 8 B/value
@@ -37,6 +43,28 @@ def test_e2e_bench_row_is_complete_and_consistent() -> None:
         assert figures["cpu_seconds"] >= figures["server_cpu_seconds"] > 0
         assert figures["site_cpu_seconds"] > 0 and len(figures["load_average"]) == 2
     assert row["ckks"]["decryptor_cpu_seconds"] > 0 and row["ckks_cpu_seconds_ratio"] > 0
+
+
+def test_repetitions_combine_into_medians_and_keep_each_round() -> None:
+    runs = [
+        {
+            "round_seconds": r,
+            "server_peak_rss_mib": None if r == 3.0 else 100.0,
+            "site_timings_s_median": {"upload": u, **({"wait_model": 0.5} if r == 1.0 else {})},
+            "load_average": [l0, l1],
+            "label": "x",
+        }
+        for r, u, l0, l1 in ((2.0, 0.4, 1.0, 2.0), (1.0, 0.2, 3.0, 4.0), (3.0, 0.9, 5.0, 6.0))
+    ]
+    out = combine_repetitions(runs)
+    assert out["round_seconds"] == 2.0
+    assert out["site_timings_s_median"] == {"upload": 0.4, "wait_model": 0.0}  # not the mean
+    assert out["server_peak_rss_mib"] is None  # one round could not read it
+    assert out["load_average"] == [1.0, 6.0] and out["label"] == "x"
+    assert [r["round_seconds"] for r in out["repetitions"]] == [2.0, 1.0, 3.0]
+    assert combine_repetitions(runs[:1]) == runs[0]  # one round: its figures as they were
+    with pytest.raises(ValueError, match="repeats"):
+        run_e2e_bench(num_sites=3, d=4, modes=("plaintext", "mask"), repeats=0)
 
 
 def test_e2e_bench_needs_plaintext_and_another_mode() -> None:
