@@ -28,7 +28,7 @@ from typing import Any, cast
 from afl.core.erase import Eraser, erase_file
 from afl.core.row_bounds import RowBounds
 from afl.crypto.canonical import canonical_encode
-from afl.crypto.identity.pki import make_private_dir, write_private_file
+from afl.crypto.identity.pki import fsync_dir, make_private_dir, write_private_file
 from afl.crypto.transparency.merkle import leaf_hash, root_hash
 from afl.crypto.transparency.statements import statement_bytes
 from afl.crypto.transparency.tree import MerkleTree
@@ -958,7 +958,7 @@ class Store:
         else:
             path = folder / name
             os.replace(staged, path)
-            _fsync_dir(folder)  # the rename is durable before the row that names it
+            fsync_dir(folder)  # the rename is durable before the row that names it
         relative = str(path.relative_to(self.state_dir))
         try:
             with self._tx() as db:
@@ -1556,15 +1556,6 @@ def _remove_empty_folders(folder: Path) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                 raise
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the entries of ``folder`` (a rename into it) durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def backup_state(state_dir: Path, destination: Path) -> dict[str, object]:

@@ -40,7 +40,7 @@ from typing import Any
 
 from afl.client.daemon.transport import DaemonError, check_round_id
 from afl.client.payloads.stats import SlotPayload
-from afl.crypto.identity.pki import make_private_dir, write_private_file
+from afl.crypto.identity.pki import fsync_dir, make_private_dir, write_private_file
 
 __all__ = ["SentRound", "SentSlot", "UploadRegister", "UploadRegisterError"]
 
@@ -102,14 +102,6 @@ class SentRound:
             f"run {self.run_id}, {state} {stamp} under plan sha256 {self.plan_sha256[:16]}..., "
             f"{len(self.slots)} upload(s): {names}"
         )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class UploadRegister:
@@ -242,7 +234,7 @@ class UploadRegister:
             folder = make_private_dir(self._bytes_dir(record.round_id))
             for i, p in enumerate(payloads):
                 write_private_file(folder / f"{i}.bin", p.payload)
-            _fsync_dir(folder)
+            fsync_dir(folder)
         path = self._path(record.round_id)
         tmp = write_private_file(
             self.root / f".{path.name}.claim",
@@ -254,7 +246,7 @@ class UploadRegister:
             raise UploadRegisterError(f"upload record {path} already exists") from exc
         finally:
             tmp.unlink()
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return list(payloads)
 
     def _kept(self, record: SentRound, index: int, slot: SentSlot) -> SlotPayload:
@@ -281,7 +273,7 @@ class UploadRegister:
             write_private_file(
                 path, json.dumps(done.to_json(), indent=2, sort_keys=True).encode("utf-8")
             )
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             record = done
         folder = self._bytes_dir(round_id)
         if folder.is_dir():

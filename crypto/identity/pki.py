@@ -565,6 +565,15 @@ def write_private_file(path: str | os.PathLike[str], data: bytes, *, mode: int =
     return target
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the entries of the folder ``path`` durable (a file created or renamed into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
     """Create ``path`` and every missing parent with mode 0700 (``Path.mkdir(parents=True)``
     gives the parents the umask's default instead); an existing ``path`` owned by this user is

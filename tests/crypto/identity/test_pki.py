@@ -7,6 +7,7 @@ import datetime as dt
 import ipaddress
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from cryptography import x509
@@ -212,3 +213,11 @@ def test_encrypted_private_key_needs_its_passphrase() -> None:
         pki.load_tls_private_key_pem(pem, passphrase=b"wrong")
     with pytest.raises(pki.PkiError, match="passphrase is needed"):
         pki.load_tls_private_key_pem(pem)
+
+
+def test_fsync_dir_syncs_a_folder_and_names_a_missing_one(tmp_path: Path) -> None:
+    folder = pki.make_private_dir(tmp_path / "payloads" / "site")
+    pki.write_private_file(folder / "payload.bin", b"x")
+    pki.fsync_dir(folder)  # a folder opens read-only and syncs
+    with pytest.raises(FileNotFoundError):
+        pki.fsync_dir(tmp_path / "missing")
