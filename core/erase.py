@@ -102,6 +102,8 @@ class Eraser:
         """Hand the files that could not be erased over again (a caller's periodic tick: a
         long-running daemon does not keep them until its next start); how many."""
         with self._lock:
+            if self._closed:  # kept: the start-up sweep erases them
+                return 0
             failed, self._failed = self._failed, []
         if failed:
             self.submit(failed)

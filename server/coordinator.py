@@ -395,7 +395,7 @@ class Coordinator:
             checked = self._upload_allowed(view, site_id, upload)
             if isinstance(checked, pb.UploadReceipt):
                 return checked  # stored before: nothing to write
-            if view.stage not in (pb.ROUND_STAGE_PLAN_REVIEW, *mode.exchange_stages):
+            if view.stage not in mode.upload_stages:
                 raise WrongStageError(
                     f"round {view.round_id!r} is {wire.stage_name(view.stage)}, not accepting "
                     "uploads"

@@ -251,6 +251,7 @@ class RoundMachine(StoreContext):
             self._step(before)
             if self.current().row == before.row:
                 break
+        self.runs.retry_erasures(self.now_ms())
         if self.config.payload_retention_days > 0 or self.config.report_retention_days:
             self.runs.purge_due(self.now_ms())
 

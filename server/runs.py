@@ -96,6 +96,7 @@ class Runs:
         self.config, self.store, self.ckks_contexts = config, store, ckks_contexts
         self._cache: dict[str, Run] = {}
         self._next_purge_ms = 0
+        self._next_retry_ms = 0
 
     def bootstrap(self) -> None:
         """The first start creates the run of server.toml's [round] (and gives it the rounds of
@@ -236,14 +237,21 @@ class Runs:
             reason=f"[retention] reports_days = {days}: run {run_id} ended",
         )
 
+    def retry_erasures(self, now_ms: int) -> None:
+        """At most once a minute, hand the payload files the background eraser could not erase
+        over again (whatever the retention settings: a run's payloads are erased when it ends
+        by default)."""
+        if now_ms < self._next_retry_ms:
+            return
+        self._next_retry_ms = now_ms + 60_000
+        self.store.retry_erasures()
+
     def purge_due(self, now_ms: int) -> None:
         """Delete the payloads of runs that ended more than ``payload_days`` ago and the reports
-        of those that ended more than ``reports_days`` ago (retention), and try again to erase
-        the payload files the background eraser could not; at most once a minute."""
+        of those that ended more than ``reports_days`` ago (retention)."""
         if now_ms < self._next_purge_ms:
             return
         self._next_purge_ms = now_ms + 60_000
-        self.store.retry_erasures()  # files the background eraser could not erase yet
         keep_ms = self.config.payload_retention_days * _DAY_MS
         reports = self.config.report_retention_days
         for row in self.store.runs():

@@ -913,7 +913,11 @@ class Store:
         (:meth:`sweep_payloads`: no row names it). :class:`DiskFullError` when the disk is full."""
         folder = self.state_dir / "payloads" / round_id / site_id
         name = f".{sha256.hex()}.{secrets.token_hex(8)}.staged"
-        return self._write_payload(folder, name, data)
+        staged = self._write_payload(folder, name, data)
+        with suppress(OSError):  # folders it may have created: durable before any row names them
+            for parent in (folder.parent, folder.parent.parent):
+                fsync_dir(parent)
+        return staged
 
     def discard_staged(self, staged: Path) -> None:
         """Erase a staged payload file that no row will name (the upload was refused)."""
@@ -953,14 +957,12 @@ class Store:
         committed)."""
         folder = self.state_dir / "payloads" / round_id / site_id
         name = f"{sha256.hex()}.bin"
-        if staged is None:
-            path = self._write_payload(folder, name, data)
-        else:
-            path = folder / name
-            os.replace(staged, path)
-            fsync_dir(folder)  # the rename is durable before the row that names it
+        path = self._write_payload(folder, name, data) if staged is None else folder / name
         relative = str(path.relative_to(self.state_dir))
         try:
+            if staged is not None:
+                os.replace(staged, path)
+                fsync_dir(folder)  # the rename is durable before the row that names it
             with self._tx() as db:
                 db.execute(
                     "INSERT INTO uploads (round_id, site_id, release_name, sha256, size, path, "

@@ -237,9 +237,11 @@ class CoordinatorServer:
         self._stopped.set()
         try:
             try:
-                self._health.enter_graceful_shutdown()
-                self.store.log_changes.close()  # held GetCheckpoint calls answer within the grace
-                self._grpc.stop(grace).wait()
+                try:
+                    self._health.enter_graceful_shutdown()
+                    self.store.log_changes.close()  # held GetCheckpoint calls answer at once
+                finally:
+                    self._grpc.stop(grace).wait()
                 if self._health_grpc is not None:
                     self._health_grpc.stop(None)
                 if self._ticker.is_alive():

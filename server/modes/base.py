@@ -181,6 +181,9 @@ class AggregationMode(Protocol):
     name: str
     proto_mode: int
     exchange_stages: tuple[int, ...]
+    #: The stages in which a site's payload may be stored (``check_upload`` refuses the others;
+    #: the coordinator checks it before it writes the payload's file).
+    upload_stages: tuple[int, ...]
 
     def plan_options(
         self, participants: tuple[str, ...], *, declared: Declared | None = None
@@ -295,7 +298,7 @@ class PlainUploadStage:
 
     settings: RoundSettings
     exchange_stages: tuple[int, ...] = (pb.ROUND_STAGE_UPLOAD,)
-    _ACCEPTING = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
+    upload_stages: tuple[int, ...] = (pb.ROUND_STAGE_PLAN_REVIEW, pb.ROUND_STAGE_UPLOAD)
 
     def begin(self, view: RoundView, ctx: RoundContext) -> Transition:
         return Transition(pb.ROUND_STAGE_UPLOAD)
@@ -322,7 +325,7 @@ class PlainUploadStage:
         return None
 
     def require_accepting(self, view: RoundView) -> None:
-        if view.row.stage not in self._ACCEPTING:
+        if view.row.stage not in self.upload_stages:
             raise WrongStageError(
                 f"round {view.round_id!r} is {wire.stage_name(view.row.stage)}, not accepting "
                 "uploads"

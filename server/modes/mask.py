@@ -143,6 +143,7 @@ class MaskMode:
     name = "mask"
     proto_mode = int(cpb.AGGREGATION_MODE_MASK)
     exchange_stages: tuple[int, ...] = MASK_STAGES
+    upload_stages: tuple[int, ...] = (pb.ROUND_STAGE_UPLOAD,)
 
     def __init__(
         self,
@@ -452,7 +453,7 @@ class MaskMode:
     ) -> None:
         """Masked input: UPLOAD stage only, from sites of U2; the site's last release hands the
         whole masked input to the protocol (a refusal is raised, nothing is stored)."""
-        if view.stage != pb.ROUND_STAGE_UPLOAD:
+        if view.stage not in self.upload_stages:
             raise WrongStageError("masked input is accepted only in the UPLOAD stage")
         state = self._state(view, ctx)
         if site_id not in state.expected:

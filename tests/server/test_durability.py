@@ -345,6 +345,62 @@ def test_a_staged_upload_whose_commit_fails_leaves_no_file(
     assert (folder / SITES[0] / f"{hashlib.sha256(data).hexdigest()}.bin").read_bytes() == data
 
 
+def test_a_failed_commit_keeps_the_file_another_release_of_the_same_bytes_names(
+    federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two releases of one site with the same bytes share their payload file; when the second
+    one's row fails to commit, the first one's file stays."""
+    store = Store(tmp_path / "state", federation_id="fed")
+    data = b"the same statistics" * 8
+    digest = hashlib.sha256(data).digest()
+    first = store.put_upload("r1-x", "site-a", "b[A]", data=data, sha256=digest)
+    staged = store.stage_payload("r1-x", "site-a", data=data, sha256=digest)
+    append_audit = store_module.Store._append_audit
+
+    def failing_audit(db: Any, event: str, detail: Any) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(store_module.Store, "_append_audit", staticmethod(failing_audit))
+    with pytest.raises(sqlite3.OperationalError):
+        store.put_upload(
+            "r1-x", "site-a", "b[B]", data=data, sha256=digest, audit={}, staged=staged
+        )
+    monkeypatch.setattr(store_module.Store, "_append_audit", staticmethod(append_audit))
+    assert first.path.read_bytes() == data and not staged.exists()
+    assert list(store.uploads("r1-x")) == [("site-a", "b[A]")]
+    store.close()
+
+
+def test_the_coordinator_retries_a_failed_erasure_at_the_minutes_tick(
+    federation: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default retention (payloads erased when the run ends), a file the background
+    eraser could not erase is tried again by the coordinator's tick, a minute on."""
+    real_erase, refusing = erase_module.erase_file, [True]
+
+    def flaky_erase(path: Path, *, evidence: bool = True) -> dict[str, object]:
+        if refusing[0]:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_erase(path, evidence=evidence)
+
+    monkeypatch.setattr(erase_module, "erase_file", flaky_erase)
+    now = [1_000_000.0]
+    config = load_config(federation.server_dir / "server.toml")
+    config = replace(config, state_dir=tmp_path / "state", payload_retention_days=0.0)
+    assert config.report_retention_days is None  # the default: purge_due never runs
+    coordinator, view = _published_run(federation, config, now, background_erase=True)
+    folder = config.state_dir / "payloads" / view.round_id
+    assert coordinator.store.drain_erasures(timeout_s=60)
+    left = sorted(folder.rglob("*.bin"))
+    assert left  # the eraser failed on every file
+    refusing[0] = False
+    now[0] += 61
+    coordinator.tick()
+    assert coordinator.store.drain_erasures(timeout_s=60)
+    assert not [p for p in left if p.exists()]
+    coordinator.store.close()
+
+
 def _published_run(
     federation: Any, config: Any, now: list[float], **store_options: Any
 ) -> tuple[Coordinator, Any]:
