@@ -913,10 +913,12 @@ class Store:
         (:meth:`sweep_payloads`: no row names it). :class:`DiskFullError` when the disk is full."""
         folder = self.state_dir / "payloads" / round_id / site_id
         name = f".{sha256.hex()}.{secrets.token_hex(8)}.staged"
+        created = not folder.is_dir()
         staged = self._write_payload(folder, name, data)
-        with suppress(OSError):  # folders it may have created: durable before any row names them
-            for parent in (folder.parent, folder.parent.parent):
-                fsync_dir(parent)
+        if created:  # the folders it created: durable before any row names a file in them
+            with suppress(OSError):
+                for parent in (folder.parent, folder.parent.parent):
+                    fsync_dir(parent)
         return staged
 
     def discard_staged(self, staged: Path) -> None:
