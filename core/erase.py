@@ -4,9 +4,9 @@
 SHA-256 and size of what it deleted: the deletion evidence an audit record or an offboarding
 record lists. :class:`Eraser` erases files in a background thread, so that a caller that holds a
 lock (the coordinator publishing a round, whose run's payloads are then deleted) does not make
-everyone wait for the disk. On a copy-on-write or log-structured file system, or an SSD that remaps blocks, the
-old blocks may survive the overwrite; full-disk encryption of the state folders is what covers
-those (docs/compliance.md).
+everyone wait for the disk. On a copy-on-write or log-structured file system, or an SSD that
+remaps blocks, the old blocks may survive the overwrite; full-disk encryption of the state
+folders is what covers those (docs/compliance.md).
 """
 
 from __future__ import annotations

@@ -926,13 +926,15 @@ class Store:
         _erase(staged)
 
     def _write_payload(self, folder: Path, name: str, data: bytes) -> Path:
+        def write() -> Path:
+            make_private_dir(folder)
+            return write_private_file(folder / name, data)
+
         try:
             try:
-                make_private_dir(folder)
-                return write_private_file(folder / name, data)
+                return write()
             except FileNotFoundError:  # the eraser tidied the emptied folder away meanwhile
-                make_private_dir(folder)
-                return write_private_file(folder / name, data)
+                return write()
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(

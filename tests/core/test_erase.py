@@ -16,6 +16,7 @@ import pytest
 
 from afl.core import erase
 from afl.core.erase import Eraser, erase_file
+from tests.helpers.erasing import refuse_erasing
 
 
 def _file(folder: Path, name: str, data: bytes) -> tuple[Path, Path]:
@@ -122,14 +123,7 @@ def test_a_file_that_could_not_be_erased_is_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, witness = _file(tmp_path, "payload.bin", b"y" * 64)
-    real, broken = erase.erase_file, [True]
-
-    def flaky(target: Path, *, evidence: bool = True) -> dict[str, object]:
-        if broken[0]:
-            raise PermissionError(13, "Permission denied", str(target))
-        return real(target, evidence=evidence)
-
-    monkeypatch.setattr(erase, "erase_file", flaky)
+    broken = refuse_erasing(monkeypatch)
     eraser = Eraser()
     eraser.submit([path])
     assert eraser.drain(timeout_s=60) and path.exists()

@@ -31,6 +31,7 @@ from afl.server.coordinator import Coordinator
 from afl.server.errors import DiskFullError, StateError, WrongStageError
 from afl.server.servicer import status_for
 from afl.server.store import ANCHOR_NAME, DB_NAME, Store, backup_state
+from tests.helpers.erasing import refuse_erasing
 from tests.helpers.federation import FederationSpec
 from tests.helpers.inprocess import accept_plan, enrol
 
@@ -376,14 +377,7 @@ def test_the_coordinator_retries_a_failed_erasure_at_the_minutes_tick(
 ) -> None:
     """With the default retention (payloads erased when the run ends), a file the background
     eraser could not erase is tried again by the coordinator's tick, a minute on."""
-    real_erase, refusing = erase_module.erase_file, [True]
-
-    def flaky_erase(path: Path, *, evidence: bool = True) -> dict[str, object]:
-        if refusing[0]:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_erase(path, evidence=evidence)
-
-    monkeypatch.setattr(erase_module, "erase_file", flaky_erase)
+    refusing = refuse_erasing(monkeypatch)
     now = [1_000_000.0]
     config = load_config(federation.server_dir / "server.toml")
     config = replace(config, state_dir=tmp_path / "state", payload_retention_days=0.0)

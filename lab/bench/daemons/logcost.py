@@ -58,7 +58,7 @@ from afl.lab.bench.common import (
     emit_json,
     format_machine,
 )
-from afl.lab.bench.daemons.e2e import children_cpu, round_figures
+from afl.lab.bench.daemons.e2e import children_cpu, combine_repetitions, round_figures
 from afl.lab.bench.daemons.scaling_e2e import (
     CLASSES,
     CLIENT_TIMING,
@@ -221,13 +221,8 @@ def run_log_bench(
         "load_average_end": list(os.getloadavg()),
     }
     for variant in VARIANTS:
-        medians = {  # None where /proc could not be read (not Linux)
-            k: None
-            if any(r[k] is None for r in runs[variant])
-            else statistics.median(float(r[k]) for r in runs[variant])
-            for k in _MEDIANS
-        }
-        out[variant] = {"median": medians, "runs": runs[variant]}
+        combined = combine_repetitions(runs[variant])  # None where /proc could not be read
+        out[variant] = {"median": {k: combined[k] for k in _MEDIANS}, "runs": runs[variant]}
     shipped, unlogged = out["shipped"]["median"], out["unlogged"]["median"]
     out["round_ratio"] = shipped["round_seconds"] / unlogged["round_seconds"]
     out["round_ratio_per_repetition"] = [
