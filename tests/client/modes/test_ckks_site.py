@@ -122,6 +122,27 @@ def test_forged_or_swapped_contexts_are_refused(private_ctx: Any) -> None:
         fetch_public_context(_session(stub, pinned="site-1"), PEERS)
 
 
+def test_a_context_larger_than_any_vetted_one_is_not_downloaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A coordinator (and a decryptor it colludes with, who signs the announcement) that serves
+    a "public context" of more than ckks_mode.CONTEXT_MAX_BYTES: the site refuses the download
+    by its declared size, before it holds the bytes, and neither a round nor the zero filler
+    uses it."""
+    monkeypatch.setattr(ckks_mode, "ZERO_RETRY_S", 0.05)
+    huge = b"\x00" * (ckks_mode.CONTEXT_MAX_BYTES + 1)
+    with pytest.raises(DaemonError, match=f"exceeds the limit of {ckks_mode.CONTEXT_MAX_BYTES}"):
+        fetch_public_context(_session(FakeStub(_announce(huge), huge)), PEERS)
+    stub = _CountingStub(_announce(huge), huge)
+    stub.published.set()
+    filler = ZeroFiller(_session(stub), PEERS, want=2).start()
+    try:
+        assert _until(lambda: stub.calls >= 2)  # the first try was refused in full
+        assert filler.ready() == 0 and filler.context_sha256 is None
+    finally:
+        filler.close()
+
+
 def test_only_the_pinned_decryptor_is_accepted(private_ctx: Any) -> None:
     # "site-1" is a peer whose key signs a valid announcement: still not the pinned decryptor.
     data = ckks.public_context_bytes(private_ctx)
