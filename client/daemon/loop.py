@@ -918,7 +918,9 @@ class ClientDaemon:
                 self.config.peers,
             )
         class_names = list(cfg.class_names)
+        t0 = time.perf_counter()
         payloads = self.payloads(cfg, plan, mode, report)
+        timings["payloads"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         status = self.rpc.await_stage(round_id, at_least=mode.first_stage)
         timings["wait_upload_stage"] = time.perf_counter() - t0
@@ -926,8 +928,10 @@ class ClientDaemon:
         # exchange leaves (a replayed round is refused before it spends anything), and the
         # entry's statement is in the log before any statistic leaves (the exchange's uploads
         # wait for the publication).
+        t0 = time.perf_counter()
         payloads = self._claim(cfg, plan, plan_sha, payloads, status)
         publication = self._record(cfg, plan, plan_sha, report)
+        timings["ledger"] = time.perf_counter() - t0
         opening = (
             self._opening(plan, plan_sha, stage_timeout_s=cfg.stage_timeout_s)
             if plan.aggregation == cpb.AGGREGATION_MODE_MASK
@@ -1006,6 +1010,7 @@ class ClientDaemon:
         # whole-history audit reads: its members check it (M-230), while the model is verified.
         # The check witnesses the newest checkpoint, which holds that statement: it is the
         # model's witnessing step too (M-198), so the model is kept without one of its own.
+        t0 = time.perf_counter()
         survivors = self.store.survivors(round_id)
         checked = Background(
             lambda: self.log_witness.check_release(self.rpc.call, plan, survivors=survivors),
@@ -1023,6 +1028,7 @@ class ClientDaemon:
         finally:
             checked.join(raising=LogEvidence)  # a misstated statement stops the site, whatever
         checked.wait()  # else failed
+        timings["model"] = time.perf_counter() - t0
 
     def round_session(
         self,

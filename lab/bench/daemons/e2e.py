@@ -257,10 +257,21 @@ def run_e2e_bench(
     return out
 
 
+def _numbers(values: Sequence[Any]) -> bool:
+    """Whether every mapping among ``values`` maps to numbers only."""
+    return all(
+        isinstance(x, (int, float)) and not isinstance(x, bool)
+        for v in values
+        if isinstance(v, dict)
+        for x in v.values()
+    )
+
+
 def combine_repetitions(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One mode's figures over its repetitions (module docstring): the median of each number
-    (None where one of them is None), of each step of ``site_timings_s_median``, the first
-    round's start and the last round's end of ``load_average``; with more than one, the rounds'
+    (None where one of them is None), of each step of ``site_timings_s_median`` (of each entry of
+    any mapping of numbers), the first round's start and the last round's end of
+    ``load_average``; anything else as the first round has it. With more than one, the rounds'
     own figures under ``repetitions``."""
     if len(runs) == 1:
         return dict(runs[0])
@@ -269,7 +280,7 @@ def combine_repetitions(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         values = [r.get(key) for r in runs]
         if key == "load_average":
             out[key] = [runs[0][key][0], runs[-1][key][-1]]
-        elif isinstance(first, dict):
+        elif isinstance(first, dict) and _numbers(values):
             steps = sorted({k for v in values if isinstance(v, dict) for k in v})
             out[key] = {
                 k: float(np.median([float(v.get(k, 0.0)) for v in values if isinstance(v, dict)]))

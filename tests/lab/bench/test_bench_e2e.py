@@ -53,6 +53,7 @@ def test_repetitions_combine_into_medians_and_keep_each_round() -> None:
             "site_timings_s_median": {"upload": u, **({"wait_model": 0.5} if r == 1.0 else {})},
             "load_average": [l0, l1],
             "label": "x",
+            "calls": {"publish": [int(r), u]},  # `afl bench log`'s counts and seconds per method
         }
         for r, u, l0, l1 in ((2.0, 0.4, 1.0, 2.0), (1.0, 0.2, 3.0, 4.0), (3.0, 0.9, 5.0, 6.0))
     ]
@@ -61,6 +62,7 @@ def test_repetitions_combine_into_medians_and_keep_each_round() -> None:
     assert out["site_timings_s_median"] == {"upload": 0.4, "wait_model": 0.0}  # not the mean
     assert out["server_peak_rss_mib"] is None  # one round could not read it
     assert out["load_average"] == [1.0, 6.0] and out["label"] == "x"
+    assert out["calls"] == {"publish": [2, 0.4]}  # not numbers: the first round's, as it was
     assert [r["round_seconds"] for r in out["repetitions"]] == [2.0, 1.0, 3.0]
     assert combine_repetitions(runs[:1]) == runs[0]  # one round: its figures as they were
     with pytest.raises(ValueError, match="repeats"):
