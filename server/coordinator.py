@@ -51,8 +51,10 @@ from afl.server.errors import (
     DiskFullError,
     InvalidRequestError,
     NotPermittedError,
+    ServerError,
     WrongStageError,
 )
+from afl.server.groupcommit import GroupCommit
 from afl.server.limits import held_calls
 from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
 from afl.server.plan.release import PlannedRelease, RoundView
@@ -107,6 +109,10 @@ class Coordinator:
         # which drops the site's entry under the lock once the new row is committed).
         self._enrolled: dict[str, EnrolmentRow] = {}
         self.log = FederationLog(store, key=identity_key, federation_id=config.federation_id)
+        # The sites' small log writes (cosignatures, DP-ledger statements) arrive together at
+        # each step of a round: whoever takes the lock commits those queued with it. (Not an
+        # opening: its survivors check may advance the round, which commits on its own.)
+        self.log_writes = GroupCommit(store, self.lock, isolated=(ServerError,))
         with self.lock:
             self.machine.advance()
 
@@ -747,8 +753,7 @@ class Coordinator:
 
     def log_entries(self, site_id: str, start: int, end: int) -> pb.LogEntries:
         self.require_enrolled(site_id)
-        with self.lock:
-            rows = self.log.entries(start, end)
+        rows = self.log.entries(start, end)  # committed statements: read without the lock
         return pb.LogEntries(
             entries=[
                 pb.LogEntry(index=i, kind=kind, statement=entry, time_unix_ms=stamp)
@@ -759,8 +764,9 @@ class Coordinator:
     def log_dp_release(self, site_id: str, request: pb.DpRelease) -> pb.LogProof:
         """Append the caller's signed DP-ledger entry (docs/protocol.md M-195); its index."""
         self.require_enrolled(site_id)
-        with self.lock:
-            return pb.LogProof(index=self.log.record_dp_release(site_id, bytes(request.statement)))
+        statement = bytes(request.statement)
+        index = self.log_writes.run(lambda: self.log.record_dp_release(site_id, statement))
+        return pb.LogProof(index=index)
 
     def log_opening(
         self,
@@ -796,13 +802,10 @@ class Coordinator:
             raise NotPermittedError(
                 f"a cosignature names witness {request.witness!r}, the caller is {site_id!r}"
             )
-        with self.lock:
-            found = self.log.cosign(
-                site_id,
-                size=int(request.size),
-                root=bytes(request.root),
-                signature=bytes(request.signature),
-            )
+        size, root, signature = int(request.size), bytes(request.root), bytes(request.signature)
+        found = self.log_writes.run(
+            lambda: self.log.cosign(site_id, size=size, root=root, signature=signature)
+        )
         log.info(
             "log checkpoint cosigned",
             extra={

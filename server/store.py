@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -331,6 +332,10 @@ class Store:
         the disk; :meth:`close` waits for it."""
         self.state_dir, self.read_only = Path(state_dir), read_only
         self._eraser = Eraser(name="afl-payload-eraser") if background_erase else None
+        # A connection of its own for reading committed log statements without the caller's
+        # lock (committed_log_entries), opened at its first use.
+        self._reader: sqlite3.Connection | None = None
+        self._reader_lock = threading.Lock()
         self._federation_id, self._depth = federation_id, 0
         self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
         #: The log's committed size and recent cosigners, for held GetCheckpoint calls; what
@@ -386,6 +391,10 @@ class Store:
         :class:`StoppingError`."""
         if self._eraser is not None:
             self._eraser.close()
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+            self._reader = cast(sqlite3.Connection, _ClosedConnection())
         self._db.close()
         self._db = cast(sqlite3.Connection, _ClosedConnection())
         self.log_changes.close()
@@ -534,17 +543,19 @@ class Store:
         if self._depth:  # nested: a savepoint, so a failing inner block undoes only itself
             self._depth += 1
             savepoint = f"nested_{self._depth}"
-            self._db.execute(f"SAVEPOINT {savepoint}")
-            grown_to, kept = self._log_grown_to, len(self._cosigned_pending)
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute(f"ROLLBACK TO {savepoint}")
-                self._log_grown_to = grown_to  # what the inner block told of is undone with it
-                del self._cosigned_pending[kept:]
-                raise
+            try:  # the depth is restored whatever fails, SQLite's own statements included
+                self._db.execute(f"SAVEPOINT {savepoint}")
+                grown_to, kept = self._log_grown_to, len(self._cosigned_pending)
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute(f"ROLLBACK TO {savepoint}")
+                    self._log_grown_to = grown_to  # what the inner block told of is undone too
+                    del self._cosigned_pending[kept:]
+                    raise
+                finally:
+                    self._db.execute(f"RELEASE {savepoint}")
             finally:
-                self._db.execute(f"RELEASE {savepoint}")
                 self._depth -= 1
             return
         self._db.execute("BEGIN IMMEDIATE")
@@ -569,6 +580,11 @@ class Store:
         self._write_anchor(int(commits))
 
     _tx = transaction
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a :meth:`transaction` is open (a new one would be a savepoint of it)."""
+        return self._depth > 0
 
     def _check_meta(self, federation_id: str) -> None:
         rows = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
@@ -1122,9 +1138,10 @@ class Store:
         checkpointed and truncated, and VACUUM rewrites the database without free pages. Runs
         after every purge (outside any transaction)."""
         assert not self._depth, "scrub runs after a purge's transaction, never inside one"
-        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self._db.execute("VACUUM")
-        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with self._reader_lock:  # no read of committed_log_entries holds the WAL meanwhile
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.execute("VACUUM")
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def purge_site(self, site_id: str, *, by: str, reason: str) -> dict[str, object]:
         """Offboarding (docs/operations.md §10.1, M-176): delete everything the coordinator holds
@@ -1416,6 +1433,22 @@ class Store:
             "SELECT idx, kind, entry, time_ms FROM fedlog WHERE idx >= ? AND idx < ? ORDER BY idx",
             (start, end),
         ).fetchall()
+        return [(int(r[0]), r[1], bytes(r[2]), int(r[3])) for r in rows]
+
+    def committed_log_entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
+        """As :meth:`log_entries`, over a read-only connection of its own that sees committed
+        statements only, so its caller holds no lock and waits for no writer (WAL): the log is
+        append-only, and a committed statement never changes. Thread-safe."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = sqlite3.connect(
+                    self.path.resolve().as_uri() + "?mode=ro", uri=True, check_same_thread=False
+                )
+            rows = self._reader.execute(
+                "SELECT idx, kind, entry, time_ms FROM fedlog WHERE idx >= ? AND idx < ? "
+                "ORDER BY idx",
+                (start, end),
+            ).fetchall()
         return [(int(r[0]), r[1], bytes(r[2]), int(r[3])) for r in rows]
 
     def log_statements(self, kind: str) -> list[bytes]:

@@ -81,7 +81,7 @@ def cosigned_to_proto(
 
 class FederationLog:
     """The coordinator's view of its federation log (module docstring). Not thread-safe: the
-    coordinator calls it with its lock held."""
+    coordinator calls it with its lock held (but for :meth:`entries`)."""
 
     def __init__(self, store: Store, *, key: Ed25519PrivateKey, federation_id: str) -> None:
         self.store, self._key, self.federation_id = store, key, federation_id
@@ -422,10 +422,12 @@ class FederationLog:
         return consistency, (index, tree.inclusion_proof(index, size))
 
     def entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
-        """Statements ``start`` <= index < ``end`` (at most :data:`MAX_ENTRIES`)."""
+        """Committed statements ``start`` <= index < ``end`` (at most :data:`MAX_ENTRIES`), read
+        without the coordinator's lock (:meth:`afl.server.store.Store.committed_log_entries`):
+        the only method of this class that its caller need not hold the lock for."""
         if start < 0 or end < start:
             raise InvalidRequestError(f"no log entries from {start} to {end}")
-        return self.store.log_entries(start, min(end, start + MAX_ENTRIES))
+        return self.store.committed_log_entries(start, min(end, start + MAX_ENTRIES))
 
 
 def _hex_digest(value: str, what: str) -> bytes:

@@ -29,6 +29,24 @@ def site_key(federation: Any, site: str) -> Any:
     )
 
 
+def enrolled_coordinator(federation: Any, sites: Sequence[str]) -> Any:
+    """A :class:`afl.server.coordinator.Coordinator` over the provisioned federation's
+    server.toml, identity key and state folder, with ``sites`` enrolled."""
+    from afl.server.config import load_config
+    from afl.server.coordinator import Coordinator
+    from afl.server.store import Store
+
+    server_dir = federation.server_dir
+    config = load_config(server_dir / "server.toml")
+    key = signatures.load_private_key_pem((server_dir / "identity.key").read_bytes())
+    coordinator = Coordinator(
+        config, Store(config.state_dir, federation_id=config.federation_id), key
+    )
+    for site in sites:
+        enrol(coordinator, federation, site)
+    return coordinator
+
+
 def enrol(
     coordinator: Any,
     federation: Any,

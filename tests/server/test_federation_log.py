@@ -72,6 +72,39 @@ def test_the_kept_tree_holds_committed_statements_and_a_transaction_sees_its_own
     assert reopened.log_tree().root() == store.log_tree().root()
 
 
+def test_the_entries_served_without_the_lock_are_committed_ones_only(tmp_path: Path) -> None:
+    """GetLogEntries reads over a connection of its own (FederationLog.entries), so it needs no
+    lock: it sees a statement once its transaction committed, never one still open or rolled
+    back, from any thread; a closed store answers that it is stopping."""
+    import threading
+
+    from afl.server.errors import StoppingError
+
+    store = _store(tmp_path)
+    log = FederationLog(store, key=KEY, federation_id=FED)
+    store.create_run(run_id="run-1", name="a", settings={}, submitted_by="op")
+    seen: list[list[int]] = []
+
+    def read_elsewhere() -> None:  # as a gRPC thread does while another holds the lock
+        seen.append([i for i, _, _, _ in log.entries(0, 10)])
+
+    with pytest.raises(RuntimeError), store.transaction():
+        store.create_run(run_id="run-2", name="b", settings={}, submitted_by="op")
+        assert [i for i, _, _, _ in store.log_entries(0, 10)] == [0, 1]  # the writer's view
+        reader = threading.Thread(target=read_elsewhere)
+        reader.start()
+        reader.join(60)
+        assert [i for i, _, _, _ in log.entries(0, 10)] == [0]  # not the open transaction's
+        raise RuntimeError("crash before commit")
+    assert seen == [[0]]
+    store.create_run(run_id="run-3", name="c", settings={}, submitted_by="op")
+    assert log.entries(0, 10) == store.log_entries(0, 10) and len(log.entries(0, 10)) == 2
+    assert [i for i, _, _, _ in log.entries(1, 10)] == [1]
+    store.close()
+    with pytest.raises(StoppingError):
+        log.entries(0, 10)
+
+
 def test_a_plan_statement_is_what_a_site_rebuilds_from_the_plan(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.create_round(

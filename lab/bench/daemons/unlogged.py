@@ -60,7 +60,8 @@ CLIENT_METHODS = (
 #: The coordinator's: a statement appended in its state change's transaction, checkpoints signed
 #: and served, cosignatures verified and kept, proofs and entries served (``proofs``: those a
 #: GetCheckpoint answer carries, one call per answer beside its ``checkpoint`` or ``cosigned``;
-#: ``consistency`` and ``inclusion``: the separate GetConsistencyProof, GetInclusionProof).
+#: ``consistency`` and ``inclusion``: the separate GetConsistencyProof, GetInclusionProof;
+#: ``_commit``: a batch of cosignatures and DP-ledger statements, :mod:`afl.server.groupcommit`).
 SERVER_METHODS = (
     ("afl.server.store", "Store", "append_log"),
     ("afl.server.transparency", "FederationLog", "checkpoint"),
@@ -72,6 +73,9 @@ SERVER_METHODS = (
     ("afl.server.transparency", "FederationLog", "entries"),
     ("afl.server.transparency", "FederationLog", "record_dp_release"),
     ("afl.server.transparency", "FederationLog", "record_opening"),
+    # The sites' cosignatures and DP-ledger statements commit in one transaction per batch (the
+    # steps above run inside it and count once, with the commit).
+    ("afl.server.groupcommit", "GroupCommit", "_commit"),
 )
 
 
