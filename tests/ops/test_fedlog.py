@@ -15,11 +15,8 @@ from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoi
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.lab.cli import main
 from afl.proto import wire
-from afl.server.config import load_config
-from afl.server.coordinator import Coordinator
-from afl.server.store import Store
 from tests.helpers.federation import FederationSpec
-from tests.helpers.inprocess import complete_round, enrol, site_key
+from tests.helpers.inprocess import complete_round, enrolled_coordinator, site_key
 
 SITES = ["p1", "p2", "p3"]
 FEDERATION = FederationSpec(
@@ -36,13 +33,9 @@ def test_a_reviewer_verifies_the_exported_log_offline(
     federation: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server_dir: Path = federation.server_dir  # type: ignore[attr-defined]
-    config = load_config(server_dir / "server.toml")
+    coordinator = enrolled_coordinator(federation, SITES)
+    config = coordinator.config
     key = signatures.load_private_key_pem((server_dir / "identity.key").read_bytes())
-    coordinator = Coordinator(
-        config, Store(config.state_dir, federation_id=config.federation_id), key
-    )
-    for site in SITES:
-        enrol(coordinator, federation, site)
     first = coordinator.log_checkpoint("p1")  # before the run: the enrolments
     for site in ("p1", "p2"):
         checkpoint = wire.checkpoint_from_proto(first.checkpoint).checkpoint
