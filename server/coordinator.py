@@ -56,7 +56,12 @@ from afl.server.errors import (
 )
 from afl.server.groupcommit import GroupCommit
 from afl.server.limits import held_calls
-from afl.server.modes.base import DECISION_JOURNAL_KIND, AggregationMode, RoundContext
+from afl.server.modes.base import (
+    DECISION_JOURNAL_KIND,
+    AggregationMode,
+    RoundContext,
+    require_upload_stage,
+)
 from afl.server.plan.release import PlannedRelease, RoundView
 from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
@@ -401,11 +406,7 @@ class Coordinator:
             checked = self._upload_allowed(view, site_id, upload)
             if isinstance(checked, pb.UploadReceipt):
                 return checked  # stored before: nothing to write
-            if view.stage not in mode.upload_stages:
-                raise WrongStageError(
-                    f"round {view.round_id!r} is {wire.stage_name(view.stage)}, not accepting "
-                    "uploads"
-                )
+            require_upload_stage(view, mode.upload_stages)
         mode.prepare_upload(
             site_id=site_id, release=checked, data=upload.data, sha256=upload.sha256
         )

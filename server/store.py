@@ -927,7 +927,7 @@ class Store:
         its fsync are the upload's slow part. Hand it to :meth:`put_upload` (``staged``) or to
         :meth:`discard_staged`; one a crash leaves behind is erased at the next start
         (:meth:`sweep_payloads`: no row names it). :class:`DiskFullError` when the disk is full."""
-        folder = self.state_dir / "payloads" / round_id / site_id
+        folder = self._payload_folder(round_id, site_id)
         name = f".{sha256.hex()}.{secrets.token_hex(8)}.staged"
         created = not folder.is_dir()
         staged = self._write_payload(folder, name, data)
@@ -936,6 +936,10 @@ class Store:
                 for parent in (folder.parent, folder.parent.parent):
                     fsync_dir(parent)
         return staged
+
+    def _payload_folder(self, round_id: str, site_id: str) -> Path:
+        """Where ``site_id``'s payload files of ``round_id`` are kept (and staged)."""
+        return self.state_dir / "payloads" / round_id / site_id
 
     def discard_staged(self, staged: Path) -> None:
         """Erase a staged payload file that no row will name (the upload was refused)."""
@@ -975,7 +979,7 @@ class Store:
         ``audit``, its ``upload`` audit record in the same transaction (one commit and one anchor
         write per upload, not two). :class:`DiskFullError` when the disk is full (nothing is
         committed)."""
-        folder = self.state_dir / "payloads" / round_id / site_id
+        folder = self._payload_folder(round_id, site_id)
         name = f"{sha256.hex()}.bin"
         path = self._write_payload(folder, name, data) if staged is None else folder / name
         relative = str(path.relative_to(self.state_dir))

@@ -33,6 +33,7 @@ from typing import Any
 
 from afl.client.daemon.transport import DaemonError, check_round_id
 from afl.core.dp.accounting import compose_mu, epsilon_from_mu
+from afl.crypto.identity.pki import fsync_dir
 
 __all__ = ["DpLedger", "LedgerEntry", "LedgerError", "LedgerSpend"]
 
@@ -197,8 +198,4 @@ class DpLedger:
             raise LedgerError(f"DP ledger entry {self.root / name} already exists") from exc
         finally:
             tmp.unlink()
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(self.root)

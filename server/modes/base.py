@@ -66,6 +66,7 @@ __all__ = [
     "decode_float64",
     "decoded_releases",
     "participant_round",
+    "require_upload_stage",
     "shaped",
 ]
 
@@ -273,6 +274,15 @@ def shaped(release: PlannedRelease, flat: NDArray[np.float64]) -> FloatArray:
     return np.asarray(flat, dtype=np.float64).reshape(release.shape)
 
 
+def require_upload_stage(view: RoundView, stages: tuple[int, ...]) -> None:
+    """:class:`WrongStageError` unless ``view``'s round is in one of ``stages`` (a mode's
+    ``upload_stages``)."""
+    if view.row.stage not in stages:
+        raise WrongStageError(
+            f"round {view.round_id!r} is {wire.stage_name(view.row.stage)}, not accepting uploads"
+        )
+
+
 def complete_sites(view: RoundView, ctx: RoundContext) -> list[str]:
     """Participants whose upload of every release they are a member of is stored."""
     uploaded = set(ctx.uploads(view.round_id))
@@ -325,11 +335,7 @@ class PlainUploadStage:
         return None
 
     def require_accepting(self, view: RoundView) -> None:
-        if view.row.stage not in self.upload_stages:
-            raise WrongStageError(
-                f"round {view.round_id!r} is {wire.stage_name(view.row.stage)}, not accepting "
-                "uploads"
-            )
+        require_upload_stage(view, self.upload_stages)
 
     def contributors(self, view: RoundView) -> tuple[str, ...]:
         return tuple(view.row.participants)
