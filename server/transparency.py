@@ -39,9 +39,11 @@ from afl.crypto.transparency.statements import (
     decode_statement,
     decrypting_signed_fields,
     dp_release_signed_fields,
+    opened_release_statement,
     opening_signed_fields,
     plan_statement,
 )
+from afl.crypto.transparency.statements import release_sha256 as release_sha256_of
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -201,30 +203,33 @@ class FederationLog:
         *,
         survivors_of: Callable[[str], Sequence[str]],
     ) -> int:
-        """Append ``site_id``'s `opening` statement once; its index (docs/protocol.md M-232).
-        It must name the caller, verify under the caller's enrolled identity key, name the
-        round's current plan (in the log), and state exactly that plan's releases over exactly
-        the round's survivors, ``survivors_of(round id)`` (a masked round's survivor list in its
+        """Append ``site_id``'s `opening` statement once, after the round's `opened-release`
+        statement (once per round); the opening's index (docs/protocol.md M-232). It must name
+        the caller, verify under the caller's enrolled identity key, name the round's current
+        plan (in the log), and sign the digest of exactly that plan's releases over exactly the
+        round's survivors, ``survivors_of(round id)`` (a masked round's survivor list in its
         consistency check and unmask stages, a CKKS round's participants in its upload stage;
         it raises :class:`WrongStageError` otherwise, or for a caller that is not a
         participant): a site adds to every site's audit only the release of a round it is
-        unmasking or uploading to, as it is."""
+        unmasking or uploading to, as it is. The release itself is the coordinator's to log,
+        built from the plan and the survivors; the opening carries only its digest."""
         fields = self._site_statement(
             site_id,
             statement,
             kind="opening",
-            fields=frozenset({"site", "plan_sha256", "mode", "release", "signature"}),
+            fields=frozenset(
+                {"site", "round_id", "plan_sha256", "mode", "release_sha256", "signature"}
+            ),
         )
-        release, digest, mode = fields["release"], fields["plan_sha256"], fields["mode"]
-        if (
-            not isinstance(release, dict)
-            or not isinstance(digest, str)
-            or not isinstance(mode, str)
-        ):
+        round_id, digest = fields["round_id"], fields["plan_sha256"]
+        mode, opened = fields["mode"], fields["release_sha256"]
+        if not all(isinstance(f, str) for f in (round_id, digest, mode, opened)):
             raise InvalidRequestError(
-                "an opening statement carries no release, plan digest or mode"
+                "an opening statement carries no round, plan digest, mode or release digest"
             )
-        plan_sha256 = _hex_digest(digest, "an opening's plan digest")
+        plan_sha256 = _hex_digest(str(digest), "an opening's plan digest")
+        release_sha256 = _hex_digest(str(opened), "an opening's release digest")
+        round_id, mode = str(round_id), str(mode)
         self._verify_site(
             site_id,
             fields["signature"],
@@ -232,15 +237,12 @@ class FederationLog:
             fields=opening_signed_fields(
                 federation=self.federation_id,
                 site=site_id,
+                round_id=round_id,
                 plan_sha256=plan_sha256,
                 mode=mode,
-                release=release,
+                release_sha256=release_sha256,
             ),
         )
-        survivors = release.get("survivors")
-        if not isinstance(survivors, list) or site_id not in survivors:
-            raise NotPermittedError(f"an opening of {site_id} does not list it among the survivors")
-        round_id = str(release.get("round_id", ""))
         planned = plan_statement(
             federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
         )
@@ -252,8 +254,8 @@ class FederationLog:
             or blob_sha256(row.plan) != plan_sha256
         ):
             raise WrongStageError(
-                f"the federation log holds no plan of round {round_id!r} with the digest the "
-                "opening names (or it is no longer the round's plan)"
+                f"the federation log holds no plan of round {round_id[:64]!r} with the digest "
+                "the opening names (or it is no longer the round's plan)"
             )
         plan = cpb.ReleasePlan.FromString(row.plan)
         try:
@@ -266,21 +268,25 @@ class FederationLog:
                 f"{planned_mode}"
             )
         actual = sorted(survivors_of(round_id))
-        stated = wire.release_statement_fields(
+        if site_id not in actual:
+            raise NotPermittedError(f"site {site_id} is not among round {round_id}'s survivors")
+        release = wire.release_statement_fields(
             round_id=plan.round_id,
             run_id=plan.run_id,
             survivors=actual,
             releases=[(r.name, r.kind, r.class_names, r.member_site_ids) for r in plan.releases],
         )
-        if release != stated:
+        if release_sha256_of(release) != release_sha256:
             raise NotPermittedError(
-                f"an opening of {site_id} misstates round {round_id}: its releases or survivors "
-                f"are not the plan's over the round's survivors {actual}"
+                f"an opening of {site_id} misstates round {round_id}: the release it signs is "
+                f"not the plan's releases over the round's survivors {actual}"
             )
-        found = self.store.log_index(leaf_hash(statement))
-        if found is not None:
-            return found
-        return self.store.append_log("opening", fields)
+        body = opened_release_statement(federation=self.federation_id, release=release)
+        with self.store.transaction():
+            if self.store.log_index(leaf_hash(body)) is None:
+                self.store.append_log("opened-release", release)
+            found = self.store.log_index(leaf_hash(statement))
+            return found if found is not None else self.store.append_log("opening", fields)
 
     def record_decrypting(
         self, site_id: str, statement: bytes, *, solving: Callable[[str], bytes]
@@ -431,8 +437,12 @@ class FederationLog:
 
 
 def _hex_digest(value: str, what: str) -> bytes:
-    """``value`` (a statement's hex field) as bytes; :class:`InvalidRequestError` naming ``what``."""
+    """``value`` (a statement's SHA-256 field) as bytes: 64 lower-case hex digits, the only
+    form a party signs and an audit matches; :class:`InvalidRequestError` naming ``what``."""
     try:
-        return bytes.fromhex(value)
+        digest = bytes.fromhex(value)
     except ValueError as exc:
         raise InvalidRequestError(f"{what} is not hex: {exc}") from exc
+    if len(digest) != 32 or digest.hex() != value:
+        raise InvalidRequestError(f"{what} is not a SHA-256 in lower-case hex")
+    return digest

@@ -5,12 +5,16 @@ sums over every participant (docs/protocol.md §11a, M-232).
 A coordinator that unmasks a round and then leaves its `release` statement out of the log (or
 aborts the round and says nothing) would hide that release from every site that did not help
 unmask it, and a later pair of plans over those sites could difference to one of them. So before
-a site sends its unmask shares it logs an `opening` statement (:func:`opening_of`): the round's
-release as the site knows it (round, run, the survivors it signed, every planned release, in the
-`release` statement's form) and the plan's SHA-256, signed with its identity key, before its
-consistency signature; at the unmask stage it waits, as for a plan (M-193), until the statement
-is in a checkpoint cosigned by a quorum of the roster (:class:`OpeningPublication`). No share
-leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
+a site sends its unmask shares it logs an `opening` statement (:func:`opening_of`): the SHA-256
+of the round's release as the site knows it (round, run, the survivors it signed, every planned
+release, in the `release` statement's form), the round and the plan's SHA-256, signed with its
+identity key, before its consistency signature. The release itself is an `opened-release`
+statement the coordinator logs once per round before the first opening (every party builds the
+same bytes from the same release), so a round's openings cost the log O(K) bytes, not O(K²),
+and every site that reads the log reads each release once. At the unmask stage the site waits,
+as for a plan (M-193), until the opening is in a checkpoint cosigned by a quorum of the roster,
+and then verifies that the same checkpoint holds the release (:class:`OpeningPublication`). No
+share leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
 quorum's view needs a colluding quorum. A CKKS site logs the same statement over every
 participant as its upload stage begins and sends its first ciphertext only once the statement is
 in such a checkpoint: the coordinator that has the round decrypted cannot hide it either.
@@ -48,8 +52,10 @@ from afl.crypto.transparency.statements import (
     OPENING_CONTEXT,
     OPENING_MODES,
     decrypting_signed_fields,
+    opened_release_statement,
     opening_signed_fields,
     opening_statement,
+    release_sha256,
 )
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
@@ -58,10 +64,12 @@ from afl.proto.v1 import coordinator_pb2 as pb
 __all__ = [
     "Opened",
     "OpeningPublication",
+    "OpeningStatements",
     "counted_releases",
     "never_decrypted",
     "opened_releases",
     "opening_of",
+    "signed_opening",
     "undecrypted_aborts",
     "witnessed_releases",
 ]
@@ -78,6 +86,14 @@ class Opened(NamedTuple):
     release: Mapping[str, Any]
 
 
+class OpeningStatements(NamedTuple):
+    """A site's opening of a round (:func:`opening_of`): its signed `opening` statement, and
+    the round's `opened-release` statement (the release whose digest it signs)."""
+
+    opening: bytes
+    release: bytes
+
+
 def opening_of(
     key: Ed25519PrivateKey,
     *,
@@ -86,25 +102,53 @@ def opening_of(
     plan: cpb.ReleasePlan,
     plan_sha256: bytes,
     survivors: Collection[str],
-) -> bytes:
+) -> OpeningStatements:
     """The `opening` statement of ``plan``'s round (a masked or CKKS round) over
-    ``survivors``, signed by the site's identity ``key`` (:class:`afl.proto.wire.WireError`
-    for another mode)."""
-    release, mode = release_fields(plan, survivors=survivors), wire.opening_mode(plan)
-    signature = sign_fields(
+    ``survivors``, signed by the site's identity ``key``, and the round's `opened-release`
+    statement (:class:`afl.proto.wire.WireError` for another mode)."""
+    release = release_fields(plan, survivors=survivors)
+    opening = signed_opening(
         key,
-        context=OPENING_CONTEXT,
-        fields=opening_signed_fields(
-            federation=federation, site=site, plan_sha256=plan_sha256, mode=mode, release=release
-        ),
+        federation=federation,
+        site=site,
+        round_id=plan.round_id,
+        plan_sha256=plan_sha256,
+        mode=wire.opening_mode(plan),
+        release_sha256=release_sha256(release),
+    )
+    return OpeningStatements(
+        opening, opened_release_statement(federation=federation, release=release)
+    )
+
+
+def signed_opening(
+    key: Ed25519PrivateKey,
+    *,
+    federation: str,
+    site: str,
+    round_id: str,
+    plan_sha256: bytes,
+    mode: str,
+    release_sha256: bytes,
+) -> bytes:
+    """The `opening` statement of these fields, signed by ``key`` (context
+    :data:`OPENING_CONTEXT`)."""
+    fields = opening_signed_fields(
+        federation=federation,
+        site=site,
+        round_id=round_id,
+        plan_sha256=plan_sha256,
+        mode=mode,
+        release_sha256=release_sha256,
     )
     return opening_statement(
         federation=federation,
         site=site,
+        round_id=round_id,
         plan_sha256=plan_sha256,
         mode=mode,
-        release=release,
-        signature=signature,
+        release_sha256=release_sha256,
+        signature=sign_fields(key, context=OPENING_CONTEXT, fields=fields),
     )
 
 
@@ -115,30 +159,43 @@ def opened_releases(
     keys: Mapping[str, Ed25519PublicKey],
     verified: set[str] | None = None,
 ) -> list[Opened]:
-    """Every `opening` statement of the log that is well formed (its release as
-    :func:`afl.client.policy.loghistory.logged_rounds` reads one), names a plan the log holds
-    (its round id and SHA-256), lists the site it names among the survivors, and verifies under
-    that site's key in ``keys`` (the roster): its signer, plan digest, mode and release.
-    ``verified``: the statements (their fields as canonical JSON, signature included) already
-    verified, skipped and extended (a daemon keeps one set, so each statement is verified
-    once)."""
+    """Every `opening` statement of the log that verifies under the key in ``keys`` (the
+    roster) of the site it names, names a plan the log holds (its round id and SHA-256), and
+    signs the digest of an `opened-release` statement of the log that is well formed (as
+    :func:`afl.client.policy.loghistory.logged_rounds` reads one), of that round, and lists
+    the site among its survivors: its signer, plan digest, mode and that release. An opening
+    whose release is not in the log counts nothing (an honest site sends nothing before both
+    are in a quorum-cosigned checkpoint). ``verified``: the openings (their fields as
+    canonical JSON, signature included) already verified, skipped and extended (a daemon
+    keeps one set, so each statement is verified once)."""
     plans = {(f.get("round_id"), f.get("plan_sha256")) for kind, f in statements if kind == "plan"}
+    bodies = {  # plain dicts: a witness's statements are read-only views
+        release_sha256(f).hex(): dict(f)
+        for kind, f in statements
+        if kind == "opened-release" and _well_formed(f)
+    }
     out: list[Opened] = []
     for kind, fields in statements:
         if kind != "opening":
             continue
-        site, release = fields.get("site"), fields.get("release")
+        site, round_id, opened = (
+            fields.get("site"),
+            fields.get("round_id"),
+            fields.get("release_sha256"),
+        )
         signature, digest = fields.get("signature"), fields.get("plan_sha256")
         mode = fields.get("mode")
         key = keys.get(site) if isinstance(site, str) else None
+        release = bodies.get(opened) if isinstance(opened, str) else None
         if (
             key is None
             or mode not in OPENING_MODES
-            or not isinstance(release, Mapping)
+            or release is None
             or not isinstance(signature, str)
             or not isinstance(digest, str)
-            or (release.get("round_id"), digest) not in plans
-            or not _well_formed(release)
+            or not isinstance(round_id, str)
+            or release.get("round_id") != round_id
+            or (round_id, digest) not in plans
             or site not in release["survivors"]
         ):
             continue
@@ -152,9 +209,10 @@ def opened_releases(
                     fields=opening_signed_fields(
                         federation=federation,
                         site=str(site),
+                        round_id=round_id,
                         plan_sha256=bytes.fromhex(digest),
                         mode=str(mode),
-                        release=release,
+                        release_sha256=bytes.fromhex(str(opened)),
                     ),
                 )
             except (CryptoError, ValueError):
@@ -269,11 +327,12 @@ class OpeningPublication:
     has checked the survivors, before its consistency signature leaves, so every survivor's
     opening is in the log once the coordinator has their signatures and opens the unmask stage;
     :meth:`wait`, at that stage and before any unmask share is computed, returns once the
-    statement is in a quorum-cosigned checkpoint (:class:`DaemonError` naming the cause when
-    it is not). Waiting there, every survivor cosigns the same checkpoint, the one holding all
-    their openings: a quorum gathers on it at once, where survivors waiting from the moment
-    each logged its own would cosign a checkpoint per opening, and those that found their
-    quorum early would stop cosigning before the last openings were in. In ``ckks`` the site
+    statement is in a quorum-cosigned checkpoint and the round's `opened-release` statement is
+    in that checkpoint too (:class:`DaemonError` naming the cause when either is not). Waiting
+    there, every survivor cosigns the same checkpoint, the one holding all their openings: a
+    quorum gathers on it at once, where survivors waiting from the moment each logged its own
+    would cosign a checkpoint per opening, and those that found their quorum early would stop
+    cosigning before the last openings were in. In ``ckks`` the site
     starts it over every participant as its upload stage begins (while it encrypts) and waits
     for it before its first statistic leaves (``withheld``: what is not sent until then)."""
 
@@ -292,12 +351,12 @@ class OpeningPublication:
         self.plan, self.plan_sha256 = plan, plan_sha256
         self.quorum_wait, self.withheld = quorum_wait, withheld
         self.what = f"this site's opening of round {plan.round_id}"
-        self.statement = b""
+        self.statements: OpeningStatements | None = None
         #: Set: the round ended meanwhile; a wait in progress returns at its next poll.
         self.stopped = threading.Event()
 
     def start(self, survivors: Collection[str]) -> None:
-        statement = opening_of(
+        statements = opening_of(
             self.key,
             federation=self.witness.federation_id,
             site=self.witness.site_id,
@@ -306,16 +365,25 @@ class OpeningPublication:
             survivors=survivors,
         )
         try:
-            self.call("RecordOpening", pb.Opening(statement=statement))
+            self.call("RecordOpening", pb.Opening(statement=statements.opening))
         except DaemonError as exc:
             raise DaemonError(
                 f"the coordinator did not log {self.what} ({exc}): {self.withheld}"
             ) from exc
-        self.statement = statement
+        self.statements = statements
 
     def wait(self) -> None:
-        if not self.statement:
+        if self.statements is None:
             raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
-        problem, _ = self.quorum_wait(statement=self.statement, what=self.what, stop=self.stopped)
-        if problem:
-            raise DaemonError(f"{problem}: {self.withheld}")
+        problem, found = self.quorum_wait(
+            statement=self.statements.opening, what=self.what, stop=self.stopped
+        )
+        if problem or found is None:
+            raise DaemonError(f"{problem or 'no checkpoint was answered'}: {self.withheld}")
+        try:  # the release it signs the digest of, in the same quorum-cosigned checkpoint
+            self.witness.prove_included(self.call, self.statements.release, found)
+        except DaemonError as exc:
+            raise DaemonError(
+                f"the release {self.what} signs is not in the log checkpoint of size "
+                f"{found.checkpoint.size} ({exc}): {self.withheld}"
+            ) from exc

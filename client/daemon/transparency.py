@@ -435,6 +435,28 @@ class LogWitness:
             root=bytes(answer.checkpoint.root),
         )
 
+    def prove_included(
+        self, call: Call, statement: bytes, answer: pb.CosignedLogCheckpoint
+    ) -> None:
+        """Ask for and verify the RFC 9162 inclusion proof of ``statement`` in the answer's
+        checkpoint (one this site verified, for instance its quorum); :class:`DaemonError`
+        naming the cause when the checkpoint does not hold it or the proof does not verify."""
+        size = int(answer.checkpoint.size)
+        proof: pb.LogProof = call(
+            "GetInclusionProof",
+            pb.InclusionProofRequest(leaf_hash=leaf_hash(statement), size=size),
+        )
+        try:
+            verify_inclusion(
+                leaf=leaf_hash(statement),
+                index=int(proof.index),
+                tree_size=size,
+                proof=list(proof.hashes),
+                root=bytes(answer.checkpoint.root),
+            )
+        except MerkleProofError as exc:
+            raise DaemonError(f"its inclusion proof does not verify: {exc}") from exc
+
     def plan_problem(
         self,
         call: Call,

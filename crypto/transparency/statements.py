@@ -32,9 +32,11 @@ __all__ = [
     "decrypting_statement",
     "dp_release_signed_fields",
     "dp_release_statement",
+    "opened_release_statement",
     "opening_signed_fields",
     "opening_statement",
     "plan_statement",
+    "release_sha256",
     "roster_digest",
     "roster_fields",
     "roster_statement",
@@ -54,7 +56,8 @@ KINDS = (
     "round-aborted",
     "roster",  # the provisioned roster: every site's identity key, and its digest (M-220)
     "dp-release",  # a site's ledger entry for a plan it uploads under, signed by the site
-    "opening",  # a site helps unmask a round's sums over these survivors, signed by the site
+    "opening",  # a site helps unmask a round's sums (its release's digest), signed by the site
+    "opened-release",  # the release an opening signs the digest of: once per round (M-232)
     "decrypting",  # the CKKS decryptor decrypts a round's sums, signed before it does (M-235)
 )
 
@@ -118,39 +121,64 @@ OPENING_CONTEXT = "opening"
 OPENING_MODES = ("mask", "ckks")
 
 
+def release_sha256(release: Mapping[str, object]) -> bytes:
+    """SHA-256 of a release's fields (the `release` statement's form: round, run, survivors,
+    every planned release) as JSON with sorted keys and no spaces: what an opening signs."""
+    return hashlib.sha256(_json(release).encode("utf-8")).digest()
+
+
 def opening_signed_fields(
-    *, federation: str, site: str, plan_sha256: bytes, mode: str, release: Mapping[str, object]
-) -> tuple[str, str, str, str, str]:
+    *,
+    federation: str,
+    site: str,
+    round_id: str,
+    plan_sha256: bytes,
+    mode: str,
+    release_sha256: bytes,
+) -> tuple[str, str, str, str, str, str]:
     """What a site signs (context :data:`OPENING_CONTEXT`) before it sends the unmask shares
-    of a masked round, or its first ciphertext of a CKKS round: (federation, site, SHA-256 of
-    the signed plan in hex, the round's aggregation ``mode`` (:data:`OPENING_MODES`), JSON of
-    the round's release as the site knows it, in the `release` statement's form: round, run,
-    the survivors, every planned release). Logged before any of it leaves, so every site's
+    of a masked round, or its first ciphertext of a CKKS round: (federation, site, round id,
+    SHA-256 of the signed plan in hex, the round's aggregation ``mode`` (:data:`OPENING_MODES`), the
+    :func:`release_sha256` of the round's release as the site knows it (round, run, the
+    survivors, every planned release), in hex). The release itself is logged once per round,
+    as an `opened-release` statement (:func:`opened_release_statement`), so a round's openings
+    add O(K) bytes to the log, not O(K²). Logged before any of it leaves, so every site's
     whole-history audit counts the release whatever the coordinator states of it."""
-    return (federation, site, plan_sha256.hex(), mode, _json(release))
+    return (federation, site, round_id, plan_sha256.hex(), mode, release_sha256.hex())
 
 
 def opening_statement(
     *,
     federation: str,
     site: str,
+    round_id: str,
     plan_sha256: bytes,
     mode: str,
-    release: Mapping[str, object],
+    release_sha256: bytes,
     signature: bytes,
 ) -> bytes:
-    """The `opening` entry: fields {site, plan_sha256 (hex), mode, release, signature (hex)}."""
+    """The `opening` entry: fields {site, round_id, plan_sha256 (hex), mode, release_sha256
+    (hex), signature (hex)}."""
     return statement_bytes(
         federation=federation,
         kind="opening",
         fields={
             "site": site,
+            "round_id": round_id,
             "plan_sha256": plan_sha256.hex(),
             "mode": mode,
-            "release": dict(release),
+            "release_sha256": release_sha256.hex(),
             "signature": signature.hex(),
         },
     )
+
+
+def opened_release_statement(*, federation: str, release: Mapping[str, object]) -> bytes:
+    """The `opened-release` entry: the release's fields themselves (whose
+    :func:`release_sha256` an opening signs). Every party that knows the release builds the
+    same bytes, so the log holds it once however many sites open the round; it is nobody's
+    word on its own (an opening gives it weight, by its digest)."""
+    return statement_bytes(federation=federation, kind="opened-release", fields=release)
 
 
 #: The signature context of the CKKS decryptor's `decrypting` statement (docs/protocol.md §11a,

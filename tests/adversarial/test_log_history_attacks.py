@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from afl.crypto.transparency.statements import decode_statement
+from afl.crypto.transparency.statements import decode_statement, release_sha256
 from afl.lab.demo.federation import LoopbackFederation
 from afl.server.store import Store
 from tests.adversarial import malicious_server, unopened_client
@@ -107,13 +107,12 @@ def _hidden(
     released = [f["round_id"] for kind, f in statements if kind == "release"]
     assert hidden.round_id not in released, statements
     openings = [
-        f
-        for kind, f in statements
-        if kind == "opening" and f["release"]["round_id"] == hidden.round_id
+        f for kind, f in statements if kind == "opening" and f["round_id"] == hidden.round_id
     ]
     assert sorted(str(f["site"]) for f in openings) == sorted(opened_by), statements
     stated = sorted(survivors or opened_by)
-    assert all(f["release"]["survivors"] == stated for f in openings), openings
+    bodies = {release_sha256(f).hex(): f for kind, f in statements if kind == "opened-release"}
+    assert all(bodies[str(f["release_sha256"])]["survivors"] == stated for f in openings), openings
     return store, hidden, taken, statements
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
@@ -22,6 +22,7 @@ from afl.client.daemon.opening import (
     never_decrypted,
     opened_releases,
     opening_of,
+    signed_opening,
     undecrypted_aborts,
     witnessed_releases,
 )
@@ -34,13 +35,14 @@ from afl.client.policy.loghistory import logged_rounds, release_fields, whole_hi
 from afl.crypto.identity.signatures import generate_identity_key, public_key_to_raw, sign_fields
 from afl.crypto.transparency.statements import (
     DECRYPTING_CONTEXT,
-    OPENING_CONTEXT,
     decode_statement,
     decrypting_signed_fields,
     decrypting_statement,
-    opening_signed_fields,
+    opened_release_statement,
     opening_statement,
     plan_statement,
+    release_sha256,
+    statement_bytes,
 )
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -132,10 +134,45 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
         assert done.wait(60)
     finally:
         waiter.join(timeout=60)
-    (kind, fields) = _statements(coordinator)[-1]
+    (body_kind, body), (kind, fields) = _statements(coordinator)[-2:]
+    release = release_fields(plan, survivors=SURVIVORS)
+    assert body_kind == "opened-release" and body == release  # logged once, before the opening
     assert kind == "opening" and fields["site"] == "site-1"
-    assert fields["release"] == release_fields(plan, survivors=SURVIVORS)
-    assert fields["plan_sha256"] == plan_sha.hex()
+    assert fields["release_sha256"] == release_sha256(release).hex()
+    assert fields["plan_sha256"] == plan_sha.hex() and fields["round_id"] == plan.round_id
+
+
+@pytest.mark.parametrize("release", ["never", "after-the-quorum"])
+def test_an_opening_whose_release_is_not_logged_gets_no_unmask_share(
+    tmp_path: Path, release: str
+) -> None:
+    """A coordinator that logs the site's opening but not the release whose digest it signs
+    (so no other site's audit could read what the round released), or logs that release only
+    after the checkpoint the quorum cosigned: the opening reaches a quorum's checkpoint, but the
+    wait fails naming the missing release, and nothing is sent."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    honest = coordinator.call
+
+    def without_release(what: str, request: Any) -> object:
+        if what == "RecordOpening":
+            _, fields = decode_statement(request.statement, federation=FED)
+            return pb.LogProof(index=coordinator.store.append_log("opening", fields))
+        if what == "GetInclusionProof" and release == "after-the-quorum":
+            body = release_fields(plan, survivors=SURVIVORS)
+            if "opened-release" not in [k for k, _ in _statements(coordinator)]:
+                coordinator.store.append_log("opened-release", body)
+        return honest(what, request)
+
+    witness = _witness(tmp_path, quorum=1)
+    publication = _publication(witness, without_release, plan, plan_sha)
+    publication.start(SURVIVORS)
+    with pytest.raises(DaemonError, match="the release this site's opening of round r1-open signs"):
+        publication.wait()
+    kinds = [k for k, _ in _statements(coordinator)]
+    assert kinds[-1 if release == "never" else -2] == "opening"
+    assert kinds.count("opened-release") == (0 if release == "never" else 1)
 
 
 def test_a_round_that_ended_stops_the_wait_for_the_opening_s_quorum(tmp_path: Path) -> None:
@@ -220,36 +257,34 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
             "federation": FED, "site": site, "plan": plan, "plan_sha256": plan_sha,
             "survivors": SURVIVORS,
         }  # fmt: skip
-        return opening_of(SITES[site], **{**args, **change})
+        return opening_of(SITES[site], **{**args, **change}).opening
 
     with pytest.raises(NotPermittedError, match="names site 'site-2', the caller is 'site-1'"):
         record("site-1", mine("site-2"))
+    digest = release_sha256(release_fields(plan, survivors=SURVIVORS))
     forged = opening_statement(
         federation=FED,
         site="site-1",
+        round_id=plan.round_id,
         plan_sha256=plan_sha,
         mode="mask",
-        release=release_fields(plan, survivors=SURVIVORS),
+        release_sha256=digest,
         signature=b"\1" * 64,
     )
     with pytest.raises(NotPermittedError, match="opening signature does not verify"):
         record("site-1", forged)
-    with pytest.raises(NotPermittedError, match="does not list it among the survivors"):
-        record("site-1", mine("site-1", survivors=("site-2", "site-3")))
-    release = release_fields(plan, survivors=SURVIVORS)  # signed, but in another mode
-    in_ckks = opening_statement(
+    with pytest.raises(NotPermittedError, match="site site-1 is not among round r1-open's survi"):
+        coordinator.log.record_opening(
+            "site-1", mine("site-1"), survivors_of=lambda r: ("site-2", "site-3")
+        )
+    in_ckks = signed_opening(  # signed, but in another mode
+        SITES["site-1"],
         federation=FED,
         site="site-1",
+        round_id=plan.round_id,
         plan_sha256=plan_sha,
         mode="ckks",
-        release=release,
-        signature=sign_fields(
-            SITES["site-1"],
-            context=OPENING_CONTEXT,
-            fields=opening_signed_fields(
-                federation=FED, site="site-1", plan_sha256=plan_sha, mode="ckks", release=release
-            ),
-        ),
+        release_sha256=digest,
     )
     with pytest.raises(NotPermittedError, match="states mode 'ckks'; round r1-open runs mask"):
         record("site-1", in_ckks)
@@ -258,9 +293,9 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
     other = cpb.ReleasePlan()
     other.CopyFrom(plan)
     other.releases[0].member_site_ids[:] = ["site-1", "site-2"]  # not the logged plan's members
-    with pytest.raises(NotPermittedError, match="misstates round r1-open: its releases"):
+    with pytest.raises(NotPermittedError, match="misstates round r1-open: the release it signs"):
         record("site-1", mine("site-1", plan=other))
-    for fewer in (("site-1",), ("site-1", "site-2")):  # not the round's survivors
+    for fewer in (("site-1",), ("site-1", "site-2"), ("site-2", "site-3")):  # not the survivors
         with pytest.raises(NotPermittedError, match="over the round's survivors"):
             record("site-1", mine("site-1", survivors=fewer))
 
@@ -271,10 +306,20 @@ def test_the_coordinator_appends_only_an_opening_its_caller_signed_over_a_logged
         coordinator.log.record_opening("site-1", mine("site-1"), survivors_of=not_masking)
     with pytest.raises(InvalidRequestError, match="not a well-formed opening"):
         record("site-1", _statements_bytes(coordinator)[0])  # the plan statement
+    _, honest = decode_statement(mine("site-1"), federation=FED)
+    for field in ("release_sha256", "plan_sha256"):  # one digest, one spelling: the signed one
+        for spelled in (str(honest[field]).upper(), f"{honest[field]}00"):
+            other_form = statement_bytes(
+                federation=FED, kind="opening", fields={**honest, field: spelled}
+            )
+            with pytest.raises(InvalidRequestError, match="not a SHA-256 in lower-case hex"):
+                record("site-1", other_form)
     size = coordinator.store.log_size()
     first = record("site-1", mine("site-1"))
-    assert record("site-1", mine("site-1")) == first == size  # appended once
-    assert coordinator.store.log_size() == size + 1
+    assert record("site-1", mine("site-1")) == first == size + 1  # appended once ...
+    assert record("site-2", mine("site-2")) == size + 2  # ... after the round's release, once
+    kinds = [k for k, _ in _statements(coordinator)][size:]
+    assert kinds == ["opened-release", "opening", "opening"]
 
 
 def _statements_bytes(service: LogService) -> list[bytes]:
@@ -286,39 +331,62 @@ def test_the_audit_counts_only_openings_that_verify_under_the_roster(tmp_path: P
     plan_sha = b"\3" * 32
     release = release_fields(plan, survivors=SURVIVORS)
 
-    def signed(key: Any, site: str, survivors: tuple[str, ...] = SURVIVORS) -> bytes:
-        return opening_of(
-            key, federation=FED, site=site, plan=plan, plan_sha256=plan_sha, survivors=survivors
+    def signed(key: Any, site: str, survivors: tuple[str, ...] = SURVIVORS) -> list[bytes]:
+        return list(
+            opening_of(
+                key, federation=FED, site=site, plan=plan, plan_sha256=plan_sha, survivors=survivors
+            )
         )
 
-    good = signed(SITES["site-2"], "site-2")
-    by_stranger = signed(generate_identity_key(), "site-3")
-    not_a_survivor = signed(SITES["site-1"], "site-1", ("site-2", "site-3"))
+    (good, body) = signed(SITES["site-2"], "site-2")
+    (by_stranger, _) = signed(generate_identity_key(), "site-3")
+    (not_a_survivor, other_body) = signed(SITES["site-1"], "site-1", ("site-2", "site-3"))
     planned = plan_statement(federation=FED, round_id=plan.round_id, plan_sha256=plan_sha)
     statements = [
-        decode_statement(s, federation=FED) for s in (planned, good, by_stranger, not_a_survivor)
+        decode_statement(s, federation=FED)
+        for s in (planned, body, other_body, good, by_stranger, not_a_survivor)
     ]
     keys = _witness(tmp_path).roster
     verified: set[str] = set()
-    opened = opened_releases(statements, federation=FED, keys=keys, verified=verified)
+    # as a witness reads them: read-only views of the fields
+    viewed = [(k, MappingProxyType(f)) for k, f in statements]
+    opened = opened_releases(viewed, federation=FED, keys=keys, verified=verified)
     assert opened == [Opened("site-2", plan_sha.hex(), "mask", release)] and len(verified) == 1
+    assert counted_releases(opened) == [release]  # over its survivors, whoever signed it ...
+    assert witnessed_releases(opened) == []  # ... but only site-2 of the three signed it
     # counted as a released round of the log (its survivors, its planned releases)
     (released,) = logged_rounds([("release", o.release) for o in opened])
     assert released.round_id == plan.round_id and tuple(released.contributors) == SURVIVORS
     # verified once: a statement that verified is not verified again ...
-    assert opened_releases(statements[:2], federation=FED, keys=keys, verified=verified) == opened
-    # ... which is the whole statement: the same signature over other survivors is not counted
-    kind, fields = statements[1]
-    forged = {**fields, "release": release_fields(plan, survivors=("site-2",))}
+    assert opened_releases(statements[:4], federation=FED, keys=keys, verified=verified) == opened
+    # ... which is the whole statement: the same signature over another release of the log (the
+    # one site-1 opened, over two survivors) is not counted
+    kind, fields = statements[3]
+    forged = {**fields, "release_sha256": release_sha256(statements[2][1]).hex()}
     copied = opened_releases(
-        [statements[0], (kind, forged)], federation=FED, keys=keys, verified=verified
+        [*statements[:3], (kind, forged)], federation=FED, keys=keys, verified=verified
     )
     assert copied == []
-    assert opened_releases(statements[:2], federation="fed-other", keys=keys) == []
-    # an opening of a plan the log does not hold, or malformed, is not counted
-    assert opened_releases(statements[1:2], federation=FED, keys=keys) == []
-    malformed = {**fields, "release": {**release, "round_id": None}}
-    assert opened_releases([statements[0], (kind, malformed)], federation=FED, keys=keys) == []
+    assert opened_releases(statements[:4], federation="fed-other", keys=keys) == []
+    # an opening of a plan the log does not hold, or whose release the log does not hold, or
+    # whose release is malformed or of another round, is not counted
+    assert opened_releases(statements[1:4], federation=FED, keys=keys) == []
+    assert opened_releases([statements[0], statements[3]], federation=FED, keys=keys) == []
+    # (each signed by site-2 itself over the digest of that release: only the checks of the
+    # release refuse them; a site may not pin its plan's round on another round's release)
+    for wrong in ({**release, "round_id": None}, {**release, "round_id": "r9-other"}):
+        fake = opened_release_statement(federation=FED, release=wrong)
+        opening = signed_opening(
+            SITES["site-2"],
+            federation=FED,
+            site="site-2",
+            round_id=plan.round_id,
+            plan_sha256=plan_sha,
+            mode="mask",
+            release_sha256=release_sha256(wrong),
+        )
+        log = [statements[0], *(decode_statement(e, federation=FED) for e in (fake, opening))]
+        assert opened_releases(log, federation=FED, keys=keys) == []
 
 
 def _plan_over(round_id: str, sites: tuple[str, ...]) -> cpb.ReleasePlan:
@@ -417,9 +485,10 @@ def test_a_quorum_on_the_first_checkpoint_that_holds_it_counts_after_the_log_gre
                 coordinator.publish_plan("r2-later", b"another plan")
         return coordinator.call(what, request)
 
+    assert publication.statements is not None
     problem, found = witness.quorum_problem(
         growing,
-        statement=publication.statement,
+        statement=publication.statements.opening,
         what="the opening",
         wait_s=60,
         poll_s=0.01,

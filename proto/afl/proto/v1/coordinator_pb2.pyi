@@ -2489,8 +2489,9 @@ class Opening(_message.Message):
 
     STATEMENT_FIELD_NUMBER: _builtins.int
     statement: _builtins.bytes
-    """The statement's canonical bytes (kind opening: site, plan digest, the release as the site
-    knows it, the site's signature). [visible: server; every site through the log]
+    """The statement's canonical bytes (kind opening: site, round, plan digest, mode, the digest
+    of the release as the site knows it, the site's signature; the coordinator logs the release
+    itself once per round, kind opened-release). [visible: server; every site through the log]
     """
     def __init__(
         self,
