@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import sqlite3
@@ -63,6 +64,11 @@ SCHEMA_VERSION = 2
 DB_NAME = "server.sqlite3"
 ANCHOR_NAME = "anchor.json"
 GENESIS = b"\x00" * 32
+
+log = logging.getLogger("afl.server.store")
+
+#: How long a connection of the store waits for another's lock (Python's sqlite3 default).
+_BUSY_TIMEOUT_MS = 5000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -336,6 +342,10 @@ class Store:
         # lock (committed_log_entries), opened at its first use.
         self._reader: sqlite3.Connection | None = None
         self._reader_lock = threading.Lock()
+        #: How long :meth:`scrub` waits for other connections' reads to end; whether the last
+        #: scrub could not empty the WAL (done again by :meth:`retry_erasures`).
+        self.scrub_wait_s = _BUSY_TIMEOUT_MS / 1000
+        self.scrub_pending = False
         self._federation_id, self._depth = federation_id, 0
         self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
         #: The log's committed size and recent cosigners, for held GetCheckpoint calls; what
@@ -1128,7 +1138,9 @@ class Store:
 
     def retry_erasures(self) -> int:
         """Hand the payload files the background eraser could not erase over again (the
-        retention tick, every minute); how many."""
+        retention tick, every minute); how many. A pending :meth:`scrub` is done again too."""
+        if self.scrub_pending and not self._depth:
+            self.scrub()
         return self._eraser.retry_failed() if self._eraser is not None else 0
 
     def drain_erasures(self, timeout_s: float | None = None) -> bool:
@@ -1136,16 +1148,32 @@ class Store:
         ``timeout_s``); whether they are (True without ``background_erase``)."""
         return self._eraser is None or self._eraser.drain(timeout_s)
 
-    def scrub(self) -> None:
+    def scrub(self) -> bool:
         """Leave no deleted row's bytes in the database files (M-175): ``secure_delete`` (on
         since open) zeroes freed cells; the WAL, which still holds the pages as they were, is
         checkpointed and truncated, and VACUUM rewrites the database without free pages. Runs
-        after every purge (outside any transaction)."""
+        after every purge (outside any transaction). Whether it is done: another process that
+        reads the state meanwhile (``afl-server status``) can keep the last checkpoint from
+        completing for longer than :attr:`scrub_wait_s`; then the scrub is pending, logged,
+        and done again at the next :meth:`retry_erasures` (the retention tick, every minute)."""
         assert not self._depth, "scrub runs after a purge's transaction, never inside one"
         with self._reader_lock:  # no read of committed_log_entries holds the WAL meanwhile
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.execute("VACUUM")
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.execute(f"PRAGMA busy_timeout = {int(self.scrub_wait_s * 1000)}")
+            try:  # VACUUM writes behind other connections' reads; the checkpoint waits for them
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self._db.execute("VACUUM")
+                busy = bool(self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0])
+            finally:
+                self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        if busy and not self.scrub_pending:
+            log.warning(
+                "%s: another connection kept the database's write-ahead log from being emptied "
+                "after a deletion (docs/protocol.md M-175); the scrub is done again within a "
+                "minute",
+                self.path,
+            )
+        self.scrub_pending = busy
+        return not busy
 
     def purge_site(self, site_id: str, *, by: str, reason: str) -> dict[str, object]:
         """Offboarding (docs/operations.md §10.1, M-176): delete everything the coordinator holds

@@ -366,6 +366,7 @@ def _offboard(config: ServerConfig, *, site: str, by: str, reason: str) -> int:
                 "stop the server, then offboard"
             )
         detail = store.purge_site(site, by=by, reason=reason)
+        pending = store.scrub_pending
     finally:
         store.close()
     counts = {key: len(detail[key]) for key in ("payloads", "messages", "reports")}  # type: ignore[arg-type]
@@ -376,6 +377,14 @@ def _offboard(config: ServerConfig, *, site: str, by: str, reason: str) -> int:
     )
     if site in config.sites:
         print(f"  next: remove [sites.{site}] from server.toml (and revoke its certificate)")
+    if pending:
+        print(
+            f"afl-server offboard: another process was reading {store.path}, so its "
+            "write-ahead log may still hold the deleted rows' bytes (M-175): stop it (afl-server "
+            f"status, a backup tool) and run `afl-server offboard --site {site}` again",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from afl.lab.demo.federation import free_port
 from afl.ops.provisioning import ProvisionedFederation
+from afl.server import store as store_module
 from afl.server.config import load_config
 from afl.server.daemon.main import _offboard
 from afl.server.errors import ConfigError
@@ -94,8 +96,37 @@ def test_a_retention_purge_leaves_no_message_bytes_either(store: Store) -> None:
     assert not wal.exists() or wal.stat().st_size == 0
 
 
+def test_a_scrub_another_reader_holds_up_is_done_again_once_the_reader_is_gone(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that reads the state (as `afl-server status` does) while a purge scrubs keeps
+    the WAL from being emptied: the scrub says so, stays pending, and the next retention tick
+    does it again once the read has ended: no deleted byte and an empty WAL."""
+    store.scrub_wait_s = 0.05  # the test's reader never lets go in time
+    reader = sqlite3.connect(store.path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM messages").fetchone()[0] > 0  # a snapshot
+        store.purge_site("s2", by="operator", reason="left")
+        assert store.scrub_pending
+        assert "kept the database's write-ahead log from being emptied" in caplog.text
+    finally:
+        reader.execute("COMMIT")
+        reader.close()
+    assert store.retry_erasures() == 0 and not store.scrub_pending
+    gone = _state_bytes(store.state_dir)
+    for what in ("message", "report"):
+        assert _marker("s2", what) not in gone and _marker("s1", what) in gone, what
+    wal = store.state_dir / "server.sqlite3-wal"
+    assert not wal.exists() or wal.stat().st_size == 0
+    assert store.scrub() and not store.scrub_pending  # nothing holds it now
+
+
 def test_the_offboard_command_refuses_a_running_server_and_an_unknown_site(
-    federation: ProvisionedFederation, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    federation: ProvisionedFederation,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = load_config(federation.server_dir / "server.toml")
     config = replace(config, listen=f"127.0.0.1:{free_port()}", state_dir=tmp_path / "state")
@@ -111,3 +142,16 @@ def test_the_offboard_command_refuses_a_running_server_and_an_unknown_site(
     assert _offboard(config, site="s2", by="operator", reason="test") == 0
     out = capsys.readouterr().out
     assert "site s2 offboarded by operator" in out and "enrolment and audit records stay" in out
+    # another process reading the state meanwhile: said, non-zero; run again once it is gone
+    monkeypatch.setattr(store_module, "_BUSY_TIMEOUT_MS", 50)
+    reader = sqlite3.connect(config.state_dir / "server.sqlite3", isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM audit_log").fetchone()
+        assert _offboard(config, site="s2", by="operator", reason="again") == 1
+    finally:
+        reader.execute("COMMIT")
+        reader.close()
+    err = capsys.readouterr().err
+    assert "may still hold the deleted rows' bytes" in err and "offboard --site s2` again" in err
+    assert _offboard(config, site="s2", by="operator", reason="again") == 0
