@@ -67,8 +67,11 @@ GENESIS = b"\x00" * 32
 
 log = logging.getLogger("afl.server.store")
 
-#: How long a connection of the store waits for another's lock (Python's sqlite3 default).
-_BUSY_TIMEOUT_MS = 5000
+#: How long a purge's scrub waits for other connections' reads to end (Python's sqlite3
+#: default busy timeout), and how long a retry of a pending one waits (it repeats each minute,
+#: under the coordinator's lock).
+SCRUB_WAIT_S = 5.0
+RETRY_SCRUB_WAIT_S = 0.2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -344,7 +347,7 @@ class Store:
         self._reader_lock = threading.Lock()
         #: How long :meth:`scrub` waits for other connections' reads to end; whether the last
         #: scrub could not empty the WAL (done again by :meth:`retry_erasures`).
-        self.scrub_wait_s = _BUSY_TIMEOUT_MS / 1000
+        self.scrub_wait_s = SCRUB_WAIT_S
         self.scrub_pending = False
         self._federation_id, self._depth = federation_id, 0
         self._tree = MerkleTree()  # the committed leaf hashes of the federation log, in order
@@ -1138,9 +1141,13 @@ class Store:
 
     def retry_erasures(self) -> int:
         """Hand the payload files the background eraser could not erase over again (the
-        retention tick, every minute); how many. A pending :meth:`scrub` is done again too."""
+        retention tick, every minute); how many. A pending :meth:`scrub` is finished too (its
+        last checkpoint only, waiting briefly: VACUUM's pages are already in the WAL)."""
         if self.scrub_pending and not self._depth:
-            self.scrub()
+            try:
+                self._finish_scrub(wait_s=RETRY_SCRUB_WAIT_S)
+            except sqlite3.Error as exc:  # a damaged database shows at its next transaction
+                log.warning("%s: a pending scrub failed again (%s)", self.path, exc)
         return self._eraser.retry_failed() if self._eraser is not None else 0
 
     def drain_erasures(self, timeout_s: float | None = None) -> bool:
@@ -1155,23 +1162,32 @@ class Store:
         after every purge (outside any transaction). Whether it is done: another process that
         reads the state meanwhile (``afl-server status``) can keep the last checkpoint from
         completing for longer than :attr:`scrub_wait_s`; then the scrub is pending, logged,
-        and done again at the next :meth:`retry_erasures` (the retention tick, every minute)."""
+        and finished at a later :meth:`retry_erasures` (the retention tick, every minute)."""
         assert not self._depth, "scrub runs after a purge's transaction, never inside one"
         with self._reader_lock:  # no read of committed_log_entries holds the WAL meanwhile
-            self._db.execute(f"PRAGMA busy_timeout = {int(self.scrub_wait_s * 1000)}")
-            try:  # VACUUM writes behind other connections' reads; the checkpoint waits for them
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                self._db.execute("VACUUM")
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")  # what it can, without waiting
+            self._db.execute("VACUUM")
+        return self._finish_scrub(wait_s=self.scrub_wait_s)
+
+    def _finish_scrub(self, *, wait_s: float) -> bool:
+        """A scrub's last step: the WAL checkpointed and truncated, waiting up to ``wait_s``
+        for other connections' reads; whether it is done (:attr:`scrub_pending` otherwise)."""
+        with self._reader_lock:
+            before = int(self._db.execute("PRAGMA busy_timeout").fetchone()[0])
+            self._db.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")
+            try:
                 busy = bool(self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0])
             finally:
-                self._db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+                self._db.execute(f"PRAGMA busy_timeout = {before}")
         if busy and not self.scrub_pending:
             log.warning(
                 "%s: another connection kept the database's write-ahead log from being emptied "
-                "after a deletion (docs/protocol.md M-175); the scrub is done again within a "
-                "minute",
+                "after a deletion (docs/protocol.md M-175); the scrub is finished within a "
+                "minute of that connection's read ending",
                 self.path,
             )
+        elif self.scrub_pending and not busy:
+            log.info("%s: the pending scrub is finished: the write-ahead log is empty", self.path)
         self.scrub_pending = busy
         return not busy
 

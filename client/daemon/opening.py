@@ -14,10 +14,11 @@ same bytes from the same release), so a round's openings cost the log O(K) bytes
 and every site that reads the log reads each release once. At the unmask stage the site waits,
 as for a plan (M-193), until the opening is in a checkpoint cosigned by a quorum of the roster,
 and then verifies that the same checkpoint holds the release (:class:`OpeningPublication`). No
-share leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from the
-quorum's view needs a colluding quorum. A CKKS site logs the same statement over every
-participant as its upload stage begins and sends its first ciphertext only once the statement is
-in such a checkpoint: the coordinator that has the round decrypted cannot hide it either.
+share leaves before; a coordinator that drops the statement unmasks nothing, and hiding it from
+the quorum's view needs a colluding quorum. A CKKS site logs the same statement over every
+participant as its upload stage begins and sends its first ciphertext only once the statement
+and the release are in such a checkpoint: the coordinator that has the round decrypted cannot
+hide it either.
 
 Every site's whole-history audit counts the releases of the openings in the log whose signature
 verifies under the roster key of the site they name (:func:`opened_releases`), whatever the
@@ -332,9 +333,9 @@ class OpeningPublication:
     there, every survivor cosigns the same checkpoint, the one holding all their openings: a
     quorum gathers on it at once, where survivors waiting from the moment each logged its own
     would cosign a checkpoint per opening, and those that found their quorum early would stop
-    cosigning before the last openings were in. In ``ckks`` the site
-    starts it over every participant as its upload stage begins (while it encrypts) and waits
-    for it before its first statistic leaves (``withheld``: what is not sent until then)."""
+    cosigning before the last openings were in. In ``ckks`` the site starts it over every
+    participant as its upload stage begins (while it encrypts) and waits for it before its
+    first statistic leaves (``withheld``: what is not sent until then)."""
 
     def __init__(
         self,

@@ -366,9 +366,10 @@ def _offboard(config: ServerConfig, *, site: str, by: str, reason: str) -> int:
                 "stop the server, then offboard"
             )
         detail = store.purge_site(site, by=by, reason=reason)
-        pending = store.scrub_pending
     finally:
         store.close()
+    wal = store.path.with_name(f"{store.path.name}-wal")  # closing may have emptied it after all
+    pending = store.scrub_pending and wal.is_file() and wal.stat().st_size > 0
     counts = {key: len(detail[key]) for key in ("payloads", "messages", "reports")}  # type: ignore[arg-type]
     print(
         f"site {site} offboarded by {by}: {counts['payloads']} payload file(s), "

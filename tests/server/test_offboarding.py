@@ -8,6 +8,7 @@ leaves no message bytes behind either. `afl-server offboard` refuses while the s
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import sqlite3
 from collections.abc import Iterator
@@ -103,6 +104,7 @@ def test_a_scrub_another_reader_holds_up_is_done_again_once_the_reader_is_gone(
     the WAL from being emptied: the scrub says so, stays pending, and the next retention tick
     does it again once the read has ended: no deleted byte and an empty WAL."""
     store.scrub_wait_s = 0.05  # the test's reader never lets go in time
+    caplog.set_level(logging.INFO, logger="afl.server.store")
     reader = sqlite3.connect(store.path, isolation_level=None)
     try:
         reader.execute("BEGIN")
@@ -113,11 +115,13 @@ def test_a_scrub_another_reader_holds_up_is_done_again_once_the_reader_is_gone(
     finally:
         reader.execute("COMMIT")
         reader.close()
+    wal = store.state_dir / "server.sqlite3-wal"
+    assert wal.stat().st_size > 0  # the pages VACUUM wrote, not yet checkpointed
     assert store.retry_erasures() == 0 and not store.scrub_pending
+    assert "the pending scrub is finished" in caplog.text
     gone = _state_bytes(store.state_dir)
     for what in ("message", "report"):
         assert _marker("s2", what) not in gone and _marker("s1", what) in gone, what
-    wal = store.state_dir / "server.sqlite3-wal"
     assert not wal.exists() or wal.stat().st_size == 0
     assert store.scrub() and not store.scrub_pending  # nothing holds it now
 
@@ -143,7 +147,7 @@ def test_the_offboard_command_refuses_a_running_server_and_an_unknown_site(
     out = capsys.readouterr().out
     assert "site s2 offboarded by operator" in out and "enrolment and audit records stay" in out
     # another process reading the state meanwhile: said, non-zero; run again once it is gone
-    monkeypatch.setattr(store_module, "_BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(store_module, "SCRUB_WAIT_S", 0.05)
     reader = sqlite3.connect(config.state_dir / "server.sqlite3", isolation_level=None)
     try:
         reader.execute("BEGIN")
