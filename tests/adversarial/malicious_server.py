@@ -451,7 +451,12 @@ def _split_view() -> None:
         """The forged checkpoint with the proofs the site asks for, in the forged log (they
         verify there: the attack is the two views, not a broken proof)."""
         if not forged_view(self, site_id):
-            return honest_checkpoint(self, site_id, request)
+            answer = honest_checkpoint(self, site_id, request)
+            # A held answer is computed afresh when it ends, perhaps after the plan was logged:
+            # a group site must not see the true checkpoint that holds it (it would cosign it
+            # and complete the honest sites' quorum), so it is answered the forged one instead.
+            if not forged_view(self, site_id):
+                return answer
         request = request or pb.CheckpointRequest()
         with self.lock:
             n = int(request.size) or self.store.log_size()
