@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -277,12 +278,14 @@ def _evaluation_attack(
     return loop, run_loopback(loop, timeout_s=240, server_command=command), loot
 
 
-def _refusal_reasons(loop: LoopbackFederation, run: LoopbackRun) -> list[tuple[str, str]]:
-    """(site, reason) of every refused evaluation plan, once every site took part in evaluation
-    rounds and none sent anything or received a result."""
+def _refusal_reasons(
+    loop: LoopbackFederation, run: LoopbackRun, *, undecided: Collection[str] = ()
+) -> list[tuple[str, str]]:
+    """(site, reason) of every refused evaluation plan, once every site but ``undecided`` took
+    part in evaluation rounds and none sent anything or received a result."""
     refusals = []
     for site, rounds in _evaluation_reports(loop, run).items():
-        assert rounds, site
+        assert rounds or site in undecided, site
         for report in rounds:
             assert report["bytes_sent"] == 0, (site, report)
             assert "files" not in report.get("evaluation", {}), (site, report)  # no result
@@ -316,9 +319,14 @@ def _nothing_evaluated(loop: LoopbackFederation, loot: Path) -> None:
 def test_an_evaluation_of_a_model_the_sites_did_not_verify_is_refused(tmp_path: Path) -> None:
     # min_participants = 1: after each refusal the coordinator re-plans with the others, so
     # every site gets to decide on the crafted model.
+    # (On a loaded machine two sites may refuse before the third decides: the run then ends,
+    # since an evaluation over one site would expose it, and that site, which completed the
+    # training round and was offered nothing else to decide, exits 0.)
     loop, run, loot = _evaluation_attack(tmp_path, "evaluate-unverified", 3, min_participants=1)
-    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED}, run.logs
-    refusals = _refusal_reasons(loop, run)
+    assert set(run.client_rcs.values()) <= {EXIT_REFUSED, EXIT_ABORTED, 0}, run.logs
+    undecided = [site for site, rc in run.client_rcs.items() if rc == 0]
+    assert len(undecided) <= 1, run.logs
+    refusals = _refusal_reasons(loop, run, undecided=undecided)
     assert len(refusals) >= 2, refusals
     assert all("which this site has not verified" in reason for _, reason in refusals), refusals
     _nothing_evaluated(loop, loot)
