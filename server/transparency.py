@@ -42,8 +42,8 @@ from afl.crypto.transparency.statements import (
     opened_release_statement,
     opening_signed_fields,
     plan_statement,
+    release_sha256,
 )
-from afl.crypto.transparency.statements import release_sha256 as release_sha256_of
 from afl.proto import wire
 from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
@@ -223,13 +223,17 @@ class FederationLog:
         )
         round_id, digest = fields["round_id"], fields["plan_sha256"]
         mode, opened = fields["mode"], fields["release_sha256"]
-        if not all(isinstance(f, str) for f in (round_id, digest, mode, opened)):
+        if (
+            not isinstance(round_id, str)
+            or not isinstance(digest, str)
+            or not isinstance(mode, str)
+            or not isinstance(opened, str)
+        ):
             raise InvalidRequestError(
                 "an opening statement carries no round, plan digest, mode or release digest"
             )
-        plan_sha256 = _hex_digest(str(digest), "an opening's plan digest")
-        release_sha256 = _hex_digest(str(opened), "an opening's release digest")
-        round_id, mode = str(round_id), str(mode)
+        plan_sha256 = _hex_digest(digest, "an opening's plan digest")
+        signed_release = _hex_digest(opened, "an opening's release digest")
         self._verify_site(
             site_id,
             fields["signature"],
@@ -240,7 +244,7 @@ class FederationLog:
                 round_id=round_id,
                 plan_sha256=plan_sha256,
                 mode=mode,
-                release_sha256=release_sha256,
+                release_sha256=signed_release,
             ),
         )
         planned = plan_statement(
@@ -276,7 +280,7 @@ class FederationLog:
             survivors=actual,
             releases=[(r.name, r.kind, r.class_names, r.member_site_ids) for r in plan.releases],
         )
-        if release_sha256_of(release) != release_sha256:
+        if release_sha256(release) != signed_release:
             raise NotPermittedError(
                 f"an opening of {site_id} misstates round {round_id}: the release it signs is "
                 f"not the plan's releases over the round's survivors {actual}"
