@@ -19,7 +19,11 @@ only the stage (:meth:`CoordinatorClient.await_stage` with ``stage_only``: the m
 barriers, inside a round whose status the site read when the wait began) returns without that
 call once the stream's newest event of the round shows the stage reached or the round aborted:
 the event carries the round's stage from the same authenticated coordinator, committed before it
-was announced, and a re-opened stream starts with no status. The waits whose answer the restore
+was announced, and a re-opened stream starts with no status. While the stream shows the round at
+an earlier stage than the one awaited, any stage wait reads ``GetStatus`` only as the safety net
+below (the stream announces the round's next stage), so K sites waiting at a barrier do not each
+read their status on every event; a wait that needs the status reads it once the stream shows
+the stage reached. The waits whose answer the restore
 check needs (M-142: the wait for a round, for the upload stage, and for the model, whose answer
 names the latest model) always read ``GetStatus``. Polling is the
 fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
@@ -162,6 +166,12 @@ class RoundWatcher:
         """Block until the next round event (or ``timeout``)."""
         self._event.wait(timeout)
         self._event.clear()
+
+    def shows(self, round_id: str) -> bool:
+        """Whether the open stream has announced an event of the round (so it announces the
+        round's next stage too)."""
+        latest = self.latest
+        return latest is not None and round_id in latest
 
     def reached(self, round_id: str, at_least: int) -> pb.RoundStatus | None:
         """The round's status in the open stream's newest event of it, if that shows the round
@@ -417,17 +427,29 @@ class CoordinatorClient:
         ``stage_only`` (the caller reads only the stage), as the stream's event of the stage gave
         it (module docstring), without the caller's own fields (its uploads, its decision)."""
         t = self.timing
-        start = time.monotonic()
+        start = read = time.monotonic()
         delay = t.poll_interval_s
         while True:
-            watcher = self.watcher if stage_only else None
-            r = watcher.reached(round_id, at_least) if watcher is not None else None
-            if r is None:
+            watcher = self.watcher
+            seen = watcher.reached(round_id, at_least) if watcher is not None else None
+            r: pb.RoundStatus | None = None
+            if seen is not None and stage_only:
+                r = seen
+            elif (
+                seen is None
+                and watcher is not None
+                and watcher.shows(round_id)  # at an earlier stage: the next one comes on it
+                and time.monotonic() - read < t.max_poll_interval_s  # else the safety net
+            ):
+                pass
+            else:  # no stream, no event of the round yet, or the stage reached (its fields)
                 r = self.status(round_id).round
-            if r.stage == pb.ROUND_STAGE_ABORTED:
-                raise RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
-            if r.stage >= at_least:
-                return r
+                read = time.monotonic()
+            if r is not None:
+                if r.stage == pb.ROUND_STAGE_ABORTED:
+                    raise RoundFailed(pb.CLIENT_OUTCOME_ABORTED, f"round aborted: {r.abort_reason}")
+                if r.stage >= at_least:
+                    return r
             if time.monotonic() - start > t.max_wait_s:
                 raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
             # Within a round the next stage is usually seconds away (the peers' work), so the

@@ -61,7 +61,12 @@ from afl.crypto.kdf import (
 from afl.crypto.masking import mask_input
 from afl.crypto.prg import SEED_BYTES
 from afl.crypto.secagg.config import RoundConfig
-from afl.crypto.secagg.graph import commitments_digest, derive_graph, graph_commitment, graph_seed
+from afl.crypto.secagg.graph import (
+    commitments_digest,
+    derive_neighbourhood,
+    graph_commitment,
+    graph_seed,
+)
 from afl.crypto.secagg.messages import (
     ADVERTISE_CONTEXT,
     CONSISTENCY_CONTEXT,
@@ -268,8 +273,9 @@ class SecAggClient:
             digest=self._digest,
             nonces={s: a.graph_nonce for s, a in adverts.items()},
         )
-        neighbours = derive_graph(self.config.cohort, degree=graph.degree, seed=seed)
-        self._neighbours = neighbours[self.site_id]
+        self._neighbours = derive_neighbourhood(
+            self.config.cohort, degree=graph.degree, seed=seed, site=self.site_id
+        )
 
     @property
     def neighbours(self) -> frozenset[str]:
@@ -499,18 +505,28 @@ class SecAggClient:
         return tuple(out)
 
     def _verify_consistency_signatures(self, request: UnmaskRequest) -> None:
+        """At least t distinct survivors signed the U3 this client signed (M-10). Every entry
+        must name a distinct survivor; signatures are verified in the request's order until t
+        verified (one that fails before then refuses the request), and any after the t-th are
+        neither verified nor counted: t valid ones are the guarantee, and a K-site round's
+        request carries up to K of them."""
         assert self._signed_u3 is not None
-        signers: set[str] = set()
+        t = self.config.t
         messages = consistency_messages(
             self.config,
-            site_ids=[item.site_id for item in request.signatures],
+            site_ids=[item.site_id for item in request.signatures[:t]],
             survivors=self._signed_u3,
         )  # the survivor list encoded once, not once per signature
-        for item, message in zip(request.signatures, messages, strict=True):
-            if item.site_id not in self._signed_u3 or item.site_id in signers:
+        named: set[str] = set()
+        signers: set[str] = set()
+        for position, item in enumerate(request.signatures):
+            if item.site_id not in self._signed_u3 or item.site_id in named:
                 raise self._refuse(f"signature from {item.site_id!r} is not a distinct survivor")
+            named.add(item.site_id)
+            if position >= t:
+                continue
             try:
-                verify(self._identities[item.site_id], item.signature, message)
+                verify(self._identities[item.site_id], item.signature, messages[position])
             except CryptoError:
                 raise self._refuse(
                     f"the consistency signature of {item.site_id!r} is not on the survivor "

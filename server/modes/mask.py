@@ -48,9 +48,10 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
+from google.protobuf.message import Message
 from numpy.typing import NDArray
 
 from afl.core.aggregation import AggregationError
@@ -103,7 +104,8 @@ from afl.server.solve.evaluation import count_bound
 __all__ = ["MASK_STAGES", "MaskMode", "MaskRequests", "MaskRound"]
 
 log = logging.getLogger("afl.server.mask")
-T = TypeVar("T")
+#: The answer of a MASK request: a protocol message.
+T = TypeVar("T", bound=Message)
 
 #: RoundStage values of the masked exchange, in order.
 MASK_STAGES = (
@@ -135,6 +137,10 @@ class MaskRound:
     journaled: dict[tuple[int, str], bytes] = field(default_factory=dict)
     #: Sparse graph: each participant's signed acceptance with its graph commitment.
     decisions: dict[str, pb.PlanDecision] = field(default_factory=dict)
+    #: The answers every participant gets alike (the graph commitments, the key directory, the
+    #: unmask request), each built and serialized once from the closed stage's state: a K-site
+    #: round asks for each K times, and each holds O(K) entries. Name -> (message type, bytes).
+    answers: dict[str, tuple[type[Message], bytes]] = field(default_factory=dict)
 
 
 class MaskMode:
@@ -621,10 +627,28 @@ class MaskRequests:
         return cpb.Ack(message="duplicate ignored" if retry else "received")
 
     def _get(
-        self, site: str, round_id: str, stage: int, body: Callable[[RoundView, MaskRound], T]
+        self,
+        site: str,
+        round_id: str,
+        stage: int,
+        body: Callable[[RoundView, MaskRound], T],
+        *,
+        shared: str = "",
     ) -> T:
+        """``body``'s answer to ``site`` once the round is in ``stage``. With ``shared`` (a name):
+        an answer that is the same for every participant, built and serialized on the first
+        request, then parsed afresh for each participant asking (after the same checks of the
+        caller), so no caller holds another's message."""
         with participant_round(self.access, site, round_id, advance_first=True) as view:
-            return body(view, self._mode(view).state(view, self.access.context, stage))
+            state = self._mode(view).state(view, self.access.context, stage)
+            if not shared:
+                return body(view, state)
+            cached = state.answers.get(shared)
+            if cached is None:  # what it is built from is fixed once the stage opens
+                built = body(view, state)
+                cached = state.answers[shared] = (type(built), built.SerializeToString())
+        kind, data = cached
+        return cast(T, kind.FromString(data))
 
     def graph_commitments(self, site: str, round_id: str) -> pb.GraphCommitments:
         def body(view: RoundView, state: MaskRound) -> pb.GraphCommitments:
@@ -644,7 +668,7 @@ class MaskRequests:
                 ],
             )
 
-        return self._get(site, round_id, pb.ROUND_STAGE_ADVERTISE_KEYS, body)
+        return self._get(site, round_id, pb.ROUND_STAGE_ADVERTISE_KEYS, body, shared="commitments")
 
     def advertise_keys(self, site: str, request: pb.AdvertiseKeysRequest) -> cpb.Ack:
         stage = pb.ROUND_STAGE_ADVERTISE_KEYS
@@ -655,7 +679,7 @@ class MaskRequests:
             assert state.directory is not None
             return wire.directory_to_proto(state.directory)
 
-        return self._get(site, round_id, pb.ROUND_STAGE_SHARE_KEYS, body)
+        return self._get(site, round_id, pb.ROUND_STAGE_SHARE_KEYS, body, shared="directory")
 
     def share_keys(self, site: str, request: pb.ShareKeysRequest) -> cpb.Ack:
         stage = pb.ROUND_STAGE_SHARE_KEYS
@@ -688,14 +712,14 @@ class MaskRequests:
                 round_id=view.round_id, survivors=request.survivors, signatures=request.signatures
             )
 
-        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body)
+        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body, shared="signatures")
 
     def unmask_request(self, site: str, round_id: str) -> pb.UnmaskRequest:
         def body(view: RoundView, state: MaskRound) -> pb.UnmaskRequest:
             assert state.unmask is not None
             return wire.unmask_request_to_proto(state.unmask)
 
-        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body)
+        return self._get(site, round_id, pb.ROUND_STAGE_UNMASK, body, shared="unmask")
 
     def unmask(self, site: str, request: pb.UnmaskResponse) -> cpb.Ack:
         stage = pb.ROUND_STAGE_UNMASK

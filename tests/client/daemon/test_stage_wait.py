@@ -1,12 +1,14 @@
 """A site's wait for a stage (afl.client.daemon.rpc): with the WatchRounds stream up, a wait that
 reads only the stage ends on the stream's event of that stage without another GetStatus; a wait
 that reads the caller's own fields asks GetStatus again; a stream that closes forgets what it
-showed; an abort announced on the stream ends the wait with its reason. The coordinator is a stub
+showed; an abort announced on the stream ends the wait with its reason; while the stream shows
+the round at an earlier stage, a stage-only wait reads GetStatus only as the safety net. The coordinator is a stub
 whose stream delivers the stage's event when the first GetStatus has been answered."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from typing import Any
 
@@ -154,6 +156,74 @@ def test_a_closed_stream_forgets_what_it_showed() -> None:
         assert watcher.reached("r1", pb.ROUND_STAGE_UNMASK) is None
     finally:
         client.close()
+
+
+class _Barrier(_Coordinator):
+    """A coordinator whose stream has announced the round at SHARE_KEYS before the wait; it
+    answers GetStatus with ``at`` and announces nothing more unless the test says so."""
+
+    def __init__(self, at: pb.RoundStatus) -> None:
+        super().__init__(at, then=at)
+        self.stream.queue.put(pb.RoundEvent(sequence=1, status=_status(pb.ROUND_STAGE_SHARE_KEYS)))
+
+    def GetStatus(self, request: Any, **kw: Any) -> pb.StatusResponse:
+        self.status_calls += 1
+        return pb.StatusResponse(enrolled=True, round=self.at)
+
+
+def _shown(client: rpc.CoordinatorClient) -> rpc.RoundWatcher:
+    watcher = client.watcher
+    assert watcher is not None
+    deadline = time.monotonic() + 30
+    while not watcher.shows("r1"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return watcher
+
+
+@pytest.mark.parametrize("stage_only", [True, False])
+def test_a_wait_on_a_round_the_stream_shows_reads_no_status_until_its_stage(
+    stage_only: bool,
+) -> None:
+    """K sites waiting at a barrier do not each read GetStatus on every event: the stream shows
+    the round, so its next stages arrive on it (the intermediate one included). A wait that needs
+    the status (not ``stage_only``) reads it once, when the stream shows the stage."""
+    stub = _Barrier(_status(pb.ROUND_STAGE_SHARE_KEYS))
+    client = _client(stub)
+    _shown(client)
+    later = [pb.ROUND_STAGE_UPLOAD, pb.ROUND_STAGE_CONSISTENCY_CHECK]
+
+    def announce() -> None:
+        for number, stage in enumerate(later, start=2):
+            time.sleep(0.2)
+            stub.at = _status(stage)  # committed, then announced
+            stub.stream.queue.put(pb.RoundEvent(sequence=number, status=_status(stage)))
+
+    thread = threading.Thread(target=announce)
+    thread.start()
+    try:
+        r = client.await_stage(
+            "r1", at_least=pb.ROUND_STAGE_CONSISTENCY_CHECK, stage_only=stage_only
+        )
+    finally:
+        thread.join()
+        client.close()
+    assert r.stage == pb.ROUND_STAGE_CONSISTENCY_CHECK
+    assert stub.status_calls == (0 if stage_only else 1)
+
+
+def test_a_stream_that_announces_nothing_more_is_backed_by_the_safety_net_poll() -> None:
+    stub = _Barrier(_status(pb.ROUND_STAGE_CONSISTENCY_CHECK))  # the stage's event never comes
+    timing = TimingConfig(poll_interval_s=0.01, max_poll_interval_s=0.2, max_wait_s=60.0)
+    client = rpc.CoordinatorClient(stub, site_id="s1", timing=timing, retry=RetryPolicy())
+    client.watch()
+    _shown(client)
+    try:
+        r = client.await_stage("r1", at_least=pb.ROUND_STAGE_CONSISTENCY_CHECK, stage_only=True)
+    finally:
+        client.close()
+    assert r.stage == pb.ROUND_STAGE_CONSISTENCY_CHECK
+    assert stub.status_calls == 1  # one read after max_poll_interval_s, none before
 
 
 class _StoppedMeanwhile:

@@ -21,6 +21,7 @@ from afl.crypto.errors import ProtocolError
 from afl.crypto.secagg.graph import (
     commitments_digest,
     derive_graph,
+    derive_neighbourhood,
     graph_commitment,
     graph_seed,
     harary_neighbours,
@@ -68,6 +69,25 @@ def test_property_harary_graph_is_k_regular_symmetric_and_k_connected(
     # k-connected: removing any k - 1 sites leaves the rest connected (a random such set).
     removed = data.draw(st.sets(st.sampled_from(cohort), max_size=k - 1))
     assert _connected(set(cohort) - removed, graph)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=_graphs(), data=st.data())
+def test_property_one_sites_neighbourhood_is_its_entry_in_the_whole_graph(
+    spec: tuple[list[str], int, bytes], data: st.DataObject
+) -> None:
+    cohort, k, seed = spec
+    site = data.draw(st.sampled_from(cohort))
+    graph = derive_graph(cohort, degree=k, seed=seed)
+    assert derive_neighbourhood(cohort, degree=k, seed=seed, site=site) == graph[site]
+
+
+def test_the_neighbourhood_of_a_site_outside_the_cohort_or_with_a_bad_degree_is_refused() -> None:
+    cohort = [f"s{i}" for i in range(8)]
+    with pytest.raises(ProtocolError, match="not in the cohort"):
+        derive_neighbourhood(cohort, degree=2, seed=bytes(32), site="s9")
+    with pytest.raises(ProtocolError, match="even degree"):
+        derive_neighbourhood(cohort, degree=3, seed=bytes(32), site="s1")
 
 
 def test_a_degree_outside_2_to_n_minus_2_or_odd_is_refused() -> None:

@@ -126,6 +126,31 @@ def test_too_few_consistency_signatures_are_refused() -> None:
         run.clients["site-02"].unmask(evil)
 
 
+def test_t_valid_consistency_signatures_suffice_and_a_repeated_or_outside_signer_is_refused() -> (
+    None
+):
+    """The client verifies t signatures (M-10) and no more: a bad signature after the t-th is
+    neither verified nor counted, so the unmask goes on; one among the first t refuses, and so
+    does a list naming a signer twice or a non-survivor, wherever it stands."""
+    run = _run_to_unmask(7)
+    t = run.fed.config.t
+    assert len(run.request.signatures) > t
+    sigs = run.request.signatures
+    tail_forged = replace(sigs[t], signature=bytes(64))
+    late = replace(run.request, signatures=(*sigs[:t], tail_forged, *sigs[t + 1 :]))
+    assert run.clients["site-00"].unmask(late).shares  # answered: t valid ones came first
+    early = replace(run.request, signatures=(*sigs[: t - 1], tail_forged, *sigs[t - 1 : t]))
+    with pytest.raises(UnmaskRefusedError, match="not on the survivor list"):
+        run.clients["site-01"].unmask(early)
+    repeated = replace(run.request, signatures=(*sigs, sigs[0]))
+    with pytest.raises(UnmaskRefusedError, match="not a distinct survivor"):
+        run.clients["site-02"].unmask(repeated)
+    stranger = replace(sigs[-1], site_id="site-99")
+    outside = replace(run.request, signatures=(*sigs, stranger))
+    with pytest.raises(UnmaskRefusedError, match="not a distinct survivor"):
+        run.clients["site-03"].unmask(outside)
+
+
 def test_dropped_list_must_be_u2_minus_u3() -> None:
     run = _run_to_unmask(5, silent=("site-04",))
     evil = replace(run.request, dropped=())  # hides a drop-out

@@ -335,3 +335,63 @@ def test_a_withheld_release_states_the_sums_the_coordinator_decoded() -> None:
     # ... and the round machine is told, so the federation log's release statement of the
     # aborted round names the decoded release over the sites in its sum (M-209).
     assert ctx.decoded == {"r1-x": {decoded_name: tuple(SITES[:3])}}
+
+
+class _Access:
+    """What MaskRequests uses of the coordinator: one round over SITES in UNMASK, whose mode
+    hands out ``state`` and counts how often the unmask request is built."""
+
+    def __init__(self, mode: MaskMode, view: RoundView) -> None:
+        import threading
+
+        self.lock = threading.Condition()
+        self.mode, self.view, self.context = mode, view, _Context()
+
+    def require_enrolled(self, site_id: str) -> None:
+        pass
+
+    def find(self, round_id: str) -> RoundView:
+        return self.view
+
+    def mode_of(self, view: RoundView) -> MaskMode:
+        return self.mode
+
+    def require_participant(self, view: RoundView, site_id: str) -> None:
+        if site_id not in view.row.participants:
+            raise NotPermittedError(f"{site_id} is not a participant")
+
+    def advance(self) -> None:
+        pass
+
+
+def test_an_answer_every_participant_gets_alike_is_built_once_and_each_caller_gets_its_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from afl.crypto.secagg.messages import ConsistencySignature, UnmaskRequest
+    from afl.server.modes.mask import MaskRequests, MaskRound
+
+    mode = _mode()
+    view = _view(_plan(mode), pb.ROUND_STAGE_UNMASK)
+    signed = tuple(ConsistencySignature("r1-x", s, bytes([i]) * 64) for i, s in enumerate(SITES))
+    state = MaskRound(server=cast(Any, None), lengths={}, expected=set(SITES))
+    state.unmask = UnmaskRequest("r1-x", SITES, (), ("gram",), signed)
+    monkeypatch.setattr(MaskMode, "state", lambda self, view, ctx, stage: state)
+    built: list[UnmaskRequest] = []
+    original = wire.unmask_request_to_proto
+
+    def counted(request: UnmaskRequest) -> pb.UnmaskRequest:
+        built.append(request)
+        return original(request)
+
+    monkeypatch.setattr(wire, "unmask_request_to_proto", counted)
+    requests = MaskRequests(cast(Any, _Access(mode, view)))
+
+    first = requests.unmask_request("site-1", "r1-x")
+    first.survivors.append("forged")  # one caller's copy: the next caller does not see it
+    second = requests.unmask_request("site-2", "r1-x")
+    assert len(built) == 1
+    assert list(second.survivors) == list(SITES)
+    assert [s.site_id for s in second.signatures] == list(SITES)
+    assert second == wire.unmask_request_to_proto(state.unmask)
+    with pytest.raises(NotPermittedError, match="not a participant"):  # checked every time
+        requests.unmask_request("site-9", "r1-x")
