@@ -129,14 +129,16 @@ def _check_degree(n: int, degree: int) -> int:
     return degree // 2
 
 
+def _around(order: Sequence[str], position: int, reach: int) -> frozenset[str]:
+    """The sites within ``reach`` ring positions of ``position`` on either side."""
+    n = len(order)
+    return frozenset(order[(position + j) % n] for j in range(-reach, reach + 1) if j)
+
+
 def harary_neighbours(order: Sequence[str], degree: int) -> dict[str, frozenset[str]]:
     """N(u) of H(n, k) on the ring ``order`` for every u (module docstring)."""
-    n = len(order)
-    reach = _check_degree(n, degree)
-    return {
-        site: frozenset(order[(p + j) % n] for j in range(-reach, reach + 1) if j)
-        for p, site in enumerate(order)
-    }
+    reach = _check_degree(len(order), degree)
+    return {site: _around(order, p, reach) for p, site in enumerate(order)}
 
 
 def derive_graph(cohort: Sequence[str], *, degree: int, seed: bytes) -> dict[str, frozenset[str]]:
@@ -150,10 +152,9 @@ def derive_neighbourhood(
     """N(``site``) alone: ``derive_graph(...)[site]`` in O(n + k) instead of O(n k) (a site
     needs only its own neighbours; every site still shuffles the whole ring)."""
     order = ring_order(cohort, seed)
-    n = len(order)
-    reach = _check_degree(n, degree)
+    reach = _check_degree(len(order), degree)
     try:
-        p = order.index(site)
+        position = order.index(site)
     except ValueError:
         raise ProtocolError(f"site {site!r} is not in the cohort") from None
-    return frozenset(order[(p + j) % n] for j in range(-reach, reach + 1) if j)
+    return _around(order, position, reach)
