@@ -14,22 +14,23 @@ once).
 
 Round changes reach the site by stream: :class:`RoundWatcher` keeps a ``WatchRounds``
 subscription open in a background thread (reconnecting with back-off) and wakes the waiting
-daemon on every event, which then reads its own status with ``GetStatus``. A wait that needs
-only the stage (:meth:`CoordinatorClient.await_stage` with ``stage_only``: the masked exchange's
-barriers, inside a round whose status the site read when the wait began) returns without that
-call once the stream's newest event of the round shows the stage reached or the round aborted:
-the event carries the round's stage from the same authenticated coordinator, committed before it
-was announced, and a re-opened stream starts with no status. While the stream shows the round at
-an earlier stage than the one awaited, any stage wait reads ``GetStatus`` only as the safety net
-below (the stream announces the round's next stage), so K sites waiting at a barrier do not each
-read their status on every event; a wait that needs the status reads it once the stream shows
-the stage reached. The waits whose answer the restore
-check needs (M-142: the wait for a round, for the upload stage, and for the model, whose answer
-names the latest model) always read ``GetStatus``. Polling is the
-fallback: while the stream is down (or the server does not offer it) the wait polls, starting at
-``poll_interval_s`` and growing by 1.5x per idle poll up to ``max_poll_interval_s``; while the
-stream is up a poll still happens every ``max_poll_interval_s`` as a safety net. Waits give up
-after ``max_wait_s`` (DaemonError), or, when ``lingering``, return None after ``linger_s``
+daemon on every event. A wait for a round (:meth:`CoordinatorClient.wait_for_round`) then reads
+its own status with ``GetStatus``. A wait for a stage (:meth:`CoordinatorClient.await_stage`)
+reads it only when it needs to: while the stream's newest event of the round shows an earlier
+stage than the one awaited, the stream announces the next one, so K sites waiting at a barrier
+do not each read their status on every event. Once the stream shows the stage reached (or the
+round aborted), a wait that needs only the stage (``stage_only``: the masked exchange's
+barriers, inside a round whose status the site read when the wait began) returns the event's
+status without a call: the event carries the round's stage from the same authenticated
+coordinator, committed before it was announced, and a re-opened stream starts with no status.
+The waits whose answer the restore check needs (M-142: the wait for a round, for the upload
+stage, and for the model, whose answer names the latest model) always return a ``GetStatus``
+answer, read once the stream shows the stage (or the round) reached. Polling is the fallback:
+while the stream is down, shows no event of the round yet (or the server does not offer it)
+the wait polls, starting at ``poll_interval_s`` and growing by 1.5x per idle poll up to
+``max_poll_interval_s``; while the stream is up a wait still reads ``GetStatus`` at least every
+``max_poll_interval_s`` as a safety net. Waits give up after ``max_wait_s`` (DaemonError), or,
+when ``lingering``, return None after ``linger_s``
 without a new round (a serving daemon waits for ever).
 """
 
@@ -353,10 +354,14 @@ class CoordinatorClient:
             self.observe(status)
         return status
 
-    def _pause(self, delay: float, *, cap: float | None = None) -> float:
-        """Wait for the next round event (stream up) or ``delay`` (polling); the next delay."""
+    def _pause(
+        self, delay: float, *, cap: float | None = None, until_poll_s: float | None = None
+    ) -> float:
+        """Wait for the next round event (stream up: at most ``until_poll_s``, by default
+        ``max_poll_interval_s``) or ``delay`` (polling); the next delay."""
         if self.watcher is not None and self.watcher.connected:
-            self.watcher.wait(self.timing.max_poll_interval_s)
+            wait_s = self.timing.max_poll_interval_s if until_poll_s is None else until_poll_s
+            self.watcher.wait(max(wait_s, 0.0))
             return delay
         time.sleep(delay)
         return min(delay * 1.5, self.timing.max_poll_interval_s if cap is None else cap)
@@ -433,17 +438,16 @@ class CoordinatorClient:
             watcher = self.watcher
             seen = watcher.reached(round_id, at_least) if watcher is not None else None
             r: pb.RoundStatus | None = None
-            if seen is not None and stage_only:
-                r = seen
-            elif (
+            waiting_on_stream = (
                 seen is None
                 and watcher is not None
                 and watcher.shows(round_id)  # at an earlier stage: the next one comes on it
                 and time.monotonic() - read < t.max_poll_interval_s  # else the safety net
-            ):
-                pass
-            else:  # no stream, no event of the round yet, or the stage reached (its fields)
-                r = self.status(round_id).round
+            )
+            if seen is not None and stage_only:
+                r = seen
+            elif not waiting_on_stream:  # no stream or event of the round yet, the stage
+                r = self.status(round_id).round  # reached (its fields), or the safety net
                 read = time.monotonic()
             if r is not None:
                 if r.stage == pb.ROUND_STAGE_ABORTED:
@@ -453,5 +457,10 @@ class CoordinatorClient:
             if time.monotonic() - start > t.max_wait_s:
                 raise DaemonError(f"round {round_id} did not reach stage {at_least} in time")
             # Within a round the next stage is usually seconds away (the peers' work), so the
-            # poll interval stays short instead of backing off to max_poll_interval_s.
-            delay = self._pause(delay, cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s))
+            # poll interval stays short instead of backing off to max_poll_interval_s; on the
+            # stream, the wait ends at the next event or when the safety net's read is due.
+            delay = self._pause(
+                delay,
+                cap=min(STAGE_POLL_CAP_S, t.max_poll_interval_s),
+                until_poll_s=t.max_poll_interval_s - (time.monotonic() - read),
+            )

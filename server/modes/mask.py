@@ -138,8 +138,9 @@ class MaskRound:
     #: Sparse graph: each participant's signed acceptance with its graph commitment.
     decisions: dict[str, pb.PlanDecision] = field(default_factory=dict)
     #: The answers every participant gets alike (the graph commitments, the key directory, the
-    #: unmask request), each built and serialized once from the closed stage's state: a K-site
-    #: round asks for each K times, and each holds O(K) entries. Name -> (message type, bytes).
+    #: survivors, the consistency signatures, the unmask request), each built and serialized
+    #: once from state that is fixed by then (the plan decisions, a closed stage): a K-site
+    #: round asks for most of them K times, each with O(K) entries. Name -> (type, bytes).
     answers: dict[str, tuple[type[Message], bytes]] = field(default_factory=dict)
 
 
@@ -698,7 +699,7 @@ class MaskRequests:
             assert state.survivors is not None
             return pb.SurvivorList(round_id=view.round_id, survivors=list(state.survivors))
 
-        return self._get(site, round_id, pb.ROUND_STAGE_CONSISTENCY_CHECK, body)
+        return self._get(site, round_id, pb.ROUND_STAGE_CONSISTENCY_CHECK, body, shared="survivors")
 
     def consistency_check(self, site: str, request: pb.ConsistencySignature) -> cpb.Ack:
         stage = pb.ROUND_STAGE_CONSISTENCY_CHECK

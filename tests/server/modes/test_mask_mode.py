@@ -367,31 +367,65 @@ class _Access:
 def test_an_answer_every_participant_gets_alike_is_built_once_and_each_caller_gets_its_own_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from afl.crypto.secagg.messages import ConsistencySignature, UnmaskRequest
+    """The graph commitments, key directory, survivors, consistency signatures and unmask
+    request: each built on the first request (a change to the round's state afterwards does
+    not show in later answers, so none is rebuilt), each caller's copy its own, and the caller
+    checked every time."""
+    from afl.crypto.secagg.messages import (
+        AdvertiseKeys,
+        ConsistencySignature,
+        KeyDirectory,
+        UnmaskRequest,
+    )
     from afl.server.modes.mask import MaskRequests, MaskRound
 
     mode = _mode()
     view = _view(_plan(mode), pb.ROUND_STAGE_UNMASK)
     signed = tuple(ConsistencySignature("r1-x", s, bytes([i]) * 64) for i, s in enumerate(SITES))
-    state = MaskRound(server=cast(Any, None), lengths={}, expected=set(SITES))
-    state.unmask = UnmaskRequest("r1-x", SITES, (), ("gram",), signed)
+    state = MaskRound(
+        server=cast(Any, SimpleNamespace(config=SimpleNamespace(graph=object()))),
+        lengths={},
+        expected=set(SITES),
+        directory=KeyDirectory(
+            "r1-x", tuple(AdvertiseKeys("r1-x", s, b"c" * 32, b"m" * 32, b"s" * 64) for s in SITES)
+        ),
+        survivors=SITES,
+        unmask=UnmaskRequest("r1-x", SITES, (), ("gram",), signed),
+        decisions={
+            s: pb.PlanDecision(plan_sha256=b"p" * 32, graph_commitment=b"g" * 32, signature=b"x")
+            for s in SITES
+        },
+    )
     monkeypatch.setattr(MaskMode, "state", lambda self, view, ctx, stage: state)
-    built: list[UnmaskRequest] = []
-    original = wire.unmask_request_to_proto
-
-    def counted(request: UnmaskRequest) -> pb.UnmaskRequest:
-        built.append(request)
-        return original(request)
-
-    monkeypatch.setattr(wire, "unmask_request_to_proto", counted)
     requests = MaskRequests(cast(Any, _Access(mode, view)))
-
-    first = requests.unmask_request("site-1", "r1-x")
-    first.survivors.append("forged")  # one caller's copy: the next caller does not see it
-    second = requests.unmask_request("site-2", "r1-x")
-    assert len(built) == 1
-    assert list(second.survivors) == list(SITES)
-    assert [s.site_id for s in second.signatures] == list(SITES)
-    assert second == wire.unmask_request_to_proto(state.unmask)
-    with pytest.raises(NotPermittedError, match="not a participant"):  # checked every time
-        requests.unmask_request("site-9", "r1-x")
+    getters: dict[str, Any] = {
+        "commitments": requests.graph_commitments,
+        "directory": requests.advertised_keys,
+        "survivors": requests.survivors,
+        "signatures": requests.consistency_signatures,
+        "unmask": requests.unmask_request,
+    }
+    first: dict[str, Any] = {name: get("site-1", "r1-x") for name, get in getters.items()}
+    assert sorted(state.answers) == sorted(getters)
+    assert state.directory is not None and state.unmask is not None
+    assert [c.site_id for c in first["commitments"].commitments] == list(SITES)
+    assert first["directory"] == wire.directory_to_proto(state.directory)
+    assert list(first["survivors"].survivors) == list(SITES)
+    assert [s.site_id for s in first["signatures"].signatures] == list(SITES)
+    assert first["unmask"] == wire.unmask_request_to_proto(state.unmask)
+    # The round's state changes (it never does once built: this shows nothing is rebuilt), and
+    # one caller alters its copy: the next caller gets what the first one got.
+    state.decisions.clear()
+    state.directory = KeyDirectory("r1-x", ())
+    state.survivors = ()
+    state.unmask = UnmaskRequest("r1-x", (), (), (), ())
+    first["unmask"].survivors.append("forged")
+    for name, get in getters.items():
+        again = get("site-2", "r1-x")
+        assert again is not first[name]
+        if name != "unmask":
+            assert again == first[name], name
+    assert list(getters["unmask"]("site-3", "r1-x").survivors) == list(SITES)
+    for get in getters.values():
+        with pytest.raises(NotPermittedError, match="not a participant"):  # checked every time
+            get("site-9", "r1-x")
