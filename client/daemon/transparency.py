@@ -427,11 +427,17 @@ class LogWitness:
                 f"the coordinator answered no inclusion proof in the log checkpoint of size "
                 f"{answer.checkpoint.size}"
             )
+        LogWitness._verify_proof(leaf, answer.inclusion, answer)
+
+    @staticmethod
+    def _verify_proof(leaf: bytes, proof: pb.LogProof, answer: pb.CosignedLogCheckpoint) -> None:
+        """RFC 9162: ``proof`` proves the statement with leaf hash ``leaf`` is in the answer's
+        checkpoint (:class:`MerkleProofError` otherwise)."""
         verify_inclusion(
             leaf=leaf,
-            index=int(answer.inclusion.index),
+            index=int(proof.index),
             tree_size=int(answer.checkpoint.size),
-            proof=list(answer.inclusion.hashes),
+            proof=list(proof.hashes),
             root=bytes(answer.checkpoint.root),
         )
 
@@ -441,19 +447,13 @@ class LogWitness:
         """Ask for and verify the RFC 9162 inclusion proof of ``statement`` in the answer's
         checkpoint (one this site verified, for instance its quorum); :class:`DaemonError`
         naming the cause when the checkpoint does not hold it or the proof does not verify."""
-        size = int(answer.checkpoint.size)
+        leaf = leaf_hash(statement)
         proof: pb.LogProof = call(
             "GetInclusionProof",
-            pb.InclusionProofRequest(leaf_hash=leaf_hash(statement), size=size),
+            pb.InclusionProofRequest(leaf_hash=leaf, size=int(answer.checkpoint.size)),
         )
         try:
-            verify_inclusion(
-                leaf=leaf_hash(statement),
-                index=int(proof.index),
-                tree_size=size,
-                proof=list(proof.hashes),
-                root=bytes(answer.checkpoint.root),
-            )
+            self._verify_proof(leaf, proof, answer)
         except MerkleProofError as exc:
             raise DaemonError(f"its inclusion proof does not verify: {exc}") from exc
 

@@ -140,10 +140,11 @@ def opening_signed_fields(
     of a masked round, or its first ciphertext of a CKKS round: (federation, site, round id,
     SHA-256 of the signed plan in hex, the round's aggregation ``mode``
     (:data:`OPENING_MODES`), the :func:`release_sha256` of the round's release as the site
-    knows it (round, run, the survivors, every planned release), in hex). The release itself is logged once per round,
-    as an `opened-release` statement (:func:`opened_release_statement`), so a round's openings
-    add O(K) bytes to the log, not O(K²). Logged before any of it leaves, so every site's
-    whole-history audit counts the release whatever the coordinator states of it."""
+    knows it (round, run, the survivors, every planned release), in hex). The release itself
+    is logged once per round, as an `opened-release` statement
+    (:func:`opened_release_statement`), so a round's openings add O(K) bytes to the log, not
+    O(K²). Logged before any of it leaves, so every site's whole-history audit counts the
+    release whatever the coordinator states of it."""
     return (federation, site, round_id, plan_sha256.hex(), mode, release_sha256.hex())
 
 
