@@ -67,7 +67,7 @@ from afl.server.reports import check_report
 from afl.server.rounds import RoundMachine
 from afl.server.solve.evaluation import EVALUATION_ROWS
 from afl.server.store import EnrolmentRow, Store
-from afl.server.transparency import FederationLog, cosigned_to_proto
+from afl.server.transparency import FederationLog, cosigned_to_proto, log_entry_to_proto
 
 __all__ = [
     "CHECKPOINT_HOLD_MAX_S",
@@ -715,7 +715,7 @@ class Coordinator:
             past and answer.checkpoint.size > past
         )
         if hold_s <= 0 or met or not (want or past) or not self._hold(site_id):
-            return answer
+            return self._with_entries(request, answer)
         try:
             self.store.log_changes.wait(
                 checkpoint=int(answer.checkpoint.size),
@@ -728,7 +728,19 @@ class Coordinator:
             with self._holding_lock:
                 self._holding.discard(site_id)
         with self.lock:
-            return self.log.answer(request)
+            answer = self.log.answer(request)
+        return self._with_entries(request, answer)
+
+    def _with_entries(
+        self, request: pb.CheckpointRequest, answer: pb.CosignedLogCheckpoint
+    ) -> pb.CosignedLogCheckpoint:
+        """``answer`` with the statements ``request`` asks for (``with_entries``): those from
+        ``entries_from`` up to the answered checkpoint's size, as :meth:`log_entries` serves
+        them (committed ones, read without the lock; at most one GetLogEntries answer's worth)."""
+        start, size = int(request.entries_from), int(answer.checkpoint.size)
+        if request.with_entries and start < size:
+            answer.entries.extend(log_entry_to_proto(row) for row in self.log.entries(start, size))
+        return answer
 
     def _hold(self, site_id: str) -> bool:
         """Take ``site_id``'s one held-GetCheckpoint slot (False: it holds one already, or the
@@ -755,12 +767,7 @@ class Coordinator:
     def log_entries(self, site_id: str, start: int, end: int) -> pb.LogEntries:
         self.require_enrolled(site_id)
         rows = self.log.entries(start, end)  # committed statements: read without the lock
-        return pb.LogEntries(
-            entries=[
-                pb.LogEntry(index=i, kind=kind, statement=entry, time_unix_ms=stamp)
-                for i, kind, entry, stamp in rows
-            ]
-        )
+        return pb.LogEntries(entries=[log_entry_to_proto(row) for row in rows])
 
     def log_dp_release(self, site_id: str, request: pb.DpRelease) -> pb.LogProof:
         """Append the caller's signed DP-ledger entry (docs/protocol.md M-195); its index."""

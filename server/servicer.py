@@ -402,11 +402,17 @@ class CoordinatorServicer(_Thin, coordinator_pb2_grpc.CoordinatorServicer):
     def ConsistencyCheck(
         self, request: pb.ConsistencySignature, context: grpc.ServicerContext
     ) -> Any:
-        return self._call(
-            "ConsistencyCheck",
-            context,
-            lambda s: self._mask.consistency_check(s, request),
-        )
+        def body(s: str) -> Any:
+            if request.opening:  # in the log first (M-232), as RecordOpening logs it
+                self.coordinator.log_opening(
+                    s,
+                    pb.Opening(statement=request.opening),
+                    survivors_of=lambda r: self._opening_survivors(s, r),
+                )
+                request.ClearField("opening")  # the round's record keeps the signature alone
+            return self._mask.consistency_check(s, request)
+
+        return self._call("ConsistencyCheck", context, body)
 
     def GetConsistencySignatures(
         self, request: common_pb2.RoundRef, context: grpc.ServicerContext

@@ -69,6 +69,7 @@ def cosigned_to_proto(
     *,
     consistency: Sequence[bytes] = (),
     inclusion: tuple[int, Sequence[bytes]] | None = None,
+    also_inclusion: tuple[int, Sequence[bytes]] | None = None,
 ) -> pb.CosignedLogCheckpoint:
     """The GetCheckpoint answer: ``found`` with the proofs asked for (none by default)."""
     answer = pb.CosignedLogCheckpoint(
@@ -78,7 +79,18 @@ def cosigned_to_proto(
     )
     if inclusion is not None:
         answer.inclusion.CopyFrom(pb.LogProof(index=inclusion[0], hashes=inclusion[1]))
+    if also_inclusion is not None:
+        answer.also_inclusion.CopyFrom(
+            pb.LogProof(index=also_inclusion[0], hashes=also_inclusion[1])
+        )
     return answer
+
+
+def log_entry_to_proto(row: tuple[int, str, bytes, int]) -> pb.LogEntry:
+    """One committed statement (:meth:`FederationLog.entries`' row) as GetLogEntries and a
+    checkpoint answer carry it."""
+    index, kind, statement, stamp = row
+    return pb.LogEntry(index=index, kind=kind, statement=statement, time_unix_ms=stamp)
 
 
 class FederationLog:
@@ -396,26 +408,29 @@ class FederationLog:
     def answer(self, request: pb.CheckpointRequest) -> pb.CosignedLogCheckpoint:
         """The GetCheckpoint answer to a witnessing site (one call per witnessing step): the
         newest checkpoint (``request.size`` 0) or that of ``request.size``, its cosignatures and
-        the proofs :meth:`proofs` gives for it. A newest checkpoint smaller than
+        the proofs :meth:`proofs` gives for it (for ``inclusion_leaf`` and ``also_leaf``). A
+        newest checkpoint smaller than
         ``consistency_from`` comes without a consistency proof (none exists; the site keeps the
         smaller checkpoint as evidence)."""
         size, since = int(request.size), int(request.consistency_from)
         found = self.cosigned(size) if size else self.checkpoint()
         signed_size = found.signed.checkpoint.size
-        consistency, inclusion = self.proofs(
+        consistency, (inclusion, also) = self.proofs(
             signed_size,
             consistency_from=since if size else min(since, signed_size),
-            inclusion_leaf=bytes(request.inclusion_leaf),
+            inclusion_leaves=(bytes(request.inclusion_leaf), bytes(request.also_leaf)),
         )
-        return cosigned_to_proto(found, consistency=consistency, inclusion=inclusion)
+        return cosigned_to_proto(
+            found, consistency=consistency, inclusion=inclusion, also_inclusion=also
+        )
 
     def proofs(
-        self, size: int, *, consistency_from: int, inclusion_leaf: bytes
-    ) -> tuple[list[bytes], tuple[int, list[bytes]] | None]:
+        self, size: int, *, consistency_from: int, inclusion_leaves: Sequence[bytes]
+    ) -> tuple[list[bytes], list[tuple[int, list[bytes]] | None]]:
         """What a witnessing site asks for with the checkpoint of ``size`` (it signed it): the
-        consistency proof from ``consistency_from`` (empty unless 0 < it < ``size``) and the
-        (index, PATH) of the statement with leaf hash ``inclusion_leaf`` in that tree (None
-        when none is asked for or the first ``size`` statements do not hold it).
+        consistency proof from ``consistency_from`` (empty unless 0 < it < ``size``) and, for
+        each of ``inclusion_leaves``, the (index, PATH) of the statement with that leaf hash in
+        that tree (None when the leaf is empty or the first ``size`` statements do not hold it).
         :class:`InvalidRequestError` naming both sizes when ``consistency_from`` > ``size``."""
         if consistency_from > size:
             raise InvalidRequestError(
@@ -426,10 +441,15 @@ class FederationLog:
         consistency = (
             tree.consistency_proof(consistency_from, size) if 0 < consistency_from < size else []
         )
-        index = self.store.log_index(inclusion_leaf) if inclusion_leaf else None
-        if index is None or index >= size:
-            return consistency, None
-        return consistency, (index, tree.inclusion_proof(index, size))
+        found: list[tuple[int, list[bytes]] | None] = []
+        for leaf in inclusion_leaves:
+            index = self.store.log_index(leaf) if leaf else None
+            found.append(
+                None
+                if index is None or index >= size
+                else (index, tree.inclusion_proof(index, size))
+            )
+        return consistency, found
 
     def entries(self, start: int, end: int) -> list[tuple[int, str, bytes, int]]:
         """Committed statements ``start`` <= index < ``end`` (at most :data:`MAX_ENTRIES`), read

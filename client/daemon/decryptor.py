@@ -560,6 +560,7 @@ class DecryptorDaemon:
             wait_s=t.upload_timeout_s,
             poll_s=min(t.poll_interval_s, QUORUM_POLL_S),
             max_poll_s=t.max_poll_interval_s,
+            with_entries=True,  # read below
         )
         if problem or checkpoint is None:
             raise DaemonError(f"{problem}: nothing decrypted")

@@ -157,6 +157,18 @@ class LogHistory(NamedTuple):
     signed: list[ReleasedRound]
 
 
+def witness_key(
+    r: pb.RoundStatus | None, latest_model_round_id: str, *, site_id: str
+) -> tuple[str, int, str]:
+    """What of a status answer a site's witnessing on it follows
+    (:meth:`ClientDaemon._observe`): the round, its stage (0 while ``site_id`` takes part in it
+    before its solve) and the latest model."""
+    if r is None:
+        return ("", 0, latest_model_round_id)
+    taking_part = site_id in r.participants and r.stage < pb.ROUND_STAGE_SOLVING
+    return (r.round_id, 0 if taking_part else int(r.stage), latest_model_round_id)
+
+
 class PlanLogCheck:
     """The federation log's check of the plan under review in ``cfg``
     (:meth:`ClientDaemon._plan_in_log`), started in a background thread before the site checks
@@ -436,6 +448,7 @@ class ClientDaemon:
         self.log_witness.restore_acknowledged(self.witness.acknowledged)
         self._witnessed_at = time.monotonic()  # the plan check witnesses the newest checkpoint
         wait_s, poll_s, max_poll_s = self._quorum_polling(stage_timeout_s)
+        audited = not self.config.policy.allow_exposure  # the statements come with the answer
         problem, checkpoint = self.log_witness.plan_problem(
             self.rpc.call,
             round_id=round_id,
@@ -444,8 +457,9 @@ class ClientDaemon:
             poll_s=poll_s,
             max_poll_s=max_poll_s,
             stop=stop,
+            with_entries=audited,
         )
-        if checkpoint is not None and not stop.is_set() and not self.config.policy.allow_exposure:
+        if checkpoint is not None and not stop.is_set() and audited:
             try:
                 self.log_witness.statements(self.rpc.call, checkpoint)
             except LogEvidence:
@@ -575,18 +589,17 @@ class ClientDaemon:
         # own steps witness (the plan check, the ledger statement, the release check after the
         # model), nobody's quorum waits on it meanwhile, and witnessing here would hold the
         # status answer the round waits for (a cosignature, an fsync and three RPCs at each
-        # barrier). After the round the published model is witnessed as usual.
+        # barrier). After the round the published model is witnessed as usual, but for the
+        # checkpoint the round's release check witnessed last: the status answers that show the
+        # round published (the key the check sets) are witnessed again after IDLE_WITNESS_S.
         if (
             r is not None
             and r.round_id == self._running_round
             and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         ):
             return
-        taking_part = (
-            r is not None and self.site_id in r.participants and r.stage < pb.ROUND_STAGE_SOLVING
-        )
-        seen = (r.round_id, 0 if taking_part else r.stage) if r is not None else ("", 0)
-        seen_key = (*seen, response.latest_model_round_id)
+        seen_key = witness_key(r, response.latest_model_round_id, site_id=self.site_id)
+        taking_part = r is not None and seen_key[1] == 0
         # Past its plan review, a participant's idle re-witnessing stops (it put a cosignature,
         # a commit at the coordinator and three RPCs on every site every few seconds of the
         # exchange). The one quorum wait inside a round, the survivors' openings (M-232), is
@@ -1028,6 +1041,9 @@ class ClientDaemon:
         finally:
             checked.join(raising=LogEvidence)  # a misstated statement stops the site, whatever
         checked.wait()  # else failed
+        if not candidate:  # the status answer that shows it published needs no step of its own
+            self._witnessed_key = witness_key(status, round_id, site_id=self.site_id)
+            self._witnessed_at = time.monotonic()
         timings["model"] = time.perf_counter() - t0
 
     def round_session(
@@ -1185,16 +1201,17 @@ class ClientDaemon:
 
     def _survivors_check(
         self, plan: cpb.ReleasePlan, *, covered: bool, opening: OpeningPublication | None = None
-    ) -> Callable[[Sequence[str]], None]:
+    ) -> Callable[[Sequence[str]], bytes]:
         """MASK: refuse (RoundFailed) when unmasking over the survivors would expose a site by
         differencing (:func:`afl.client.policy.plan.survivor_problem`), else record them in the
-        history and log the ``opening`` statement; all before this site signs them or
-        sends an unmask share. A refused survivor
+        history and return the ``opening`` statement that the consistency signature carries
+        (the coordinator logs it before it keeps the signature); all before this site signs
+        them or sends an unmask share. A refused survivor
         set is not recorded: with every honest survivor refusing, nothing is unmasked over it,
         and recording it would make every later plan over the planned members look like a
         difference."""
 
-        def check(survivors: Sequence[str]) -> None:
+        def check(survivors: Sequence[str]) -> bytes:
             problem = survivor_problem(
                 plan,
                 site_id=self.site_id,
@@ -1209,8 +1226,8 @@ class ClientDaemon:
                 raise RoundFailed(pb.CLIENT_OUTCOME_REFUSED_PLAN, problem)
             self.store.record_survivors(plan.round_id, survivors)
             self.store.record_unmasking(plan, survivors)  # for the whole-history audit
-            if opening is not None:  # every site's audit: in the log before the signature
-                opening.start(survivors)
+            # every site's audit: in the log before the signature is kept
+            return opening.carried(survivors) if opening is not None else b""
 
         return check
 
@@ -1318,6 +1335,10 @@ class ClientDaemon:
 
     def _finish(self, report: RoundReport, outcome: int, reason: str = "") -> int:
         """End the round: its report written (the one place) and sent; the exit code."""
+        try:  # the cosignature the round's release check kept (M-198), before the report
+            self.log_witness.flush(self.rpc.call)
+        except DaemonError as exc:
+            log.warning("site=%s could not send its log cosignature: %s", self.site_id, exc)
         name = pb.ClientOutcome.Name(outcome)  # type: ignore[arg-type]
         report.outcome = name.removeprefix("CLIENT_OUTCOME_")
         report.reason = reason

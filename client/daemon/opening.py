@@ -8,7 +8,8 @@ unmask it, and a later pair of plans over those sites could difference to one of
 a site sends its unmask shares it logs an `opening` statement (:func:`opening_of`): the SHA-256
 of the round's release as the site knows it (round, run, the survivors it signed, every planned
 release, in the `release` statement's form), the round and the plan's SHA-256, signed with its
-identity key, before its consistency signature. The release itself is an `opened-release`
+identity key, which its consistency signature carries (the coordinator logs it before it keeps
+the signature). The release itself is an `opened-release`
 statement the coordinator logs once per round before the first opening (every party builds the
 same bytes from the same release), so a round's openings cost the log O(K) bytes, not O(K²),
 and every site that reads the log reads each release once. At the unmask stage the site waits,
@@ -324,9 +325,10 @@ def _well_formed(release: Mapping[str, Any]) -> bool:
 
 
 class OpeningPublication:
-    """One round's opening (module docstring). In ``mask``, :meth:`start` logs it when the site
-    has checked the survivors, before its consistency signature leaves, so every survivor's
-    opening is in the log once the coordinator has their signatures and opens the unmask stage;
+    """One round's opening (module docstring). In ``mask``, the site's consistency signature
+    carries it (:meth:`carried`, once the site has checked the survivors), and the coordinator
+    logs it before it keeps the signature, so every survivor's opening is in the log once the
+    coordinator has their signatures and opens the unmask stage;
     :meth:`wait`, at that stage and before any unmask share is computed, returns once the
     statement is in a quorum-cosigned checkpoint and the round's `opened-release` statement is
     in that checkpoint too (:class:`DaemonError` naming the cause when either is not). Waiting
@@ -356,8 +358,15 @@ class OpeningPublication:
         #: Set: the round ended meanwhile; a wait in progress returns at its next poll.
         self.stopped = threading.Event()
 
-    def start(self, survivors: Collection[str]) -> None:
-        statements = opening_of(
+    def carried(self, survivors: Collection[str]) -> bytes:
+        """``mask``: the signed opening over ``survivors``, for the consistency signature to
+        carry (the coordinator logs it before it keeps the signature; :meth:`wait` then finds it
+        in the log, or names its absence)."""
+        self.statements = self._statements(survivors)
+        return self.statements.opening
+
+    def _statements(self, survivors: Collection[str]) -> OpeningStatements:
+        return opening_of(
             self.key,
             federation=self.witness.federation_id,
             site=self.witness.site_id,
@@ -365,6 +374,11 @@ class OpeningPublication:
             plan_sha256=self.plan_sha256,
             survivors=survivors,
         )
+
+    def start(self, survivors: Collection[str]) -> None:
+        """Log the opening over ``survivors`` (RecordOpening): ``ckks``, as the upload stage
+        begins."""
+        statements = self._statements(survivors)
         try:
             self.call("RecordOpening", pb.Opening(statement=statements.opening))
         except DaemonError as exc:
@@ -377,12 +391,15 @@ class OpeningPublication:
         if self.statements is None:
             raise DaemonError(f"no opening was logged for the survivors: {self.withheld}")
         problem, found = self.quorum_wait(
-            statement=self.statements.opening, what=self.what, stop=self.stopped
+            statement=self.statements.opening,
+            what=self.what,
+            stop=self.stopped,
+            also=self.statements.release,  # its inclusion proof comes with the answers
         )
         if problem or found is None:
             raise DaemonError(f"{problem or 'no checkpoint was answered'}: {self.withheld}")
         try:  # the release it signs the digest of, in the same quorum-cosigned checkpoint
-            self.witness.prove_included(self.call, self.statements.release, found)
+            self.witness.prove_included(self.call, self.statements.release, found, also=True)
         except DaemonError as exc:
             raise DaemonError(
                 f"the release {self.what} signs is not in the log checkpoint of size "

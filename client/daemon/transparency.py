@@ -30,10 +30,10 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -143,6 +143,15 @@ def _statement(entry: bytes, federation: str) -> tuple[str, Mapping[str, object]
     return kind, MappingProxyType(fields)
 
 
+class _Ask(NamedTuple):
+    """What a witnessing step asks the checkpoint's answer to carry besides the consistency
+    proof (:meth:`LogWitness.witness`)."""
+
+    inclusion_leaf: bytes = b""
+    also_leaf: bytes = b""
+    with_entries: bool = False
+
+
 class LogWitness:
     """The site's witness state and its plan rule (module docstring)."""
 
@@ -182,6 +191,8 @@ class LogWitness:
         #: Cosignatures on ``_verified_on`` that verified (with the key), for :meth:`quorum_on`.
         self._verified_on: Checkpoint | None = None
         self._verified: set[tuple[Cosignature, bytes]] = set()
+        #: This site's cosignature of ``last``, kept but not yet sent (:meth:`flush`).
+        self._unsent: pb.LogCosignature | None = None
         # The daemon logs a round's DP-ledger statement in a background thread while its main
         # thread may witness on a status answer: one witnessing step at a time (an RLock:
         # a step that witnesses calls back in).
@@ -234,7 +245,7 @@ class LogWitness:
                 {"reason": f"the coordinator's operator acknowledged restore {count}",
                  "last_cosigned": checkpoint_to_json(self.last)},
             )  # fmt: skip
-        self.acknowledged, self.last = count, None
+        self.acknowledged, self.last, self._unsent = count, None, None
         self._changes += 1
         self._save()
 
@@ -249,57 +260,64 @@ class LogWitness:
         call: Call,
         *,
         inclusion_leaf: bytes = b"",
+        also_leaf: bytes = b"",
         hold_s: float = 0.0,
         wait_cosignatures: int = 0,
         wait_grown_past: int = 0,
+        with_entries: bool = False,
     ) -> pb.CosignedLogCheckpoint:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
-        step 1); the answer, with the coordinator's cosignatures (and the inclusion proof of
-        the statement with leaf hash ``inclusion_leaf`` when the checkpoint holds it, for
-        :meth:`check_inclusion`). :class:`SplitViewDetected` when it does not extend it, after
-        the evidence is written. With ``hold_s`` the coordinator holds its answer up to that
-        long (at most :attr:`hold_max_s`) until the checkpoint has ``wait_cosignatures`` or the
-        log grew past ``wait_grown_past`` statements; the call is held outside this witness's
-        lock, and its answer is asked for again should another step cosign meanwhile."""
+        step 1); the answer, with the coordinator's cosignatures (and the inclusion proofs of
+        the statements with leaf hashes ``inclusion_leaf`` and ``also_leaf`` when the checkpoint
+        holds them, for :meth:`check_inclusion`). :class:`SplitViewDetected` when it does not
+        extend it, after the evidence is written. With ``hold_s`` the coordinator holds its
+        answer up to that long (at most :attr:`hold_max_s`) until the checkpoint has
+        ``wait_cosignatures`` or the log grew past ``wait_grown_past`` statements; the call is
+        held outside this witness's lock, and its answer is asked for again should another step
+        cosign meanwhile. ``with_entries``: the answer also carries the log's statements past
+        those this witness holds, which :meth:`statements` on that answer then reads instead
+        of GetLogEntries."""
+        ask = _Ask(inclusion_leaf, also_leaf, with_entries)
         if hold_s <= 0 or not (wait_cosignatures or wait_grown_past):
             with self._lock:
-                return self._witness(call, inclusion_leaf)
+                return self._witness(call, ask)
         with self._lock:
-            previous, changes = self.last, self._changes
-        held: pb.CosignedLogCheckpoint = call(
-            "GetCheckpoint",
-            self._request(
-                previous,
-                inclusion_leaf,
+            changes = self._changes
+            request = self._request(
+                ask,
                 wait_ms=max(1, int(min(hold_s, self.hold_max_s) * 1000)),
                 wait_cosignatures=wait_cosignatures,
                 wait_grown_past=wait_grown_past,
-            ),
-        )
+            )
+        held: pb.CosignedLogCheckpoint = call("GetCheckpoint", request)
         with self._lock:  # a step that cosigned (or a restore) meanwhile made the answer stale
-            return self._witness(call, inclusion_leaf, held if self._changes == changes else None)
+            return self._witness(call, ask, held if self._changes == changes else None)
 
-    @staticmethod
-    def _request(
-        previous: SignedCheckpoint | None, inclusion_leaf: bytes, **wait: int
-    ) -> pb.CheckpointRequest:
-        """One call: the checkpoint, the consistency proof from the last one this site cosigned
-        and the inclusion proof it waits for (docs/protocol.md §11a)."""
+    def _request(self, ask: _Ask, **wait: int) -> pb.CheckpointRequest:
+        """One call (under the lock): the checkpoint, the consistency proof from the last one
+        this site cosigned, the inclusion proofs ``ask`` names and, asked for, the log's
+        statements past those this witness holds (docs/protocol.md §11a)."""
         return pb.CheckpointRequest(
-            consistency_from=previous.checkpoint.size if previous is not None else 0,
-            inclusion_leaf=inclusion_leaf,
+            consistency_from=self.last.checkpoint.size if self.last is not None else 0,
+            inclusion_leaf=ask.inclusion_leaf,
+            also_leaf=ask.also_leaf,
+            with_entries=ask.with_entries,
+            entries_from=len(self._entries) if ask.with_entries else 0,
             **wait,
         )
 
     def _witness(
         self,
         call: Call,
-        inclusion_leaf: bytes,
+        ask: _Ask,
         answer: pb.CosignedLogCheckpoint | None = None,
+        *,
+        defer: bool = False,
     ) -> pb.CosignedLogCheckpoint:
+        self._flush(call)  # a deferred cosignature goes before any later step's
         previous = self.last
         if answer is None:
-            answer = call("GetCheckpoint", self._request(previous, inclusion_leaf))
+            answer = call("GetCheckpoint", self._request(ask))
         try:
             offered = wire.checkpoint_from_proto(answer.checkpoint)
         except wire.WireError as exc:
@@ -343,6 +361,9 @@ class LogWitness:
         self._changes += 1
         self._save()  # before the cosignature leaves
         mine = wire.cosignature_to_proto(cosignature)
+        if defer:  # sent by flush(), or before the next witnessing step
+            self._unsent = mine
+            return answer
         now: pb.CosignedLogCheckpoint = call("CosignCheckpoint", mine)
         if now.checkpoint == answer.checkpoint:  # the cosignatures it holds now: no extra poll
             del answer.cosignatures[:]
@@ -355,6 +376,18 @@ class LogWitness:
             offered.checkpoint.describe(),
         )
         return answer
+
+    def flush(self, call: Call) -> None:
+        """Send the cosignature a step deferred (:meth:`check_release`), if any; a failure to
+        send it raises (:class:`DaemonError`), and it is not sent again."""
+        with self._lock:
+            self._flush(call)
+
+    def _flush(self, call: Call) -> None:
+        mine, self._unsent = self._unsent, None
+        if mine is not None:
+            call("CosignCheckpoint", mine)
+            log.info("site=%s cosigned log checkpoint of size %d", self.site_id, mine.size)
 
     def quorum_on(self, answer: pb.CosignedLogCheckpoint) -> frozenset[str]:
         """A quorum of roster witnesses whose cosignature on the answer's checkpoint verifies
@@ -442,15 +475,21 @@ class LogWitness:
         )
 
     def prove_included(
-        self, call: Call, statement: bytes, answer: pb.CosignedLogCheckpoint
+        self, call: Call, statement: bytes, answer: pb.CosignedLogCheckpoint, *, also: bool = False
     ) -> None:
-        """Ask for and verify the RFC 9162 inclusion proof of ``statement`` in the answer's
-        checkpoint (one this site verified, for instance its quorum); :class:`DaemonError`
-        naming the cause when the checkpoint does not hold it or the proof does not verify."""
+        """Verify the RFC 9162 inclusion proof of ``statement`` in the answer's checkpoint (one
+        this site verified, for instance its quorum): with ``also``, the proof the answer
+        carries (``statement`` was the ``also`` of :meth:`quorum_problem`), else, or when it
+        carries none, one asked for with GetInclusionProof; :class:`DaemonError` naming the
+        cause when the checkpoint does not hold it or the proof does not verify."""
         leaf = leaf_hash(statement)
-        proof: pb.LogProof = call(
-            "GetInclusionProof",
-            pb.InclusionProofRequest(leaf_hash=leaf, size=int(answer.checkpoint.size)),
+        proof: pb.LogProof = (
+            answer.also_inclusion
+            if also and answer.HasField("also_inclusion")
+            else call(
+                "GetInclusionProof",
+                pb.InclusionProofRequest(leaf_hash=leaf, size=int(answer.checkpoint.size)),
+            )
         )
         try:
             self._verify_proof(leaf, proof, answer)
@@ -467,11 +506,13 @@ class LogWitness:
         poll_s: float,
         max_poll_s: float,
         stop: threading.Event | None = None,
+        with_entries: bool = False,
     ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why this site must not act on the plan ("" once its inclusion proof verifies in a
         checkpoint cosigned by a quorum of the roster; module docstring, steps 1-3), and that
         checkpoint (None until then). ``stop`` set ends the wait before the next witnessing
-        step (the site refused the plan meanwhile)."""
+        step (the site refused the plan meanwhile); ``with_entries``: as
+        :meth:`quorum_problem`'s."""
         statement = plan_statement(
             federation=self.federation_id, round_id=round_id, plan_sha256=plan_sha256
         )
@@ -483,6 +524,7 @@ class LogWitness:
             poll_s=poll_s,
             max_poll_s=max_poll_s,
             stop=stop,
+            with_entries=with_entries,
         )
 
     def quorum_problem(
@@ -495,6 +537,8 @@ class LogWitness:
         poll_s: float,
         max_poll_s: float,
         stop: threading.Event | None = None,
+        with_entries: bool = False,
+        also: bytes = b"",
     ) -> tuple[str, pb.CosignedLogCheckpoint | None]:
         """Why ``statement`` (``what``, for the message) is not yet in a checkpoint cosigned by
         a quorum of the roster ("" once it is, polling from ``poll_s`` up to ``wait_s``), and
@@ -505,7 +549,11 @@ class LogWitness:
         as it was polled before). The quorum may gather on the first checkpoint this wait found
         the statement in while the newest has fewer cosignatures (sites that found their quorum
         there stopped polling), so that one is asked for again when the newest lacks the
-        quorum."""
+        quorum. ``with_entries``: the first answer that holds the statement carries the log's
+        statements (:meth:`witness`), and so does the checkpoint returned, for the caller's
+        :meth:`statements` (those it lacks past them are fetched then). ``also``: a statement
+        whose inclusion proof every answer carries too (``also_inclusion``, as the checkpoint
+        returned does when it holds it), for the caller's :meth:`prove_included`."""
         leaf = leaf_hash(statement)
         deadline, delay, why = time.monotonic() + wait_s, poll_s, "before it began"
         held: pb.CosignedLogCheckpoint | None = None  # the first checkpoint that holds it
@@ -523,6 +571,8 @@ class LogWitness:
                 hold_s=hold_s,
                 wait_cosignatures=self.quorum,
                 wait_grown_past=seen,  # a newer checkpoint to cosign ends the hold too
+                with_entries=with_entries and held is None,
+                also_leaf=leaf_hash(also) if also else b"",
             )
             size = int(answer.checkpoint.size)
             try:
@@ -533,6 +583,10 @@ class LogWitness:
                 if found is not None:
                     if found.checkpoint != held.checkpoint:  # the newest: its own proof
                         self.check_inclusion(leaf, found)
+                    if found is not held:  # the statements the first answer carried
+                        found.entries.extend(held.entries)
+                    if found.checkpoint == held.checkpoint and not found.HasField("also_inclusion"):
+                        found.also_inclusion.CopyFrom(held.also_inclusion)  # asked for by size
                     return "", found
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:
                 why = str(exc)
@@ -593,8 +647,12 @@ class LogWitness:
         """Witness the newest checkpoint and check the log's `release` statement of ``plan``'s
         published round against the plan and the survivors this site signed
         (:func:`afl.client.policy.loghistory.logged_release_problem`, M-230);
-        :class:`LogEvidence` naming the difference and the evidence file otherwise."""
-        answer = self.witness(call)
+        :class:`LogEvidence` naming the difference and the evidence file otherwise. The site's
+        cosignature of that checkpoint (M-198: an export of the model finds it cosigned) is
+        kept, not sent: nothing of the check waits for it, and :meth:`flush` (after the round's
+        model is kept) or the next witnessing step sends it."""
+        with self._lock:
+            answer = self._witness(call, _Ask(with_entries=True), defer=True)
         problem = logged_release_problem(plan, self.statements(call, answer), survivors=survivors)
         if problem:
             path = self._evidence(
@@ -612,11 +670,12 @@ class LogWitness:
         self, call: Call, answer: pb.CosignedLogCheckpoint
     ) -> list[tuple[str, Mapping[str, object]]]:
         """(kind, fields) of every statement of the log at ``answer``'s checkpoint (one this site
-        witnessed), fetched with GetLogEntries (only those past the prefix it
-        verified before) and verified: the leaf hashes of ALL entries must give the
-        checkpoint's root, and each entry must be a statement of this federation
-        (:class:`DaemonError` otherwise, naming the cause). The fields are read-only views,
-        decoded once per entry (the same bytes decode the same)."""
+        witnessed): those past the prefix it verified before, taken from the answer (asked for
+        with :meth:`witness`'s ``with_entries``) and fetched with GetLogEntries where the answer
+        stops, and verified: the leaf hashes of ALL entries must give the checkpoint's root,
+        and each entry must be a statement of this federation (:class:`DaemonError`
+        otherwise, naming the cause). The fields are read-only views, decoded once per entry
+        (the same bytes decode the same)."""
         with self._lock:
             return self._statements(call, answer)
 
@@ -625,19 +684,17 @@ class LogWitness:
     ) -> list[tuple[str, Mapping[str, object]]]:
         size, root = int(answer.checkpoint.size), bytes(answer.checkpoint.root)
         new: list[bytes] = []  # past the verified prefix
+        # those the answer carries past that prefix (the witness that asked may since have
+        # verified some of them), then the rest with GetLogEntries
+        self._served(
+            [e for e in answer.entries if int(e.index) >= len(self._entries)], new, size=size
+        )
         while len(self._entries) + len(new) < size:
             start = len(self._entries) + len(new)
             got = list(call("GetLogEntries", pb.LogEntriesRequest(start=start, end=size)).entries)
             if not got:
                 raise DaemonError(f"the coordinator served no log entry from index {start}")
-            for entry in got:
-                at = len(self._entries) + len(new)
-                if int(entry.index) != at or at >= size:
-                    raise DaemonError(
-                        f"the coordinator served log entry {entry.index} where entry {at} of "
-                        f"{size} was asked for"
-                    )
-                new.append(bytes(entry.statement))
+            self._served(got, new, size=size)
         self._tree.extend(leaf_hash(e) for e in new)
         try:
             if self._tree.root(size) != root:
@@ -657,3 +714,15 @@ class LogWitness:
         self._entries.extend(new)
         self._decoded.extend(decoded)
         return self._decoded[:size]
+
+    def _served(self, served: Sequence[pb.LogEntry], new: list[bytes], *, size: int) -> None:
+        """Append the statements the coordinator ``served`` to ``new`` (those past the verified
+        prefix, before the checkpoint of ``size``), each at the index it must have."""
+        for entry in served:
+            at = len(self._entries) + len(new)
+            if int(entry.index) != at or at >= size:
+                raise DaemonError(
+                    f"the coordinator served log entry {entry.index} where entry {at} of "
+                    f"{size} was asked for"
+                )
+            new.append(bytes(entry.statement))

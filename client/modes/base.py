@@ -66,15 +66,17 @@ class RoundSession:
     #: MASK with a sparse graph: the nonce this site committed to when it accepted the plan.
     graph_nonce: bytes = b""
     #: MASK: called with the survivor list before this site signs it or sends an unmask share;
-    #: it records the survivors and raises to refuse (docs/protocol.md M-205).
-    survivors_check: Callable[[Sequence[str]], None] | None = None
+    #: it records the survivors and raises to refuse (docs/protocol.md M-205); it returns the
+    #: site's signed `opening` statement over them (M-232) that the consistency signature
+    #: carries (b"": none).
+    survivors_check: Callable[[Sequence[str]], bytes] | None = None
     #: Called before each upload of the site's statistics; it returns once the round's DP-ledger
     #: statement is in the federation log (docs/protocol.md M-195), which the daemon logs
     #: meanwhile, so messages without statistics (MASK's keys and shares) need not wait for it.
     before_statistics: Callable[[], None] | None = None
     #: MASK: called before this site's unmask shares are computed or sent; it returns once the
     #: site's `opening` statement of the round is in a quorum-cosigned checkpoint of the
-    #: federation log (docs/protocol.md M-232), which the daemon logs from the survivors check on.
+    #: federation log (docs/protocol.md M-232), which the consistency signature carried.
     before_unmask: Callable[[], None] | None = None
     #: CKKS: the decryptor's verified public context and its announcement, fetched ahead by the
     #: daemon (:class:`afl.client.modes.ckks.ContextPrefetch`); None: the exchange fetches it.

@@ -171,11 +171,15 @@ def _masked_input(session: RoundSession, client: SecAggClient, shared: Any) -> l
 
 def _consistency(session: RoundSession, client: SecAggClient, listed: Any) -> list[UploadRecord]:
     survivors = tuple(listed.survivors)
+    opening = b""  # the site's opening, logged by the coordinator before it keeps the signature
     if session.survivors_check is not None:  # before the signature and any unmask share
-        session.survivors_check(survivors)
+        opening = session.survivors_check(survivors)
     signed = client.consistency_check(ConsistencyRequest(session.round_id, survivors))
     message = pb.ConsistencySignature(
-        round_id=session.round_id, survivors=list(survivors), signature=signed.signature
+        round_id=session.round_id,
+        survivors=list(survivors),
+        signature=signed.signature,
+        opening=opening,
     )
     return [_send(session, "ConsistencyCheck", "mask/consistency-check", message)]
 

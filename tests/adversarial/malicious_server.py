@@ -54,8 +54,8 @@ members of the targeted release):
   round is decrypted (every release's sum kept in LOOT as ``<run>/<round>/<release>``), then
   aborted with no `release` statement; later runs are served honestly.
 * ``refuse-opening`` (any mode): the coordinator logs no `opening` statement (RecordOpening
-  is refused), so the openings every site logs before its statistics (ckks) or unmask shares
-  (mask) never reach the log.
+  is refused, and so is a consistency signature that carries one), so the openings every site
+  logs before its statistics (ckks) or unmask shares (mask) never reach the log.
 * ``fake-release`` (mask): once run-1's round is published, the coordinator also logs a
   `release` statement of a round that never existed (run-0), stating run-1's releases over
   the last site alone: every later audit would count that site's statistics as exposed before,
@@ -784,6 +784,7 @@ def main() -> int:
         _accepted_for_them("run-3")
     if attack == "refuse-opening":
         _record_decryptions(loot)
+        _record_unmasked(loot)
         _refuse_opening()
     if attack == "drop-at-upload":
         _drop_at_upload(loot)

@@ -22,9 +22,10 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
 8. ``weaken-graph``: a sparse masking graph of degree 2 and neighbourhood threshold 2 in the
    signed plan (each site recomputes its failure probability with its own colluder bound and
    refuses before sending anything).
-9. ``refuse-opening`` (ckks): the coordinator logs no site's `opening` statement, which would
-   let it hide the round's release from every other site's audit (M-232): no site sends a
-   statistic, so nothing is decrypted.
+9. ``refuse-opening`` (ckks, mask): the coordinator logs no site's `opening` statement, which
+   would let it hide the round's release from every other site's audit (M-232): in ckks no site
+   sends a statistic, so nothing is decrypted; in mask no consistency signature is kept (each
+   carries its site's opening), so no site sends an unmask share and nothing is unmasked.
 """
 
 from __future__ import annotations
@@ -148,6 +149,29 @@ def test_a_ckks_round_whose_openings_are_not_logged_sends_no_statistic(tmp_path:
         ), log[-3000:]
     assert _loot(loot) == {}  # nothing was decrypted
     _no_model_and_no_uploads_kept(loop, uploads=False)
+
+
+def test_a_masked_round_whose_openings_are_not_logged_unmasks_nothing(tmp_path: Path) -> None:
+    feats, _ = DATA.draw(3)
+    loop = _prepare(tmp_path, 3, mask_round_settings(feats))
+    loot = tmp_path / "loot.json"
+    command = malicious_server.command("refuse-opening", loot)
+    run = run_loopback(loop, timeout_s=240, server_command=command)
+    assert 0 not in run.client_rcs.values(), run.client_rcs
+    for site in loop.site_ids:
+        log = run.logs[site].read_text()
+        assert "ConsistencyCheck" in log and "logs no openings" in log, log[-3000:]
+        for report in run.reports[site].values():
+            assert "model" not in report
+            assert not report["timings_s"].get("mask_unmask"), report  # no unmask share left
+    assert _loot(loot) == {}  # nothing was unmasked
+    _no_model_and_no_uploads_kept(loop, uploads=True)
+    store = _store(loop)
+    try:
+        kinds = [kind for _, kind, _, _ in store.log_entries(0, store.log_size())]
+        assert "opening" not in kinds and "release" not in kinds, kinds
+    finally:
+        store.close()
 
 
 def test_a_ckks_round_the_log_records_as_aborted_is_not_decrypted_afterwards(

@@ -84,7 +84,8 @@ class LogService:
         self.survivors_of: Callable[[str], Sequence[str]] = _no_masked_round
         #: The plan digest of a CKKS round its decryptor may decrypt (RecordDecrypting checks it).
         self.solving: Callable[[str], bytes] = _not_solving
-        #: Rewrites each GetLogEntries answer (a coordinator that serves other statements).
+        #: Rewrites each GetLogEntries answer, and the statements a checkpoint answer carries
+        #: (a coordinator that serves other statements).
         self.serve_entries: Callable[[pb.LogEntries], pb.LogEntries] = lambda answer: answer
 
     def enrol(self, site_id: str, identity_public_key: bytes, *, role: str = "participant") -> None:
@@ -113,11 +114,22 @@ class LogService:
         fields = release_fields(cpb.ReleasePlan.FromString(plan), survivors=survivors)
         self.store.append_log("release", {**fields, "round_id": round_id, "run_id": "run-1"})
 
+    def _entries(self, start: int, end: int) -> pb.LogEntries:
+        rows = self.log.entries(start, end)
+        answer = pb.LogEntries(
+            entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
+        )
+        return self.serve_entries(answer)
+
     def call(self, what: str, request: Any) -> Any:
         if what == "GetCheckpoint":
             if self.offer is not None:
                 return self.offer(request)
-            return self.log.answer(request)
+            answer = self.log.answer(request)
+            if request.with_entries:  # as the coordinator adds them (served as GetLogEntries')
+                start, size = int(request.entries_from), int(answer.checkpoint.size)
+                answer.entries.extend(self._entries(start, size).entries if start < size else [])
+            return answer
         if what == "GetConsistencyProof":
             return pb.LogProof(hashes=self.log.consistency(request.old_size, request.new_size))
         if what == "GetInclusionProof":
@@ -129,11 +141,7 @@ class LogService:
                 raise DaemonError(str(exc)) from exc
             return pb.LogProof(index=index, hashes=path)
         if what == "GetLogEntries":
-            rows = self.log.entries(int(request.start), int(request.end))
-            answer = pb.LogEntries(
-                entries=[pb.LogEntry(index=i, kind=k, statement=e) for i, k, e, _ in rows]
-            )
-            return self.serve_entries(answer)
+            return self._entries(int(request.start), int(request.end))
         if what == "CosignCheckpoint":
             self.on_cosign(request)
             found = self.log.cosign(

@@ -477,10 +477,11 @@ def test_a_plaintext_upload_no_dataset_of_the_declared_size_could_produce_is_ref
 def test_one_checkpoint_call_carries_a_witness_s_proofs(
     federation: ProvisionedFederation, make_server: Callable[..., CoordinatorServer]
 ) -> None:
-    """GetCheckpoint over TLS answers the consistency proof from the caller's last cosigned size
-    and the plan's inclusion proof (docs/protocol.md §11a), CosignCheckpoint the cosignatures
-    held once the caller's is kept; a size above the asked checkpoint's is INVALID_ARGUMENT
-    naming both sizes."""
+    """GetCheckpoint over TLS answers the consistency proof from the caller's last cosigned size,
+    the plan's inclusion proof (and a second statement's, asked for) and, asked for, the log's
+    statements from the caller's prefix up to the checkpoint, as GetLogEntries serves them
+    (docs/protocol.md §11a), CosignCheckpoint the cosignatures held once the caller's is kept;
+    a size above the asked checkpoint's is INVALID_ARGUMENT naming both sizes."""
     server = make_server()
     sites = connect(federation, server.port)
     config, _ = enrol_and_accept(sites, server_key(federation))
@@ -503,6 +504,24 @@ def test_one_checkpoint_call_carries_a_witness_s_proofs(
         leaf=leaf_hash(plan), index=int(answer.inclusion.index), tree_size=size,
         proof=list(answer.inclusion.hashes), root=root,
     )  # fmt: skip
+    assert not answer.entries and not answer.HasField("also_inclusion")  # none asked for
+    both = stub.GetCheckpoint(
+        coordinator_pb2.CheckpointRequest(
+            inclusion_leaf=leaf_hash(plan), also_leaf=leaf_hash(first.statement)
+        ),
+        timeout=10,
+    )
+    assert both.inclusion == answer.inclusion and both.also_inclusion.index == 0
+    verify_inclusion(
+        leaf=leaf_hash(first.statement), index=0, tree_size=size,
+        proof=list(both.also_inclusion.hashes), root=root,
+    )  # fmt: skip
+    served = stub.GetLogEntries(coordinator_pb2.LogEntriesRequest(start=1, end=size)).entries
+    for start, want in ((1, list(served)), (0, [first, *served]), (size, [])):
+        carried = stub.GetCheckpoint(
+            coordinator_pb2.CheckpointRequest(with_entries=True, entries_from=start), timeout=10
+        )
+        assert carried.checkpoint == answer.checkpoint and list(carried.entries) == want, start
     # The cosignature's answer: the checkpoint with the cosignatures now held, the caller's.
     mine = cosign(
         sites["s1"].identity,
@@ -536,7 +555,9 @@ def test_a_held_checkpoint_call_answers_when_the_cosignature_it_waits_for_is_kep
     enrol_and_accept(sites, server_key(federation))
     s1, s2 = sites["s1"].stub, sites["s2"].stub
     answer = s1.GetCheckpoint(coordinator_pb2.CheckpointRequest(), timeout=10)
-    hold = coordinator_pb2.CheckpointRequest(wait_ms=120_000, wait_cosignatures=1)
+    hold = coordinator_pb2.CheckpointRequest(
+        wait_ms=120_000, wait_cosignatures=1, with_entries=True, entries_from=1
+    )
     held = s1.GetCheckpoint.future(hold, timeout=60)
     deadline = time.monotonic() + 30
     while "s1" not in server.coordinator._holding and time.monotonic() < deadline:
@@ -552,6 +573,7 @@ def test_a_held_checkpoint_call_answers_when_the_cosignature_it_waits_for_is_kep
     woken = held.result(timeout=30)
     assert woken.checkpoint == answer.checkpoint
     assert [c.witness for c in woken.cosignatures] == ["s2"]
+    assert [e.index for e in woken.entries] == list(range(1, int(answer.checkpoint.size)))
     assert "s1" not in server.coordinator._holding
     growth_of_a_size = coordinator_pb2.CheckpointRequest(
         size=int(answer.checkpoint.size), wait_ms=1000, wait_grown_past=1

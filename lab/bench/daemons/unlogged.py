@@ -19,7 +19,8 @@ overlap: the sum overstates the log's wall time.
   (``_plan_in_log`` finds nothing to refuse and ``_logged`` returns the policy's decision as it
   is), nor checks the published round's
   `release` statement, nor publishes or reconciles its DP ledger in the log, nor logs a masked
-  round's `opening` (its unmask shares go at once); the coordinator appends no statement (``Store.append_log`` does nothing, so no
+  round's `opening` (its consistency signature carries none, and its unmask shares go at
+  once); the coordinator appends no statement (``Store.append_log`` does nothing, so no
   leaf is hashed or stored) and signs no checkpoint (nobody asks for one).
 
 The ``unlogged`` variant removes a protocol rule (docs/protocol.md §11a: no site acts on a plan
@@ -55,6 +56,7 @@ CLIENT_METHODS = (
     ("afl.client.daemon.anchor", "LedgerAnchor", "reconcile"),
     ("afl.client.daemon.anchor", "LedgerAnchor", "publish"),
     ("afl.client.daemon.opening", "OpeningPublication", "start"),
+    ("afl.client.daemon.opening", "OpeningPublication", "carried"),
     ("afl.client.daemon.opening", "OpeningPublication", "wait"),
 )
 #: The coordinator's: a statement appended in its state change's transaction, checkpoints signed
@@ -129,6 +131,9 @@ def _unlogged_client() -> None:
     def not_in_log(self: object, *args: Any, **kwargs: Any) -> tuple[str, None]:
         return "", None
 
+    def no_opening(self: object, *args: Any, **kwargs: Any) -> bytes:
+        return b""
+
     ClientDaemon._logged = logged  # type: ignore[method-assign,assignment]
     ClientDaemon._plan_in_log = not_in_log  # type: ignore[method-assign]
     ClientDaemon._witness_log = nothing  # type: ignore[method-assign]
@@ -137,6 +142,7 @@ def _unlogged_client() -> None:
     LedgerAnchor.publish = nothing  # type: ignore[method-assign]
     LogWitness.check_release = nothing  # type: ignore[method-assign]
     OpeningPublication.start = nothing  # type: ignore[method-assign]
+    OpeningPublication.carried = no_opening  # type: ignore[method-assign]
     OpeningPublication.wait = nothing  # type: ignore[method-assign]
 
 

@@ -3,14 +3,16 @@ docs/protocol.md §11a): at once on a new round, stage (outside its own round) o
 again every ``IDLE_WITNESS_S`` while a quorum may wait on it (waiting for a round, its plan
 review, after the model), and not again during the exchange of a round it takes part in, where
 no site's quorum waits until the model; while the site runs that round, not at its solve or model
-either (its own release check witnesses then)."""
+either (its own release check witnesses then), nor right after it on the answers that show that
+round published (the release check witnessed the checkpoint that holds its release)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
-from afl.client.daemon.loop import ClientDaemon
+from afl.client.daemon.loop import ClientDaemon, witness_key
 from afl.client.daemon.transparency import IDLE_WITNESS_S
 from afl.proto.v1 import coordinator_pb2 as pb
 
@@ -83,3 +85,22 @@ def test_a_site_running_its_round_leaves_the_model_to_its_release_check() -> Non
     other = _answer(S.ROUND_STAGE_UPLOAD, outside)
     other.round.round_id = "r2"
     assert site.observe(other, later=False)
+
+
+def test_after_its_release_check_the_published_round_is_witnessed_after_the_interval() -> None:
+    """The model step records the key of the round's published status (``witness_key`` of the
+    status it waited for, as ``run_round`` does once its release check passed): the status
+    answers after the round that show it published add no witnessing step until
+    ``IDLE_WITNESS_S`` passed; a new round, or another model, is witnessed at once."""
+    site = _Site()
+    published = _answer(S.ROUND_STAGE_PUBLISHED, model="r1")
+    site._witnessed_key = witness_key(published.round, "r1", site_id="s1")
+    site._witnessed_at = time.monotonic()
+    assert not site.observe(published, later=False)
+    assert site.observe(published)  # the interval passed
+    site._witnessed_key = witness_key(published.round, "r1", site_id="s1")
+    nxt = _answer(S.ROUND_STAGE_WAITING_FOR_PARTICIPANTS, model="r1")
+    nxt.round.round_id = "r2"
+    assert site.observe(nxt, later=False)
+    site._witnessed_key = witness_key(published.round, "r1", site_id="s1")
+    assert site.observe(_answer(S.ROUND_STAGE_PUBLISHED, model="r0"), later=False)

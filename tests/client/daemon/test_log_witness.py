@@ -25,6 +25,7 @@ from afl.crypto.transparency.checkpoint import Checkpoint, cosign, sign_checkpoi
 from afl.crypto.transparency.merkle import leaf_hash
 from afl.crypto.transparency.statements import plan_statement, statement_bytes
 from afl.proto import wire
+from afl.proto.v1 import common_pb2 as cpb
 from afl.proto.v1 import coordinator_pb2 as pb
 from tests.helpers.calls import record_calls
 from tests.helpers.fedlog import LogService, site_witness
@@ -185,6 +186,122 @@ def test_the_log_s_statements_are_read_only_when_they_hash_to_the_cosigned_root(
     assert more == statements
     with pytest.raises(DaemonError, match="served no log entry from index 0"):
         fresh.statements(coordinator.call, answer)
+
+
+def test_the_statements_a_checkpoint_answer_carries_are_read_as_served_ones(
+    tmp_path: Path,
+) -> None:
+    """A witnessing step that asks for the log's statements (``with_entries``) gets them in the
+    checkpoint's answer, and :meth:`LogWitness.statements` on that answer reads them without
+    GetLogEntries, verified as GetLogEntries' (docs/protocol.md §11a): statements that are not
+    the logged ones, or carried at another index, are refused with the cause; where the answer
+    stops short of its checkpoint, the rest is fetched."""
+    coordinator = _coordinator(tmp_path / "server")
+    fields = {"round_id": "r1", "run_id": "run-1", "survivors": ["site-1"], "releases": []}
+    coordinator.store.append_log("release", fields)
+    calls: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        calls.append(what)
+        return coordinator.call(what, request)
+
+    witness = _witness(tmp_path / "site")
+    answer = witness.witness(call, with_entries=True)
+    assert len(answer.entries) == answer.checkpoint.size
+    statements = witness.statements(call, answer)
+    assert calls == ["GetCheckpoint", "CosignCheckpoint"]  # no GetLogEntries
+    assert statements[-1] == ("release", fields) and len(statements) == answer.checkpoint.size
+    coordinator.store.append_log("release", {**fields, "round_id": "r2"})
+    newer = witness.witness(call, with_entries=True)  # only what the site does not hold
+    assert [e.index for e in newer.entries] == [answer.checkpoint.size]
+    assert witness.statements(call, newer)[:-1] == statements
+    assert "GetLogEntries" not in calls
+
+    def forged(served: pb.LogEntries) -> pb.LogEntries:
+        for entry in served.entries:
+            if entry.kind == "release":
+                entry.statement = statement_bytes(
+                    federation=FED, kind="release", fields={**fields, "survivors": []}
+                )
+        return served
+
+    def shifted(served: pb.LogEntries) -> pb.LogEntries:
+        for entry in served.entries:
+            entry.index += 1
+        return served
+
+    def short(served: pb.LogEntries) -> pb.LogEntries:
+        del served.entries[2:]  # as an answer capped below its checkpoint's size
+        return served
+
+    for n, (serve, error) in enumerate(
+        (
+            (forged, "do not hash to the root of the cosigned checkpoint"),
+            (shifted, "served log entry 1 where entry 0 of"),
+        )
+    ):
+        fresh = _witness(tmp_path / f"fresh-{n}", site="site-2")
+        coordinator.serve_entries = serve
+        with pytest.raises(DaemonError, match=error):
+            fresh.statements(call, fresh.witness(call, with_entries=True))
+    coordinator.serve_entries = short
+    fresh = _witness(tmp_path / "fresh-short", site="site-3")
+    carried = fresh.witness(call, with_entries=True)
+    assert len(carried.entries) == 2
+    coordinator.serve_entries = lambda served: served
+    del calls[:]
+    assert fresh.statements(call, carried) == witness.statements(call, newer)
+    assert calls == ["GetLogEntries"]  # the rest, from index 2
+
+
+def _released(coordinator: LogService, round_id: str) -> cpb.ReleasePlan:
+    """A plan of ``round_id`` over site-1 and site-2, in the log with its `release` statement."""
+    members = ["site-1", "site-2"]
+    plan = cpb.ReleasePlan(
+        round_id=round_id,
+        run_id="run-1",
+        participants=members,
+        aggregation=cpb.AGGREGATION_MODE_MASK,
+        releases=[
+            cpb.Release(name="gram[all]", kind=cpb.STATISTIC_KIND_GRAM, member_site_ids=members)
+        ],
+    )
+    coordinator.publish_plan(round_id, plan.SerializeToString())
+    coordinator.publish_release(round_id, plan.SerializeToString(), survivors=members)
+    return plan
+
+
+def test_the_release_check_s_cosignature_goes_after_the_check_and_before_any_later_step(
+    tmp_path: Path,
+) -> None:
+    """The check of a published round's `release` statement (M-230) verifies and keeps the
+    newest checkpoint but sends its cosignature only when the daemon flushes it (after the
+    round's model is kept) or before its next witnessing step, once; an acknowledged restore
+    drops it (the restored log may not hold that checkpoint)."""
+    coordinator = _coordinator(tmp_path / "server")
+    calls: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        calls.append(what)
+        return coordinator.call(what, request)
+
+    witness = _witness(tmp_path / "site")
+    witness.check_release(call, _released(coordinator, "r1"), survivors={"site-1", "site-2"})
+    assert calls == ["GetCheckpoint"] and coordinator.cosigned == []
+    assert witness.last is not None and witness.last.checkpoint.size == coordinator.store.log_size()
+    witness.flush(call)
+    witness.flush(call)  # sent once
+    assert calls == ["GetCheckpoint", "CosignCheckpoint"] and coordinator.cosigned == ["site-1"]
+    witness.check_release(call, _released(coordinator, "r2"), survivors={"site-1", "site-2"})
+    del calls[:]
+    witness.witness(call)  # the deferred cosignature first; the checkpoint is cosigned then
+    assert calls == ["CosignCheckpoint", "GetCheckpoint"]
+    assert coordinator.cosigned == ["site-1", "site-1"]
+    witness.check_release(call, _released(coordinator, "r3"), survivors={"site-1", "site-2"})
+    witness.restore_acknowledged(1)
+    del calls[:]
+    witness.flush(call)
+    assert calls == [] and coordinator.cosigned == ["site-1", "site-1"]
 
 
 def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded_once(

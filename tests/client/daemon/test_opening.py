@@ -142,6 +142,35 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
     assert fields["plan_sha256"] == plan_sha.hex() and fields["round_id"] == plan.round_id
 
 
+@pytest.mark.parametrize("tamper", [False, True])
+def test_the_release_s_inclusion_proof_comes_with_the_quorum_s_answer(
+    tmp_path: Path, tamper: bool
+) -> None:
+    """The quorum wait asks every checkpoint answer for the inclusion proof of the release the
+    opening signs (``also_leaf``), so the wait costs no GetInclusionProof; a carried proof that
+    does not verify in that checkpoint is refused, naming the release, and nothing is sent."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan = _plan()
+    plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
+    calls: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        calls.append(what)
+        answer = coordinator.call(what, request)
+        if tamper and what == "GetCheckpoint" and answer.HasField("also_inclusion"):
+            answer.also_inclusion.index += 1  # the proof of another position
+        return answer
+
+    publication = _publication(_witness(tmp_path, quorum=1), call, plan, plan_sha)
+    publication.start(SURVIVORS)
+    if tamper:
+        with pytest.raises(DaemonError, match="the release this site's opening of round r1-open"):
+            publication.wait()
+    else:
+        publication.wait()
+    assert "GetInclusionProof" not in calls and "GetCheckpoint" in calls
+
+
 @pytest.mark.parametrize("release", ["never", "after-the-quorum"])
 def test_an_opening_whose_release_is_not_logged_gets_no_unmask_share(
     tmp_path: Path, release: str

@@ -1322,12 +1322,18 @@ class ConsistencySignature(_message.Message):
     ROUND_ID_FIELD_NUMBER: _builtins.int
     SURVIVORS_FIELD_NUMBER: _builtins.int
     SIGNATURE_FIELD_NUMBER: _builtins.int
+    OPENING_FIELD_NUMBER: _builtins.int
     round_id: _builtins.str
     """Round id. [visible: participants]"""
     signature: _builtins.bytes
     """Identity signature, context "consistency-check", fields (config digest, round_id,
     round_salt, site_id, |U3|, *sorted U3) (afl.crypto.secagg_messages.consistency_fields).
     [visible: participants]
+    """
+    opening: _builtins.bytes
+    """The caller's signed `opening` statement of the round over these survivors (M-232; empty:
+    logged before with RecordOpening): the coordinator logs it as RecordOpening does, and
+    keeps the signature only once it is in the log. [visible: every site]
     """
     @_builtins.property
     def survivors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1339,10 +1345,11 @@ class ConsistencySignature(_message.Message):
         round_id: _builtins.str = ...,
         survivors: _abc.Iterable[_builtins.str] | None = ...,
         signature: _builtins.bytes = ...,
+        opening: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id", "signature", b"signature", "survivors", b"survivors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["opening", b"opening", "round_id", b"round_id", "signature", b"signature", "survivors", b"survivors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2287,6 +2294,9 @@ class CheckpointRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _builtins.int
     WAIT_COSIGNATURES_FIELD_NUMBER: _builtins.int
     WAIT_GROWN_PAST_FIELD_NUMBER: _builtins.int
+    WITH_ENTRIES_FIELD_NUMBER: _builtins.int
+    ENTRIES_FROM_FIELD_NUMBER: _builtins.int
+    ALSO_LEAF_FIELD_NUMBER: _builtins.int
     size: _builtins.int
     """The size of a checkpoint the coordinator signed before; 0: the newest. [visible: server]"""
     consistency_from: _builtins.int
@@ -2315,6 +2325,19 @@ class CheckpointRequest(_message.Message):
     answer once the log's newest checkpoint is larger than this size (a witness that waits for
     a statement to cosign). [visible: server]
     """
+    with_entries: _builtins.bool
+    """Ask for the log's statements from `entries_from` up to the answered checkpoint's size in
+    the answer (`entries`), as GetLogEntries would serve them: a site that reads the log's
+    history at that checkpoint saves the call. [visible: server]
+    """
+    entries_from: _builtins.int
+    """With `with_entries`: the first index asked for (the size of the prefix the caller holds).
+    [visible: server]
+    """
+    also_leaf: _builtins.bytes
+    """A second statement's leaf hash (empty: none): the answer carries its inclusion proof too
+    (`also_inclusion`), when the answered checkpoint holds it. [visible: server]
+    """
     def __init__(
         self,
         *,
@@ -2324,10 +2347,13 @@ class CheckpointRequest(_message.Message):
         wait_ms: _builtins.int = ...,
         wait_cosignatures: _builtins.int = ...,
         wait_grown_past: _builtins.int = ...,
+        with_entries: _builtins.bool = ...,
+        entries_from: _builtins.int = ...,
+        also_leaf: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consistency_from", b"consistency_from", "inclusion_leaf", b"inclusion_leaf", "size", b"size", "wait_cosignatures", b"wait_cosignatures", "wait_grown_past", b"wait_grown_past", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["also_leaf", b"also_leaf", "consistency_from", b"consistency_from", "entries_from", b"entries_from", "inclusion_leaf", b"inclusion_leaf", "size", b"size", "wait_cosignatures", b"wait_cosignatures", "wait_grown_past", b"wait_grown_past", "wait_ms", b"wait_ms", "with_entries", b"with_entries"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2341,6 +2367,8 @@ class CosignedLogCheckpoint(_message.Message):
     COSIGNATURES_FIELD_NUMBER: _builtins.int
     CONSISTENCY_FIELD_NUMBER: _builtins.int
     INCLUSION_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    ALSO_INCLUSION_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def checkpoint(self) -> Global___LogCheckpoint:
         """The checkpoint. [visible: every site]"""
@@ -2363,6 +2391,20 @@ class CosignedLogCheckpoint(_message.Message):
         not hold it (not an error: the caller polls again). [visible: every site]
         """
 
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogEntry]:
+        """With the request's `with_entries`: the committed statements from its `entries_from` to
+        this checkpoint's size, in order, at most as many as one GetLogEntries answer holds (the
+        caller fetches the rest with GetLogEntries). The caller verifies them as GetLogEntries'
+        answer: every leaf up to this size must give its root. [visible: every site]
+        """
+
+    @_builtins.property
+    def also_inclusion(self) -> Global___LogProof:
+        """The RFC 9162 inclusion proof of the statement with the request's `also_leaf` in this
+        checkpoint; absent as `inclusion` is. [visible: every site]
+        """
+
     def __init__(
         self,
         *,
@@ -2370,10 +2412,12 @@ class CosignedLogCheckpoint(_message.Message):
         cosignatures: _abc.Iterable[Global___LogCosignature] | None = ...,
         consistency: _abc.Iterable[_builtins.bytes] | None = ...,
         inclusion: Global___LogProof | None = ...,
+        entries: _abc.Iterable[Global___LogEntry] | None = ...,
+        also_inclusion: Global___LogProof | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "inclusion", b"inclusion"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["also_inclusion", b"also_inclusion", "checkpoint", b"checkpoint", "inclusion", b"inclusion"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "consistency", b"consistency", "cosignatures", b"cosignatures", "inclusion", b"inclusion"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["also_inclusion", b"also_inclusion", "checkpoint", b"checkpoint", "consistency", b"consistency", "cosignatures", b"cosignatures", "entries", b"entries", "inclusion", b"inclusion"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
