@@ -604,9 +604,9 @@ class ClientDaemon:
         # a commit at the coordinator and three RPCs on every site every few seconds of the
         # exchange). The one quorum wait inside a round, the survivors' openings (M-232), is
         # cosigned by the survivors' own polls at the unmask stage and by the sites outside the
-        # round, which witness at every stage change (each survivor logs its opening before its
-        # consistency signature, so the unmask stage begins with every opening in the log) and
-        # every IDLE_WITNESS_S.
+        # round, which witness at every stage change (each survivor's consistency signature
+        # carries its opening, logged before the signature is kept, so the unmask stage begins
+        # with every opening in the log) and every IDLE_WITNESS_S.
         quiet = r is not None and taking_part and r.stage > pb.ROUND_STAGE_PLAN_REVIEW
         now = time.monotonic()
         if seen_key == self._witnessed_key and (quiet or now - self._witnessed_at < IDLE_WITNESS_S):
@@ -1335,7 +1335,12 @@ class ClientDaemon:
 
     def _finish(self, report: RoundReport, outcome: int, reason: str = "") -> int:
         """End the round: its report written (the one place) and sent; the exit code."""
-        try:  # the cosignature the round's release check kept (M-198), before the report
+        # The cosignature the round's release check kept (M-198), before the report: none when
+        # the coordinator's operator acknowledged a restore meanwhile (the restored log may not
+        # hold its checkpoint). One that fails to leave is sent again by the next witnessing
+        # step that finds its checkpoint without it.
+        self.log_witness.restore_acknowledged(self.witness.acknowledged)
+        try:
             self.log_witness.flush(self.rpc.call)
         except DaemonError as exc:
             log.warning("site=%s could not send its log cosignature: %s", self.site_id, exc)

@@ -48,6 +48,7 @@ from afl.crypto.transparency.checkpoint import (
     CheckpointError,
     Cosignature,
     SignedCheckpoint,
+    cosign,
     quorum_witnesses,
 )
 from afl.crypto.transparency.merkle import (
@@ -269,7 +270,7 @@ class LogWitness:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
         step 1); the answer, with the coordinator's cosignatures (and the inclusion proofs of
         the statements with leaf hashes ``inclusion_leaf`` and ``also_leaf`` when the checkpoint
-        holds them, for :meth:`check_inclusion`). :class:`SplitViewDetected` when it does not
+        holds them, for :meth:`check_inclusion` and :meth:`prove_included`). :class:`SplitViewDetected` when it does not
         extend it, after the evidence is written. With ``hold_s`` the coordinator holds its
         answer up to that long (at most :attr:`hold_max_s`) until the checkpoint has
         ``wait_cosignatures`` or the log grew past ``wait_grown_past`` statements; the call is
@@ -323,7 +324,13 @@ class LogWitness:
         except wire.WireError as exc:
             raise DaemonError(f"the coordinator's log checkpoint is malformed: {exc}") from exc
         if previous is not None and previous.checkpoint == offered.checkpoint:
-            return answer  # cosigned already
+            # Cosigned already; sent again when the coordinator holds none of this site's on it
+            # (one lost to a crash after it was kept, or to a failed send: the same bytes, as
+            # Ed25519 signs deterministically).
+            if all(c.witness != self.site_id for c in answer.cosignatures):
+                again = cosign(self.key, witness=self.site_id, checkpoint=offered.checkpoint)
+                self._send(call, answer, wire.cosignature_to_proto(again))
+            return answer
         proof: list[bytes] = []
         if previous is not None and 0 < previous.checkpoint.size < offered.checkpoint.size:
             proof = list(answer.consistency)  # a wrong one is a split view (witness_checkpoint)
@@ -364,22 +371,24 @@ class LogWitness:
         if defer:  # sent by flush(), or before the next witnessing step
             self._unsent = mine
             return answer
+        self._send(call, answer, mine)
+        return answer
+
+    def _send(self, call: Call, answer: pb.CosignedLogCheckpoint, mine: pb.LogCosignature) -> None:
+        """Send this site's cosignature of ``answer``'s checkpoint and count it in ``answer``
+        with the cosignatures the coordinator then holds."""
         now: pb.CosignedLogCheckpoint = call("CosignCheckpoint", mine)
         if now.checkpoint == answer.checkpoint:  # the cosignatures it holds now: no extra poll
             del answer.cosignatures[:]
             answer.cosignatures.extend(now.cosignatures)
         if mine not in answer.cosignatures:  # counted at once, as the coordinator now holds it
             answer.cosignatures.append(mine)
-        log.info(
-            "site=%s cosigned log checkpoint %s",
-            self.site_id,
-            offered.checkpoint.describe(),
-        )
-        return answer
+        log.info("site=%s cosigned log checkpoint of size %d", self.site_id, mine.size)
 
     def flush(self, call: Call) -> None:
-        """Send the cosignature a step deferred (:meth:`check_release`), if any; a failure to
-        send it raises (:class:`DaemonError`), and it is not sent again."""
+        """Send the cosignature a step deferred (:meth:`check_release`), if any. A failure to
+        send it raises (:class:`DaemonError`); the next witnessing step that finds that
+        checkpoint without this site's cosignature sends it again."""
         with self._lock:
             self._flush(call)
 
@@ -585,7 +594,11 @@ class LogWitness:
                         self.check_inclusion(leaf, found)
                     if found is not held:  # the statements the first answer carried
                         found.entries.extend(held.entries)
-                    if found.checkpoint == held.checkpoint and not found.HasField("also_inclusion"):
+                    if (
+                        found.checkpoint == held.checkpoint
+                        and held.HasField("also_inclusion")
+                        and not found.HasField("also_inclusion")
+                    ):
                         found.also_inclusion.CopyFrom(held.also_inclusion)  # asked for by size
                     return "", found
             except (CheckpointError, MerkleProofError, wire.WireError) as exc:

@@ -56,6 +56,8 @@ members of the targeted release):
 * ``refuse-opening`` (any mode): the coordinator logs no `opening` statement (RecordOpening
   is refused, and so is a consistency signature that carries one), so the openings every site
   logs before its statistics (ckks) or unmask shares (mask) never reach the log.
+* ``drop-opening`` (mask): the coordinator answers every `opening` as logged but appends none,
+  and keeps the consistency signatures that carry them: the unmask stage begins without them.
 * ``fake-release`` (mask): once run-1's round is published, the coordinator also logs a
   `release` statement of a round that never existed (run-0), stating run-1's releases over
   the last site alone: every later audit would count that site's statistics as exposed before,
@@ -140,6 +142,7 @@ ATTACKS = (
     "fake-release",
     "hide-release-ckks",
     "refuse-opening",
+    "drop-opening",
     "unwitness-fake-release",
     "drop-at-upload",
     "skip-review-ckks",
@@ -613,6 +616,17 @@ def _accepted_for_them(run_id: str) -> None:
     Store.decision = one  # type: ignore[method-assign]
 
 
+def _drop_opening() -> None:
+    """The coordinator logs no `opening` statement but answers as if it had, so a masked
+    round's consistency signatures, which carry them, are kept."""
+    from afl.server.coordinator import Coordinator
+
+    def dropping(self: Coordinator, site_id: str, request: Any, **kw: Any) -> Any:
+        return pb.LogProof(index=0)
+
+    Coordinator.log_opening = dropping  # type: ignore[method-assign]
+
+
 def _refuse_opening(only: str = "") -> None:
     """The coordinator logs no `opening` statement (``only``: none of that site's)."""
     from afl.server.coordinator import Coordinator
@@ -786,6 +800,9 @@ def main() -> int:
         _record_decryptions(loot)
         _record_unmasked(loot)
         _refuse_opening()
+    if attack == "drop-opening":
+        _record_unmasked(loot)
+        _drop_opening()
     if attack == "drop-at-upload":
         _drop_at_upload(loot)
     if attack == "unwitness-fake-release":

@@ -26,6 +26,9 @@ forged sum, the coordinator's loot holds no release of one site, and no model is
    would let it hide the round's release from every other site's audit (M-232): in ckks no site
    sends a statistic, so nothing is decrypted; in mask no consistency signature is kept (each
    carries its site's opening), so no site sends an unmask share and nothing is unmasked.
+10. ``drop-opening`` (mask): the coordinator answers the openings as logged, appends none and
+   keeps the consistency signatures: each site waits at the unmask stage for its opening in a
+   quorum-cosigned checkpoint, finds none, and sends no unmask share; nothing is unmasked.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from afl.lab.demo.federation import (
     LoopbackFederation,
@@ -151,16 +155,25 @@ def test_a_ckks_round_whose_openings_are_not_logged_sends_no_statistic(tmp_path:
     _no_model_and_no_uploads_kept(loop, uploads=False)
 
 
-def test_a_masked_round_whose_openings_are_not_logged_unmasks_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attack", ["refuse-opening", "drop-opening"])
+def test_a_masked_round_whose_openings_are_not_logged_unmasks_nothing(
+    tmp_path: Path, attack: str
+) -> None:
     feats, _ = DATA.draw(3)
-    loop = _prepare(tmp_path, 3, mask_round_settings(feats))
+    loop = _prepare(tmp_path, 3, {**mask_round_settings(feats), "upload_timeout_s": 10.0})
     loot = tmp_path / "loot.json"
-    command = malicious_server.command("refuse-opening", loot)
+    command = malicious_server.command(attack, loot)
     run = run_loopback(loop, timeout_s=240, server_command=command)
     assert 0 not in run.client_rcs.values(), run.client_rcs
+    why = (
+        "ConsistencyCheck: INVALID_ARGUMENT: this coordinator logs no openings"
+        if attack == "refuse-opening"
+        else "this site's opening of round .* is not in a federation-log checkpoint cosigned by"
+        " a quorum .*: no unmask share is sent"
+    )
     for site in loop.site_ids:
         log = run.logs[site].read_text()
-        assert "ConsistencyCheck" in log and "logs no openings" in log, log[-3000:]
+        assert re.search(why, log), log[-3000:]
         for report in run.reports[site].values():
             assert "model" not in report
             assert not report["timings_s"].get("mask_unmask"), report  # no unmask share left

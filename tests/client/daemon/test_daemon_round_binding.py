@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from afl.client.config import DataConfig, LocalPolicy, load_client_config
-from afl.client.daemon.loop import ClientDaemon, RoundFailed
+from afl.client.daemon.loop import ClientDaemon, RoundFailed, witness_key
 from afl.client.daemon.report import RoundReport
 from afl.client.daemon.transport import DaemonError
 from afl.client.model.evaluate import evaluate_model, write_local_evaluation
@@ -438,6 +438,29 @@ class _Filler:
 
     def join(self, timeout_s: float) -> None:
         self.calls.append(("join", ""))
+
+
+def test_a_completed_round_s_release_cosignature_leaves_after_its_model_and_before_its_report(
+    site: tuple[ClientDaemon, Coordinator, Path],
+) -> None:
+    """The round's release check keeps its cosignature of the checkpoint that holds the
+    round's release (M-198, M-230) past the model; the daemon sends it before the round's
+    report, and the status answers that show the round published need no witnessing step of
+    their own (the daemon records their key)."""
+    daemon, coordinator, _ = site
+    coordinator.announce("r1-aaaa", coordinator.round_config("r1-aaaa", GLOBAL))
+    assert daemon._rounds() == 0
+    calls = [what for what, _ in coordinator.calls]
+    model, report = calls.index("GetModel"), calls.index("SubmitReport")
+    cosigned = [i for i, what in enumerate(calls) if what == "CosignCheckpoint"]
+    assert model < cosigned[-1] < report, calls
+    assert daemon.log_witness.last is not None
+    assert daemon.log_witness.last.checkpoint.size == coordinator.log.store.log_size()
+    assert coordinator.log.cosigned[-1] == SITE  # on the checkpoint that holds the release
+    published = pb.RoundStatus(
+        round_id="r1-aaaa", stage=pb.ROUND_STAGE_PUBLISHED, participants=list(SITES)
+    )
+    assert daemon._witnessed_key == witness_key(published, "r1-aaaa", site_id=SITE)
 
 
 def test_the_zero_filler_rests_during_every_round_it_completed_or_refused(

@@ -304,6 +304,96 @@ def test_the_release_check_s_cosignature_goes_after_the_check_and_before_any_lat
     assert calls == [] and coordinator.cosigned == ["site-1", "site-1"]
 
 
+def test_a_cosignature_that_failed_to_leave_is_sent_by_the_next_step_on_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A deferred cosignature whose send failed (or was lost to a crash after the checkpoint was
+    kept) is not lost: the next witnessing step that finds that checkpoint without this site's
+    cosignature sends it (the same bytes); once the coordinator holds it, none is sent again."""
+    coordinator = _coordinator(tmp_path / "server")
+    witness = _witness(tmp_path / "site")
+    witness.check_release(
+        coordinator.call, _released(coordinator, "r1"), survivors={"site-1", "site-2"}
+    )
+
+    def failing(what: str, request: Any) -> Any:
+        if what == "CosignCheckpoint":
+            raise DaemonError("CosignCheckpoint: UNAVAILABLE: the coordinator is restarting")
+        return coordinator.call(what, request)
+
+    with pytest.raises(DaemonError, match="UNAVAILABLE"):
+        witness.flush(failing)
+    assert coordinator.cosigned == []
+    calls: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        calls.append(what)
+        return coordinator.call(what, request)
+
+    answer = witness.witness(call)
+    assert calls == ["GetCheckpoint", "CosignCheckpoint"] and coordinator.cosigned == ["site-1"]
+    assert [c.witness for c in answer.cosignatures] == ["site-1"]
+    witness.witness(call)
+    assert calls == ["GetCheckpoint", "CosignCheckpoint", "GetCheckpoint"]
+
+
+def test_a_quorum_on_the_first_checkpoint_by_size_keeps_what_its_first_answer_carried(
+    tmp_path: Path,
+) -> None:
+    """The quorum gathers on the first checkpoint that held the statement while the log grew
+    past it (asked for again by size, without its statements): the checkpoint returned keeps
+    the statements the first answer carried, so reading the history costs no GetLogEntries;
+    a coordinator that carries no second inclusion proof (stripped here) leaves it to
+    GetInclusionProof."""
+    coordinator = _coordinator(tmp_path / "server")
+    plan_sha = coordinator.publish_plan("r1", b"the plan of r1")
+    statement = plan_statement(federation=FED, round_id="r1", plan_sha256=plan_sha)
+    also = coordinator.store.log_entries(0, 1)[0][2]  # an earlier statement of the log
+    calls: list[str] = []
+
+    def call(what: str, request: Any) -> Any:
+        calls.append(what)
+        answer = coordinator.call(what, request)
+        if what == "GetCheckpoint":
+            answer.ClearField("also_inclusion")  # a coordinator that does not carry it
+        return answer
+
+    witness = _witness(tmp_path / "site", quorum=2)
+    result: list[tuple[str, pb.CosignedLogCheckpoint | None]] = []
+    waiting = threading.Thread(
+        target=lambda: result.append(
+            witness.quorum_problem(
+                call,
+                statement=statement,
+                what="the plan",
+                wait_s=60,
+                poll_s=0.01,
+                max_poll_s=0.05,
+                with_entries=True,
+                also=also,
+            )
+        )
+    )
+    waiting.start()
+    deadline = time.monotonic() + 60
+    while not coordinator.cosigned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = witness.last
+    assert first is not None and coordinator.cosigned == ["site-1"]
+    coordinator.store.append_log("run-ended", {"run_id": "run-0", "state": "x", "reason": ""})
+    other = cosign(SITES["site-2"], witness="site-2", checkpoint=first.checkpoint)
+    coordinator.call("CosignCheckpoint", wire.cosignature_to_proto(other))
+    waiting.join(60)
+    [(problem, found)] = result
+    assert problem == "" and found is not None
+    assert found.checkpoint.size == first.checkpoint.size < coordinator.store.log_size()
+    assert [e.index for e in found.entries] == list(range(first.checkpoint.size))
+    del calls[:]
+    assert len(witness.statements(call, found)) == first.checkpoint.size
+    witness.prove_included(call, also, found, also=True)
+    assert calls == ["GetInclusionProof"]  # no GetLogEntries; the proof asked for
+
+
 def test_a_quorum_wait_verifies_each_cosignature_once_and_the_history_is_decoded_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -143,12 +143,15 @@ def test_the_opening_is_in_a_quorum_checkpoint_before_the_wait_returns(tmp_path:
 
 
 @pytest.mark.parametrize("tamper", [False, True])
+@pytest.mark.parametrize("logged", ["RecordOpening", "ConsistencyCheck"])
 def test_the_release_s_inclusion_proof_comes_with_the_quorum_s_answer(
-    tmp_path: Path, tamper: bool
+    tmp_path: Path, tamper: bool, logged: str
 ) -> None:
     """The quorum wait asks every checkpoint answer for the inclusion proof of the release the
     opening signs (``also_leaf``), so the wait costs no GetInclusionProof; a carried proof that
-    does not verify in that checkpoint is refused, naming the release, and nothing is sent."""
+    does not verify in that checkpoint is refused, naming the release, and nothing is sent.
+    The opening is logged with RecordOpening (``ckks``) or, as the coordinator does with the
+    masked round's consistency signature that carries it, from :meth:`carried` (``mask``)."""
     coordinator = _coordinator(tmp_path / "server")
     plan = _plan()
     plan_sha = coordinator.publish_plan(plan.round_id, plan.SerializeToString())
@@ -162,7 +165,10 @@ def test_the_release_s_inclusion_proof_comes_with_the_quorum_s_answer(
         return answer
 
     publication = _publication(_witness(tmp_path, quorum=1), call, plan, plan_sha)
-    publication.start(SURVIVORS)
+    if logged == "RecordOpening":
+        publication.start(SURVIVORS)
+    else:
+        coordinator.call("RecordOpening", pb.Opening(statement=publication.carried(SURVIVORS)))
     if tamper:
         with pytest.raises(DaemonError, match="the release this site's opening of round r1-open"):
             publication.wait()

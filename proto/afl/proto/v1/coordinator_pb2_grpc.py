@@ -309,7 +309,9 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConsistencyCheck(self, request, context):
-        """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list.
+        """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list, with its
+        `opening` statement, which the coordinator logs first as RecordOpening does (its refusal, with
+        RecordOpening's status codes, refuses the signature).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -471,8 +473,9 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RecordOpening(self, request, context):
-        """The calling site's `opening` statement (it helps unmask a masked round's sums over the
-        survivors it signed), appended to the log once (a second call with the same statement
+        """The calling site's `opening` statement (its ciphertexts enter a CKKS round's sums over every
+        participant, or it helps unmask a masked round's sums over the survivors it signed: a masked
+        round's usually rides in ConsistencyCheck), appended to the log once (a second call with the same statement
         answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
         (its releases) over exactly the round's survivors and its signature verifies under the
         caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log

@@ -95,7 +95,10 @@ class CoordinatorStub:
     GetSurvivors: _grpc.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.SurvivorList]
     """MASK mode: the sites whose masked input arrived (U3), once the upload stage closes."""
     ConsistencyCheck: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencySignature, _common_pb2.Ack]
-    """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list."""
+    """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list, with its
+    `opening` statement, which the coordinator logs first as RecordOpening does (its refusal, with
+    RecordOpening's status codes, refuses the signature).
+    """
     GetConsistencySignatures: _grpc.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.ConsistencySignatures]
     """MASK mode: every survivor's consistency signature (U4), checked by each site before Unmask."""
     GetUnmaskRequest: _grpc.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.UnmaskRequest]
@@ -158,8 +161,9 @@ class CoordinatorStub:
     names the caller and its signature verifies under the caller's enrolled identity key.
     """
     RecordOpening: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]
-    """The calling site's `opening` statement (it helps unmask a masked round's sums over the
-    survivors it signed), appended to the log once (a second call with the same statement
+    """The calling site's `opening` statement (its ciphertexts enter a CKKS round's sums over every
+    participant, or it helps unmask a masked round's sums over the survivors it signed: a masked
+    round's usually rides in ConsistencyCheck), appended to the log once (a second call with the same statement
     answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
     (its releases) over exactly the round's survivors and its signature verifies under the
     caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
@@ -214,7 +218,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     GetSurvivors: _aio.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.SurvivorList]  # type: ignore[assignment]
     """MASK mode: the sites whose masked input arrived (U3), once the upload stage closes."""
     ConsistencyCheck: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ConsistencySignature, _common_pb2.Ack]  # type: ignore[assignment]
-    """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list."""
+    """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list, with its
+    `opening` statement, which the coordinator logs first as RecordOpening does (its refusal, with
+    RecordOpening's status codes, refuses the signature).
+    """
     GetConsistencySignatures: _aio.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.ConsistencySignatures]  # type: ignore[assignment]
     """MASK mode: every survivor's consistency signature (U4), checked by each site before Unmask."""
     GetUnmaskRequest: _aio.UnaryUnaryMultiCallable[_common_pb2.RoundRef, _coordinator_pb2.UnmaskRequest]  # type: ignore[assignment]
@@ -277,8 +284,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     names the caller and its signature verifies under the caller's enrolled identity key.
     """
     RecordOpening: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.Opening, _coordinator_pb2.LogProof]  # type: ignore[assignment]
-    """The calling site's `opening` statement (it helps unmask a masked round's sums over the
-    survivors it signed), appended to the log once (a second call with the same statement
+    """The calling site's `opening` statement (its ciphertexts enter a CKKS round's sums over every
+    participant, or it helps unmask a masked round's sums over the survivors it signed: a masked
+    round's usually rides in ConsistencyCheck), appended to the log once (a second call with the same statement
     answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
     (its releases) over exactly the round's survivors and its signature verifies under the
     caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
@@ -408,7 +416,10 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ConsistencySignature,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Ack, _abc.Awaitable[_common_pb2.Ack]]:
-        """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list."""
+        """MASK mode, stage ConsistencyCheck: the caller's signature over the survivor list, with its
+        `opening` statement, which the coordinator logs first as RecordOpening does (its refusal, with
+        RecordOpening's status codes, refuses the signature).
+        """
 
     @_abc_1.abstractmethod
     def GetConsistencySignatures(
@@ -597,8 +608,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.Opening,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.LogProof, _abc.Awaitable[_coordinator_pb2.LogProof]]:
-        """The calling site's `opening` statement (it helps unmask a masked round's sums over the
-        survivors it signed), appended to the log once (a second call with the same statement
+        """The calling site's `opening` statement (its ciphertexts enter a CKKS round's sums over every
+        participant, or it helps unmask a masked round's sums over the survivors it signed: a masked
+        round's usually rides in ConsistencyCheck), appended to the log once (a second call with the same statement
         answers its index). PERMISSION_DENIED unless it names the caller, states the round's plan
         (its releases) over exactly the round's survivors and its signature verifies under the
         caller's enrolled identity key; FAILED_PRECONDITION when the round's current plan in the log
