@@ -247,6 +247,8 @@ class LogWitness:
                  "last_cosigned": checkpoint_to_json(self.last)},
             )  # fmt: skip
         self.acknowledged, self.last, self._unsent = count, None, None
+        # the restored log may be shorter, or other past its first statements: read it afresh
+        self._entries, self._decoded, self._tree = [], [], MerkleTree()
         self._changes += 1
         self._save()
 

@@ -302,6 +302,9 @@ def test_the_release_check_s_cosignature_goes_after_the_check_and_before_any_lat
     del calls[:]
     witness.flush(call)
     assert calls == [] and coordinator.cosigned == ["site-1", "site-1"]
+    # the history it read is read afresh from the restored log: all of it in the next answer
+    answer = witness.witness(call, with_entries=True)
+    assert len(answer.entries) == answer.checkpoint.size
 
 
 def test_a_cosignature_that_failed_to_leave_is_sent_by_the_next_step_on_its_checkpoint(
