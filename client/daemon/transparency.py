@@ -272,14 +272,14 @@ class LogWitness:
         """Fetch the newest checkpoint, cosign it if it extends the last one (module docstring,
         step 1); the answer, with the coordinator's cosignatures (and the inclusion proofs of
         the statements with leaf hashes ``inclusion_leaf`` and ``also_leaf`` when the checkpoint
-        holds them, for :meth:`check_inclusion` and :meth:`prove_included`). :class:`SplitViewDetected` when it does not
-        extend it, after the evidence is written. With ``hold_s`` the coordinator holds its
-        answer up to that long (at most :attr:`hold_max_s`) until the checkpoint has
-        ``wait_cosignatures`` or the log grew past ``wait_grown_past`` statements; the call is
-        held outside this witness's lock, and its answer is asked for again should another step
-        cosign meanwhile. ``with_entries``: the answer also carries the log's statements past
-        those this witness holds, which :meth:`statements` on that answer then reads instead
-        of GetLogEntries."""
+        holds them, for :meth:`check_inclusion` and :meth:`prove_included`).
+        :class:`SplitViewDetected` when it does not extend it, after the evidence is written.
+        With ``hold_s`` the coordinator holds its answer up to that long (at most
+        :attr:`hold_max_s`) until the checkpoint has ``wait_cosignatures`` or the log grew past
+        ``wait_grown_past`` statements; the call is held outside this witness's lock, and its
+        answer is asked for again should another step cosign meanwhile. ``with_entries``: the
+        answer also carries the log's statements past those this witness holds, which
+        :meth:`statements` on that answer then reads instead of GetLogEntries."""
         ask = _Ask(inclusion_leaf, also_leaf, with_entries)
         if hold_s <= 0 or not (wait_cosignatures or wait_grown_past):
             with self._lock:
