@@ -77,12 +77,9 @@ def cosigned_to_proto(
         cosignatures=[wire.cosignature_to_proto(c) for c in found.cosignatures],
         consistency=consistency,
     )
-    if inclusion is not None:
-        answer.inclusion.CopyFrom(pb.LogProof(index=inclusion[0], hashes=inclusion[1]))
-    if also_inclusion is not None:
-        answer.also_inclusion.CopyFrom(
-            pb.LogProof(index=also_inclusion[0], hashes=also_inclusion[1])
-        )
+    for proof, field in ((inclusion, answer.inclusion), (also_inclusion, answer.also_inclusion)):
+        if proof is not None:
+            field.CopyFrom(pb.LogProof(index=proof[0], hashes=proof[1]))
     return answer
 
 
@@ -409,9 +406,8 @@ class FederationLog:
         """The GetCheckpoint answer to a witnessing site (one call per witnessing step): the
         newest checkpoint (``request.size`` 0) or that of ``request.size``, its cosignatures and
         the proofs :meth:`proofs` gives for it (for ``inclusion_leaf`` and ``also_leaf``). A
-        newest checkpoint smaller than
-        ``consistency_from`` comes without a consistency proof (none exists; the site keeps the
-        smaller checkpoint as evidence)."""
+        newest checkpoint smaller than ``consistency_from`` comes without a consistency proof
+        (none exists; the site keeps the smaller checkpoint as evidence)."""
         size, since = int(request.size), int(request.consistency_from)
         found = self.cosigned(size) if size else self.checkpoint()
         signed_size = found.signed.checkpoint.size

@@ -331,7 +331,7 @@ class LogWitness:
             # Ed25519 signs deterministically).
             if all(c.witness != self.site_id for c in answer.cosignatures):
                 again = cosign(self.key, witness=self.site_id, checkpoint=offered.checkpoint)
-                self._send(call, answer, wire.cosignature_to_proto(again))
+                self._send(call, wire.cosignature_to_proto(again), answer)
             return answer
         proof: list[bytes] = []
         if previous is not None and 0 < previous.checkpoint.size < offered.checkpoint.size:
@@ -373,19 +373,23 @@ class LogWitness:
         if defer:  # sent by flush(), or before the next witnessing step
             self._unsent = mine
             return answer
-        self._send(call, answer, mine)
+        self._send(call, mine, answer)
         return answer
 
-    def _send(self, call: Call, answer: pb.CosignedLogCheckpoint, mine: pb.LogCosignature) -> None:
-        """Send this site's cosignature of ``answer``'s checkpoint and count it in ``answer``
-        with the cosignatures the coordinator then holds."""
+    def _send(
+        self, call: Call, mine: pb.LogCosignature, answer: pb.CosignedLogCheckpoint | None = None
+    ) -> None:
+        """Send this site's cosignature ``mine``; with ``answer`` (the checkpoint's), count it
+        there with the cosignatures the coordinator then holds."""
         now: pb.CosignedLogCheckpoint = call("CosignCheckpoint", mine)
+        log.info("site=%s cosigned log checkpoint of size %d", self.site_id, mine.size)
+        if answer is None:
+            return
         if now.checkpoint == answer.checkpoint:  # the cosignatures it holds now: no extra poll
             del answer.cosignatures[:]
             answer.cosignatures.extend(now.cosignatures)
         if mine not in answer.cosignatures:  # counted at once, as the coordinator now holds it
             answer.cosignatures.append(mine)
-        log.info("site=%s cosigned log checkpoint of size %d", self.site_id, mine.size)
 
     def flush(self, call: Call) -> None:
         """Send the cosignature a step deferred (:meth:`check_release`), if any. A failure to
@@ -397,8 +401,7 @@ class LogWitness:
     def _flush(self, call: Call) -> None:
         mine, self._unsent = self._unsent, None
         if mine is not None:
-            call("CosignCheckpoint", mine)
-            log.info("site=%s cosigned log checkpoint of size %d", self.site_id, mine.size)
+            self._send(call, mine)
 
     def quorum_on(self, answer: pb.CosignedLogCheckpoint) -> frozenset[str]:
         """A quorum of roster witnesses whose cosignature on the answer's checkpoint verifies
